@@ -1,0 +1,19 @@
+// The op schemas of torch_qmm: written here once. Backends (csrc/cpu, csrc/mps) only add
+// implementations; Python fake (meta) kernels live in torch_qmm/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+// An empty Python module so that `import torch_qmm._C` loads this library and runs the
+// registrations below (pattern of pytorch/extension-cpp).
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(torch_qmm, m) {
+  m.def("affine_quantize(Tensor w, int bits, int group_size) -> (Tensor, Tensor, Tensor)");
+  m.def("affine_dequantize(Tensor wq, Tensor scales, Tensor biases, int bits, int group_size) -> Tensor");
+  m.def(
+      "affine_qmm(Tensor x, Tensor wq, Tensor scales, Tensor biases, int bits, int group_size, "
+      "bool transpose=True) -> Tensor");
+}

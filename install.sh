@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One-command install of torch_qmm from a source checkout (Linux or macOS).
+#   bash install.sh          the package (editable) with its runtime dependencies
+#   bash install.sh --test   plus the test tools: pytest, mlx (cross-checks) and, on Linux, clang-19
+#                            for metalsim (the Metal-on-CPU emulator that runs our Metal kernels)
+# Environment: TORCH_SPEC (default "torch==2.13.0") is installed only when torch is missing.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+with_tests=0
+[ "${1:-}" = "--test" ] && with_tests=1
+
+if [ "$with_tests" = 1 ] && [ "$(uname -s)" = Linux ] && ! command -v clang-19 >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 >/dev/null
+  else
+    echo "metalsim needs clang-19: sudo apt-get install -y clang-19" >&2
+  fi
+fi
+
+# torch first, and never through pip's build isolation (it would pull a multi-GB CUDA wheel).
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  "$PY" -m pip install "${TORCH_SPEC:-torch==2.13.0}"
+fi
+"$PY" -m pip install setuptools wheel ninja numpy
+extra=""
+[ "$with_tests" = 1 ] && extra="[test]"
+"$PY" -m pip install --no-build-isolation -e ".${extra}"

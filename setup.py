@@ -1,0 +1,57 @@
+"""Builds torch_qmm._C with torch.utils.cpp_extension (ninja).
+
+Install without build isolation so the extension compiles against the torch you already have
+(a bare `torch` requirement in an isolated build would download a multi-GB CUDA wheel):
+    pip install --no-build-isolation -e ".[test]"      (see README.md / install.sh)
+"""
+
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def sources() -> list[str]:
+    found = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    if sys.platform == "darwin":
+        # The MPS executor (Objective-C++) is only built on macOS.
+        found += sorted(glob.glob(os.path.join("csrc", "mps", "*.mm")))
+    return found
+
+
+def compile_args() -> list[str]:
+    args = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    if sys.platform.startswith("linux"):
+        # ATen's at::parallel_for is OpenMP in the torch wheels: without -fopenmp it runs serially.
+        args += ["-fopenmp"]
+        if os.environ.get("TORCH_QMM_PORTABLE", "0") != "1":
+            # Built from source on the machine that runs it (set TORCH_QMM_PORTABLE=1 for a
+            # redistributable build).
+            args += ["-march=native"]
+    return args
+
+
+def link_args() -> list[str]:
+    if sys.platform == "darwin":
+        return ["-framework", "Metal", "-framework", "Foundation"]
+    return ["-fopenmp"]
+
+
+setup(
+    packages=find_packages(include=["torch_qmm", "torch_qmm.*"]),
+    package_data={"torch_qmm": ["metal/*", "metalsim/**/*"]},
+    ext_modules=[
+        CppExtension(
+            "torch_qmm._C",
+            sources(),
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={"cxx": compile_args()},
+            extra_link_args=link_args(),
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

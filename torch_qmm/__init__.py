@@ -1,0 +1,25 @@
+"""torch_qmm: low-bit quantized matmul for PyTorch (MLX's affine format, GGUF blocks).
+
+    import torch_qmm
+    wq, scales, biases = torch_qmm.quantize(w, group_size=64, bits=4)
+    y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)
+    torch_qmm.quantize_model(model, bits=4, group_size=64)   # swaps nn.Linear for QuantLinear
+"""
+
+from .formats import SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES
+from .ops import dequantize, quantize, quantized_matmul
+from . import nn, reference
+from .convert import QuantizeSummary, quantize_model
+
+__all__ = [
+    "SUPPORTED_BITS",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_GROUP_SIZES",
+    "QuantizeSummary",
+    "dequantize",
+    "nn",
+    "quantize",
+    "quantize_model",
+    "quantized_matmul",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,85 @@
+"""Model conversion: build the model, swap its nn.Linear layers for QuantLinear."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .formats import check_format
+from .nn import QuantLinear
+
+# Show a progress bar when at least this many layers are converted.
+_PROGRESS_MIN_LAYERS = 32
+
+
+@dataclasses.dataclass
+class QuantizeSummary:
+    """What quantize_model did."""
+
+    converted: list[str]
+    skipped: dict[str, str]  # layer name -> reason
+    bytes_before: int  # weight (+bias) bytes of the converted layers before
+    bytes_after: int  # qweight + scales + biases (+bias) bytes after
+
+    def __str__(self) -> str:
+        ratio = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
+        return (
+            f"{len(self.converted)} linear layers quantized, {len(self.skipped)} skipped; "
+            f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB ({ratio:.2f}x smaller)"
+        )
+
+
+def _module_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def quantize_model(
+    model: nn.Module,
+    bits: int = 4,
+    group_size: int = 64,
+    filter_fn: Callable[[str, nn.Linear], bool] | None = None,
+    dtype: torch.dtype | None = None,
+    progress: bool | None = None,
+) -> QuantizeSummary:
+    """Swaps eligible nn.Linear layers of `model` for QuantLinear, in place.
+
+    Args:
+        model: any module; its nn.Linear children (at any depth) are candidates.
+        bits, group_size: the affine format.
+        filter_fn: (qualified name, layer) -> bool; only layers it accepts are converted.
+        dtype: compute dtype of the quantized layers (default: each layer's weight dtype).
+        progress: show a tqdm bar (default: when there are many layers).
+
+    Layers whose in_features is not a multiple of group_size are skipped with a warning.
+    """
+    check_format(bits, group_size)
+    candidates = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and (filter_fn is None or filter_fn(name, module))
+    ]
+    summary = QuantizeSummary(converted=[], skipped={}, bytes_before=0, bytes_after=0)
+    show = progress if progress is not None else len(candidates) >= _PROGRESS_MIN_LAYERS
+    for name, linear in tqdm(candidates, desc="quantizing", disable=not show, unit="layer"):
+        if linear.in_features % group_size != 0:
+            summary.skipped[name] = f"in_features={linear.in_features} is not a multiple of group_size={group_size}"
+            continue
+        quantized = QuantLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, quantized)
+        summary.converted.append(name)
+        summary.bytes_before += _module_bytes(linear)
+        summary.bytes_after += _module_bytes(quantized)
+    if summary.skipped:
+        warnings.warn(
+            "quantize_model skipped "
+            + ", ".join(f"{n} ({why})" for n, why in summary.skipped.items()),
+            stacklevel=2,
+        )
+    return summary

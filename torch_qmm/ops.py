@@ -1,0 +1,90 @@
+"""Typed Python wrappers of the torch_qmm ops, each next to its fake (meta) kernel.
+
+The schemas are defined once in csrc/ops.cpp. The fakes give output shapes and dtypes without
+computing anything, so the ops trace under torch.compile(fullgraph=True, dynamic=True) and pass
+torch.library.opcheck; argument checking lives in the C++ implementations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library that defines and implements the ops)
+from .formats import packed_words
+
+_ops = torch.ops.torch_qmm
+
+
+@torch.library.register_fake("torch_qmm::affine_quantize")
+def _affine_quantize_fake(w: torch.Tensor, bits: int, group_size: int):
+    # Shapes only: wq [..., K*bits/32] uint32, scales/biases [..., K/group_size] in w's dtype.
+    k = w.shape[-1]
+    lead = tuple(w.shape[:-1])
+    return (
+        w.new_empty(lead + (packed_words(k, bits),), dtype=torch.uint32),
+        w.new_empty(lead + (k // group_size,)),
+        w.new_empty(lead + (k // group_size,)),
+    )
+
+
+def quantize(w: torch.Tensor, group_size: int = 64, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantizes W exactly as ``mlx.core.quantize`` (affine mode) does.
+
+    Args:
+        w: float32/float16/bfloat16 [..., K], K a multiple of group_size; finite values only
+            (NaN or Inf raise ValueError).
+        group_size: 32, 64 or 128 weights share one scale and bias.
+        bits: 2, 3, 4, 5, 6 or 8.
+
+    Returns:
+        (wq uint32 [..., K*bits/32], scales [..., K/group_size], biases [..., K/group_size]),
+        scales and biases in w's dtype.
+    """
+    return _ops.affine_quantize(w, bits, group_size)
+
+
+@torch.library.register_fake("torch_qmm::affine_dequantize")
+def _affine_dequantize_fake(wq, scales, biases, bits: int, group_size: int):
+    # Shapes only: [rows, words*32/bits] in the scales' dtype.
+    return scales.new_empty((wq.shape[0], wq.shape[1] * 32 // bits))
+
+
+def dequantize(
+    wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int = 64, bits: int = 4
+) -> torch.Tensor:
+    """Unpacks W [rows, cols] = scales * q + biases in the dtype of scales.
+
+    Args:
+        wq: uint32 [rows, cols*bits/32].
+        scales, biases: [rows, cols/group_size], float32/float16/bfloat16.
+    """
+    return _ops.affine_dequantize(wq, scales, biases, bits, group_size)
+
+
+@torch.library.register_fake("torch_qmm::affine_qmm")
+def _affine_qmm_fake(x, wq, scales, biases, bits: int, group_size: int, transpose: bool = True):
+    # Shapes only: y [..., N]; N is wq's rows (transpose) or its unpacked columns.
+    n = wq.shape[0] if transpose else wq.shape[1] * 32 // bits
+    return x.new_empty(tuple(x.shape[:-1]) + (n,))
+
+
+def quantized_matmul(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    scales: torch.Tensor,
+    biases: torch.Tensor,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+) -> torch.Tensor:
+    """y = x @ W.T (transpose=True, W [N, K]) or x @ W (transpose=False, W [K, N] quantized along N).
+
+    Args:
+        x: [..., K] in the dtype of scales (float32/float16/bfloat16); any strides.
+        wq: uint32 [N, K*bits/32] (transpose) or [K, N*bits/32].
+        scales, biases: [N, K/group_size] (transpose) or [K, N/group_size].
+
+    Returns:
+        y [..., N] in x's dtype, accumulated in float32.
+    """
+    return _ops.affine_qmm(x, wq, scales, biases, bits, group_size, transpose)
