@@ -1,0 +1,32 @@
+"""Command line: python -m torch_qmm {demo,bench,convert,inspect} ...
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
+this file only lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "demo": ("torch_qmm.demo", "quantize a small built-in model: error, memory saved, speed"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_qmm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        modules[name] = module
+    args = parser.parse_args(argv)
+    return int(modules[args.command].run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
