@@ -15,6 +15,15 @@ from .formats import packed_words
 _ops = torch.ops.torch_qmm
 
 
+def _check_one_device(op: str, **tensors: torch.Tensor) -> None:
+    # The dispatcher sends mixed meta/real inputs to the fake kernel; refuse them there too (the C++
+    # kernels make the same check for real devices).
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"'{n}' on {d}" for n, d in devices.items())
+        raise ValueError(f"{op}: all tensors must be on one device, got {listed}")
+
+
 @torch.library.register_fake("torch_qmm::affine_quantize")
 def _affine_quantize_fake(w: torch.Tensor, bits: int, group_size: int):
     # Shapes only: wq [..., K*bits/32] uint32, scales/biases [..., K/group_size] in w's dtype.
@@ -45,6 +54,7 @@ def quantize(w: torch.Tensor, group_size: int = 64, bits: int = 4) -> tuple[torc
 
 @torch.library.register_fake("torch_qmm::affine_dequantize")
 def _affine_dequantize_fake(wq, scales, biases, bits: int, group_size: int):
+    _check_one_device("affine_dequantize", wq=wq, scales=scales, biases=biases)
     # Shapes only: [rows, words*32/bits] in the scales' dtype.
     return scales.new_empty((wq.shape[0], wq.shape[1] * 32 // bits))
 
@@ -63,6 +73,7 @@ def dequantize(
 
 @torch.library.register_fake("torch_qmm::affine_qmm")
 def _affine_qmm_fake(x, wq, scales, biases, bits: int, group_size: int, transpose: bool = True):
+    _check_one_device("affine_qmm", x=x, wq=wq, scales=scales, biases=biases)
     # Shapes only: y [..., N]; N is wq's rows (transpose) or its unpacked columns.
     n = wq.shape[0] if transpose else wq.shape[1] * 32 // bits
     return x.new_empty(tuple(x.shape[:-1]) + (n,))

@@ -1,0 +1,139 @@
+"""Bad input: every case gets a clear error naming the argument, the expectation and what came."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_qmm
+
+
+def _packed(device, n=16, k=128, bits=4, gs=64, dtype=torch.float32):
+    w = torch.randn(n, k, dtype=dtype, device="cpu")
+    return tuple(t.to(device) for t in torch_qmm.quantize(w, group_size=gs, bits=bits))
+
+
+@pytest.mark.parametrize("bits", [0, 1, 7, 9, 16, -4])
+def test_quantize_rejects_unsupported_bits(bits):
+    with pytest.raises(ValueError, match=rf"'bits' must be one of 2, 3, 4, 5, 6, 8, got {bits}"):
+        torch_qmm.quantize(torch.randn(4, 128), group_size=64, bits=bits)
+
+
+@pytest.mark.parametrize("group_size", [0, 16, 48, 256])
+def test_quantize_rejects_unsupported_group_size(group_size):
+    with pytest.raises(ValueError, match=rf"'group_size' must be one of 32, 64, 128, got {group_size}"):
+        torch_qmm.quantize(torch.randn(4, 256), group_size=group_size, bits=4)
+
+
+def test_quantize_rejects_k_not_multiple_of_group_size():
+    with pytest.raises(ValueError, match=r"last dimension of 'w' \(K=100\) must be a multiple of group_size=64"):
+        torch_qmm.quantize(torch.randn(4, 100), group_size=64, bits=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.uint8])
+def test_quantize_rejects_wrong_dtype(dtype):
+    with pytest.raises(TypeError, match=r"'w' must be float32, float16 or bfloat16, got"):
+        torch_qmm.quantize(torch.ones(4, 64, dtype=dtype), group_size=64, bits=4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_quantize_rejects_non_finite_weights(bad):
+    w = torch.randn(4, 64)
+    w[2, 5] = bad
+    with pytest.raises(ValueError, match=r"'w' contains NaN or Inf"):
+        torch_qmm.quantize(w, group_size=64, bits=4)
+
+
+def test_quantize_rejects_scalar():
+    with pytest.raises(ValueError, match=r"'w' must have at least 1 dimension"):
+        torch_qmm.quantize(torch.tensor(1.0), group_size=64, bits=4)
+
+
+def test_qmm_rejects_wrong_x_dtype(device):
+    wq, s, b = _packed(device)
+    with pytest.raises(TypeError, match=r"'x' must have the dtype of 'scales' and 'biases' \(Float\), got Half"):
+        torch_qmm.quantized_matmul(torch.randn(2, 128, device=device).half(), wq, s, b, group_size=64, bits=4)
+
+
+def test_qmm_rejects_float64_x(device):
+    wq, s, b = _packed("cpu")
+    with pytest.raises(TypeError, match=r"'x' must be float32, float16 or bfloat16, got Double"):
+        torch_qmm.quantized_matmul(torch.randn(2, 128, dtype=torch.float64), wq, s, b, group_size=64, bits=4)
+
+
+def test_qmm_rejects_wrong_k(device):
+    wq, s, b = _packed(device)
+    with pytest.raises(ValueError, match=r"'x' must have last dimension K=128 .* got x of shape \[2, 64\]"):
+        torch_qmm.quantized_matmul(torch.randn(2, 64, device=device), wq, s, b, group_size=64, bits=4)
+
+
+def test_qmm_rejects_bits_inconsistent_with_packed_width(device):
+    wq, s, b = _packed(device, bits=4)  # 16 words per row = 128 4-bit values
+    # Read as 8-bit, the same words hold 64 values per row: K disagrees with x.
+    with pytest.raises(ValueError, match=r"'scales' must have shape \[16, 1\]"):
+        torch_qmm.quantized_matmul(torch.randn(2, 128, device=device), wq, s, b, group_size=64, bits=8)
+
+
+def test_qmm_rejects_packed_width_not_whole_groups(device):
+    wq, s, b = _packed(device)
+    with pytest.raises(ValueError, match=r"'wq' has 15 words per row, which is not a whole number of groups"):
+        torch_qmm.quantized_matmul(torch.randn(2, 120, device=device), wq[:, :15], s, b, group_size=64, bits=4)
+
+
+def test_qmm_rejects_wrong_packed_dtype(device):
+    wq, s, b = _packed(device)
+    with pytest.raises(TypeError, match=r"'wq' must be uint32 .*got Int"):
+        torch_qmm.quantized_matmul(torch.randn(2, 128, device=device), wq.view(torch.int32), s, b, group_size=64, bits=4)
+
+
+def test_qmm_rejects_scales_of_wrong_shape(device):
+    wq, s, b = _packed(device)
+    with pytest.raises(ValueError, match=r"'scales' must have shape \[16, 2\] .* got \[16, 1\]"):
+        torch_qmm.quantized_matmul(torch.randn(2, 128, device=device), wq, s[:, :1], b, group_size=64, bits=4)
+
+
+def test_qmm_rejects_biases_of_wrong_shape(device):
+    wq, s, b = _packed(device)
+    with pytest.raises(ValueError, match=r"'biases' must have shape \[16, 2\] .* got \[8, 2\]"):
+        torch_qmm.quantized_matmul(torch.randn(2, 128, device=device), wq, s, b[:8], group_size=64, bits=4)
+
+
+def test_qmm_rejects_biases_of_other_dtype(device):
+    wq, s, b = _packed(device)
+    with pytest.raises(TypeError, match=r"'biases' must have the dtype of 'scales' \(Float\), got Half"):
+        torch_qmm.quantized_matmul(torch.randn(2, 128, device=device), wq, s, b.half(), group_size=64, bits=4)
+
+
+def test_qmm_rejects_wrong_group_size_for_scales(device):
+    wq, s, b = _packed(device, gs=64)
+    with pytest.raises(ValueError, match=r"'scales' must have shape \[16, 4\] for wq of shape \[16, 16\]"):
+        torch_qmm.quantized_matmul(torch.randn(2, 128, device=device), wq, s, b, group_size=32, bits=4)
+
+
+def test_qmm_rejects_one_dimensional_packed_weights():
+    wq, s, b = _packed("cpu")
+    with pytest.raises(ValueError, match=r"'wq' must be 2-D"):
+        torch_qmm.quantized_matmul(torch.randn(2, 128), wq.reshape(-1), s, b, group_size=64, bits=4)
+
+
+def test_qmm_rejects_tensors_on_different_devices():
+    wq, s, b = _packed("cpu")
+    meta = torch.empty(2, 128, device="meta")
+    with pytest.raises(ValueError, match=r"one device, got 'x' on meta, 'wq' on cpu"):
+        torch_qmm.quantized_matmul(meta, wq, s, b, group_size=64, bits=4)
+
+
+def test_dequantize_rejects_mismatched_shapes():
+    wq, s, b = _packed("cpu")
+    with pytest.raises(ValueError, match=r"'biases' must have shape \[16, 2\]"):
+        torch_qmm.dequantize(wq, s, b[:, :1], group_size=64, bits=4)
+
+
+def test_quant_linear_rejects_in_features_not_multiple_of_group_size():
+    with pytest.raises(ValueError, match=r"'in_features' must be a multiple of group_size=64, got 100"):
+        torch_qmm.nn.QuantLinear(100, 8, group_size=64)
+
+
+def test_quant_linear_rejects_unsupported_dtype():
+    with pytest.raises(TypeError, match=r"'dtype' must be one of"):
+        torch_qmm.nn.QuantLinear(64, 8, group_size=64, dtype=torch.float64)
