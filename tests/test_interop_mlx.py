@@ -1,0 +1,284 @@
+"""MLX checkpoints: a model quantized and saved by MLX (mlx.nn) loads here and gives MLX's outputs;
+one saved here loads in MLX (with mlx_lm's loading rule) and gives ours. Bad files fail clearly."""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from torch_qmm import reference
+from torch_qmm.convert import quantize_model
+from torch_qmm.interop import QuantEmbedding, TiedQuantLinear, load_mlx, save_mlx
+from torch_qmm.nn import QuantLinear
+
+mx = pytest.importorskip("mlx.core")
+mnn = pytest.importorskip("mlx.nn")
+from mlx.utils import tree_flatten  # noqa: E402
+
+VOCAB, DIM, HIDDEN, LAYERS = 96, 128, 256, 2
+
+
+# The same toy language model in both frameworks, with the same parameter names.
+class TorchToy(nn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"up": nn.Linear(DIM, HIDDEN), "down": nn.Linear(HIDDEN, DIM, bias=False)})
+            for _ in range(LAYERS)
+        )
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = h + layer["down"](torch.relu(layer["up"](h)))
+        return self.head(h)
+
+
+class MlxLayer(mnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = mnn.Linear(DIM, HIDDEN)
+        self.down = mnn.Linear(HIDDEN, DIM, bias=False)
+
+
+class MlxToy(mnn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.tied = tied
+        self.embed = mnn.Embedding(VOCAB, DIM)
+        self.layers = [MlxLayer() for _ in range(LAYERS)]
+        if not tied:
+            self.head = mnn.Linear(DIM, VOCAB, bias=False)
+
+    def __call__(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = h + layer.down(mnn.relu(layer.up(h)))
+        return self.embed.as_linear(h) if self.tied else self.head(h)
+
+
+MLX_DTYPES = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}
+
+
+def float64_reference(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model run in float64 with its quantized layers replaced by their dequantized weights."""
+    ref = copy.deepcopy(model)
+    for name, m in list(ref.named_modules()):
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            w = reference.dequantize(m.qweight, m.scales, m.biases, m.bits, m.group_size)
+            if isinstance(m, QuantEmbedding):
+                new = nn.Embedding(*w.shape)
+            else:
+                new = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+                if m.bias is not None:
+                    new.bias = nn.Parameter(m.bias.double())
+            new.weight = nn.Parameter(w)
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent) if parent else ref, child, new)
+    if isinstance(model.head, TiedQuantLinear):
+        ref.head = nn.Linear(DIM, VOCAB, bias=False)
+        ref.head.weight = ref.embed.weight
+    return ref.double()(ids)
+
+
+def assert_close_to_mlx(ours: torch.Tensor, theirs: torch.Tensor, ref: torch.Tensor, dtype) -> None:
+    """The tolerance rule: our error vs the float64 reference is at most ~2x MLX's own in the dtype
+    (float32: both at summation-order level)."""
+    ours_err = (ours.double() - ref).abs().max().item()
+    mlx_err = (theirs.double() - ref).abs().max().item()
+    floor = 1e-5 * ref.abs().max().item()
+    assert ours_err <= 2 * max(mlx_err, floor), f"{dtype}: our error {ours_err:.3e}, MLX's {mlx_err:.3e}"
+
+
+def _to_torch(a) -> torch.Tensor:
+    return torch.from_numpy(np.array(a.astype(mx.float32)))
+
+
+def _save_mlx_checkpoint(model, folder, quantization: dict, shards: int = 1) -> None:
+    """Writes the folder the way mlx_lm does: config.json + (sharded) safetensors + index."""
+    weights = dict(tree_flatten(model.parameters()))
+    names = sorted(weights)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for i in range(shards):
+        file = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: weights[k] for k in names[i * per:(i + 1) * per]}
+        mx.save_safetensors(str(folder / file), part, metadata={"format": "mlx"})
+        weight_map.update({k: file for k in part})
+    if shards > 1:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "toy", "quantization": quantization, "quantization_config": quantization})
+    )
+
+
+def _mlx_quantized_toy(tied: bool, dtype, quantization: dict):
+    mx.random.seed(0)
+    model = MlxToy(tied)
+    model.set_dtype(MLX_DTYPES[dtype])
+
+    def predicate(path, module):  # mlx_lm's rule: a per-layer entry wins, else the default
+        if path in quantization:
+            return quantization[path]
+        return hasattr(module, "to_quantized")
+
+    mnn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"], class_predicate=predicate)
+    mx.eval(model.parameters())
+    return model
+
+
+IDS = [[3, 17, 95, 0, 42, 42, 7], [1, 2, 3, 4, 5, 6, 90]]
+
+QUANT = {
+    "group_size": 64,
+    "bits": 4,
+    "mode": "affine",
+    "layers.0.down": {"group_size": 32, "bits": 8},
+    "layers.1.up": False,
+    "layers.1.down": {"group_size": 128, "bits": 3},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tied,shards", [(True, 1), (False, 3)])
+def test_mlx_checkpoint_loads_and_matches_mlx(tmp_path, dtype, tied, shards):
+    mlx_model = _mlx_quantized_toy(tied, dtype, QUANT)
+    _save_mlx_checkpoint(mlx_model, tmp_path, QUANT, shards)
+    expected = _to_torch(mlx_model(mx.array(IDS)))
+
+    model = TorchToy(tied)
+    report = load_mlx(model, tmp_path)
+    assert isinstance(model.embed, QuantEmbedding)
+    assert isinstance(model.layers[0]["down"], QuantLinear) and model.layers[0]["down"].bits == 8
+    assert isinstance(model.layers[1]["up"], nn.Linear)  # `false` in the config: stays float
+    assert model.layers[1]["down"].bits == 3 and model.layers[1]["down"].group_size == 128
+    assert isinstance(model.head, TiedQuantLinear if tied else QuantLinear)
+    assert report.quantized["layers.0.up"] == "affine b4 gs64"
+    # The stored words are MLX's, bit for bit.
+    mlx_params = dict(tree_flatten(mlx_model.parameters()))
+    assert torch.equal(model.layers[0]["up"].qweight, torch.from_numpy(np.array(mlx_params["layers.0.up.weight"])))
+
+    got = model(torch.tensor(IDS))
+    assert got.dtype == dtype and got.shape == expected.shape
+    assert_close_to_mlx(got, expected, float64_reference(model, torch.tensor(IDS)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [True, False])
+def test_saved_model_loads_in_mlx_and_matches(tmp_path, dtype, tied):
+    torch.manual_seed(0)
+    model = TorchToy(tied).to(dtype)
+    model.embed = QuantEmbedding.from_embedding(model.embed, bits=6, group_size=64)
+    if tied:
+        model.head = TiedQuantLinear(model.embed)
+    quantize_model(model, bits=4, group_size=64, filter_fn=lambda name, _: name != "layers.1.up")
+    model.layers[0]["down"] = QuantLinear.from_linear(nn.Linear(HIDDEN, DIM, bias=False).to(dtype), bits=2, group_size=32)
+    ours = model(torch.tensor(IDS))
+    save_mlx(model, tmp_path, config={"model_type": "toy"}, max_shard_bytes=40_000)
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    q = config["quantization"]
+    assert (q["bits"], q["group_size"], q["layers.1.up"]) == (4, 64, False)
+    assert q["embed"] == {"group_size": 64, "bits": 6} and q["layers.0.down"] == {"group_size": 32, "bits": 2}
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+
+    # MLX side, as mlx_lm loads a folder: quantize where scales are stored, config gives the format.
+    weights = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    mlx_model = MlxToy(tied)
+    mlx_model.set_dtype(MLX_DTYPES[dtype])
+
+    def predicate(path, module):
+        if path in q:
+            return q[path]
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    mnn.quantize(mlx_model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
+    mlx_model.load_weights(list(weights.items()), strict=True)
+    theirs = _to_torch(mlx_model(mx.array(IDS)))
+    assert_close_to_mlx(ours, theirs, float64_reference(model, torch.tensor(IDS)), dtype)
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+@pytest.fixture
+def mlx_folder(tmp_path):
+    quant = {"group_size": 64, "bits": 4}
+    _save_mlx_checkpoint(_mlx_quantized_toy(False, torch.float32, quant), tmp_path, quant)
+    return tmp_path
+
+
+def _rewrite_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_truncated_safetensors_is_a_clear_error(mlx_folder):
+    f = mlx_folder / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match="truncated"):
+        load_mlx(TorchToy(False), mlx_folder)
+    f.write_bytes(data[:5])
+    with pytest.raises(ValueError, match="shorter than the 8-byte header"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+
+def test_malformed_safetensors_header_is_a_clear_error(mlx_folder):
+    f = mlx_folder / "model.safetensors"
+    body = b"{not json"
+    f.write_bytes(struct.pack("<Q", len(body)) + body)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_mlx(TorchToy(False), mlx_folder)
+    header = json.dumps({"a": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 60]}}).encode()
+    f.write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
+    with pytest.raises(ValueError, match=r"'a': shape \[4, 4\] of F32 needs 64 bytes"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+
+def test_config_bits_disagreeing_with_tensors_is_a_clear_error(mlx_folder):
+    _rewrite_config(mlx_folder, quantization={"group_size": 64, "bits": 8})
+    with pytest.raises(ValueError, match=r"config says bits=8.*fits bits=4"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+
+def test_config_false_for_a_quantized_layer_is_a_clear_error(mlx_folder):
+    _rewrite_config(mlx_folder, quantization={"group_size": 64, "bits": 4, "layers.0.up": False})
+    with pytest.raises(ValueError, match=r"'quantization.layers.0.up' is false but the checkpoint stores"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+
+def test_missing_quantization_config_is_a_clear_error(mlx_folder):
+    _rewrite_config(mlx_folder, quantization=None)
+    with pytest.raises(ValueError, match="has no 'quantization'"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+def test_unsupported_mode_is_a_clear_error(mlx_folder, mode):
+    _rewrite_config(mlx_folder, quantization={"group_size": 32, "bits": 4, "mode": mode})
+    with pytest.raises(ValueError, match=f"mode '{mode}' is not supported"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+
+def test_architecture_mismatch_is_a_clear_error(mlx_folder):
+    class Other(TorchToy):
+        def __init__(self):
+            super().__init__(False)
+            self.extra = nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match=r"missing \['extra.bias', 'extra.weight'\]"):
+        load_mlx(Other(), mlx_folder)

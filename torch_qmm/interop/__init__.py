@@ -1,0 +1,20 @@
+"""Interop: MLX checkpoints, GGUF files, transformers.
+
+    from torch_qmm.interop import load_mlx, save_mlx
+    load_mlx(model, "path/to/mlx-model")          # MLX-quantized folder -> QuantLinear layers
+    save_mlx(model, "out")                         # readable by mlx / mlx_lm
+"""
+
+from .mlx import LoadReport, load_mlx, parse_quantization, quantization_config, save_mlx
+from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
+
+__all__ = [
+    "GGUFLinear",
+    "LoadReport",
+    "QuantEmbedding",
+    "TiedQuantLinear",
+    "load_mlx",
+    "parse_quantization",
+    "quantization_config",
+    "save_mlx",
+]

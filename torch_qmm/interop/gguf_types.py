@@ -1,0 +1,41 @@
+"""GGML tensor types: ids, block geometry, what torch_qmm does with each.
+
+Python mirror of csrc/gguf_format.h (the C++/Metal side). Ids and block sizes are llama.cpp's
+(ggml.h `enum ggml_type`, ggml-common.h block structs) as the gguf package lists them;
+tests/test_gguf_qmm.py checks that csrc/gguf_format.h agrees.
+"""
+
+from __future__ import annotations
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+# id -> (name, weights per block, bytes per block), from the gguf package (llama.cpp's numbers).
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES
+}
+
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
+F32, F16, BF16 = 0, 1, 30
+
+# Kept as blocks, multiplied by the native op torch_qmm::gguf_qmm.
+# Must match is_native_gguf_type in csrc/gguf_format.h.
+NATIVE_TYPES = (Q4_K, Q6_K)
+# Converted losslessly to the affine format (group_size 32).
+AFFINE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+FLOAT_TYPES = (F32, F16, BF16)
+SUPPORTED_TYPES = FLOAT_TYPES + AFFINE_TYPES + NATIVE_TYPES
+
+
+def type_name(ggml_type: int) -> str:
+    entry = GGML_TYPES.get(int(ggml_type))
+    return entry[0] if entry else f"unknown type {ggml_type}"
+
+
+def block_info(ggml_type: int) -> tuple[int, int]:
+    """(weights per block, bytes per block)."""
+    _, per_block, nbytes = GGML_TYPES[int(ggml_type)]
+    return per_block, nbytes
+
+
+def supported_list() -> str:
+    return ", ".join(type_name(t) for t in SUPPORTED_TYPES)

@@ -1,0 +1,314 @@
+"""MLX checkpoints: load an MLX-quantized model folder into a torch model, save ours for MLX.
+
+An MLX folder (as mlx.nn / mlx_lm write it):
+  config.json       "quantization" (and the same under "quantization_config"):
+                    {"group_size": 64, "bits": 4, "mode": "affine",
+                     "<module path>": {"group_size": .., "bits": ..} | false, ...}
+                    A per-layer entry overrides the default; `false` means "not quantized".
+  model.safetensors or model-0000i-of-0000n.safetensors + model.safetensors.index.json
+                    a quantized layer `p` stores p.weight (uint32 [out, in*bits/32]), p.scales and
+                    p.biases ([out, in/group_size]) and optionally p.bias; everything else is float.
+Which layers are quantized follows mlx_lm's rule: a layer is quantized when `p.scales` is stored;
+the config gives its bits and group size. Layer names are the torch model's (mlx_lm keeps the
+Hugging Face names), so a transformers model of the same architecture loads by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..formats import check_format, packed_words
+from ..nn import QuantLinear
+from .modules import QuantEmbedding, TiedQuantLinear
+from .safetensors_io import Checkpoint, save_sharded
+
+_QUANT_KEYS = ("quantization", "quantization_config")
+_SPEC_KEYS = {"group_size", "bits", "mode", "quant_method"}
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    bits: int
+    group_size: int
+
+    def as_dict(self) -> dict:
+        return {"group_size": self.group_size, "bits": self.bits}
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What a loader did: quantized layers (name -> format), float tensors loaded, bytes read."""
+
+    quantized: dict[str, str]
+    float_tensors: int
+    bytes_read: int
+    tied: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        return (
+            f"{len(self.quantized)} quantized layers, {self.float_tensors} float tensors, "
+            f"{self.bytes_read / 2**20:.1f} MiB read" + (f", tied: {', '.join(self.tied)}" if self.tied else "")
+        )
+
+
+def _spec_from(entry: dict, where: str) -> QuantSpec:
+    mode = entry.get("mode", "affine")
+    if mode != "affine":
+        raise ValueError(f"{where}: quantization mode {mode!r} is not supported (torch_qmm reads mode 'affine')")
+    if "bits" not in entry or "group_size" not in entry:
+        raise ValueError(f"{where}: quantization entry must give 'bits' and 'group_size', got {entry!r}")
+    try:
+        check_format(int(entry["bits"]), int(entry["group_size"]))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return QuantSpec(int(entry["bits"]), int(entry["group_size"]))
+
+
+def parse_quantization(config: dict, where: str = "config.json") -> tuple[QuantSpec | None, dict[str, QuantSpec | bool]]:
+    """Returns (default spec or None, {module path: QuantSpec or False}) from an MLX config."""
+    q = next((config[k] for k in _QUANT_KEYS if isinstance(config.get(k), dict)), None)
+    if q is None:
+        return None, {}
+    method = q.get("quant_method")
+    if method not in (None, "mlx", "affine", "torch_qmm"):
+        raise ValueError(f"{where}: quantization method {method!r} is not MLX's affine format")
+    default = _spec_from(q, f"{where} 'quantization'") if "bits" in q or "group_size" in q else None
+    overrides: dict[str, QuantSpec | bool] = {}
+    for key, value in q.items():
+        if key in _SPEC_KEYS:
+            continue
+        if value is False:
+            overrides[key] = False
+        elif isinstance(value, dict):
+            overrides[key] = _spec_from(value, f"{where} 'quantization.{key}'")
+        elif value is True:
+            if default is None:
+                raise ValueError(f"{where}: 'quantization.{key}' is true but no default bits/group_size is given")
+            overrides[key] = default
+        # other keys (e.g. transformers' bookkeeping) are not per-layer entries
+    return default, overrides
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_name, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _check_quantized_shapes(ckpt: Checkpoint, path: str, spec: QuantSpec, rows: int, cols: int) -> None:
+    want_w = (rows, packed_words(cols, spec.bits))
+    want_s = (rows, cols // spec.group_size)
+    got_w, got_s = ckpt.shape(f"{path}.weight"), ckpt.shape(f"{path}.scales")
+    if got_w != want_w or got_s != want_s or ckpt.shape(f"{path}.biases") != want_s:
+        hint = ""
+        if len(got_w) == 2 and got_w[0] == rows and got_w[1] * 32 % cols == 0:
+            hint = f" (the stored weight fits bits={got_w[1] * 32 // cols})"
+        raise ValueError(
+            f"{ckpt.path}: layer {path!r}: config says bits={spec.bits}, group_size={spec.group_size} for a "
+            f"[{rows}, {cols}] weight, so weight must be {list(want_w)} and scales/biases {list(want_s)}; "
+            f"the checkpoint has weight {list(got_w)}, scales {list(got_s)}, biases "
+            f"{list(ckpt.shape(f'{path}.biases'))}{hint}"
+        )
+    if ckpt.dtype_name(f"{path}.weight") != "U32":
+        raise ValueError(f"{ckpt.path}: layer {path!r}: quantized weight must be U32, got {ckpt.dtype_name(f'{path}.weight')}")
+
+
+def load_mlx(
+    model: nn.Module,
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+    progress: bool | None = None,
+) -> LoadReport:
+    """Loads an MLX model folder (or one .safetensors file next to its config.json) into `model`.
+
+    The model must have the checkpoint's architecture with float layers (nn.Linear, nn.Embedding);
+    layers the checkpoint stores quantized become QuantLinear / QuantEmbedding, an output layer tied
+    to a quantized embedding becomes TiedQuantLinear.
+
+    Args:
+        model: the torch model, modified in place (its float parameters are cast to `dtype`).
+        path: folder with config.json and safetensors shards.
+        dtype: compute dtype of the model (default: the dtype of the checkpoint's float tensors).
+        strict: every model tensor must be in the checkpoint and every checkpoint tensor used.
+        progress: tqdm bar (default: for more than 32 tensors).
+
+    Raises:
+        ValueError for malformed files and for configs that disagree with the tensors.
+    """
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    default, overrides = parse_quantization(config, str(config_path))
+    ckpt = Checkpoint(path)
+    keys = ckpt.keys()
+
+    if dtype is None:
+        float_dtypes = Counter(_SAFETENSORS_DTYPES[ckpt.dtype_name(k)] for k in keys if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES)
+        dtype = float_dtypes.most_common(1)[0][0] if float_dtypes else torch.float32
+    model.to(dtype)
+
+    # Ties between an embedding and output layers, seen before any layer is replaced.
+    embedding_of = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    tied_to = {
+        n: embedding_of[id(m.weight)]
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and id(m.weight) in embedding_of
+    }
+
+    quantized_paths = [k[: -len(".scales")] for k in keys if k.endswith(".scales")]
+    for p, spec in overrides.items():
+        if isinstance(spec, QuantSpec) and p not in quantized_paths and f"{p}.weight" in ckpt:
+            raise ValueError(
+                f"{config_path}: 'quantization.{p}' gives bits={spec.bits}, group_size={spec.group_size} "
+                f"but the checkpoint stores {p}.weight unquantized (no {p}.scales)"
+            )
+    report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
+    renamed: dict[str, str] = {}  # checkpoint key -> model state_dict key
+    for p in quantized_paths:
+        spec = overrides.get(p, default)
+        if spec is False:
+            raise ValueError(f"{config_path}: 'quantization.{p}' is false but the checkpoint stores {p}.scales")
+        if spec is None:
+            raise ValueError(
+                f"{ckpt.path}: the checkpoint stores quantized layer {p!r} ({p}.scales) but {config_path} "
+                "has no 'quantization' with bits and group_size"
+            )
+        for part in ("weight", "biases"):
+            if f"{p}.{part}" not in ckpt:
+                raise ValueError(f"{ckpt.path}: quantized layer {p!r} has scales but no {p}.{part}")
+        try:
+            module = model.get_submodule(p)
+        except AttributeError:
+            raise ValueError(f"{ckpt.path}: quantized layer {p!r} does not exist in the model") from None
+        if isinstance(module, nn.Linear):
+            _check_quantized_shapes(ckpt, p, spec, module.out_features, module.in_features)
+            new = QuantLinear(module.in_features, module.out_features, bias=f"{p}.bias" in ckpt,
+                              bits=spec.bits, group_size=spec.group_size, dtype=dtype)
+        elif isinstance(module, nn.Embedding):
+            _check_quantized_shapes(ckpt, p, spec, module.num_embeddings, module.embedding_dim)
+            new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size, dtype=dtype)
+        else:
+            raise ValueError(f"{ckpt.path}: quantized layer {p!r} is a {type(module).__name__}, expected nn.Linear or nn.Embedding")
+        _replace(model, p, new.to(module.weight.device))
+        renamed[f"{p}.weight"] = f"{p}.qweight"
+        report.quantized[p] = f"affine b{spec.bits} gs{spec.group_size}"
+
+    for out_name, emb_name in tied_to.items():
+        emb = model.get_submodule(emb_name)
+        if f"{out_name}.weight" not in ckpt and isinstance(emb, QuantEmbedding):
+            _replace(model, out_name, TiedQuantLinear(emb))
+            report.tied.append(f"{out_name} -> {emb_name}")
+
+    state = model.state_dict()
+    targets = {renamed.get(k, k): k for k in keys}
+    if strict:
+        missing = sorted(k for k in state if k not in targets and not _is_tied_duplicate(model, k, tied_to, keys))
+        unexpected = sorted(k for k, _ in targets.items() if k not in state)
+        if missing or unexpected:
+            raise ValueError(
+                f"{ckpt.path}: checkpoint does not match the model: missing {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+            )
+    show = progress if progress is not None else len(keys) > 32
+    with torch.no_grad():
+        for target, key in tqdm(sorted(targets.items()), desc="loading", disable=not show, unit="tensor"):
+            if target not in state:
+                continue
+            t = ckpt.get(key)
+            dst = state[target]
+            if tuple(t.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"{ckpt.path}: tensor {key!r} has shape {list(t.shape)}, the model expects {list(dst.shape)}"
+                )
+            dst.copy_(t)
+            report.bytes_read += t.numel() * t.element_size()
+            if not key.endswith((".scales", ".biases")) and target == key:
+                report.float_tensors += 1
+    return report
+
+
+def _is_tied_duplicate(model: nn.Module, key: str, tied_to: dict[str, str], keys: list[str]) -> bool:
+    # A float output weight tied to a float embedding is satisfied by the embedding's tensor.
+    module_name = key.rpartition(".")[0]
+    return key.endswith(".weight") and module_name in tied_to and f"{tied_to[module_name]}.weight" in keys
+
+
+def quantization_config(model: nn.Module) -> dict:
+    """The MLX "quantization" entry describing `model`'s quantized layers (default = most common)."""
+    specs: dict[str, QuantSpec | bool] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            specs[name] = QuantSpec(m.bits, m.group_size)
+        elif isinstance(m, (nn.Linear, nn.Embedding)):
+            specs[name] = False
+    counts = Counter(s for s in specs.values() if isinstance(s, QuantSpec))
+    if not counts:
+        return {}
+    default = counts.most_common(1)[0][0]
+    q: dict = {"group_size": default.group_size, "bits": default.bits, "mode": "affine"}
+    for name, s in specs.items():
+        if s is False:
+            q[name] = False
+        elif s != default:
+            q[name] = s.as_dict()
+    return q
+
+
+def mlx_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under MLX's names (a quantized layer's qweight is its `weight`).
+
+    Tensors shared by two names (tied weights) are stored once, under the first name.
+    """
+    quantized = {n for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for key, t in model.state_dict().items():
+        module_name, _, leaf = key.rpartition(".")
+        if module_name in quantized and leaf == "qweight":
+            key = f"{module_name}.weight" if module_name else "weight"
+        ident = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), tuple(t.shape))
+        if ident in seen:
+            continue
+        seen.add(ident)
+        out[key] = t
+    return out
+
+
+def save_mlx(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    config: dict | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Saves `model` as an MLX model folder: config.json (+ quantization) and safetensors shards.
+
+    Args:
+        model: a torch model whose quantized layers are QuantLinear / QuantEmbedding.
+        folder: output folder (created).
+        config: the model's config to write (e.g. a transformers `config.to_dict()`); the
+            "quantization" and "quantization_config" entries are set from the model.
+        max_shard_bytes: shard size limit; several shards get model.safetensors.index.json.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(config or {})
+    q = quantization_config(model)
+    for k in _QUANT_KEYS:
+        config.pop(k, None)
+    if q:
+        config["quantization"] = q
+        config["quantization_config"] = q
+    save_sharded(mlx_state_dict(model), folder, max_shard_bytes, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    return folder

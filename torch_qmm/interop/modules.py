@@ -1,0 +1,154 @@
+"""Modules for imported checkpoints: QuantEmbedding (MLX's quantized embedding), TiedQuantLinear
+(the tied output projection through it) and GGUFLinear (GGUF K-quant blocks, kept as they are)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..formats import SUPPORTED_DTYPES, check_format, packed_words
+from ..ops import quantize
+
+
+class QuantEmbedding(nn.Module):
+    """nn.Embedding with its table [num_embeddings, dim] in the affine format (after MLX's
+    QuantizedEmbedding): a lookup dequantizes only the rows it reads.
+
+    Buffers: ``qweight`` uint32 [num, dim*bits/32], ``scales`` / ``biases`` [num, dim/group_size] in
+    the compute dtype (the dtype of the output).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bits: int = 4,
+        group_size: int = 64,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        check_format(bits, group_size)
+        if embedding_dim % group_size != 0:
+            raise ValueError(
+                f"argument 'embedding_dim' must be a multiple of group_size={group_size}, got {embedding_dim}"
+            )
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"argument 'dtype' must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.bits, self.group_size = bits, group_size
+        groups = embedding_dim // group_size
+        self.register_buffer(
+            "qweight", torch.zeros(num_embeddings, packed_words(embedding_dim, bits), dtype=torch.uint32, device=device)
+        )
+        self.register_buffer("scales", torch.zeros(num_embeddings, groups, dtype=dtype, device=device))
+        self.register_buffer("biases", torch.zeros(num_embeddings, groups, dtype=dtype, device=device))
+
+    @classmethod
+    def from_embedding(
+        cls, embedding: nn.Embedding, bits: int = 4, group_size: int = 64, dtype: torch.dtype | None = None
+    ) -> "QuantEmbedding":
+        dtype = dtype or embedding.weight.dtype
+        module = cls(embedding.num_embeddings, embedding.embedding_dim, bits, group_size, embedding.weight.device, dtype)
+        with torch.no_grad():
+            wq, s, b = quantize(embedding.weight.detach().to(dtype), group_size=group_size, bits=bits)
+            module.qweight.copy_(wq)
+            module.scales.copy_(s)
+            module.biases.copy_(b)
+        return module
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = torch.ops.torch_qmm.affine_dequantize(
+            self.qweight[flat], self.scales[flat], self.biases[flat], self.bits, self.group_size
+        )
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] @ table.T -> [..., num_embeddings]: the tied output projection."""
+        return torch.ops.torch_qmm.affine_qmm(
+            x, self.qweight, self.scales, self.biases, self.bits, self.group_size, True
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.group_size}, bits={self.bits}, "
+            f"dtype={self.scales.dtype}"
+        )
+
+
+class TiedQuantLinear(nn.Module):
+    """An output projection that shares a QuantEmbedding's table (tie_word_embeddings).
+
+    Holds no state of its own (the embedding is not registered as a child, so the table is stored
+    once in state_dict and saved checkpoints have no output weight, as MLX writes them).
+    """
+
+    def __init__(self, embedding: QuantEmbedding) -> None:
+        super().__init__()
+        object.__setattr__(self, "_embedding", embedding)  # deliberately not a submodule
+        self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
+        self.bias = None
+
+    @property
+    def embedding(self) -> QuantEmbedding:
+        return self._embedding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._embedding.as_linear(x)
+
+    def extra_repr(self) -> str:
+        return f"tied to QuantEmbedding({self._embedding.extra_repr()})"
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T + bias with W [out, in] kept as GGUF blocks (Q4_K, Q6_K), decoded in-kernel.
+
+    Buffer ``blocks`` uint8 [out, in/256 * block_bytes]: each row of W is its super-blocks exactly as
+    llama.cpp writes them (so a GGUF tensor's data is the buffer, no re-encoding). x may be float32,
+    float16 or bfloat16; the output has x's dtype (float32 accumulation).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ggml_type: int,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        from .gguf_types import NATIVE_TYPES, block_info, type_name
+
+        if ggml_type not in NATIVE_TYPES:
+            raise ValueError(
+                f"argument 'ggml_type' must be one of "
+                f"{', '.join(f'{t} ({type_name(t)})' for t in NATIVE_TYPES)}, got {ggml_type} ({type_name(ggml_type)})"
+            )
+        per_block, block_bytes = block_info(ggml_type)
+        if in_features % per_block != 0:
+            raise ValueError(f"argument 'in_features' must be a multiple of {per_block}, got {in_features}")
+        self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
+        self.register_buffer(
+            "blocks",
+            torch.zeros(out_features, in_features // per_block * block_bytes, dtype=torch.uint8, device=device),
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.torch_qmm.gguf_qmm(x, self.blocks, self.ggml_type, self.out_features, self.in_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        from .gguf_types import type_name
+
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={type_name(self.ggml_type)}, bias={self.bias is not None}"
+        )

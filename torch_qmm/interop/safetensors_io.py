@@ -1,0 +1,182 @@
+"""Safetensors files and sharded folders, read with the header checked first (no pickle, ever).
+
+The `safetensors` package rejects bad files with terse messages; we check the header ourselves
+(length, JSON, dtypes, shapes against byte ranges, ranges inside the file) so that a truncated or
+malformed file fails with a ValueError naming the file, the tensor and what disagrees.
+Layout (safetensors spec): u64 little-endian header length n, n bytes of JSON
+{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}, then the data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+
+# safetensors dtype names -> bytes per element (the dtypes a torch checkpoint can hold).
+_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+# Refuse absurd headers before reading them (the reference implementation caps at 100 MB too).
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+def read_header(path: str | os.PathLike) -> dict[str, dict]:
+    """Returns {tensor name: {"dtype", "shape", "data_offsets"}} after checking the whole header.
+
+    Raises ValueError naming the file and the first inconsistency found.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER_BYTES or 8 + n > size:
+            raise ValueError(
+                f"{path}: safetensors header claims {n} bytes but the file has {size - 8} after the length "
+                "field (truncated or not a safetensors file)"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - n
+    for name, info in header.items():
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise ValueError(f"{path}: tensor {name!r}: header entry must have dtype, shape and data_offsets, got {info!r}")
+        dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in _ITEMSIZE:
+            raise ValueError(f"{path}: tensor {name!r}: unsupported dtype {dtype!r} (expected one of {sorted(_ITEMSIZE)})")
+        numel = 1
+        for d in shape:
+            if not isinstance(d, int) or d < 0:
+                raise ValueError(f"{path}: tensor {name!r}: bad shape {shape}")
+            numel *= d
+        if not (0 <= begin <= end) or end - begin != numel * _ITEMSIZE[dtype]:
+            raise ValueError(
+                f"{path}: tensor {name!r}: shape {shape} of {dtype} needs {numel * _ITEMSIZE[dtype]} bytes, "
+                f"header gives data_offsets [{begin}, {end}]"
+            )
+        if end > data_bytes:
+            raise ValueError(
+                f"{path}: tensor {name!r} ends at byte {end} of the data section but the file holds only "
+                f"{data_bytes} data bytes (truncated file)"
+            )
+    return header
+
+
+class Checkpoint:
+    """The tensors of a safetensors file or of a folder of shards (with or without an index).
+
+    Tensors are read lazily, one at a time, with their stored dtype.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        self.path = path
+        self.where: dict[str, Path] = {}  # tensor name -> file
+        self.headers: dict[Path, dict[str, dict]] = {}
+        if path.is_file():
+            files = [path]
+        elif (path / INDEX_NAME).is_file():
+            index = json.loads((path / INDEX_NAME).read_text())
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{path / INDEX_NAME}: missing 'weight_map'")
+            files = sorted({path / f for f in weight_map.values()})
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise ValueError(f"{path / INDEX_NAME} names shards that do not exist: {missing}")
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"{path}: no *.safetensors files (and no {INDEX_NAME})")
+        for f in files:
+            header = read_header(f)
+            self.headers[f] = header
+            for name in header:
+                if name in self.where:
+                    raise ValueError(f"{path}: tensor {name!r} appears in both {self.where[name]} and {f}")
+                self.where[name] = f
+        if path.is_dir() and (path / INDEX_NAME).is_file():
+            for name, file in weight_map.items():
+                if self.where.get(name) != path / file:
+                    raise ValueError(f"{path / INDEX_NAME}: tensor {name!r} is listed in {file} but not stored there")
+
+    def keys(self) -> list[str]:
+        return list(self.where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.headers[self.where[name]][name]["shape"])
+
+    def dtype_name(self, name: str) -> str:
+        return self.headers[self.where[name]][name]["dtype"]
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self.headers[self.where[name]][name]["data_offsets"]
+        return end - begin
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(self.where[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for file in self.headers:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+
+def save_sharded(
+    tensors: dict[str, torch.Tensor],
+    folder: str | os.PathLike,
+    max_shard_bytes: int = 5 * 2**30,
+    metadata: dict[str, str] | None = None,
+) -> list[str]:
+    """Writes model.safetensors, or model-0000i-of-0000n.safetensors + the index when larger.
+
+    Returns the file names written.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().contiguous().cpu()
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for shard, name in zip(shards, names):
+        save_file(shard, str(folder / name), metadata=metadata)
+        weight_map.update({k: name for k in shard})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (folder / INDEX_NAME).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+    return names
