@@ -1,0 +1,174 @@
+"""Compiling MSL to a shared library: compiler discovery, preprocessing, staging, caching.
+
+Pipeline (each step cached by content hash):
+  MSL --clang -E (empty <metal_stdlib> stand-ins)--> expanded user code
+      --_staging.stage--> C++ with entry points
+      --clang++ (shim, -fsycl-is-device address spaces, Metal arithmetic flags)--> kernels.so
+A second, instrumented .so (coverage load/store hooks) is built on first use of checked or
+counting mode.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from . import _staging
+
+HERE = Path(__file__).resolve().parent
+INCLUDE = HERE / "include"
+RUNTIME_C = HERE / "runtime.c"
+# Bump when the staging rules or compile flags change in a way the file hashes do not show.
+SHIM_VERSION = "1"
+
+INSTALL_HINT = ("metalsim needs clang (version 17 or newer; CI uses clang-19). Install it with "
+                "`apt-get install -y clang-19`, or point TORCH_QMM_CLANG at a clang binary.")
+
+
+class CompileError(RuntimeError):
+    """clang rejected the (staged) Metal source; the message holds clang's diagnostics."""
+
+
+def find_clang() -> str:
+    env = os.environ.get("TORCH_QMM_CLANG")
+    if env:
+        path = shutil.which(env) or (env if os.path.exists(env) else None)
+        if not path:
+            raise RuntimeError(f"TORCH_QMM_CLANG={env!r} does not name an executable. {INSTALL_HINT}")
+        return path
+    for name in ("clang-19", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    if os.path.exists("/usr/bin/clang-19"):
+        return "/usr/bin/clang-19"
+    raise RuntimeError(f"no clang compiler found on PATH. {INSTALL_HINT}")
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("TORCH_QMM_METALSIM_CACHE")
+    if d:
+        p = Path(d)
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        p = Path(base) / "torch_qmm" / "metalsim"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _shim_hash() -> str:
+    h = hashlib.sha256(SHIM_VERSION.encode())
+    for f in sorted(INCLUDE.rglob("*")) + [RUNTIME_C, Path(_staging.__file__), Path(__file__)]:
+        if f.is_file():
+            h.update(str(f.relative_to(HERE)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+_SHIM_HASH = None
+
+
+def shim_hash() -> str:
+    global _SHIM_HASH
+    if _SHIM_HASH is None:
+        _SHIM_HASH = _shim_hash()
+    return _SHIM_HASH
+
+
+COMMON = ["-std=c++17", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux-triple", "-Xclang",
+          "x86_64-pc-linux-gnu", "-mf16c", "-Xclang", "-ffloat16-excess-precision=none", "-Xclang",
+          "-fbfloat16-excess-precision=none", "-ffp-contract=off", "-fno-fast-math", "-fconvergent-functions",
+          "-fvisibility=hidden", "-fno-exceptions", "-fno-rtti", "-Wno-unknown-attributes",
+          "-Wno-ignored-attributes", "-Wno-unused-value", "-Wno-c++20-extensions", "-Wno-c++2b-extensions",
+          "-Wno-unused-command-line-argument", "-Wno-ignored-pragma-intrinsic", "-ferror-limit=30"]
+INSTR = ["-fsanitize-coverage=bb,trace-loads,trace-stores", "-D__MSIM_INSTRUMENTED=1"]
+
+
+def _run(cmd, what):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise CompileError(f"{what} failed:\n{r.stderr.strip()}\n(command: {' '.join(cmd)})")
+    return r.stdout
+
+
+def _atomic_write(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if isinstance(data, str):
+        tmp.write_text(data)
+    else:
+        tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def runtime_object(clang: str) -> Path:
+    out = cache_dir() / f"runtime-{shim_hash()[:16]}.o"
+    if not out.exists():
+        with tempfile.TemporaryDirectory() as td:
+            tmp = Path(td) / "runtime.o"
+            _run([clang, "-x", "c", "-std=gnu11", "-O2", "-fPIC", "-fvisibility=hidden", "-I", str(INCLUDE),
+                  "-c", str(RUNTIME_C), "-o", str(tmp)], "compiling the metalsim runtime")
+            shutil.copy(tmp, out.with_suffix(".tmp" + str(os.getpid())))
+            os.replace(out.with_suffix(".tmp" + str(os.getpid())), out)
+    return out
+
+
+def preprocess(clang: str, source: str, filename: str, defines, include_dirs) -> str:
+    """Expand user macros and includes; <metal_stdlib> resolves to an empty stand-in."""
+    args = [clang, "-x", "c++", "-std=c++17", "-E", "-I", str(INCLUDE / "stage")]
+    for d in include_dirs:
+        args += ["-I", str(d)]
+    args += ["-include", str(INCLUDE / "metalsim" / "macros.h")]
+    for k, v in (defines or {}).items():
+        args.append(f"-D{k}" if v is None else f"-D{k}={v}")
+    with tempfile.TemporaryDirectory() as td:
+        src = Path(td) / (Path(filename).name if filename else "source.metal")
+        src.write_text(source)
+        args += ["-I", str(Path(filename).parent) if filename else td, str(src)]
+        out = _run(args, "preprocessing the Metal source")
+    if filename:
+        out = out.replace(str(src), str(filename))
+    return out
+
+
+def build(source: str, filename, defines, include_dirs, instrumented: bool):
+    """Returns (path to .so, staging metadata dict)."""
+    clang = find_clang()
+    defines = dict(defines or {})
+    pre = preprocess(clang, source, filename, defines, include_dirs)
+    key = hashlib.sha256((shim_hash() + "\0" + pre).encode()).hexdigest()[:24]
+    d = cache_dir()
+    meta_path = d / f"{key}.json"
+    so = d / f"{key}{'-instr' if instrumented else ''}.so"
+    if meta_path.exists() and so.exists():
+        return so, json.loads(meta_path.read_text())
+    staged = _staging.stage(pre)
+    meta = {
+        "kernels": [
+            {"name": k.name, "symbol": k.symbol, "function": k.function,
+             "params": [{"name": p.name, "kind": p.kind, "index": p.index, "attr": p.attr, "optional": p.optional}
+                        for p in k.params]}
+            for k in staged.kernels
+        ],
+        "function_constants": [{"name": f.name, "index": f.index, "type": f.type} for f in staged.function_constants],
+        "needs_fibers": staged.needs_fibers,
+    }
+    rt = runtime_object(clang)
+    with tempfile.TemporaryDirectory() as td:
+        cpp = Path(td) / "staged.cpp"
+        cpp.write_text('#include <metal_stdlib>\n' + staged.source)
+        out = Path(td) / "kernels.so"
+        cmd = [clang, "-x", "c++", *COMMON, "-O2", "-I", str(INCLUDE)]
+        if instrumented:
+            cmd += INSTR
+        cmd += ["-shared", str(cpp), "-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
+        _run(cmd, "compiling the staged Metal source")
+        if os.environ.get("TORCH_QMM_METALSIM_KEEP"):
+            shutil.copy(cpp, d / f"{key}.staged.cpp")
+        shutil.copy(out, so.with_suffix(f".tmp{os.getpid()}"))
+        os.replace(so.with_suffix(f".tmp{os.getpid()}"), so)
+    _atomic_write(meta_path, json.dumps(meta))
+    return so, meta

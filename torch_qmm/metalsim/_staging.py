@@ -1,0 +1,643 @@
+"""Source staging: turn preprocessed MSL into C++ that the metal_stdlib shim can compile.
+
+The input is the output of ``clang -E`` run with empty stand-ins for <metal_stdlib> (so user
+macros such as MLX's ``instantiate_kernel`` are expanded but the shim is not).  Rewrites, all
+on a copy (the user's source stays valid MSL):
+
+* Metal attributes ``[[...]]`` are recorded and blanked.
+* Kernels (``kernel void f(...)``, ``[[kernel]] void f(...)``, and template instantiations
+  ``template [[host_name("x")]] [[kernel]] decltype(f<...>) f<...>;``) get a C entry point
+  that builds their arguments from ``[[buffer(n)]]`` / ``[[threadgroup(n)]]`` / builtin
+  attributes.
+* ``threadgroup T x[N];`` inside a function body becomes a reference into the threadgroup arena.
+* ``constant T x [[function_constant(i)]];`` becomes a runtime-read constant; namespace-scope
+  constants initialised from function constants are evaluated lazily.
+* Unsuffixed floating literals get an ``f`` (MSL has no double); ``1.0h`` becomes a half.
+* Vector constructors and casts (``float4(h4)``, ``(float4)u``, ``static_cast<float4>(x)``)
+  become value conversions (a clang vector cast would be a bitcast).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+__all__ = ["StageError", "KernelInfo", "Param", "stage"]
+
+
+class StageError(ValueError):
+    """The MSL source uses a construct metalsim's staging cannot handle."""
+
+
+BUILTINS = {
+    "thread_position_in_grid": 0,
+    "threadgroup_position_in_grid": 1,
+    "thread_position_in_threadgroup": 2,
+    "threads_per_threadgroup": 3,
+    "threadgroups_per_grid": 4,
+    "threads_per_grid": 5,
+    "grid_size": 5,
+    "thread_index_in_threadgroup": 6,
+    "thread_index_in_simdgroup": 7,
+    "thread_index_in_quadgroup": 13,
+    "simdgroup_index_in_threadgroup": 8,
+    "simdgroups_per_threadgroup": 9,
+    "thread_execution_width": 10,
+    "threads_per_simdgroup": 10,
+    "dispatch_threads_per_threadgroup": 11,
+    "quadgroup_index_in_threadgroup": 12,
+    "quadgroups_per_threadgroup": 14,
+    "grid_origin": 15,
+}
+STD_ATTRS = {"maybe_unused", "likely", "unlikely", "fallthrough", "nodiscard", "noreturn", "deprecated"}
+SCALARS = ["bool", "char", "uchar", "short", "ushort", "int", "uint", "long", "ulong", "half", "float", "bfloat"]
+VEC_NAMES = {f"{s}{n}" for s in SCALARS for n in (2, 3, 4, 8, 16)}
+VEC_NAMES |= {f"packed_{s}{n}" for s in SCALARS for n in (2, 3, 4)}
+COLLECTIVE_RE = re.compile(
+    r"\b(threadgroup_barrier|simdgroup_barrier|simd_\w+|quad_\w+|simdgroup_multiply\w*)\s*[(<]")
+
+_TOKEN_RE = re.compile(
+    r"""(?P<pp>^[ \t]*\#[^\n]*)
+      |(?P<ws>\s+)
+      |(?P<str>"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*')
+      |(?P<num>\.?\d(?:[eEpP][+-]|[\w.])*)
+      |(?P<id>[A-Za-z_]\w*)
+      |(?P<p2>::|->|\+\+|--)
+      |(?P<p>.)""",
+    re.X | re.M | re.S,
+)
+
+
+@dataclasses.dataclass
+class Tok:
+    kind: str
+    text: str
+    start: int
+    end: int
+
+
+@dataclasses.dataclass
+class Param:
+    name: str
+    kind: str  # "buffer", "threadgroup", "builtin"
+    index: int
+    attr: str
+    optional: bool = False  # guarded by [[function_constant(...)]]
+
+    @property
+    def code(self) -> int:
+        return {"buffer": 0, "threadgroup": 1, "builtin": 2}[self.kind] * 1000 + self.index
+
+
+@dataclasses.dataclass
+class KernelInfo:
+    name: str  # host name
+    symbol: str  # C entry point in the shared library
+    function: str  # C++ expression naming the function (e.g. "ns::f<float, 4>")
+    params: list
+
+    @property
+    def buffer_indices(self) -> list:
+        return [p.index for p in self.params if p.kind == "buffer"]
+
+    @property
+    def threadgroup_indices(self) -> list:
+        return [p.index for p in self.params if p.kind == "threadgroup"]
+
+
+@dataclasses.dataclass
+class FunctionConstant:
+    name: str
+    index: int
+    type: str
+
+
+@dataclasses.dataclass
+class Staged:
+    source: str
+    kernels: list
+    function_constants: list
+    needs_fibers: bool
+
+
+def tokenize(text: str) -> list:
+    toks = []
+    for m in _TOKEN_RE.finditer(text):
+        k = m.lastgroup
+        if k == "ws":
+            continue
+        if k == "p2":
+            k = "p"
+        toks.append(Tok(k, m.group(), m.start(), m.end()))
+    return toks
+
+
+class _Edits:
+    def __init__(self, text: str):
+        self.text = text
+        self.edits = []  # (start, end, replacement)
+
+    def replace(self, start: int, end: int, new: str) -> None:
+        self.edits.append((start, end, new))
+
+    def replace_span(self, start: int, end: int, new: str) -> None:
+        """Replace [start, end), dropping earlier edits that lie inside it."""
+        self.edits = [e for e in self.edits if not (e[0] >= start and e[1] <= end)]
+        self.edits.append((start, end, new))
+
+    def insert(self, pos: int, new: str) -> None:
+        self.edits.append((pos, pos, new))
+
+    def blank(self, start: int, end: int) -> None:
+        seg = self.text[start:end]
+        self.replace(start, end, re.sub(r"[^\n]", " ", seg))
+
+    def apply(self) -> str:
+        out, pos = [], 0
+        # stable order: by start, inserts (empty spans) before replacements at the same place
+        for s, e, new in sorted(self.edits, key=lambda x: (x[0], x[1] != x[0])):
+            if s < pos:
+                raise StageError(f"internal staging conflict near: {self.text[s:s + 60]!r}")
+            out.append(self.text[pos:s])
+            out.append(new)
+            pos = e
+        out.append(self.text[pos:])
+        return "".join(out)
+
+
+def _match(toks, i, open_, close):
+    """Index of the token closing the bracket opened at toks[i]."""
+    depth = 0
+    for j in range(i, len(toks)):
+        t = toks[j].text
+        if toks[j].kind != "p":
+            continue
+        if t == open_:
+            depth += 1
+        elif t == close:
+            depth -= 1
+            if depth == 0:
+                return j
+    raise StageError(f"unbalanced {open_!r} near: {toks[i].text}")
+
+
+def _match_angle(toks, i):
+    depth = 0
+    for j in range(i, len(toks)):
+        t = toks[j]
+        if t.kind != "p":
+            continue
+        if t.text in "([{":
+            j2 = _match(toks, j, t.text, {"(": ")", "[": "]", "{": "}"}[t.text])
+            continue
+        if t.text == "<":
+            depth += 1
+        elif t.text == ">":
+            depth -= 1
+            if depth == 0:
+                return j
+        elif t.text in ";{}":
+            break
+    raise StageError("unbalanced '<' in template argument list")
+
+
+def _attr_groups(toks, lo, hi):
+    """(start, end) token indices of each [[...]] group in toks[lo:hi]."""
+    out = []
+    i = lo
+    while i < hi - 1:
+        if toks[i].text == "[" and toks[i + 1].text == "[" and toks[i].kind == "p":
+            j = _match(toks, i, "[", "]")
+            out.append((i, j))
+            i = j + 1
+        else:
+            i += 1
+    return out
+
+
+def _attr_items(toks, i, j):
+    """Attribute items (name, args text) of the group toks[i..j]."""
+    inner = toks[i + 2 : j - 1]
+    items, cur = [], []
+    depth = 0
+    for t in inner:
+        if t.text == "(":
+            depth += 1
+        elif t.text == ")":
+            depth -= 1
+        if t.text == "," and depth == 0:
+            items.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    if cur:
+        items.append(cur)
+    res = []
+    for it in items:
+        if not it:
+            continue
+        name = it[0].text
+        k = 1
+        while k + 1 < len(it) and it[k].text == "::":
+            name += "::" + it[k + 1].text
+            k += 2
+        args = " ".join(t.text for t in it[k + 1 : -1]) if k < len(it) and it[k].text == "(" else ""
+        res.append((name, args))
+    return res
+
+
+def _split_top(toks, lo, hi, sep=","):
+    parts, start, depth = [], lo, 0
+    for k in range(lo, hi):
+        t = toks[k].text
+        if toks[k].kind != "p":
+            continue
+        if t in "([{<":
+            depth += 1
+        elif t in ")]}>":
+            depth -= 1
+        elif t == sep and depth == 0:
+            parts.append((start, k))
+            start = k + 1
+    if start < hi:
+        parts.append((start, hi))
+    return parts
+
+
+def _parse_params(toks, lo, hi, fname):
+    params = []
+    for a, b in _split_top(toks, lo, hi):
+        if b <= a or (b - a == 1 and toks[a].text == "void"):
+            continue
+        groups = _attr_groups(toks, a, b)
+        attrs = [it for gi, gj in groups for it in _attr_items(toks, gi, gj)]
+        in_group = set()
+        for gi, gj in groups:
+            in_group.update(range(gi, gj + 1))
+        ids = [toks[k].text for k in range(a, b) if k not in in_group and toks[k].kind == "id"]
+        pname = ids[-1] if ids else "?"
+        p = None
+        for name, args in attrs:
+            if name == "buffer":
+                p = Param(pname, "buffer", int(args, 0), f"buffer({args})")
+            elif name == "threadgroup":
+                p = Param(pname, "threadgroup", int(args, 0), f"threadgroup({args})")
+            elif name in BUILTINS:
+                p = Param(pname, "builtin", BUILTINS[name], name)
+            elif name == "function_constant" and p is not None:
+                p.optional = True
+            elif name in ("texture", "sampler", "stage_in", "visible_function_table", "intersection_function_table",
+                          "instance_acceleration_structure", "primitive_acceleration_structure"):
+                raise StageError(f"kernel {fname}: parameter {pname!r} uses [[{name}]], which metalsim does not support")
+        if p is not None and any(nm == "function_constant" for nm, _ in attrs):
+            p.optional = True
+        if p is None:
+            raise StageError(f"kernel {fname}: parameter {pname!r} has no [[buffer(n)]], [[threadgroup(n)]] or "
+                             f"builtin attribute")
+        params.append(p)
+    return params
+
+
+def _unary_end(toks, i):
+    """Index one past the end of the unary-expression starting at toks[i] (C-style cast operand)."""
+    n = len(toks)
+    if i >= n:
+        raise StageError("cast without operand")
+    t = toks[i]
+    if t.kind == "p" and t.text in ("-", "+", "!", "~", "*", "&", "++", "--"):
+        return _unary_end(toks, i + 1)
+    if t.kind == "p" and t.text == "(":
+        j = _match(toks, i, "(", ")") + 1
+        # a nested cast "(T)x": parenthesised type followed by an operand
+        if j < n and (toks[j].kind in ("id", "num") or toks[j].text == "(") and _looks_like_type(toks, i + 1, j - 1):
+            return _unary_end(toks, j)
+    elif t.kind in ("num", "str"):
+        j = i + 1
+    elif t.kind == "id":
+        j = i + 1
+        while j + 1 < n and toks[j].text == "::" and toks[j + 1].kind == "id":
+            j += 2
+        if j < n and toks[j].text == "<":
+            try:
+                k = _match_angle(toks, j)
+                if k + 1 < n and toks[k + 1].text in ("(", "::"):
+                    j = k + 1
+            except StageError:
+                pass
+    else:
+        raise StageError(f"cannot parse cast operand near {t.text!r}")
+    while j < n:
+        s = toks[j].text
+        if s in (".", "->") and j + 1 < n:
+            j += 2
+        elif s == "[":
+            j = _match(toks, j, "[", "]") + 1
+        elif s == "(":
+            j = _match(toks, j, "(", ")") + 1
+        elif s in ("++", "--"):
+            j += 1
+        else:
+            break
+    return j
+
+
+def _looks_like_type(toks, a, b):
+    if b - a == 1 and toks[a].kind == "id":
+        return toks[a].text in VEC_NAMES or toks[a].text in SCALARS
+    return False
+
+
+def stage(text: str) -> Staged:
+    toks = tokenize(text)
+    ed = _Edits(text)
+    kernels: list = []
+    templates: dict = {}  # template kernel name -> params
+    fcs: list = []
+    needs_fibers = bool(COLLECTIVE_RE.search(text))
+    n = len(toks)
+
+    # ---- pass 1: float literals, vector conversions ----
+    for gi, gj in _attr_groups(toks, 0, n):
+        items = _attr_items(toks, gi, gj)
+        if not all(nm in STD_ATTRS or nm.startswith("clang::") or nm.startswith("gnu::") for nm, _ in items):
+            ed.blank(toks[gi].start, toks[gj].end)
+    for i, t in enumerate(toks):
+        if t.kind == "num":
+            low = t.text.lower()
+            if low.startswith("0x"):
+                m = re.fullmatch(r"(0x[0-9a-f.]*p[+-]?\d+)([a-z]*)", low)
+                body, suf, is_float = (m.group(1), m.group(2), True) if m else (low, "", False)
+            else:
+                m = re.fullmatch(r"(\d*\.?\d*(?:e[+-]?\d+)?)([a-z]*)", low)
+                if not m:
+                    continue
+                body, suf = m.groups()
+                is_float = "." in body or "e" in body
+            if suf == "h":
+                ed.replace(t.start, t.end, f"((half){body}{'' if is_float else '.0'}f)")
+            elif is_float and suf == "":
+                ed.replace(t.start, t.end, t.text + "f")
+        elif t.kind == "id" and i + 1 < n:
+            prev = toks[i - 1].text if i else ""
+            if t.text in VEC_NAMES and toks[i + 1].text == "(" and prev not in ("operator", ".", "->", "typedef"):
+                start = t.start
+                if prev == "::" and i >= 2 and toks[i - 2].text == "metal":
+                    start = toks[i - 2].start
+                ed.replace(start, t.end, f"__msim_make<{t.text}>")
+            elif t.text == "vec" and toks[i + 1].text == "<" and prev not in ("operator", "using", "struct"):
+                try:
+                    k = _match_angle(toks, i + 1)
+                except StageError:
+                    continue
+                if k + 1 < n and toks[k + 1].text == "(":
+                    start = t.start
+                    if prev == "::" and i >= 2 and toks[i - 2].text == "metal":
+                        start = toks[i - 2].start
+                    ed.replace(start, toks[k].end, f"__msim_make<{text[t.start:toks[k].end]}>")
+            elif t.text == "static_cast" and toks[i + 1].text == "<":
+                try:
+                    k = _match_angle(toks, i + 1)
+                except StageError:
+                    continue
+                inner = text[toks[i + 2].start : toks[k - 1].end].strip() if k > i + 2 else ""
+                if (inner in VEC_NAMES or inner.startswith("vec<") or inner.startswith("metal::vec<")
+                        or inner.removeprefix("metal::") in VEC_NAMES):
+                    ed.replace(t.start, toks[k].end, f"__msim_make<{inner}>")
+        elif t.kind == "p" and t.text == "(" and i + 2 < n and toks[i + 2].text == ")" \
+                and toks[i + 1].kind == "id" and toks[i + 1].text in VEC_NAMES:
+            # C-style cast (float4)x -> __msim_make<float4>(x), unless it is a call "f(float4)" etc.
+            prev = toks[i - 1] if i else None
+            if prev is not None and (prev.kind == "id" and prev.text not in ("return", "case") or prev.text in (")", "]")):
+                continue
+            if i + 3 >= n or not (toks[i + 3].kind in ("id", "num") or toks[i + 3].text in ("(", "-", "+", "!", "~", "*", "&")):
+                continue
+            end = _unary_end(toks, i + 3)
+            ed.replace(t.start, toks[i + 2].end, f"__msim_make<{toks[i + 1].text}>(")
+            ed.insert(toks[end - 1].end, ")")
+
+    # ---- pass 2: structure (namespaces, kernels, threadgroup declarations, function constants) ----
+    stack: list = []  # entries: ("ns", name) or ("blk", None)
+    decl_start = 0  # token index where the current namespace-scope declaration starts
+    tg_id = 0
+    fc_names: set = set()
+    i = 0
+
+    def at_ns_scope():
+        return all(k == "ns" for k, _ in stack)
+
+    def ns_prefix():
+        return "".join(nm + "::" for k, nm in stack if k == "ns" and nm)
+
+    while i < n:
+        t = toks[i]
+        if t.kind == "pp":
+            i += 1
+            if at_ns_scope() and decl_start == i - 1:
+                decl_start = i
+            continue
+        if t.kind == "p" and t.text == "[" and i + 1 < n and toks[i + 1].text == "[":
+            i = _match(toks, i, "[", "]") + 1
+            continue
+        if t.kind == "p" and t.text == "{":
+            # what opens here?
+            kind, name = "blk", None
+            k = i - 1
+            if k >= 0 and toks[k].kind == "id" and k >= 1 and toks[k - 1].text == "namespace":
+                kind, name = "ns", toks[k].text
+            elif k >= 0 and toks[k].text == "namespace":
+                kind, name = "ns", ""
+            elif k >= 0 and toks[k].kind == "str" and k >= 1 and toks[k - 1].text == "extern":
+                kind, name = "ns", ""
+            if at_ns_scope() and kind == "blk":
+                # a function (or class) body at namespace scope: is it a kernel definition?
+                _maybe_kernel(toks, decl_start, i, ed, kernels, templates, ns_prefix(), text, body=True)
+                j = _match(toks, i, "{", "}")
+                # threadgroup declarations inside the body
+                tg_id = _rewrite_tg_decls(toks, i + 1, j, ed, tg_id, text)
+                # skip to the end of the body; a class body ends with ';' (handled as a declaration)
+                i = j + 1
+                if i < n and toks[i].text == ";":
+                    i += 1
+                decl_start = i
+                continue
+            stack.append((kind, name))
+            i += 1
+            decl_start = i
+            continue
+        if t.kind == "p" and t.text == "}":
+            if stack:
+                stack.pop()
+            i += 1
+            decl_start = i
+            continue
+        if t.kind == "p" and t.text == ";" and at_ns_scope():
+            _maybe_kernel(toks, decl_start, i, ed, kernels, templates, ns_prefix(), text, body=False)
+            _maybe_constant(toks, decl_start, i, ed, fcs, fc_names, text)
+            i += 1
+            decl_start = i
+            continue
+        if t.kind == "p" and t.text == "(" and at_ns_scope():
+            i = _match(toks, i, "(", ")") + 1
+            continue
+        i += 1
+
+    # ---- entry points ----
+    lines = ["", "// ---- metalsim entry points ----"]
+    for k, kinfo in enumerate(kernels):
+        codes = ", ".join(str(p.code) for p in kinfo.params)
+        lines.append(f"MSIM_ENTRY void {kinfo.symbol}(const msim_launch *L, const msim_thread *t) "
+                     f"{{ __msim_invoke<{codes}>(&{kinfo.function}, L, t); }}")
+    staged = ed.apply() + "\n".join(lines) + "\n"
+    return Staged(staged, kernels, fcs, needs_fibers)
+
+
+def _is_kernel_decl(toks, lo, hi):
+    for k in range(lo, hi):
+        t = toks[k]
+        if t.kind == "id" and t.text == "kernel":
+            return True
+        if t.text == "[" and k + 1 < hi and toks[k + 1].text == "[":
+            j = _match(toks, k, "[", "]")
+            if any(nm == "kernel" for nm, _ in _attr_items(toks, k, j)):
+                return True
+    return False
+
+
+def _host_name(toks, lo, hi):
+    for gi, gj in _attr_groups(toks, lo, hi):
+        for nm, args in _attr_items(toks, gi, gj):
+            if nm == "host_name":
+                parts = re.findall(r'"((?:\\.|[^"\\])*)"', args)
+                return "".join(parts) if parts else args.strip()
+    return None
+
+
+def _maybe_kernel(toks, lo, hi, ed, kernels, templates, ns, text, body):
+    if hi <= lo or not _is_kernel_decl(toks, lo, hi):
+        return
+    in_attr = set()
+    for gi, gj in _attr_groups(toks, lo, hi):
+        in_attr.update(range(gi, gj + 1))
+    plain = [k for k in range(lo, hi) if k not in in_attr]
+    explicit_inst = (toks[plain[0]].text == "template" and len(plain) > 1 and toks[plain[1]].text != "<")
+    host = _host_name(toks, lo, hi)
+    if explicit_inst:
+        # template [[host_name("x")]] [[kernel]] decltype(f<...>) f<...>;   or   ... void f<...>(params);
+        k = plain[1]
+        if toks[k].text == "decltype":
+            close = _match(toks, k + 1, "(", ")")
+            fexpr = text[toks[close + 1].start : toks[hi - 1].end].strip()
+        else:
+            # find the declarator: last "name<...>" before the parameter list
+            po = next((m for m in plain[1:] if toks[m].text == "("), None)
+            if po is None:
+                raise StageError("cannot parse kernel instantiation")
+            q = po - 1
+            if toks[q].text == ">":
+                depth = 0
+                while q > lo:
+                    if toks[q].text == ">":
+                        depth += 1
+                    elif toks[q].text == "<":
+                        depth -= 1
+                        if depth == 0:
+                            break
+                    q -= 1
+                q -= 1
+            while q - 2 >= lo and toks[q - 1].text == "::":
+                q -= 2
+            fexpr = text[toks[q].start : toks[po - 1].end].strip()
+        base = re.sub(r"<.*", "", fexpr).strip().split("::")[-1]
+        params = templates.get(base)
+        if params is None:
+            raise StageError(f"kernel instantiation {host or fexpr}: no template kernel named {base!r} seen before it")
+        if fexpr.startswith("::"):
+            qual = fexpr
+        elif "::" in re.sub(r"<.*", "", fexpr):
+            qual = fexpr
+        else:
+            qual = ns + fexpr
+        name = host or fexpr
+        kernels.append(KernelInfo(name, f"__msim_entry_{len(kernels)}", qual, params))
+        return
+    # definition or declaration: find the name before the first top-level '('
+    po = next((m for m in plain if toks[m].text == "("), None)
+    if po is None or toks[po - 1].kind != "id":
+        raise StageError("cannot parse kernel declaration near " + " ".join(toks[m].text for m in plain[:12]))
+    fname = toks[po - 1].text
+    pc = _match(toks, po, "(", ")")
+    params = _parse_params(toks, po + 1, pc, fname)
+    is_template = toks[plain[0]].text == "template"
+    if is_template:
+        templates[fname] = params
+        return
+    if not body:
+        return  # a prototype; the definition registers it
+    kernels.append(KernelInfo(host or fname, f"__msim_entry_{len(kernels)}", ns + fname, params))
+
+
+_TG_DECL = re.compile(r"threadgroup\s+(?P<type>[\w:<>,\s]+?)\s+(?P<name>\w+)\s*(?P<dims>(?:\[[^\]\[;]*\]\s*)*);", re.S)
+
+
+def _rewrite_tg_decls(toks, lo, hi, ed, tg_id, text):
+    """Rewrite `threadgroup T x[N]...;` statements in a function body to arena references."""
+    for k in range(lo, hi):
+        t = toks[k]
+        if t.kind != "id" or t.text != "threadgroup":
+            continue
+        prev = toks[k - 1].text if k > 0 else ";"
+        if prev not in (";", "{", "}", ")", ":") and not (toks[k - 1].kind == "pp"):
+            continue  # e.g. a cast "(threadgroup T*)p" or a parameter/qualifier
+        if prev == ")" :
+            # "if (...) threadgroup ..." is not a declaration context we support; skip casts like ")threadgroup"
+            continue
+        m = _TG_DECL.match(text, t.start)
+        if not m or m.end() > toks[hi].start:
+            continue
+        typ, name, dims = m.group("type").strip(), m.group("name"), re.sub(r"\s+", "", m.group("dims"))
+        if typ in ("const",) or typ.endswith("*") or "(" in typ:
+            continue
+        new = f'auto &{name} = __msim_tg<{typ}{dims}>({tg_id}, "{name}");'
+        # keep line structure
+        new += "\n" * text[m.start() : m.end()].count("\n")
+        ed.replace_span(m.start(), m.end(), new)
+        tg_id += 1
+    return tg_id
+
+
+_FC_TYPES = {"bool", "char", "uchar", "short", "ushort", "int", "uint", "long", "ulong", "half", "float", "bfloat",
+             "int8_t", "uint8_t", "int16_t", "uint16_t", "int32_t", "uint32_t", "int64_t", "uint64_t", "size_t"}
+
+
+def _maybe_constant(toks, lo, hi, ed, fcs, fc_names, text):
+    """Namespace-scope `constant T name [[function_constant(i)]];` and constants derived from them."""
+    if hi - lo < 3 or toks[lo].text != "constant":
+        return
+    groups = _attr_groups(toks, lo, hi)
+    fc_index = None
+    for gi, gj in groups:
+        for nm, args in _attr_items(toks, gi, gj):
+            if nm == "function_constant":
+                fc_index = int(args, 0)
+    if fc_index is not None:
+        name_tok = toks[groups[0][0] - 1]
+        typ = text[toks[lo + 1].start : name_tok.start].strip()
+        name = name_tok.text
+        fcs.append(FunctionConstant(name, fc_index, typ))
+        fc_names.add(name)
+        ed.replace_span(toks[lo].start, toks[hi].end,
+                   f"static constexpr __msim_fc<{typ}, {fc_index}> {name}{{}};")
+        return
+    # constant T name = init;  with init referring to function constants: evaluate lazily
+    eq = next((k for k in range(lo, hi) if toks[k].text == "="), None)
+    if eq is None:
+        return
+    init_ids = {toks[k].text for k in range(eq + 1, hi) if toks[k].kind == "id"}
+    if not (init_ids & fc_names or "is_function_constant_defined" in init_ids):
+        return
+    name = toks[eq - 1].text
+    typ = text[toks[lo + 1].start : toks[eq - 1].start].strip()
+    init = text[toks[eq + 1].start : toks[hi - 1].end]
+    fc_names.add(name)
+    ed.replace_span(toks[lo].start, toks[hi].end,
+               f"struct __msim_lazy_{name} {{ MSIM_INLINE operator {typ}() const {{ return ({typ})({init}); }} }}; "
+               f"static constexpr __msim_lazy_{name} {name}{{}};")

@@ -1,0 +1,79 @@
+// Glue between staged MSL and the runtime: kernel entry points, builtin arguments,
+// function constants and threadgroup variables declared in kernel bodies.
+#pragma once
+
+// Kernel parameter sources; the staging pass emits one code per parameter: kind * 1000 + index.
+enum { __MSIM_K_BUF = 0, __MSIM_K_TGA = 1, __MSIM_K_BI = 2 };
+enum {
+  __MSIM_TPIG, __MSIM_TGPIG, __MSIM_TPITG, __MSIM_TPTG, __MSIM_TGPG, __MSIM_TPG, __MSIM_TIITG,
+  __MSIM_LANE, __MSIM_SGITG, __MSIM_SGPTG, __MSIM_WIDTH, __MSIM_DTPTG, __MSIM_QGITG, __MSIM_TIIQG,
+  __MSIM_QGPTG, __MSIM_ORIGIN
+};
+
+template <class A> MSIM_INLINE A __msim_bi3(const uint32_t *v) {
+  using B = std::remove_cv_t<A>;
+  using I = __msim_vinfo<B>;
+  if constexpr (I::is_vec) {
+    B r{};
+    for (int i = 0; i < I::n && i < 3; i++) r[i] = static_cast<typename I::elem>(v[i]);
+    return r;
+  } else {
+    return static_cast<B>(v[0]);
+  }
+}
+template <class A> MSIM_INLINE A __msim_bi1(uint32_t v) {
+  uint32_t w[3] = {v, 0, 0};
+  return __msim_bi3<A>(w);
+}
+
+template <class A, int S> MSIM_INLINE A __msim_arg(const msim_launch *L, const msim_thread *t) {
+  constexpr int kind = S / 1000, idx = S % 1000;
+  if constexpr (kind == __MSIM_K_BUF || kind == __MSIM_K_TGA) {
+    void *p = kind == __MSIM_K_BUF ? L->bufs[idx] : t->tgargs[idx];
+    if constexpr (std::is_pointer<A>::value) return (A)p;
+    else if constexpr (std::is_reference<A>::value) return *(std::remove_reference_t<A> *)p;
+    else return *(std::remove_cv_t<A> *)p;
+  } else {
+    switch (idx) {
+      case __MSIM_TPIG: return __msim_bi3<A>(t->tpig);
+      case __MSIM_TGPIG: return __msim_bi3<A>(t->tgpig);
+      case __MSIM_TPITG: return __msim_bi3<A>(t->tpitg);
+      case __MSIM_TPTG: return __msim_bi3<A>(t->tptg);
+      case __MSIM_TGPG: return __msim_bi3<A>(t->tgpg);
+      case __MSIM_TPG: return __msim_bi3<A>(t->tpg);
+      case __MSIM_DTPTG: return __msim_bi3<A>(t->dtptg);
+      case __MSIM_TIITG: return __msim_bi1<A>(t->tiitg);
+      case __MSIM_LANE: return __msim_bi1<A>(t->lane);
+      case __MSIM_SGITG: return __msim_bi1<A>(t->sgitg);
+      case __MSIM_SGPTG: return __msim_bi1<A>(t->sgptg);
+      case __MSIM_WIDTH: return __msim_bi1<A>(t->width);
+      case __MSIM_QGITG: return __msim_bi1<A>(t->tiitg / 4);
+      case __MSIM_TIIQG: return __msim_bi1<A>(t->tiitg % 4);
+      case __MSIM_QGPTG: return __msim_bi1<A>((t->tptg[0] * t->tptg[1] * t->tptg[2] + 3) / 4);
+      default: return __msim_bi1<A>(0);
+    }
+  }
+}
+
+template <int... S, class R, class... A>
+MSIM_INLINE void __msim_invoke(R (*f)(A...), const msim_launch *L, const msim_thread *t) {
+  static_assert(sizeof...(S) == sizeof...(A), "metalsim: kernel parameter attributes do not match the signature");
+  f(__msim_arg<A, S>(L, t)...);
+}
+
+#define MSIM_ENTRY extern "C" __attribute__((visibility("default"), flatten))
+
+// function constants: `constant T name [[function_constant(i)]];` becomes a __msim_fc<T, i>
+template <class T, int I> struct __msim_fc {
+  MSIM_INLINE operator T() const {
+    const void *p = msim_fc(I);
+    return p ? *(const T *)p : T();
+  }
+  MSIM_INLINE T __get() const { return (T) * this; }
+};
+template <class T, int I> MSIM_INLINE bool is_function_constant_defined(const __msim_fc<T, I> &) { return msim_fc(I) != nullptr; }
+
+// `threadgroup T name[N];` in a kernel body becomes a reference into the group's arena
+template <class A> MSIM_INLINE threadgroup A &__msim_tg(int id, const char *name) {
+  return *(threadgroup A *)msim_tg_var(id, sizeof(A), alignof(A), name);
+}

@@ -1,0 +1,220 @@
+// Scalar, vector and packed types; value conversions; as_type; numeric_limits; traits.
+#pragma once
+
+typedef _Float16 half;
+typedef __bf16 bfloat;
+typedef unsigned char uchar;
+typedef unsigned short ushort;
+typedef unsigned int uint;
+typedef unsigned long ulong;
+
+template <class T, int N> using vec = T __attribute__((ext_vector_type(N)));
+
+#define MSIM_VEC_TYPES(T)       \
+  typedef vec<T, 2> T##2;       \
+  typedef vec<T, 3> T##3;       \
+  typedef vec<T, 4> T##4;       \
+  typedef vec<T, 8> T##8;       \
+  typedef vec<T, 16> T##16;
+MSIM_VEC_TYPES(bool)
+MSIM_VEC_TYPES(char)
+MSIM_VEC_TYPES(uchar)
+MSIM_VEC_TYPES(short)
+MSIM_VEC_TYPES(ushort)
+MSIM_VEC_TYPES(int)
+MSIM_VEC_TYPES(uint)
+MSIM_VEC_TYPES(long)
+MSIM_VEC_TYPES(ulong)
+MSIM_VEC_TYPES(half)
+MSIM_VEC_TYPES(float)
+MSIM_VEC_TYPES(bfloat)
+
+// ---- element info for scalars, vectors and packed types ----
+template <class T> struct __msim_vinfo { using elem = T; static constexpr int n = 1; static constexpr bool is_vec = false; };
+template <class T, int N> struct __msim_vinfo<vec<T, N>> { using elem = T; static constexpr int n = N; static constexpr bool is_vec = true; };
+template <class T> struct __msim_vinfo<const T> : __msim_vinfo<T> {};
+
+// packed 3-vectors: 3 elements, element alignment (packed 2/4-vectors are aligned typedefs)
+template <class T> struct __msim_packed3 {
+  T x, y, z;
+  MSIM_INLINE T &operator[](int i) { return (&x)[i]; }
+  MSIM_INLINE const T &operator[](int i) const { return (&x)[i]; }
+  MSIM_INLINE operator vec<T, 3>() const { return vec<T, 3>{x, y, z}; }
+  MSIM_INLINE __msim_packed3 &operator=(vec<T, 3> v) { x = v.x; y = v.y; z = v.z; return *this; }
+  MSIM_INLINE vec<T, 2> xy() const { return vec<T, 2>{x, y}; }
+};
+template <class T> struct __msim_vinfo<__msim_packed3<T>> { using elem = T; static constexpr int n = 3; static constexpr bool is_vec = true; };
+
+#define MSIM_PACKED(T)                                                                 \
+  typedef T packed_##T##2 __attribute__((ext_vector_type(2), aligned(sizeof(T))));    \
+  typedef T packed_##T##4 __attribute__((ext_vector_type(4), aligned(sizeof(T))));    \
+  typedef __msim_packed3<T> packed_##T##3;
+MSIM_PACKED(char)
+MSIM_PACKED(uchar)
+MSIM_PACKED(short)
+MSIM_PACKED(ushort)
+MSIM_PACKED(int)
+MSIM_PACKED(uint)
+MSIM_PACKED(half)
+MSIM_PACKED(float)
+MSIM_PACKED(bfloat)
+static_assert(sizeof(packed_float3) == 12 && alignof(packed_float4) == 4, "packed types");
+
+// ---- value conversions: Metal's float4(h4), float4(a, b, c, d), float4(v.xy, 0, 1) ----
+// Staging rewrites T(...), (T)x and static_cast<T>(x) for vector types T into __msim_make<T>(...)
+// because a clang C-style vector cast is a bitcast while Metal's converts values.
+template <class E, class A> MSIM_INLINE void __msim_put(E *dst, int &k, const A &a) {
+  using I = __msim_vinfo<A>;
+  if constexpr (I::is_vec) {
+    for (int j = 0; j < I::n; j++) dst[k++] = static_cast<E>(a[j]);
+  } else {
+    dst[k++] = static_cast<E>(a);
+  }
+}
+template <class V, class... A> MSIM_INLINE V __msim_make(const A &...a) {
+  using I = __msim_vinfo<V>;
+  using E = typename I::elem;
+  if constexpr (!I::is_vec) {
+    static_assert(sizeof...(A) == 1, "scalar conversion takes one argument");
+    return static_cast<V>((a, ...));
+  } else if constexpr (sizeof...(A) == 0) {
+    V r{};
+    return r;
+  } else {
+    constexpr int given = (0 + ... + __msim_vinfo<A>::n);
+    E tmp[I::n > given ? I::n : given];
+    int k = 0;
+    (__msim_put<E>(tmp, k, a), ...);
+    if constexpr (given == 1) {
+      for (int i = 1; i < I::n; i++) tmp[i] = tmp[0];
+    } else {
+      static_assert(given == I::n, "vector constructor: wrong number of components");
+    }
+    V r;
+    for (int i = 0; i < I::n; i++) r[i] = tmp[i];
+    return r;
+  }
+}
+
+// ---- as_type: reinterpret the bits ----
+template <class T, class U> MSIM_INLINE T as_type(const U &u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type: sizes differ");
+  T t;
+  __builtin_memcpy(&t, &u, sizeof(T));
+  return t;
+}
+
+// bfloat conversion helper missing from Debian's libgcc 12 (round to nearest even)
+extern "C" __attribute__((weak)) __bf16 __truncsfbf2(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  uint16_t h;
+  if ((u & 0x7fffffffu) > 0x7f800000u) h = (uint16_t)((u >> 16) | 0x40u);
+  else h = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  __bf16 r;
+  __builtin_memcpy(&r, &h, 2);
+  return r;
+}
+
+namespace metal {
+using ::half;
+using ::bfloat;
+using ::as_type;
+using ::vec;
+
+// ---- type traits: std's, with half and bfloat added where std lacks them ----
+using std::integral_constant;
+using std::true_type;
+using std::false_type;
+using std::bool_constant;
+using std::is_same;
+using std::enable_if;
+using std::enable_if_t;
+using std::conditional;
+using std::conditional_t;
+using std::remove_cv;
+using std::remove_cv_t;
+using std::remove_const;
+using std::remove_const_t;
+using std::remove_reference;
+using std::remove_reference_t;
+using std::remove_pointer;
+using std::remove_pointer_t;
+using std::decay;
+using std::decay_t;
+using std::is_integral;
+using std::is_integral_v;
+using std::is_unsigned;
+using std::is_unsigned_v;
+using std::is_pointer;
+using std::is_pointer_v;
+using std::is_convertible;
+using std::is_convertible_v;
+using std::make_unsigned;
+using std::make_unsigned_t;
+using std::make_signed;
+using std::make_signed_t;
+using std::is_class;
+using std::is_void;
+using std::is_const;
+using std::is_empty;
+using std::declval;
+using std::is_trivially_copyable;
+template <class T, class U> inline constexpr bool is_same_v = std::is_same<T, U>::value;
+template <class T> struct is_floating_point : std::is_floating_point<T> {};
+template <> struct is_floating_point<half> : true_type {};
+template <> struct is_floating_point<bfloat> : true_type {};
+template <class T> struct is_floating_point<const T> : is_floating_point<T> {};
+template <class T> inline constexpr bool is_floating_point_v = is_floating_point<T>::value;
+template <class T> struct is_arithmetic : bool_constant<std::is_arithmetic<T>::value || is_floating_point<T>::value> {};
+template <class T> inline constexpr bool is_arithmetic_v = is_arithmetic<T>::value;
+template <class T> struct is_scalar : bool_constant<std::is_scalar<T>::value || is_floating_point<T>::value> {};
+template <class T> inline constexpr bool is_scalar_v = is_scalar<T>::value;
+template <class T> struct is_signed : bool_constant<std::is_signed<T>::value || is_floating_point<T>::value> {};
+template <class T> inline constexpr bool is_signed_v = is_signed<T>::value;
+template <class T> struct is_vector : bool_constant<__msim_vinfo<T>::is_vec> {};
+template <class T> inline constexpr bool is_vector_v = is_vector<T>::value;
+template <class T> struct vec_elements : integral_constant<int, __msim_vinfo<T>::n> {};
+template <class T> inline constexpr int vec_elements_v = vec_elements<T>::value;
+template <class T> struct make_scalar { using type = typename __msim_vinfo<T>::elem; };
+template <class T> using make_scalar_t = typename make_scalar<T>::type;
+template <class T> struct remove_address_space { using type = T; };
+template <class T> using remove_address_space_t = T;
+
+// ---- numeric_limits ----
+template <class T> struct numeric_limits : std::numeric_limits<T> {};
+template <> struct numeric_limits<half> {
+  static constexpr bool is_specialized = true, is_signed = true, is_integer = false, has_infinity = true,
+                        has_quiet_NaN = true;
+  static constexpr int digits = 11;
+  static constexpr half min() { return (half)6.103515625e-05f; }
+  static constexpr half max() { return (half)65504.0f; }
+  static constexpr half lowest() { return (half)-65504.0f; }
+  static constexpr half epsilon() { return (half)0.0009765625f; }
+  static constexpr half infinity() { return (half)__builtin_inff(); }
+  static constexpr half quiet_NaN() { return (half)__builtin_nanf(""); }
+  static constexpr half denorm_min() { return (half)5.9604644775390625e-08f; }
+};
+template <> struct numeric_limits<bfloat> {
+  static constexpr bool is_specialized = true, is_signed = true, is_integer = false, has_infinity = true,
+                        has_quiet_NaN = true;
+  static constexpr int digits = 8;
+  static constexpr bfloat min() { return (bfloat)1.17549435e-38f; }
+  static constexpr bfloat max() { return (bfloat)3.38953139e38f; }
+  static constexpr bfloat lowest() { return (bfloat)-3.38953139e38f; }
+  static constexpr bfloat epsilon() { return (bfloat)0.0078125f; }
+  static constexpr bfloat infinity() { return (bfloat)__builtin_inff(); }
+  static constexpr bfloat quiet_NaN() { return (bfloat)__builtin_nanf(""); }
+  static constexpr bfloat denorm_min() { return (bfloat)9.18354962e-41f; }
+};
+template <class T> struct numeric_limits<const T> : numeric_limits<T> {};
+
+// small utilities some kernels use
+template <class T, size_t N> struct array {
+  T _v[N];
+  MSIM_INLINE T &operator[](size_t i) { return _v[i]; }
+  MSIM_INLINE const T &operator[](size_t i) const { return _v[i]; }
+  static constexpr size_t size() { return N; }
+};
+template <class A, class B> struct pair { A first; B second; };
+}  // namespace metal
