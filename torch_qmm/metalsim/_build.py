@@ -134,6 +134,17 @@ def preprocess(clang: str, source: str, filename: str, defines, include_dirs) ->
     return out
 
 
+def _resolve_indices(so: Path, meta: dict) -> None:
+    """Attribute indices written as named constants ([[buffer(BUF_W)]]) are read back from the library."""
+    import ctypes
+
+    dll = ctypes.CDLL(str(so))
+    for k in meta["kernels"]:
+        codes = (ctypes.c_int * (len(k["params"]) + 1)).in_dll(dll, k["symbol"] + "_codes")
+        for p, c in zip(k["params"], codes):
+            p["index"] = c % 1000
+
+
 def build(source: str, filename, defines, include_dirs, instrumented: bool):
     """Returns (path to .so, staging metadata dict)."""
     clang = find_clang()
@@ -166,6 +177,7 @@ def build(source: str, filename, defines, include_dirs, instrumented: bool):
             cmd += INSTR
         cmd += ["-shared", str(cpp), "-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
         _run(cmd, "compiling the staged Metal source")
+        _resolve_indices(out, meta)
         if os.environ.get("TORCH_QMM_METALSIM_KEEP"):
             shutil.copy(cpp, d / f"{key}.staged.cpp")
         shutil.copy(out, so.with_suffix(f".tmp{os.getpid()}"))

@@ -84,8 +84,9 @@ class Param:
     optional: bool = False  # guarded by [[function_constant(...)]]
 
     @property
-    def code(self) -> int:
-        return {"buffer": 0, "threadgroup": 1, "builtin": 2}[self.kind] * 1000 + self.index
+    def code(self) -> str:
+        """C++ constant expression: kind * 1000 + index (the index may be a named constant)."""
+        return f"{ {'buffer': 0, 'threadgroup': 1, 'builtin': 2}[self.kind] * 1000} + ({self.index})"
 
 
 @dataclasses.dataclass
@@ -278,9 +279,9 @@ def _parse_params(toks, lo, hi, fname):
         p = None
         for name, args in attrs:
             if name == "buffer":
-                p = Param(pname, "buffer", int(args, 0), f"buffer({args})")
+                p = Param(pname, "buffer", _index(args), f"buffer({args})")
             elif name == "threadgroup":
-                p = Param(pname, "threadgroup", int(args, 0), f"threadgroup({args})")
+                p = Param(pname, "threadgroup", _index(args), f"threadgroup({args})")
             elif name in BUILTINS:
                 p = Param(pname, "builtin", BUILTINS[name], name)
             elif name == "function_constant" and p is not None:
@@ -295,6 +296,14 @@ def _parse_params(toks, lo, hi, fname):
                              f"builtin attribute")
         params.append(p)
     return params
+
+
+def _index(args: str):
+    """An attribute index: an int, or a C++ constant expression resolved after compiling."""
+    try:
+        return int(args, 0)
+    except ValueError:
+        return args
 
 
 def _unary_end(toks, i):
@@ -486,6 +495,8 @@ def stage(text: str) -> Staged:
         codes = ", ".join(str(p.code) for p in kinfo.params)
         lines.append(f"MSIM_ENTRY void {kinfo.symbol}(const msim_launch *L, const msim_thread *t) "
                      f"{{ __msim_invoke<{codes}>(&{kinfo.function}, L, t); }}")
+        lines.append(f"extern \"C\" __attribute__((visibility(\"default\"))) const int {kinfo.symbol}_codes[] = "
+                     f"{{{codes}{', ' if codes else ''}-1}};")
     staged = ed.apply() + "\n".join(lines) + "\n"
     return Staged(staged, kernels, fcs, needs_fibers)
 
