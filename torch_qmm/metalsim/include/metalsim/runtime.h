@@ -65,7 +65,7 @@ enum { MSIM_C_SIMD = 0, MSIM_C_SHUFFLE = 1, MSIM_C_MATRIX = 2, MSIM_C_BARRIER = 
 
 /* Called by kernel code (through the shim). */
 #ifdef __cplusplus
-#define MSIM_CONVERGENT __attribute__((convergent))
+#define MSIM_CONVERGENT __attribute__((convergent, nomerge, noinline))
 #else
 #define MSIM_CONVERGENT
 #endif
