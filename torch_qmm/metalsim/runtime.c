@@ -228,7 +228,7 @@ static void tg_access(worker *w, size_t off, size_t n, int store, int atomic) {
     uint16_t other = 0;
     if (s->wep == tg->epoch && s->wtid != tid && !(atomic && s->watomic)) {
       uint32_t osg = s->wtid / 32u;
-      if (osg != sg || s->wsg == tg->sg_epoch[sg]) { conflict = "written"; other = s->wtid; }
+      if (osg != sg || s->wsg == tg->sg_epoch[sg]) { conflict = "wrote"; other = s->wtid; }
     }
     if (!conflict && store && s->rep == tg->epoch && !atomic) {
       if (s->rmany) { conflict = "read"; other = s->rtid == tid ? 0xffff : s->rtid; }
@@ -256,7 +256,8 @@ static void tg_access(worker *w, size_t off, size_t n, int store, int atomic) {
       const char *nm = tg_name(tg, off + i, &rel);
       char d[256];
       thread_desc(d, sizeof d, t);
-      record_fault(w, "read of uninitialised threadgroup memory '%s' byte %zu (never written in this threadgroup) by %s",
+      record_fault(w, "read of uninitialised threadgroup memory '%s' byte %zu (not written in this threadgroup before this read; "
+                      "a write by another thread needs a threadgroup_barrier before the read) by %s",
                    nm, rel, d);
       abort_fiber(w);
     }

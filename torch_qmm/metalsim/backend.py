@@ -1,0 +1,199 @@
+"""metalsim executor: run the torch_qmm ops' Metal kernels on metalsim, through the planner.
+
+    from torch_qmm.metalsim.backend import backend, last_launches
+    with backend():                       # or backend(check=True) for checked mode
+        y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)   # CPU tensors
+    last_launches()                       # [Launch(kernel, route, threadgroups, ..., stats)]
+
+Inside the context, calls of torch.ops.torch_qmm.{affine_qmm, affine_dequantize, affine_quantize}
+on CPU tensors are executed exactly as the MPS executor (csrc/mps/) executes them on a Mac:
+  1. `_plan_for` runs the C++ argument checks (csrc/validate.*: the same errors as the CPU ops)
+     and the planner (csrc/plan.cpp) -> launches {kernel, grid, buffer bindings, constant bytes};
+  2. each tensor is bound like setBuffer(storage buffer, storage_offset * element_size + offset);
+  3. the kernels of metal/affine.metal run on metalsim.
+The library is compiled once per process and bit width (-DTORCH_QMM_ONLY_BITS=<bits>, which
+keeps each compile small; metalsim caches the result on disk by content hash).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _api as metalsim
+
+__all__ = ["backend", "last_launches", "library", "metal_dir", "Launch"]
+
+_ops = torch.ops.torch_qmm
+
+
+def metal_dir() -> Path:
+    """The directory holding metal/affine.metal: package data when installed, else the checkout."""
+    here = Path(__file__).resolve().parent.parent  # torch_qmm/
+    for candidate in (here / "metal", here.parent / "metal"):
+        if (candidate / "affine.metal").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"torch_qmm: metal/affine.metal not found next to {here} (package data missing from the install?)"
+    )
+
+
+_libs: dict[int, Any] = {}
+_libs_lock = threading.Lock()
+
+
+def library(bits: int):
+    """The metalsim library holding every affine kernel of one bit width (compiled once)."""
+    with _libs_lock:
+        lib = _libs.get(bits)
+        if lib is None:
+            d = metal_dir()
+            lib = metalsim.compile(d / "affine.metal", defines={"TORCH_QMM_ONLY_BITS": str(bits)}, include_dirs=(str(d),))
+            _libs[bits] = lib
+        return lib
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch as run: what the planner chose and metalsim's statistics."""
+
+    kernel: str
+    route: str
+    threadgroups: tuple
+    threads_per_threadgroup: tuple
+    buffers: dict  # index -> operand name
+    stats: Any  # metalsim DispatchStats (byte counters filled when counting or checking)
+
+
+_local = threading.local()
+
+
+def last_launches() -> list[Launch]:
+    """The launches of the last op run under backend() in this thread (empty list if none)."""
+    return list(getattr(_local, "last", []))
+
+
+def _storage_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the whole storage as uint8, byte offset of t's first element): setBuffer's view of t."""
+    storage = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return storage, t.storage_offset() * t.element_size()
+
+
+def _run(op: str, tensors: list, operands: dict, bits: int, group_size: int, transpose: bool,
+         check: Optional[bool], count: bool) -> None:
+    plan = json.loads(_ops._plan_for(op, tensors, bits, group_size, transpose))
+    lib = library(bits) if plan else None
+    done = []
+    for launch in plan:
+        buffers = {}
+        for b in launch["buffers"]:
+            storage, offset = _storage_view(operands[b["operand"]])
+            buffers[b["index"]] = (storage, offset + b["byte_offset"])
+        consts = {c["index"]: np.array(c["u32"], dtype=np.uint32) for c in launch["bytes"]}
+        stats = lib.dispatch(
+            launch["kernel"],
+            buffers=buffers,
+            threadgroups=tuple(launch["threadgroups"]),
+            threads_per_threadgroup=tuple(launch["threads_per_threadgroup"]),
+            bytes=consts,
+            check=check,
+            count=count,
+        )
+        done.append(
+            Launch(
+                kernel=launch["kernel"],
+                route=launch["route"],
+                threadgroups=tuple(launch["threadgroups"]),
+                threads_per_threadgroup=tuple(launch["threads_per_threadgroup"]),
+                buffers={b["index"]: b["operand"] for b in launch["buffers"]},
+                stats=stats,
+            )
+        )
+    _local.last = done
+
+
+def _qmm(x, wq, scales, biases, bits, group_size, transpose=True, *, check=None, count=False):
+    # Validation first (same C++ checks as every backend), then shapes.
+    _ops._plan_for("qmm", [x, wq, scales, biases], bits, group_size, transpose)
+    K = x.shape[-1]
+    N = wq.shape[0] if transpose else wq.shape[1] * 32 // bits
+    x2 = x.reshape(-1, K).contiguous()
+    y = torch.zeros(x2.shape[0], N, dtype=x.dtype)
+    operands = {"x": x2, "wq": wq.contiguous(), "scales": scales.contiguous(), "biases": biases.contiguous(), "y": y}
+    _run("qmm", [x2, wq, scales, biases], operands, bits, group_size, transpose, check, count)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def _dequantize(wq, scales, biases, bits, group_size, *, check=None, count=False):
+    _ops._plan_for("dequantize", [wq, scales, biases], bits, group_size, True)
+    out = torch.zeros(wq.shape[0], wq.shape[1] * 32 // bits, dtype=scales.dtype)
+    operands = {"wq": wq.contiguous(), "scales": scales.contiguous(), "biases": biases.contiguous(), "w": out}
+    _run("dequantize", [wq, scales, biases], operands, bits, group_size, True, check, count)
+    return out
+
+
+def _quantize(w, bits, group_size, *, check=None, count=False):
+    _ops._plan_for("quantize", [w], bits, group_size, True)
+    # A kernel cannot raise: refuse non-finite weights here, as the CPU op does.
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(
+            "affine_quantize: argument 'w' contains NaN or Inf; quantization needs finite weights "
+            "(replace or clamp them first, e.g. torch.nan_to_num)"
+        )
+    K = w.shape[-1]
+    w2 = w.reshape(-1, K).contiguous()
+    rows = w2.shape[0]
+    wq = torch.zeros(rows, K * bits // 32, dtype=torch.uint32)
+    scales = torch.zeros(rows, K // group_size, dtype=w.dtype)
+    biases = torch.zeros(rows, K // group_size, dtype=w.dtype)
+    operands = {"w": w2, "wq": wq, "scales": scales, "biases": biases}
+    _run("quantize", [w2], operands, bits, group_size, True, check, count)
+    lead = tuple(w.shape[:-1])
+    return wq.reshape(lead + (K * bits // 32,)), scales.reshape(lead + (K // group_size,)), biases.reshape(
+        lead + (K // group_size,)
+    )
+
+
+class _MetalsimMode(TorchDispatchMode):
+    """Routes the torch_qmm affine ops on CPU tensors to the Metal kernels on metalsim."""
+
+    def __init__(self, check: Optional[bool], count: bool):
+        super().__init__()
+        self.check = check
+        self.count = count
+        self.handlers = {
+            _ops.affine_qmm.default: _qmm,
+            _ops.affine_dequantize.default: _dequantize,
+            _ops.affine_quantize.default: _quantize,
+        }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = self.handlers.get(func)
+        if handler is not None and all(
+            a.device.type == "cpu" for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)
+        ):
+            return handler(*args, **kwargs, check=self.check, count=self.count)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def backend(check: Optional[bool] = None, count: bool = False) -> Iterator[None]:
+    """Run torch_qmm's affine ops on CPU tensors through the Metal kernels on metalsim.
+
+    Args:
+        check: metalsim checked mode (out-of-bounds, races, uninitialized threadgroup reads,
+            barrier divergence raise metalsim.KernelFault); None: the TORCH_QMM_METALSIM_CHECK
+            environment variable decides.
+        count: fill the per-buffer byte counters of last_launches()[i].stats.
+    """
+    with _MetalsimMode(check, count):
+        yield
