@@ -88,6 +88,14 @@ COMMON = ["-std=c++17", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux
 INSTR = ["-fsanitize-coverage=bb,trace-loads,trace-stores", "-D__MSIM_INSTRUMENTED=1"]
 
 
+def opt_flag() -> str:
+    """Optimisation level of kernel builds: TORCH_QMM_METALSIM_OPT (0-3, default 2)."""
+    lvl = os.environ.get("TORCH_QMM_METALSIM_OPT", "2").strip() or "2"
+    if lvl not in ("0", "1", "2", "3", "s"):
+        raise ValueError(f"TORCH_QMM_METALSIM_OPT must be 0, 1, 2, 3 or s, got {lvl!r}")
+    return "-O" + lvl
+
+
 def _run(cmd, what):
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -150,7 +158,7 @@ def build(source: str, filename, defines, include_dirs, instrumented: bool):
     clang = find_clang()
     defines = dict(defines or {})
     pre = preprocess(clang, source, filename, defines, include_dirs)
-    key = hashlib.sha256((shim_hash() + "\0" + pre).encode()).hexdigest()[:24]
+    key = hashlib.sha256((shim_hash() + "\0" + opt_flag() + "\0" + pre).encode()).hexdigest()[:24]
     d = cache_dir()
     meta_path = d / f"{key}.json"
     so = d / f"{key}{'-instr' if instrumented else ''}.so"
@@ -172,7 +180,7 @@ def build(source: str, filename, defines, include_dirs, instrumented: bool):
         cpp = Path(td) / "staged.cpp"
         cpp.write_text('#include <metal_stdlib>\n' + staged.source)
         out = Path(td) / "kernels.so"
-        cmd = [clang, "-x", "c++", *COMMON, "-O2", "-I", str(INCLUDE)]
+        cmd = [clang, "-x", "c++", *COMMON, opt_flag(), "-I", str(INCLUDE)]
         if instrumented:
             cmd += INSTR
         cmd += ["-shared", str(cpp), "-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
