@@ -16,4 +16,5 @@ TORCH_LIBRARY(torch_qmm, m) {
   m.def(
       "affine_qmm(Tensor x, Tensor wq, Tensor scales, Tensor biases, int bits, int group_size, "
       "bool transpose=True) -> Tensor");
+  m.def("gguf_qmm(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> Tensor");
 }

@@ -99,3 +99,23 @@ def quantized_matmul(
         y [..., N] in x's dtype, accumulated in float32.
     """
     return _ops.affine_qmm(x, wq, scales, biases, bits, group_size, transpose)
+
+
+@torch.library.register_fake("torch_qmm::gguf_qmm")
+def _gguf_qmm_fake(x, blocks, ggml_type: int, N: int, K: int):
+    # Shapes only: y [..., N] in x's dtype.
+    return x.new_empty(tuple(x.shape[:-1]) + (N,))
+
+
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int) -> torch.Tensor:
+    """y = x @ W.T with W [N, K] stored as GGUF blocks (Q4_K = 12, Q6_K = 14), decoded in-kernel.
+
+    Args:
+        x: float32/float16/bfloat16 [..., K], K a multiple of 256.
+        blocks: uint8 [N, K/256 * block_bytes] (144 bytes per Q4_K super-block, 210 per Q6_K),
+            each row the super-blocks of one row of W as llama.cpp writes them.
+
+    Returns:
+        y [..., N] in x's dtype, accumulated in float32.
+    """
+    return _ops.gguf_qmm(x, blocks, ggml_type, N, K)

@@ -1,0 +1,146 @@
+// CPU gguf_qmm: y[..., N] = x[..., K] @ W.T, W [N, K] given as GGUF K-quant blocks (Q4_K, Q6_K).
+//
+// Small M: each task owns rows of W; a super-block is decoded once to 256 floats and reused for
+// every row of x (the decode is the costly part, as in the affine fused path of qmm.cpp).
+// Large M: rows of W are decoded in blocks to float32 and multiplied with a BLAS GEMM.
+// Accumulation is float32 throughout. Block layouts: csrc/gguf_format.h.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "../gguf_format.h"
+#include "../gguf_validate.h"
+
+namespace torch_qmm {
+namespace {
+
+using gguf::BlockQ4K;
+using gguf::BlockQ6K;
+using gguf::kQK_K;
+
+// Same crossover as affine_qmm (csrc/cpu/qmm.cpp): from 16 rows of x a GEMM on decoded tiles wins.
+constexpr int64_t kGemmMinRows = 16;
+constexpr int64_t kGemmBlockRows = 256;
+
+inline float half_to_float(uint16_t bits) { return float(c10::Half(bits, c10::Half::from_bits())); }
+
+// After llama.cpp dequantize_row_q4_K: 4 chunks of 64 weights, low then high nibbles.
+void decode_q4_K(const uint8_t* raw, float* y) {
+  BlockQ4K b;
+  std::memcpy(&b, raw, sizeof b);  // blocks are byte-aligned inside a row
+  const float d = half_to_float(b.d), dmin = half_to_float(b.dmin);
+  for (int c = 0; c < 4; ++c) {
+    const gguf::ScaleMin lo = gguf::q4k_scale_min(2 * c, b.scales);
+    const gguf::ScaleMin hi = gguf::q4k_scale_min(2 * c + 1, b.scales);
+    const float d1 = d * float(lo.scale), m1 = dmin * float(lo.min);
+    const float d2 = d * float(hi.scale), m2 = dmin * float(hi.min);
+    const uint8_t* q = b.qs + 32 * c;
+    float* yc = y + 64 * c;
+    for (int l = 0; l < 32; ++l) {
+      yc[l] = d1 * float(q[l] & 0xF) - m1;
+      yc[l + 32] = d2 * float(q[l] >> 4) - m2;
+    }
+  }
+}
+
+// After llama.cpp dequantize_row_q6_K: 2 halves of 128 weights, 4 interleaved runs of 32.
+void decode_q6_K(const uint8_t* raw, float* y) {
+  BlockQ6K b;
+  std::memcpy(&b, raw, sizeof b);
+  const float d = half_to_float(b.d);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b.ql + 64 * h;
+    const uint8_t* qh = b.qh + 32 * h;
+    const int8_t* sc = b.scales + 8 * h;
+    float* yh = y + 128 * h;
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = int((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = int((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = int((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = int((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      yh[l] = d * float(sc[is + 0]) * float(q1);
+      yh[l + 32] = d * float(sc[is + 2]) * float(q2);
+      yh[l + 64] = d * float(sc[is + 4]) * float(q3);
+      yh[l + 96] = d * float(sc[is + 6]) * float(q4);
+    }
+  }
+}
+
+using DecodeFn = void (*)(const uint8_t*, float*);
+
+DecodeFn decoder_for(int64_t ggml_type) { return ggml_type == gguf::kTypeQ4_K ? decode_q4_K : decode_q6_K; }
+
+void qmm_fused(const float* xf, const uint8_t* blocks, float* yf, int64_t M, int64_t N, int64_t K,
+               int64_t bytes_per_block, DecodeFn decode) {
+  const int64_t nb = K / kQK_K;
+  const int64_t row_bytes = nb * bytes_per_block;
+  at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+    float w[kQK_K];
+    std::vector<float> acc(M);
+    for (int64_t n = n0; n < n1; ++n) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const uint8_t* row = blocks + n * row_bytes;
+      for (int64_t b = 0; b < nb; ++b) {
+        decode(row + b * bytes_per_block, w);  // once per super-block, reused for all M rows of x
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xb = xf + m * K + b * kQK_K;
+          float s = 0.0f;
+          for (int j = 0; j < kQK_K; ++j) s += w[j] * xb[j];
+          acc[m] += s;
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) yf[m * N + n] = acc[m];
+    }
+  });
+}
+
+void decode_rows(const uint8_t* blocks, float* dst, int64_t r0, int64_t r1, int64_t K, int64_t bytes_per_block,
+                 DecodeFn decode) {
+  const int64_t nb = K / kQK_K;
+  const int64_t row_bytes = nb * bytes_per_block;
+  at::parallel_for(r0, r1, 4, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      for (int64_t j = 0; j < nb; ++j) decode(blocks + r * row_bytes + j * bytes_per_block, dst + (r - r0) * K + j * kQK_K);
+  });
+}
+
+at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_t ggml_type, int64_t N, int64_t K) {
+  check_gguf_qmm(x, blocks_in, ggml_type, N, K);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  const int64_t M = x.numel() / K;
+  if (M == 0 || N == 0) return at::zeros(out_shape, x.options());
+
+  const at::Tensor blocks = blocks_in.contiguous();
+  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  at::Tensor yf = at::empty({M, N}, xf.options());
+  const auto* w = blocks.data_ptr<uint8_t>();
+  const int64_t bpb = gguf::block_bytes(ggml_type);
+  const DecodeFn decode = decoder_for(ggml_type);
+  if (M < kGemmMinRows) {
+    qmm_fused(xf.data_ptr<float>(), w, yf.data_ptr<float>(), M, N, K, bpb, decode);
+  } else {
+    at::Tensor wf = at::empty({std::min(kGemmBlockRows, N), K}, xf.options());
+    for (int64_t r0 = 0; r0 < N; r0 += kGemmBlockRows) {
+      const int64_t r1 = std::min(N, r0 + kGemmBlockRows);
+      decode_rows(w, wf.data_ptr<float>(), r0, r1, K, bpb, decode);
+      yf.narrow(1, r0, r1 - r0).copy_(at::mm(xf, wf.narrow(0, 0, r1 - r0).t()));
+    }
+  }
+  return yf.to(x.scalar_type()).reshape(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_qmm, CPU, m) { m.impl("gguf_qmm", &gguf_qmm_cpu); }
+
+}  // namespace torch_qmm

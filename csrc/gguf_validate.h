@@ -1,0 +1,11 @@
+// Argument checks of gguf_qmm, shared by every backend (CPU now, MPS later).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace torch_qmm {
+
+// Checks x [..., K], blocks uint8 [N, K/256 * block_bytes(ggml_type)], ggml_type, N, K.
+void check_gguf_qmm(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N, int64_t K);
+
+}  // namespace torch_qmm

@@ -1,0 +1,67 @@
+"""Test data for GGUF: valid random K-quant blocks and GGUF files written with gguf.GGUFWriter.
+
+gguf-py cannot quantize to Q4_K / Q6_K, so K-quant blocks are random bytes with realistic f16
+super-block scales: every byte pattern is a valid block, and gguf.quants.dequantize decodes it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+
+
+def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, k/256 * block_bytes] of valid blocks with small finite f16 scales."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    _, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    blocks = rng.integers(0, 256, size=(n, k // 256, block_bytes), dtype=np.uint8)
+    if ggml_type == Q4_K:  # d, dmin at bytes 0..3
+        blocks[..., 0:2] = rng.uniform(2e-4, 4e-3, (n, k // 256, 1)).astype("<f2").view(np.uint8)
+        blocks[..., 2:4] = rng.uniform(1e-4, 2e-3, (n, k // 256, 1)).astype("<f2").view(np.uint8)
+    elif ggml_type == Q6_K:  # d at bytes 208..209
+        blocks[..., 208:210] = rng.uniform(1e-4, 2e-3, (n, k // 256, 1)).astype("<f2").view(np.uint8)
+    else:
+        raise ValueError(f"no random generator for {ggml_type.name}")
+    return blocks.reshape(n, -1)
+
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]], arch: str = "llama",
+               metadata: dict | None = None) -> None:
+    """tensors: name -> (array, raw type or None for a float array stored as is)."""
+    writer = GGUFWriter(str(path), arch)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_string(key, value)
+    for name, (array, raw_type) in tensors.items():
+        if raw_type is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, array, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _shared_conftest():
+    # tests/conftest.py holds the tolerance rule; loaded by path because `import conftest` resolves
+    # to whichever conftest.py (tests/ or tests/metalsim/) pytest imported first.
+    spec = importlib.util.spec_from_file_location("_torch_qmm_tests_conftest", Path(__file__).with_name("conftest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+assert_matches_reference = _shared_conftest().assert_matches_reference

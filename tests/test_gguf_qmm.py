@@ -1,0 +1,112 @@
+"""gguf_qmm: the native Q4_K / Q6_K op, checked against gguf.quants.dequantize (the gguf package's
+decoder) with a float64 matmul, and its bad-input errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
+
+from gguf_helpers import assert_matches_reference, Q4_K, Q6_K, random_k_blocks
+from torch_qmm.interop import GGUFLinear
+from torch_qmm.interop.gguf_types import NATIVE_TYPES, block_info
+from torch_qmm.ops import gguf_matmul
+
+SHAPES = [(1, 256), (7, 512), (33, 768), (130, 256)]  # (N, K): odd N, several super-blocks
+
+
+def _case(ggml_type, n, k, seed=0):
+    rng = np.random.default_rng(seed)
+    blocks = random_k_blocks(ggml_type, n, k, rng)
+    w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()  # [n, k]
+    return torch.from_numpy(blocks), w
+
+
+def test_block_geometry_agrees_with_gguf_package():
+    assert NATIVE_TYPES == (int(Q4_K), int(Q6_K))
+    for t in (Q4_K, Q6_K):
+        assert block_info(int(t)) == GGML_QUANT_SIZES[t]
+
+
+@pytest.mark.parametrize(
+    "ggml_type,shape,m,dtype",
+    list(itertools.product([Q4_K, Q6_K], SHAPES, [1, 3, 17], [torch.float32, torch.float16, torch.bfloat16])),
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_gguf_qmm_matches_gguf_dequantize(ggml_type, shape, m, dtype):
+    n, k = shape
+    blocks, w = _case(ggml_type, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    y = gguf_matmul(x, blocks, int(ggml_type), n, k)
+    xd = x.double()
+    assert_matches_reference(y, xd @ w.T, xd.abs() @ w.abs().T, dtype, f"{ggml_type.name} M={m} N={n} K={k}")
+
+
+def test_gguf_qmm_batched_and_strided_input():
+    blocks, w = _case(Q4_K, 9, 512)
+    x = torch.randn(2, 5, 1024)[..., ::2]  # [2, 5, 512], non-contiguous
+    y = gguf_matmul(x, blocks, int(Q4_K), 9, 512)
+    xd = x.double()
+    assert_matches_reference(y, xd @ w.T, xd.abs() @ w.abs().T, torch.float32, "batched")
+
+
+def test_gguf_linear_holds_the_blocks_and_adds_bias():
+    blocks, w = _case(Q6_K, 5, 256)
+    layer = GGUFLinear(256, 5, int(Q6_K), bias=True)
+    layer.blocks.copy_(blocks)
+    layer.bias.copy_(torch.arange(5.0))
+    x = torch.randn(3, 256)
+    xd = x.double()
+    assert_matches_reference(layer(x), xd @ w.T + torch.arange(5.0).double(), xd.abs() @ w.abs().T + 5,
+                             torch.float32, "GGUFLinear")
+    assert set(layer.state_dict()) == {"blocks", "bias"}
+
+
+def test_gguf_qmm_opcheck_and_compile():
+    blocks, _ = _case(Q4_K, 3, 256)
+    x = torch.randn(2, 256)
+    torch.library.opcheck(torch.ops.torch_qmm.gguf_qmm, (x, blocks, int(Q4_K), 3, 256))
+    compiled = torch.compile(lambda a: gguf_matmul(a, blocks, int(Q4_K), 3, 256), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), gguf_matmul(x, blocks, int(Q4_K), 3, 256))
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+def test_unsupported_ggml_type_lists_the_supported_ones():
+    blocks, _ = _case(Q4_K, 3, 256)
+    with pytest.raises(ValueError, match=r"'ggml_type' must be one of 12 \(Q4_K\), 14 \(Q6_K\), got 13"):
+        gguf_matmul(torch.randn(1, 256), blocks, 13, 3, 256)
+    with pytest.raises(ValueError, match=r"got 8 \(Q8_0: convert it to the affine format"):
+        gguf_matmul(torch.randn(1, 256), blocks, 8, 3, 256)
+
+
+def test_blocks_shape_disagreeing_with_n_k_is_an_error():
+    blocks, _ = _case(Q4_K, 3, 512)
+    with pytest.raises(ValueError, match=r"'blocks' must have shape \[N, K/256\*144\] = \[4, 288\]"):
+        gguf_matmul(torch.randn(1, 512), blocks, int(Q4_K), 4, 512)
+    with pytest.raises(ValueError, match=r"= \[3, 420\]"):  # Q4_K bytes read as Q6_K
+        gguf_matmul(torch.randn(1, 512), blocks, int(Q6_K), 3, 512)
+
+
+def test_k_not_a_multiple_of_256_is_an_error():
+    with pytest.raises(ValueError, match=r"'K' must be a positive multiple of 256 \(the super-block size\), got 300"):
+        gguf_matmul(torch.randn(1, 300), torch.zeros(3, 144, dtype=torch.uint8), int(Q4_K), 3, 300)
+
+
+def test_dtype_mismatches_are_type_errors():
+    blocks, _ = _case(Q4_K, 3, 256)
+    with pytest.raises(TypeError, match="'blocks' must be uint8"):
+        gguf_matmul(torch.randn(1, 256), blocks.to(torch.int32), int(Q4_K), 3, 256)
+    with pytest.raises(TypeError, match="'x' must be float32, float16 or bfloat16, got Double"):
+        gguf_matmul(torch.randn(1, 256, dtype=torch.float64), blocks, int(Q4_K), 3, 256)
+    with pytest.raises(ValueError, match="'x' must have last dimension K=256"):
+        gguf_matmul(torch.randn(1, 512), blocks, int(Q4_K), 3, 256)
+
+
+def test_gguf_linear_rejects_unsupported_types():
+    with pytest.raises(ValueError, match=r"must be one of 12 \(Q4_K\), 14 \(Q6_K\), got 10 \(Q2_K\)"):
+        GGUFLinear(256, 4, 10)
