@@ -1,0 +1,133 @@
+"""GGUF files: lossless conversion of the 32-weight block types to the affine format (checked
+against gguf.quants.dequantize), K-quant tensors to GGUFLinear, and malformed files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+
+from gguf_helpers import assert_matches_reference, random_k_blocks, write_gguf
+from torch_qmm import reference
+from torch_qmm.interop import GGUFLinear
+from torch_qmm.interop.gguf import GGUFFile, dequantize, embedding_from_gguf, linear_from_gguf, to_affine
+from torch_qmm.interop.modules import QuantEmbedding
+from torch_qmm.nn import QuantLinear
+
+LOSSLESS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
+EXPECTED_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5}
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """One file with every type torch_qmm reads; returns (path, {name: (reference float64, type)})."""
+    rng = np.random.default_rng(0)
+    tensors, expected = {}, {}
+    for t in LOSSLESS:
+        w = rng.standard_normal((37, 192)).astype(np.float32) * 0.1
+        q = quants.quantize(w, t)
+        tensors[t.name] = (q, t)
+        expected[t.name] = (torch.from_numpy(quants.dequantize(q, t)).double(), t)
+    for t in (T.Q4_K, T.Q6_K):
+        q = random_k_blocks(t, 19, 512, rng)
+        tensors[t.name] = (q, t)
+        expected[t.name] = (torch.from_numpy(quants.dequantize(q, t)).double(), t)
+    w16 = (rng.standard_normal((11, 64)) * 0.1).astype(np.float16)
+    tensors["F16"] = (w16, None)
+    expected["F16"] = (torch.from_numpy(w16.astype(np.float64)), T.F16)
+    path = tmp_path_factory.mktemp("gguf") / "all.gguf"
+    write_gguf(path, tensors)
+    return path, expected
+
+
+@pytest.mark.parametrize("qtype", LOSSLESS, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_block_types_convert_losslessly_to_affine(gguf_file, qtype, dtype):
+    path, expected = gguf_file
+    t = GGUFFile(path).tensors[qtype.name]
+    wq, scales, biases, bits, gs = to_affine(t, dtype)
+    assert (bits, gs) == (EXPECTED_BITS[qtype], 32) and scales.dtype == dtype
+    w_ref = expected[qtype.name][0]
+    assert torch.equal(reference.dequantize(wq, scales, biases, bits, gs), w_ref)  # bit-exact decode
+    # and our kernel multiplies by exactly those weights
+    x = torch.randn(3, 192).to(dtype)
+    layer = linear_from_gguf(t, dtype=dtype)
+    assert isinstance(layer, QuantLinear)
+    xd = x.double()
+    assert_matches_reference(layer(x), xd @ w_ref.T, xd.abs() @ w_ref.abs().T, dtype, qtype.name)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quants_become_gguf_linear_with_the_file_bytes(gguf_file, qtype):
+    path, expected = gguf_file
+    t = GGUFFile(path).tensors[qtype.name]
+    layer = linear_from_gguf(t)
+    assert isinstance(layer, GGUFLinear) and layer.blocks.shape == (19, 512 // 256 * (144 if qtype == T.Q4_K else 210))
+    w_ref = expected[qtype.name][0]
+    x = torch.randn(4, 512)
+    xd = x.double()
+    assert_matches_reference(layer(x), xd @ w_ref.T, xd.abs() @ w_ref.abs().T, torch.float32, qtype.name)
+
+
+def test_float_tensors_and_embeddings(gguf_file):
+    path, expected = gguf_file
+    f = GGUFFile(path)
+    assert torch.equal(dequantize(f.tensors["F16"]).double(), expected["F16"][0])
+    emb = embedding_from_gguf(f.tensors["Q8_0"])
+    assert isinstance(emb, QuantEmbedding)
+    ids = torch.tensor([[0, 36, 5]])
+    assert torch.equal(emb(ids).double(), expected["Q8_0"][0][ids])
+    emb_k = embedding_from_gguf(f.tensors["Q4_K"])  # K-quant tables are decoded once
+    ids = torch.tensor([[0, 18, 5]])
+    assert torch.equal(emb_k(ids).double(), expected["Q4_K"][0][ids])
+
+
+def test_float16_overflow_is_reported(tmp_path):
+    # Q8_0 with d = 1024: the bias -128*d overflows float16 (exact in float32).
+    block = np.zeros((1, 34), dtype=np.uint8)
+    block[0, 0:2] = np.array([1024.0], dtype="<f2").view(np.uint8)
+    write_gguf(tmp_path / "big.gguf", {"w": (block, T.Q8_0)})
+    t = GGUFFile(tmp_path / "big.gguf").tensors["w"]
+    to_affine(t, torch.float32)
+    with pytest.raises(ValueError, match="overflow torch.float16; convert with dtype=torch.float32"):
+        to_affine(t, torch.float16)
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+def test_unsupported_gguf_type_lists_the_supported_ones(tmp_path):
+    write_gguf(tmp_path / "q2k.gguf", {"w": (np.zeros((4, 84), dtype=np.uint8), T.Q2_K)})
+    t = GGUFFile(tmp_path / "q2k.gguf").tensors["w"]
+    assert t.type_name == "Q2_K" and t.shape == (4, 256)
+    with pytest.raises(ValueError, match=r"type Q2_K; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K\)"):
+        linear_from_gguf(t)
+
+
+def test_truncated_gguf_is_a_clear_error(gguf_file, tmp_path):
+    data = gguf_file[0].read_bytes()
+    for cut, message in [(len(data) - 4096, "truncated or corrupt GGUF file"), (60, "truncated or corrupt GGUF file"),
+                         (20, "truncated GGUF file"), (3, "not a GGUF file")]:
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=message):
+            GGUFFile(tmp_path / "cut.gguf")
+
+
+def test_not_a_gguf_file(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match=r"not a GGUF file \(starts with b'PK\\x03\\x04'"):
+        GGUFFile(tmp_path / "x.gguf")
+
+
+def test_header_sizes_disagreeing_with_the_data_are_an_error(tmp_path):
+    # Rewrite the tensor-info dims of the last tensor so it claims more rows than the file holds.
+    q = quants.quantize(np.ones((4, 64), dtype=np.float32), T.Q8_0)
+    write_gguf(tmp_path / "a.gguf", {"only": (q, T.Q8_0)})
+    data = bytearray((tmp_path / "a.gguf").read_bytes())
+    at = data.index(b"only") + 4  # then: n_dims u32, ne0 u64, ne1 u64
+    assert int.from_bytes(data[at:at + 4], "little") == 2
+    data[at + 12:at + 20] = (400).to_bytes(8, "little")  # ne1 = N: 4 -> 400 rows
+    (tmp_path / "a.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="GGUF file"):
+        GGUFFile(tmp_path / "a.gguf")

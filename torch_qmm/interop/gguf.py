@@ -1,0 +1,272 @@
+"""GGUF files (read with the `gguf` package): checked tensors, lossless conversion of the
+32-weight block types to MLX's affine format, K-quant blocks for the native gguf_qmm op.
+
+Lossless conversions (group_size 32, one GGUF block = one affine group; w = scale * q + bias):
+  Q8_0  w = d * i8                 -> bits 8, q = i8 + 128 (sign bit flipped), scale d, bias -128 d
+  Q4_0  w = d * (q - 8)            -> bits 4, scale d, bias -8 d
+  Q4_1  w = d * q + m              -> bits 4, scale d, bias m
+  Q5_0  w = d * (q - 16)           -> bits 5, scale d, bias -16 d
+  Q5_1  w = d * q + m              -> bits 5, scale d, bias m
+d and m are float16 in the file, so scales/biases are exact in float32 (and in float16 unless
+-128 d overflows, which is checked); the codes are repacked from GGUF's nibble order (byte j holds
+weights j and j + 16) into MLX's little-endian bit stream.
+Q4_K and Q6_K stay as their block bytes (GGUFLinear / torch_qmm::gguf_qmm).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf import quants as gguf_quants
+from gguf.constants import GGMLQuantizationType, GGUFValueType
+
+from ..nn import QuantLinear
+from .gguf_types import (
+    AFFINE_TYPES,
+    BF16,
+    F16,
+    F32,
+    FLOAT_TYPES,
+    GGML_TYPES,
+    NATIVE_TYPES,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    SUPPORTED_TYPES,
+    block_info,
+    supported_list,
+    type_name,
+)
+from .modules import GGUFLinear, QuantEmbedding
+
+# magic, version, tensor count, metadata count (GGUF v2+).
+_MIN_HEADER_BYTES = 4 + 4 + 8 + 8
+
+__all__ = ["GGUFFile", "GGUFTensor", "dequantize", "to_affine", "to_blocks", "linear_from_gguf"]
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file. `shape` is in torch order ([N, K] for a matrix: ggml's ne reversed);
+    `raw` is its bytes, uint8 [rows, bytes per row] (a view of the memory-mapped file)."""
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]
+    raw: np.ndarray
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.ggml_type)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+
+class GGUFFile:
+    """A GGUF file with every tensor's type, shape and byte range checked against the file."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        if size < _MIN_HEADER_BYTES:
+            raise ValueError(f"{self.path}: truncated GGUF file ({size} bytes, shorter than the fixed header)")
+        try:
+            reader = GGUFReader(self.path, "r")
+        except Exception as e:  # the reader raises ValueError, KeyError, struct/numpy errors, ...
+            raise ValueError(f"{self.path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+        self.reader = reader
+        self.tensors: dict[str, GGUFTensor] = {}
+        for t in reader.tensors:
+            ggml_type = int(t.tensor_type)
+            if ggml_type not in GGML_TYPES:
+                raise ValueError(f"{self.path}: tensor {t.name!r} has unknown ggml type {ggml_type}")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            per_block, block_bytes = block_info(ggml_type)
+            numel = int(np.prod(shape)) if shape else 1
+            if shape[-1] % per_block != 0:
+                raise ValueError(
+                    f"{self.path}: tensor {t.name!r} of type {type_name(ggml_type)} has rows of {shape[-1]} values, "
+                    f"not a multiple of its block size {per_block}"
+                )
+            expected = numel // per_block * block_bytes
+            if int(t.n_bytes) != expected or t.data_offset + expected > size:
+                raise ValueError(
+                    f"{self.path}: tensor {t.name!r} ({type_name(ggml_type)}, shape {list(shape)}) needs {expected} "
+                    f"bytes at offset {t.data_offset}, but the file has {size} bytes (truncated or corrupt header)"
+                )
+            raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+            if raw.nbytes != expected:
+                raise ValueError(f"{self.path}: tensor {t.name!r}: read {raw.nbytes} bytes, expected {expected}")
+            rows = numel // shape[-1]
+            self.tensors[t.name] = GGUFTensor(t.name, ggml_type, shape, raw.reshape(rows, -1))
+
+    @property
+    def metadata(self) -> dict[str, object]:
+        """Key-value metadata as Python values (arrays of strings/numbers as lists)."""
+        out = {}
+        for name, field in self.reader.fields.items():
+            if name.startswith("GGUF.") or not field.types:
+                continue
+            try:
+                out[name] = field.contents()
+            except Exception:  # an unreadable value should not hide the others
+                out[name] = None
+        return out
+
+    def get_metadata(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None or not field.types:
+            return default
+        return field.contents()
+
+    @property
+    def architecture(self) -> str | None:
+        return self.get_metadata("general.architecture")
+
+
+def _require(t: GGUFTensor, allowed: tuple[int, ...], what: str) -> None:
+    if t.ggml_type not in allowed:
+        raise ValueError(
+            f"tensor {t.name!r} has type {t.type_name}; {what} supports "
+            f"{', '.join(type_name(a) for a in allowed)} (torch_qmm reads: {supported_list()})"
+        )
+
+
+def dequantize(t: GGUFTensor) -> torch.Tensor:
+    """float32 tensor of `t`'s shape, decoded by the gguf package (the reference decoder)."""
+    _require(t, SUPPORTED_TYPES, "dequantize")
+    if t.ggml_type == F32:
+        values = t.raw.view(np.float32)
+    elif t.ggml_type == F16:
+        values = t.raw.view(np.float16).astype(np.float32)
+    elif t.ggml_type == BF16:
+        return torch.from_numpy(t.raw.view(np.int16).copy()).view(torch.bfloat16).float().reshape(t.shape)
+    else:
+        values = gguf_quants.dequantize(t.raw, GGMLQuantizationType(t.ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(t.shape)
+
+
+def _pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes [rows, K] -> uint32 [rows, K*bits/32], each row a little-endian bit stream."""
+    rows, k = codes.shape
+    if bits == 8:
+        packed = codes.astype(np.uint8)
+    elif bits == 4:
+        packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    else:
+        stream = (codes[:, :, None] >> np.arange(bits, dtype=np.uint8)) & 1
+        packed = np.packbits(stream.reshape(rows, k * bits).astype(np.uint8), axis=1, bitorder="little")
+    return np.ascontiguousarray(packed).view("<u4").reshape(rows, k * bits // 32)
+
+
+def to_affine(
+    t: GGUFTensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Converts a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 matrix losslessly to the affine format.
+
+    Returns (wq uint32 [N, K*bits/32], scales, biases [N, K/32] in `dtype`, bits, group_size=32).
+    Exact in float32; float16 is checked for overflow; bfloat16 rounds the float16 scales.
+    """
+    _require(t, AFFINE_TYPES, "to_affine")
+    rows, k = t.raw.shape[0], t.shape[-1]
+    _, block_bytes = block_info(t.ggml_type)
+    b = t.raw.reshape(rows, k // 32, block_bytes)
+
+    def f16(lo: int) -> np.ndarray:
+        return b[..., lo:lo + 2].copy().view("<f2")[..., 0].astype(np.float64)
+
+    def nibbles(qs: np.ndarray) -> np.ndarray:  # GGUF: byte j holds weights j (low) and j + 16 (high)
+        return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+    def high_bits(lo: int) -> np.ndarray:  # Q5: bit j of the 32-bit qh is the 5th bit of weight j
+        qh = b[..., lo:lo + 4].copy().view("<u4")
+        return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+    if t.ggml_type == Q8_0:
+        bits, d = 8, f16(0)
+        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        bias = -128.0 * d
+    elif t.ggml_type == Q4_0:
+        bits, d = 4, f16(0)
+        codes, bias = nibbles(b[..., 2:18]), -8.0 * d
+    elif t.ggml_type == Q4_1:
+        bits, d = 4, f16(0)
+        codes, bias = nibbles(b[..., 4:20]), f16(2)
+    elif t.ggml_type == Q5_0:
+        bits, d = 5, f16(0)
+        codes, bias = nibbles(b[..., 6:22]) | (high_bits(2) << 4), -16.0 * d
+    else:  # Q5_1
+        bits, d = 5, f16(0)
+        codes, bias = nibbles(b[..., 8:24]) | (high_bits(4) << 4), f16(2)
+    wq = torch.from_numpy(_pack_bits(codes.reshape(rows, k), bits))
+    scales = torch.from_numpy(d).to(dtype)
+    biases = torch.from_numpy(bias).to(dtype)
+    if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
+        raise ValueError(f"tensor {t.name!r}: its scales/biases overflow {dtype}; convert with dtype=torch.float32")
+    return wq, scales, biases, bits, 32
+
+
+def to_blocks(t: GGUFTensor) -> torch.Tensor:
+    """The block bytes of a Q4_K / Q6_K matrix as uint8 [N, K/256 * block_bytes] (a copy)."""
+    _require(t, NATIVE_TYPES, "gguf_qmm")
+    return torch.from_numpy(np.array(t.raw, copy=True))
+
+
+def linear_from_gguf(
+    t: GGUFTensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The layer for a GGUF weight [N, K]: QuantLinear (32-weight block types, lossless),
+    GGUFLinear (Q4_K / Q6_K) or nn.Linear (F32 / F16 / BF16)."""
+    if len(t.shape) != 2:
+        raise ValueError(f"tensor {t.name!r}: a linear weight must be 2-D, got shape {list(t.shape)}")
+    n, k = t.shape
+    if t.ggml_type in AFFINE_TYPES:
+        wq, scales, biases, bits, gs = to_affine(t, dtype)
+        layer = QuantLinear(k, n, bias=bias is not None, bits=bits, group_size=gs, dtype=dtype)
+        layer.qweight.copy_(wq)
+        layer.scales.copy_(scales)
+        layer.biases.copy_(biases)
+    elif t.ggml_type in NATIVE_TYPES:
+        layer = GGUFLinear(k, n, t.ggml_type, bias=bias is not None, dtype=dtype)
+        layer.blocks.copy_(to_blocks(t))
+    elif t.ggml_type in FLOAT_TYPES:
+        layer = torch.nn.Linear(k, n, bias=bias is not None, dtype=dtype)
+        with torch.no_grad():
+            layer.weight.copy_(dequantize(t))
+    else:
+        _require(t, SUPPORTED_TYPES, "linear_from_gguf")
+    if bias is not None:
+        with torch.no_grad():
+            layer.bias.copy_(bias)
+    return layer
+
+
+def embedding_from_gguf(t: GGUFTensor, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The embedding for a GGUF table [vocab, dim]: QuantEmbedding for the lossless block types,
+    nn.Embedding (decoded once) for float and K-quant tables."""
+    n, k = t.shape
+    if t.ggml_type in AFFINE_TYPES:
+        wq, scales, biases, bits, gs = to_affine(t, dtype)
+        emb = QuantEmbedding(n, k, bits, gs, dtype=dtype)
+        emb.qweight.copy_(wq)
+        emb.scales.copy_(scales)
+        emb.biases.copy_(biases)
+        return emb
+    _require(t, SUPPORTED_TYPES, "embedding_from_gguf")
+    emb = torch.nn.Embedding(n, k, dtype=dtype)
+    with torch.no_grad():
+        emb.weight.copy_(dequantize(t))
+    return emb
