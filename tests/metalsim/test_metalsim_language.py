@@ -372,3 +372,24 @@ def test_bad_arguments_raise_clear_errors(lib, metalsim):
         lib.dispatch("offsets", buffers={0: y[::2], 1: y}, threadgroups=1, threads_per_threadgroup=1)
     with pytest.raises(metalsim.CompileError, match="undeclared|unknown"):
         metalsim.compile("kernel void k(device float* x [[buffer(0)]]) { x[0] = not_declared; }")
+
+
+def test_missing_compiler_error_says_how_to_install(metalsim, monkeypatch):
+    monkeypatch.setenv("TORCH_QMM_CLANG", "/nonexistent/clang-19")
+    with pytest.raises(RuntimeError, match="apt-get install -y clang-19"):
+        metalsim.compile("kernel void k(device float* x [[buffer(0)]]) { x[0] = 1; } // fresh source")
+
+
+def test_source_from_file_with_includes_defines_and_namespaces(metalsim, tmp_path):
+    (tmp_path / "helpers.h").write_text(
+        "#pragma once\n#include <metal_stdlib>\nusing namespace metal;\n"
+        "namespace ops { template <typename T> METAL_FUNC T twice(T x) { return x * T(FACTOR); } }\n")
+    (tmp_path / "k.metal").write_text(
+        '#include "helpers.h"\nnamespace ops {\n'
+        "template <typename T> [[kernel]] void apply(device T* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {\n"
+        "  x[i] = twice(x[i]) + simd_broadcast(x[i], 0);\n}\n"
+        'template [[host_name("apply_f")]] [[kernel]] void apply<float>(device float*, uint);\n}\n')
+    lib = metalsim.compile(tmp_path / "k.metal", defines={"FACTOR": 3})
+    x = np.arange(1, 9, dtype=np.float32)
+    lib.dispatch("apply_f", buffers={0: x}, threadgroups=1, threads_per_threadgroup=8)
+    np.testing.assert_array_equal(x, np.arange(1, 9) * 3 + 1)
