@@ -17,3 +17,21 @@ from ._staging import StageError
 
 __all__ = ["compile", "Library", "DispatchStats", "BufferStats", "KernelFault", "CompileError", "StageError",
            "check_enabled"]
+
+_BACKEND_NAMES = ("backend", "last_launches")
+
+
+def __getattr__(name: str):
+    # The torch executor (issue 4: `with torch_qmm.metalsim.backend(): ...`) lives in
+    # torch_qmm/metalsim_backend.py, owned by the kernels work; re-exported here lazily so the
+    # emulator core stays torch-free.
+    if name in _BACKEND_NAMES:
+        import importlib
+
+        try:
+            mod = importlib.import_module("torch_qmm.metalsim_backend")
+        except ImportError as e:
+            raise AttributeError(f"metalsim.{name} is provided by torch_qmm/metalsim_backend.py, which could not be "
+                                 f"imported: {e}") from e
+        return getattr(mod, name)
+    raise AttributeError(f"module 'metalsim' has no attribute {name!r}")
