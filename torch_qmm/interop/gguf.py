@@ -156,7 +156,7 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
         return torch.from_numpy(t.raw.view(np.int16).copy()).view(torch.bfloat16).float().reshape(t.shape)
     else:
         values = gguf_quants.dequantize(t.raw, GGMLQuantizationType(t.ggml_type))
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(t.shape)
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(t.shape)  # a writable copy
 
 
 def _pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:

@@ -1,0 +1,150 @@
+"""A llama GGUF file (written here as llama.cpp's converter writes it: names, Q/K permutation,
+metadata) loads into a transformers LlamaForCausalLM and gives the outputs of the same model with
+the file's weights as decoded by gguf.quants.dequantize."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+
+from gguf_helpers import random_k_blocks, write_gguf
+from torch_qmm.interop import GGUFLinear, QuantEmbedding, TiedQuantLinear
+from torch_qmm.interop.gguf import GGUFFile
+from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
+from torch_qmm.nn import QuantLinear
+
+transformers = pytest.importorskip("transformers")
+
+HEADS, KV_HEADS, HIDDEN, FFN, VOCAB, LAYERS = 4, 2, 256, 512, 96, 2
+
+
+def hf_model(tied: bool):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial norms so that a wrong mapping shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp convert_hf_to_gguf.py (LlamaModel.permute): rotate-half rows -> interleaved pairs.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    module, leaf = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_NAMES[module]}.{leaf}"
+
+
+def write_llama_gguf(model, path, types: dict[str, T], rng) -> dict[str, torch.Tensor]:
+    """Writes model as llama.cpp would; returns hf name -> the weights the file actually holds
+    (decoded by the gguf package, permutation undone by the test's own inverse)."""
+    config = model.config
+    tensors, held = {}, {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        w = p.detach().numpy().astype(np.float32)
+        n_head = HEADS if "q_proj" in name else KV_HEADS if "k_proj" in name else None
+        if n_head:
+            w = llama_cpp_permute(w, n_head)
+        qtype = next((t for pattern, t in types.items() if pattern in name), T.F32) if w.ndim == 2 else T.F32
+        if qtype == T.F32:
+            data, stored = w, w
+        elif qtype in (T.Q4_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
+            data = random_k_blocks(qtype, w.shape[0], w.shape[1], rng)
+            stored = quants.dequantize(data, qtype)
+        else:
+            data = quants.quantize(w, qtype)
+            stored = quants.dequantize(data, qtype)
+        tensors[gguf_name(name)] = (data, None if qtype == T.F32 else qtype)
+        if n_head:  # inverse of the permutation above, by index bookkeeping
+            index = llama_cpp_permute(np.arange(w.shape[0]), n_head)
+            stored = stored[np.argsort(index)]
+        held[name] = torch.from_numpy(np.ascontiguousarray(stored))
+    write_gguf(path, tensors, metadata={
+        "llama.block_count": LAYERS, "llama.context_length": 64, "llama.embedding_length": HIDDEN,
+        "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
+        "llama.attention.head_count_kv": KV_HEADS, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "llama.rope.freq_base": 10000.0, "llama.rope.dimension_count": HIDDEN // HEADS,
+    })
+    return held
+
+
+MIXES = {
+    "f32": {},
+    "q8_0": {"proj": T.Q8_0, "embed": T.Q8_0, "lm_head": T.Q8_0},
+    "mixed": {"q_proj": T.Q4_K, "k_proj": T.Q8_0, "v_proj": T.Q6_K, "o_proj": T.Q4_0, "gate_proj": T.Q5_1,
+              "up_proj": T.Q4_K, "down_proj": T.Q6_K, "embed": T.Q4_0, "lm_head": T.Q6_K},
+}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_llama_gguf_loads_into_transformers(tmp_path, mix, tied):
+    source = hf_model(tied)
+    held = write_llama_gguf(source, tmp_path / "m.gguf", MIXES[mix], np.random.default_rng(1))
+    f = GGUFFile(tmp_path / "m.gguf")
+
+    config = llama_config_from_gguf(f)
+    assert (config.num_key_value_heads, config.hidden_size, config.tie_word_embeddings) == (KV_HEADS, HIDDEN, tied)
+    model = transformers.LlamaForCausalLM(config).eval()
+    report = load_gguf_llama(model, f)
+
+    expected_model = hf_model(tied)  # same architecture, the file's weights
+    expected_model.load_state_dict(held, strict=False)
+    if tied:
+        expected_model.lm_head.weight = expected_model.model.embed_tokens.weight
+    ids = torch.tensor([[1, 5, 9, 95, 0, 33, 33, 2]])
+    with torch.no_grad():
+        got = model(ids).logits
+        want = expected_model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+    layer = model.model.layers[0]
+    if mix == "mixed":
+        assert isinstance(layer.self_attn.q_proj, GGUFLinear) and isinstance(layer.self_attn.k_proj, QuantLinear)
+        assert isinstance(model.model.embed_tokens, QuantEmbedding)
+        assert isinstance(model.lm_head, TiedQuantLinear if tied else GGUFLinear)
+        assert report.quantized["model.layers.0.self_attn.v_proj"] == "Q6_K"
+    elif mix == "f32":
+        assert isinstance(layer.self_attn.q_proj, torch.nn.Linear) and not report.quantized
+
+
+def test_head_count_disagreeing_with_the_file_is_an_error(tmp_path):
+    held_model = hf_model(False)
+    write_llama_gguf(held_model, tmp_path / "m.gguf", {}, np.random.default_rng(0))
+    config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    config.intermediate_size = 256
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_gate.weight' has shape \[512, 256\], model layer .* expects \[256, 256\]"):
+        load_gguf_llama(transformers.LlamaForCausalLM(config), tmp_path / "m.gguf")
+
+
+def test_non_llama_architecture_is_an_error(tmp_path):
+    write_gguf(tmp_path / "g.gguf", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)}, arch="gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not in the llama family"):
+        llama_config_from_gguf(GGUFFile(tmp_path / "g.gguf"))

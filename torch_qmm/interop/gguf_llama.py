@@ -1,0 +1,221 @@
+"""A llama-family GGUF file into a transformers model of the same architecture.
+
+Facts from llama.cpp's convert_hf_to_gguf.py and transformers' GGUF loader
+(integrations/ggml.py, integrations/gguf/gguf_conversion_mapping.py, modeling_gguf_pytorch_utils.py):
+* names: token_embd -> model.embed_tokens, output -> lm_head, output_norm -> model.norm,
+  blk.N.{attn_q,attn_k,attn_v,attn_output} -> model.layers.N.self_attn.{q,k,v,o}_proj,
+  blk.N.{ffn_gate,ffn_up,ffn_down} -> model.layers.N.mlp.{gate,up,down}_proj,
+  blk.N.attn_norm -> input_layernorm, blk.N.ffn_norm -> post_attention_layernorm (no +1 offset);
+* llama.cpp permutes the rows of attn_q (n_head heads) and attn_k (n_kv_head heads) from
+  Hugging Face's rotate-half order to interleaved pairs: rows of one head go from [2, head_dim/2]
+  to [head_dim/2, 2]. We undo it as a row permutation, so it applies unchanged to quantized rows
+  (GGUF blocks never cross rows): the file's blocks are kept, only reordered.
+* config: llama.{block_count, embedding_length, feed_forward_length, attention.head_count,
+  attention.head_count_kv, attention.layer_norm_rms_epsilon, rope.freq_base, context_length,
+  rope.dimension_count}.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..nn import QuantLinear
+from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
+from .mlx import LoadReport
+from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
+
+LLAMA_FAMILY = ("llama", "mistral")
+
+_RENAMES = [
+    (r"^token_embd\.", "model.embed_tokens."),
+    (r"^output_norm\.", "model.norm."),
+    (r"^output\.", "lm_head."),
+    (r"^blk\.(\d+)\.", r"model.layers.\1."),
+    (r"\.attn_q\.", ".self_attn.q_proj."),
+    (r"\.attn_k\.", ".self_attn.k_proj."),
+    (r"\.attn_v\.", ".self_attn.v_proj."),
+    (r"\.attn_output\.", ".self_attn.o_proj."),
+    (r"\.ffn_gate\.", ".mlp.gate_proj."),
+    (r"\.ffn_up\.", ".mlp.up_proj."),
+    (r"\.ffn_down\.", ".mlp.down_proj."),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+]
+# Tensors transformers recomputes from the config.
+_SKIPPED = ("rope_freqs.weight",)
+
+# GGUF metadata key (after "<arch>.") -> LlamaConfig field (transformers integrations/ggml.py).
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.dimension_count": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The transformers parameter name of a llama GGUF tensor (None: not a model parameter)."""
+    if gguf_name in _SKIPPED:
+        return None
+    name = gguf_name
+    for pattern, repl in _RENAMES:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
+    """Index p with hf_rows = gguf_rows[p]: undoes llama.cpp's Q/K permutation of `rows` rows."""
+    if rows % (2 * n_head) != 0:
+        raise ValueError(f"cannot undo the Q/K permutation: {rows} rows are not n_head={n_head} heads of even size")
+    # gguf row (h, i, j) [head, head_dim/2, 2] holds hf row (h, j, i) [head, 2, head_dim/2].
+    return torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def llama_config_from_gguf(f: GGUFFile):
+    """A transformers LlamaConfig from the file's metadata (and tensor shapes)."""
+    from transformers import LlamaConfig
+
+    arch = f.architecture
+    if arch not in LLAMA_FAMILY:
+        raise ValueError(f"{f.path}: architecture {arch!r} is not in the llama family {LLAMA_FAMILY}")
+    kwargs = {}
+    for key, field in _CONFIG_KEYS.items():
+        value = f.get_metadata(f"{arch}.{key}")
+        if value is not None:
+            kwargs[field] = value
+    for required in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
+        if required not in kwargs:
+            raise ValueError(f"{f.path}: metadata {arch}.* lacks what gives {required}")
+    if "token_embd.weight" not in f.tensors:
+        raise ValueError(f"{f.path}: no token_embd.weight tensor")
+    kwargs["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
+    kwargs["tie_word_embeddings"] = "output.weight" not in f.tensors
+    return LlamaConfig(**kwargs)
+
+
+def _rows_permuted(t: GGUFTensor, perm: torch.Tensor) -> GGUFTensor:
+    return GGUFTensor(t.name, t.ggml_type, t.shape, t.raw[perm.numpy()])
+
+
+def load_gguf_llama(
+    model: nn.Module,
+    path: str | os.PathLike | GGUFFile,
+    dtype: torch.dtype = torch.float32,
+    strict: bool = True,
+    progress: bool | None = None,
+) -> LoadReport:
+    """Loads a llama-family GGUF file into a transformers model (e.g. LlamaForCausalLM built from
+    `llama_config_from_gguf`), in place.
+
+    Linear weights become QuantLinear (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, lossless), GGUFLinear (Q4_K/Q6_K,
+    the file's blocks) or stay nn.Linear (F32/F16/BF16); the embedding becomes a QuantEmbedding
+    (block types) or a float table; without output.weight the output layer is tied to it.
+
+    Raises:
+        ValueError when the file disagrees with the model (names, shapes, head counts).
+    """
+    f = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    config = getattr(model, "config", None)
+    n_head = getattr(config, "num_attention_heads", None)
+    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    if n_head is None:
+        raise ValueError("the model has no config.num_attention_heads (needed to undo the Q/K permutation)")
+    model.to(dtype)
+    report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
+    biases = {hf_name(n): t for n, t in f.tensors.items() if n.endswith(".bias")}
+    loaded: set[str] = set()
+    state = model.state_dict()
+    show = progress if progress is not None else len(f.tensors) > 32
+    for gname, t in tqdm(list(f.tensors.items()), desc="loading gguf", disable=not show, unit="tensor"):
+        name = hf_name(gname)
+        if name is None or gname.endswith(".bias"):
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        perm = None
+        if ".attn_q." in gname or ".attn_k." in gname:
+            perm = unpermute_rows(t.shape[0], n_head if ".attn_q." in gname else n_kv)
+            t = _rows_permuted(t, perm)
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            if strict:
+                raise ValueError(f"{f.path}: tensor {gname!r} -> {name!r}: no such module in the model") from None
+            continue
+        report.bytes_read += t.nbytes
+        if isinstance(module, nn.Linear) and leaf == "weight":
+            if t.shape != (module.out_features, module.in_features):
+                raise ValueError(
+                    f"{f.path}: tensor {gname!r} has shape {list(t.shape)}, model layer {module_name!r} expects "
+                    f"[{module.out_features}, {module.in_features}] (config disagrees with the file)"
+                )
+            bias_t = biases.get(f"{module_name}.bias")
+            bias = dequantize(bias_t).to(dtype).reshape(-1) if bias_t is not None else None
+            if bias is not None and perm is not None:  # qwen-style q/k biases follow their rows
+                bias = bias[perm]
+            new = linear_from_gguf(t, bias=bias, dtype=dtype)
+            _replace(model, module_name, new)
+            loaded.update({name} | ({f"{module_name}.bias"} if bias is not None else set()))
+            if isinstance(new, (QuantLinear, GGUFLinear)):
+                report.quantized[module_name] = t.type_name
+            else:
+                report.float_tensors += 1
+        elif isinstance(module, nn.Embedding) and leaf == "weight":
+            if t.shape != (module.num_embeddings, module.embedding_dim):
+                raise ValueError(
+                    f"{f.path}: tensor {gname!r} has shape {list(t.shape)}, model embedding {module_name!r} expects "
+                    f"[{module.num_embeddings}, {module.embedding_dim}] (config disagrees with the file)"
+                )
+            new = embedding_from_gguf(t, dtype=dtype)
+            tied = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight is module.weight]
+            _replace(model, module_name, new)
+            if isinstance(new, QuantEmbedding):
+                report.quantized[module_name] = t.type_name
+            for out_name in tied:  # re-tie outputs that shared the float table
+                if "output.weight" in f.tensors:
+                    continue
+                if isinstance(new, QuantEmbedding):
+                    _replace(model, out_name, TiedQuantLinear(new))
+                else:
+                    model.get_submodule(out_name).weight = new.weight
+                report.tied.append(f"{out_name} -> {module_name}")
+                loaded.add(f"{out_name}.weight")
+            loaded.add(name)
+        elif name in state:
+            value = dequantize(t)
+            if tuple(value.shape) != tuple(state[name].shape):
+                raise ValueError(
+                    f"{f.path}: tensor {gname!r} has shape {list(t.shape)}, the model's {name!r} is "
+                    f"{list(state[name].shape)} (config disagrees with the file)"
+                )
+            with torch.no_grad():
+                state[name].copy_(value)
+            loaded.add(name)
+            report.float_tensors += 1
+        elif strict:
+            raise ValueError(f"{f.path}: tensor {gname!r} -> {name!r} is not a parameter of the model")
+    if strict:
+        missing = sorted(k for k in state if k not in loaded and not _covered(k, loaded))
+        if missing:
+            raise ValueError(f"{f.path}: the file has no tensors for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    return report
+
+
+def _covered(key: str, loaded: set[str]) -> bool:
+    # A replaced layer's old parameter names (weight / bias) are covered by its new buffers.
+    module_name = key.rpartition(".")[0]
+    return f"{module_name}.weight" in loaded
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_name, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
