@@ -43,7 +43,16 @@ def link_args() -> list[str]:
 
 setup(
     packages=find_packages(include=["torch_qmm", "torch_qmm.*"]),
-    package_data={"torch_qmm": ["metal/*", "metalsim/**/*"]},
+    # metalsim's shim headers (metal_* have no extension) and runtime ship with the package.
+    package_data={
+        "torch_qmm": [
+            "metalsim/README.md",
+            "metalsim/runtime.c",
+            "metalsim/include/*",
+            "metalsim/include/metalsim/*.h",
+            "metalsim/include/stage/*",
+        ]
+    },
     ext_modules=[
         CppExtension(
             "torch_qmm._C",
