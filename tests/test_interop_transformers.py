@@ -1,0 +1,78 @@
+"""transformers: TorchQmmConfig quantizes on load (the same layers and bits as quantize_model on
+the float model), a saved torch_qmm model reloads with from_pretrained. Small models from configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torch_qmm.convert import quantize_model
+from torch_qmm.nn import QuantLinear
+
+transformers = pytest.importorskip("transformers")
+from torch_qmm.interop.transformers import TorchQmmConfig  # noqa: E402
+
+IDS = torch.tensor([[1, 2, 3, 50, 95, 0, 7]])
+
+
+@pytest.fixture(scope="module")
+def float_folder(tmp_path_factory):
+    # intermediate 192: down_proj (in 192) is not a multiple of group_size 128 -> stays float there.
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("float")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _quantized_layers(model) -> dict[str, tuple[int, int]]:
+    return {n: (m.bits, m.group_size) for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (3, 128), (8, 32)])
+def test_quantize_on_load_equals_quantize_model(float_folder, bits, group_size, dtype):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        float_folder, quantization_config=TorchQmmConfig(bits=bits, group_size=group_size), dtype=dtype
+    )
+    expected = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=dtype)
+    quantize_model(expected, bits=bits, group_size=group_size, filter_fn=lambda name, _: name != "lm_head")
+    assert _quantized_layers(model) == _quantized_layers(expected)
+    assert isinstance(model.lm_head, torch.nn.Linear)  # transformers' default skip: the output head
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, QuantLinear) == (192 % group_size == 0)
+    for (name, a), (_, b) in zip(model.named_buffers(), expected.named_buffers()):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected(IDS).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_model_reloads_with_from_pretrained(float_folder, tmp_path, dtype):
+    config = TorchQmmConfig(bits=4, group_size=128, modules_to_not_convert=["lm_head", "v_proj"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, quantization_config=config, dtype=dtype)
+    assert not isinstance(model.model.layers[1].self_attn.v_proj, QuantLinear)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert (saved["quant_method"], saved["bits"], saved["group_size"]) == ("torch_qmm", 4, 128)
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert _quantized_layers(reloaded) == _quantized_layers(model)
+    state, state_reloaded = model.state_dict(), reloaded.state_dict()
+    assert state.keys() == state_reloaded.keys()
+    for name, t in state.items():
+        assert t.dtype == state_reloaded[name].dtype and torch.equal(t, state_reloaded[name]), name
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, model(IDS).logits)
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"argument 'bits' must be one of \(2, 3, 4, 5, 6, 8\), got 7"):
+        TorchQmmConfig(bits=7)
+    with pytest.raises(ValueError, match="argument 'group_size'"):
+        TorchQmmConfig(group_size=100)

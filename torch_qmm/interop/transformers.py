@@ -1,0 +1,120 @@
+"""transformers integration: `TorchQmmConfig`, registered through transformers' public quantizer
+registry (`register_quantization_config` / `register_quantizer`; tested with transformers 5.x).
+
+    from transformers import AutoModelForCausalLM
+    from torch_qmm.interop.transformers import TorchQmmConfig
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=TorchQmmConfig(bits=4, group_size=64))
+    model.save_pretrained(out)                      # config.json records quant_method "torch_qmm"
+    AutoModelForCausalLM.from_pretrained(out)       # reloads the QuantLinear layers (import this module first)
+
+Quantize-on-load: the float weights are loaded as usual, then every eligible nn.Linear is swapped
+for a QuantLinear (peak memory is that of the float model). A layer is eligible unless it is in
+`modules_to_not_convert` (default: the output head and transformers' keep-in-fp32 modules) or its
+in_features is not a multiple of group_size; the saved config lists every skipped layer, so a
+reload builds exactly the saved layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..convert import quantize_model
+from ..formats import check_format
+from ..nn import QuantLinear
+
+QUANT_METHOD = "torch_qmm"
+
+
+@register_quantization_config(QUANT_METHOD)
+@dataclass
+class TorchQmmConfig(QuantizationConfigMixin):
+    """MLX's affine format for the linear layers of a transformers model.
+
+    Args:
+        bits: 2, 3, 4, 5, 6 or 8.
+        group_size: 32, 64 or 128.
+        modules_to_not_convert: module names (or name suffixes) kept in float; None: transformers'
+            default (the output head, tied weights, keep-in-fp32 modules).
+    """
+
+    def __init__(self, bits: int = 4, group_size: int = 64, modules_to_not_convert: list[str] | None = None,
+                 **kwargs: Any) -> None:
+        check_format(bits, group_size)
+        self.quant_method = QUANT_METHOD
+        self.bits = bits
+        self.group_size = group_size
+        self.modules_to_not_convert = modules_to_not_convert
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size,
+                "modules_to_not_convert": self.modules_to_not_convert}
+
+
+def _skipped(name: str, skip: list[str]) -> bool:
+    return any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skip)
+
+
+@register_quantizer(QUANT_METHOD)
+class TorchQmmHfQuantizer(HfQuantizer):
+    """Swaps nn.Linear for torch_qmm.nn.QuantLinear (quantize on load, or load saved QuantLinears)."""
+
+    requires_calibration = False
+
+    def validate_environment(self, *args, **kwargs) -> None:
+        device_map = kwargs.get("device_map")
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError("torch_qmm does not support offloading layers to disk (device_map has 'disk')")
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        return False  # weights load as floats; the swap happens after loading
+
+    def _eligible(self, model) -> list[str]:
+        skip = self.modules_to_not_convert
+        gs = self.quantization_config.group_size
+        return [
+            name for name, m in model.named_modules()
+            if type(m) is nn.Linear and not _skipped(name, skip) and m.in_features % gs == 0
+        ]
+
+    def _process_model_before_weight_loading(self, model, keep_in_fp32_modules=None, **kwargs):
+        self.modules_to_not_convert = self.get_modules_to_not_convert(
+            model, self.quantization_config.modules_to_not_convert, keep_in_fp32_modules
+        )
+        if not self.pre_quantized:
+            return model
+        # A saved torch_qmm model: build empty QuantLinears (on the linears' device, usually meta)
+        # whose buffers the checkpoint fills.
+        cfg = self.quantization_config
+        for name in self._eligible(model):
+            linear = model.get_submodule(name)
+            q = QuantLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, bits=cfg.bits,
+                            group_size=cfg.group_size, device=linear.weight.device, dtype=linear.weight.dtype)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, q)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.pre_quantized:
+            return model
+        cfg = self.quantization_config
+        eligible = set(self._eligible(model))
+        quantize_model(model, bits=cfg.bits, group_size=cfg.group_size, filter_fn=lambda n, _: n in eligible)
+        # Record every float layer so that a reload rebuilds exactly these QuantLinears.
+        cfg.modules_to_not_convert = sorted(
+            set(self.modules_to_not_convert)
+            | {n for n, m in model.named_modules() if type(m) is nn.Linear}
+        )
+        return model
+
+    def is_serializable(self, safe_serialization=None) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
