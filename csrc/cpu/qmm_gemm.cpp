@@ -1,0 +1,136 @@
+// Large-M affine_qmm: decode W tiles to float32 and multiply them with BLAS. See qmm_kernels.h.
+//
+// Each thread owns whole output tiles (rows of yT = y^T [N, M]) and, for each, walks K in steps
+// of kTileK: decodes the W tile [kTileN, kTileK] into its own scratch (L2-sized, 256 KB) and
+// calls a single-threaded GEMM (at::mm inside at::parallel_for runs serially) that accumulates
+// into its output rows. Decode and GEMM thus run on all cores with no barrier between them and
+// decoding costs ~1 pass over the packed weights per M (it is O(N*K), the GEMM O(M*N*K)).
+//
+//   transpose=True : yT[n-tile, :] += W[n-tile, k-tile] @ xp[:, k-tile]^T   (xp: codec-ordered x)
+//   transpose=False: yT[n-tile, :] += W[k-tile, n-tile]^T @ x[:, k-tile]^T  (n in codec order,
+//                                                                            un-permuted at the end)
+#include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+
+#include <vector>
+
+#include "decode.h"
+#include "qmm_dispatch.h"
+#include "qmm_kernels.h"
+
+namespace torch_qmm {
+namespace cpu {
+namespace {
+
+// Tile of W decoded per GEMM call: 64 x 1024 float32 = 256 KB, half of a 512 KB-1 MB L2.
+// kTileN is a multiple of every group size (needed by transpose=False, where tiles span N).
+constexpr int64_t kTileN = 128;
+constexpr int64_t kTileK = 512;
+
+// Decodes rows [r0, r0+nr) x columns [c0, c0+nc) of the packed matrix (c0, nc multiples of 32)
+// to dst [nr, nc] float32, columns in codec order.
+template <int BITS, typename T>
+void decode_tile(const QmmArgs& a, int64_t cols, int64_t r0, int64_t nr, int64_t c0, int64_t nc, float* dst) {
+  using Blk = Block32<BITS>;
+  const int64_t row_bytes = cols / 32 * Blk::kBytes, groups = cols / a.group_size;
+  const int gshift = block_to_group_shift(a.group_size);
+  const T* S = static_cast<const T*>(a.scales);
+  const T* B = static_cast<const T*>(a.biases);
+  for (int64_t r = 0; r < nr; ++r) {
+    const uint8_t* row = a.wq + (r0 + r) * row_bytes;
+    const T* s = S + (r0 + r) * groups;
+    const T* b = B + (r0 + r) * groups;
+    float* d = dst + r * nc;
+    for (int64_t kb = c0 / 32; kb < (c0 + nc) / 32; ++kb, d += 32) {
+      f32x16 v0, v1;
+      Blk::decode(row + kb * Blk::kBytes, v0, v1);
+      const f32x16 sv = splat16(static_cast<float>(s[kb >> gshift]));
+      const f32x16 bv = splat16(static_cast<float>(b[kb >> gshift]));
+      store16(d, v0 * sv + bv);
+      store16(d + 16, v1 * sv + bv);
+    }
+  }
+}
+
+template <int BITS, typename T>
+at::Tensor t_gemm(const QmmArgs& a) {
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor yT = at::empty({a.N, a.M}, opts);
+  const at::Tensor xp = at::from_blob(const_cast<float*>(a.x), {a.M, a.K}, opts);
+  const int64_t tiles = (a.N + kTileN - 1) / kTileN;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch(kTileN * std::min(kTileK, a.K));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileN, nn = std::min(kTileN, a.N - n0);
+      at::Tensor out = yT.narrow(0, n0, nn);
+      for (int64_t k0 = 0; k0 < a.K; k0 += kTileK) {
+        const int64_t kk = std::min(kTileK, a.K - k0);
+        decode_tile<BITS, T>(a, a.K, n0, nn, k0, kk, scratch.data());
+        const at::Tensor w = at::from_blob(scratch.data(), {nn, kk}, opts);
+        const at::Tensor xs = xp.narrow(1, k0, kk).t();
+        if (k0 == 0)
+          at::mm_out(out, w, xs);
+        else
+          out.addmm_(w, xs);
+      }
+    }
+  });
+  return yT.t();
+}
+
+template <int BITS, typename T>
+at::Tensor n_gemm(const QmmArgs& a) {
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor yT = at::empty({a.N, a.M}, opts);  // rows in codec order
+  const at::Tensor x = at::from_blob(const_cast<float*>(a.x), {a.M, a.K}, opts);
+  const int64_t tiles = (a.N + kTileN - 1) / kTileN;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch(kTileN * std::min(kTileK, a.K));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileN, nn = std::min(kTileN, a.N - n0);
+      at::Tensor out = yT.narrow(0, n0, nn);
+      for (int64_t k0 = 0; k0 < a.K; k0 += kTileK) {
+        const int64_t kk = std::min(kTileK, a.K - k0);
+        decode_tile<BITS, T>(a, a.N, k0, kk, n0, nn, scratch.data());
+        const at::Tensor w = at::from_blob(scratch.data(), {kk, nn}, opts).t();
+        const at::Tensor xs = x.narrow(1, k0, kk).t();
+        if (k0 == 0)
+          at::mm_out(out, w, xs);
+        else
+          out.addmm_(w, xs);
+      }
+    }
+  });
+  if (codec_is_identity(a.bits)) return yT.t();
+  // Row p of yT holds column codec_to_natural(p) of y.
+  at::Tensor y = at::empty({a.M, a.N}, opts);
+  const float* src = yT.data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  at::parallel_for(0, a.N, 256, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = codec_to_natural(a.bits, p);
+      for (int64_t m = 0; m < a.M; ++m) dst[m * a.N + n] = src[p * a.M + m];
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+at::Tensor qmm_t_gemm(const QmmArgs& a) {
+  at::Tensor y;
+  dispatch_bits_dtype(a.bits, a.dtype, [&](auto bits_c, auto t) { y = t_gemm<decltype(bits_c)::value, decltype(t)>(a); });
+  return y;
+}
+
+at::Tensor qmm_n_gemm(const QmmArgs& a) {
+  at::Tensor y;
+  dispatch_bits_dtype(a.bits, a.dtype, [&](auto bits_c, auto t) { y = n_gemm<decltype(bits_c)::value, decltype(t)>(a); });
+  return y;
+}
+
+}  // namespace cpu
+}  // namespace torch_qmm

@@ -1,0 +1,46 @@
+// CPU affine_qmm kernels: the interface between the op (qmm.cpp) and the two kernel families.
+//
+//   fused (qmm_fused.cpp)  small M: each 32-code block of W is decoded in registers, dequantized
+//                          (w = s*q + b) and multiplied into up to 4 rows of x at once;
+//                          W is never written to memory.
+//   gemm  (qmm_gemm.cpp)   large M: W is decoded in cache-sized float32 tiles by each thread,
+//                          which multiplies its own tiles with a single-threaded BLAS GEMM
+//                          (no barrier between decode and GEMM, bounded scratch).
+//
+// Shapes: x [M, K], W [N, K] (transpose) or [K, N] (!transpose), y [M, N]. Accumulation is
+// float32. Lanes along the quantized axis are in codec order (decode.h): the op permutes x's
+// columns for transpose=True; the kernels un-permute y's columns for transpose=False.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace torch_qmm {
+namespace cpu {
+
+struct QmmArgs {
+  const float* x;        // [M, K] float32, row stride K; codec-ordered columns when transpose
+  const uint8_t* wq;     // packed rows (N rows of K codes, or K rows of N codes)
+  const void* scales;    // [rows, cols / group_size] in `dtype`
+  const void* biases;
+  at::ScalarType dtype;  // of scales / biases
+  int64_t M, N, K;
+  int bits, group_size;
+};
+
+// Rows of x from which the GEMM family is used (both transpose modes). Measured on a 2-core
+// AVX-512 machine (benchmarks/): the fused kernels reach ~80% of the FMA peak for a few rows,
+// but re-decode W for every 4 rows; past ~16 rows a BLAS GEMM on decoded tiles wins.
+constexpr int64_t kGemmMinRows = 16;
+
+// y [M, N] float32 row-major.
+void qmm_t_fused(const QmmArgs& a, float* y);
+void qmm_n_fused(const QmmArgs& a, float* y);
+
+// Returns y [M, N] float32 (may be a transposed view).
+at::Tensor qmm_t_gemm(const QmmArgs& a);
+at::Tensor qmm_n_gemm(const QmmArgs& a);
+
+}  // namespace cpu
+}  // namespace torch_qmm
