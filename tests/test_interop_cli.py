@@ -1,0 +1,134 @@
+"""python -m torch_qmm convert / inspect, end to end on small models built from configs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as T
+
+from torch_qmm.__main__ import main
+from torch_qmm.interop import QuantEmbedding, load_mlx, parse_quantization
+from torch_qmm.interop.gguf import GGUFFile
+from torch_qmm.interop.gguf_llama import load_gguf_llama
+from torch_qmm.nn import QuantLinear
+
+transformers = pytest.importorskip("transformers")
+mx = pytest.importorskip("mlx.core")
+from test_interop_gguf_llama import hf_model, write_llama_gguf  # noqa: E402
+from torch_qmm.interop.transformers import TorchQmmConfig  # noqa: E402
+
+IDS = torch.tensor([[1, 2, 3, 50, 95, 0, 7]])
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    hf_model(tied=True).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "m.gguf"
+    write_llama_gguf(hf_model(tied=False), path, {"proj": T.Q8_0, "embed": T.Q4_0, "lm_head": T.Q8_0},
+                     np.random.default_rng(0))
+    return path
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def test_convert_transformers_folder_reloads_with_from_pretrained(hf_folder, tmp_path):
+    assert main(["convert", str(hf_folder), str(tmp_path / "out"), "--bits", "4", "--group-size", "64"]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    expected = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_folder, quantization_config=TorchQmmConfig(bits=4, group_size=64)
+    )
+    assert isinstance(reloaded.model.layers[0].mlp.up_proj, QuantLinear)
+    assert torch.equal(_logits(reloaded), _logits(expected))
+
+
+def test_convert_to_mlx_is_read_by_mlx_and_by_load_mlx(hf_folder, tmp_path):
+    out = tmp_path / "mlx"
+    assert main(["convert", str(hf_folder), str(out), "--format", "mlx", "--bits", "6", "--group-size", "32"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == 6 and config["tie_word_embeddings"] is True
+    weights = mx.load(str(out / "model.safetensors"))
+    assert "lm_head.weight" not in weights  # tied: MLX uses the quantized embedding as the head
+    # MLX decodes exactly the weights our QuantLinear multiplies by
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(out))
+    load_mlx(model, out)
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    q = model.model.layers[1].self_attn.o_proj
+    ours = torch_qmm_dequant(q)
+    theirs = mx.dequantize(weights["model.layers.1.self_attn.o_proj.weight"],
+                           weights["model.layers.1.self_attn.o_proj.scales"],
+                           weights["model.layers.1.self_attn.o_proj.biases"], group_size=32, bits=6)
+    # (within an ulp: MLX may fuse scale * q + bias into one FMA)
+    torch.testing.assert_close(ours, torch.from_numpy(np.array(theirs)), rtol=2**-22, atol=2**-22 * ours.abs().max().item())
+    # and the converted model is the float model quantized
+    source = transformers.AutoModelForCausalLM.from_pretrained(hf_folder)
+    err = (_logits(model) - _logits(source)).abs().max() / _logits(source).abs().max()
+    assert err < 0.05
+
+
+def torch_qmm_dequant(q):
+    import torch_qmm
+
+    return torch_qmm.dequantize(q.qweight, q.scales, q.biases, group_size=q.group_size, bits=q.bits)
+
+
+def test_convert_gguf_to_mlx_keeps_block_types_exact(gguf_path, tmp_path):
+    out = tmp_path / "mlx"
+    assert main(["convert", str(gguf_path), str(out), "--format", "mlx"]) == 0
+    default, overrides = parse_quantization(json.loads((out / "config.json").read_text()))
+    assert (default.bits, default.group_size) == (8, 32)  # Q8_0 layers, exact
+    assert (overrides["model.embed_tokens"].bits, overrides["model.embed_tokens"].group_size) == (4, 32)  # Q4_0
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(out))
+    load_mlx(model, out)
+    from_gguf = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(out))
+    load_gguf_llama(from_gguf, GGUFFile(gguf_path))
+    assert torch.equal(_logits(model), _logits(from_gguf))
+
+
+def test_convert_gguf_to_transformers(gguf_path, tmp_path):
+    out = tmp_path / "hf"
+    assert main(["convert", str(gguf_path), str(out), "--bits", "8", "--group-size", "32"]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(reloaded.model.layers[0].self_attn.q_proj, QuantLinear)
+    from_gguf = transformers.LlamaForCausalLM(reloaded.config)
+    load_gguf_llama(from_gguf, GGUFFile(gguf_path))
+    err = (_logits(reloaded) - _logits(from_gguf)).abs().max() / _logits(from_gguf).abs().max()
+    assert err < 0.02  # re-quantized at 8 bits
+
+
+def test_inspect_lists_layers_formats_and_bytes(gguf_path, tmp_path, capsys):
+    assert main(["inspect", str(gguf_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    layers = {r["layer"]: r for r in report["layers"]}
+    assert layers["blk.0.attn_q.weight"]["format"] == "Q8_0" and layers["token_embd.weight"]["format"] == "Q4_0"
+    assert sum(r["bytes"] for r in report["layers"]) == sum(t.nbytes for t in GGUFFile(gguf_path).tensors.values())
+
+    out = tmp_path / "mlx"
+    main(["convert", str(gguf_path), str(out), "--format", "mlx"])
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "model.layers.0.self_attn.q_proj" in text and "affine b8 gs32" in text and "quantization=mlx" in text
+
+
+def test_inspect_and_convert_bad_input(tmp_path):
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(30))
+    with pytest.raises(ValueError, match="truncated or corrupt GGUF file"):
+        main(["inspect", str(tmp_path / "bad.gguf")])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["convert", str(tmp_path / "nope"), str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="argument 'bits'"):
+        main(["convert", str(tmp_path / "bad.gguf"), str(tmp_path / "out"), "--bits", "7"])
