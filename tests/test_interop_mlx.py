@@ -282,3 +282,21 @@ def test_architecture_mismatch_is_a_clear_error(mlx_folder):
 
     with pytest.raises(ValueError, match=r"missing \['extra.bias', 'extra.weight'\]"):
         load_mlx(Other(), mlx_folder)
+
+
+def test_index_naming_a_missing_shard_is_a_clear_error(tmp_path):
+    quant = {"group_size": 64, "bits": 4}
+    _save_mlx_checkpoint(_mlx_quantized_toy(False, torch.float32, quant), tmp_path, quant, shards=2)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"names shards that do not exist: .*model-00002-of-00002"):
+        load_mlx(TorchToy(False), tmp_path)
+
+
+def test_packed_weight_with_the_wrong_dtype_is_a_clear_error(mlx_folder):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(mlx_folder / "model.safetensors")
+    tensors["layers.0.up.weight"] = tensors["layers.0.up.weight"].view(torch.float32)
+    save_file(tensors, mlx_folder / "model.safetensors")
+    with pytest.raises(ValueError, match="'layers.0.up': quantized weight must be U32, got F32"):
+        load_mlx(TorchToy(False), mlx_folder)
