@@ -6,8 +6,6 @@ super-block scales: every byte pattern is a valid block, and gguf.quants.dequant
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 from gguf import GGUFWriter
@@ -55,13 +53,4 @@ def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType |
     writer.close()
 
 
-def _shared_conftest():
-    # tests/conftest.py holds the tolerance rule; loaded by path because `import conftest` resolves
-    # to whichever conftest.py (tests/ or tests/metalsim/) pytest imported first.
-    spec = importlib.util.spec_from_file_location("_torch_qmm_tests_conftest", Path(__file__).with_name("conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-assert_matches_reference = _shared_conftest().assert_matches_reference
+from tolerance import assert_matches_reference  # noqa: E402,F401  (re-exported for the GGUF tests)

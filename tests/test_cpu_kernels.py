@@ -10,9 +10,7 @@ reference (tests/conftest.py's tolerance rule).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import pathlib
 
 import pytest
 import torch
@@ -20,11 +18,7 @@ import torch
 import torch_qmm
 from torch_qmm import reference
 
-# By path: with tests/metalsim/conftest.py present, the module name "conftest" is ambiguous.
-_spec = importlib.util.spec_from_file_location("_tests_conftest", pathlib.Path(__file__).with_name("conftest.py"))
-_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_conftest)
-assert_matches_reference = _conftest.assert_matches_reference
+from tolerance import assert_matches_reference
 
 BITS = [2, 3, 4, 5, 6, 8]
 GROUP_SIZES = [32, 64, 128]

@@ -14,7 +14,7 @@ import torch_qmm
 from torch_qmm import reference
 from torch_qmm.nn import QuantLinear
 
-from conftest import assert_matches_reference
+from tolerance import assert_matches_reference
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -15,7 +15,7 @@ import torch
 import torch_qmm
 from torch_qmm import reference
 
-from conftest import assert_matches_reference
+from tolerance import assert_matches_reference
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)
