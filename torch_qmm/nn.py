@@ -9,6 +9,43 @@ from .formats import SUPPORTED_DTYPES, check_format, packed_words
 from .ops import quantize
 
 
+def register_affine_weight(
+    module: nn.Module,
+    rows: int,
+    cols: int,
+    bits: int,
+    group_size: int,
+    device: torch.device | str | None,
+    dtype: torch.dtype,
+    cols_name: str,
+) -> None:
+    """Checks the format and registers a [rows, cols] weight quantized along cols on `module`:
+    buffers ``qweight`` uint32 [rows, cols*bits/32], ``scales`` and ``biases`` [rows, cols/group_size]
+    in `dtype`, and the attributes ``bits`` and ``group_size``. `cols_name` names cols in errors."""
+    check_format(bits, group_size)
+    if cols % group_size != 0:
+        raise ValueError(f"argument '{cols_name}' must be a multiple of group_size={group_size}, got {cols}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"argument 'dtype' must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    module.bits = bits
+    module.group_size = group_size
+    groups = cols // group_size
+    module.register_buffer("qweight", torch.zeros(rows, packed_words(cols, bits), dtype=torch.uint32, device=device))
+    module.register_buffer("scales", torch.zeros(rows, groups, dtype=dtype, device=device))
+    module.register_buffer("biases", torch.zeros(rows, groups, dtype=dtype, device=device))
+
+
+def load_affine_weight(module: nn.Module, weight: torch.Tensor) -> None:
+    """Quantizes a float [rows, cols] weight into the buffers made by register_affine_weight."""
+    with torch.no_grad():
+        wq, scales, biases = quantize(
+            weight.detach().to(module.scales.dtype), group_size=module.group_size, bits=module.bits
+        )
+        module.qweight.copy_(wq)
+        module.scales.copy_(scales)
+        module.biases.copy_(biases)
+
+
 class QuantLinear(nn.Module):
     """y = x @ W.T + bias with W [out_features, in_features] stored in MLX's affine format.
 
@@ -29,23 +66,9 @@ class QuantLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        check_format(bits, group_size)
-        if in_features % group_size != 0:
-            raise ValueError(
-                f"argument 'in_features' must be a multiple of group_size={group_size}, got {in_features}"
-            )
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"argument 'dtype' must be one of {SUPPORTED_DTYPES}, got {dtype}")
         self.in_features = in_features
         self.out_features = out_features
-        self.bits = bits
-        self.group_size = group_size
-        groups = in_features // group_size
-        self.register_buffer(
-            "qweight", torch.zeros(out_features, packed_words(in_features, bits), dtype=torch.uint32, device=device)
-        )
-        self.register_buffer("scales", torch.zeros(out_features, groups, dtype=dtype, device=device))
-        self.register_buffer("biases", torch.zeros(out_features, groups, dtype=dtype, device=device))
+        register_affine_weight(self, out_features, in_features, bits, group_size, device, dtype, "in_features")
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
@@ -66,11 +89,8 @@ class QuantLinear(nn.Module):
             device=linear.weight.device,
             dtype=dtype,
         )
+        load_affine_weight(module, linear.weight)
         with torch.no_grad():
-            wq, scales, biases = quantize(linear.weight.detach().to(dtype), group_size=group_size, bits=bits)
-            module.qweight.copy_(wq)
-            module.scales.copy_(scales)
-            module.biases.copy_(biases)
             if linear.bias is not None:
                 module.bias.copy_(linear.bias.detach().to(dtype))
         return module

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..formats import SUPPORTED_DTYPES, check_format, packed_words
-from ..ops import quantize
+from ..nn import load_affine_weight, register_affine_weight
 
 
 class QuantEmbedding(nn.Module):
@@ -28,21 +27,8 @@ class QuantEmbedding(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        check_format(bits, group_size)
-        if embedding_dim % group_size != 0:
-            raise ValueError(
-                f"argument 'embedding_dim' must be a multiple of group_size={group_size}, got {embedding_dim}"
-            )
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"argument 'dtype' must be one of {SUPPORTED_DTYPES}, got {dtype}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.bits, self.group_size = bits, group_size
-        groups = embedding_dim // group_size
-        self.register_buffer(
-            "qweight", torch.zeros(num_embeddings, packed_words(embedding_dim, bits), dtype=torch.uint32, device=device)
-        )
-        self.register_buffer("scales", torch.zeros(num_embeddings, groups, dtype=dtype, device=device))
-        self.register_buffer("biases", torch.zeros(num_embeddings, groups, dtype=dtype, device=device))
+        register_affine_weight(self, num_embeddings, embedding_dim, bits, group_size, device, dtype, "embedding_dim")
 
     @classmethod
     def from_embedding(
@@ -50,11 +36,7 @@ class QuantEmbedding(nn.Module):
     ) -> "QuantEmbedding":
         dtype = dtype or embedding.weight.dtype
         module = cls(embedding.num_embeddings, embedding.embedding_dim, bits, group_size, embedding.weight.device, dtype)
-        with torch.no_grad():
-            wq, s, b = quantize(embedding.weight.detach().to(dtype), group_size=group_size, bits=bits)
-            module.qweight.copy_(wq)
-            module.scales.copy_(s)
-            module.biases.copy_(b)
+        load_affine_weight(module, embedding.weight)
         return module
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
