@@ -1,6 +1,6 @@
-"""metalsim executor: run the torch_qmm ops' Metal kernels on metalsim, through the planner.
+"""metalsim executor (issue 4): run the torch_qmm ops' Metal kernels on metalsim, through the planner.
 
-    from torch_qmm.metalsim.backend import backend, last_launches
+    from torch_qmm.metalsim import backend, last_launches   # re-exported from this module
     with backend():                       # or backend(check=True) for checked mode
         y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)   # CPU tensors
     last_launches()                       # [Launch(kernel, route, threadgroups, ..., stats)]
@@ -11,6 +11,8 @@ on CPU tensors are executed exactly as the MPS executor (csrc/mps/) executes the
      and the planner (csrc/plan.cpp) -> launches {kernel, grid, buffer bindings, constant bytes};
   2. each tensor is bound like setBuffer(storage buffer, storage_offset * element_size + offset);
   3. the kernels of metal/affine.metal run on metalsim.
+This module sits next to, not inside, torch_qmm/metalsim/: a submodule named `backend` would
+shadow the function `metalsim.backend`, and the emulator core stays free of torch.
 The library is compiled once per process and bit width (-DTORCH_QMM_ONLY_BITS=<bits>, which
 keeps each compile small; metalsim caches the result on disk by content hash).
 """
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _api as metalsim
+from .metalsim import _api as metalsim
 
 __all__ = ["backend", "last_launches", "library", "metal_dir", "Launch"]
 
@@ -37,7 +39,7 @@ _ops = torch.ops.torch_qmm
 
 def metal_dir() -> Path:
     """The directory holding metal/affine.metal: package data when installed, else the checkout."""
-    here = Path(__file__).resolve().parent.parent  # torch_qmm/
+    here = Path(__file__).resolve().parent  # torch_qmm/
     for candidate in (here / "metal", here.parent / "metal"):
         if (candidate / "affine.metal").is_file():
             return candidate

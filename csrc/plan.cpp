@@ -1,0 +1,245 @@
+// The planner and its routing table (see plan.h). Geometry constants come from
+// metal/qmm_params.h, the header the kernels include: each is written once.
+#include "plan.h"
+
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+namespace torch_qmm {
+namespace plan {
+namespace {
+
+constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
+
+// ---- The routing table -----------------------------------------------------------------------
+// One row per route; for an op the first row whose condition holds wins. Thresholds on M are
+// written here and nowhere else. None of them has been measured on Apple hardware yet: they
+// follow the seed's selector (mt_qmm_for) and MLX's dispatch, adjusted so that every M works.
+enum class Cond { kAny, kQmvAligned };
+struct Route {
+  const char* route;
+  Op op;
+  int transpose;  // 1 / 0, or -1 when the op has no transpose
+  int64_t m_min, m_max;
+  Cond cond;
+  const char* family;
+  const char* variant;
+  const char* when;
+  const char* why;
+};
+
+// clang-format off
+const Route kRoutes[] = {
+  {"qmv_fast", Op::kQmm, 1, 1, 1, Cond::kQmvAligned, "affine_qmv", "fast",
+   "M == 1, N % 8 == 0, K % qmv_block_k(bits) == 0",
+   "decode (M = 1) is bound by weight bandwidth: 8 rows per threadgroup, x slice in registers, "
+   "no bounds tests in the loop (MLX qmv_fast geometry)"},
+  {"qmv_bounded", Op::kQmm, 1, 1, 1, Cond::kAny, "affine_qmv", "bounded",
+   "M == 1, any N, any K % group_size == 0",
+   "same geometry with row and K-tail checks, for shapes the fast path cannot take"},
+  {"qmm_t_bm2", Op::kQmm, 1, 2, 2, Cond::kAny, "affine_qmm_t", "bm2", "M == 2",
+   "weights decoded once per K-block, reused for 2 rows of x: W read once, no wasted rows"},
+  {"qmm_t_bm4", Op::kQmm, 1, 3, 4, Cond::kAny, "affine_qmm_t", "bm4", "3 <= M <= 4",
+   "one pass over W for up to 4 rows of x (seed: bm4 beats MLX 1.5-2.6x at small M)"},
+  {"qmm_t_bm8", Op::kQmm, 1, 5, 8, Cond::kAny, "affine_qmm_t", "bm8", "5 <= M <= 8",
+   "one pass over W for up to 8 rows; below 9 rows an 8x8 MMA tile would idle most lanes"},
+  {"qmm_t_mma16", Op::kQmm, 1, 9, 16, Cond::kAny, "affine_qmm_t", "mma16", "9 <= M <= 16",
+   "half-height simdgroup-matrix tile: W dequantized once into threadgroup memory for 16 rows "
+   "(seed: mma_m16 beats bm4 at M = 16), half the threads of the 32x32 tile"},
+  {"qmm_t_mma32", Op::kQmm, 1, 17, kNoLimit, Cond::kAny, "affine_qmm_t", "mma32", "M >= 17",
+   "full 32x32 simdgroup-matrix tile: W read ceil(M/32) times, x ceil(N/32) times"},
+  {"qvm_bounded", Op::kQmm, 0, 1, 3, Cond::kAny, "affine_qvm", "bounded", "transpose=False, M <= 3",
+   "W [K, N] is streamed row by row per row of x; for 1-3 rows a tile's setup and idle rows "
+   "cost more than re-reading W from cache"},
+  {"qmm_n_mma32", Op::kQmm, 0, 4, kNoLimit, Cond::kAny, "affine_qmm_n", "mma32", "transpose=False, M >= 4",
+   "32x32 simdgroup-matrix tile over W [K, N]: W read ceil(M/32) times"},
+  {"dequantize", Op::kDequantize, -1, 0, kNoLimit, Cond::kAny, "affine_dequantize", "rows", "always",
+   "elementwise: one decode unit (8 values) per thread"},
+  {"quantize", Op::kQuantize, -1, 0, kNoLimit, Cond::kAny, "affine_quantize", "rows", "always",
+   "one thread per group: a group's words belong to one thread, so packing needs no atomics"},
+};
+// clang-format on
+
+uint32_t ceil_div(int64_t a, int64_t b) {
+  const int64_t q = (a + b - 1) / b;
+  if (q > int64_t(std::numeric_limits<uint32_t>::max())) throw std::invalid_argument("torch_qmm plan: grid too large");
+  return uint32_t(q);
+}
+
+uint32_t u32(int64_t v) {
+  if (v < 0 || v > int64_t(std::numeric_limits<uint32_t>::max()))
+    throw std::invalid_argument("torch_qmm plan: dimension does not fit in 32 bits");
+  return uint32_t(v);
+}
+
+bool holds(const Route& r, const Problem& p) {
+  if (r.op != p.op) return false;
+  if (r.transpose >= 0 && r.transpose != int(p.transpose)) return false;
+  if (p.op == Op::kQmm && (p.M < r.m_min || p.M > r.m_max)) return false;
+  if (r.cond == Cond::kQmvAligned)
+    // Must match the K step and rows per threadgroup of affine_qmv_fast (metal/affine_qmv.h).
+    return p.N % QMV_ROWS_PER_TG == 0 && p.K % qmv_block_k(p.bits) == 0;
+  return true;
+}
+
+std::vector<Binding> bindings(Op op) {
+  switch (op) {
+    case Op::kQmm:
+      return {{BUF_WQ, Operand::kWq, 0}, {BUF_SCALES, Operand::kScales, 0}, {BUF_BIASES, Operand::kBiases, 0},
+              {BUF_DENSE, Operand::kX, 0}, {BUF_Y, Operand::kY, 0}};
+    case Op::kDequantize:
+    case Op::kQuantize:
+      return {{BUF_WQ, Operand::kWq, 0}, {BUF_SCALES, Operand::kScales, 0}, {BUF_BIASES, Operand::kBiases, 0},
+              {BUF_DENSE, Operand::kW, 0}};
+  }
+  return {};
+}
+
+// Geometry of each route. Must match the thread mapping in the kernel's header.
+void geometry(const std::string& route, const Problem& p, Launch& l) {
+  const int64_t M = p.M, N = p.N, K = p.K;
+  if (route == "qmv_fast" || route == "qmv_bounded") {  // metal/affine_qmv.h
+    l.threadgroups = {ceil_div(N, QMV_ROWS_PER_TG), 1, 1};
+    l.threads_per_threadgroup = {QMV_SIMDGROUPS * SIMD_WIDTH, 1, 1};
+  } else if (route == "qmm_t_bm2" || route == "qmm_t_bm4" || route == "qmm_t_bm8") {  // affine_qmm_small.h
+    const int rows = route == "qmm_t_bm2" ? 2 : route == "qmm_t_bm4" ? 4 : 8;
+    l.threadgroups = {ceil_div(N, BM_COLS_PER_TG), ceil_div(M, rows), 1};
+    l.threads_per_threadgroup = {BM_SIMDGROUPS * SIMD_WIDTH, 1, 1};
+  } else if (route == "qmm_t_mma16" || route == "qmm_t_mma32" || route == "qmm_n_mma32") {  // affine_mma.h
+    const int bm = route == "qmm_t_mma16" ? 16 : 32;
+    l.threadgroups = {ceil_div(N, MMA_BN), ceil_div(M, bm), 1};
+    l.threads_per_threadgroup = {uint32_t(mma_threads(bm)), 1, 1};
+  } else if (route == "qvm_bounded") {  // affine_qvm.h
+    l.threadgroups = {ceil_div(N, QVM_COLS_PER_TG), ceil_div(M, 1), 1};
+    l.threads_per_threadgroup = {QVM_SIMDGROUPS * SIMD_WIDTH, 1, 1};
+  } else if (route == "dequantize") {  // affine_quant.h
+    l.threadgroups = {ceil_div(N * (K / DEQ_VALUES_PER_THREAD), DEQ_THREADS_PER_TG), 1, 1};
+    l.threads_per_threadgroup = {DEQ_THREADS_PER_TG, 1, 1};
+  } else if (route == "quantize") {
+    l.threadgroups = {ceil_div(N * (K / p.group_size), QUANT_THREADS_PER_TG), 1, 1};
+    l.threads_per_threadgroup = {QUANT_THREADS_PER_TG, 1, 1};
+  } else {
+    throw std::logic_error("torch_qmm plan: route without geometry: " + route);
+  }
+}
+
+void append_json_string(std::ostringstream& o, const char* s) {
+  o << '"';
+  for (const char* c = s; *c; ++c) {
+    if (*c == '"' || *c == '\\') o << '\\';
+    o << *c;
+  }
+  o << '"';
+}
+
+}  // namespace
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float";
+    case DType::kFloat16:
+      return "float16_t";
+    case DType::kBFloat16:
+      return "bfloat16_t";
+  }
+  return "?";
+}
+
+std::string kernel_name(const char* family, const char* variant, DType dtype, int group_size, int bits) {
+  return std::string(family) + "_" + variant + "_" + dtype_name(dtype) + "_gs_" + std::to_string(group_size) +
+         "_b_" + std::to_string(bits);
+}
+
+const char* operand_name(Operand operand) {
+  switch (operand) {
+    case Operand::kX:
+      return "x";
+    case Operand::kWq:
+      return "wq";
+    case Operand::kScales:
+      return "scales";
+    case Operand::kBiases:
+      return "biases";
+    case Operand::kY:
+      return "y";
+    case Operand::kW:
+      return "w";
+  }
+  return "?";
+}
+
+const std::vector<RouteInfo>& routes() {
+  static const std::vector<RouteInfo> table = [] {
+    std::vector<RouteInfo> t;
+    for (const Route& r : kRoutes) t.push_back({r.route, r.family, r.variant, r.when, r.why});
+    return t;
+  }();
+  return table;
+}
+
+std::vector<Launch> make_plan(const Problem& p) {
+  const bool empty = p.op == Op::kQmm ? (p.M == 0 || p.N == 0 || p.K == 0) : (p.N == 0 || p.K == 0);
+  if (empty) return {};
+  for (const Route& r : kRoutes) {
+    if (!holds(r, p)) continue;
+    Launch l;
+    l.kernel = kernel_name(r.family, r.variant, p.dtype, p.group_size, p.bits);
+    l.route = r.route;
+    l.buffers = bindings(p.op);
+    l.params_index = BUF_PARAMS;
+    l.params = AffineParams{p.op == Op::kQmm ? u32(p.M) : 0u, u32(p.N), u32(p.K), 0u};
+    geometry(l.route, p, l);
+    return {l};
+  }
+  throw std::logic_error("torch_qmm plan: no route for this problem (the routing table has a gap)");
+}
+
+std::string to_json(const std::vector<Launch>& launches) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < launches.size(); ++i) {
+    const Launch& l = launches[i];
+    o << (i ? ", " : "") << "{\"kernel\": ";
+    append_json_string(o, l.kernel.c_str());
+    o << ", \"route\": ";
+    append_json_string(o, l.route.c_str());
+    o << ", \"threadgroups\": [" << l.threadgroups[0] << ", " << l.threadgroups[1] << ", " << l.threadgroups[2]
+      << "], \"threads_per_threadgroup\": [" << l.threads_per_threadgroup[0] << ", " << l.threads_per_threadgroup[1]
+      << ", " << l.threads_per_threadgroup[2] << "], \"buffers\": [";
+    for (size_t b = 0; b < l.buffers.size(); ++b) {
+      o << (b ? ", " : "") << "{\"index\": " << l.buffers[b].index << ", \"operand\": \""
+        << operand_name(l.buffers[b].operand) << "\", \"byte_offset\": " << l.buffers[b].byte_offset << "}";
+    }
+    o << "], \"bytes\": [{\"index\": " << l.params_index << ", \"u32\": [" << l.params.M << ", " << l.params.N
+      << ", " << l.params.K << ", " << l.params.pad << "]}]}";
+  }
+  o << "]";
+  return o.str();
+}
+
+std::string routes_json() {
+  std::ostringstream o;
+  o << "[";
+  bool first = true;
+  for (const RouteInfo& r : routes()) {
+    o << (first ? "" : ", ") << "{\"route\": ";
+    append_json_string(o, r.route);
+    o << ", \"family\": ";
+    append_json_string(o, r.family);
+    o << ", \"variant\": ";
+    append_json_string(o, r.variant);
+    o << ", \"when\": ";
+    append_json_string(o, r.when);
+    o << ", \"why\": ";
+    append_json_string(o, r.why);
+    o << "}";
+    first = false;
+  }
+  o << "]";
+  return o.str();
+}
+
+}  // namespace plan
+}  // namespace torch_qmm

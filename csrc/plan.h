@@ -1,0 +1,77 @@
+// The planner: (op, M, N, K, bits, group_size, dtype, transpose) -> the Metal launches that
+// compute it. Portable C++17 (no torch, no Apple headers), so CI runs it everywhere: the MPS
+// executor (csrc/mps/) and metalsim's executor (torch_qmm/metalsim/backend.py) both execute
+// exactly these launches. Arguments are validated before planning (csrc/validate.*).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../metal/qmm_params.h"
+
+namespace torch_qmm {
+namespace plan {
+
+enum class Op { kQuantize, kDequantize, kQmm };
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+
+// Which tensor of the op a buffer index is bound to.
+//   qmm: x, wq, scales, biases -> y      dequantize: wq, scales, biases -> w
+//   quantize: w -> wq, scales, biases
+enum class Operand { kX, kWq, kScales, kBiases, kY, kW };
+
+struct Problem {
+  Op op;
+  int64_t M;  // rows of x (qmm); unused otherwise
+  int64_t N;  // qmm: columns of y; (de)quantize: rows of W
+  int64_t K;  // qmm: inner dimension; (de)quantize: columns of W (the quantized axis)
+  int bits;
+  int group_size;
+  DType dtype;
+  bool transpose;  // qmm only
+};
+
+struct Binding {
+  int index;            // setBuffer index (metal/qmm_params.h AffineBuffer)
+  Operand operand;
+  int64_t byte_offset;  // relative to the tensor's first element
+};
+
+struct Launch {
+  std::string kernel;  // host name in the Metal library
+  std::string route;   // row of the routing table that chose it
+  std::array<uint32_t, 3> threadgroups;
+  std::array<uint32_t, 3> threads_per_threadgroup;
+  std::vector<Binding> buffers;
+  int params_index;    // setBytes index of `params`
+  AffineParams params;
+};
+
+// Kernel host name {family}_{variant}_{dtype}_gs_{G}_b_{B}, e.g.
+// affine_qmv_fast_float16_t_gs_64_b_4. Must match AFFINE_NAME in metal/affine_common.h.
+std::string kernel_name(const char* family, const char* variant, DType dtype, int group_size, int bits);
+const char* dtype_name(DType dtype);  // "float", "float16_t", "bfloat16_t"
+
+// One row of the routing table (csrc/plan.cpp): exposed so that tests can check that every
+// route is exercised and every kernel a plan can name exists.
+struct RouteInfo {
+  const char* route;
+  const char* family;
+  const char* variant;
+  const char* when;  // human-readable condition
+  const char* why;
+};
+const std::vector<RouteInfo>& routes();
+
+// The launches of one op. Problems with an empty output plan no launch; a qmm with K == 0
+// plans none either (the executor returns zeros).
+std::vector<Launch> make_plan(const Problem& problem);
+
+const char* operand_name(Operand operand);
+std::string to_json(const std::vector<Launch>& launches);
+std::string routes_json();
+
+}  // namespace plan
+}  // namespace torch_qmm

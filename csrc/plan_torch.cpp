@@ -1,0 +1,106 @@
+// Validated problems (plan_torch.h) and the Python-visible planner ops, whose schemas are in
+// csrc/ops.cpp:
+//   _plan(op, M, N, K, bits, group_size, dtype, transpose) -> JSON launches   (tests, tools)
+//   _plan_for(op, tensors, bits, group_size, transpose)   -> JSON launches   (validates first;
+//                                                            metalsim's executor)
+//   _routes() -> JSON routing table
+#include "plan_torch.h"
+
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include "validate.h"
+
+namespace torch_qmm {
+
+plan::DType plan_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return plan::DType::kFloat32;
+    case at::kHalf:
+      return plan::DType::kFloat16;
+    case at::kBFloat16:
+      return plan::DType::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "torch_qmm: Metal kernels take float32, float16 or bfloat16, got ", t);
+  }
+}
+
+std::pair<int64_t, int64_t> check_quantize(const at::Tensor& w, int64_t bits, int64_t group_size) {
+  const char* op = "affine_quantize";
+  check_bits_and_group_size(op, bits, group_size);
+  check_float_dtype(op, "w", w);
+  TORCH_CHECK_VALUE(w.dim() >= 1, op, ": argument 'w' must have at least 1 dimension [..., K], got a scalar");
+  const int64_t K = w.size(-1);
+  TORCH_CHECK_VALUE(K % group_size == 0, op, ": the last dimension of 'w' (K=", K,
+                    ") must be a multiple of group_size=", group_size);
+  return {K == 0 ? 0 : w.numel() / K, K};
+}
+
+plan::Problem qmm_problem(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                          const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
+  const auto [N, K] = check_qmm(x, wq, scales, biases, bits, group_size, transpose);
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
+  return {plan::Op::kQmm, M, N, K, int(bits), int(group_size), plan_dtype(x.scalar_type()), transpose};
+}
+
+plan::Problem dequantize_problem(const at::Tensor& wq, const at::Tensor& scales, const at::Tensor& biases,
+                                 int64_t bits, int64_t group_size) {
+  const PackedShape s = check_packed("affine_dequantize", wq, scales, biases, bits, group_size);
+  return {plan::Op::kDequantize, 0, s.rows, s.cols, int(bits), int(group_size), plan_dtype(scales.scalar_type()),
+          true};
+}
+
+plan::Problem quantize_problem(const at::Tensor& w, int64_t bits, int64_t group_size) {
+  const auto [N, K] = check_quantize(w, bits, group_size);
+  return {plan::Op::kQuantize, 0, N, K, int(bits), int(group_size), plan_dtype(w.scalar_type()), true};
+}
+
+namespace {
+
+plan::Op parse_op(const std::string& op) {
+  if (op == "qmm" || op == "affine_qmm") return plan::Op::kQmm;
+  if (op == "dequantize" || op == "affine_dequantize") return plan::Op::kDequantize;
+  if (op == "quantize" || op == "affine_quantize") return plan::Op::kQuantize;
+  TORCH_CHECK_VALUE(false, "_plan: argument 'op' must be one of 'qmm', 'dequantize', 'quantize', got '", op, "'");
+}
+
+std::string plan_op(const std::string& op, int64_t M, int64_t N, int64_t K, int64_t bits, int64_t group_size,
+                    at::ScalarType dtype, bool transpose) {
+  check_bits_and_group_size("_plan", bits, group_size);
+  TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0, "_plan: M, N, K must be >= 0, got ", M, ", ", N, ", ", K);
+  const plan::Problem p{parse_op(op), M, N, K, int(bits), int(group_size), plan_dtype(dtype), transpose};
+  try {
+    return plan::to_json(plan::make_plan(p));
+  } catch (const std::exception& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+std::string plan_for_op(const std::string& op, const std::vector<at::Tensor>& args, int64_t bits,
+                        int64_t group_size, bool transpose) {
+  const plan::Op o = parse_op(op);
+  const size_t want = o == plan::Op::kQmm ? 4 : o == plan::Op::kDequantize ? 3 : 1;
+  TORCH_CHECK_VALUE(args.size() == want, "_plan_for: op '", op, "' takes ", want, " tensors, got ", args.size());
+  plan::Problem p = o == plan::Op::kQmm ? qmm_problem(args[0], args[1], args[2], args[3], bits, group_size, transpose)
+                    : o == plan::Op::kDequantize ? dequantize_problem(args[0], args[1], args[2], bits, group_size)
+                                                 : quantize_problem(args[0], bits, group_size);
+  try {
+    return plan::to_json(plan::make_plan(p));
+  } catch (const std::exception& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+std::string routes_op() { return plan::routes_json(); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_qmm, CompositeExplicitAutograd, m) {
+  m.impl("_plan", &plan_op);
+  m.impl("_plan_for", &plan_for_op);
+  m.impl("_routes", &routes_op);
+}
+
+}  // namespace torch_qmm

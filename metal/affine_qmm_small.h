@@ -1,0 +1,81 @@
+// affine_qmm_t_bm{2,4,8}: y = x @ W.T for small M (2 .. 8), transpose=True (W [N, K]).
+// Weights are decoded once per K-block and reused for R = 2, 4 or 8 rows of x (the seed's
+// mt_qmm_bm2 / bm4 design, extended to 8): W traffic is ceil(M / R) x its size, not M x.
+//
+//   wq [N, K*bits/8 bytes]   scales, biases [N, K/G]   x [M, K]   y [M, N]
+//
+//   grid (ceil(N/8), ceil(M/R)); threadgroup (tx, ty) = 2 SIMD-groups x 32 lanes
+//   simdgroup s -> W rows n0 = 8*tx + 4*s .. +3 ; x rows m0 = R*ty .. +R-1
+//   K-block of 256 = 32 lanes x 8 values:
+//     lane l decodes q[4 rows][8] at k = k0 + 8l once (one unit of `bits` bytes per row),
+//     then for each of the R rows of x: loads x[m, k .. k+8), acc[m][r] += s*dot(q, x) + b*sum(x)
+//   end: simd_sum of each acc[m][r] -> y[m0+m, n0+r]
+// Bounds: rows of x past M and rows of W past N are skipped (uniform per SIMD-group); lanes whose
+// 8 values start at or past K stop (K % G == 0, so a unit never straddles K).
+#pragma once
+
+#include "affine_common.h"
+
+template <typename T, int G, int bits, int R>
+inline void affine_qmm_small_impl(const device uint8_t* wq, const device T* scales, const device T* biases,
+                                  const device T* x, device T* y, constant AffineParams& p, uint2 tg,
+                                  uint simd_gid, uint lane) {
+  constexpr int ROWS = BM_ROWS_PER_SIMDGROUP;
+  const uint M = p.M, N = p.N, K = p.K;
+  const uint row_bytes = K * bits / 8;
+  const uint groups = K / G;
+  const uint n0 = tg.x * BM_COLS_PER_TG + simd_gid * ROWS;
+  const uint m0 = tg.y * R;
+
+  float acc[R][ROWS];
+  for (int m = 0; m < R; ++m)
+    for (int r = 0; r < ROWS; ++r) acc[m][r] = 0.0f;
+
+  float q[ROWS][8];
+  float s[ROWS], b[ROWS];
+  for (uint k0 = 0; k0 < K; k0 += BM_BLOCK_K) {
+    const uint k = k0 + lane * BM_VALUES_PER_THREAD;
+    if (k >= K) break;
+    for (int r = 0; r < ROWS; ++r) {
+      const uint n = n0 + r;
+      if (n < N) {
+        decode8<bits>(wq + n * row_bytes + k * bits / 8, q[r]);
+        s[r] = float(scales[n * groups + k / G]);
+        b[r] = float(biases[n * groups + k / G]);
+      } else {
+        for (int i = 0; i < 8; ++i) q[r][i] = 0.0f;
+        s[r] = 0.0f;
+        b[r] = 0.0f;
+      }
+    }
+    for (int m = 0; m < R; ++m) {
+      if (m0 + m >= M) break;
+      const device T* xr = x + (m0 + m) * K + k;
+      float xv[8];
+      float xsum = 0.0f;
+      for (int i = 0; i < 8; ++i) {
+        xv[i] = float(xr[i]);
+        xsum += xv[i];
+      }
+      for (int r = 0; r < ROWS; ++r) acc[m][r] += s[r] * dot8(q[r], xv) + b[r] * xsum;
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    for (int r = 0; r < ROWS; ++r) {
+      const float sum = simd_sum(acc[m][r]);
+      if (lane == 0 && m0 + m < M && n0 + r < N) y[(m0 + m) * N + n0 + r] = static_cast<T>(sum);
+    }
+  }
+}
+
+template <typename T, int G, int bits, int R>
+[[kernel]] void affine_qmm_t_small(const device uint8_t* wq [[buffer(BUF_WQ)]],
+                                   const device T* scales [[buffer(BUF_SCALES)]],
+                                   const device T* biases [[buffer(BUF_BIASES)]],
+                                   const device T* x [[buffer(BUF_DENSE)]], device T* y [[buffer(BUF_Y)]],
+                                   constant AffineParams& p [[buffer(BUF_PARAMS)]],
+                                   uint3 tgid [[threadgroup_position_in_grid]],
+                                   uint simd_gid [[simdgroup_index_in_threadgroup]],
+                                   uint lane [[thread_index_in_simdgroup]]) {
+  affine_qmm_small_impl<T, G, bits, R>(wq, scales, biases, x, y, p, tgid.xy, simd_gid, lane);
+}

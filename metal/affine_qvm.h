@@ -1,0 +1,65 @@
+// affine_qvm_bounded: y[m, :] = x[m, :] @ W for small M, transpose=False (W [K, N] quantized
+// along N; MLX's qvm layout). Geometry after MLX qvm: lanes own consecutive output columns,
+// SIMD-groups split K and are reduced through threadgroup memory.
+//
+//   wq [K, N*bits/8 bytes]   scales, biases [K, N/G]   x [M, K]   y [M, N]
+//
+//   grid (ceil(N/256), M); threadgroup = 4 SIMD-groups x 32 lanes
+//   lane l of every SIMD-group -> columns n = 256*tx + 8l .. +7 (one decode unit per row k)
+//   SIMD-group s -> rows k = s, s+4, s+8, ...   (consecutive lanes read consecutive bytes)
+//     acc[i] += (x[m,k] * s_k) * q_i ; bsum += x[m,k] * b_k   (the 8 columns share a group)
+//   SIMD-groups 1..3 park acc + bsum in threadgroup memory; SIMD-group 0 adds and writes y.
+// Bounds: any K; N is a multiple of G (hence of 8), columns past N are skipped per lane.
+#pragma once
+
+#include "affine_common.h"
+
+template <typename T, int G, int bits>
+inline void affine_qvm_impl(const device uint8_t* wq, const device T* scales, const device T* biases,
+                            const device T* x, device T* y, constant AffineParams& p, threadgroup float* red,
+                            uint2 tg, uint simd_gid, uint lane) {
+  constexpr int C = QVM_COLS_PER_LANE;
+  const uint N = p.N, K = p.K;
+  const uint row_bytes = N * bits / 8;
+  const uint groups = N / G;
+  const uint m = tg.y;
+  const uint n = tg.x * QVM_COLS_PER_TG + lane * C;
+
+  float acc[C];
+  for (int i = 0; i < C; ++i) acc[i] = 0.0f;
+  float bsum = 0.0f;
+  if (n < N) {
+    float q[C];
+    for (uint k = simd_gid; k < K; k += QVM_SIMDGROUPS) {
+      const float xk = float(x[m * K + k]);
+      decode8<bits>(wq + k * row_bytes + n * bits / 8, q);
+      const float xs = xk * float(scales[k * groups + n / G]);
+      bsum += xk * float(biases[k * groups + n / G]);
+      for (int i = 0; i < C; ++i) acc[i] += xs * q[i];
+    }
+  }
+  if (simd_gid > 0) {
+    for (int i = 0; i < C; ++i) red[((simd_gid - 1) * SIMD_WIDTH + lane) * C + i] = acc[i] + bsum;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (simd_gid == 0 && n < N) {
+    for (int i = 0; i < C; ++i) {
+      float v = acc[i] + bsum;
+      for (int s = 1; s < QVM_SIMDGROUPS; ++s) v += red[((s - 1) * SIMD_WIDTH + lane) * C + i];
+      y[m * N + n + i] = static_cast<T>(v);
+    }
+  }
+}
+
+template <typename T, int G, int bits>
+[[kernel]] void affine_qvm_bounded(const device uint8_t* wq [[buffer(BUF_WQ)]],
+                                   const device T* scales [[buffer(BUF_SCALES)]],
+                                   const device T* biases [[buffer(BUF_BIASES)]],
+                                   const device T* x [[buffer(BUF_DENSE)]], device T* y [[buffer(BUF_Y)]],
+                                   constant AffineParams& p [[buffer(BUF_PARAMS)]],
+                                   uint3 tgid [[threadgroup_position_in_grid]],
+                                   uint simd_gid [[simdgroup_index_in_threadgroup]],
+                                   uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float red[(QVM_SIMDGROUPS - 1) * QVM_COLS_PER_TG];
+  affine_qvm_impl<T, G, bits>(wq, scales, biases, x, y, p, red, tgid.xy, simd_gid, lane);
+}

@@ -1,0 +1,176 @@
+"""The Metal kernels (metal/) on metalsim, through the planner and the metalsim executor,
+against the float64 reference (qmm) and the CPU ops (quantize / dequantize: bit-exact)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import torch_qmm
+from tolerance import assert_matches_reference
+from metal_helpers import (
+    BITS,
+    DTYPES,
+    GROUPS,
+    ROUTE_PROBLEMS,
+    assert_matches_reference,
+    qmm_case,
+    reference_and_magnitude,
+    require_clang,
+    weights,
+)
+
+pytestmark = pytest.mark.usefixtures("_clang")
+
+
+@pytest.fixture(scope="module")
+def _clang():
+    require_clang()
+
+
+def _backend(**kw):
+    from torch_qmm.metalsim import backend
+
+    return backend(**kw)
+
+
+def _last():
+    from torch_qmm.metalsim import last_launches
+
+    return last_launches()
+
+
+def run_qmm(M, N, K, bits, gs, dtype, transpose, seed, check=None):
+    x, wq, s, b = qmm_case(M, N, K, bits, gs, dtype, transpose, seed)
+    with _backend(check=check):
+        y = torch_qmm.quantized_matmul(x, wq, s, b, transpose=transpose, group_size=gs, bits=bits)
+    (launch,) = _last()
+    y_ref, mag = reference_and_magnitude(x, wq, s, b, bits, gs, transpose)
+    assert_matches_reference(y, y_ref, mag, dtype, f"{launch.kernel} M={M} N={N} K={K}")
+    return launch
+
+
+# The M values of the sweep; every (bits, group size, dtype, transpose) cell runs M = 1 and
+# three of the others, rotating so that each M meets many cells (all M x all cells would take
+# ~10 minutes of emulation for little extra coverage).
+MS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 129)
+CELLS = list(itertools.product(BITS, GROUPS, DTYPES, (True, False)))
+
+
+@pytest.mark.parametrize("cell", range(len(CELLS)), ids=lambda i: "b{}-gs{}-{}-{}".format(
+    CELLS[i][0], CELLS[i][1], str(CELLS[i][2]).split(".")[1], "T" if CELLS[i][3] else "N"))
+def test_qmm_on_metalsim_matches_reference(cell):
+    bits, gs, dtype, transpose = CELLS[cell]
+    ms = [1] + [MS[(3 * cell + j) % len(MS)] for j in range(3)]
+    # Odd N (transpose=True: any N) or odd K (transpose=False: any K); the other dimension a
+    # multiple of the group size that is not a multiple of the K-block or tile.
+    N, K = (37, 3 * gs) if transpose else (3 * gs, 45)
+    for i, M in enumerate(ms):
+        run_qmm(M, N, K, bits, gs, dtype, transpose, seed=cell * 16 + i)
+    if transpose:  # the aligned M = 1 fast path, two K-blocks
+        launch = run_qmm(1, 64, 2 * (512 if bits <= 5 else 256), bits, gs, dtype, True, seed=cell)
+        assert launch.route == "qmv_fast"
+
+
+@pytest.mark.parametrize("route", sorted(r for r, p in ROUTE_PROBLEMS.items() if p[0] == "qmm"))
+def test_every_qmm_route_runs_and_matches_reference(route):
+    op, M, N, K, transpose = ROUTE_PROBLEMS[route]
+    for bits, dtype in ((4, torch.float16), (3, torch.bfloat16), (6, torch.float32)):
+        if route == "qmv_fast":
+            K = 512 if bits <= 5 else 256
+        launch = run_qmm(M, N, K, bits, 64, dtype, transpose, seed=bits)
+        assert launch.route == route
+
+
+def test_batched_and_strided_x():
+    x, wq, s, b = qmm_case(6, 40, 128, 4, 64, torch.float16, True, seed=3)
+    x3 = torch.randn(2, 3, 256, dtype=torch.float16)[..., ::2]  # non-contiguous [2, 3, 128]
+    with _backend():
+        y = torch_qmm.quantized_matmul(x3, wq, s, b, group_size=64, bits=4)
+    assert y.shape == (2, 3, 40)
+    y_ref, mag = reference_and_magnitude(x3.reshape(6, 128), wq, s, b, 4, 64, True)
+    assert_matches_reference(y.reshape(6, 40), y_ref, mag, torch.float16, "batched")
+
+
+def test_x_with_storage_offset_is_bound_with_its_offset():
+    _, wq, s, b = qmm_case(1, 24, 64, 4, 32, torch.float32, True, seed=5)
+    big = torch.randn(3, 64)
+    x = big[1:3]  # contiguous view starting 256 bytes into its storage
+    with _backend():
+        y = torch_qmm.quantized_matmul(x, wq, s, b, group_size=32, bits=4)
+    y_ref, mag = reference_and_magnitude(x, wq, s, b, 4, 32, True)
+    assert_matches_reference(y, y_ref, mag, torch.float32, "offset")
+
+
+def test_bad_arguments_raise_the_cpu_errors():
+    x, wq, s, b = qmm_case(2, 16, 64, 4, 32, torch.float32, True, seed=1)
+    for bad in (dict(x=x[:, :32]), dict(x=x.half()), dict(bits=7)):
+        args = dict(x=x, wq=wq, s=s, b=b, bits=4)
+        args.update(bad)
+        call = lambda: torch.ops.torch_qmm.affine_qmm(args["x"], args["wq"], args["s"], args["b"], args["bits"], 32)  # noqa: E731
+        with pytest.raises((ValueError, TypeError)) as cpu:
+            call()
+        with _backend(), pytest.raises(cpu.type) as sim:
+            call()
+        assert str(sim.value).splitlines()[0] == str(cpu.value).splitlines()[0]
+    with _backend(), pytest.raises(ValueError, match="NaN or Inf"):
+        torch_qmm.quantize(torch.full((2, 32), float("nan")), group_size=32, bits=4)
+
+
+def _edge_weights(rows, cols, dtype, seed):
+    w = weights(rows, cols, dtype, seed).float()
+    w[0, :32] = 0.75  # constant group
+    w[1, :32] = 0.0  # zero group
+    w[2, :32] = torch.linspace(-5.0, 1.0, 32)  # negative extreme dominates
+    w[3, :32] = 0.0
+    w[3, 7] = -2.5  # single non-zero value
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("bits,group_size,dtype", itertools.product(BITS, GROUPS, DTYPES))
+def test_quantize_and_dequantize_on_metalsim_equal_the_cpu_ops(bits, group_size, dtype):
+    w = _edge_weights(11, group_size * 3, dtype, seed=bits + group_size)
+    wq, s, b = torch_qmm.quantize(w, group_size=group_size, bits=bits)
+    deq = torch_qmm.dequantize(wq, s, b, group_size=group_size, bits=bits)
+    with _backend():
+        mwq, ms, mb = torch_qmm.quantize(w, group_size=group_size, bits=bits)
+        assert _last()[0].route == "quantize"
+        mdeq = torch_qmm.dequantize(wq, s, b, group_size=group_size, bits=bits)
+        assert _last()[0].route == "dequantize"
+    assert torch.equal(mwq.view(torch.int32), wq.view(torch.int32)), "packed words differ from the CPU op"
+    assert torch.equal(ms, s) and torch.equal(mb, b), "scales/biases differ from the CPU op"
+    assert torch.equal(mdeq, deq), "dequantized weights differ from the CPU op"
+
+
+def test_quantize_keeps_leading_dimensions():
+    w = weights(6, 64, torch.float32, seed=2).reshape(2, 3, 64)
+    with _backend():
+        wq, s, b = torch_qmm.quantize(w, group_size=32, bits=4)
+    assert wq.shape == (2, 3, 8) and s.shape == (2, 3, 2)
+
+
+# Checked mode (out-of-bounds, races, unwritten threadgroup reads, barrier divergence): every
+# route, for a bit width per packing scheme (word-aligned 4, stream 3/5) and each dtype once.
+@pytest.mark.parametrize(
+    "route,bits,dtype",
+    [(r, b, d) for r in sorted(ROUTE_PROBLEMS) for b, d in ((4, torch.float16), (5, torch.bfloat16), (3, torch.float32))],
+)
+def test_kernels_run_clean_in_checked_mode(route, bits, dtype):
+    op, M, N, K, transpose = ROUTE_PROBLEMS[route]
+    if route == "qmv_fast":
+        K = 512
+    if op == "qmm":
+        assert run_qmm(M, N, K, bits, 64, dtype, transpose, seed=11, check=True).route == route
+        return
+    w = _edge_weights(N, K, dtype, seed=4)
+    with _backend(check=True):
+        if op == "quantize":
+            wq, s, b = torch_qmm.quantize(w, group_size=64, bits=bits)
+            assert torch.equal(wq.view(torch.int32), torch_qmm.quantize(w, group_size=64, bits=bits)[0].view(torch.int32))
+        else:
+            wq, s, b = torch_qmm.quantize(w, group_size=64, bits=bits)  # (runs on metalsim too)
+            out = torch_qmm.dequantize(wq, s, b, group_size=64, bits=bits)
+            assert torch.equal(out, torch_qmm.dequantize(wq, s, b, group_size=64, bits=bits))
+    assert _last()[0].route == route
