@@ -5,7 +5,7 @@ there, csrc/cpu/qmm_kernels.h); inside each kernel, rows of x go in blocks of 4,
 columns in spans of 64 (+ a tail of 32), and the GEMM route tiles N by 128 and K by 512
 (csrc/cpu/qmm_gemm.cpp). These sweeps put shapes on both sides of every such boundary, with
 random packed words so every code value (including 2^bits - 1) appears, against the float64
-reference (tests/conftest.py's tolerance rule).
+reference (the tolerance rule of tests/tolerance.py).
 """
 
 from __future__ import annotations

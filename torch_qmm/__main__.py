@@ -13,6 +13,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "demo": ("torch_qmm.demo", "quantize a small built-in model: error, memory saved, speed"),
+    "bench": ("torch_qmm.bench", "benchmark affine_qmm against F.linear, int8/int4 packs and MLX; JSON + plot"),
     "convert": ("torch_qmm.interop.cli_convert", "quantize a transformers folder or GGUF file (transformers or MLX output)"),
     "inspect": ("torch_qmm.interop.cli_inspect", "list a checkpoint's layers, formats and bytes (GGUF, safetensors, MLX)"),
 }

@@ -7,8 +7,8 @@
 // permute x (K side) or y (N side) to match instead of shuffling the weights:
 //
 //   bits 8      v0 = q[0..15], v1 = q[16..31] (identity)     16 bytes widened (vpmovzxbd)
-//   bits 4      vj lane l = q[16j + 8(l%2) + l/2]            8 bytes broadcast to every 64-bit
-//               slot (vpbroadcastq), lane l shifted by 4*(l/2) (vpsrlvd) and masked
+//   bits 4      vj lane l = q[2l + j]                         16 bytes widened, v0 = low nibbles,
+//               v1 = high nibbles (widen, and, shift: 5 instructions per 32 codes)
 //   bits 2      identity                                     one word broadcast, shifted by 2l
 //   bits 3/5/6  identity: 8 codes of a BITS-byte unit are spread to 8 bytes with three SWAR
 //               steps on a uint64 (no BMI2 pdep: it is microcoded on AMD Zen 1/2), then widened.
@@ -48,7 +48,11 @@ inline f32x16 load16(const float* p) {
   return v;
 }
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline f32x16 splat16(float s) { return f32x16{} + s; }
+inline f32x16 splat16(float s) {
+  f32x16 v;
+  for (int i = 0; i < kLanes; ++i) v[i] = s;  // one vbroadcastss (`f32x16{} + s` would add 0.0f)
+  return v;
+}
 
 inline float hsum16(f32x16 v) {
   // Pairwise halves: the compiler lowers this to extract/add, log2(16) steps.
@@ -86,14 +90,6 @@ inline u8x16 load_bytes16(const uint8_t* p) {
   return v;
 }
 
-// The 8 bytes at p in every 64-bit slot (one vpbroadcastq from memory).
-inline u32x16 splat_u64(const uint8_t* p) {
-  uint64_t w;
-  std::memcpy(&w, p, 8);
-  typedef uint64_t u64x8 __attribute__((vector_size(64)));
-  return (u32x16)(u64x8{} + w);
-}
-
 // The 4 bytes at p in every 32-bit lane (one vpbroadcastd from memory).
 inline u32x16 splat_u32(const uint8_t* p) {
   uint32_t w;
@@ -127,10 +123,10 @@ struct Block32 {
       v0 = codes_to_float(widen_bytes(load_bytes16(p)));
       v1 = codes_to_float(widen_bytes(load_bytes16(p + 16)));
     } else if constexpr (BITS == 4) {
-      // Lane l: word l%2 of the 8 bytes, nibble l/2.
-      const u32x16 sh = {0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28};
-      v0 = codes_to_float((i32x16)((splat_u64(p) >> sh) & 15u));
-      v1 = codes_to_float((i32x16)((splat_u64(p + 8) >> sh) & 15u));
+      // 16 bytes widened once; low nibbles are the even codes, high nibbles the odd ones.
+      const i32x16 b = widen_bytes(load_bytes16(p));
+      v0 = codes_to_float(b & 15);
+      v1 = codes_to_float(b >> 4);
     } else if constexpr (BITS == 2) {
       // Lane l: 2-bit field l of one word (natural order).
       const u32x16 sh = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
@@ -153,7 +149,7 @@ struct Block32 {
 
   // Index within the block of the code in vector j (0/1), lane l. Must match decode().
   static constexpr int natural(int j, int l) {
-    return BITS == 4 ? 16 * j + 8 * (l % 2) + l / 2 : 16 * j + l;
+    return BITS == 4 ? 2 * l + j : 16 * j + l;
   }
 };
 

@@ -1,0 +1,40 @@
+"""Smoke tests of `python -m torch_qmm bench`: it runs, checks outputs, and writes sound JSON.
+
+Performance is never asserted; only structure and finiteness.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from torch_qmm.__main__ import main
+
+
+def test_bench_writes_json_with_finite_peer_ratios(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--device", "cpu", "--shapes", "96x256", "--m", "1,17", "--bits", "4", "--dtype",
+               "float32", "--repeats", "1", "--output", str(out), "--no-plot"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    for key in ("device", "os", "torch", "commit", "copy_gbps"):
+        assert key in doc["machine"], key
+    assert doc["machine"]["copy_gbps"] > 0
+    assert [r["m"] for r in doc["results"]] == [1, 17]
+    for r in doc["results"]:
+        assert (r["n"], r["k"], r["bits"], r["dtype"]) == (96, 256, 4, "float32")
+        assert r["times_ms"]["torch_qmm"] > 0 and math.isfinite(r["gbps"])
+        assert {"linear_float32", "linear_bfloat16", "linear_float16"} <= set(r["speedup_vs"])
+        assert all(math.isfinite(v) and v > 0 for v in r["speedup_vs"].values())
+
+
+def test_bench_model_reports_time_memory_and_error(tmp_path):
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps({"dim": 128, "hidden": 256, "layers": 1, "heads": 4, "vocab": 256}))
+    out = tmp_path / "model_result.json"
+    rc = main(["bench", "--device", "cpu", "--model", str(cfg), "--repeats", "2", "--output", str(out)])
+    assert rc == 0
+    (result,) = json.loads(out.read_text())["models"]
+    assert result["bytes_after"] < result["bytes_before"]
+    for t in result["by_tokens"].values():
+        assert t["quantized_ms"] > 0 and 0 <= t["rel_error"] < 0.5

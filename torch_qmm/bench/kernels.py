@@ -1,0 +1,251 @@
+"""Kernel benchmark: torch_qmm's affine_qmm against its peers on one device, in one run.
+
+One `Config` (shape, M, bits, dtype) -> one `Result` holding the median time of every
+implementation. Method (issue 6):
+  * every implementation gets several copies of its weights, cycled call by call, so the weights
+    in play exceed the last-level cache (a weight read comes from memory, as in a real model);
+  * outputs are checked against a reference before timing (torch_qmm's against the float64
+    reference on a slice of output columns, with the tests' tolerance rule);
+  * warm-up, then rounds in which every implementation runs once (interleaved, so background load
+    hits all of them alike), device synchronized around each call; the median is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import reference
+from ..devices import synchronize
+from ..ops import quantized_matmul
+
+OURS = "torch_qmm"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    n: int  # out features (rows of W)
+    k: int  # in features
+    m: int  # rows of x
+    bits: int
+    dtype: str  # of x, scales, biases
+    group_size: int = 64
+    device: str = "cpu"
+
+
+@dataclasses.dataclass
+class Result:
+    config: Config
+    times_ms: dict[str, float]  # implementation -> median ms (missing: unsupported here)
+    min_ms: dict[str, float]  # implementation -> fastest sample (less sensitive to background load)
+    samples: dict[str, int]
+    weight_bytes: dict[str, int]  # implementation -> bytes of weights read per call
+    skipped: dict[str, str]  # implementation -> why it did not run
+
+    def gbps(self, impl: str = OURS) -> float:
+        return self.weight_bytes[impl] / (self.times_ms[impl] * 1e-3) / 1e9
+
+    def speedups(self) -> dict[str, float]:
+        """Peer time / torch_qmm time (> 1: torch_qmm is faster)."""
+        ours = self.times_ms[OURS]
+        return {p: t / ours for p, t in self.times_ms.items() if p != OURS}
+
+
+# An implementation prepared for one config: a call using weight copy i, its weight bytes.
+Impl = tuple[Callable[[int], object], int]
+
+
+def _rand_affine(n: int, k: int, bits: int, group_size: int, dtype: torch.dtype, device: str, gen: torch.Generator):
+    words = torch.randint(0, 2**32, (n, k * bits // 32), generator=gen, dtype=torch.int64)
+    wq = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(torch.uint32)
+    scales = (torch.rand(n, k // group_size, generator=gen) * 0.02 + 0.001).to(dtype)
+    biases = (torch.randn(n, k // group_size, generator=gen) * 0.05).to(dtype)
+    return wq.to(device), scales.to(device), biases.to(device)
+
+
+def copies_for(nbytes: int, cache_bytes: int, max_copies: int = 16) -> int:
+    """Weight copies so that the set cycled through is at least twice the last-level cache."""
+    return max(1, min(max_copies, math.ceil(2 * cache_bytes / max(nbytes, 1))))
+
+
+def _ours(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) -> Impl:
+    dtype = getattr(torch, cfg.dtype)
+    first = _rand_affine(cfg.n, cfg.k, cfg.bits, cfg.group_size, dtype, cfg.device, gen)
+    nbytes = sum(t.numel() * t.element_size() for t in first)
+    sets = [first] + [
+        _rand_affine(cfg.n, cfg.k, cfg.bits, cfg.group_size, dtype, cfg.device, gen)
+        for _ in range(copies_for(nbytes, cache_bytes) - 1)
+    ]
+    _check_ours(cfg, x, *first)
+    gs, bits = cfg.group_size, cfg.bits
+    return (lambda i: quantized_matmul(x, *sets[i % len(sets)], group_size=gs, bits=bits)), nbytes
+
+
+def _check_ours(cfg: Config, x: torch.Tensor, wq, scales, biases, cols: int = 64) -> None:
+    """torch_qmm vs the float64 reference on the first `cols` outputs (the rule of tests/tolerance.py)."""
+    cols = min(cols, cfg.n)
+    y = quantized_matmul(x, wq, scales, biases, group_size=cfg.group_size, bits=cfg.bits)[:, :cols].cpu().double()
+    w = reference.dequantize(wq[:cols].cpu(), scales[:cols].cpu(), biases[:cols].cpu(), cfg.bits, cfg.group_size)
+    xd = x.cpu().double()
+    y_ref, mag = xd @ w.T, xd.abs() @ w.abs().T
+    out_rtol = {"float32": 2**-22, "float16": 2**-9, "bfloat16": 2**-6}[cfg.dtype]
+    bound = out_rtol * y_ref.abs() + 2e-5 * mag + 1e-30
+    worst = ((y - y_ref).abs() / bound).max().item()
+    if not worst <= 1.0:
+        raise AssertionError(f"torch_qmm output differs from the reference for {cfg} (worst error/bound {worst:.2f})")
+
+
+def _linear(cfg: Config, dtype: torch.dtype, cache_bytes: int, gen: torch.Generator) -> Impl:
+    x = torch.randn(cfg.m, cfg.k, generator=gen).to(device=cfg.device, dtype=dtype)
+    nbytes = cfg.n * cfg.k * dtype.itemsize
+    ws = [(torch.randn(cfg.n, cfg.k, generator=gen) * 0.02).to(device=cfg.device, dtype=dtype)
+          for _ in range(copies_for(nbytes, cache_bytes))]
+    return (lambda i: F.linear(x, ws[i % len(ws)])), nbytes
+
+
+def _int8pack(cfg: Config, dtype: torch.dtype, cache_bytes: int, gen: torch.Generator) -> Impl:
+    x = torch.randn(cfg.m, cfg.k, generator=gen).to(device=cfg.device, dtype=dtype)
+    nbytes = cfg.n * cfg.k + cfg.n * dtype.itemsize
+    sets = [(torch.randint(-128, 128, (cfg.n, cfg.k), generator=gen, dtype=torch.int8).to(cfg.device),
+             (torch.rand(cfg.n, generator=gen) * 0.01).to(device=cfg.device, dtype=dtype))
+            for _ in range(copies_for(nbytes, cache_bytes))]
+    return (lambda i: torch._weight_int8pack_mm(x, *sets[i % len(sets)])), nbytes
+
+
+def _int4pack(cfg: Config, dtype: torch.dtype, cache_bytes: int, gen: torch.Generator) -> Impl:
+    """PyTorch's int4 weight-only matmul (w = (q - 8) * scale + zero per group of 64)."""
+    if cfg.k % cfg.group_size:
+        raise RuntimeError("K not a multiple of the group size")
+    on_cpu = cfg.device == "cpu"
+    convert = torch._convert_weight_to_int4pack_for_cpu if on_cpu else torch._convert_weight_to_int4pack
+    mm = torch._weight_int4pack_mm_for_cpu if on_cpu else torch._weight_int4pack_mm
+    x = torch.randn(cfg.m, cfg.k, generator=gen).to(device=cfg.device, dtype=dtype)
+
+    def one_set():
+        q = torch.randint(0, 16, (cfg.n, cfg.k), generator=gen, dtype=torch.int32).to(cfg.device)
+        packed = convert(q, 1) if on_cpu else convert(q.to(torch.uint8), 8)
+        sz = (torch.rand(cfg.k // cfg.group_size, cfg.n, 2, generator=gen) * 0.01).to(device=cfg.device, dtype=dtype)
+        return packed, sz
+
+    first = one_set()
+    nbytes = first[0].numel() * first[0].element_size() + first[1].numel() * first[1].element_size()
+    sets = [first] + [one_set() for _ in range(copies_for(nbytes, cache_bytes) - 1)]
+    gs = cfg.group_size
+    return (lambda i: mm(x, sets[i % len(sets)][0], gs, sets[i % len(sets)][1])), nbytes
+
+
+def _mlx(cfg: Config, cache_bytes: int, gen: torch.Generator) -> Impl:
+    """mlx.core.quantized_matmul on the same affine format (CPU stream unless on a Mac GPU)."""
+    import mlx.core as mx  # optional peer
+
+    if cfg.device not in ("cpu", "mps"):
+        raise RuntimeError(f"MLX runs on cpu/mps, not {cfg.device}")
+    mx.set_default_device(mx.gpu if cfg.device == "mps" else mx.cpu)
+    mdtype = getattr(mx, cfg.dtype)
+
+    def to_mx(t: torch.Tensor):
+        if t.dtype == torch.uint32:
+            return mx.array(t.view(torch.int32).numpy()).view(mx.uint32)
+        return mx.array(t.float().numpy()).astype(mdtype)
+
+    dtype = getattr(torch, cfg.dtype)
+    x = to_mx(torch.randn(cfg.m, cfg.k, generator=gen))
+    first = _rand_affine(cfg.n, cfg.k, cfg.bits, cfg.group_size, dtype, "cpu", gen)
+    nbytes = sum(t.numel() * t.element_size() for t in first)
+    sets = [first] + [_rand_affine(cfg.n, cfg.k, cfg.bits, cfg.group_size, dtype, "cpu", gen)
+                      for _ in range(copies_for(nbytes, cache_bytes) - 1)]
+    sets = [tuple(to_mx(t) for t in s) for s in sets]
+    mx.eval(sets)
+    gs, bits = cfg.group_size, cfg.bits
+
+    def call(i: int):
+        y = mx.quantized_matmul(x, *sets[i % len(sets)], transpose=True, group_size=gs, bits=bits)
+        mx.eval(y)
+        return y
+
+    return call, nbytes
+
+
+def peers(cfg: Config) -> dict[str, Callable[[int, torch.Generator], Impl]]:
+    """Peer name -> builder(cache_bytes, generator). Builders raise when the peer is unavailable."""
+    dtype = getattr(torch, cfg.dtype)
+    out: dict[str, Callable[[int, torch.Generator], Impl]] = {}
+    for d in (torch.float32, torch.float16, torch.bfloat16):
+        out[f"linear_{str(d)[6:]}"] = lambda c, g, d=d: _linear(cfg, d, c, g)
+    out["int8pack"] = lambda c, g: _int8pack(cfg, dtype, c, g)
+    out["int4pack"] = lambda c, g: _int4pack(cfg, dtype, c, g)
+    out["mlx"] = lambda c, g: _mlx(cfg, c, g)
+    return out
+
+
+def time_impls(impls: dict[str, Impl], device: str, repeats: int, budget_s: float = 2.0) -> dict[str, dict]:
+    """Per implementation: median and min ms over interleaved rounds, and the number of samples.
+
+    The warm-up call is timed too: an implementation slower than `budget_s` per call keeps that
+    one sample (e.g. MLX's CPU kernels at large M); others run min(repeats, budget_s / t) rounds.
+    """
+    samples: dict[str, list[float]] = {}
+    rounds: dict[str, int] = {}
+    for name, (call, _) in impls.items():
+        synchronize(device)
+        t0 = time.perf_counter()
+        call(0)
+        synchronize(device)
+        t = time.perf_counter() - t0
+        rounds[name] = max(0, min(repeats, int(budget_s / max(t, 1e-9))))
+        samples[name] = [] if rounds[name] else [t * 1e3]
+    for r in range(max(rounds.values(), default=0)):
+        for name, (call, _) in impls.items():
+            if r >= rounds[name]:
+                continue
+            synchronize(device)
+            t0 = time.perf_counter()
+            call(r + 1)
+            synchronize(device)
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: {"median": statistics.median(s), "min": min(s), "samples": len(s)} for name, s in samples.items()}
+
+
+def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callable[[str], bool] = lambda p: True,
+               peer_cache: dict | None = None, seed: int = 0, mlx_max_m: int = 16) -> Result:
+    """Times torch_qmm and its peers for one config. `peer_cache` reuses peer times that do not
+    depend on bits (F.linear, int8/int4 packs) across configs of the same run. MLX is timed up to
+    M = mlx_max_m (its CPU quantized_matmul takes seconds per call beyond)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(cfg.m, cfg.k, generator=gen).to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
+    impls: dict[str, Impl] = {OURS: _ours(cfg, x, cache_bytes, gen)}
+    skipped: dict[str, str] = {}
+    cached: dict[str, tuple[float, int]] = {}
+    for name, build in peers(cfg).items():
+        if not peer_filter(name):
+            continue
+        if name == "mlx" and cfg.m > mlx_max_m:
+            skipped[name] = f"M > {mlx_max_m} (--mlx-max-m): MLX's CPU quantized_matmul takes seconds per call"
+            continue
+        key = (name, cfg.n, cfg.k, cfg.m, cfg.device) + ((cfg.dtype,) if name in ("int8pack", "int4pack") else ())
+        if name != "mlx" and peer_cache is not None and key in peer_cache:
+            cached[name] = peer_cache[key]
+            continue
+        try:
+            impl = build(cache_bytes, gen)
+            impl[0](0)
+            impls[name] = impl
+        except Exception as e:  # noqa: BLE001 - a peer missing on this device/version is reported
+            skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    stats = time_impls(impls, cfg.device, repeats)
+    nbytes = {name: impl[1] for name, impl in impls.items()}
+    for name, (st, b) in cached.items():
+        stats[name], nbytes[name] = st, b
+    if peer_cache is not None:
+        for name in impls:
+            if name not in (OURS, "mlx"):
+                key = (name, cfg.n, cfg.k, cfg.m, cfg.device) + ((cfg.dtype,) if name in ("int8pack", "int4pack") else ())
+                peer_cache[key] = (stats[name], nbytes[name])
+    return Result(cfg, {k: v["median"] for k, v in stats.items()}, {k: v["min"] for k, v in stats.items()},
+                  {k: v["samples"] for k, v in stats.items()}, nbytes, skipped)

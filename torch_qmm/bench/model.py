@@ -1,0 +1,123 @@
+"""Model-level benchmark: a small Llama-style transformer built from a config (no downloads).
+
+Reports forward time at M=1 (decode) and M=128 (prefill) tokens, weight memory before and after
+`quantize_model`, and the output error of the quantized model against the float model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..convert import quantize_model
+from ..devices import synchronize
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    dim: int = 2048
+    hidden: int = 5632
+    layers: int = 4
+    heads: int = 16
+    vocab: int = 8192
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.heads = c.heads
+        self.norm1, self.norm2 = nn.RMSNorm(c.dim), nn.RMSNorm(c.dim)
+        self.qkv = nn.Linear(c.dim, 3 * c.dim, bias=False)
+        self.o = nn.Linear(c.dim, c.dim, bias=False)
+        self.gate = nn.Linear(c.dim, c.hidden, bias=False)
+        self.up = nn.Linear(c.dim, c.hidden, bias=False)
+        self.down = nn.Linear(c.hidden, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(c.vocab, c.dim)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.norm = nn.RMSNorm(c.dim)
+        self.lm_head = nn.Linear(c.dim, c.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.lm_head(self.norm(x))
+
+
+def load_config(spec: str | None) -> ModelConfig:
+    """`None`/"tiny": the default; a path to a JSON file with ModelConfig fields otherwise."""
+    if spec in (None, "", "tiny"):
+        return ModelConfig()
+    return ModelConfig(**json.loads(Path(spec).read_text()))
+
+
+def _bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _median_ms(fn, device: str, repeats: int) -> float:
+    fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run_model(spec: str | None, device: str, dtype: torch.dtype, bits: int, group_size: int, repeats: int,
+              tokens: tuple[int, ...] = (1, 128)) -> dict:
+    cfg = load_config(spec)
+    torch.manual_seed(0)
+    model = TinyTransformer(cfg).to(device=device, dtype=dtype).eval()
+    quantized = copy.deepcopy(model)
+    bytes_before = _bytes(model)
+    summary = quantize_model(quantized, bits=bits, group_size=group_size, progress=False)
+    bytes_after = _bytes(quantized)
+    out = {"config": dataclasses.asdict(cfg), "device": device, "dtype": str(dtype)[6:], "bits": bits,
+           "group_size": group_size, "bytes_before": bytes_before, "bytes_after": bytes_after,
+           "layers_quantized": len(summary.converted), "by_tokens": {}}
+    with torch.no_grad():
+        for m in tokens:
+            ids = torch.randint(0, cfg.vocab, (1, m), device=device)
+            y_ref = model(ids).double()
+            y = quantized(ids).double()
+            out["by_tokens"][m] = {
+                "float_ms": _median_ms(lambda: model(ids), device, repeats),
+                "quantized_ms": _median_ms(lambda: quantized(ids), device, repeats),
+                "rel_error": ((y - y_ref).norm() / y_ref.norm()).item(),
+            }
+    return out
+
+
+def format_model(r: dict) -> str:
+    lines = [f"model {r['config']} on {r['device']}, {r['dtype']}, {r['bits']}-bit, group size {r['group_size']}",
+             f"  weights: {r['bytes_before'] / 2**20:.1f} MiB -> {r['bytes_after'] / 2**20:.1f} MiB "
+             f"({r['layers_quantized']} linear layers quantized)"]
+    for m, t in r["by_tokens"].items():
+        lines.append(f"  M={m:>4}: float {t['float_ms']:.2f} ms, quantized {t['quantized_ms']:.2f} ms "
+                     f"({t['float_ms'] / t['quantized_ms']:.2f}x), relative output error {t['rel_error']:.4f}")
+    return "\n".join(lines)
