@@ -102,17 +102,25 @@ void geometry(const std::string& route, const Problem& p, Launch& l) {
   if (route == "qmv_fast" || route == "qmv_bounded") {  // metal/affine_qmv.h
     l.threadgroups = {ceil_div(N, QMV_ROWS_PER_TG), 1, 1};
     l.threads_per_threadgroup = {QMV_SIMDGROUPS * SIMD_WIDTH, 1, 1};
+    l.tile_rows = 1;
+    l.tile_cols = QMV_ROWS_PER_TG;
   } else if (route == "qmm_t_bm2" || route == "qmm_t_bm4" || route == "qmm_t_bm8") {  // affine_qmm_small.h
     const int rows = route == "qmm_t_bm2" ? 2 : route == "qmm_t_bm4" ? 4 : 8;
     l.threadgroups = {ceil_div(N, BM_COLS_PER_TG), ceil_div(M, rows), 1};
     l.threads_per_threadgroup = {BM_SIMDGROUPS * SIMD_WIDTH, 1, 1};
+    l.tile_rows = uint32_t(rows);
+    l.tile_cols = BM_COLS_PER_TG;
   } else if (route == "qmm_t_mma16" || route == "qmm_t_mma32" || route == "qmm_n_mma32") {  // affine_mma.h
     const int bm = route == "qmm_t_mma16" ? 16 : 32;
     l.threadgroups = {ceil_div(N, MMA_BN), ceil_div(M, bm), 1};
     l.threads_per_threadgroup = {uint32_t(mma_threads(bm)), 1, 1};
+    l.tile_rows = uint32_t(bm);
+    l.tile_cols = MMA_BN;
   } else if (route == "qvm_bounded") {  // affine_qvm.h
     l.threadgroups = {ceil_div(N, QVM_COLS_PER_TG), ceil_div(M, 1), 1};
     l.threads_per_threadgroup = {QVM_SIMDGROUPS * SIMD_WIDTH, 1, 1};
+    l.tile_rows = 1;
+    l.tile_cols = QVM_COLS_PER_TG;
   } else if (route == "dequantize") {  // affine_quant.h
     l.threadgroups = {ceil_div(N * (K / DEQ_VALUES_PER_THREAD), DEQ_THREADS_PER_TG), 1, 1};
     l.threads_per_threadgroup = {DEQ_THREADS_PER_TG, 1, 1};
@@ -212,7 +220,8 @@ std::string to_json(const std::vector<Launch>& launches) {
       o << (b ? ", " : "") << "{\"index\": " << l.buffers[b].index << ", \"operand\": \""
         << operand_name(l.buffers[b].operand) << "\", \"byte_offset\": " << l.buffers[b].byte_offset << "}";
     }
-    o << "], \"bytes\": [{\"index\": " << l.params_index << ", \"u32\": [" << l.params.M << ", " << l.params.N
+    o << "], \"tile\": [" << l.tile_rows << ", " << l.tile_cols << "]";
+    o << ", \"bytes\": [{\"index\": " << l.params_index << ", \"u32\": [" << l.params.M << ", " << l.params.N
       << ", " << l.params.K << ", " << l.params.pad << "]}]}";
   }
   o << "]";

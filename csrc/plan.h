@@ -47,6 +47,10 @@ struct Launch {
   std::vector<Binding> buffers;
   int params_index;    // setBytes index of `params`
   AffineParams params;
+  // Rows of x and columns of y one threadgroup computes (qmm; 0 otherwise): W is read about
+  // ceil(M / tile_rows) times and x ceil(N / tile_cols) times (tests/test_metal_cost.py).
+  uint32_t tile_rows = 0;
+  uint32_t tile_cols = 0;
 };
 
 // Kernel host name {family}_{variant}_{dtype}_gs_{G}_b_{B}, e.g.

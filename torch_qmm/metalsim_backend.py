@@ -72,6 +72,7 @@ class Launch:
     threadgroups: tuple
     threads_per_threadgroup: tuple
     buffers: dict  # index -> operand name
+    tile: tuple  # (rows of x, columns of y) per threadgroup; (0, 0) for (de)quantize
     stats: Any  # metalsim DispatchStats (byte counters filled when counting or checking)
 
 
@@ -116,6 +117,7 @@ def _run(op: str, tensors: list, operands: dict, bits: int, group_size: int, tra
                 threadgroups=tuple(launch["threadgroups"]),
                 threads_per_threadgroup=tuple(launch["threads_per_threadgroup"]),
                 buffers={b["index"]: b["operand"] for b in launch["buffers"]},
+                tile=tuple(launch["tile"]),
                 stats=stats,
             )
         )
