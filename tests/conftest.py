@@ -6,8 +6,25 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread per xdist worker: the workers already fill the cores, and OpenMP threads
+    # that spin-wait on an oversubscribed machine make small ops ~100x slower. Multi-threaded
+    # kernels are still exercised by tests that raise the count themselves (see `threads`).
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def threads():
+    """Runs a test with two intra-op threads, restoring the count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(before)
 
 
 def available_devices() -> list[str]:

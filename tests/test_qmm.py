@@ -103,6 +103,15 @@ def test_qmm_accepts_strided_packed_weights(device):
     _check(x, sub, 4, 32, True, device, "strided weights")
 
 
+@pytest.mark.parametrize("transpose", [True, False])
+@pytest.mark.parametrize("m", [1, 4, 40])
+def test_qmm_is_correct_with_two_threads(threads, transpose, m):
+    # Work split across threads must not change the result beyond the tolerance (nor race).
+    packed = _packed(200, 512, 4, 64, torch.float32, seed=6)
+    x = torch.randn(m, 512 if transpose else 200)
+    _check(x, packed, 4, 64, transpose, "cpu", f"two threads, M={m}")
+
+
 def test_qmm_with_zero_rows_returns_empty(device):
     wq, s, b = (t.to(device) for t in _packed(24, 64, 4, 32, torch.float32, seed=5))
     y = torch_qmm.quantized_matmul(torch.empty(0, 64, device=device), wq, s, b, group_size=32, bits=4)
