@@ -6,6 +6,7 @@
 //   _routes() -> JSON routing table
 #include "plan_torch.h"
 
+#include <ATen/ops/isfinite.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -26,17 +27,6 @@ plan::DType plan_dtype(at::ScalarType t) {
   }
 }
 
-std::pair<int64_t, int64_t> check_quantize(const at::Tensor& w, int64_t bits, int64_t group_size) {
-  const char* op = "affine_quantize";
-  check_bits_and_group_size(op, bits, group_size);
-  check_float_dtype(op, "w", w);
-  TORCH_CHECK_VALUE(w.dim() >= 1, op, ": argument 'w' must have at least 1 dimension [..., K], got a scalar");
-  const int64_t K = w.size(-1);
-  TORCH_CHECK_VALUE(K % group_size == 0, op, ": the last dimension of 'w' (K=", K,
-                    ") must be a multiple of group_size=", group_size);
-  return {K == 0 ? 0 : w.numel() / K, K};
-}
-
 plan::Problem qmm_problem(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                           const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
   const auto [N, K] = check_qmm(x, wq, scales, biases, bits, group_size, transpose);
@@ -54,6 +44,8 @@ plan::Problem dequantize_problem(const at::Tensor& wq, const at::Tensor& scales,
 
 plan::Problem quantize_problem(const at::Tensor& w, int64_t bits, int64_t group_size) {
   const auto [N, K] = check_quantize(w, bits, group_size);
+  // A kernel cannot raise: the data-dependent check runs here, before any launch (synchronizes).
+  check_quantize_finite(w.numel() == 0 || at::isfinite(w).all().item<bool>());
   return {plan::Op::kQuantize, 0, N, K, int(bits), int(group_size), plan_dtype(w.scalar_type()), true};
 }
 

@@ -11,14 +11,11 @@ namespace torch_qmm {
 
 plan::DType plan_dtype(at::ScalarType t);
 
-// Checks of affine_quantize (mirror csrc/cpu/quantize.cpp; the NaN/Inf check needs the data
-// and is done by each executor). Returns rows N and columns K of w viewed as [N, K].
-std::pair<int64_t, int64_t> check_quantize(const at::Tensor& w, int64_t bits, int64_t group_size);
-
 plan::Problem qmm_problem(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                           const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose);
 plan::Problem dequantize_problem(const at::Tensor& wq, const at::Tensor& scales, const at::Tensor& biases,
                                  int64_t bits, int64_t group_size);
+// Includes the NaN/Inf check of w (reads the data).
 plan::Problem quantize_problem(const at::Tensor& w, int64_t bits, int64_t group_size);
 
 }  // namespace torch_qmm

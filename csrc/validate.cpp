@@ -48,6 +48,22 @@ PackedShape check_packed(const char* op, const at::Tensor& wq, const at::Tensor&
   return {rows, cols};
 }
 
+std::pair<int64_t, int64_t> check_quantize(const at::Tensor& w, int64_t bits, int64_t group_size) {
+  const char* op = "affine_quantize";
+  check_bits_and_group_size(op, bits, group_size);
+  check_float_dtype(op, "w", w);
+  TORCH_CHECK_VALUE(w.dim() >= 1, op, ": argument 'w' must have at least 1 dimension [..., K], got a scalar");
+  const int64_t K = w.size(-1);
+  TORCH_CHECK_VALUE(K % group_size == 0, op, ": the last dimension of 'w' (K=", K,
+                    ") must be a multiple of group_size=", group_size);
+  return {K == 0 ? 0 : w.numel() / K, K};
+}
+
+void check_quantize_finite(bool all_finite) {
+  TORCH_CHECK_VALUE(all_finite, "affine_quantize: argument 'w' contains NaN or Inf; quantization needs finite ",
+                    "weights (replace or clamp them first, e.g. torch.nan_to_num)");
+}
+
 std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq,
                                       const at::Tensor& scales, const at::Tensor& biases,
                                       int64_t bits, int64_t group_size, bool transpose) {

@@ -20,6 +20,14 @@ void check_float_dtype(const char* op, const char* arg, const at::Tensor& t);
 PackedShape check_packed(const char* op, const at::Tensor& wq, const at::Tensor& scales,
                          const at::Tensor& biases, int64_t bits, int64_t group_size);
 
+// All checks of affine_quantize but the data-dependent one. Returns (rows, K) of w viewed as
+// [rows, K].
+std::pair<int64_t, int64_t> check_quantize(const at::Tensor& w, int64_t bits, int64_t group_size);
+
+// The data-dependent check of affine_quantize, one message for every backend: non-finite weights
+// have no affine representation, so they are refused (documented behaviour).
+void check_quantize_finite(bool all_finite);
+
 // All checks of affine_qmm. Returns (N, K) of y[..., N] = x[..., K] @ W.
 std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq,
                                       const at::Tensor& scales, const at::Tensor& biases,

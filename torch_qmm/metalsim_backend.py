@@ -145,13 +145,7 @@ def _dequantize(wq, scales, biases, bits, group_size, *, check=None, count=False
 
 
 def _quantize(w, bits, group_size, *, check=None, count=False):
-    _ops._plan_for("quantize", [w], bits, group_size, True)
-    # A kernel cannot raise: refuse non-finite weights here, as the CPU op does.
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError(
-            "affine_quantize: argument 'w' contains NaN or Inf; quantization needs finite weights "
-            "(replace or clamp them first, e.g. torch.nan_to_num)"
-        )
+    _ops._plan_for("quantize", [w], bits, group_size, True)  # validates, incl. NaN/Inf
     K = w.shape[-1]
     w2 = w.reshape(-1, K).contiguous()
     rows = w2.shape[0]

@@ -70,15 +70,8 @@ void quantize_rows(const T* w, uint8_t* wq, T* scales, T* biases, int64_t rows, 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> affine_quantize_cpu(const at::Tensor& w_in, int64_t bits,
                                                                   int64_t group_size) {
-  const char* op = "affine_quantize";
-  check_bits_and_group_size(op, bits, group_size);
-  check_float_dtype(op, "w", w_in);
-  TORCH_CHECK_VALUE(w_in.dim() >= 1, op, ": argument 'w' must have at least 1 dimension [..., K], got a scalar");
-  const int64_t K = w_in.size(-1);
-  TORCH_CHECK_VALUE(K % group_size == 0, op, ": the last dimension of 'w' (K=", K,
-                    ") must be a multiple of group_size=", group_size);
+  const auto [rows, K] = check_quantize(w_in, bits, group_size);
   const at::Tensor w = w_in.contiguous();
-  const int64_t rows = K == 0 ? 0 : w.numel() / K;
 
   auto packed_shape = w.sizes().vec();
   packed_shape.back() = packed_words(K, bits);
@@ -94,9 +87,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> affine_quantize_cpu(const at::Ten
                             scales.data_ptr<scalar_t>(), biases.data_ptr<scalar_t>(), rows, K, int(bits),
                             int(group_size), non_finite);
   });
-  // Documented behaviour: non-finite weights have no affine representation; refuse them.
-  TORCH_CHECK_VALUE(!non_finite.load(), op, ": argument 'w' contains NaN or Inf; quantization needs finite ",
-                    "weights (replace or clamp them first, e.g. torch.nan_to_num)");
+  check_quantize_finite(!non_finite.load());
   return {wq, scales, biases};
 }
 
@@ -111,7 +102,8 @@ void dequantize_rows(const uint8_t* wq, const T* scales, const T* biases, T* out
       for (int64_t c = 0; c < cols; ++c) {
         const float s = float(scales[r * groups + c / group_size]);
         const float b = float(biases[r * groups + c / group_size]);
-        out[r * cols + c] = T(s * float(unpack_element(row, c, bits)) + b);
+        // One rounding (fma), as the Metal kernel computes it, whatever the compiler contracts.
+        out[r * cols + c] = T(std::fma(s, float(unpack_element(row, c, bits)), b));
       }
     }
   });

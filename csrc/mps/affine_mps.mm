@@ -12,7 +12,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/mps/MPSStream.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/isfinite.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -180,10 +179,7 @@ at::Tensor affine_dequantize_mps(const at::Tensor& wq, const at::Tensor& scales,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> affine_quantize_mps(const at::Tensor& w, int64_t bits,
                                                                   int64_t group_size) {
-  const plan::Problem p = quantize_problem(w, bits, group_size);
-  // A kernel cannot raise: refuse non-finite weights here as the CPU op does (synchronizes).
-  TORCH_CHECK_VALUE(at::isfinite(w).all().item<bool>(), "affine_quantize: argument 'w' contains NaN or Inf; ",
-                    "quantization needs finite weights (replace or clamp them first, e.g. torch.nan_to_num)");
+  const plan::Problem p = quantize_problem(w, bits, group_size);  // validates, incl. NaN/Inf
   const std::vector<plan::Launch> launches = make_plan_checked(p);
   Operands ops;
   ops.w = w.reshape({p.N, p.K}).contiguous();
