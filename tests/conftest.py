@@ -1,7 +1,8 @@
 """Shared fixtures (the tolerance rule is in tests/tolerance.py).
 
-`device`: every op test runs on each backend present: "cpu" always, "mps" on a Mac.
-(The Metal kernels on metalsim join here through torch_qmm.metalsim.backend(), see issue 4.)
+`device`: every op test runs on each backend present: "cpu" (the C++ kernels), "metalsim" (our
+Metal kernels on the Metal-on-CPU emulator, through the same planner and bindings as on a Mac;
+the test sees device "cpu" inside `torch_qmm.metalsim.backend()`), and "mps" on a Mac.
 """
 
 from __future__ import annotations
@@ -28,12 +29,18 @@ def threads():
 
 
 def available_devices() -> list[str]:
-    devices = ["cpu"]
+    devices = ["cpu", "metalsim"]
     if torch.backends.mps.is_available():
         devices.append("mps")
     return devices
 
 
 @pytest.fixture(params=available_devices())
-def device(request) -> str:
-    return request.param
+def device(request):
+    if request.param == "metalsim":
+        from torch_qmm.metalsim import backend
+
+        with backend():
+            yield "cpu"
+    else:
+        yield request.param

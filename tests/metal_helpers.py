@@ -67,6 +67,5 @@ def qmm_case(M: int, N: int, K: int, bits: int, group_size: int, dtype, transpos
 
 def reference_and_magnitude(x, wq, scales, biases, bits, group_size, transpose):
     y_ref = reference.qmm(x, wq, scales, biases, bits, group_size, transpose)
-    w = reference.dequantize(wq, scales, biases, bits, group_size)
-    magnitude = x.to(torch.float64).abs() @ (w.T if transpose else w).abs()
+    magnitude = reference.qmm_magnitude(x, wq, scales, biases, bits, group_size, transpose)
     return y_ref, magnitude

@@ -40,10 +40,8 @@ def random_packed(rows: int, cols: int, bits: int, group_size: int, dtype: torch
 
 def check_all_m(x_all, wq, scales, biases, bits, group_size, transpose, dtype, what):
     """Runs the op for every M in MS (rows of x_all) against one float64 reference."""
-    w = reference.dequantize(wq, scales, biases, bits, group_size)
-    w = w.T if transpose else w  # [K, N]
-    y_ref_all = x_all.double() @ w
-    mag_all = x_all.double().abs() @ w.abs()
+    y_ref_all = reference.qmm(x_all, wq, scales, biases, bits, group_size, transpose)
+    mag_all = reference.qmm_magnitude(x_all, wq, scales, biases, bits, group_size, transpose)
     for m in MS:
         y = torch_qmm.quantized_matmul(x_all[:m], wq, scales, biases, group_size=group_size, bits=bits,
                                        transpose=transpose)
@@ -83,12 +81,12 @@ def test_cpu_qmm_gemm_tiles_cross_boundaries(bits, transpose):
     n, k = (257, 640) if transpose else (320, 1037)
     rows, cols = (n, k) if transpose else (k, n)
     wq, scales, biases = random_packed(rows, cols, bits, group_size, torch.float32, gen)
-    w = reference.dequantize(wq, scales, biases, bits, group_size)
-    w = w.T if transpose else w
+    packed = (wq, scales, biases, bits, group_size, transpose)
     for m in [16, 33]:
         x = torch.randn(m, k, generator=gen)
         y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=group_size, bits=bits, transpose=transpose)
-        assert_matches_reference(y, x.double() @ w, x.double().abs() @ w.abs(), torch.float32, f"M={m}")
+        assert_matches_reference(y, reference.qmm(x, *packed), reference.qmm_magnitude(x, *packed), torch.float32,
+                                 f"M={m}")
 
 
 @pytest.mark.parametrize("m", [1, 5, 16, 40])
@@ -98,5 +96,6 @@ def test_cpu_qmm_batched_and_strided_x(m):
     wq, scales, biases = random_packed(96, 256, 4, 64, torch.float32, gen)
     x = torch.randn(2, m, 512, generator=gen)[..., ::2]  # [2, m, 256], stride 2 along K
     y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)
-    w = reference.dequantize(wq, scales, biases, 4, 64).T
-    assert_matches_reference(y, x.double() @ w, x.double().abs() @ w.abs(), torch.float32, f"M={m}")
+    packed = (wq, scales, biases, 4, 64)
+    assert_matches_reference(y, reference.qmm(x, *packed), reference.qmm_magnitude(x, *packed), torch.float32,
+                             f"M={m}")

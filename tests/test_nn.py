@@ -25,9 +25,9 @@ def test_quant_linear_matches_reference(device, bias, dtype):
     q = QuantLinear.from_linear(linear, bits=4, group_size=64).to(device)
     x = torch.randn(3, 5, 256).to(dtype)
     y = q(x.to(device))
-    w = reference.dequantize(q.qweight.cpu(), q.scales.cpu(), q.biases.cpu(), 4, 64)
-    y_ref = x.double() @ w.T
-    magnitude = x.double().abs() @ w.abs().T
+    packed = (q.qweight.cpu(), q.scales.cpu(), q.biases.cpu(), 4, 64)
+    y_ref = reference.qmm(x, *packed)
+    magnitude = reference.qmm_magnitude(x, *packed)
     if bias:
         # The bias is added in the output dtype after the matmul (as nn.Linear does): one more rounding.
         y_ref = y_ref + linear.bias.double()

@@ -50,6 +50,29 @@ def qmm(
     return xd @ (w.T if transpose else w)
 
 
+def qmm_magnitude(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    scales: torch.Tensor,
+    biases: torch.Tensor,
+    bits: int,
+    group_size: int,
+    transpose: bool = True,
+) -> torch.Tensor:
+    """float64 |x| @ (|s*q| + |b|): the size of the terms any implementation of the affine product adds.
+
+    Error bounds of floating-point sums scale with the sum of the absolute terms. In the affine
+    format each weight is itself a sum, w = s*q + b, and fast kernels hoist the bias out of the dot
+    product (y = s * sum(q*x) + b * sum(x), after MLX), so where s*q and b nearly cancel the error is
+    relative to |s*q| + |b|, not to |w|.
+    """
+    q = unpack(wq, bits).to(torch.float64)
+    s = scales.to(torch.float64).repeat_interleave(group_size, dim=-1)
+    b = biases.to(torch.float64).repeat_interleave(group_size, dim=-1)
+    terms = (s * q).abs() + b.abs()
+    return x.to(torch.float64).abs() @ (terms.T if transpose else terms)
+
+
 def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of mlx.core.quantize (affine) in float32 torch ops, returning (wq, scales, biases).
 
