@@ -1,7 +1,8 @@
 // The planner and its routing table (see plan.h). Geometry constants come from
-// metal/qmm_params.h, the header the kernels include: each is written once.
+// metal/qmm_params.h and metal/gguf_params.h, the headers the kernels include: each is written once.
 #include "plan.h"
 
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -58,6 +59,19 @@ const Route kRoutes[] = {
    "elementwise: one decode unit (8 values) per thread"},
   {"quantize", Op::kQuantize, -1, 0, kNoLimit, Cond::kAny, "affine_quantize", "rows", "always",
    "one thread per group: a group's words belong to one thread, so packing needs no atomics"},
+  // GGUF K-quants (Q4_K, Q6_K; the type is part of the kernel name, not of the route). W is
+  // always [N, K]; K % 256 == 0 is checked before planning, so no K-tail variant is needed.
+  {"gguf_qmv", Op::kGgufQmm, -1, 1, 1, Cond::kAny, "gguf_qmv", "", "gguf_qmm, M == 1, any N",
+   "decode is bound by the block bytes: 4 W rows per SIMD-group share the lane's x values, "
+   "each super-block's bytes fetched once (llama.cpp kernel_mul_mv_q4_K/q6_K interleaving)"},
+  {"gguf_qmm_bm2", Op::kGgufQmm, -1, 2, 2, Cond::kAny, "gguf_qmm", "bm2", "gguf_qmm, M == 2",
+   "a super-block slice decoded once per lane, reused for 2 rows of x: W read once"},
+  {"gguf_qmm_bm4", Op::kGgufQmm, -1, 3, 4, Cond::kAny, "gguf_qmm", "bm4", "gguf_qmm, 3 <= M <= 4",
+   "one pass over W for up to 4 rows of x"},
+  {"gguf_qmm_bm8", Op::kGgufQmm, -1, 5, kNoLimit, Cond::kAny, "gguf_qmm", "bm8", "gguf_qmm, M >= 5",
+   "one pass over W per 8 rows of x; for M > 8 the grid's y dimension loops over row blocks "
+   "(W read ceil(M/8) times). No simdgroup-matrix tile for GGUF yet: large M is correct but "
+   "re-reads W M/8 times (the affine mma32 tile reads it M/32 times)"},
 };
 // clang-format on
 
@@ -76,7 +90,7 @@ uint32_t u32(int64_t v) {
 bool holds(const Route& r, const Problem& p) {
   if (r.op != p.op) return false;
   if (r.transpose >= 0 && r.transpose != int(p.transpose)) return false;
-  if (p.op == Op::kQmm && (p.M < r.m_min || p.M > r.m_max)) return false;
+  if ((p.op == Op::kQmm || p.op == Op::kGgufQmm) && (p.M < r.m_min || p.M > r.m_max)) return false;
   if (r.cond == Cond::kQmvAligned)
     // Must match the K step and rows per threadgroup of affine_qmv_fast (metal/affine_qmv.h).
     return p.N % QMV_ROWS_PER_TG == 0 && p.K % qmv_block_k(p.bits) == 0;
@@ -92,6 +106,8 @@ std::vector<Binding> bindings(Op op) {
     case Op::kQuantize:
       return {{BUF_WQ, Operand::kWq, 0}, {BUF_SCALES, Operand::kScales, 0}, {BUF_BIASES, Operand::kBiases, 0},
               {BUF_DENSE, Operand::kW, 0}};
+    case Op::kGgufQmm:
+      return {{GGUF_BUF_BLOCKS, Operand::kBlocks, 0}, {GGUF_BUF_X, Operand::kX, 0}, {GGUF_BUF_Y, Operand::kY, 0}};
   }
   return {};
 }
@@ -127,9 +143,39 @@ void geometry(const std::string& route, const Problem& p, Launch& l) {
   } else if (route == "quantize") {
     l.threadgroups = {ceil_div(N * (K / p.group_size), QUANT_THREADS_PER_TG), 1, 1};
     l.threads_per_threadgroup = {QUANT_THREADS_PER_TG, 1, 1};
+  } else if (route == "gguf_qmv" || route == "gguf_qmm_bm2" || route == "gguf_qmm_bm4" ||
+             route == "gguf_qmm_bm8") {  // metal/gguf_qmm.h
+    const int rows = route == "gguf_qmv" ? 1 : route == "gguf_qmm_bm2" ? 2 : route == "gguf_qmm_bm4" ? 4 : 8;
+    l.threadgroups = {ceil_div(N, GGUF_COLS_PER_TG), ceil_div(M, rows), 1};
+    l.threads_per_threadgroup = {GGUF_SIMDGROUPS * SIMD_WIDTH, 1, 1};
+    l.tile_rows = uint32_t(rows);
+    l.tile_cols = GGUF_COLS_PER_TG;
   } else {
     throw std::logic_error("torch_qmm plan: route without geometry: " + route);
   }
+}
+
+// The words of a constant-argument struct (Launch::params).
+template <typename P>
+std::vector<uint32_t> param_words(const P& params) {
+  static_assert(sizeof(P) % sizeof(uint32_t) == 0, "constant-argument structs are made of 32-bit fields");
+  std::vector<uint32_t> words(sizeof(P) / sizeof(uint32_t));
+  std::memcpy(words.data(), &params, sizeof(P));
+  return words;
+}
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kQuantize:
+      return "quantize";
+    case Op::kDequantize:
+      return "dequantize";
+    case Op::kQmm:
+      return "qmm";
+    case Op::kGgufQmm:
+      return "gguf_qmm";
+  }
+  return "?";
 }
 
 void append_json_string(std::ostringstream& o, const char* s) {
@@ -160,6 +206,23 @@ std::string kernel_name(const char* family, const char* variant, DType dtype, in
          "_b_" + std::to_string(bits);
 }
 
+const char* ggml_type_name(int ggml_type) {
+  switch (ggml_type) {
+    case gguf::kTypeQ4_K:
+      return "q4_K";
+    case gguf::kTypeQ6_K:
+      return "q6_K";
+    default:
+      throw std::invalid_argument("torch_qmm plan: no GGUF kernels for ggml_type " + std::to_string(ggml_type));
+  }
+}
+
+std::string gguf_kernel_name(const char* family, const char* variant, int ggml_type, DType dtype) {
+  std::string name = std::string(family) + "_" + ggml_type_name(ggml_type);
+  if (*variant) name += std::string("_") + variant;
+  return name + "_" + dtype_name(dtype);
+}
+
 const char* operand_name(Operand operand) {
   switch (operand) {
     case Operand::kX:
@@ -174,6 +237,8 @@ const char* operand_name(Operand operand) {
       return "y";
     case Operand::kW:
       return "w";
+    case Operand::kBlocks:
+      return "blocks";
   }
   return "?";
 }
@@ -181,23 +246,32 @@ const char* operand_name(Operand operand) {
 const std::vector<RouteInfo>& routes() {
   static const std::vector<RouteInfo> table = [] {
     std::vector<RouteInfo> t;
-    for (const Route& r : kRoutes) t.push_back({r.route, r.family, r.variant, r.when, r.why});
+    for (const Route& r : kRoutes) t.push_back({r.route, op_name(r.op), r.family, r.variant, r.when, r.why});
     return t;
   }();
   return table;
 }
 
 std::vector<Launch> make_plan(const Problem& p) {
-  const bool empty = p.op == Op::kQmm ? (p.M == 0 || p.N == 0 || p.K == 0) : (p.N == 0 || p.K == 0);
+  const bool has_m = p.op == Op::kQmm || p.op == Op::kGgufQmm;
+  const bool empty = has_m ? (p.M == 0 || p.N == 0 || p.K == 0) : (p.N == 0 || p.K == 0);
   if (empty) return {};
   for (const Route& r : kRoutes) {
     if (!holds(r, p)) continue;
     Launch l;
-    l.kernel = kernel_name(r.family, r.variant, p.dtype, p.group_size, p.bits);
     l.route = r.route;
     l.buffers = bindings(p.op);
-    l.params_index = BUF_PARAMS;
-    l.params = AffineParams{p.op == Op::kQmm ? u32(p.M) : 0u, u32(p.N), u32(p.K), 0u};
+    if (p.op == Op::kGgufQmm) {
+      l.kernel = gguf_kernel_name(r.family, r.variant, p.ggml_type, p.dtype);
+      l.params_index = GGUF_BUF_PARAMS;
+      // Must match metal/gguf_qmm.h: whole super-blocks only (K % 256 == 0, checked before).
+      if (p.K % gguf::kQK_K != 0) throw std::invalid_argument("torch_qmm plan: gguf_qmm needs K % 256 == 0");
+      l.params = param_words(GGUFParams{u32(p.M), u32(p.N), u32(p.K), u32(p.K / gguf::kQK_K)});
+    } else {
+      l.kernel = kernel_name(r.family, r.variant, p.dtype, p.group_size, p.bits);
+      l.params_index = BUF_PARAMS;
+      l.params = param_words(AffineParams{p.op == Op::kQmm ? u32(p.M) : 0u, u32(p.N), u32(p.K), 0u});
+    }
     geometry(l.route, p, l);
     return {l};
   }
@@ -221,8 +295,9 @@ std::string to_json(const std::vector<Launch>& launches) {
         << operand_name(l.buffers[b].operand) << "\", \"byte_offset\": " << l.buffers[b].byte_offset << "}";
     }
     o << "], \"tile\": [" << l.tile_rows << ", " << l.tile_cols << "]";
-    o << ", \"bytes\": [{\"index\": " << l.params_index << ", \"u32\": [" << l.params.M << ", " << l.params.N
-      << ", " << l.params.K << ", " << l.params.pad << "]}]}";
+    o << ", \"bytes\": [{\"index\": " << l.params_index << ", \"u32\": [";
+    for (size_t w = 0; w < l.params.size(); ++w) o << (w ? ", " : "") << l.params[w];
+    o << "]}]}";
   }
   o << "]";
   return o.str();
@@ -235,6 +310,8 @@ std::string routes_json() {
   for (const RouteInfo& r : routes()) {
     o << (first ? "" : ", ") << "{\"route\": ";
     append_json_string(o, r.route);
+    o << ", \"op\": ";
+    append_json_string(o, r.op);
     o << ", \"family\": ";
     append_json_string(o, r.family);
     o << ", \"variant\": ";

@@ -3,6 +3,9 @@
 //   _plan(op, M, N, K, bits, group_size, dtype, transpose) -> JSON launches   (tests, tools)
 //   _plan_for(op, tensors, bits, group_size, transpose)   -> JSON launches   (validates first;
 //                                                            metalsim's executor)
+//   _plan_gguf(M, N, K, ggml_type, dtype)                  -> JSON launches   (tests, tools)
+//   _plan_for_gguf(x, blocks, ggml_type, N, K)             -> JSON launches   (gguf_qmm's checks
+//                                                            first; same arguments as gguf_qmm)
 //   _routes() -> JSON routing table
 #include "plan_torch.h"
 
@@ -10,6 +13,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "gguf_format.h"
+#include "gguf_validate.h"
 #include "validate.h"
 
 namespace torch_qmm {
@@ -49,6 +54,15 @@ plan::Problem quantize_problem(const at::Tensor& w, int64_t bits, int64_t group_
   return {plan::Op::kQuantize, 0, N, K, int(bits), int(group_size), plan_dtype(w.scalar_type()), true};
 }
 
+plan::Problem gguf_qmm_problem(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N,
+                               int64_t K) {
+  check_gguf_qmm(x, blocks, ggml_type, N, K);
+  const int64_t M = x.numel() / K;  // K > 0 (checked)
+  plan::Problem p{plan::Op::kGgufQmm, M, N, K, 0, 0, plan_dtype(x.scalar_type()), true};
+  p.ggml_type = int(ggml_type);
+  return p;
+}
+
 namespace {
 
 plan::Op parse_op(const std::string& op) {
@@ -85,6 +99,30 @@ std::string plan_for_op(const std::string& op, const std::vector<at::Tensor>& ar
   }
 }
 
+std::string plan_gguf_op(int64_t M, int64_t N, int64_t K, int64_t ggml_type, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(gguf::is_native_gguf_type(ggml_type),
+                    "_plan_gguf: argument 'ggml_type' must be one of 12 (Q4_K), 14 (Q6_K), got ", ggml_type);
+  TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0 && K % gguf::kQK_K == 0,
+                    "_plan_gguf: M, N, K must be >= 0 and K a multiple of 256, got ", M, ", ", N, ", ", K);
+  plan::Problem p{plan::Op::kGgufQmm, M, N, K, 0, 0, plan_dtype(dtype), true};
+  p.ggml_type = int(ggml_type);
+  try {
+    return plan::to_json(plan::make_plan(p));
+  } catch (const std::exception& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+std::string plan_for_gguf_op(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N,
+                             int64_t K) {
+  const plan::Problem p = gguf_qmm_problem(x, blocks, ggml_type, N, K);
+  try {
+    return plan::to_json(plan::make_plan(p));
+  } catch (const std::exception& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
 std::string routes_op() { return plan::routes_json(); }
 
 }  // namespace
@@ -92,6 +130,8 @@ std::string routes_op() { return plan::routes_json(); }
 TORCH_LIBRARY_IMPL(torch_qmm, CompositeExplicitAutograd, m) {
   m.impl("_plan", &plan_op);
   m.impl("_plan_for", &plan_for_op);
+  m.impl("_plan_gguf", &plan_gguf_op);
+  m.impl("_plan_for_gguf", &plan_for_gguf_op);
   m.impl("_routes", &routes_op);
 }
 

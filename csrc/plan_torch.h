@@ -1,6 +1,6 @@
 // From torch tensors to a validated planner Problem: the one place where every Metal
 // executor (csrc/mps/*.mm, torch_qmm/metalsim/backend.py through `_plan_for`) runs the argument
-// checks of csrc/validate.* before planning, so bad input raises the CPU ops' errors everywhere.
+// checks of csrc/validate.* (csrc/gguf_validate.* for gguf_qmm) before planning, so bad input raises the CPU ops' errors everywhere.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,5 +17,8 @@ plan::Problem dequantize_problem(const at::Tensor& wq, const at::Tensor& scales,
                                  int64_t bits, int64_t group_size);
 // Includes the NaN/Inf check of w (reads the data).
 plan::Problem quantize_problem(const at::Tensor& w, int64_t bits, int64_t group_size);
+// gguf_qmm: the checks of csrc/gguf_validate.* (the CPU op's), then M = rows of x.
+plan::Problem gguf_qmm_problem(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N,
+                               int64_t K);
 
 }  // namespace torch_qmm

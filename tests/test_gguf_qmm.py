@@ -1,5 +1,7 @@
 """gguf_qmm: the native Q4_K / Q6_K op, checked against gguf.quants.dequantize (the gguf package's
-decoder) with a float64 matmul, and its bad-input errors."""
+decoder) with a float64 matmul, and its bad-input errors, on every backend of the `device` fixture
+(tests/conftest.py: cpu, the Metal kernels on metalsim, mps on a Mac). Route-by-route Metal tests:
+tests/test_metal_gguf.py."""
 
 from __future__ import annotations
 
@@ -37,31 +39,31 @@ def test_block_geometry_agrees_with_gguf_package():
     list(itertools.product([Q4_K, Q6_K], SHAPES, [1, 3, 17], [torch.float32, torch.float16, torch.bfloat16])),
     ids=lambda v: getattr(v, "name", str(v)),
 )
-def test_gguf_qmm_matches_gguf_dequantize(ggml_type, shape, m, dtype):
+def test_gguf_qmm_matches_gguf_dequantize(device, ggml_type, shape, m, dtype):
     n, k = shape
     blocks, w = _case(ggml_type, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    y = gguf_matmul(x, blocks, int(ggml_type), n, k)
+    y = gguf_matmul(x.to(device), blocks.to(device), int(ggml_type), n, k)
     xd = x.double()
     assert_matches_reference(y, xd @ w.T, xd.abs() @ w.abs().T, dtype, f"{ggml_type.name} M={m} N={n} K={k}")
 
 
-def test_gguf_qmm_batched_and_strided_input():
+def test_gguf_qmm_batched_and_strided_input(device):
     blocks, w = _case(Q4_K, 9, 512)
-    x = torch.randn(2, 5, 1024)[..., ::2]  # [2, 5, 512], non-contiguous
-    y = gguf_matmul(x, blocks, int(Q4_K), 9, 512)
-    xd = x.double()
+    x = torch.randn(2, 5, 1024)[..., ::2].to(device)  # [2, 5, 512], non-contiguous
+    y = gguf_matmul(x, blocks.to(device), int(Q4_K), 9, 512)
+    xd = x.cpu().double()
     assert_matches_reference(y, xd @ w.T, xd.abs() @ w.abs().T, torch.float32, "batched")
 
 
-def test_gguf_linear_holds_the_blocks_and_adds_bias():
+def test_gguf_linear_holds_the_blocks_and_adds_bias(device):
     blocks, w = _case(Q6_K, 5, 256)
     layer = GGUFLinear(256, 5, int(Q6_K), bias=True)
     layer.blocks.copy_(blocks)
     layer.bias.copy_(torch.arange(5.0))
     x = torch.randn(3, 256)
     xd = x.double()
-    assert_matches_reference(layer(x), xd @ w.T + torch.arange(5.0).double(), xd.abs() @ w.abs().T + 5,
+    assert_matches_reference(layer.to(device)(x.to(device)), xd @ w.T + torch.arange(5.0).double(), xd.abs() @ w.abs().T + 5,
                              torch.float32, "GGUFLinear")
     assert set(layer.state_dict()) == {"blocks", "bias"}
 

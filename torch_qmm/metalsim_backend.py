@@ -5,16 +5,18 @@
         y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)   # CPU tensors
     last_launches()                       # [Launch(kernel, route, threadgroups, ..., stats)]
 
-Inside the context, calls of torch.ops.torch_qmm.{affine_qmm, affine_dequantize, affine_quantize}
-on CPU tensors are executed exactly as the MPS executor (csrc/mps/) executes them on a Mac:
-  1. `_plan_for` runs the C++ argument checks (csrc/validate.*: the same errors as the CPU ops)
-     and the planner (csrc/plan.cpp) -> launches {kernel, grid, buffer bindings, constant bytes};
+Inside the context, calls of torch.ops.torch_qmm.{affine_qmm, affine_dequantize, affine_quantize,
+gguf_qmm} on CPU tensors are executed exactly as the MPS executor (csrc/mps/) executes them on a Mac:
+  1. `_plan_for` / `_plan_for_gguf` run the C++ argument checks (csrc/validate.*,
+     csrc/gguf_validate.*: the same errors as the CPU ops) and the planner (csrc/plan.cpp)
+     -> launches {kernel, grid, buffer bindings, constant bytes};
   2. each tensor is bound like setBuffer(storage buffer, storage_offset * element_size + offset);
-  3. the kernels of metal/affine.metal run on metalsim.
+  3. the kernels of metal/affine.metal or metal/gguf.metal run on metalsim.
 This module sits next to, not inside, torch_qmm/metalsim/: a submodule named `backend` would
 shadow the function `metalsim.backend`, and the emulator core stays free of torch.
-The library is compiled once per process and bit width (-DTORCH_QMM_ONLY_BITS=<bits>, which
-keeps each compile small; metalsim caches the result on disk by content hash).
+The affine library is compiled once per process and bit width (-DTORCH_QMM_ONLY_BITS=<bits>, which
+keeps each compile small), the GGUF library once per process; metalsim caches both on disk by
+content hash.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .metalsim import _api as metalsim
 
-__all__ = ["backend", "last_launches", "library", "metal_dir", "Launch"]
+__all__ = ["backend", "last_launches", "library", "gguf_library", "metal_dir", "Launch"]
 
 _ops = torch.ops.torch_qmm
 
@@ -48,19 +50,29 @@ def metal_dir() -> Path:
     )
 
 
-_libs: dict[int, Any] = {}
+_libs: dict[tuple, Any] = {}
 _libs_lock = threading.Lock()
+
+
+def _compile(source: str, defines: Optional[dict] = None):
+    with _libs_lock:
+        key = (source, tuple(sorted((defines or {}).items())))
+        lib = _libs.get(key)
+        if lib is None:
+            d = metal_dir()
+            lib = metalsim.compile(d / source, defines=defines, include_dirs=(str(d),))
+            _libs[key] = lib
+        return lib
 
 
 def library(bits: int):
     """The metalsim library holding every affine kernel of one bit width (compiled once)."""
-    with _libs_lock:
-        lib = _libs.get(bits)
-        if lib is None:
-            d = metal_dir()
-            lib = metalsim.compile(d / "affine.metal", defines={"TORCH_QMM_ONLY_BITS": str(bits)}, include_dirs=(str(d),))
-            _libs[bits] = lib
-        return lib
+    return _compile("affine.metal", {"TORCH_QMM_ONLY_BITS": str(bits)})
+
+
+def gguf_library():
+    """The metalsim library holding every GGUF kernel (metal/gguf.metal; compiled once)."""
+    return _compile("gguf.metal")
 
 
 @dataclasses.dataclass
@@ -93,7 +105,11 @@ def _storage_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _run(op: str, tensors: list, operands: dict, bits: int, group_size: int, transpose: bool,
          check: Optional[bool], count: bool) -> None:
     plan = json.loads(_ops._plan_for(op, tensors, bits, group_size, transpose))
-    lib = library(bits) if plan else None
+    _execute(plan, library(bits) if plan else None, operands, check, count)
+
+
+def _execute(plan: list, lib, operands: dict, check: Optional[bool], count: bool) -> None:
+    """Runs planned launches: the family-independent part (what csrc/mps/metal_executor.mm does)."""
     done = []
     for launch in plan:
         buffers = {}
@@ -144,6 +160,24 @@ def _dequantize(wq, scales, biases, bits, group_size, *, check=None, count=False
     return out
 
 
+def _aligned(t: torch.Tensor, alignment: int = 4) -> torch.Tensor:
+    """t contiguous, at a byte offset that is a multiple of `alignment` (a copy when it is not)."""
+    t = t.contiguous()
+    if (t.storage_offset() * t.element_size()) % alignment:
+        t = t.clone()
+    return t
+
+
+def _gguf_qmm(x, blocks, ggml_type, N, K, *, check=None, count=False):
+    plan = json.loads(_ops._plan_for_gguf(x, blocks, ggml_type, N, K))  # validates first
+    x2 = x.reshape(-1, K).contiguous()
+    y = torch.zeros(x2.shape[0], N, dtype=x.dtype)
+    # The kernels read Q4_K words as uint32 and Q6_K as uint16 (metal/gguf_qmm.h).
+    operands = {"x": x2, "blocks": _aligned(blocks), "y": y}
+    _execute(plan, gguf_library() if plan else None, operands, check, count)
+    return y.reshape(*x.shape[:-1], N)
+
+
 def _quantize(w, bits, group_size, *, check=None, count=False):
     _ops._plan_for("quantize", [w], bits, group_size, True)  # validates, incl. NaN/Inf
     K = w.shape[-1]
@@ -161,7 +195,7 @@ def _quantize(w, bits, group_size, *, check=None, count=False):
 
 
 class _MetalsimMode(TorchDispatchMode):
-    """Routes the torch_qmm affine ops on CPU tensors to the Metal kernels on metalsim."""
+    """Routes the torch_qmm ops on CPU tensors to the Metal kernels on metalsim."""
 
     def __init__(self, check: Optional[bool], count: bool):
         super().__init__()
@@ -171,6 +205,7 @@ class _MetalsimMode(TorchDispatchMode):
             _ops.affine_qmm.default: _qmm,
             _ops.affine_dequantize.default: _dequantize,
             _ops.affine_quantize.default: _quantize,
+            _ops.gguf_qmm.default: _gguf_qmm,
         }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -185,7 +220,7 @@ class _MetalsimMode(TorchDispatchMode):
 
 @contextlib.contextmanager
 def backend(check: Optional[bool] = None, count: bool = False) -> Iterator[None]:
-    """Run torch_qmm's affine ops on CPU tensors through the Metal kernels on metalsim.
+    """Run torch_qmm's ops (affine and GGUF) on CPU tensors through the Metal kernels on metalsim.
 
     Args:
         check: metalsim checked mode (out-of-bounds, races, uninitialized threadgroup reads,

@@ -139,7 +139,9 @@ void encode(const std::vector<plan::Launch>& launches, const Operands& ops) {
                       offset:NSUInteger(t.storage_offset() * t.element_size() + b.byte_offset)
                      atIndex:NSUInteger(b.index)];
         }
-        [encoder setBytes:&l.params length:sizeof(l.params) atIndex:NSUInteger(l.params_index)];
+        [encoder setBytes:l.params.data()
+                   length:l.params.size() * sizeof(uint32_t)
+                  atIndex:NSUInteger(l.params_index)];
         [encoder dispatchThreadgroups:MTLSizeMake(l.threadgroups[0], l.threadgroups[1], l.threadgroups[2])
                 threadsPerThreadgroup:MTLSizeMake(l.threads_per_threadgroup[0], l.threads_per_threadgroup[1],
                                                   l.threads_per_threadgroup[2])];

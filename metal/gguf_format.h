@@ -1,0 +1,92 @@
+// GGUF K-quant blocks, as llama.cpp writes them (ggml-common.h): one place for host C++
+// (csrc/gguf_format.h forwards here; csrc/cpu/gguf_qmm.cpp, csrc/gguf_validate.cpp) and the Metal
+// kernels (metal/gguf_qmm.h). Compiled by both compilers: Metal sources define TORCH_QMM_METAL
+// before including it. Constants are enumerators (no address space in MSL), helpers templates.
+//
+// A GGUF matrix W [N, K] (ggml: ne0 = K innermost, ne1 = N) is stored row by row; each row is
+// K / 256 super-blocks of 256 consecutive weights. torch_qmm keeps them as uint8 [N, K/256 * bytes].
+//
+//   Q4_K (144 bytes / 256 weights)              Q6_K (210 bytes / 256 weights)
+//   +------+------+-----------+----------+      +---------+---------+------------+------+
+//   | d    | dmin | scales[12]| qs[128]  |      | ql[128] | qh[64]  | scales[16] | d    |
+//   | f16  | f16  | 8 x (6b scale, 6b min)| 4-bit|      | low 4b  | high 2b | int8       | f16  |
+//   +------+------+-----------+----------+      +---------+---------+------------+------+
+//   Q4_K: 8 sub-blocks of 32; chunk c (of 4, 64 weights each) reads qs[32c .. 32c+32):
+//         low nibbles -> weights 64c + l, sub-block 2c;  high nibbles -> 64c + 32 + l, sub-block 2c+1;
+//         w = d * scale_j * q - dmin * min_j.
+//   Q6_K: 16 sub-blocks of 16; half h (of 2, 128 weights) reads ql[64h ..), qh[32h ..), scales[8h ..):
+//         for l < 32, weights 128h + l + 32i (i = 0..3) take 4 bits of ql and 2 bits of qh[l] (bits 2i);
+//         w = d * scales[sub] * (q - 32).
+// Decode order and bit placement follow llama.cpp's dequantize_row_q4_K / dequantize_row_q6_K.
+#pragma once
+
+#ifndef TORCH_QMM_METAL
+#include <cstdint>
+#endif
+
+namespace torch_qmm {
+namespace gguf {
+
+// ggml_type ids (ggml.h enum ggml_type); Python mirror: torch_qmm/interop/gguf_types.py.
+enum GGMLType : int {
+  kTypeQ4_0 = 2,
+  kTypeQ4_1 = 3,
+  kTypeQ5_0 = 6,
+  kTypeQ5_1 = 7,
+  kTypeQ8_0 = 8,
+  kTypeQ4_K = 12,
+  kTypeQ6_K = 14
+};
+
+// Weights per super-block of every K-quant.
+enum : int { kQK_K = 256 };
+
+struct BlockQ4K {
+  uint16_t d;           // f16 bits: super-block scale of the sub-block scales
+  uint16_t dmin;        // f16 bits: super-block scale of the sub-block mins
+  uint8_t scales[12];   // 8 x (6-bit scale, 6-bit min), packed (see q4k_scale_min)
+  uint8_t qs[kQK_K / 2];
+};
+static_assert(sizeof(BlockQ4K) == 144, "Q4_K block must be 144 bytes (ggml-common.h block_q4_K)");
+
+struct BlockQ6K {
+  uint8_t ql[kQK_K / 2];      // low 4 bits
+  uint8_t qh[kQK_K / 4];      // high 2 bits
+  int8_t scales[kQK_K / 16];  // 16 sub-block scales
+  uint16_t d;                 // f16 bits: super-block scale
+};
+static_assert(sizeof(BlockQ6K) == 210, "Q6_K block must be 210 bytes (ggml-common.h block_q6_K)");
+
+#ifndef TORCH_QMM_METAL
+// The ggml types with a native gguf_qmm kernel. Must match NATIVE_TYPES in gguf_types.py and the
+// instantiations in metal/gguf.metal.
+inline bool is_native_gguf_type(int64_t t) { return t == kTypeQ4_K || t == kTypeQ6_K; }
+
+inline int64_t block_bytes(int64_t t) {
+  return t == kTypeQ4_K ? int64_t(sizeof(BlockQ4K)) : t == kTypeQ6_K ? int64_t(sizeof(BlockQ6K)) : 0;
+}
+#endif
+
+struct ScaleMin {
+  int scale;
+  int min;
+};
+
+// Scale and min of Q4_K sub-block j (0..7) from the 12 packed bytes (llama.cpp get_scale_min_k4):
+// j < 4: the low 6 bits of bytes j and j+4; j >= 4: 4 bits from byte j+4 plus the top 2 bits
+// of bytes j-4 (scale) and j (min). `Bytes` is any pointer (host or a Metal address space).
+template <typename Bytes>
+inline ScaleMin q4k_scale_min(int j, Bytes q) {
+  ScaleMin r;
+  if (j < 4) {
+    r.scale = q[j] & 63;
+    r.min = q[j + 4] & 63;
+  } else {
+    r.scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    r.min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+  return r;
+}
+
+}  // namespace gguf
+}  // namespace torch_qmm

@@ -1,0 +1,226 @@
+// gguf_qmv / gguf_qmm: y[M, N] = x[M, K] @ W.T with W [N, K] given as GGUF K-quant blocks (Q4_K,
+// Q6_K; layouts in metal/gguf_format.h), decoded in-kernel from the file's bytes; float32
+// accumulation; x, y in float / half / bfloat.
+//
+//   blocks uint8 [N, K/256 * B] (B = 144 Q4_K, 210 Q6_K)   x [M, K]   y [M, N]     K % 256 == 0
+//
+//   grid (ceil(N/8), ceil(M/R)); threadgroup = 2 SIMD-groups x 32 lanes
+//   simdgroup s -> W rows n0 = 8*tx + 4*s .. +3 ;  x rows m0 = R*ty .. +R-1   (R = 1: qmv)
+//   the 32 lanes form teams of L lanes, team t walks super-blocks t, t + 32/L, t + 2*32/L, ...
+//     Q4_K, L = 8 : slot s = lane % 8 (iq = s/4, ir = s%4) owns 4 runs of 8 weights,
+//                   chunks c in {iq, iq+2} x nibble {low, high}: weights 64c + 32*nib + 8ir .. +8
+//                   (one scale/min pair per run: sub-block 2c + nib)
+//     Q6_K, L = 16: slot s = lane % 16 (h = s/8, l0 = 4*(s%8)) owns 4 runs of 4 weights,
+//                   weights 128h + 32t + l0 .. +4 for t = 0..3 (one int8 scale per run)
+//   per super-block and W row: decode the lane's runs once (codes as floats, a scale and a min
+//   per run), then for each of the R rows of x: acc[m][r] += scale * dot(q, x) - min * sum(x)
+//   end: simd_sum of each acc[m][r] -> y[m0 + m, n0 + r]
+//
+// Design credits: the lane/block interleaving and the per-run "scale * dot - min * sum(x)"
+// factoring follow llama.cpp's kernel_mul_mv_q4_K_f32 / kernel_mul_mv_q6_K_f32 (ggml-metal);
+// reusing one decode for R rows of x is the small-M design of metal/affine_qmm_small.h.
+// Bounds: rows of W past N and rows of x past M are skipped uniformly per SIMD-group; teams
+// whose next super-block is past K/256 stop (no collective inside the loop).
+// Alignment: Q4_K blocks are read as uint32 (runs sit at 16 + 32c + 8ir bytes of a 144-byte
+// block), Q6_K as uint16 (210-byte blocks are 2-aligned); the executors bind `blocks` at a
+// 4-byte-aligned offset.
+#pragma once
+
+#include <metal_stdlib>
+
+#define TORCH_QMM_METAL 1
+#include "gguf_params.h"
+
+using namespace metal;
+
+// ---- Kernel names: gguf_{qmv|qmm}_{type}[_{variant}]_{dtype} ----------------------------------
+// e.g. gguf_qmv_q4_K_float, gguf_qmm_q6_K_bm8_float16_t. Must match gguf_kernel_name() in
+// csrc/plan.cpp (the one host spelling); `variant` is empty or `_bm2` / `_bm4` / `_bm8`.
+#define GGUF_STR_(x) #x
+#define GGUF_STR(x) GGUF_STR_(x)
+#define GGUF_NAME(family, type, variant, tname) GGUF_STR(family##_##type##variant##_##tname)
+
+#define GGUF_INSTANTIATE(name, func, ...) \
+  template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
+
+// ---- Decoding one lane's share of a super-block ----------------------------------------------
+// RUNS runs of RUN consecutive weights; run j covers x[offset(j) .. +RUN) of the super-block and
+// its weights are scale[j] * q[j][i] - min[j] (HAS_MIN) or scale[j] * q[j][i].
+template <int type>
+struct GGUFSlice;
+
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> {
+  static constexpr int LANES = 8;
+  static constexpr int RUNS = 4;
+  static constexpr int RUN = 8;
+  static constexpr bool HAS_MIN = true;
+  static constexpr int BYTES = sizeof(torch_qmm::gguf::BlockQ4K);
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];
+
+  // Run j: chunk c = iq + 2 * (j / 2), nibble j % 2.
+  static uint offset(uint slot, int j) {
+    const uint iq = slot / 4, ir = slot % 4;
+    return 64 * (iq + 2 * (j / 2)) + 32 * (j % 2) + 8 * ir;
+  }
+
+  void decode(const device uint8_t* raw, uint slot) {
+    const device torch_qmm::gguf::BlockQ4K* b = (const device torch_qmm::gguf::BlockQ4K*)raw;
+    const uint iq = slot / 4, ir = slot % 4;
+    const float d = float(as_type<half>(b->d));
+    const float dmin = float(as_type<half>(b->dmin));
+    for (int cc = 0; cc < 2; ++cc) {
+      const uint c = iq + 2 * cc;
+      const device uint32_t* w = (const device uint32_t*)(b->qs + 32 * c + 8 * ir);
+      const uint32_t w0 = w[0], w1 = w[1];
+      for (int nib = 0; nib < 2; ++nib) {
+        const int j = 2 * cc + nib;
+        const torch_qmm::gguf::ScaleMin sm = torch_qmm::gguf::q4k_scale_min(int(2 * c) + nib, b->scales);
+        scale[j] = d * float(sm.scale);
+        min[j] = dmin * float(sm.min);
+        for (int i = 0; i < 4; ++i) {
+          q[j][i] = float((w0 >> (8 * i + 4 * nib)) & 0xfu);
+          q[j][i + 4] = float((w1 >> (8 * i + 4 * nib)) & 0xfu);
+        }
+      }
+    }
+  }
+};
+
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> {
+  static constexpr int LANES = 16;
+  static constexpr int RUNS = 4;
+  static constexpr int RUN = 4;
+  static constexpr bool HAS_MIN = false;
+  static constexpr int BYTES = sizeof(torch_qmm::gguf::BlockQ6K);
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];  // unused (Q6_K is symmetric around 32)
+
+  static uint offset(uint slot, int t) { return 128 * (slot / 8) + 32 * t + 4 * (slot % 8); }
+
+  void decode(const device uint8_t* raw, uint slot) {
+    const device torch_qmm::gguf::BlockQ6K* b = (const device torch_qmm::gguf::BlockQ6K*)raw;
+    const uint h = slot / 8, l0 = 4 * (slot % 8);
+    const float d = float(as_type<half>(b->d));
+    // 4 bytes of ql for runs 0/2 (low/high nibble), 4 of ql + 32 for runs 1/3, 4 of qh (2 bits per run).
+    const device uint16_t* qa = (const device uint16_t*)(b->ql + 64 * h + l0);
+    const device uint16_t* qb = (const device uint16_t*)(b->ql + 64 * h + 32 + l0);
+    const device uint16_t* qh = (const device uint16_t*)(b->qh + 32 * h + l0);
+    const uint32_t a = uint32_t(qa[0]) | (uint32_t(qa[1]) << 16);
+    const uint32_t c = uint32_t(qb[0]) | (uint32_t(qb[1]) << 16);
+    const uint32_t hi = uint32_t(qh[0]) | (uint32_t(qh[1]) << 16);
+    for (int t = 0; t < 4; ++t) {
+      scale[t] = d * float(b->scales[8 * h + 2 * t + l0 / 16]);
+      min[t] = 0.0f;
+      const uint32_t lo = t % 2 == 0 ? a : c;
+      const int lo_shift = 4 * (t / 2);
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t v = ((lo >> (8 * i + lo_shift)) & 0xfu) | (((hi >> (8 * i + 2 * t)) & 0x3u) << 4);
+        q[t][i] = float(int(v) - 32);
+      }
+    }
+  }
+};
+
+// ---- The kernel body ---------------------------------------------------------------------------
+// R rows of x per threadgroup (R = 1: the M = 1 matvec). For R = 1 the lane's x values are loaded
+// once per super-block and reused for the SIMD-group's 4 rows of W; for R > 1 each decoded slice
+// is reused for the R rows of x (x is re-read per W row, from cache).
+template <typename T, int type, int R>
+inline void gguf_qmm_impl(const device uint8_t* blocks, const device T* x, device T* y, constant GGUFParams& p,
+                          uint2 tg, uint simd_gid, uint lane) {
+  using Slice = GGUFSlice<type>;
+  constexpr int ROWS = GGUF_ROWS_PER_SIMDGROUP;
+  constexpr int TEAMS = SIMD_WIDTH / Slice::LANES;  // super-blocks in flight per SIMD-group
+  const uint M = p.M, N = p.N, K = p.K, nb = p.blocks_per_row;
+  const uint row_bytes = nb * Slice::BYTES;
+  const uint slot = lane % Slice::LANES;
+  const uint n0 = tg.x * GGUF_COLS_PER_TG + simd_gid * ROWS;
+  const uint m0 = tg.y * R;
+
+  uint off[Slice::RUNS];
+  for (int j = 0; j < Slice::RUNS; ++j) off[j] = Slice::offset(slot, j);
+
+  float acc[R][ROWS];
+  for (int m = 0; m < R; ++m)
+    for (int r = 0; r < ROWS; ++r) acc[m][r] = 0.0f;
+
+  for (uint ib = lane / Slice::LANES; ib < nb; ib += TEAMS) {
+    const device T* xb = x + m0 * K + ib * torch_qmm::gguf::kQK_K;
+    if (R == 1) {
+      float xv[Slice::RUNS][Slice::RUN];
+      float xsum[Slice::RUNS];
+      for (int j = 0; j < Slice::RUNS; ++j) {
+        xsum[j] = 0.0f;
+        for (int i = 0; i < Slice::RUN; ++i) {
+          xv[j][i] = float(xb[off[j] + i]);
+          xsum[j] += xv[j][i];
+        }
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        if (n0 + r >= N) break;
+        Slice s;
+        s.decode(blocks + (n0 + r) * row_bytes + ib * Slice::BYTES, slot);
+        for (int j = 0; j < Slice::RUNS; ++j) {
+          float dot = 0.0f;
+          for (int i = 0; i < Slice::RUN; ++i) dot += s.q[j][i] * xv[j][i];
+          acc[0][r] += Slice::HAS_MIN ? s.scale[j] * dot - s.min[j] * xsum[j] : s.scale[j] * dot;
+        }
+      }
+    } else {
+      for (int r = 0; r < ROWS; ++r) {
+        if (n0 + r >= N) break;
+        Slice s;
+        s.decode(blocks + (n0 + r) * row_bytes + ib * Slice::BYTES, slot);
+        for (int m = 0; m < R; ++m) {
+          if (m0 + m >= M) break;
+          const device T* xr = xb + m * K;
+          for (int j = 0; j < Slice::RUNS; ++j) {
+            float dot = 0.0f, xsum = 0.0f;
+            for (int i = 0; i < Slice::RUN; ++i) {
+              const float xi = float(xr[off[j] + i]);
+              dot += s.q[j][i] * xi;
+              xsum += xi;
+            }
+            acc[m][r] += Slice::HAS_MIN ? s.scale[j] * dot - s.min[j] * xsum : s.scale[j] * dot;
+          }
+        }
+      }
+    }
+  }
+  // Every lane reaches the reductions (rows past M or N reduce zeros and are not written).
+  for (int m = 0; m < R; ++m) {
+    for (int r = 0; r < ROWS; ++r) {
+      const float sum = simd_sum(acc[m][r]);
+      if (lane == 0 && m0 + m < M && n0 + r < N) y[(m0 + m) * N + n0 + r] = static_cast<T>(sum);
+    }
+  }
+}
+
+// M = 1 (decode): gguf_qmv_{type}_{dtype}.
+template <typename T, int type>
+[[kernel]] void gguf_qmv(const device uint8_t* blocks [[buffer(GGUF_BUF_BLOCKS)]],
+                         const device T* x [[buffer(GGUF_BUF_X)]], device T* y [[buffer(GGUF_BUF_Y)]],
+                         constant GGUFParams& p [[buffer(GGUF_BUF_PARAMS)]],
+                         uint3 tgid [[threadgroup_position_in_grid]],
+                         uint simd_gid [[simdgroup_index_in_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+  gguf_qmm_impl<T, type, 1>(blocks, x, y, p, tgid.xy, simd_gid, lane);
+}
+
+// Small M, and large M one R-row block per threadgroup row: gguf_qmm_{type}_bm{R}_{dtype}.
+template <typename T, int type, int R>
+[[kernel]] void gguf_qmm_small(const device uint8_t* blocks [[buffer(GGUF_BUF_BLOCKS)]],
+                               const device T* x [[buffer(GGUF_BUF_X)]], device T* y [[buffer(GGUF_BUF_Y)]],
+                               constant GGUFParams& p [[buffer(GGUF_BUF_PARAMS)]],
+                               uint3 tgid [[threadgroup_position_in_grid]],
+                               uint simd_gid [[simdgroup_index_in_threadgroup]],
+                               uint lane [[thread_index_in_simdgroup]]) {
+  gguf_qmm_impl<T, type, R>(blocks, x, y, p, tgid.xy, simd_gid, lane);
+}
