@@ -45,17 +45,14 @@ using namespace metal;
 
 // ---- Decoding one lane's share of a super-block ----------------------------------------------
 // RUNS runs of RUN consecutive weights; run j covers x[offset(j) .. +RUN) of the super-block and
-// its weights are scale[j] * q[j][i] - min[j] (HAS_MIN) or scale[j] * q[j][i].
+// its weights are scale[j] * q[j][i] - min[j] (HAS_MIN) or scale[j] * q[j][i]. Compile-time
+// constants are enumerators (MSL wants program-scope and static data in `constant` space).
 template <int type>
 struct GGUFSlice;
 
 template <>
 struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> {
-  static constexpr int LANES = 8;
-  static constexpr int RUNS = 4;
-  static constexpr int RUN = 8;
-  static constexpr bool HAS_MIN = true;
-  static constexpr int BYTES = sizeof(torch_qmm::gguf::BlockQ4K);
+  enum : int { LANES = 8, RUNS = 4, RUN = 8, HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ4K) };
 
   float q[RUNS][RUN];
   float scale[RUNS];
@@ -92,11 +89,7 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> {
 
 template <>
 struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> {
-  static constexpr int LANES = 16;
-  static constexpr int RUNS = 4;
-  static constexpr int RUN = 4;
-  static constexpr bool HAS_MIN = false;
-  static constexpr int BYTES = sizeof(torch_qmm::gguf::BlockQ6K);
+  enum : int { LANES = 16, RUNS = 4, RUN = 4, HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockQ6K) };
 
   float q[RUNS][RUN];
   float scale[RUNS];

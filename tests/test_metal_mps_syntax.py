@@ -1,8 +1,8 @@
-"""The MPS executor (csrc/mps/affine_mps.mm) cannot run here (no Apple hardware). What Linux CI can
+"""The MPS executor (csrc/mps/*.mm) cannot run here (no Apple hardware). What Linux CI can
 check: the Objective-C++ parses and type-checks against the real ATen/mps headers and stub headers
 declaring exactly the Apple APIs it uses (tests/metal_mps_stubs/, written from Apple's docs), in
 both ARC and manual reference counting; and the Metal source it embeds (metal/ flattened by
-csrc/mps/embed_metal.py) compiles to the same kernels as metal/affine.metal."""
+csrc/mps/embed_metal.py) compiles to the same kernels as metal/affine.metal + metal/gguf.metal."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _clang() -> str:
 def test_mps_executor_compiles_syntax_only(tmp_path, arc):
     from torch.utils.cpp_extension import include_paths
 
-    EMBED["write_embedded_source"](tmp_path / "affine_metal_source.inc")
+    EMBED["write_embedded_source"](tmp_path / EMBED["OUTPUT"].name)
     cmd = [_clang(), "-fsyntax-only", "-x", "objective-c++", "-std=c++17", "-Wno-c++20-extensions", "-Werror=objc-method-access",
            "-fobjc-runtime=gnustep-2.0", "-fblocks", "-I", str(ROOT / "tests" / "metal_mps_stubs"), "-I", str(tmp_path),
            "-I", str(ROOT / "csrc"), "-I", sysconfig.get_paths()["include"]]
@@ -47,10 +47,10 @@ def test_embedded_source_compiles_to_the_same_kernels(tmp_path):
 
     require_clang()
     from torch_qmm import metalsim
-    from torch_qmm.metalsim_backend import library
+    from torch_qmm.metalsim_backend import gguf_library, library
 
     flat = tmp_path / "flat.metal"
-    flat.write_text(EMBED["flatten"]())
+    flat.write_text(EMBED["flatten_all"]())
     assert '#include "' not in flat.read_text()
     lib = metalsim.compile(flat, defines={"TORCH_QMM_ONLY_BITS": "6"})
-    assert sorted(lib.kernels) == sorted(library(6).kernels)
+    assert sorted(lib.kernels) == sorted(library(6).kernels + gguf_library().kernels)
