@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from . import _staging
+from . import _staging, _trace_ir
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
@@ -62,7 +62,8 @@ def cache_dir() -> Path:
 
 def _shim_hash() -> str:
     h = hashlib.sha256(SHIM_VERSION.encode())
-    for f in sorted(INCLUDE.rglob("*")) + [RUNTIME_C, Path(_staging.__file__), Path(__file__)]:
+    for f in sorted(INCLUDE.rglob("*")) + [RUNTIME_C, Path(_staging.__file__), Path(_trace_ir.__file__),
+                                              Path(__file__)]:
         if f.is_file():
             h.update(str(f.relative_to(HERE)).encode())
             h.update(f.read_bytes())
@@ -85,7 +86,15 @@ COMMON = ["-std=c++17", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux
           "-fvisibility=hidden", "-fno-exceptions", "-fno-rtti", "-Wno-unknown-attributes",
           "-Wno-ignored-attributes", "-Wno-unused-value", "-Wno-c++20-extensions", "-Wno-c++2b-extensions",
           "-Wno-unused-command-line-argument", "-Wno-ignored-pragma-intrinsic", "-ferror-limit=30"]
-INSTR = ["-fsanitize-coverage=bb,trace-loads,trace-stores", "-D__MSIM_INSTRUMENTED=1"]
+# Instrumented build: sanitizer-coverage hooks see plain loads and stores; the compiler must not
+# turn them into accesses the hooks cannot see (memset/memcpy from loops or merged stores: the
+# -fno-builtin-mem* flags disable loop idiom recognition and MemCpyOpt; wide vector accesses from
+# the vectorizers). What the frontend itself emits (struct copies, zero-initialisation) is routed
+# to the runtime by _trace_ir.rewrite. Vectorizing changes no result (no FP reassociation), so
+# the plain build keeps it.
+INSTR = ["-fsanitize-coverage=bb,trace-loads,trace-stores", "-D__MSIM_INSTRUMENTED=1",
+         "-fno-builtin-memset", "-fno-builtin-memcpy", "-fno-builtin-memmove",
+         "-fno-vectorize", "-fno-slp-vectorize"]
 
 
 def opt_flag() -> str:
@@ -153,6 +162,21 @@ def _resolve_indices(so: Path, meta: dict) -> None:
             p["index"] = c % 1000
 
 
+def _traced_object(clang: str, cmd: list, cpp: Path) -> Path:
+    """Instrumented build in two steps: optimised, instrumented IR; _trace_ir.rewrite; then
+    code generation only (-disable-llvm-passes: optimising again could re-form intrinsics)."""
+    ll = cpp.with_suffix(".ll")
+    _run(cmd + ["-S", "-emit-llvm", str(cpp), "-o", str(ll)], "compiling the staged Metal source")
+    try:
+        ll.write_text(_trace_ir.rewrite(ll.read_text()))
+    except _trace_ir.UnsupportedIR as e:
+        raise CompileError(f"checked mode: {e}") from None
+    obj = cpp.with_suffix(".o")
+    _run([clang, "-x", "ir", opt_flag(), "-fPIC", "-Xclang", "-disable-llvm-passes", "-c", str(ll), "-o", str(obj)],
+         "compiling the instrumented IR")
+    return obj
+
+
 def build(source: str, filename, defines, include_dirs, instrumented: bool):
     """Returns (path to .so, staging metadata dict)."""
     clang = find_clang()
@@ -182,8 +206,10 @@ def build(source: str, filename, defines, include_dirs, instrumented: bool):
         out = Path(td) / "kernels.so"
         cmd = [clang, "-x", "c++", *COMMON, opt_flag(), "-I", str(INCLUDE)]
         if instrumented:
-            cmd += INSTR
-        cmd += ["-shared", str(cpp), "-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
+            cmd = [clang, "-shared", str(_traced_object(clang, cmd + INSTR, cpp))]
+        else:
+            cmd += ["-shared", str(cpp)]
+        cmd += ["-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
         _run(cmd, "compiling the staged Metal source")
         _resolve_indices(out, meta)
         if os.environ.get("TORCH_QMM_METALSIM_KEEP"):
