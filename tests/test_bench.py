@@ -38,3 +38,40 @@ def test_bench_model_reports_time_memory_and_error(tmp_path):
     assert result["bytes_after"] < result["bytes_before"]
     for t in result["by_tokens"].values():
         assert t["quantized_ms"] > 0 and 0 <= t["rel_error"] < 0.5
+
+
+def test_bench_metalsim_reports_traffic_per_buffer_and_bounds(tmp_path):
+    from metal_helpers import require_clang
+
+    require_clang()
+    out = tmp_path / "traffic.json"
+    rc = main(["bench", "--device", "metalsim", "--shapes", "40x256", "--m", "1,3,33", "--output", str(out)])
+    assert rc == 0  # non-zero when a bound does not hold
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["device"] == "metalsim" and doc["machine"]["copy_gbps"] is None
+    assert doc["kind"] == "metalsim_traffic"
+    assert [r["m"] for r in doc["results"]] == [1, 3, 33]
+    for r in doc["results"]:
+        assert (r["n"], r["k"], r["bits"], r["dtype"], r["scale"]) == (40, 256, 4, "float16", 1)
+        assert "times_ms" not in r  # traffic, not time
+        bufs = r["buffers"]
+        assert set(bufs) == {"wq", "scales", "biases", "x", "y"}
+        assert bufs["wq"]["compulsory"] == 40 * 256 * 4 // 8 and bufs["x"]["compulsory"] == r["m"] * 256 * 2
+        assert bufs["y"]["stored"] == bufs["y"]["compulsory"] == r["m"] * 40 * 2
+        for b in bufs.values():
+            assert b["tg_footprint"] >= b["compulsory"] or b["compulsory"] == 0
+            assert b["tg_ratio"] == round(b["tg_footprint"] / b["compulsory"], 4)
+        bounded = {k for k, b in bufs.items() if b["bound"] is not None}
+        assert bounded == ({"wq", "scales", "biases"} if r["m"] == 1 else {"wq", "x"})
+        assert r["bounds_hold"] and all(b["holds"] for b in bufs.values() if b["bound"] is not None)
+
+
+def test_bench_metalsim_scales_the_seed_shapes_down_by_default(tmp_path):
+    from metal_helpers import require_clang
+
+    require_clang()
+    out = tmp_path / "traffic.json"
+    rc = main(["bench", "--device", "metalsim", "--quick", "--m", "1", "--output", str(out)])
+    assert rc == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert (r["n"], r["k"], r["scale"], r["shape_named"]) == (512, 512, 8, "4096x4096")

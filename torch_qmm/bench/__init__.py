@@ -3,8 +3,10 @@
     python -m torch_qmm bench --quick                     # small subset, < 1 min
     python -m torch_qmm bench --shapes 14336x5120 --m 1,4,16,64,256 --bits 4,8 --dtype bfloat16
     python -m torch_qmm bench --model                      # small transformer, M=1 and M=128
+    python -m torch_qmm bench --device metalsim [--full]   # simulated traffic of the Metal kernels
 
-Kernel rows: kernels.py (Config -> Result, method); output: report.py; model: model.py.
+Kernel rows: kernels.py (Config -> Result, method); output: report.py; model: model.py;
+metalsim traffic (bytes per buffer vs compulsory, no time): metalsim_traffic.py.
 Peers in the same run: F.linear float32/float16/bfloat16, torch._weight_int8pack_mm,
 PyTorch's int4 weight-only matmul where the device has it, mlx.core.quantized_matmul when
 importable. Performance is reported, never asserted.
@@ -19,6 +21,7 @@ import os
 import torch
 
 from ..devices import best_device
+from . import metalsim_traffic
 from .kernels import Config, run_config
 from .model import format_model, run_model
 from .report import (copy_bandwidth_gbps, default_result_path, format_table, last_level_cache_bytes, machine_info,
@@ -41,7 +44,7 @@ def _strs(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=None, help="cpu, mps, cuda (default: the best present)")
+    parser.add_argument("--device", default=None, help="cpu, mps, cuda, metalsim (default: the best present)")
     parser.add_argument("--quick", action="store_true", help="a small subset (one shape, M in 1/16/128, 4-bit)")
     parser.add_argument("--shapes", type=_strs, default=None, help=f"N x K list (default {','.join(SHAPES)})")
     parser.add_argument("--m", type=_ints, default=None, help=f"rows of x (default {','.join(map(str, MS))})")
@@ -57,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model benchmark instead: 'tiny' or a JSON file of ModelConfig fields")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/<tag>-<device>-<time>.json)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--full", action="store_true",
+                        help=f"--device metalsim: the seed shapes at full size (default: N, K / {metalsim_traffic.SCALE})")
 
 
 def configs(args: argparse.Namespace, device: str) -> list[Config]:
@@ -76,9 +81,8 @@ def configs(args: argparse.Namespace, device: str) -> list[Config]:
 
 def run(args: argparse.Namespace) -> int:
     device = args.device or best_device()
-    if device == "metalsim":
-        print("bench --device metalsim: the simulated-traffic table comes with the Metal kernels (issue 4)")
-        return 2
+    if device == "metalsim":  # byte counts instead of time: metalsim_traffic.py
+        return metalsim_traffic.run(args, SHAPES, MS, QUICK)
     copy_gbps = copy_bandwidth_gbps(device)
     info = machine_info(device, copy_gbps)
     print(f"{info['processor']} ({info['cpu_threads']} threads), {info['os']}, torch {info['torch']}, "

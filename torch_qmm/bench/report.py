@@ -55,7 +55,8 @@ def git_commit() -> str:
         return "unknown"
 
 
-def machine_info(device: str, copy_gbps: float) -> dict:
+def machine_info(device: str, copy_gbps: float | None) -> dict:
+    """Facts saved with every result; copy_gbps None where no copy bandwidth applies (metalsim)."""
     info = {
         "device": device,
         "os": f"{platform.system()} {platform.release()}",
@@ -66,7 +67,7 @@ def machine_info(device: str, copy_gbps: float) -> dict:
         "torch": torch.__version__,
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_gbps": round(copy_gbps, 2),
+        "copy_gbps": None if copy_gbps is None else round(copy_gbps, 2),
         "load_average": _load_average(),
         "last_level_cache_bytes": last_level_cache_bytes(),
     }
@@ -120,20 +121,27 @@ def format_table(results: list[Result], copy_gbps: float) -> str:
         sp = r.speedups()
         rows.append([f"{c.n}x{c.k}", str(c.m), str(c.bits), c.dtype, f"{r.times_ms[OURS]:.3f}", f"{r.gbps():.1f}",
                      f"{100 * r.gbps() / copy_gbps:.0f}"] + [f"{sp[p]:.2f}" if p in sp else "-" for p in peers])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
     note = (f"ms: median torch_qmm time; GB/s: its weight bytes (packed + scales + biases) per second; "
             f"%copy: of the measured copy bandwidth {copy_gbps:.1f} GB/s; x peer: peer time / torch_qmm time "
             f"(> 1: torch_qmm faster)")
-    return "\n".join(lines + [note])
+    return text_table(rows, note)
+
+
+def text_table(rows: list[list[str]], note: str = "") -> str:
+    """Right-aligned columns, a rule under the first (header) row, the note below."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + ([note] if note else []))
 
 
 def save_json(path: Path, info: dict, results: list[Result], extra: dict | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"machine": info, "results": [result_record(r, info["copy_gbps"]) for r in results]}
-    if extra:
-        doc.update(extra)
+    write_json(path, {**doc, **(extra or {})})
+
+
+def write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))
 
 
