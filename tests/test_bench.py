@@ -28,6 +28,16 @@ def test_bench_writes_json_with_finite_peer_ratios(tmp_path):
         assert all(math.isfinite(v) and v > 0 for v in r["speedup_vs"].values())
 
 
+def test_bench_saves_a_png_plot_next_to_the_json(tmp_path):
+    # matplotlib is a test dependency, so the plot is always drawn here.
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--device", "cpu", "--shapes", "64x128", "--m", "1,2", "--bits", "4", "--dtype", "float32",
+               "--repeats", "1", "--peers", "linear_float32", "--output", str(out)])
+    assert rc == 0
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
 def test_bench_model_reports_time_memory_and_error(tmp_path):
     cfg = tmp_path / "model.json"
     cfg.write_text(json.dumps({"dim": 128, "hidden": 256, "layers": 1, "heads": 4, "vocab": 256}))
