@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 
+import torch
+
 from torch_qmm.__main__ import main
 
 
@@ -85,3 +87,21 @@ def test_bench_metalsim_scales_the_seed_shapes_down_by_default(tmp_path):
     assert rc == 0
     (r,) = json.loads(out.read_text())["results"]
     assert (r["n"], r["k"], r["scale"], r["shape_named"]) == (512, 512, 8, "4096x4096")
+
+
+def test_bench_model_accepts_a_transformers_folder(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=320)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    out = tmp_path / "model_result.json"
+    rc = main(["bench", "--device", "cpu", "--model", str(tmp_path / "llama"), "--repeats", "1", "--output", str(out)])
+    assert rc == 0
+    (result,) = json.loads(out.read_text())["models"]
+    assert result["config"]["type"] == "llama"
+    # 4 attention + 3 MLP projections + lm_head (its in_features 128 is a multiple of 64).
+    assert result["layers_quantized"] == 8 and result["bytes_after"] < result["bytes_before"]
+    for t in result["by_tokens"].values():
+        assert t["quantized_ms"] > 0 and 0 <= t["rel_error"] < 0.5

@@ -2,7 +2,7 @@
 
     python -m torch_qmm bench --quick                     # small subset, < 1 min
     python -m torch_qmm bench --shapes 14336x5120 --m 1,4,16,64,256 --bits 4,8 --dtype bfloat16
-    python -m torch_qmm bench --model                      # small transformer, M=1 and M=128
+    python -m torch_qmm bench --model [PATH]               # small transformer (or a transformers folder), M=1 and M=128
     python -m torch_qmm bench --device metalsim [--full]   # simulated traffic of the Metal kernels
 
 Kernel rows: kernels.py (Config -> Result, method); output: report.py; model: model.py;
@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "int4pack, mlx); default all")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds (fewer for slow calls)")
     parser.add_argument("--mlx-max-m", type=int, default=16, help="time MLX only up to this M (slow on CPU)")
-    parser.add_argument("--model", nargs="?", const="tiny", default=None, metavar="CONFIG",
-                        help="model benchmark instead: 'tiny' or a JSON file of ModelConfig fields")
+    parser.add_argument("--model", nargs="?", const="tiny", default=None, metavar="CONFIG_OR_PATH",
+                        help="model benchmark instead: 'tiny', a JSON file of ModelConfig fields, or a transformers model folder")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/<tag>-<device>-<time>.json)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--full", action="store_true",

@@ -1,4 +1,5 @@
-"""Model-level benchmark: a small Llama-style transformer built from a config (no downloads).
+"""Model-level benchmark: a small Llama-style transformer built from a config (no downloads), or a
+transformers causal-LM folder on disk (`--model PATH`, loaded locally with from_pretrained).
 
 Reports forward time at M=1 (decode) and M=128 (prefill) tokens, weight memory before and after
 `quantize_model`, and the output error of the quantized model against the float model.
@@ -65,6 +66,30 @@ class TinyTransformer(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class _LogitsOnly(nn.Module):
+    """A transformers causal LM called like TinyTransformer: token ids -> logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens).logits
+
+
+def build_model(spec: str | None) -> tuple[nn.Module, int, dict]:
+    """(model, vocabulary size, description) for `spec`: "tiny"/None, a JSON config file of
+    ModelConfig fields, or a transformers model folder (config.json + weights)."""
+    if spec and Path(spec).is_dir():
+        from transformers import AutoModelForCausalLM  # optional: the `transformers` extra
+
+        model = AutoModelForCausalLM.from_pretrained(spec)
+        return _LogitsOnly(model), model.config.vocab_size, {"path": str(spec), "type": model.config.model_type}
+    cfg = load_config(spec)
+    torch.manual_seed(0)
+    return TinyTransformer(cfg), cfg.vocab, dataclasses.asdict(cfg)
+
+
 def load_config(spec: str | None) -> ModelConfig:
     """`None`/"tiny": the default; a path to a JSON file with ModelConfig fields otherwise."""
     if spec in (None, "", "tiny"):
@@ -90,19 +115,18 @@ def _median_ms(fn, device: str, repeats: int) -> float:
 
 def run_model(spec: str | None, device: str, dtype: torch.dtype, bits: int, group_size: int, repeats: int,
               tokens: tuple[int, ...] = (1, 128)) -> dict:
-    cfg = load_config(spec)
-    torch.manual_seed(0)
-    model = TinyTransformer(cfg).to(device=device, dtype=dtype).eval()
+    model, vocab, description = build_model(spec)
+    model = model.to(device=device, dtype=dtype).eval()
     quantized = copy.deepcopy(model)
     bytes_before = _bytes(model)
     summary = quantize_model(quantized, bits=bits, group_size=group_size, progress=False)
     bytes_after = _bytes(quantized)
-    out = {"config": dataclasses.asdict(cfg), "device": device, "dtype": str(dtype)[6:], "bits": bits,
+    out = {"config": description, "device": device, "dtype": str(dtype)[6:], "bits": bits,
            "group_size": group_size, "bytes_before": bytes_before, "bytes_after": bytes_after,
            "layers_quantized": len(summary.converted), "by_tokens": {}}
     with torch.no_grad():
         for m in tokens:
-            ids = torch.randint(0, cfg.vocab, (1, m), device=device)
+            ids = torch.randint(0, vocab, (1, m), device=device)
             y_ref = model(ids).double()
             y = quantized(ids).double()
             out["by_tokens"][m] = {
