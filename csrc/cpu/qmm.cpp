@@ -45,7 +45,6 @@ at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq_in, const at
 
   const at::Tensor wq = wq_in.contiguous(), scales = scales_in.contiguous(), biases = biases_in.contiguous();
   at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  if (transpose) xf = to_codec_order(xf, int(bits));
 
   cpu::QmmArgs a;
   a.x = xf.data_ptr<float>();
@@ -58,6 +57,15 @@ at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq_in, const at
   a.K = K;
   a.bits = int(bits);
   a.group_size = int(group_size);
+
+  if (transpose && M == 1 && bits == 4) {  // token decode: its own kernel, x in natural order
+    at::Tensor yf = at::empty({1, N}, xf.options());
+    if (cpu::qmm_t_gemv_q4(a, yf.data_ptr<float>())) return yf.to(x.scalar_type()).reshape(out_shape);
+  }
+  if (transpose) {
+    xf = to_codec_order(xf, int(bits));
+    a.x = xf.data_ptr<float>();
+  }
 
   at::Tensor yf;
   if (M < cpu::kGemmMinRows) {

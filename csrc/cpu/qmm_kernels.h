@@ -3,6 +3,7 @@
 //   fused (qmm_fused.cpp)  small M: each 32-code block of W is decoded in registers, dequantized
 //                          (w = s*q + b) and multiplied into up to 4 rows of x at once;
 //                          W is never written to memory.
+//   gemv  (qmm_gemv_q4.cpp) 4-bit M=1 on AVX-512: 128-code chunks, shuffle-free decode.
 //   gemm  (qmm_gemm.cpp)   large M: W is decoded in cache-sized float32 tiles by each thread,
 //                          which multiplies its own tiles with a single-threaded BLAS GEMM
 //                          (no barrier between decode and GEMM, bounded scratch).
@@ -35,6 +36,9 @@ struct QmmArgs {
 constexpr int64_t kGemmMinRows = 16;
 
 // y [M, N] float32 row-major.
+// 4-bit M=1 (qmm_gemv_q4.cpp, AVX-512): takes x in natural order; false when it does not apply
+// (other bits/M, no AVX-512, |x| < 2^-98), y untouched.
+bool qmm_t_gemv_q4(const QmmArgs& a, float* y);
 void qmm_t_fused(const QmmArgs& a, float* y);
 void qmm_n_fused(const QmmArgs& a, float* y);
 
