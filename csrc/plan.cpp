@@ -68,10 +68,12 @@ const Route kRoutes[] = {
    "a super-block slice decoded once per lane, reused for 2 rows of x: W read once"},
   {"gguf_qmm_bm4", Op::kGgufQmm, -1, 3, 4, Cond::kAny, "gguf_qmm", "bm4", "gguf_qmm, 3 <= M <= 4",
    "one pass over W for up to 4 rows of x"},
-  {"gguf_qmm_bm8", Op::kGgufQmm, -1, 5, kNoLimit, Cond::kAny, "gguf_qmm", "bm8", "gguf_qmm, M >= 5",
-   "one pass over W per 8 rows of x; for M > 8 the grid's y dimension loops over row blocks "
-   "(W read ceil(M/8) times). No simdgroup-matrix tile for GGUF yet: large M is correct but "
-   "re-reads W M/8 times (the affine mma32 tile reads it M/32 times)"},
+  {"gguf_qmm_bm8", Op::kGgufQmm, -1, 5, 16, Cond::kAny, "gguf_qmm", "bm8", "gguf_qmm, 5 <= M <= 16",
+   "one pass over W per 8 rows of x (9..16: two row blocks; below 17 rows a 32-row MMA tile "
+   "would idle most of its rows, as for the affine bm8 / mma16 split)"},
+  {"gguf_qmm_mma32", Op::kGgufQmm, -1, 17, kNoLimit, Cond::kAny, "gguf_qmm", "mma32", "gguf_qmm, M >= 17",
+   "32x32 simdgroup-matrix tile with W dequantized into threadgroup memory (the affine mma32 "
+   "tile with a K-quant loader): W read ceil(M/32) times, x ceil(N/32) times"},
 };
 // clang-format on
 
@@ -143,6 +145,11 @@ void geometry(const std::string& route, const Problem& p, Launch& l) {
   } else if (route == "quantize") {
     l.threadgroups = {ceil_div(N * (K / p.group_size), QUANT_THREADS_PER_TG), 1, 1};
     l.threads_per_threadgroup = {QUANT_THREADS_PER_TG, 1, 1};
+  } else if (route == "gguf_qmm_mma32") {  // metal/gguf_mma.h: the affine tile's geometry
+    l.threadgroups = {ceil_div(N, MMA_BN), ceil_div(M, 32), 1};
+    l.threads_per_threadgroup = {uint32_t(mma_threads(32)), 1, 1};
+    l.tile_rows = 32;
+    l.tile_cols = MMA_BN;
   } else if (route == "gguf_qmv" || route == "gguf_qmm_bm2" || route == "gguf_qmm_bm4" ||
              route == "gguf_qmm_bm8") {  // metal/gguf_qmm.h
     const int rows = route == "gguf_qmv" ? 1 : route == "gguf_qmm_bm2" ? 2 : route == "gguf_qmm_bm4" ? 4 : 8;

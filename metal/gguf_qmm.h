@@ -35,7 +35,7 @@ using namespace metal;
 
 // ---- Kernel names: gguf_{qmv|qmm}_{type}[_{variant}]_{dtype} ----------------------------------
 // e.g. gguf_qmv_q4_K_float, gguf_qmm_q6_K_bm8_float16_t. Must match gguf_kernel_name() in
-// csrc/plan.cpp (the one host spelling); `variant` is empty or `_bm2` / `_bm4` / `_bm8`.
+// csrc/plan.cpp (the one host spelling); `variant` is empty or `_bm2` / `_bm4` / `_bm8` / `_mma32`.
 #define GGUF_STR_(x) #x
 #define GGUF_STR(x) GGUF_STR_(x)
 #define GGUF_NAME(family, type, variant, tname) GGUF_STR(family##_##type##variant##_##tname)
@@ -207,7 +207,8 @@ template <typename T, int type>
   gguf_qmm_impl<T, type, 1>(blocks, x, y, p, tgid.xy, simd_gid, lane);
 }
 
-// Small M, and large M one R-row block per threadgroup row: gguf_qmm_{type}_bm{R}_{dtype}.
+// Small M (up to 16: the grid's y dimension covers M in R-row blocks): gguf_qmm_{type}_bm{R}_{dtype}.
+// Larger M: gguf_qmm_{type}_mma32_{dtype} (metal/gguf_mma.h).
 template <typename T, int type, int R>
 [[kernel]] void gguf_qmm_small(const device uint8_t* blocks [[buffer(GGUF_BUF_BLOCKS)]],
                                const device T* x [[buffer(GGUF_BUF_X)]], device T* y [[buffer(GGUF_BUF_Y)]],

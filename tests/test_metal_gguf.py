@@ -27,6 +27,7 @@ GGUF_ROUTE_PROBLEMS = {
     "gguf_qmm_bm2": (2, 37, 768),
     "gguf_qmm_bm4": (3, 37, 768),
     "gguf_qmm_bm8": (9, 37, 768),
+    "gguf_qmm_mma32": (33, 37, 768),
 }
 SWEEP_MS = (1, 2, 3, 5, 8, 9, 17, 33)
 BUF = {"blocks": 0, "x": 1, "y": 2}  # Must match GGUFBuffer in metal/gguf_params.h
@@ -77,7 +78,7 @@ def test_every_gguf_route_has_a_problem_that_selects_it():
 
 def test_gguf_routing_by_m_matches_the_table():
     expect = {1: "gguf_qmv", 2: "gguf_qmm_bm2", 3: "gguf_qmm_bm4", 4: "gguf_qmm_bm4", 5: "gguf_qmm_bm8",
-              8: "gguf_qmm_bm8", 9: "gguf_qmm_bm8", 300: "gguf_qmm_bm8"}
+              8: "gguf_qmm_bm8", 9: "gguf_qmm_bm8", 16: "gguf_qmm_bm8", 17: "gguf_qmm_mma32", 300: "gguf_qmm_mma32"}
     for M, route in expect.items():
         assert plan_gguf(M, 40, 256, Q6_K, torch.float32)[0]["route"] == route, M
 
@@ -89,9 +90,12 @@ def test_gguf_kernel_names_geometry_and_bindings():
     assert {b["operand"]: b["index"] for b in l["buffers"]} == BUF
     assert l["bytes"] == [{"index": 3, "u32": [1, 4096, 4096, 16]}]
     assert l["tile"] == [1, 8]
-    (l,) = plan_gguf(33, 37, 512, Q6_K, torch.float16)
+    (l,) = plan_gguf(9, 37, 512, Q6_K, torch.float16)
     assert l["kernel"] == "gguf_qmm_q6_K_bm8_float16_t"
-    assert l["threadgroups"] == [5, 5, 1] and l["tile"] == [8, 8]
+    assert l["threadgroups"] == [5, 2, 1] and l["tile"] == [8, 8]
+    (l,) = plan_gguf(33, 37, 512, Q4_K, torch.float32)
+    assert l["kernel"] == "gguf_qmm_q4_K_mma32_float"
+    assert l["threadgroups"] == [2, 2, 1] and l["threads_per_threadgroup"] == [128, 1, 1] and l["tile"] == [32, 32]
     (l,) = plan_gguf(2, 37, 512, Q4_K, torch.bfloat16)
     assert l["kernel"] == "gguf_qmm_q4_K_bm2_bfloat16_t" and l["threadgroups"] == [5, 1, 1]
     assert plan_gguf(0, 37, 512, Q4_K, torch.float32) == [] and plan_gguf(3, 0, 512, Q4_K, torch.float32) == []
@@ -184,7 +188,7 @@ def test_gguf_bad_arguments_raise_the_cpu_errors_on_metalsim():
 # most ceil(N / tile columns) times.
 
 @needs_clang
-@pytest.mark.parametrize("M", [1, 2, 4, 8, 17])
+@pytest.mark.parametrize("M", [1, 2, 4, 8, 16, 40])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_gguf_traffic_within_the_tile_bounds(ggml_type, M):
     N, K = 40, 1024

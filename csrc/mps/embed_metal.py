@@ -20,7 +20,7 @@ METAL = ROOT / "metal"
 OUTPUT = Path(__file__).resolve().with_name("metal_source.inc")
 # Every .metal file of metal/ that the MPS build embeds (instantiation files only).
 LIBRARIES = ("affine.metal", "gguf.metal")
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*(//.*)?$')  # a trailing // comment is allowed
 _DELIM = "TQMM_SRC"  # raw-string delimiters are at most 16 characters
 
 
