@@ -1,6 +1,10 @@
-"""Which device to run on: the best one present (mps > cuda > cpu) unless the user says."""
+"""Which device to run on (the best present: mps > cuda > cpu), and timing on it."""
 
 from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
 
 import torch
 
@@ -18,3 +22,17 @@ def synchronize(device: str) -> None:
         torch.mps.synchronize()
     elif device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def median_ms(fn: Callable[[], object], device: str, repeats: int = 10, warmup: int = 2) -> float:
+    """Median wall time of fn() in milliseconds, after warm-up, the device synchronized each time."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

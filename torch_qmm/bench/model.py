@@ -10,15 +10,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..convert import quantize_model
-from ..devices import synchronize
+from ..devices import median_ms
 
 
 @dataclasses.dataclass
@@ -101,18 +99,6 @@ def _bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
-def _median_ms(fn, device: str, repeats: int) -> float:
-    fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def run_model(spec: str | None, device: str, dtype: torch.dtype, bits: int, group_size: int, repeats: int,
               tokens: tuple[int, ...] = (1, 128)) -> dict:
     model, vocab, description = build_model(spec)
@@ -130,8 +116,8 @@ def run_model(spec: str | None, device: str, dtype: torch.dtype, bits: int, grou
             y_ref = model(ids).double()
             y = quantized(ids).double()
             out["by_tokens"][m] = {
-                "float_ms": _median_ms(lambda: model(ids), device, repeats),
-                "quantized_ms": _median_ms(lambda: quantized(ids), device, repeats),
+                "float_ms": median_ms(lambda: model(ids), device, repeats, warmup=1),
+                "quantized_ms": median_ms(lambda: quantized(ids), device, repeats, warmup=1),
                 "rel_error": ((y - y_ref).norm() / y_ref.norm()).item(),
             }
     return out
