@@ -28,11 +28,17 @@ def unpack(wq: torch.Tensor, bits: int) -> torch.Tensor:
 
 def dequantize(wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """float64 W [rows, cols] = scales * q + biases, with scales/biases taken at their stored precision."""
+    scaled, b = _terms(wq, scales, biases, bits, group_size)
+    return scaled + b
+
+
+def _terms(wq, scales, biases, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two float64 terms of every weight, s*q and b, each [rows, cols]."""
     check_format(bits, group_size)
     q = unpack(wq, bits).to(torch.float64)
     s = scales.to(torch.float64).repeat_interleave(group_size, dim=-1)
     b = biases.to(torch.float64).repeat_interleave(group_size, dim=-1)
-    return s * q + b
+    return s * q, b
 
 
 def qmm(
@@ -66,10 +72,8 @@ def qmm_magnitude(
     product (y = s * sum(q*x) + b * sum(x), after MLX), so where s*q and b nearly cancel the error is
     relative to |s*q| + |b|, not to |w|.
     """
-    q = unpack(wq, bits).to(torch.float64)
-    s = scales.to(torch.float64).repeat_interleave(group_size, dim=-1)
-    b = biases.to(torch.float64).repeat_interleave(group_size, dim=-1)
-    terms = (s * q).abs() + b.abs()
+    scaled, b = _terms(wq, scales, biases, bits, group_size)
+    terms = scaled.abs() + b.abs()
     return x.to(torch.float64).abs() @ (terms.T if transpose else terms)
 
 
