@@ -20,8 +20,7 @@
 // Tiles of 4 W rows share each x load; while a tile runs, the next tile (4 rows further on) is
 // prefetched into L2, the one thing that let a core stream ~16 GB/s instead of ~11 (the hardware
 // prefetcher alone does not run far enough ahead of 4 interleaved streams). Work is handed out
-// in spans of rows from a shared counter to the caller and at::launch helpers (see gemv), so a
-// thread that loses its core to another process does not hold up the call.
+// in spans of rows from a shared counter (see gemv).
 // K % 128 (at most 3 blocks of 32 codes) is done with the blocks of decode.h, x in codec order.
 #include <ATen/Parallel.h>
 
@@ -29,8 +28,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -170,17 +167,12 @@ float row_rest(const QmmArgs& a, int64_t n, const float* xtail, const float* xsu
   return t;
 }
 
-// Work sharing. Rows go out in spans from a shared counter, so the thread that runs does the
-// work. The helpers are not an OpenMP team: an OpenMP region ends in a barrier, and on a loaded
-// machine the call then waits, span or no span, until a descheduled thread gets a core back
-// (medians of 8-12 ms for a 1.6 ms call at load average 4 on 2 cores). Here the caller waits
-// only for spans a helper has claimed; a helper that starts after the last span is claimed
-// touches nothing but the shared counters (kept alive by the shared_ptr).
-struct Spans {
-  std::atomic<int64_t> next{0};
-  std::atomic<int> busy{0};  // helpers between "about to claim" and "done"
-};
-
+// Work sharing: rows go out in spans from a shared counter, so a thread that loses its core to
+// another process mid-call leaves its share to the others (the OpenMP barrier at the end still
+// waits for it to get a core back). Tried: helpers via at::launch with no barrier at all (the
+// caller waits only for claimed spans): better medians when the machine is loaded, but the
+// inter-op helper then competes with OpenMP threads still spinning after the previous op (as in
+// a model, or interleaved with F.linear): 3.6-3.9 ms instead of ~2.3 ms median.
 template <typename T, int G>
 void run_span(const QmmArgs& a, int64_t i, const float* xw, const float* xtail, const float* xsum, float* y) {
   const int64_t n1 = std::min(a.N, (i + 1) * kSpanRows);
@@ -199,18 +191,10 @@ void run_span(const QmmArgs& a, int64_t i, const float* xw, const float* xtail, 
 template <typename T, int G>
 void gemv(const QmmArgs& a, const float* xw, const float* xtail, const float* xsum, float* y) {
   const int64_t spans = (a.N + kSpanRows - 1) / kSpanRows;
-  const auto st = std::make_shared<Spans>();
-  const int helpers = at::in_parallel_region() ? 0 : int(std::min<int64_t>(at::get_num_threads(), spans)) - 1;
-  for (int h = 0; h < helpers; ++h)
-    at::launch([st, a, spans, xw, xtail, xsum, y] {
-      st->busy.fetch_add(1);  // seq_cst: ordered before the claim below (see the wait)
-      for (int64_t i; (i = st->next.fetch_add(1)) < spans;) run_span<T, G>(a, i, xw, xtail, xsum, y);
-      st->busy.fetch_sub(1);
-    });
-  for (int64_t i; (i = st->next.fetch_add(1)) < spans;) run_span<T, G>(a, i, xw, xtail, xsum, y);
-  // All spans are claimed. A helper counted in busy may still be in one; one that increments
-  // busy after this load reads next >= spans and leaves without touching a, x or y.
-  while (st->busy.load() != 0) std::this_thread::yield();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), spans), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < spans;) run_span<T, G>(a, i, xw, xtail, xsum, y);
+  });
 }
 
 }  // namespace
