@@ -1,4 +1,5 @@
-// Shared device helpers of the affine kernels: kernel naming, decoding packed values, dots.
+// Shared device helpers of the affine kernels: kernel naming and arguments, decoding packed
+// values, dots.
 //
 // Packed layout (MLX's affine format, csrc/format.h): each packed row of W is one little-endian
 // bit stream; element k occupies bits [k*bits, (k+1)*bits). Eight consecutive values therefore
@@ -28,6 +29,16 @@ using namespace metal;
 // Explicit instantiation of a templated [[kernel]] under its host name (the MLX pattern).
 #define AFFINE_INSTANTIATE(name, func, ...) \
   template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
+
+// The arguments of every affine qmm [[kernel]] (templated on T), written once: the buffers at
+// their AffineBuffer indices (qmm_params.h), then the thread positions the bodies take. A wrapper
+// that needs more (the mma tile: thread_index_in_threadgroup) lists it after these.
+#define AFFINE_QMM_ARGS                                                                              \
+  const device uint8_t* wq [[buffer(BUF_WQ)]], const device T* scales [[buffer(BUF_SCALES)]],        \
+      const device T* biases [[buffer(BUF_BIASES)]], const device T* x [[buffer(BUF_DENSE)]],        \
+      device T* y [[buffer(BUF_Y)]], constant AffineParams& p [[buffer(BUF_PARAMS)]],                \
+      uint3 tgid [[threadgroup_position_in_grid]], uint simd_gid [[simdgroup_index_in_threadgroup]], \
+      uint lane [[thread_index_in_simdgroup]]
 
 // ---- Decoding --------------------------------------------------------------------------------
 

@@ -48,14 +48,7 @@ struct AffineWLoader {
 };
 
 template <typename T, int G, int bits, int BM, bool transpose>
-[[kernel]] void affine_qmm_mma(const device uint8_t* wq [[buffer(BUF_WQ)]],
-                               const device T* scales [[buffer(BUF_SCALES)]],
-                               const device T* biases [[buffer(BUF_BIASES)]], const device T* x [[buffer(BUF_DENSE)]],
-                               device T* y [[buffer(BUF_Y)]], constant AffineParams& p [[buffer(BUF_PARAMS)]],
-                               uint3 tgid [[threadgroup_position_in_grid]],
-                               uint tid [[thread_index_in_threadgroup]],
-                               uint simd_gid [[simdgroup_index_in_threadgroup]],
-                               uint lane [[thread_index_in_simdgroup]]) {
+[[kernel]] void affine_qmm_mma(AFFINE_QMM_ARGS, uint tid [[thread_index_in_threadgroup]]) {
   threadgroup T xs[BM * mma_tile_ld(sizeof(T))];
   threadgroup float ws[MMA_BN * MMA_LDW];
   const uint qlen = transpose ? p.K : p.N;  // length of a packed row

@@ -69,13 +69,6 @@ inline void affine_qmm_small_impl(const device uint8_t* wq, const device T* scal
 }
 
 template <typename T, int G, int bits, int R>
-[[kernel]] void affine_qmm_t_small(const device uint8_t* wq [[buffer(BUF_WQ)]],
-                                   const device T* scales [[buffer(BUF_SCALES)]],
-                                   const device T* biases [[buffer(BUF_BIASES)]],
-                                   const device T* x [[buffer(BUF_DENSE)]], device T* y [[buffer(BUF_Y)]],
-                                   constant AffineParams& p [[buffer(BUF_PARAMS)]],
-                                   uint3 tgid [[threadgroup_position_in_grid]],
-                                   uint simd_gid [[simdgroup_index_in_threadgroup]],
-                                   uint lane [[thread_index_in_simdgroup]]) {
+[[kernel]] void affine_qmm_t_small(AFFINE_QMM_ARGS) {
   affine_qmm_small_impl<T, G, bits, R>(wq, scales, biases, x, y, p, tgid.xy, simd_gid, lane);
 }

@@ -51,24 +51,11 @@ inline void affine_qmv_impl(const device uint8_t* wq, const device T* scales, co
 }
 
 template <typename T, int G, int bits>
-[[kernel]] void affine_qmv_fast(const device uint8_t* wq [[buffer(BUF_WQ)]],
-                                const device T* scales [[buffer(BUF_SCALES)]],
-                                const device T* biases [[buffer(BUF_BIASES)]], const device T* x [[buffer(BUF_DENSE)]],
-                                device T* y [[buffer(BUF_Y)]], constant AffineParams& p [[buffer(BUF_PARAMS)]],
-                                uint3 tgid [[threadgroup_position_in_grid]],
-                                uint simd_gid [[simdgroup_index_in_threadgroup]],
-                                uint lane [[thread_index_in_simdgroup]]) {
+[[kernel]] void affine_qmv_fast(AFFINE_QMM_ARGS) {
   affine_qmv_impl<T, G, bits, false>(wq, scales, biases, x, y, p, tgid.x, simd_gid, lane);
 }
 
 template <typename T, int G, int bits>
-[[kernel]] void affine_qmv_bounded(const device uint8_t* wq [[buffer(BUF_WQ)]],
-                                   const device T* scales [[buffer(BUF_SCALES)]],
-                                   const device T* biases [[buffer(BUF_BIASES)]],
-                                   const device T* x [[buffer(BUF_DENSE)]], device T* y [[buffer(BUF_Y)]],
-                                   constant AffineParams& p [[buffer(BUF_PARAMS)]],
-                                   uint3 tgid [[threadgroup_position_in_grid]],
-                                   uint simd_gid [[simdgroup_index_in_threadgroup]],
-                                   uint lane [[thread_index_in_simdgroup]]) {
+[[kernel]] void affine_qmv_bounded(AFFINE_QMM_ARGS) {
   affine_qmv_impl<T, G, bits, true>(wq, scales, biases, x, y, p, tgid.x, simd_gid, lane);
 }

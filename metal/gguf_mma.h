@@ -74,13 +74,7 @@ struct GGUFWLoader {
 };
 
 template <typename T, int type>
-[[kernel]] void gguf_qmm_mma(const device uint8_t* blocks [[buffer(GGUF_BUF_BLOCKS)]],
-                             const device T* x [[buffer(GGUF_BUF_X)]], device T* y [[buffer(GGUF_BUF_Y)]],
-                             constant GGUFParams& p [[buffer(GGUF_BUF_PARAMS)]],
-                             uint3 tgid [[threadgroup_position_in_grid]],
-                             uint tid [[thread_index_in_threadgroup]],
-                             uint simd_gid [[simdgroup_index_in_threadgroup]],
-                             uint lane [[thread_index_in_simdgroup]]) {
+[[kernel]] void gguf_qmm_mma(GGUF_QMM_ARGS, uint tid [[thread_index_in_threadgroup]]) {
   constexpr int BM = 32;
   threadgroup T xs[BM * mma_tile_ld(sizeof(T))];
   threadgroup float ws[MMA_BN * MMA_LDW];

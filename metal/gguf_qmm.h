@@ -43,6 +43,15 @@ using namespace metal;
 #define GGUF_INSTANTIATE(name, func, ...) \
   template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
 
+// The arguments of every gguf [[kernel]] (templated on T), written once: the buffers at their
+// GGUFBuffer indices (gguf_params.h), then the thread positions. The mma tile adds
+// thread_index_in_threadgroup after these.
+#define GGUF_QMM_ARGS                                                                                 \
+  const device uint8_t* blocks [[buffer(GGUF_BUF_BLOCKS)]], const device T* x [[buffer(GGUF_BUF_X)]], \
+      device T* y [[buffer(GGUF_BUF_Y)]], constant GGUFParams& p [[buffer(GGUF_BUF_PARAMS)]],         \
+      uint3 tgid [[threadgroup_position_in_grid]], uint simd_gid [[simdgroup_index_in_threadgroup]],  \
+      uint lane [[thread_index_in_simdgroup]]
+
 // ---- Decoding one lane's share of a super-block ----------------------------------------------
 // RUNS runs of RUN consecutive weights; run j covers x[offset(j) .. +RUN) of the super-block and
 // its weights are scale[j] * q[j][i] - min[j] (HAS_MIN) or scale[j] * q[j][i]. Compile-time
@@ -198,23 +207,13 @@ inline void gguf_qmm_impl(const device uint8_t* blocks, const device T* x, devic
 
 // M = 1 (decode): gguf_qmv_{type}_{dtype}.
 template <typename T, int type>
-[[kernel]] void gguf_qmv(const device uint8_t* blocks [[buffer(GGUF_BUF_BLOCKS)]],
-                         const device T* x [[buffer(GGUF_BUF_X)]], device T* y [[buffer(GGUF_BUF_Y)]],
-                         constant GGUFParams& p [[buffer(GGUF_BUF_PARAMS)]],
-                         uint3 tgid [[threadgroup_position_in_grid]],
-                         uint simd_gid [[simdgroup_index_in_threadgroup]],
-                         uint lane [[thread_index_in_simdgroup]]) {
+[[kernel]] void gguf_qmv(GGUF_QMM_ARGS) {
   gguf_qmm_impl<T, type, 1>(blocks, x, y, p, tgid.xy, simd_gid, lane);
 }
 
 // Small M (up to 16: the grid's y dimension covers M in R-row blocks): gguf_qmm_{type}_bm{R}_{dtype}.
 // Larger M: gguf_qmm_{type}_mma32_{dtype} (metal/gguf_mma.h).
 template <typename T, int type, int R>
-[[kernel]] void gguf_qmm_small(const device uint8_t* blocks [[buffer(GGUF_BUF_BLOCKS)]],
-                               const device T* x [[buffer(GGUF_BUF_X)]], device T* y [[buffer(GGUF_BUF_Y)]],
-                               constant GGUFParams& p [[buffer(GGUF_BUF_PARAMS)]],
-                               uint3 tgid [[threadgroup_position_in_grid]],
-                               uint simd_gid [[simdgroup_index_in_threadgroup]],
-                               uint lane [[thread_index_in_simdgroup]]) {
+[[kernel]] void gguf_qmm_small(GGUF_QMM_ARGS) {
   gguf_qmm_impl<T, type, R>(blocks, x, y, p, tgid.xy, simd_gid, lane);
 }
