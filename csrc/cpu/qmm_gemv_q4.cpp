@@ -54,10 +54,18 @@ inline __m512 chunk_lanes(const T* s) {
   __m512i v;
   if constexpr (kBytes == 16) {
     v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  } else if constexpr (kBytes == 8) {  // float broadcasts load straight from memory (no GPR hop)
+    double d;
+    std::memcpy(&d, s, 8);
+    v = _mm512_castpd_si512(_mm512_set1_pd(d));
+  } else if constexpr (kBytes == 4) {
+    float f;
+    std::memcpy(&f, s, 4);
+    v = _mm512_castps_si512(_mm512_set1_ps(f));
   } else {
-    uint64_t bits = 0;
-    std::memcpy(&bits, s, kBytes);
-    v = _mm512_set1_epi64(int64_t(bits));
+    uint16_t h;
+    std::memcpy(&h, s, 2);
+    v = _mm512_set1_epi32(h);
   }
   alignas(64) static constexpr auto ctl = [] {
     struct { int8_t b[64]; } t{};
