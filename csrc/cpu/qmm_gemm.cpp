@@ -55,36 +55,14 @@ void decode_tile(const QmmArgs& a, int64_t cols, int64_t r0, int64_t nr, int64_t
   }
 }
 
-template <int BITS, typename T>
-at::Tensor t_gemm(const QmmArgs& a) {
+// y.T [N, M] tile by tile: each task decodes a kTileN x kTileK block of W to float32 scratch and
+// multiplies it into its rows of y.T with a single-threaded GEMM, so decode needs no barrier.
+// TRANSPOSE: W [N, K] quantized along K; else W [K, N] quantized along N, whose decoded rows of
+// y.T come out in codec order (see n_gemm).
+template <int BITS, typename T, bool TRANSPOSE>
+at::Tensor gemm_transposed_y(const QmmArgs& a) {
   const auto opts = at::TensorOptions().dtype(at::kFloat);
   at::Tensor yT = at::empty({a.N, a.M}, opts);
-  const at::Tensor xp = at::from_blob(const_cast<float*>(a.x), {a.M, a.K}, opts);
-  const int64_t tiles = (a.N + kTileN - 1) / kTileN;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scratch(kTileN * std::min(kTileK, a.K));
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kTileN, nn = std::min(kTileN, a.N - n0);
-      at::Tensor out = yT.narrow(0, n0, nn);
-      for (int64_t k0 = 0; k0 < a.K; k0 += kTileK) {
-        const int64_t kk = std::min(kTileK, a.K - k0);
-        decode_tile<BITS, T>(a, a.K, n0, nn, k0, kk, scratch.data());
-        const at::Tensor w = at::from_blob(scratch.data(), {nn, kk}, opts);
-        const at::Tensor xs = xp.narrow(1, k0, kk).t();
-        if (k0 == 0)
-          at::mm_out(out, w, xs);
-        else
-          out.addmm_(w, xs);
-      }
-    }
-  });
-  return yT.t();
-}
-
-template <int BITS, typename T>
-at::Tensor n_gemm(const QmmArgs& a) {
-  const auto opts = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor yT = at::empty({a.N, a.M}, opts);  // rows in codec order
   const at::Tensor x = at::from_blob(const_cast<float*>(a.x), {a.M, a.K}, opts);
   const int64_t tiles = (a.N + kTileN - 1) / kTileN;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -94,8 +72,14 @@ at::Tensor n_gemm(const QmmArgs& a) {
       at::Tensor out = yT.narrow(0, n0, nn);
       for (int64_t k0 = 0; k0 < a.K; k0 += kTileK) {
         const int64_t kk = std::min(kTileK, a.K - k0);
-        decode_tile<BITS, T>(a, a.N, k0, kk, n0, nn, scratch.data());
-        const at::Tensor w = at::from_blob(scratch.data(), {kk, nn}, opts).t();
+        at::Tensor w;  // [nn, kk]
+        if constexpr (TRANSPOSE) {
+          decode_tile<BITS, T>(a, a.K, n0, nn, k0, kk, scratch.data());
+          w = at::from_blob(scratch.data(), {nn, kk}, opts);
+        } else {
+          decode_tile<BITS, T>(a, a.N, k0, kk, n0, nn, scratch.data());
+          w = at::from_blob(scratch.data(), {kk, nn}, opts).t();
+        }
         const at::Tensor xs = x.narrow(1, k0, kk).t();
         if (k0 == 0)
           at::mm_out(out, w, xs);
@@ -104,6 +88,18 @@ at::Tensor n_gemm(const QmmArgs& a) {
       }
     }
   });
+  return yT;
+}
+
+template <int BITS, typename T>
+at::Tensor t_gemm(const QmmArgs& a) {
+  return gemm_transposed_y<BITS, T, true>(a).t();
+}
+
+template <int BITS, typename T>
+at::Tensor n_gemm(const QmmArgs& a) {
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor yT = gemm_transposed_y<BITS, T, false>(a);  // rows in codec order
   if (codec_is_identity(a.bits)) return yT.t();
   // Row p of yT holds column codec_to_natural(p) of y.
   at::Tensor y = at::empty({a.M, a.N}, opts);
