@@ -89,6 +89,20 @@ uint32_t u32(int64_t v) {
   return uint32_t(v);
 }
 
+// The kernels index x, y and W with 32-bit unsigned arithmetic (e.g. y[m * N + n], w[row * K + c]
+// in metal/*.h): every element count of an operand must fit, or indices silently wrap.
+void check_u32_indices(const Problem& p) {
+  constexpr int64_t kMax = int64_t(std::numeric_limits<uint32_t>::max());
+  auto fits = [&](int64_t a, int64_t b) { return a == 0 || b <= kMax / a; };
+  const bool has_m = p.op == Op::kQmm || p.op == Op::kGgufQmm;
+  if (!fits(p.N, p.K) || (has_m && (!fits(p.M, p.K) || !fits(p.M, p.N)))) {
+    std::ostringstream o;
+    o << "torch_qmm plan: operands too large for the Metal kernels' 32-bit indices (M=" << p.M << ", N=" << p.N
+      << ", K=" << p.K << "; M*K, M*N and N*K must each be at most 2^32 - 1): split the problem";
+    throw std::invalid_argument(o.str());
+  }
+}
+
 bool holds(const Route& r, const Problem& p) {
   if (r.op != p.op) return false;
   if (r.transpose >= 0 && r.transpose != int(p.transpose)) return false;
@@ -263,6 +277,7 @@ std::vector<Launch> make_plan(const Problem& p) {
   const bool has_m = p.op == Op::kQmm || p.op == Op::kGgufQmm;
   const bool empty = has_m ? (p.M == 0 || p.N == 0 || p.K == 0) : (p.N == 0 || p.K == 0);
   if (empty) return {};
+  check_u32_indices(p);
   for (const Route& r : kRoutes) {
     if (!holds(r, p)) continue;
     Launch l;

@@ -58,24 +58,30 @@ def quantize_model(
     Layers whose in_features is not a multiple of group_size are skipped with a warning.
     """
     check_format(bits, group_size)
+    # remove_duplicate=False: a layer registered under several names (shared) is replaced at every
+    # one of them by one QuantLinear, quantized once (named_modules() would yield only the first).
     candidates = [
         (name, module)
-        for name, module in model.named_modules()
+        for name, module in model.named_modules(remove_duplicate=False)
         if type(module) is nn.Linear and (filter_fn is None or filter_fn(name, module))
     ]
     summary = QuantizeSummary(converted=[], skipped={}, bytes_before=0, bytes_after=0)
     show = progress if progress is not None else len(candidates) >= _PROGRESS_MIN_LAYERS
+    done: dict[int, QuantLinear] = {}  # id(original layer) -> its replacement
     for name, linear in tqdm(candidates, desc="quantizing", disable=not show, unit="layer"):
         if linear.in_features % group_size != 0:
             summary.skipped[name] = f"in_features={linear.in_features} is not a multiple of group_size={group_size}"
             continue
-        quantized = QuantLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype)
+        quantized = done.get(id(linear))
+        if quantized is None:
+            quantized = QuantLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype)
+            done[id(linear)] = quantized
+            summary.bytes_before += _module_bytes(linear)
+            summary.bytes_after += _module_bytes(quantized)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, quantized)
         summary.converted.append(name)
-        summary.bytes_before += _module_bytes(linear)
-        summary.bytes_after += _module_bytes(quantized)
     if summary.skipped:
         warnings.warn(
             "quantize_model skipped "

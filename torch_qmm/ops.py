@@ -119,3 +119,54 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K
         y [..., N] in x's dtype, accumulated in float32.
     """
     return _ops.gguf_qmm(x, blocks, ggml_type, N, K)
+
+
+# ---- Autograd ---------------------------------------------------------------------------------
+# Without a registration PyTorch's fallback marks the outputs as requiring grad and backward then
+# silently returns no gradient (only a deprecation warning). affine_qmm is linear in x, so its
+# gradient with respect to x is the same product with the other transpose (as MLX's vjp):
+#   y = x @ W.T  ->  dx = dy @ W        y = x @ W  ->  dx = dy @ W.T
+# Every other gradient (packed weights, scales, biases; the other ops) raises a clear error.
+
+
+def _no_grad_error(op: str, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"torch_qmm.{op}: no gradient with respect to {what} (quantized weights are frozen; only "
+        "affine_qmm's input x is differentiable)"
+    )
+
+
+def _affine_qmm_setup(ctx, inputs, output):
+    x, wq, scales, biases, bits, group_size, transpose = inputs
+    ctx.save_for_backward(wq, scales, biases)
+    ctx.args = (bits, group_size, transpose)
+
+
+def _affine_qmm_backward(ctx, grad):
+    if any(ctx.needs_input_grad[1:4]):
+        raise _no_grad_error("affine_qmm", "'wq', 'scales' or 'biases'")
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        wq, scales, biases = ctx.saved_tensors
+        bits, group_size, transpose = ctx.args
+        grad_x = _ops.affine_qmm(grad, wq, scales, biases, bits, group_size, not transpose)
+    return grad_x, None, None, None, None, None, None
+
+
+torch.library.register_autograd("torch_qmm::affine_qmm", _affine_qmm_backward, setup_context=_affine_qmm_setup)
+
+
+def _refuse_backward(op: str, what: str):
+    def backward(ctx, *grads):
+        raise _no_grad_error(op, what)
+
+    return backward
+
+
+torch.library.register_autograd(
+    "torch_qmm::affine_quantize", _refuse_backward("affine_quantize", "'w' (rounding has no useful gradient)")
+)
+torch.library.register_autograd(
+    "torch_qmm::affine_dequantize", _refuse_backward("affine_dequantize", "'scales' or 'biases'")
+)
+torch.library.register_autograd("torch_qmm::gguf_qmm", _refuse_backward("gguf_qmm", "its input x"))

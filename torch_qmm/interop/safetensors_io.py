@@ -59,13 +59,18 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
     for name, info in header.items():
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
             raise ValueError(f"{path}: tensor {name!r}: header entry must have dtype, shape and data_offsets, got {info!r}")
-        dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in _ITEMSIZE:
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
             raise ValueError(f"{path}: tensor {name!r}: unsupported dtype {dtype!r} (expected one of {sorted(_ITEMSIZE)})")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise ValueError(f"{path}: tensor {name!r}: bad shape {shape!r} (expected a list of integers >= 0)")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+            raise ValueError(
+                f"{path}: tensor {name!r}: bad data_offsets {offsets!r} (expected [begin, end], integers >= 0)"
+            )
+        begin, end = offsets
         numel = 1
         for d in shape:
-            if not isinstance(d, int) or d < 0:
-                raise ValueError(f"{path}: tensor {name!r}: bad shape {shape}")
             numel *= d
         if not (0 <= begin <= end) or end - begin != numel * _ITEMSIZE[dtype]:
             raise ValueError(
@@ -77,7 +82,23 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
                 f"{path}: tensor {name!r} ends at byte {end} of the data section but the file holds only "
                 f"{data_bytes} data bytes (truncated file)"
             )
+    # The spec's layout: the byte ranges tile the data section, without holes or overlaps.
+    covered = 0
+    for name, info in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        begin, end = info["data_offsets"]
+        if begin != covered:
+            what = "overlaps the previous tensor" if begin < covered else f"leaves bytes [{covered}, {begin}) unused"
+            raise ValueError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] {what} (corrupt header)")
+        covered = end
+    if covered != data_bytes:
+        raise ValueError(
+            f"{path}: the tensors cover {covered} of the {data_bytes} data bytes (corrupt header or trailing data)"
+        )
     return header
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class Checkpoint:
