@@ -8,8 +8,10 @@
 torch_qmm.interop.transformers first). Linear layers are quantized except the output head.
 --format mlx: an MLX folder; linear layers *and* the embedding are quantized (as mlx.nn.quantize
 does), a tied output head reuses the quantized embedding. From GGUF, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1
-layers keep their exact weights (affine, group size 32); Q4_K/Q6_K/float layers are re-quantized to
---bits/--group-size (K-quants have no exact affine form).
+layers keep their exact weights (affine, group size 32); Q4_K layers (linear and embedding) are
+converted without re-quantization to bits 4, group size 32 (gguf.q4_k_to_affine): exact with
+float32 scales/biases (the default for GGUF), rounded with --dtype float16/bfloat16 (the output
+says which layers are exact); Q6_K/float layers are re-quantized to --bits/--group-size.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from torch import nn
 from .. import reference
 from ..convert import quantize_model
 from ..nn import QuantLinear
-from .gguf import GGUFFile, dequantize
+from .gguf import GGUFFile, dequantize, q4_k_to_affine
+from .gguf_types import Q4_K
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -64,7 +67,76 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def _q4_k_affine(blocks, n: int, k: int, dtype: torch.dtype, name: str):
+    """(wq, scales, biases in dtype, exact): Q4_K blocks as affine bits 4 / group 32; exact is
+    whether the scales and biases survived the cast to dtype (always in float32)."""
+    wq, s32, b32 = q4_k_to_affine(blocks, n, k, torch.float32)
+    scales, biases = s32.to(dtype), b32.to(dtype)
+    if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
+        raise ValueError(f"{name}: Q4_K scales/biases overflow {dtype}; convert with --dtype float32")
+    exact = torch.equal(scales.float(), s32) and torch.equal(biases.float(), b32)
+    return wq, scales, biases, exact
+
+
+def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype) -> dict[str, bool]:
+    """Replaces Q4_K GGUFLinear layers and Q4_K embeddings (decoded to float by the loader) with
+    their affine form; a float output tied to such an embedding becomes TiedQuantLinear.
+    Returns {module name: exact}."""
+    from .gguf_llama import hf_name
+
+    exact: dict[str, bool] = {}
+    for name, m in list(model.named_modules()):
+        if isinstance(m, GGUFLinear) and m.ggml_type == Q4_K:
+            wq, scales, biases, exact[name] = _q4_k_affine(m.blocks, m.out_features, m.in_features, dtype, name)
+            layer = QuantLinear(m.in_features, m.out_features, bias=m.bias is not None, bits=4, group_size=32,
+                                dtype=dtype)
+            layer.qweight.copy_(wq)
+            layer.scales.copy_(scales)
+            layer.biases.copy_(biases)
+            if m.bias is not None:
+                with torch.no_grad():
+                    layer.bias.copy_(m.bias)
+            _replace(model, name, layer)
+    for gname, t in f.tensors.items():
+        module_name = (hf_name(gname) or "").rpartition(".")[0]
+        if t.ggml_type != Q4_K or not gname.endswith(".weight") or not module_name:
+            continue
+        try:
+            emb = model.get_submodule(module_name)
+        except AttributeError:
+            continue
+        if type(emb) is not nn.Embedding:
+            continue
+        n, k = t.shape
+        wq, scales, biases, exact[module_name] = _q4_k_affine(t.raw, n, k, dtype, module_name)
+        new = QuantEmbedding(n, k, 4, 32, dtype=dtype)
+        new.qweight.copy_(wq)
+        new.scales.copy_(scales)
+        new.biases.copy_(biases)
+        tied = [o for o, lin in model.named_modules() if type(lin) is nn.Linear and lin.weight is emb.weight]
+        _replace(model, module_name, new)
+        for out_name in tied:
+            _replace(model, out_name, TiedQuantLinear(new))
+    return exact
+
+
+def _report_q4_k(exact: dict[str, bool], dtype: torch.dtype) -> None:
+    if not exact:
+        return
+    ok = [n for n, e in exact.items() if e]
+    rounded = [n for n, e in exact.items() if not e]
+    print(f"Q4_K -> affine bits=4 group_size=32 without re-quantization: {len(ok)}/{len(exact)} layers exact "
+          f"({dtype} scales/biases)")
+    if ok:
+        print(f"  exact: {', '.join(ok)}")
+    if rounded:
+        print(f"  NOT exact (scales/biases rounded to {dtype}; use --dtype float32 for exact): {', '.join(rounded)}")
+
+
 def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
+    """The GGUF model as a transformers model. keep_affine (MLX output): affine layers stay, Q4_K
+    layers become exact affine ones; everything else becomes float (re-quantized later).
+    Returns (model, {Q4_K module: exact})."""
     from transformers import LlamaForCausalLM
 
     from .gguf_llama import llama_config_from_gguf, load_gguf_llama
@@ -73,6 +145,7 @@ def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
     config = llama_config_from_gguf(f)
     model = LlamaForCausalLM(config).eval()
     print(load_gguf_llama(model, f, dtype=dtype, progress=True))
+    q4_k_exact = _q4_k_to_affine_modules(model, f, dtype) if keep_affine else {}
     for name, m in list(model.named_modules()):
         if isinstance(m, GGUFLinear) or (isinstance(m, QuantLinear) and not keep_affine):
             _replace(model, name, _float_linear(m, dtype))
@@ -85,7 +158,7 @@ def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
             _replace(model, name, nn.Linear(m.in_features, m.out_features, bias=False, dtype=dtype))
     if not keep_affine and config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model
+    return model, q4_k_exact
 
 
 def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int) -> None:
@@ -116,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     if not src.exists():
         raise SystemExit(f"convert: {src} does not exist")
     is_gguf = src.is_file() and src.suffix == ".gguf"
+    q4_k_exact: dict[str, bool] = {}
     if not is_gguf and not (src / "config.json").is_file():
         raise SystemExit(f"convert: {src} is neither a .gguf file nor a transformers folder with config.json")
     from transformers import AutoModelForCausalLM
@@ -124,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
         from .mlx import save_mlx
 
         if is_gguf:
-            model = _load_gguf(src, _DTYPES[args.dtype or "float32"], keep_affine=True)
+            model, q4_k_exact = _load_gguf(src, _DTYPES[args.dtype or "float32"], keep_affine=True)
+            _report_q4_k(q4_k_exact, _DTYPES[args.dtype or "float32"])
         else:
             model = AutoModelForCausalLM.from_pretrained(src, dtype=_DTYPES[args.dtype] if args.dtype else "auto")
         _quantize_for_mlx(model, args.bits, args.group_size)
@@ -132,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         save_mlx(model, args.dst, config=config)
     else:
         if is_gguf:
-            model = _load_gguf(src, _DTYPES[args.dtype or "float32"], keep_affine=False)
+            model, _ = _load_gguf(src, _DTYPES[args.dtype or "float32"], keep_affine=False)
             model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
             tmp = args.dst / ".float"
             model.save_pretrained(tmp)
@@ -151,5 +226,10 @@ def run(args: argparse.Namespace) -> int:
             if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES):
                 if not (args.dst / f.name).exists():
                     shutil.copy2(f, args.dst / f.name)
-    print(f"wrote {args.dst} ({args.format}, bits={args.bits}, group_size={args.group_size})")
+    summary = f"wrote {args.dst} ({args.format}, bits={args.bits}, group_size={args.group_size})"
+    if is_gguf and args.format == "mlx" and q4_k_exact:
+        n_exact = sum(q4_k_exact.values())
+        summary += (f"; Q4_K layers as affine bits=4 group_size=32: {n_exact}/{len(q4_k_exact)} exact"
+                    + ("" if n_exact == len(q4_k_exact) else " (the others rounded: use --dtype float32)"))
+    print(summary)
     return 0

@@ -10,7 +10,12 @@ Lossless conversions (group_size 32, one GGUF block = one affine group; w = scal
 d and m are float16 in the file, so scales/biases are exact in float32 (and in float16 unless
 -128 d overflows, which is checked); the codes are repacked from GGUF's nibble order (byte j holds
 weights j and j + 16) into MLX's little-endian bit stream.
-Q4_K and Q6_K stay as their block bytes (GGUFLinear / torch_qmm::gguf_qmm).
+Q4_K and Q6_K stay as their block bytes (GGUFLinear / torch_qmm::gguf_qmm) by default.
+
+Q4_K also has an exact affine form (q4_k_to_affine; used by `convert --format mlx`): each
+super-block of 256 weights is 8 groups of 32, w = d*sc_j*q - dmin*m_j -> bits 4, group_size 32,
+scale d*sc_j, bias -dmin*m_j. d, dmin are float16 and sc_j, m_j 6-bit integers, so the products
+have at most 17 significant bits: exact in float32, rounded in float16/bfloat16.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from .gguf_types import (
     Q4_1,
     Q5_0,
     Q5_1,
+    Q4_K,
     Q8_0,
     SUPPORTED_TYPES,
     block_info,
@@ -49,7 +55,9 @@ from .modules import GGUFLinear, QuantEmbedding
 # magic, version, tensor count, metadata count (GGUF v2+).
 _MIN_HEADER_BYTES = 4 + 4 + 8 + 8
 
-__all__ = ["GGUFFile", "GGUFTensor", "dequantize", "to_affine", "to_blocks", "linear_from_gguf"]
+__all__ = ["GGUFFile", "GGUFTensor", "dequantize", "to_affine", "q4_k_to_affine", "to_blocks", "linear_from_gguf"]
+
+Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles
 
 
 @dataclass
@@ -217,6 +225,79 @@ def to_affine(
     if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
         raise ValueError(f"tensor {t.name!r}: its scales/biases overflow {dtype}; convert with dtype=torch.float32")
     return wq, scales, biases, bits, 32
+
+
+def _q4_k_affine64(blocks, N: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks -> (wq uint32 [N, K/8], scales, biases float64 [N, K/32]), with checks."""
+    if isinstance(blocks, torch.Tensor):
+        if blocks.dtype != torch.uint8:
+            raise ValueError(f"q4_k_to_affine: blocks must be uint8, got {blocks.dtype}")
+        arr = blocks.detach().cpu().numpy()
+    else:
+        arr = np.asarray(blocks)
+        if arr.dtype != np.uint8:
+            raise ValueError(f"q4_k_to_affine: blocks must be uint8, got {arr.dtype}")
+    N, K = int(N), int(K)
+    if N < 1 or K < 256 or K % 256 != 0:
+        raise ValueError(f"q4_k_to_affine: need N >= 1 and K a positive multiple of 256 (Q4_K super-block), "
+                         f"got N={N}, K={K}")
+    expected = (N, K // 256 * Q4_K_BLOCK_BYTES)
+    if tuple(arr.shape) != expected:
+        raise ValueError(f"q4_k_to_affine: blocks must be uint8 [N, K/256 * {Q4_K_BLOCK_BYTES}] = {list(expected)} "
+                         f"for N={N}, K={K}, got shape {list(arr.shape)}")
+    b = arr.reshape(N, K // 256, Q4_K_BLOCK_BYTES)
+    d = b[..., 0:2].copy().view("<f2")[..., 0].astype(np.float64)[..., None]  # [N, S, 1]
+    dmin = b[..., 2:4].copy().view("<f2")[..., 0].astype(np.float64)[..., None]
+    # 12 scale bytes (llama.cpp get_scale_min_k4): sub-blocks 0-3 take the low 6 bits of bytes 0-3
+    # (scale) and 4-7 (min); 4-7 take the nibbles of bytes 8-11 plus the top 2 bits of 0-3 / 4-7.
+    lo, hi, mix = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)  # [N, S, 8]
+    mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    # 128 nibble bytes as 4 chunks of 32: sub-block 2c is chunk c's low nibbles, 2c+1 its high ones.
+    qs = b[..., 16:].reshape(N, K // 256, 4, 1, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(N, K)
+    scales = (d * sc).reshape(N, K // 32)
+    biases = -(dmin * mn).reshape(N, K // 32)
+    if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
+        raise ValueError("q4_k_to_affine: the blocks have non-finite float16 d/dmin (corrupt blocks?)")
+    return _pack_bits(codes, 4), scales, biases
+
+
+def q4_k_to_affine(
+    blocks: torch.Tensor | np.ndarray, N: int, K: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks of a matrix W [N, K] -> the affine format with bits=4, group_size=32.
+
+    Each Q4_K super-block (256 weights: f16 d, f16 dmin, 8 sub-blocks of 32 with 6-bit scale sc_j
+    and min m_j, 4-bit codes q) decodes as w = d*sc_j*q - dmin*m_j, so one sub-block is one affine
+    group: scale d*sc_j, bias -dmin*m_j, code q (repacked from GGUF's nibble order into the affine
+    little-endian bit stream).
+
+    Exactness: with dtype=torch.float32 (the default) the scales and biases are exact (an 11-bit
+    float16 significand times a 6-bit integer), so torch_qmm.reference.dequantize gives exactly the
+    weights llama.cpp / gguf.quants.dequantize decode (float32 rounding of scale*q + bias included).
+    With float16 or bfloat16 the scales/biases are ROUNDED to that dtype: no longer exact (and a
+    float16 overflow raises ValueError).
+
+    Args:
+        blocks: uint8 [N, K/256 * 144] (torch tensor or numpy array), each row the super-blocks of
+            one row of W as llama.cpp writes them (what GGUFLinear.blocks / to_blocks hold).
+        N, K: the matrix shape; K a multiple of 256.
+        dtype: dtype of scales and biases.
+
+    Returns:
+        (wq uint32 [N, K/8], scales [N, K/32], biases [N, K/32]).
+
+    Raises:
+        ValueError for a wrong blocks dtype/shape, K not a multiple of 256, non-finite d/dmin, or
+        scales/biases overflowing `dtype`.
+    """
+    wq, scales64, biases64 = _q4_k_affine64(blocks, N, K)
+    scales = torch.from_numpy(scales64).to(dtype)
+    biases = torch.from_numpy(biases64).to(dtype)
+    if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
+        raise ValueError(f"q4_k_to_affine: scales/biases overflow {dtype}; use dtype=torch.float32")
+    return torch.from_numpy(wq), scales, biases
 
 
 def to_blocks(t: GGUFTensor) -> torch.Tensor:
