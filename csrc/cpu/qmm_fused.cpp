@@ -33,6 +33,22 @@ namespace torch_qmm {
 namespace cpu {
 namespace {
 
+// Pointers to the packed words, scales and biases of W rows [n, n+R).
+template <int BITS, typename T, int R>
+struct TileRows {
+  const uint8_t* packed[R];
+  const T* scales[R];
+  const T* biases[R];
+  TileRows(const QmmArgs& a, int64_t n) {
+    const int64_t row_bytes = a.K / 32 * Block32<BITS>::kBytes, groups = a.K / a.group_size;
+    for (int r = 0; r < R; ++r) {
+      packed[r] = a.wq + (n + r) * row_bytes;
+      scales[r] = static_cast<const T*>(a.scales) + (n + r) * groups;
+      biases[r] = static_cast<const T*>(a.biases) + (n + r) * groups;
+    }
+  }
+};
+
 // Rows [n, n+R) of W times rows [m0, m0+MB) of x over blocks [kb0, kb1) (whole groups); adds
 // into y. MB > 1: w = s*q + b is formed once per block and shared by the MB rows of x.
 template <int BITS, typename T, int MB, int R>
@@ -40,16 +56,11 @@ struct TTile {
   using Blk = Block32<BITS>;
 
   static void run(const QmmArgs& a, int64_t n, int64_t m0, int64_t kb0, int64_t kb1, const float*, float* y) {
-    const int64_t blocks = a.K / 32, groups = a.K / a.group_size;
     const int gshift = block_to_group_shift(a.group_size);
-    const uint8_t* row[R];
-    const T* s[R];
-    const T* b[R];
-    for (int r = 0; r < R; ++r) {
-      row[r] = a.wq + (n + r) * blocks * Blk::kBytes;
-      s[r] = static_cast<const T*>(a.scales) + (n + r) * groups;
-      b[r] = static_cast<const T*>(a.biases) + (n + r) * groups;
-    }
+    const TileRows<BITS, T, R> rows(a, n);
+    const uint8_t* const* row = rows.packed;
+    const T* const* s = rows.scales;
+    const T* const* b = rows.biases;
     // Two chains per (m, r): v0 and v1 of a block go to different accumulators.
     f32x16 acc[MB][R][2] = {};
     for (int64_t g = kb0 >> gshift; g < kb1 >> gshift; ++g) {
@@ -89,18 +100,14 @@ struct TTileHoisted {
 
   static void run(const QmmArgs& a, int64_t n, int64_t m0, int64_t kb0, int64_t kb1, const float* xsum,
                   float* y) {
-    const int64_t blocks = a.K / 32, groups = a.K / a.group_size;
+    const int64_t groups = a.K / a.group_size;
     constexpr int gshift = BPG == 1 ? 0 : BPG == 2 ? 1 : 2;
     const float* x = a.x + m0 * a.K;
     xsum += m0 * groups;
-    const uint8_t* row[R];
-    const T* s[R];
-    const T* b[R];
-    for (int r = 0; r < R; ++r) {
-      row[r] = a.wq + (n + r) * blocks * Blk::kBytes;
-      s[r] = static_cast<const T*>(a.scales) + (n + r) * groups;
-      b[r] = static_cast<const T*>(a.biases) + (n + r) * groups;
-    }
+    const TileRows<BITS, T, R> rows(a, n);
+    const uint8_t* const* row = rows.packed;
+    const T* const* s = rows.scales;
+    const T* const* b = rows.biases;
     f32x16 acc[R] = {};
     float bias_acc[R] = {};
     for (int64_t g = kb0 >> gshift; g < kb1 >> gshift; ++g) {
