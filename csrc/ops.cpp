@@ -23,4 +23,8 @@ TORCH_LIBRARY(torch_qmm, m) {
   m.def("_plan_gguf(int M, int N, int K, int ggml_type, ScalarType dtype) -> str");
   m.def("_plan_for_gguf(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> str");
   m.def("_routes() -> str");
+  // The CPU kernel affine_qmm would run for these operands (csrc/cpu/qmm.cpp), for tests/tools.
+  m.def(
+      "_cpu_route(Tensor x, Tensor wq, Tensor scales, Tensor biases, int bits, int group_size, "
+      "bool transpose=True) -> str");
 }

@@ -4,12 +4,17 @@
 // and y back to x's dtype. The kernels are in qmm_fused.cpp (small M, W never materialized) and
 // qmm_gemm.cpp (large M, float32 tiles + BLAS); qmm_kernels.h holds the routing threshold.
 // Accumulation is float32 throughout.
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
 
 #include "../validate.h"
 #include "decode.h"
@@ -35,41 +40,70 @@ at::Tensor to_codec_order(const at::Tensor& xf, int bits) {
   return xp;
 }
 
-at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq_in, const at::Tensor& scales_in,
-                          const at::Tensor& biases_in, int64_t bits, int64_t group_size, bool transpose) {
-  const auto [N, K] = check_qmm(x, wq_in, scales_in, biases_in, bits, group_size, transpose);
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = N;
-  const int64_t M = K == 0 ? 0 : x.numel() / K;
-  if (M == 0 || N == 0) return at::zeros(out_shape, x.options());
-
-  const at::Tensor wq = wq_in.contiguous(), scales = scales_in.contiguous(), biases = biases_in.contiguous();
-  at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-
+// The checked, contiguous operands of one call and the kernel arguments pointing into them
+// (x as float32 [M, K] in natural order).
+struct Call {
+  std::vector<int64_t> out_shape;
+  at::Tensor xf, wq, scales, biases;
   cpu::QmmArgs a;
-  a.x = xf.data_ptr<float>();
-  a.wq = reinterpret_cast<const uint8_t*>(wq.data_ptr());
-  a.scales = scales.data_ptr();
-  a.biases = biases.data_ptr();
-  a.dtype = scales.scalar_type();
+  bool empty;
+};
+
+Call prepare(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales, const at::Tensor& biases,
+             int64_t bits, int64_t group_size, bool transpose) {
+  const auto [N, K] = check_qmm(x, wq, scales, biases, bits, group_size, transpose);
+  Call c;
+  c.out_shape = x.sizes().vec();
+  c.out_shape.back() = N;
+  const int64_t M = K == 0 ? 0 : x.numel() / K;
+  c.empty = M == 0 || N == 0;
+  if (c.empty) return c;
+  c.wq = wq.contiguous();
+  c.scales = scales.contiguous();
+  c.biases = biases.contiguous();
+  c.xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  cpu::QmmArgs& a = c.a;
+  a.x = c.xf.data_ptr<float>();
+  a.wq = reinterpret_cast<const uint8_t*>(c.wq.data_ptr());
+  a.scales = c.scales.data_ptr();
+  a.biases = c.biases.data_ptr();
+  a.dtype = c.scales.scalar_type();
   a.M = M;
   a.N = N;
   a.K = K;
   a.bits = int(bits);
   a.group_size = int(group_size);
+  a.x_bf16_terms = cpu::x_bf16_terms_for(x.scalar_type());
+  a.avoid_bf16 = cpu::avoid_bf16();
+  return c;
+}
 
-  if (transpose && M == 1 && bits == 4) {  // token decode: its own kernel, x in natural order
-    at::Tensor yf = at::empty({1, N}, xf.options());
-    if (cpu::qmm_t_gemv_q4(a, yf.data_ptr<float>())) return yf.to(x.scalar_type()).reshape(out_shape);
+enum class Route { kGemvQ4, kFused, kGemm };
+
+// The one routing decision, for the op and for _cpu_route.
+Route route_for(const cpu::QmmArgs& a, bool transpose) {
+  if (transpose && cpu::qmm_t_gemv_q4_tile(a) != nullptr) return Route::kGemvQ4;  // token decode
+  return a.M < cpu::kGemmMinRows ? Route::kFused : Route::kGemm;
+}
+
+at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                          const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
+  Call c = prepare(x, wq, scales, biases, bits, group_size, transpose);
+  if (c.empty) return at::zeros(c.out_shape, x.options());
+  cpu::QmmArgs& a = c.a;
+  const Route route = route_for(a, transpose);
+  at::Tensor yf;
+  if (route == Route::kGemvQ4) {  // x in natural order
+    yf = at::empty({1, a.N}, c.xf.options());
+    cpu::qmm_t_gemv_q4(a, yf.data_ptr<float>());
+    return yf.to(x.scalar_type()).reshape(c.out_shape);
   }
   if (transpose) {
-    xf = to_codec_order(xf, int(bits));
-    a.x = xf.data_ptr<float>();
+    c.xf = to_codec_order(c.xf, int(bits));
+    a.x = c.xf.data_ptr<float>();
   }
-
-  at::Tensor yf;
-  if (M < cpu::kGemmMinRows) {
-    yf = at::empty({M, N}, xf.options());
+  if (route == Route::kFused) {
+    yf = at::empty({a.M, a.N}, c.xf.options());
     if (transpose)
       cpu::qmm_t_fused(a, yf.data_ptr<float>());
     else
@@ -77,11 +111,44 @@ at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq_in, const at
   } else {
     yf = transpose ? cpu::qmm_t_gemm(a) : cpu::qmm_n_gemm(a);
   }
-  return yf.to(x.scalar_type()).contiguous().reshape(out_shape);
+  return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape);
+}
+
+// Which CPU kernel affine_qmm would run: "gemv_q4/<tile>" (qmm_kernels.h), "fused", "gemm", or
+// "empty".
+std::string affine_qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                                 const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
+  const Call c = prepare(x, wq, scales, biases, bits, group_size, transpose);
+  if (c.empty) return "empty";
+  switch (route_for(c.a, transpose)) {
+    case Route::kGemvQ4: return std::string("gemv_q4/") + cpu::qmm_t_gemv_q4_tile(c.a);
+    case Route::kFused: return "fused";
+    default: return "gemm";
+  }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_qmm, CPU, m) { m.impl("affine_qmm", &affine_qmm_cpu); }
+namespace cpu {
+bool avoid_bf16() {
+  const char* v = std::getenv("TORCH_QMM_CPU_NO_BF16");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
+int x_bf16_terms_for(at::ScalarType x_dtype) {
+  if (x_dtype == at::kBFloat16) return 1;
+  if (x_dtype == at::kHalf) return 2;
+  switch (at::globalContext().float32MatmulPrecision()) {
+    case at::Float32MatmulPrecision::MEDIUM: return 1;
+    case at::Float32MatmulPrecision::HIGH: return 2;
+    default: return 3;
+  }
+}
+}  // namespace cpu
+
+TORCH_LIBRARY_IMPL(torch_qmm, CPU, m) {
+  m.impl("affine_qmm", &affine_qmm_cpu);
+  m.impl("_cpu_route", &affine_qmm_cpu_route);
+}
 
 }  // namespace torch_qmm

@@ -28,7 +28,20 @@ struct QmmArgs {
   at::ScalarType dtype;  // of scales / biases
   int64_t M, N, K;
   int bits, group_size;
+  // How many bfloat16 terms a kernel that multiplies in bfloat16 may split each x into
+  // (qmm_gemv_q4.cpp): x_bf16_terms_for() below. 3 = float32 exactness required.
+  int x_bf16_terms = 3;
+  // Use only float32 arithmetic, as on CPUs without AVX512_BF16 (TORCH_QMM_CPU_NO_BF16=1,
+  // so that tests reach those kernels on any machine).
+  bool avoid_bf16 = false;
 };
+
+// 1 for bfloat16 x and 2 for float16 x (both exact); for float32 x, what
+// torch.set_float32_matmul_precision allows, as for PyTorch's own float32 matmuls: "highest" 3
+// (exact), "high" 2 (16 significant bits), "medium" 1 (8 bits).
+int x_bf16_terms_for(at::ScalarType x_dtype);
+// Whether the environment asks for float32-only kernels (QmmArgs::avoid_bf16).
+bool avoid_bf16();
 
 // Rows of x from which the GEMM family is used (both transpose modes). Measured on a 2-core
 // AVX-512 machine (benchmarks/): the fused kernels reach ~80% of the FMA peak for a few rows,
@@ -36,9 +49,12 @@ struct QmmArgs {
 constexpr int64_t kGemmMinRows = 16;
 
 // y [M, N] float32 row-major.
-// 4-bit M=1 (qmm_gemv_q4.cpp, AVX-512): takes x in natural order; false when it does not apply
-// (other bits/M, no AVX-512, |x| < 2^-98), y untouched.
-bool qmm_t_gemv_q4(const QmmArgs& a, float* y);
+// 4-bit M=1 (qmm_gemv_q4.cpp, AVX-512), x in natural order. qmm_t_gemv_q4_tile names the tile
+// it would use ("bf16x3", "bf16x2", "bf16x1": x as that many bfloat16 terms; "f32"), or is null
+// where it does not apply (other bits/M, K < 128, no AVX-512, x out of range): then
+// qmm_t_gemv_q4 must not be called.
+const char* qmm_t_gemv_q4_tile(const QmmArgs& a);
+void qmm_t_gemv_q4(const QmmArgs& a, float* y);
 void qmm_t_fused(const QmmArgs& a, float* y);
 void qmm_n_fused(const QmmArgs& a, float* y);
 

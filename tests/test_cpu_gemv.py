@@ -1,0 +1,175 @@
+"""The CPU 4-bit M=1 kernel (csrc/cpu/qmm_gemv_q4.cpp) on every tile it has.
+
+affine_qmm on CPU takes this kernel for transpose=True, bits=4, M=1, K >= 128 when the build has
+AVX-512, with x in range. Its tiles: "bf16xP" (AVX512_BF16, x as P bfloat16 terms: 1 for
+bfloat16 x, 2 for float16, 3 for float32, or fewer for float32 when
+torch.set_float32_matmul_precision allows) and "f32" (AVX-512 without BF16; forced here with
+TORCH_QMM_CPU_NO_BF16=1). torch.ops.torch_qmm._cpu_route names the kernel a call takes, so each
+test first checks it reached the tile it means to test.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import pytest
+import torch
+
+import torch_qmm
+from torch_qmm import reference
+
+from tolerance import assert_matches_reference
+from test_cpu_kernels import random_packed
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# Built with -march=native (setup.py) unless TORCH_QMM_PORTABLE=1.
+NATIVE = os.environ.get("TORCH_QMM_PORTABLE", "0") != "1" and platform.machine() == "x86_64"
+HAS_AVX512 = NATIVE and {"avx512f", "avx512bw"} <= _cpu_flags()
+HAS_BF16 = HAS_AVX512 and "avx512_bf16" in _cpu_flags()
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TERMS = {torch.bfloat16: 1, torch.float16: 2}  # exact; float32: by precision
+PRECISION_TERMS = {"highest": 3, "high": 2, "medium": 1}
+
+pytestmark = pytest.mark.skipif(not HAS_AVX512, reason="the 4-bit M=1 kernel is AVX-512 only; other CPUs use the fused kernel (tests/test_cpu_kernels.py)")
+
+
+@pytest.fixture(params=["bf16", "f32"])
+def tile(request, monkeypatch):
+    """Which tile family the op may use: the bfloat16 one (default) or float32 only."""
+    if request.param == "f32":
+        monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
+    elif not HAS_BF16:
+        pytest.skip("this CPU has no AVX512_BF16: the bfloat16 tile is not built")
+    else:
+        monkeypatch.delenv("TORCH_QMM_CPU_NO_BF16", raising=False)
+    return request.param
+
+
+@pytest.fixture
+def precision():
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest") -> str:
+    if tile == "f32":
+        return "gemv_q4/f32"
+    return f"gemv_q4/bf16x{TERMS.get(dtype, PRECISION_TERMS[precision])}"
+
+
+def route(x, wq, scales, biases, group_size) -> str:
+    return torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, 4, group_size, True)
+
+
+def check(x, wq, scales, biases, group_size, dtype, what, precision="highest"):
+    y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=group_size, bits=4)
+    y_ref = reference.qmm(x, wq, scales, biases, 4, group_size, True)
+    mag = reference.qmm_magnitude(x, wq, scales, biases, 4, group_size, True)
+    assert_matches_reference(y, y_ref, mag, dtype, what, precision=precision)
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_gemv_tiles_match_reference(tile, group_size, dtype):
+    """Whole 128-code chunks, a tail of 1-3 blocks of 32, rows in tiles of 4 and spans of 128."""
+    gen = torch.Generator().manual_seed(group_size)
+    ks = [128, 640] + ([128 + group_size, 512 + 3 * 32] if group_size < 128 else [])
+    for k in ks:
+        if k % group_size:
+            continue
+        for n in [1, 3, 130, 261]:
+            wq, scales, biases = random_packed(n, k, 4, group_size, dtype, gen)
+            x = torch.randn(1, k, generator=gen).to(dtype)
+            assert route(x, wq, scales, biases, group_size) == expected_route(tile, dtype)
+            check(x, wq, scales, biases, group_size, dtype, f"{tile} N={n} K={k}")
+
+
+def test_gemv_two_threads_and_3d_x(tile, threads):
+    """Spans claimed by two threads; x given as [1, 1, K]."""
+    gen = torch.Generator().manual_seed(7)
+    wq, scales, biases = random_packed(1000, 1024, 4, 64, torch.float32, gen)
+    x = torch.randn(1, 1, 1024, generator=gen)
+    assert route(x, wq, scales, biases, 64) == expected_route(tile, torch.float32)
+    check(x, wq, scales, biases, 64, torch.float32, f"{tile} 2 threads")
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="needs AVX512_BF16 (precision only changes the bfloat16 tile)")
+def test_float32_precision_setting_rounds_x_within_its_bound(precision):
+    """"high"/"medium" keep float32 x as 2/1 bfloat16 terms: each x off by <= 2^-16 / 2^-8 of
+    itself (tests/tolerance.py X_RTOL), and visibly less exact than "highest"."""
+    gen = torch.Generator().manual_seed(11)
+    wq, scales, biases = random_packed(300, 4096, 4, 64, torch.float32, gen)
+    x = torch.randn(1, 4096, generator=gen)  # full 24-bit significands
+    y_ref = reference.qmm(x, wq, scales, biases, 4, 64, True)
+    mag = reference.qmm_magnitude(x, wq, scales, biases, 4, 64, True)
+    worst = {}
+    for name in ["highest", "high", "medium"]:
+        precision(name)
+        assert route(x, wq, scales, biases, 64) == expected_route("bf16", torch.float32, name)
+        y = check(x, wq, scales, biases, 64, torch.float32, name, precision=name)
+        worst[name] = ((y.double() - y_ref).abs() / mag).max().item()
+    # Random rounding of x to 8 / 16 bits leaves ~1e-5 / ~1e-7 of the magnitude here; float32
+    # sums of the exact products (3 terms) ~1e-8. This is what tells 3 terms from 2.
+    assert worst["medium"] > 30 * worst["high"] > 90 * worst["highest"], worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_inputs_ignore_the_float32_precision_setting(precision, dtype):
+    """float16 / bfloat16 x are exact as 2 / 1 bfloat16 terms whatever the setting says."""
+    gen = torch.Generator().manual_seed(12)
+    wq, scales, biases = random_packed(64, 512, 4, 32, dtype, gen)
+    x = torch.randn(1, 512, generator=gen).to(dtype)
+    precision("medium")
+    assert route(x, wq, scales, biases, 32) == expected_route("bf16" if HAS_BF16 else "f32", dtype)
+    check(x, wq, scales, biases, 32, dtype, "medium")
+
+
+@pytest.mark.parametrize("value, what", [(1e-35, "tiny"), (2.0**101, "huge")])
+def test_x_out_of_range_takes_the_fused_kernel(tile, value, what):
+    """One element of |x| below 2^-98 or above 2^100 sends the call to the fused kernel, which
+    still matches the reference (the bfloat16 terms would be flushed / the unscaled sums overflow)."""
+    gen = torch.Generator().manual_seed(13)
+    wq, scales, biases = random_packed(40, 256, 4, 64, torch.float32, gen)
+    x = torch.randn(1, 256, generator=gen)
+    if what == "huge":
+        x *= 2.0**90  # the whole row large too
+    x[0, 17] = value
+    assert route(x, wq, scales, biases, 64) == "fused"
+    check(x, wq, scales, biases, 64, torch.float32, what)
+    # The range edges themselves stay on this kernel.
+    x_edge = torch.randn(1, 256, generator=gen)
+    x_edge[0, 0], x_edge[0, 1] = 2.0**-98, 2.0**100
+    assert route(x_edge, wq, scales, biases, 64) == expected_route(tile, torch.float32)
+    check(x_edge, wq, scales, biases, 64, torch.float32, f"{what} edge")
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_x_takes_the_fused_kernel(tile, value):
+    gen = torch.Generator().manual_seed(14)
+    wq, scales, biases = random_packed(8, 256, 4, 64, torch.float32, gen)
+    x = torch.randn(1, 256, generator=gen)
+    x[0, 5] = value
+    assert route(x, wq, scales, biases, 64) == "fused"
+
+
+def test_other_shapes_do_not_take_this_kernel(tile):
+    gen = torch.Generator().manual_seed(15)
+    wq, scales, biases = random_packed(8, 256, 4, 64, torch.float32, gen)
+    assert route(torch.randn(2, 256), wq, scales, biases, 64) == "fused"  # M = 2
+    wq, scales, biases = random_packed(8, 96, 4, 32, torch.float32, gen)
+    assert route(torch.randn(1, 96), wq, scales, biases, 32) == "fused"  # K < 128
+    assert route(torch.randn(0, 96), wq, scales, biases, 32) == "empty"
