@@ -30,6 +30,23 @@ def test_bench_writes_json_with_finite_peer_ratios(tmp_path):
         assert all(math.isfinite(v) and v > 0 for v in r["speedup_vs"].values())
 
 
+def test_bench_float32_precision_is_set_for_the_run_and_recorded(tmp_path):
+    """--float32-precision high: set for the whole run (a CLI process; the test restores it),
+    torch_qmm checked against the reference with that precision's tolerance, and recorded."""
+    out = tmp_path / "bench.json"
+    before = torch.get_float32_matmul_precision()
+    try:
+        rc = main(["bench", "--device", "cpu", "--shapes", "64x512", "--m", "1", "--bits", "4", "--dtype", "float32",
+                   "--repeats", "1", "--peers", "linear_float32", "--float32-precision", "high", "--output", str(out),
+                   "--no-plot"])
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["float32_matmul_precision"] == "high"
+    assert doc["results"][0]["times_ms"]["torch_qmm"] > 0
+
+
 def test_bench_saves_a_png_plot_next_to_the_json(tmp_path):
     # matplotlib is a test dependency, so the plot is always drawn here.
     out = tmp_path / "bench.json"

@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=_strs, default=None,
                         help="only these peers (linear_float32, linear_float16, linear_bfloat16, int8pack, "
                              "int4pack, mlx); default all")
+    parser.add_argument("--float32-precision", choices=["highest", "high", "medium"], default=None,
+                        help="torch.set_float32_matmul_precision for the run (all implementations; "
+                             "default: leave as is). torch_qmm's CPU 4-bit M=1 kernel then keeps float32 x "
+                             "as 2 (high) or 1 (medium) bfloat16 terms instead of 3")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds (fewer for slow calls)")
     parser.add_argument("--mlx-max-m", type=int, default=16, help="time MLX only up to this M (slow on CPU)")
     parser.add_argument("--model", nargs="?", const="tiny", default=None, metavar="CONFIG_OR_PATH",
@@ -81,12 +85,15 @@ def configs(args: argparse.Namespace, device: str) -> list[Config]:
 
 def run(args: argparse.Namespace) -> int:
     device = args.device or best_device()
+    if args.float32_precision:
+        torch.set_float32_matmul_precision(args.float32_precision)
     if device == "metalsim":  # byte counts instead of time: metalsim_traffic.py
         return metalsim_traffic.run(args, SHAPES, MS, QUICK)
     copy_gbps = copy_bandwidth_gbps(device)
     info = machine_info(device, copy_gbps)
     print(f"{info['processor']} ({info['cpu_threads']} threads), {info['os']}, torch {info['torch']}, "
-          f"commit {info['commit']}; copy bandwidth {copy_gbps:.1f} GB/s")
+          f"commit {info['commit']}; copy bandwidth {copy_gbps:.1f} GB/s; "
+          f"float32 matmul precision {info['float32_matmul_precision']}")
     load = info["load_average"]
     if device == "cpu" and load is not None and load > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {load} on {os.cpu_count()} CPUs: other processes share the cores and "

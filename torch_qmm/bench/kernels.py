@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from .. import reference
 from ..devices import synchronize
 from ..ops import quantized_matmul
+from ..tolerance import worst_ratio
 
 OURS = "torch_qmm"
 
@@ -88,15 +89,15 @@ def _ours(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) 
 
 
 def _check_ours(cfg: Config, x: torch.Tensor, wq, scales, biases, cols: int = 64) -> None:
-    """torch_qmm vs the float64 reference on the first `cols` outputs (the rule of tests/tolerance.py)."""
+    """torch_qmm vs the float64 reference on the first `cols` outputs (torch_qmm/tolerance.py, at
+    the float32 matmul precision in force)."""
     cols = min(cols, cfg.n)
-    y = quantized_matmul(x, wq, scales, biases, group_size=cfg.group_size, bits=cfg.bits)[:, :cols].cpu().double()
-    w = reference.dequantize(wq[:cols].cpu(), scales[:cols].cpu(), biases[:cols].cpu(), cfg.bits, cfg.group_size)
-    xd = x.cpu().double()
-    y_ref, mag = xd @ w.T, xd.abs() @ w.abs().T
-    out_rtol = {"float32": 2**-22, "float16": 2**-9, "bfloat16": 2**-6}[cfg.dtype]
-    bound = out_rtol * y_ref.abs() + 2e-5 * mag + 1e-30
-    worst = ((y - y_ref).abs() / bound).max().item()
+    wq, scales, biases = wq[:cols].cpu(), scales[:cols].cpu(), biases[:cols].cpu()
+    y = quantized_matmul(x, wq.to(x.device), scales.to(x.device), biases.to(x.device),
+                         group_size=cfg.group_size, bits=cfg.bits).cpu()
+    y_ref = reference.qmm(x.cpu(), wq, scales, biases, cfg.bits, cfg.group_size, True)
+    mag = reference.qmm_magnitude(x.cpu(), wq, scales, biases, cfg.bits, cfg.group_size, True)
+    worst = worst_ratio(y, y_ref, mag, getattr(torch, cfg.dtype), torch.get_float32_matmul_precision())
     if not worst <= 1.0:
         raise AssertionError(f"torch_qmm output differs from the reference for {cfg} (worst error/bound {worst:.2f})")
 

@@ -70,6 +70,7 @@ def machine_info(device: str, copy_gbps: float | None) -> dict:
         "copy_gbps": None if copy_gbps is None else round(copy_gbps, 2),
         "load_average": _load_average(),
         "last_level_cache_bytes": last_level_cache_bytes(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
     try:
         import mlx.core as mx
