@@ -3,7 +3,9 @@
 //   fused (qmm_fused.cpp)  small M: each 32-code block of W is decoded in registers, dequantized
 //                          (w = s*q + b) and multiplied into up to 4 rows of x at once;
 //                          W is never written to memory.
-//   gemv  (qmm_gemv_q4.cpp) 4-bit M=1 on AVX-512: 128-code chunks, shuffle-free decode.
+//   chunked (qmm_q4_chunked.cpp, q4_chunk.h) 4-bit on AVX-512 up to chunked_max_rows: 128-code
+//                          chunks, shuffle-free decode, bfloat16 dot products where the CPU has
+//                          them; each W chunk decoded once per 4 rows of x.
 //   gemm  (qmm_gemm.cpp)   large M: W is decoded in cache-sized float32 tiles by each thread,
 //                          which multiplies its own tiles with a single-threaded BLAS GEMM
 //                          (no barrier between decode and GEMM, bounded scratch).
@@ -16,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <limits>
 
 namespace torch_qmm {
 namespace cpu {
@@ -29,7 +32,7 @@ struct QmmArgs {
   int64_t M, N, K;
   int bits, group_size;
   // How many bfloat16 terms a kernel that multiplies in bfloat16 may split each x into
-  // (qmm_gemv_q4.cpp): x_bf16_terms_for() below. 3 = float32 exactness required.
+  // (qmm_q4_chunked.cpp): x_bf16_terms_for() below. 3 = float32 exactness required.
   int x_bf16_terms = 3;
   // Use only float32 arithmetic, as on CPUs without AVX512_BF16 (TORCH_QMM_CPU_NO_BF16=1,
   // so that tests reach those kernels on any machine).
@@ -49,12 +52,21 @@ bool avoid_bf16();
 constexpr int64_t kGemmMinRows = 16;
 
 // y [M, N] float32 row-major.
-// 4-bit M=1 (qmm_gemv_q4.cpp, AVX-512), x in natural order. qmm_t_gemv_q4_tile names the tile
-// it would use ("bf16x3", "bf16x2", "bf16x1": x as that many bfloat16 terms; "f32"), or is null
-// where it does not apply (other bits/M, K < 128, no AVX-512, x out of range): then
-// qmm_t_gemv_q4 must not be called.
-const char* qmm_t_gemv_q4_tile(const QmmArgs& a);
-void qmm_t_gemv_q4(const QmmArgs& a, float* y);
+// 4-bit, small to medium M (qmm_q4_chunked.cpp, AVX-512), x in natural order.
+// qmm_t_q4_chunked_tile names the chunk multiplier it would use ("bf16x3", "bf16x2", "bf16x1":
+// x as that many bfloat16 terms; "f32", M = 1 without AVX512_BF16), or is null where it does not
+// apply (other bits, M above chunked_max_rows, K < 128, no AVX-512, x out of range): then
+// qmm_t_q4_chunked must not be called.
+const char* qmm_t_q4_chunked_tile(const QmmArgs& a);
+void qmm_t_q4_chunked(const QmmArgs& a, float* y);
+
+// Rows of x up to which the chunk kernels beat the fused / GEMM routes, by bfloat16 terms of x.
+// Measured on 14336x5120 (2-core Zen 4, benchmarks/README.md): 3 terms (float32 x) up to M=32
+// (38 ms against 36 at 32, 74 against 62 at 64); 2 (float16) up to ~128 (106 against 110 ms;
+// equal at 256); 1 (bfloat16) at every M measured (127 against 222 ms at 256).
+inline int64_t chunked_max_rows(int x_bf16_terms) {
+  return x_bf16_terms >= 3 ? 32 : x_bf16_terms == 2 ? 128 : std::numeric_limits<int64_t>::max();
+}
 void qmm_t_fused(const QmmArgs& a, float* y);
 void qmm_n_fused(const QmmArgs& a, float* y);
 

@@ -1,11 +1,11 @@
-"""The CPU 4-bit M=1 kernel (csrc/cpu/qmm_gemv_q4.cpp) on every tile it has.
+"""The CPU 4-bit chunk kernels (csrc/cpu/qmm_q4_chunked.cpp, q4_chunk.h) on every multiplier.
 
-affine_qmm on CPU takes this kernel for transpose=True, bits=4, M=1, K >= 128 when the build has
-AVX-512, with x in range. Its tiles: "bf16xP" (AVX512_BF16, x as P bfloat16 terms: 1 for
-bfloat16 x, 2 for float16, 3 for float32, or fewer for float32 when
-torch.set_float32_matmul_precision allows) and "f32" (AVX-512 without BF16; forced here with
-TORCH_QMM_CPU_NO_BF16=1). torch.ops.torch_qmm._cpu_route names the kernel a call takes, so each
-test first checks it reached the tile it means to test.
+affine_qmm on CPU takes them for transpose=True, bits=4, K >= 128 when the build has AVX-512,
+with x in range. Multipliers: "bf16xP" (AVX512_BF16, x as P bfloat16 terms: 1 for bfloat16 x, 2
+for float16, 3 for float32, or fewer for float32 when torch.set_float32_matmul_precision allows;
+up to cpu::chunked_max_rows(P) rows of x: 32 / 128 / any) and "f32" (AVX-512 without BF16, M=1
+only; forced here with TORCH_QMM_CPU_NO_BF16=1). torch.ops.torch_qmm._cpu_route names the kernel
+a call takes, so each test first checks it reached the one it means to test.
 """
 
 from __future__ import annotations
@@ -42,7 +42,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TERMS = {torch.bfloat16: 1, torch.float16: 2}  # exact; float32: by precision
 PRECISION_TERMS = {"highest": 3, "high": 2, "medium": 1}
 
-pytestmark = pytest.mark.skipif(not HAS_AVX512, reason="the 4-bit M=1 kernel is AVX-512 only; other CPUs use the fused kernel (tests/test_cpu_kernels.py)")
+MAX_ROWS = {3: 32, 2: 128, 1: None}  # cpu::chunked_max_rows (None: no limit)
+# Rows of x in blocks of 4/2/1, W rows in tiles of 4 (M<=2) or 2 and spans of 128.
+MS = [1, 2, 3, 4, 5, 7, 9, 16]
+
+pytestmark = pytest.mark.skipif(not HAS_AVX512, reason="the 4-bit chunk kernels are AVX-512 only; other CPUs use the fused kernel (tests/test_cpu_kernels.py)")
 
 
 @pytest.fixture(params=["bf16", "f32"])
@@ -64,14 +68,18 @@ def precision():
     torch.set_float32_matmul_precision(before)
 
 
-def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest") -> str:
+def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m: int = 1) -> str:
+    others = "fused" if m < 16 else "gemm"  # cpu::kGemmMinRows
     if tile == "f32":
-        return "gemv_q4/f32"
-    return f"gemv_q4/bf16x{TERMS.get(dtype, PRECISION_TERMS[precision])}"
+        return "chunked_q4/f32" if m == 1 else others
+    terms = TERMS.get(dtype, PRECISION_TERMS[precision])
+    if MAX_ROWS[terms] is not None and m > MAX_ROWS[terms]:
+        return others
+    return f"chunked_q4/bf16x{terms}"
 
 
-def route(x, wq, scales, biases, group_size) -> str:
-    return torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, 4, group_size, True)
+def route(x, wq, scales, biases, group_size, transpose=True) -> str:
+    return torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, 4, group_size, transpose)
 
 
 def check(x, wq, scales, biases, group_size, dtype, what, precision="highest"):
@@ -84,8 +92,9 @@ def check(x, wq, scales, biases, group_size, dtype, what, precision="highest"):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_gemv_tiles_match_reference(tile, group_size, dtype):
-    """Whole 128-code chunks, a tail of 1-3 blocks of 32, rows in tiles of 4 and spans of 128."""
+def test_chunk_kernels_match_reference(tile, group_size, dtype):
+    """Whole 128-code chunks, a tail of 1-3 blocks of 32, W rows in tiles and spans of 128, x rows
+    in blocks of 4/2/1 (M in MS)."""
     gen = torch.Generator().manual_seed(group_size)
     ks = [128, 640] + ([128 + group_size, 512 + 3 * 32] if group_size < 128 else [])
     for k in ks:
@@ -93,33 +102,50 @@ def test_gemv_tiles_match_reference(tile, group_size, dtype):
             continue
         for n in [1, 3, 130, 261]:
             wq, scales, biases = random_packed(n, k, 4, group_size, dtype, gen)
-            x = torch.randn(1, k, generator=gen).to(dtype)
-            assert route(x, wq, scales, biases, group_size) == expected_route(tile, dtype)
-            check(x, wq, scales, biases, group_size, dtype, f"{tile} N={n} K={k}")
+            x_all = torch.randn(max(MS), k, generator=gen).to(dtype)
+            for m in MS:
+                x = x_all[:m]
+                assert route(x, wq, scales, biases, group_size) == expected_route(tile, dtype, m=m)
+                check(x, wq, scales, biases, group_size, dtype, f"{tile} M={m} N={n} K={k}")
 
 
-def test_gemv_two_threads_and_3d_x(tile, threads):
-    """Spans claimed by two threads; x given as [1, 1, K]."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_chunk_kernels_up_to_their_row_limit(tile, dtype):
+    """Each multiplier at its last M and the next (float32: 32/33, float16: 128/129, bfloat16:
+    any; 200 here): the route changes exactly there and both sides match the reference."""
+    gen = torch.Generator().manual_seed(21)
+    wq, scales, biases = random_packed(70, 384, 4, 64, dtype, gen)
+    limit = MAX_ROWS[TERMS.get(dtype, 3)] or 199
+    for m in [limit, limit + 1]:
+        x = torch.randn(m, 384, generator=gen).to(dtype)
+        assert route(x, wq, scales, biases, 64) == expected_route(tile, dtype, m=m)
+        check(x, wq, scales, biases, 64, dtype, f"{tile} M={m}")
+
+
+def test_chunk_kernels_two_threads_and_3d_x(tile, threads):
+    """Spans claimed by two threads; x given as [2, 3, K] (M=6: blocks of 4 and 2)."""
     gen = torch.Generator().manual_seed(7)
     wq, scales, biases = random_packed(1000, 1024, 4, 64, torch.float32, gen)
-    x = torch.randn(1, 1, 1024, generator=gen)
-    assert route(x, wq, scales, biases, 64) == expected_route(tile, torch.float32)
-    check(x, wq, scales, biases, 64, torch.float32, f"{tile} 2 threads")
+    for shape in [(1, 1, 1024), (2, 3, 1024)]:
+        x = torch.randn(*shape, generator=gen)
+        m = shape[0] * shape[1]
+        assert route(x, wq, scales, biases, 64) == expected_route(tile, torch.float32, m=m)
+        check(x, wq, scales, biases, 64, torch.float32, f"{tile} 2 threads x {shape}")
 
 
 @pytest.mark.skipif(not HAS_BF16, reason="needs AVX512_BF16 (precision only changes the bfloat16 tile)")
 def test_float32_precision_setting_rounds_x_within_its_bound(precision):
     """"high"/"medium" keep float32 x as 2/1 bfloat16 terms: each x off by <= 2^-16 / 2^-8 of
-    itself (tests/tolerance.py X_RTOL), and visibly less exact than "highest"."""
+    itself (torch_qmm/tolerance.py X_RTOL), and visibly less exact than "highest"."""
     gen = torch.Generator().manual_seed(11)
     wq, scales, biases = random_packed(300, 4096, 4, 64, torch.float32, gen)
-    x = torch.randn(1, 4096, generator=gen)  # full 24-bit significands
+    x = torch.randn(3, 4096, generator=gen)  # full 24-bit significands
     y_ref = reference.qmm(x, wq, scales, biases, 4, 64, True)
     mag = reference.qmm_magnitude(x, wq, scales, biases, 4, 64, True)
     worst = {}
     for name in ["highest", "high", "medium"]:
         precision(name)
-        assert route(x, wq, scales, biases, 64) == expected_route("bf16", torch.float32, name)
+        assert route(x, wq, scales, biases, 64) == expected_route("bf16", torch.float32, name, m=3)
         y = check(x, wq, scales, biases, 64, torch.float32, name, precision=name)
         worst[name] = ((y.double() - y_ref).abs() / mag).max().item()
     # Random rounding of x to 8 / 16 bits leaves ~1e-5 / ~1e-7 of the magnitude here; float32
@@ -132,22 +158,25 @@ def test_half_inputs_ignore_the_float32_precision_setting(precision, dtype):
     """float16 / bfloat16 x are exact as 2 / 1 bfloat16 terms whatever the setting says."""
     gen = torch.Generator().manual_seed(12)
     wq, scales, biases = random_packed(64, 512, 4, 32, dtype, gen)
-    x = torch.randn(1, 512, generator=gen).to(dtype)
+    x = torch.randn(2, 512, generator=gen).to(dtype)
     precision("medium")
-    assert route(x, wq, scales, biases, 32) == expected_route("bf16" if HAS_BF16 else "f32", dtype)
+    assert route(x, wq, scales, biases, 32) == expected_route("bf16" if HAS_BF16 else "f32", dtype, m=2)
     check(x, wq, scales, biases, 32, dtype, "medium")
 
 
 @pytest.mark.parametrize("value, what", [(1e-35, "tiny"), (2.0**101, "huge")])
 def test_x_out_of_range_takes_the_fused_kernel(tile, value, what):
-    """One element of |x| below 2^-98 or above 2^100 sends the call to the fused kernel, which
-    still matches the reference (the bfloat16 terms would be flushed / the unscaled sums overflow)."""
+    """One element of |x| below 2^-98 or above 2^100 (here in the last row of x) sends the call to
+    the fused kernel, which still matches the reference (the bfloat16 terms would be flushed / the
+    unscaled sums overflow)."""
     gen = torch.Generator().manual_seed(13)
     wq, scales, biases = random_packed(40, 256, 4, 64, torch.float32, gen)
     x = torch.randn(1, 256, generator=gen)
     if what == "huge":
         x *= 2.0**90  # the whole row large too
     x[0, 17] = value
+    assert route(x, wq, scales, biases, 64) == "fused"
+    x = torch.cat([torch.randn(2, 256, generator=gen), x])
     assert route(x, wq, scales, biases, 64) == "fused"
     check(x, wq, scales, biases, 64, torch.float32, what)
     # The range edges themselves stay on this kernel.
@@ -166,10 +195,12 @@ def test_non_finite_x_takes_the_fused_kernel(tile, value):
     assert route(x, wq, scales, biases, 64) == "fused"
 
 
-def test_other_shapes_do_not_take_this_kernel(tile):
+def test_other_shapes_do_not_take_the_chunk_kernels(tile):
     gen = torch.Generator().manual_seed(15)
     wq, scales, biases = random_packed(8, 256, 4, 64, torch.float32, gen)
-    assert route(torch.randn(2, 256), wq, scales, biases, 64) == "fused"  # M = 2
+    assert route(torch.randn(1, 8), wq, scales, biases, 64, transpose=False) == "fused"  # W [K=8, N=256]
+    wq, scales, biases = random_packed(8, 256, 8, 64, torch.float32, gen)
+    assert torch.ops.torch_qmm._cpu_route(torch.randn(1, 256), wq, scales, biases, 8, 64) == "fused"  # 8-bit
     wq, scales, biases = random_packed(8, 96, 4, 32, torch.float32, gen)
     assert route(torch.randn(1, 96), wq, scales, biases, 32) == "fused"  # K < 128
     assert route(torch.randn(0, 96), wq, scales, biases, 32) == "empty"
