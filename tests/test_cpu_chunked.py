@@ -1,11 +1,12 @@
-"""The CPU 4-bit chunk kernels (csrc/cpu/qmm_q4_chunked.cpp, q4_chunk.h) on every multiplier.
+"""The CPU chunk kernels (csrc/cpu/qmm_chunked.cpp, chunk.h) on every multiplier and bit width.
 
-affine_qmm on CPU takes them for transpose=True, bits=4, K >= 128 when the build has AVX-512,
-with x in range. Multipliers: "bf16xP" (AVX512_BF16, x as P bfloat16 terms: 1 for bfloat16 x, 2
-for float16, 3 for float32, or fewer for float32 when torch.set_float32_matmul_precision allows;
-up to cpu::chunked_max_rows(P) rows of x: 32 / 128 / any) and "f32" (AVX-512 without BF16, M=1
-only; forced here with TORCH_QMM_CPU_NO_BF16=1). torch.ops.torch_qmm._cpu_route names the kernel
-a call takes, so each test first checks it reached the one it means to test.
+affine_qmm on CPU takes them for transpose=True, bits 2/4/8, K of at least one 64-byte chunk
+(512/bits codes) when the build has AVX-512, with x in range. Multipliers: "bf16xP"
+(AVX512_BF16, x as P bfloat16 terms: 1 for bfloat16 x, 2 for float16, 3 for float32, or fewer
+for float32 when torch.set_float32_matmul_precision allows; up to cpu::chunked_max_rows rows of
+x) and "f32" (AVX-512 without BF16, 4-bit M=1 only; forced here with TORCH_QMM_CPU_NO_BF16=1).
+torch.ops.torch_qmm._cpu_route names the kernel a call takes, so each test first checks it
+reached the one it means to test.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TERMS = {torch.bfloat16: 1, torch.float16: 2}  # exact; float32: by precision
 PRECISION_TERMS = {"highest": 3, "high": 2, "medium": 1}
 
-MAX_ROWS = {3: 32, 2: 128, 1: None}  # cpu::chunked_max_rows (None: no limit)
+CHUNK_BITS = [2, 4, 8]
+# cpu::chunked_max_rows by (bits, terms); None: no limit.
+MAX_ROWS = {(b, 3): 32 for b in (2, 4)} | {(b, 2): 128 for b in (2, 4)} | {(b, 1): None for b in (2, 4)}
+MAX_ROWS |= {(8, 3): 1, (8, 2): 2, (8, 1): 32}
 # Rows of x in blocks of 4/2/1, W rows in tiles of 4 (M<=2) or 2 and spans of 128.
 MS = [1, 2, 3, 4, 5, 7, 9, 16]
 
@@ -68,58 +72,62 @@ def precision():
     torch.set_float32_matmul_precision(before)
 
 
-def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m: int = 1) -> str:
+def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m: int = 1, bits: int = 4) -> str:
     others = "fused" if m < 16 else "gemm"  # cpu::kGemmMinRows
     if tile == "f32":
-        return "chunked_q4/f32" if m == 1 else others
+        return "chunked/f32" if m == 1 and bits == 4 else others
     terms = TERMS.get(dtype, PRECISION_TERMS[precision])
-    if MAX_ROWS[terms] is not None and m > MAX_ROWS[terms]:
+    limit = MAX_ROWS[bits, terms]
+    if limit is not None and m > limit:
         return others
-    return f"chunked_q4/bf16x{terms}"
+    return f"chunked/bf16x{terms}"
 
 
-def route(x, wq, scales, biases, group_size, transpose=True) -> str:
-    return torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, 4, group_size, transpose)
+def route(x, wq, scales, biases, group_size, transpose=True, bits=4) -> str:
+    return torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, bits, group_size, transpose)
 
 
-def check(x, wq, scales, biases, group_size, dtype, what, precision="highest"):
-    y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=group_size, bits=4)
-    y_ref = reference.qmm(x, wq, scales, biases, 4, group_size, True)
-    mag = reference.qmm_magnitude(x, wq, scales, biases, 4, group_size, True)
+def check(x, wq, scales, biases, group_size, dtype, what, precision="highest", bits=4):
+    y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=group_size, bits=bits)
+    y_ref = reference.qmm(x, wq, scales, biases, bits, group_size, True)
+    mag = reference.qmm_magnitude(x, wq, scales, biases, bits, group_size, True)
     assert_matches_reference(y, y_ref, mag, dtype, what, precision=precision)
     return y
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_chunk_kernels_match_reference(tile, group_size, dtype):
-    """Whole 128-code chunks, a tail of 1-3 blocks of 32, W rows in tiles and spans of 128, x rows
-    in blocks of 4/2/1 (M in MS)."""
-    gen = torch.Generator().manual_seed(group_size)
-    ks = [128, 640] + ([128 + group_size, 512 + 3 * 32] if group_size < 128 else [])
+@pytest.mark.parametrize("bits", CHUNK_BITS)
+def test_chunk_kernels_match_reference(tile, bits, group_size, dtype):
+    """One and several whole chunks (512/bits codes), tails of 1..7 blocks of 32, W rows in tiles
+    and spans of 128, x rows in blocks of 4/2/1 (M in MS)."""
+    gen = torch.Generator().manual_seed(100 * bits + group_size)
+    chunk = 512 // bits
+    ks = [chunk, 3 * chunk] + sorted({chunk + t * 32 for t in (1, 3, chunk // 32 - 1) if 0 < t < chunk // 32})
     for k in ks:
         if k % group_size:
             continue
         for n in [1, 3, 130, 261]:
-            wq, scales, biases = random_packed(n, k, 4, group_size, dtype, gen)
+            wq, scales, biases = random_packed(n, k, bits, group_size, dtype, gen)
             x_all = torch.randn(max(MS), k, generator=gen).to(dtype)
             for m in MS:
                 x = x_all[:m]
-                assert route(x, wq, scales, biases, group_size) == expected_route(tile, dtype, m=m)
-                check(x, wq, scales, biases, group_size, dtype, f"{tile} M={m} N={n} K={k}")
+                assert route(x, wq, scales, biases, group_size, bits=bits) == expected_route(tile, dtype, m=m, bits=bits)
+                check(x, wq, scales, biases, group_size, dtype, f"{tile} bits={bits} M={m} N={n} K={k}", bits=bits)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_chunk_kernels_up_to_their_row_limit(tile, dtype):
-    """Each multiplier at its last M and the next (float32: 32/33, float16: 128/129, bfloat16:
-    any; 200 here): the route changes exactly there and both sides match the reference."""
-    gen = torch.Generator().manual_seed(21)
-    wq, scales, biases = random_packed(70, 384, 4, 64, dtype, gen)
-    limit = MAX_ROWS[TERMS.get(dtype, 3)] or 199
+@pytest.mark.parametrize("bits", CHUNK_BITS)
+def test_chunk_kernels_up_to_their_row_limit(tile, bits, dtype):
+    """Each multiplier at its last M and the next (MAX_ROWS; no limit: 199/200 here): the route
+    changes exactly there and both sides match the reference."""
+    gen = torch.Generator().manual_seed(21 + bits)
+    wq, scales, biases = random_packed(70, 512, bits, 64, dtype, gen)
+    limit = MAX_ROWS[bits, TERMS.get(dtype, 3)] or 199
     for m in [limit, limit + 1]:
-        x = torch.randn(m, 384, generator=gen).to(dtype)
-        assert route(x, wq, scales, biases, 64) == expected_route(tile, dtype, m=m)
-        check(x, wq, scales, biases, 64, dtype, f"{tile} M={m}")
+        x = torch.randn(m, 512, generator=gen).to(dtype)
+        assert route(x, wq, scales, biases, 64, bits=bits) == expected_route(tile, dtype, m=m, bits=bits)
+        check(x, wq, scales, biases, 64, dtype, f"{tile} bits={bits} M={m}", bits=bits)
 
 
 def test_chunk_kernels_two_threads_and_3d_x(tile, threads):
@@ -199,8 +207,11 @@ def test_other_shapes_do_not_take_the_chunk_kernels(tile):
     gen = torch.Generator().manual_seed(15)
     wq, scales, biases = random_packed(8, 256, 4, 64, torch.float32, gen)
     assert route(torch.randn(1, 8), wq, scales, biases, 64, transpose=False) == "fused"  # W [K=8, N=256]
-    wq, scales, biases = random_packed(8, 256, 8, 64, torch.float32, gen)
-    assert torch.ops.torch_qmm._cpu_route(torch.randn(1, 256), wq, scales, biases, 8, 64) == "fused"  # 8-bit
+    for bits in [3, 5, 6]:  # bit streams: not cut into planes
+        wq, scales, biases = random_packed(8, 256, bits, 64, torch.float32, gen)
+        assert route(torch.randn(1, 256), wq, scales, biases, 64, bits=bits) == "fused"
+    wq, scales, biases = random_packed(8, 224, 2, 32, torch.float32, gen)
+    assert route(torch.randn(1, 224), wq, scales, biases, 32, bits=2) == "fused"  # K < 256 (one 2-bit chunk)
     wq, scales, biases = random_packed(8, 96, 4, 32, torch.float32, gen)
-    assert route(torch.randn(1, 96), wq, scales, biases, 32) == "fused"  # K < 128
+    assert route(torch.randn(1, 96), wq, scales, biases, 32) == "fused"  # K < 128 (one 4-bit chunk)
     assert route(torch.randn(0, 96), wq, scales, biases, 32) == "empty"

@@ -78,11 +78,11 @@ Call prepare(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales
   return c;
 }
 
-enum class Route { kChunkedQ4, kFused, kGemm };
+enum class Route { kChunked, kFused, kGemm };
 
 // The one routing decision, for the op and for _cpu_route.
 Route route_for(const cpu::QmmArgs& a, bool transpose) {
-  if (transpose && cpu::qmm_t_q4_chunked_tile(a) != nullptr) return Route::kChunkedQ4;
+  if (transpose && cpu::qmm_t_chunked_tile(a) != nullptr) return Route::kChunked;
   return a.M < cpu::kGemmMinRows ? Route::kFused : Route::kGemm;
 }
 
@@ -93,9 +93,9 @@ at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::T
   cpu::QmmArgs& a = c.a;
   const Route route = route_for(a, transpose);
   at::Tensor yf;
-  if (route == Route::kChunkedQ4) {  // x in natural order
+  if (route == Route::kChunked) {  // x in natural order
     yf = at::empty({a.M, a.N}, c.xf.options());
-    cpu::qmm_t_q4_chunked(a, yf.data_ptr<float>());
+    cpu::qmm_t_chunked(a, yf.data_ptr<float>());
     return yf.to(x.scalar_type()).reshape(c.out_shape);
   }
   if (transpose) {
@@ -114,14 +114,14 @@ at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::T
   return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape);
 }
 
-// Which CPU kernel affine_qmm would run: "chunked_q4/<multiplier>" (qmm_kernels.h), "fused", "gemm", or
+// Which CPU kernel affine_qmm would run: "chunked/<multiplier>" (qmm_kernels.h), "fused", "gemm", or
 // "empty".
 std::string affine_qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                                  const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
   const Call c = prepare(x, wq, scales, biases, bits, group_size, transpose);
   if (c.empty) return "empty";
   switch (route_for(c.a, transpose)) {
-    case Route::kChunkedQ4: return std::string("chunked_q4/") + cpu::qmm_t_q4_chunked_tile(c.a);
+    case Route::kChunked: return std::string("chunked/") + cpu::qmm_t_chunked_tile(c.a);
     case Route::kFused: return "fused";
     default: return "gemm";
   }

@@ -3,7 +3,7 @@
 //   fused (qmm_fused.cpp)  small M: each 32-code block of W is decoded in registers, dequantized
 //                          (w = s*q + b) and multiplied into up to 4 rows of x at once;
 //                          W is never written to memory.
-//   chunked (qmm_q4_chunked.cpp, q4_chunk.h) 4-bit on AVX-512 up to chunked_max_rows: 128-code
+//   chunked (qmm_chunked.cpp, chunk.h) bits 2/4/8 on AVX-512 up to chunked_max_rows: 64-byte
 //                          chunks, shuffle-free decode, bfloat16 dot products where the CPU has
 //                          them; each W chunk decoded once per 4 rows of x.
 //   gemm  (qmm_gemm.cpp)   large M: W is decoded in cache-sized float32 tiles by each thread,
@@ -32,7 +32,7 @@ struct QmmArgs {
   int64_t M, N, K;
   int bits, group_size;
   // How many bfloat16 terms a kernel that multiplies in bfloat16 may split each x into
-  // (qmm_q4_chunked.cpp): x_bf16_terms_for() below. 3 = float32 exactness required.
+  // (qmm_chunked.cpp): x_bf16_terms_for() below. 3 = float32 exactness required.
   int x_bf16_terms = 3;
   // Use only float32 arithmetic, as on CPUs without AVX512_BF16 (TORCH_QMM_CPU_NO_BF16=1,
   // so that tests reach those kernels on any machine).
@@ -52,21 +52,28 @@ bool avoid_bf16();
 constexpr int64_t kGemmMinRows = 16;
 
 // y [M, N] float32 row-major.
-// 4-bit, small to medium M (qmm_q4_chunked.cpp, AVX-512), x in natural order.
-// qmm_t_q4_chunked_tile names the chunk multiplier it would use ("bf16x3", "bf16x2", "bf16x1":
-// x as that many bfloat16 terms; "f32", M = 1 without AVX512_BF16), or is null where it does not
-// apply (other bits, M above chunked_max_rows, K < 128, no AVX-512, x out of range): then
-// qmm_t_q4_chunked must not be called.
-const char* qmm_t_q4_chunked_tile(const QmmArgs& a);
-void qmm_t_q4_chunked(const QmmArgs& a, float* y);
+// Bits 2/4/8, small to medium M (qmm_chunked.cpp, AVX-512), x in natural order.
+// qmm_t_chunked_tile names the chunk multiplier it would use ("bf16x3", "bf16x2", "bf16x1": x
+// as that many bfloat16 terms; "f32": 4-bit, M = 1, without AVX512_BF16), or is null where it
+// does not apply (bits 3/5/6, M above chunked_max_rows, K below one chunk, no AVX-512, x out of
+// range): then qmm_t_chunked must not be called.
+const char* qmm_t_chunked_tile(const QmmArgs& a);
+void qmm_t_chunked(const QmmArgs& a, float* y);
 
-// Rows of x up to which the chunk kernels beat the fused / GEMM routes, by bfloat16 terms of x.
-// Measured on 14336x5120 (2-core Zen 4, benchmarks/README.md): 3 terms (float32 x) up to M=32
-// (38 ms against 36 at 32, 74 against 62 at 64); 2 (float16) up to ~128 (106 against 110 ms;
-// equal at 256); 1 (bfloat16) at every M measured (127 against 222 ms at 256).
-inline int64_t chunked_max_rows(int x_bf16_terms) {
+// Rows of x up to which the chunk kernels beat the fused / GEMM routes, by bits and bfloat16
+// terms of x. Measured on 14336x5120 (2-core Zen 4; python -m torch_qmm bench, with and without
+// TORCH_QMM_CPU_NO_BF16=1; benchmarks/README.md), chunked against fused/GEMM ms:
+//   bits 2, 4: 3 terms (float32 x) up to M=32 (4-bit: 38 / 36 at 32, 74 / 62 at 64); 2
+//     (float16) up to 128 (106 / 110; equal at 256); 1 (bfloat16) at every M measured (4-bit:
+//     127 / 222 at 256).
+//   bits 8 (4 planes per 64 codes: twice the work per code): 3 terms at M=1 only (3.2 / 3.4;
+//     5.1 / 4.8 at 2); 2 up to M=2 (4.0 / 6.5; 7.5 / 6.7 at 4); 1 up to 32 (35 / 37; 69 / 61
+//     at 64).
+inline int64_t chunked_max_rows(int bits, int x_bf16_terms) {
+  if (bits == 8) return x_bf16_terms >= 3 ? 1 : x_bf16_terms == 2 ? 2 : 32;
   return x_bf16_terms >= 3 ? 32 : x_bf16_terms == 2 ? 128 : std::numeric_limits<int64_t>::max();
 }
+
 void qmm_t_fused(const QmmArgs& a, float* y);
 void qmm_n_fused(const QmmArgs& a, float* y);
 

@@ -1,5 +1,5 @@
-// 4-bit, transpose=True, small M (token decode and small batches): the chunk kernels of
-// q4_chunk.h, AVX-512 only. This file prepares x, walks W and picks the tiles.
+// Bits 2/4/8, transpose=True, small to medium M: the chunk kernels of chunk.h, AVX-512 only.
+// This file prepares x, walks W and picks the tiles.
 //
 // Work: W rows go out in spans of kSpanRows from a shared counter, so a thread that loses its
 // core to another process mid-call leaves its share to the others (the OpenMP barrier at the
@@ -7,17 +7,17 @@
 // all: better medians when the machine is loaded, but the inter-op helper then competes with
 // OpenMP threads still spinning after the previous op: 3.6-3.9 ms instead of ~2.3 ms (M=1).
 // Within a span, the rows of x go in blocks of 4/2/1 (x_block_rows); each block runs over the
-// whole span, which is still in L2 for the next block (320 KB at K=5120), so W comes from
-// memory once and each chunk is decoded once per block. A tile is R W rows x MB x rows, R
-// chosen so that R * MB >= 4 (M=1: the rows share each x load; while a tile runs the next
-// tile's rows are prefetched into L2, which let a core stream ~16 GB/s instead of ~11).
-// K % 128 (at most 3 blocks of 32 codes) is done with the blocks of decode.h, x in codec order.
+// whole span, which is still in L2 for the next block (320 KB for 4-bit at K=5120), so W comes
+// from memory once and each chunk is decoded once per block. A tile is R W rows x MB x rows
+// (tile_rows; M=1: 4 W rows share each x load; while a tile runs the next tile's rows are
+// prefetched into L2, which let a core stream ~16 GB/s instead of ~11).
+// The K % (codes per chunk) tail is done with the 32-code blocks of decode.h, x in codec order.
 //
 // x outside [2^-98, 2^100] in magnitude, or not finite, goes to the fused kernel instead
 // (x_in_range).
 //
-// Measured on a 2-core Zen 4 (14336x5120, float32 x, benchmarks/README.md): M=1 takes 1.66 ms
-// with 3 bfloat16 terms against 1.75 ms with the float32 chunk; bfloat16 x 1.34 ms.
+// Measured on a 2-core Zen 4 (14336x5120 4-bit, benchmarks/README.md): M=1 float32 x takes
+// 1.66 ms with 3 bfloat16 terms against 1.75 ms with the float32 chunk; bfloat16 x 1.34 ms.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "decode.h"
-#include "q4_chunk.h"
+#include "chunk.h"
 #include "qmm_dispatch.h"
 #include "qmm_kernels.h"
 
@@ -36,7 +36,7 @@ namespace cpu {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 namespace {
 
-using namespace q4chunk;
+using namespace chunk;
 
 constexpr int64_t kSpanRows = 128;  // W rows per work item (320 KB at K=5120)
 
@@ -48,15 +48,15 @@ constexpr int tile_rows(int mb) { return mb == 1 ? 4 : mb == 2 ? 4 : 2; }
 // The largest block of x rows (4, 2, 1) that fits in `left`.
 inline int x_block_rows(int64_t left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
-// The K % 128 tail (whole blocks of 32, x in codec order) and the hoisted bias, for W row n and
-// one row of x (its xtail, xsum).
-template <typename T, int G>
+// The K % (codes per chunk) tail (whole blocks of 32, x in codec order) and the hoisted bias,
+// for W row n and one row of x (its xtail, xsum).
+template <typename T, int G, int BITS>
 float row_rest(const QmmArgs& a, int64_t n, const float* xtail, const float* xsum) {
-  using Blk = Block32<4>;
-  const int64_t groups = a.K / G, kb0 = a.K / 128 * 4, blocks = a.K / 32;
+  using Blk = Block32<BITS>;
+  const int64_t groups = a.K / G, kb0 = a.K / kCodesPerChunk<BITS> * kCodesPerChunk<BITS> / 32, blocks = a.K / 32;
   const T* s = static_cast<const T*>(a.scales) + n * groups;
   const T* b = static_cast<const T*>(a.biases) + n * groups;
-  const uint8_t* row = a.wq + n * (a.K / 2);
+  const uint8_t* row = a.wq + n * (a.K * BITS / 8);
   float t = 0.0f;
   for (int64_t kb = kb0; kb < blocks; ++kb) {
     f32x16 v0, v1;
@@ -84,7 +84,8 @@ float row_rest(const QmmArgs& a, int64_t n, const float* xtail, const float* xsu
   return t;
 }
 
-// Prepared x: per row of x, C::kXPerChunk values per chunk (x), K % 128 in codec order (tail),
+// Prepared x: per row of x, C::kXPerChunk values per chunk (x), the K % (codes per chunk) tail in
+// codec order (tail),
 // and the sum over each group (sum).
 template <typename C>
 struct PreparedX {
@@ -101,7 +102,7 @@ void run_block(const QmmArgs& a, int64_t n0, int64_t n1, int64_t m0, const Prepa
   for (int m = 0; m < MB; ++m) xr[m] = px.x.data() + (m0 + m) * px.x_stride;
   auto finish = [&](int64_t n, int r, int m, float part) {
     const int64_t row = m0 + m;
-    y[row * a.N + n + r] = part + row_rest<T, G>(a, n + r, px.tail.data() + row * px.tail_stride,
+    y[row * a.N + n + r] = part + row_rest<T, G, C::kBits>(a, n + r, px.tail.data() + row * px.tail_stride,
                                                  px.sum.data() + row * px.sum_stride);
   };
   int64_t n = n0;
@@ -123,7 +124,7 @@ void run_span(const QmmArgs& a, int64_t i, const PreparedX<C>& px, float* y) {
   const int64_t n0 = i * kSpanRows, n1 = std::min(a.N, n0 + kSpanRows);
   for (int64_t m0 = 0; m0 < a.M;) {
     const int mb = x_block_rows(a.M - m0);
-    if constexpr (std::is_same_v<C, F32Chunk>) {  // M = 1 only (qmm_t_q4_chunked_tile)
+    if constexpr (std::is_same_v<C, F32Chunk>) {  // M = 1 only (qmm_t_chunked_tile)
       run_block<T, G, C, 1>(a, n0, n1, m0, px, y);
     } else {
       switch (mb) {
@@ -139,7 +140,7 @@ void run_span(const QmmArgs& a, int64_t i, const PreparedX<C>& px, float* y) {
 template <typename C>
 void run(const QmmArgs& a, const PreparedX<C>& px, float* y) {
   const int64_t spans = (a.N + kSpanRows - 1) / kSpanRows;
-  dispatch_bits_dtype(4, a.dtype, [&](auto, auto t) {
+  dispatch_bits_dtype(C::kBits, a.dtype, [&](auto, auto t) {
     using T = decltype(t);
     auto with_group = [&](auto gc) {
       constexpr int G = decltype(gc)::value;
@@ -156,7 +157,7 @@ void run(const QmmArgs& a, const PreparedX<C>& px, float* y) {
 
 // Whether this kernel may take x: finite, and every nonzero |x| in [2^-98, 2^100]. Below, the
 // float32 chunk's x * 2^-28 and the bfloat16 terms (flushed by vdpbf16ps under 2^-126) would
-// lose bits; above, the unscaled sums of q * x (up to 128 * 15 * |x| per group) could overflow
+// lose bits; above, the unscaled sums of q * x (up to 128 * 255 * |x| per group) could overflow
 // where s * q * x does not. Other x take the fused kernel, which scales before multiplying.
 bool x_in_range(const float* x, int64_t n) {
   bool ok = true;
@@ -176,18 +177,21 @@ void prepare_row(const float* x, int64_t chunks, float* xw, F32Chunk) {
 }
 
 #if defined(__AVX512BF16__)
-// One row of x, whole chunks -> P bfloat16 terms per element for Bf16Chunk<P>: term t = what
-// terms 0..t-1 left, rounded to nearest even. Every float32 is the exact sum of its 3 terms (8
-// significant bits each); float16 of its first 2.
-template <int P>
-void prepare_row(const float* x, int64_t chunks, uint16_t* xb, Bf16Chunk<P>) {
+// One row of x, whole chunks -> P bfloat16 terms per element for Bf16Chunk<P, BITS>, in plane
+// order (xb[c][plane j][term t][lane i] for code Planes::code(j, i), times 2^x_shift(j)): term t
+// = what terms 0..t-1 left, rounded to nearest even. Every float32 is the exact sum of its 3
+// terms (8 significant bits each); float16 of its first 2. Scaling by 2^x_shift is exact.
+template <int P, int BITS>
+void prepare_row(const float* x, int64_t chunks, uint16_t* xb, Bf16Chunk<P, BITS>) {
+  using Geo = Planes<BITS>;
+  constexpr int kCodes = kCodesPerChunk<BITS>;
   for (int64_t c = 0; c < chunks; ++c)
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < Geo::kCount; ++j)
       for (int i = 0; i < 32; ++i) {
-        float rest = x[128 * c + 4 * i + j];
+        float rest = std::ldexp(x[kCodes * c + Geo::code(j, i)], Geo::x_shift(j));
         for (int t = 0; t < P; ++t) {
           const c10::BFloat16 term(rest);
-          xb[c * 128 * P + (j * P + t) * 32 + i] = term.x;
+          xb[c * Bf16Chunk<P, BITS>::kXPerChunk + (j * P + t) * 32 + i] = term.x;
           rest -= static_cast<float>(term);
         }
       }
@@ -196,7 +200,8 @@ void prepare_row(const float* x, int64_t chunks, uint16_t* xb, Bf16Chunk<P>) {
 
 template <typename C>
 void prepare_and_run(const QmmArgs& a, float* y) {
-  const int64_t K = a.K, chunks = K / 128, kw = chunks * 128, groups = K / a.group_size;
+  constexpr int kCodes = kCodesPerChunk<C::kBits>;
+  const int64_t K = a.K, chunks = K / kCodes, kw = chunks * kCodes, groups = K / a.group_size;
   PreparedX<C> px;
   px.x_stride = chunks * C::kXPerChunk;
   px.tail_stride = K - kw;
@@ -207,7 +212,8 @@ void prepare_and_run(const QmmArgs& a, float* y) {
   for (int64_t m = 0; m < a.M; ++m) {
     const float* xm = a.x + m * K;
     prepare_row(xm, chunks, px.x.data() + m * px.x_stride, C{});
-    for (int64_t p = kw; p < K; ++p) px.tail[m * px.tail_stride + p - kw] = xm[kw + codec_to_natural(4, p - kw)];
+    for (int64_t p = kw; p < K; ++p)
+      px.tail[m * px.tail_stride + p - kw] = xm[kw + codec_to_natural(C::kBits, p - kw)];
     for (int64_t g = 0; g < groups; ++g) {
       float t = 0.0f;
       for (int i = 0; i < a.group_size; ++i) t += xm[g * a.group_size + i];
@@ -217,28 +223,40 @@ void prepare_and_run(const QmmArgs& a, float* y) {
   run<C>(a, px, y);
 }
 
+#if defined(__AVX512BF16__)
+template <int BITS>
+void run_bf16(const QmmArgs& a, float* y) {
+  switch (a.x_bf16_terms) {
+    case 1: return prepare_and_run<Bf16Chunk<1, BITS>>(a, y);
+    case 2: return prepare_and_run<Bf16Chunk<2, BITS>>(a, y);
+    default: return prepare_and_run<Bf16Chunk<3, BITS>>(a, y);
+  }
+}
+#endif
+
 }  // namespace
 
-const char* qmm_t_q4_chunked_tile(const QmmArgs& a) {
-  if (a.bits != 4 || a.M < 1 || a.K < 128) return nullptr;
+const char* qmm_t_chunked_tile(const QmmArgs& a) {
+  if (a.bits != 2 && a.bits != 4 && a.bits != 8) return nullptr;
+  if (a.M < 1 || a.K < 512 / a.bits) return nullptr;  // at least one chunk
   if (a.group_size != 32 && a.group_size != 64 && a.group_size != 128) return nullptr;
   const char* tile = nullptr;
 #if defined(__AVX512BF16__)
-  if (!a.avoid_bf16 && a.M <= chunked_max_rows(a.x_bf16_terms))
+  if (!a.avoid_bf16 && a.M <= chunked_max_rows(a.bits, a.x_bf16_terms))
     tile = a.x_bf16_terms == 1 ? "bf16x1" : a.x_bf16_terms == 2 ? "bf16x2" : "bf16x3";
   if (!a.avoid_bf16 && tile == nullptr) return nullptr;
 #endif
-  if (tile == nullptr && a.M == 1) tile = "f32";  // the float32 chunk serves M = 1 only
+  if (tile == nullptr && a.M == 1 && a.bits == 4) tile = "f32";  // the float32 chunk: 4-bit, M = 1
   return tile != nullptr && x_in_range(a.x, a.M * a.K) ? tile : nullptr;
 }
 
-void qmm_t_q4_chunked(const QmmArgs& a, float* y) {
+void qmm_t_chunked(const QmmArgs& a, float* y) {
 #if defined(__AVX512BF16__)
   if (!a.avoid_bf16) {
-    switch (a.x_bf16_terms) {
-      case 1: return prepare_and_run<Bf16Chunk<1>>(a, y);
-      case 2: return prepare_and_run<Bf16Chunk<2>>(a, y);
-      default: return prepare_and_run<Bf16Chunk<3>>(a, y);
+    switch (a.bits) {
+      case 2: return run_bf16<2>(a, y);
+      case 4: return run_bf16<4>(a, y);
+      default: return run_bf16<8>(a, y);
     }
   }
 #endif
@@ -247,9 +265,9 @@ void qmm_t_q4_chunked(const QmmArgs& a, float* y) {
 
 #else  // no AVX-512: the fused kernel serves these shapes.
 
-const char* qmm_t_q4_chunked_tile(const QmmArgs&) { return nullptr; }
-void qmm_t_q4_chunked(const QmmArgs&, float*) {
-  TORCH_CHECK(false, "affine_qmm: the 4-bit chunk kernels need AVX-512");
+const char* qmm_t_chunked_tile(const QmmArgs&) { return nullptr; }
+void qmm_t_chunked(const QmmArgs&, float*) {
+  TORCH_CHECK(false, "affine_qmm: the chunk kernels need AVX-512");
 }
 
 #endif

@@ -1,0 +1,228 @@
+// The 64-byte chunk kernels for bits 2/4/8, transpose=True, small M (qmm_chunked.cpp drives
+// them). A 64-byte load of a packed row is one *chunk* of 512/BITS codes; x is rearranged once
+// per call so that every code meets its x in-lane, with no shuffle of W. Two ways to multiply:
+//
+// bfloat16 (AVX512_BF16: vdpbf16ps, 32 products per instruction summed in float32). The chunk is
+// 32 u16 words, each cut into *planes* of F = 4 bits (2 for BITS=2): plane j holds bits
+// [F*j, F*j + F) of every word. One vpermw per plane maps each word's low 5 bits, after an F*j
+// shift, through a 32-entry table to the bfloat16 of the field (exact: <= 4 significant bits):
+//   4-bit: plane j (0..3), u16 lane i = q[4i + j]
+//   8-bit: planes 2h, 2h+1 = low / high nibble of q[2i + h]  (x of the high one times 16)
+//   2-bit: plane j (0..7), u16 lane i = q[8i + j]
+// and float32 lane l sums u16 lanes 2l, 2l+1, i.e. codes (32/BITS)*l .. + 32/BITS - 1.
+// Each row of x enters as P bfloat16 terms laid out the same way (xb[c][plane][t][32]). Each
+// product field * term is exact in float32, and P = 3 / 2 / 1 terms hold float32 / float16 /
+// bfloat16 x exactly: the result is a float32 sum of the exact products q * x. For float32 x,
+// torch.set_float32_matmul_precision("high" / "medium") allows P = 2 / 1 (x kept to ~16 / 8
+// significant bits, relative error <= 2^-16 / 2^-8 per element): the trade PyTorch makes for
+// its own float32 matmuls at those settings (QmmArgs::x_bf16_terms).
+// A W chunk is decoded once for all the x rows of a tile.
+//
+// float32 (4-bit only; AVX-512 without BF16, M = 1). The chunk is 16 dwords of 8 nibbles:
+//   vector j (0..7), lane l:  w & (15 << 4j)  =  q[8l + j] * 16^j     (no shift)
+//   converted unsigned (exact: 4 significant bits), times xw[c][j][l] = x[128c + 8l + j] * 2^-4j
+// so every 16 codes cost one and, one convert and one FMA; scaling x by a power of two makes
+// each product exactly q * x (for |x| >= 2^-98).
+//
+// Both leave lane l with codes of one group, so the scale is a per-lane vector (chunk_lanes)
+// applied once per chunk, and the bias is hoisted out of the chunk loop (qmm_chunked.cpp):
+//   y[m, n] = sum_c hsum(s_c * p_c) + sum_g b[g] * xsum[m, g]     (xsum = sum of x over a group)
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "qmm_kernels.h"
+
+namespace torch_qmm {
+namespace cpu {
+namespace chunk {
+
+template <int BITS>
+constexpr int kCodesPerChunk = 512 / BITS;
+
+// f(integral_constant<int, J>) for J in the sequence, unrolled.
+template <typename F, int... J>
+__attribute__((always_inline)) inline void for_each_index(F&& f, std::integer_sequence<int, J...>) {
+  (f(std::integral_constant<int, J>{}), ...);
+}
+
+// Per-lane scales of a chunk: lane l gets float(s[(32/BITS) * l / G]), s pointing at the group
+// of the chunk's first code. Reads exactly the groups the chunk touches (one if G > its codes).
+template <typename T, int G, int BITS>
+inline __m512 chunk_lanes(const T* s) {
+  constexpr int kCodes = kCodesPerChunk<BITS>, kGroups = kCodes >= G ? kCodes / G : 1;
+  constexpr __mmask16 kMask = __mmask16((1u << kGroups) - 1);
+  __m512 v;
+  if constexpr (std::is_same_v<T, float>) {
+    v = _mm512_maskz_loadu_ps(kMask, s);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(kMask, s);
+    if constexpr (std::is_same_v<T, c10::Half>)
+      v = _mm512_cvtph_ps(h);
+    else
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  if constexpr (kGroups == 1) return _mm512_permutexvar_ps(_mm512_setzero_si512(), v);
+  alignas(64) static constexpr auto idx = [] {
+    struct { int32_t i[16]; } t{};
+    for (int l = 0; l < 16; ++l) t.i[l] = (32 / BITS) * l / G;
+    return t;
+  }();
+  return _mm512_permutexvar_ps(_mm512_load_si512(idx.i), v);
+}
+
+// The next tile's scales and biases (rows [n+R, n+2R)): 2*R more streams than the hardware
+// prefetcher follows well (float32 scales: ~10-15% faster with this, 2 threads).
+template <typename T, int R>
+inline void prefetch_params(const QmmArgs& a, int64_t n, int64_t groups) {
+  const T* scale = static_cast<const T*>(a.scales) + (n + R) * groups;
+  const T* bias = static_cast<const T*>(a.biases) + (n + R) * groups;
+  for (int64_t off = 0; off < R * groups * int64_t(sizeof(T)); off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(scale) + off, _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(bias) + off, _MM_HINT_T1);
+  }
+}
+
+// How the codes of one chunk meet x, for R rows of W and MB rows of x at once:
+// p[r][m] += (q of W row r) * (x row m), lane l holding the products of codes (32/BITS) * l ..
+// + 32/BITS - 1, all in one group (chunk_lanes). Always inlined: a call would send w and p through memory
+// (GCC did not inline it: ~50% slower).
+struct F32Chunk {
+  static constexpr int kBits = 4;
+  using X = float;
+  static constexpr int64_t kXPerChunk = 128;  // xw floats per chunk per x row
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void dot(const __m512i (&w)[R], const float* const (&xc)[MB],
+                                                        __m512 (&p)[R][MB]) {
+    // One chain per (r, m): 8 FMAs per chunk at 4 cycles each hide under the other rows' work.
+    auto step = [&](auto jc) __attribute__((always_inline)) {
+      constexpr int j = decltype(jc)::value;
+      const __m512i mask = _mm512_set1_epi32(int(15u << (4 * j)));
+      __m512 xj[MB];
+      for (int m = 0; m < MB; ++m) xj[m] = _mm512_loadu_ps(xc[m] + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m512 q = _mm512_cvtepu32_ps(_mm512_and_si512(w[r], mask));
+        for (int m = 0; m < MB; ++m) p[r][m] = _mm512_fmadd_ps(q, xj[m], p[r][m]);
+      }
+    };
+    for_each_index(step, std::make_integer_sequence<int, 8>{});
+  }
+};
+
+#if defined(__AVX512BF16__)
+// Plane geometry of BITS: F-bit fields, 16 / F planes per u16 word.
+template <int BITS>
+struct Planes {
+  static_assert(BITS == 2 || BITS == 4 || BITS == 8, "bfloat16 chunks: bits 2, 4 or 8");
+  static constexpr int kFieldBits = BITS == 2 ? 2 : 4;
+  static constexpr int kCount = 16 / kFieldBits;
+  // Code (within the chunk) of plane j, u16 lane i, and the power of two its x is scaled by.
+  static constexpr int code(int j, int i) { return (16 / BITS) * i + kFieldBits * j / BITS; }
+  static constexpr int x_shift(int j) { return kFieldBits * j % BITS; }
+  // u16 entry e = bfloat16 bits of float(e mod 2^F): vpermw indexes by the low 5 bits.
+  struct Table { alignas(64) uint16_t e[32]; };
+  static constexpr Table table() {
+    Table t{};
+    for (int e = 0; e < 32; ++e) {
+      const int v = e & ((1 << kFieldBits) - 1);  // bfloat16 of a small integer: exponent + 3 bits
+      int exp = 0;
+      while ((2 << exp) <= v) ++exp;
+      t.e[e] = v == 0 ? 0 : uint16_t(((127 + exp) << 7) | (((v << 7) >> exp) & 0x7F));
+    }
+    return t;
+  }
+};
+
+template <int P, int BITS>
+struct Bf16Chunk {
+  static constexpr int kBits = BITS;
+  using X = uint16_t;
+  using Geometry = Planes<BITS>;
+  static constexpr int64_t kXPerChunk = 32 * Geometry::kCount * P;  // bfloat16 terms per chunk per x row
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void dot(const __m512i (&w)[R], const uint16_t* const (&xc)[MB],
+                                                        __m512 (&p)[R][MB]) {
+    alignas(64) static constexpr typename Geometry::Table kTable = Geometry::table();
+    const __m512i table = _mm512_load_si512(kTable.e);
+    // vdpbf16ps has ~6 cycles of latency: below 8 independent (r, m) chains, alternate two
+    // accumulators per chain.
+    constexpr bool kTwoChains = R * MB < 8;
+    __m512 q[R][MB];
+    if constexpr (kTwoChains)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) q[r][m] = _mm512_setzero_ps();
+    auto step = [&](auto jc) __attribute__((always_inline)) {
+      constexpr int j = decltype(jc)::value;
+      __m512i v[R];
+      for (int r = 0; r < R; ++r)
+        v[r] = _mm512_permutexvar_epi16(j == 0 ? w[r] : _mm512_srli_epi16(w[r], Geometry::kFieldBits * j), table);
+      for (int t = 0; t < P; ++t)
+        for (int m = 0; m < MB; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xc[m] + (j * P + t) * 32);
+          for (int r = 0; r < R; ++r) {
+            __m512& chain = kTwoChains && (j * P + t) % 2 ? q[r][m] : p[r][m];
+            chain = _mm512_dpbf16_ps(chain, (__m512bh)v[r], (__m512bh)xv);
+          }
+        }
+    };
+    for_each_index(step, std::make_integer_sequence<int, Geometry::kCount>{});
+    if constexpr (kTwoChains)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) p[r][m] = _mm512_add_ps(p[r][m], q[r][m]);
+  }
+};
+#endif
+
+// W rows [n, n+R) times MB rows of x (xr[m]: that row's prepared x, C::kXPerChunk per chunk):
+// out[r][m] = sum over whole chunks of s*q*x.
+template <typename T, int R, int MB, int G, typename C>
+void tile(const QmmArgs& a, int64_t n, const typename C::X* const (&xr)[MB], float (&out)[R][MB]) {
+  constexpr int kCodes = kCodesPerChunk<C::kBits>;
+  const int64_t chunks = a.K / kCodes, row_bytes = a.K * C::kBits / 8, groups = a.K / G;
+  const uint8_t* row[R];
+  const T* s[R];
+  for (int r = 0; r < R; ++r) {
+    row[r] = a.wq + (n + r) * row_bytes;
+    s[r] = static_cast<const T*>(a.scales) + (n + r) * groups;
+  }
+  prefetch_params<T, R>(a, n, groups);
+  __m512 acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i w[R];
+    for (int r = 0; r < R; ++r) {
+      // The same chunk of the next tile's row r: the rows are contiguous.
+      _mm_prefetch(reinterpret_cast<const char*>(row[r] + R * row_bytes + c * 64), _MM_HINT_T1);
+      w[r] = _mm512_loadu_si512(row[r] + c * 64);
+    }
+    __m512 p[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) p[r][m] = _mm512_setzero_ps();
+    const typename C::X* xc[MB];
+    for (int m = 0; m < MB; ++m) xc[m] = xr[m] + c * C::kXPerChunk;
+    C::template dot<R, MB>(w, xc, p);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sl = chunk_lanes<T, G, C::kBits>(s[r] + c * kCodes / G);
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(p[r][m], sl, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+}  // namespace chunk
+}  // namespace cpu
+}  // namespace torch_qmm
+
+#endif  // AVX-512
