@@ -18,6 +18,7 @@
 
 #include "../gguf_format.h"
 #include "../gguf_validate.h"
+#include "decode.h"
 
 namespace torch_qmm {
 namespace {
@@ -61,50 +62,74 @@ void decode_q6_K(const uint8_t* raw, float* y) {
     const uint8_t* qh = b.qh + 32 * h;
     const int8_t* sc = b.scales + 8 * h;
     float* yh = y + 128 * h;
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = int((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = int((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = int((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = int((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      yh[l] = d * float(sc[is + 0]) * float(q1);
-      yh[l + 32] = d * float(sc[is + 2]) * float(q2);
-      yh[l + 64] = d * float(sc[is + 4]) * float(q3);
-      yh[l + 96] = d * float(sc[is + 6]) * float(q4);
+    // Runs of 16 share their four scales, so the inner loop has none to look up (vectorizes).
+    for (int is = 0; is < 2; ++is) {
+      const float s1 = d * float(sc[is]), s2 = d * float(sc[is + 2]), s3 = d * float(sc[is + 4]),
+                  s4 = d * float(sc[is + 6]);
+      for (int l = 16 * is; l < 16 * is + 16; ++l) {
+        const int q1 = int((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = int((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = int((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = int((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        yh[l] = s1 * float(q1);
+        yh[l + 32] = s2 * float(q2);
+        yh[l + 64] = s3 * float(q3);
+        yh[l + 96] = s4 * float(q4);
+      }
     }
   }
 }
 
-using DecodeFn = void (*)(const uint8_t*, float*);
+// The decoder of a type as a functor (inlined into the loops below; a function pointer was not).
+struct DecodeQ4K {
+  void operator()(const uint8_t* raw, float* y) const { decode_q4_K(raw, y); }
+};
+struct DecodeQ6K {
+  void operator()(const uint8_t* raw, float* y) const { decode_q6_K(raw, y); }
+};
 
-DecodeFn decoder_for(int64_t ggml_type) { return ggml_type == gguf::kTypeQ4_K ? decode_q4_K : decode_q6_K; }
+template <typename F>
+void with_decoder(int64_t ggml_type, F&& f) {
+  if (ggml_type == gguf::kTypeQ4_K)
+    f(DecodeQ4K{});
+  else
+    f(DecodeQ6K{});
+}
 
+// sum_j w[j] * x[j] over one super-block, 16 lanes at a time (a scalar `s += w * x` loop stays
+// scalar: float sums are not reassociated without -ffast-math).
+inline float dot_block(const float* w, const float* x) {
+  cpu::f32x16 a0{}, a1{};
+  for (int j = 0; j < kQK_K; j += 32) {
+    a0 += cpu::load16(w + j) * cpu::load16(x + j);
+    a1 += cpu::load16(w + j + 16) * cpu::load16(x + j + 16);
+  }
+  return cpu::hsum16(a0 + a1);
+}
+
+template <typename Decode>
 void qmm_fused(const float* xf, const uint8_t* blocks, float* yf, int64_t M, int64_t N, int64_t K,
-               int64_t bytes_per_block, DecodeFn decode) {
+               int64_t bytes_per_block, Decode decode) {
   const int64_t nb = K / kQK_K;
   const int64_t row_bytes = nb * bytes_per_block;
   at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
-    float w[kQK_K];
+    alignas(64) float w[kQK_K];
     std::vector<float> acc(M);
     for (int64_t n = n0; n < n1; ++n) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       const uint8_t* row = blocks + n * row_bytes;
       for (int64_t b = 0; b < nb; ++b) {
         decode(row + b * bytes_per_block, w);  // once per super-block, reused for all M rows of x
-        for (int64_t m = 0; m < M; ++m) {
-          const float* xb = xf + m * K + b * kQK_K;
-          float s = 0.0f;
-          for (int j = 0; j < kQK_K; ++j) s += w[j] * xb[j];
-          acc[m] += s;
-        }
+        for (int64_t m = 0; m < M; ++m) acc[m] += dot_block(w, xf + m * K + b * kQK_K);
       }
       for (int64_t m = 0; m < M; ++m) yf[m * N + n] = acc[m];
     }
   });
 }
 
+template <typename Decode>
 void decode_rows(const uint8_t* blocks, float* dst, int64_t r0, int64_t r1, int64_t K, int64_t bytes_per_block,
-                 DecodeFn decode) {
+                 Decode decode) {
   const int64_t nb = K / kQK_K;
   const int64_t row_bytes = nb * bytes_per_block;
   at::parallel_for(r0, r1, 4, [&](int64_t a, int64_t b) {
@@ -125,17 +150,18 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
   at::Tensor yf = at::empty({M, N}, xf.options());
   const auto* w = blocks.data_ptr<uint8_t>();
   const int64_t bpb = gguf::block_bytes(ggml_type);
-  const DecodeFn decode = decoder_for(ggml_type);
-  if (M < kGemmMinRows) {
-    qmm_fused(xf.data_ptr<float>(), w, yf.data_ptr<float>(), M, N, K, bpb, decode);
-  } else {
-    at::Tensor wf = at::empty({std::min(kGemmBlockRows, N), K}, xf.options());
-    for (int64_t r0 = 0; r0 < N; r0 += kGemmBlockRows) {
-      const int64_t r1 = std::min(N, r0 + kGemmBlockRows);
-      decode_rows(w, wf.data_ptr<float>(), r0, r1, K, bpb, decode);
-      yf.narrow(1, r0, r1 - r0).copy_(at::mm(xf, wf.narrow(0, 0, r1 - r0).t()));
+  with_decoder(ggml_type, [&](auto decode) {
+    if (M < kGemmMinRows) {
+      qmm_fused(xf.data_ptr<float>(), w, yf.data_ptr<float>(), M, N, K, bpb, decode);
+    } else {
+      at::Tensor wf = at::empty({std::min(kGemmBlockRows, N), K}, xf.options());
+      for (int64_t r0 = 0; r0 < N; r0 += kGemmBlockRows) {
+        const int64_t r1 = std::min(N, r0 + kGemmBlockRows);
+        decode_rows(w, wf.data_ptr<float>(), r0, r1, K, bpb, decode);
+        yf.narrow(1, r0, r1 - r0).copy_(at::mm(xf, wf.narrow(0, 0, r1 - r0).t()));
+      }
     }
-  }
+  });
   return yf.to(x.scalar_type()).reshape(out_shape);
 }
 
