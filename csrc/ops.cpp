@@ -27,4 +27,5 @@ TORCH_LIBRARY(torch_qmm, m) {
   m.def(
       "_cpu_route(Tensor x, Tensor wq, Tensor scales, Tensor biases, int bits, int group_size, "
       "bool transpose=True) -> str");
+  m.def("_gguf_cpu_route(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> str");
 }

@@ -34,6 +34,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -54,6 +55,19 @@ constexpr int kCodesPerChunk = 512 / BITS;
 template <typename F, int... J>
 __attribute__((always_inline)) inline void for_each_index(F&& f, std::integer_sequence<int, J...>) {
   (f(std::integral_constant<int, J>{}), ...);
+}
+
+// Whether the chunk kernels may take x: finite, and every nonzero |x| in [2^-98, 2^100]. Below, the
+// float32 chunk's x * 2^-28 and the bfloat16 terms (flushed by vdpbf16ps under 2^-126) would
+// lose bits; above, the unscaled sums of q * x (up to 128 * 255 * |x| per group) could overflow
+// where s * q * x does not. Other x take the fused kernel, which scales before multiplying.
+inline bool x_in_range(const float* x, int64_t n) {
+  bool ok = true;
+  for (int64_t k = 0; k < n; ++k) {
+    const float v = std::fabs(x[k]);
+    ok &= (v >= 0x1p-98f && v <= 0x1p100f) || v == 0.0f;  // false for NaN
+  }
+  return ok;
 }
 
 // Per-lane scales of a chunk: lane l gets float(s[(32/BITS) * l / G]), s pointing at the group

@@ -1,7 +1,7 @@
 // CPU gguf_qmm: y[..., N] = x[..., K] @ W.T, W [N, K] given as GGUF K-quant blocks (Q4_K, Q6_K).
 //
-// Small M: each task owns rows of W; a super-block is decoded once to 256 floats and reused for
-// every row of x (the decode is the costly part, as in the affine fused path of qmm.cpp).
+// Q4_K at small M with AVX512_BF16: gguf_chunked.cpp. Otherwise, small M: each task owns rows of
+// W; a super-block is decoded once to 256 floats and reused for every row of x.
 // Large M: rows of W are decoded in blocks to float32 and multiplied with a BLAS GEMM.
 // Accumulation is float32 throughout. Block layouts: csrc/gguf_format.h.
 #include <ATen/Parallel.h>
@@ -14,11 +14,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "../gguf_format.h"
 #include "../gguf_validate.h"
 #include "decode.h"
+#include "gguf_chunked.h"
+#include "qmm_kernels.h"
 
 namespace torch_qmm {
 namespace {
@@ -138,6 +141,18 @@ void decode_rows(const uint8_t* blocks, float* dst, int64_t r0, int64_t r1, int6
   });
 }
 
+cpu::GgufArgs args_for(const at::Tensor& xf, const at::Tensor& blocks, int64_t N, int64_t K, at::ScalarType x_dtype) {
+  cpu::GgufArgs a;
+  a.x = xf.data_ptr<float>();
+  a.blocks = blocks.data_ptr<uint8_t>();
+  a.M = xf.size(0);
+  a.N = N;
+  a.K = K;
+  a.x_bf16_terms = cpu::x_bf16_terms_for(x_dtype);
+  a.avoid_bf16 = cpu::avoid_bf16();
+  return a;
+}
+
 at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_t ggml_type, int64_t N, int64_t K) {
   check_gguf_qmm(x, blocks_in, ggml_type, N, K);
   auto out_shape = x.sizes().vec();
@@ -148,6 +163,11 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
   const at::Tensor blocks = blocks_in.contiguous();
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   at::Tensor yf = at::empty({M, N}, xf.options());
+  const cpu::GgufArgs a = args_for(xf, blocks, N, K, x.scalar_type());
+  if (cpu::gguf_q4k_chunked_tile(a, ggml_type) != nullptr) {
+    cpu::gguf_q4k_chunked(a, yf.data_ptr<float>());
+    return yf.to(x.scalar_type()).reshape(out_shape);
+  }
   const auto* w = blocks.data_ptr<uint8_t>();
   const int64_t bpb = gguf::block_bytes(ggml_type);
   with_decoder(ggml_type, [&](auto decode) {
@@ -165,8 +185,24 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
   return yf.to(x.scalar_type()).reshape(out_shape);
 }
 
+// Which CPU kernel gguf_qmm would run: "chunked/<multiplier>", "fused", "gemm", or "empty".
+std::string gguf_qmm_cpu_route(const at::Tensor& x, const at::Tensor& blocks_in, int64_t ggml_type, int64_t N,
+                               int64_t K) {
+  check_gguf_qmm(x, blocks_in, ggml_type, N, K);
+  const int64_t M = x.numel() / K;
+  if (M == 0 || N == 0) return "empty";
+  const at::Tensor blocks = blocks_in.contiguous();
+  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  if (const char* t = cpu::gguf_q4k_chunked_tile(args_for(xf, blocks, N, K, x.scalar_type()), ggml_type))
+    return std::string("chunked/") + t;
+  return M < kGemmMinRows ? "fused" : "gemm";
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_qmm, CPU, m) { m.impl("gguf_qmm", &gguf_qmm_cpu); }
+TORCH_LIBRARY_IMPL(torch_qmm, CPU, m) {
+  m.impl("gguf_qmm", &gguf_qmm_cpu);
+  m.impl("_gguf_cpu_route", &gguf_qmm_cpu_route);
+}
 
 }  // namespace torch_qmm

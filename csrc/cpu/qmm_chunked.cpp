@@ -155,19 +155,6 @@ void run(const QmmArgs& a, const PreparedX<C>& px, float* y) {
   });
 }
 
-// Whether this kernel may take x: finite, and every nonzero |x| in [2^-98, 2^100]. Below, the
-// float32 chunk's x * 2^-28 and the bfloat16 terms (flushed by vdpbf16ps under 2^-126) would
-// lose bits; above, the unscaled sums of q * x (up to 128 * 255 * |x| per group) could overflow
-// where s * q * x does not. Other x take the fused kernel, which scales before multiplying.
-bool x_in_range(const float* x, int64_t n) {
-  bool ok = true;
-  for (int64_t k = 0; k < n; ++k) {
-    const float v = std::fabs(x[k]);
-    ok &= (v >= 0x1p-98f && v <= 0x1p100f) || v == 0.0f;  // false for NaN
-  }
-  return ok;
-}
-
 // One row of x, whole chunks -> xw for F32Chunk (lanes of vector j times 2^-4j: exact in range).
 void prepare_row(const float* x, int64_t chunks, float* xw, F32Chunk) {
   static constexpr float kPow[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f};

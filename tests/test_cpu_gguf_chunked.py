@@ -1,0 +1,102 @@
+"""The CPU Q4_K chunk kernel (csrc/cpu/gguf_chunked.cpp) against gguf.quants.dequantize.
+
+gguf_qmm on CPU takes it for Q4_K when the build has AVX512_BF16 (not avoided with
+TORCH_QMM_CPU_NO_BF16=1), x in range, and M up to 16 / 32 / 128 rows for float32 / float16 /
+bfloat16 x (its bfloat16 terms: 3 / 2 / 1). torch.ops.torch_qmm._gguf_cpu_route names the
+kernel a call takes; each test checks it reached the one it means to test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from gguf_helpers import Q4_K, Q6_K, assert_matches_reference, random_k_blocks
+from test_cpu_chunked import HAS_BF16, TERMS
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+MAX_ROWS = {3: 16, 2: 32, 1: 128}  # by bfloat16 terms of x
+
+pytestmark = pytest.mark.skipif(not HAS_BF16, reason="the Q4_K chunk kernel needs AVX512_BF16; other CPUs use the fused decode (tests/test_gguf_qmm.py)")
+
+
+def _case(n: int, k: int, seed: int, ggml_type=Q4_K):
+    blocks = random_k_blocks(ggml_type, n, k, np.random.default_rng(seed))
+    w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
+    return torch.from_numpy(blocks), w
+
+
+def route(x, blocks, n, k, ggml_type=Q4_K) -> str:
+    return torch.ops.torch_qmm._gguf_cpu_route(x, blocks, int(ggml_type), n, k)
+
+
+def check(x, blocks, w, n, k, dtype, what):
+    y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(Q4_K), n, k)
+    xd = x.double()
+    assert_matches_reference(y, xd @ w.T, xd.abs() @ w.abs().T, dtype, what)
+
+
+def expected(dtype, m: int) -> str:
+    terms = TERMS.get(dtype, 3)
+    if m <= MAX_ROWS[terms]:
+        return f"chunked/bf16x{terms}"
+    return "fused" if m < 16 else "gemm"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q4k_chunk_kernel_matches_gguf_dequantize(dtype):
+    """Super-blocks 1 and 3, W rows in tiles of 4/2/1 and spans of 128, x rows in blocks of 4/2/1."""
+    for n, k in [(1, 256), (5, 768), (130, 512), (261, 256)]:
+        blocks, w = _case(n, k, seed=n + k)
+        x_all = torch.randn(16, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+        for m in [1, 2, 3, 4, 5, 7, 16]:
+            x = x_all[:m]
+            assert route(x, blocks, n, k) == expected(dtype, m)
+            check(x, blocks, w, n, k, dtype, f"M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q4k_chunk_kernel_up_to_its_row_limit(dtype):
+    blocks, w = _case(20, 512, seed=3)
+    limit = MAX_ROWS[TERMS.get(dtype, 3)]
+    for m in [limit, limit + 1]:
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
+        assert route(x, blocks, 20, 512) == expected(dtype, m)
+        check(x, blocks, w, 20, 512, dtype, f"M={m}")
+
+
+def test_q4k_scales_and_mins_use_all_six_bits():
+    """Every 6-bit scale and min value (high bits from the packed bytes) on the chunk kernel:
+    blocks with scale bytes sweeping 0..255 against the gguf package."""
+    n, k = 256, 256
+    blocks, _ = _case(n, k, seed=4)
+    raw = blocks.numpy().reshape(n, 144).copy()
+    raw[:, 4:16] = (np.arange(n)[:, None] * 7 + np.arange(12)[None, :] * 31) % 256
+    w = torch.from_numpy(quants.dequantize(raw, Q4_K)).double()
+    blocks = torch.from_numpy(raw.reshape(n, -1))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    assert route(x, blocks, n, k) == "chunked/bf16x3"
+    check(x, blocks, w, n, k, torch.float32, "all scale bytes")
+
+
+def test_q4k_chunk_kernel_two_threads_and_batched_x(threads):
+    blocks, w = _case(300, 1024, seed=6)
+    x = torch.randn(2, 3, 1024, generator=torch.Generator().manual_seed(6))
+    assert route(x, blocks, 300, 1024) == "chunked/bf16x3"
+    y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(Q4_K), 300, 1024)
+    xd = x.double()
+    assert_matches_reference(y, xd @ w.T, xd.abs() @ w.abs().T, torch.float32, "2 threads")
+
+
+def test_other_inputs_take_the_fused_decode(monkeypatch):
+    blocks, w = _case(8, 256, seed=7)
+    x = torch.randn(1, 256)
+    x[0, 9] = 1e-35  # below 2^-98: the bfloat16 terms would be flushed
+    assert route(x, blocks, 8, 256) == "fused"
+    check(x, blocks, w, 8, 256, torch.float32, "tiny x")
+    x6, _ = _case(8, 256, seed=8, ggml_type=Q6_K)
+    assert route(torch.randn(1, 256), x6, 8, 256, Q6_K) == "fused"
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
+    assert route(torch.randn(1, 256), blocks, 8, 256) == "fused"
