@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bits", type=_ints, default=None, help="default 4,8")
     parser.add_argument("--dtype", type=_strs, default=None, help="default float32,float16,bfloat16")
     parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--gguf", type=_strs, default=None,
+                        help="native GGUF types (Q4_K, Q6_K): time gguf_qmm on random blocks instead of "
+                             "affine_qmm (--bits ignored)")
     parser.add_argument("--peers", type=_strs, default=None,
                         help="only these peers (linear_float32, linear_float16, linear_bfloat16, int8pack, "
                              "int4pack, mlx); default all")
@@ -74,12 +77,13 @@ def configs(args: argparse.Namespace, device: str) -> list[Config]:
     ms = args.m or quick.get("m") or MS
     bits = args.bits or quick.get("bits") or BITS
     dtypes = args.dtype or quick.get("dtype") or DTYPES
+    formats = [("affine", b) for b in bits] if not args.gguf else [(f, 4) for f in args.gguf]
     out = []
     for shape in shapes:
         n, k = (int(v) for v in shape.lower().split("x"))
-        for b in bits:
+        for fmt, b in formats:
             for d in dtypes:
-                out += [Config(n, k, m, b, d, args.group_size, device) for m in ms]
+                out += [Config(n, k, m, b, d, args.group_size, device, fmt) for m in ms]
     return out
 
 
@@ -120,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         r = run_config(cfg, args.repeats, cache, peer_ok, peer_cache, mlx_max_m=args.mlx_max_m)
         results.append(r)
         sp = ", ".join(f"{p} {v:.2f}x" for p, v in r.speedups().items())
-        print(f"  {cfg.n}x{cfg.k} M={cfg.m} {cfg.bits}-bit {cfg.dtype}: {r.times_ms['torch_qmm']:.3f} ms "
+        print(f"  {cfg.n}x{cfg.k} M={cfg.m} {cfg.label} {cfg.dtype}: {r.times_ms['torch_qmm']:.3f} ms "
               f"({r.gbps():.1f} GB/s); {sp}", flush=True)
     skipped = {p: why for r in results for p, why in r.skipped.items()}
     print()

@@ -20,10 +20,12 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from .. import reference
 from ..devices import synchronize
-from ..ops import quantized_matmul
+from ..ops import gguf_matmul, quantized_matmul
 from ..tolerance import worst_ratio
 
 OURS = "torch_qmm"
@@ -38,6 +40,11 @@ class Config:
     dtype: str  # of x, scales, biases
     group_size: int = 64
     device: str = "cpu"
+    fmt: str = "affine"  # or a native GGUF type ("Q4_K", "Q6_K"): gguf_qmm instead of affine_qmm
+
+    @property
+    def label(self) -> str:
+        return f"{self.bits}-bit" if self.fmt == "affine" else self.fmt
 
 
 @dataclasses.dataclass
@@ -75,7 +82,37 @@ def copies_for(nbytes: int, cache_bytes: int, max_copies: int = 16) -> int:
     return max(1, min(max_copies, math.ceil(2 * cache_bytes / max(nbytes, 1))))
 
 
+def _rand_gguf(n: int, k: int, fmt: str, device: str, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [n, k/256 * block bytes] of random blocks with small finite f16 super-block scales."""
+    ggml_type = GGMLQuantizationType[fmt]
+    block_bytes = GGML_QUANT_SIZES[ggml_type][1]
+    blocks = torch.randint(0, 256, (n, k // 256, block_bytes), generator=gen, dtype=torch.uint8)
+    scale_at = {"Q4_K": [0, 2], "Q6_K": [block_bytes - 2]}[fmt]  # f16 d (and dmin)
+    for off in scale_at:
+        f16 = (torch.rand(n, k // 256, 1, generator=gen) * 2e-3 + 1e-4).to(torch.float16)
+        blocks[..., off:off + 2] = f16.view(torch.uint8)
+    return blocks.reshape(n, -1).to(device)
+
+
+def _ours_gguf(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) -> Impl:
+    first = _rand_gguf(cfg.n, cfg.k, cfg.fmt, cfg.device, gen)
+    nbytes = first.numel()
+    sets = [first] + [_rand_gguf(cfg.n, cfg.k, cfg.fmt, cfg.device, gen)
+                      for _ in range(copies_for(nbytes, cache_bytes) - 1)]
+    ggml_type = int(GGMLQuantizationType[cfg.fmt])
+    cols = min(64, cfg.n)
+    y = gguf_matmul(x, first[:cols], ggml_type, cols, cfg.k).cpu()
+    w = torch.from_numpy(gguf_quants.dequantize(first[:cols].cpu().numpy(), ggml_type)).double()
+    xd = x.cpu().double()
+    worst = worst_ratio(y, xd @ w.T, xd.abs() @ w.abs().T, getattr(torch, cfg.dtype), torch.get_float32_matmul_precision())
+    if not worst <= 1.0:
+        raise AssertionError(f"torch_qmm output differs from the reference for {cfg} (worst error/bound {worst:.2f})")
+    return (lambda i: gguf_matmul(x, sets[i % len(sets)], ggml_type, cfg.n, cfg.k)), nbytes
+
+
 def _ours(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) -> Impl:
+    if cfg.fmt != "affine":
+        return _ours_gguf(cfg, x, cache_bytes, gen)
     dtype = getattr(torch, cfg.dtype)
     first = _rand_affine(cfg.n, cfg.k, cfg.bits, cfg.group_size, dtype, cfg.device, gen)
     nbytes = sum(t.numel() * t.element_size() for t in first)
@@ -179,6 +216,8 @@ def peers(cfg: Config) -> dict[str, Callable[[int, torch.Generator], Impl]]:
     out: dict[str, Callable[[int, torch.Generator], Impl]] = {}
     for d in (torch.float32, torch.float16, torch.bfloat16):
         out[f"linear_{str(d)[6:]}"] = lambda c, g, d=d: _linear(cfg, d, c, g)
+    if cfg.fmt != "affine":  # the other peers are affine-format counterparts
+        return out
     out["int8pack"] = lambda c, g: _int8pack(cfg, dtype, c, g)
     out["int4pack"] = lambda c, g: _int4pack(cfg, dtype, c, g)
     out["mlx"] = lambda c, g: _mlx(cfg, c, g)

@@ -120,7 +120,7 @@ def format_table(results: list[Result], copy_gbps: float) -> str:
     for r in results:
         c = r.config
         sp = r.speedups()
-        rows.append([f"{c.n}x{c.k}", str(c.m), str(c.bits), c.dtype, f"{r.times_ms[OURS]:.3f}", f"{r.gbps():.1f}",
+        rows.append([f"{c.n}x{c.k}", str(c.m), c.label, c.dtype, f"{r.times_ms[OURS]:.3f}", f"{r.gbps():.1f}",
                      f"{100 * r.gbps() / copy_gbps:.0f}"] + [f"{sp[p]:.2f}" if p in sp else "-" for p in peers])
     note = (f"ms: median torch_qmm time; GB/s: its weight bytes (packed + scales + biases) per second; "
             f"%copy: of the measured copy bandwidth {copy_gbps:.1f} GB/s; x peer: peer time / torch_qmm time "
@@ -158,7 +158,7 @@ def save_plot(path: Path, results: list[Result], info: dict) -> str:
     series: dict[str, list[Result]] = {}
     for r in results:
         c = r.config
-        series.setdefault(f"{c.n}x{c.k} {c.bits}-bit {c.dtype}", []).append(r)
+        series.setdefault(f"{c.n}x{c.k} {c.label} {c.dtype}", []).append(r)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     for label, rs in series.items():
         rs = sorted(rs, key=lambda r: r.config.m)
