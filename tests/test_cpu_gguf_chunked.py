@@ -1,8 +1,8 @@
-"""The CPU Q4_K chunk kernel (csrc/cpu/gguf_chunked.cpp) against gguf.quants.dequantize.
+"""The CPU GGUF chunk kernels (csrc/cpu/gguf_chunked.cpp) against gguf.quants.dequantize.
 
-gguf_qmm on CPU takes it for Q4_K when the build has AVX512_BF16 (not avoided with
-TORCH_QMM_CPU_NO_BF16=1), x in range, and M up to 16 / 32 / 128 rows for float32 / float16 /
-bfloat16 x (its bfloat16 terms: 3 / 2 / 1). torch.ops.torch_qmm._gguf_cpu_route names the
+gguf_qmm on CPU takes them for Q4_K and Q6_K when the build has AVX512_BF16 (not avoided with
+TORCH_QMM_CPU_NO_BF16=1), x in range, and M up to a limit per type and bfloat16 terms of x (3 /
+2 / 1 for float32 / float16 / bfloat16; MAX_ROWS). torch.ops.torch_qmm._gguf_cpu_route names the
 kernel a call takes; each test checks it reached the one it means to test.
 """
 
@@ -17,7 +17,8 @@ from gguf_helpers import Q4_K, Q6_K, assert_matches_reference, random_k_blocks
 from test_cpu_chunked import HAS_BF16, TERMS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-MAX_ROWS = {3: 16, 2: 32, 1: 128}  # by bfloat16 terms of x
+TYPES = [Q4_K, Q6_K]
+MAX_ROWS = {(Q4_K, 3): 16, (Q4_K, 2): 32, (Q4_K, 1): 128, (Q6_K, 3): 2, (Q6_K, 2): 4, (Q6_K, 1): 32}
 
 pytestmark = pytest.mark.skipif(not HAS_BF16, reason="the Q4_K chunk kernel needs AVX512_BF16; other CPUs use the fused decode (tests/test_gguf_qmm.py)")
 
@@ -32,39 +33,42 @@ def route(x, blocks, n, k, ggml_type=Q4_K) -> str:
     return torch.ops.torch_qmm._gguf_cpu_route(x, blocks, int(ggml_type), n, k)
 
 
-def check(x, blocks, w, n, k, dtype, what):
-    y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(Q4_K), n, k)
+def check(x, blocks, w, n, k, dtype, what, ggml_type=Q4_K):
+    y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(ggml_type), n, k)
     xd = x.double()
     assert_matches_reference(y, xd @ w.T, xd.abs() @ w.abs().T, dtype, what)
 
 
-def expected(dtype, m: int) -> str:
+def expected(dtype, m: int, ggml_type=Q4_K) -> str:
     terms = TERMS.get(dtype, 3)
-    if m <= MAX_ROWS[terms]:
+    if m <= MAX_ROWS[ggml_type, terms]:
         return f"chunked/bf16x{terms}"
     return "fused" if m < 16 else "gemm"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_q4k_chunk_kernel_matches_gguf_dequantize(dtype):
-    """Super-blocks 1 and 3, W rows in tiles of 4/2/1 and spans of 128, x rows in blocks of 4/2/1."""
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_chunk_kernels_match_gguf_dequantize(ggml_type, dtype):
+    """Super-blocks 1 and 3, W rows in tiles and spans of 128, x rows in blocks of 4/2/1 (each M
+    below the type's limit, and past it: the fused route, for comparison)."""
     for n, k in [(1, 256), (5, 768), (130, 512), (261, 256)]:
-        blocks, w = _case(n, k, seed=n + k)
+        blocks, w = _case(n, k, seed=n + k, ggml_type=ggml_type)
         x_all = torch.randn(16, k, generator=torch.Generator().manual_seed(n)).to(dtype)
         for m in [1, 2, 3, 4, 5, 7, 16]:
             x = x_all[:m]
-            assert route(x, blocks, n, k) == expected(dtype, m)
-            check(x, blocks, w, n, k, dtype, f"M={m} N={n} K={k}")
+            assert route(x, blocks, n, k, ggml_type) == expected(dtype, m, ggml_type)
+            check(x, blocks, w, n, k, dtype, f"{ggml_type.name} M={m} N={n} K={k}", ggml_type)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_q4k_chunk_kernel_up_to_its_row_limit(dtype):
-    blocks, w = _case(20, 512, seed=3)
-    limit = MAX_ROWS[TERMS.get(dtype, 3)]
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_chunk_kernels_up_to_their_row_limit(ggml_type, dtype):
+    blocks, w = _case(20, 512, seed=3, ggml_type=ggml_type)
+    limit = MAX_ROWS[ggml_type, TERMS.get(dtype, 3)]
     for m in [limit, limit + 1]:
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
-        assert route(x, blocks, 20, 512) == expected(dtype, m)
-        check(x, blocks, w, 20, 512, dtype, f"M={m}")
+        assert route(x, blocks, 20, 512, ggml_type) == expected(dtype, m, ggml_type)
+        check(x, blocks, w, 20, 512, dtype, f"{ggml_type.name} M={m}", ggml_type)
 
 
 def test_q4k_scales_and_mins_use_all_six_bits():
@@ -96,7 +100,7 @@ def test_other_inputs_take_the_fused_decode(monkeypatch):
     x[0, 9] = 1e-35  # below 2^-98: the bfloat16 terms would be flushed
     assert route(x, blocks, 8, 256) == "fused"
     check(x, blocks, w, 8, 256, torch.float32, "tiny x")
-    x6, _ = _case(8, 256, seed=8, ggml_type=Q6_K)
-    assert route(torch.randn(1, 256), x6, 8, 256, Q6_K) == "fused"
     monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
     assert route(torch.randn(1, 256), blocks, 8, 256) == "fused"
+    b6, _ = _case(8, 256, seed=8, ggml_type=Q6_K)
+    assert route(torch.randn(1, 256), b6, 8, 256, Q6_K) == "fused"

@@ -1,17 +1,9 @@
-// Q4_K x float32/float16/bfloat16 at small M, with the bfloat16 dot products of chunk.h.
-//
-// A Q4_K super-block (144 bytes: d, dmin as f16, 12 bytes of packed 6-bit scales and mins, 128
-// bytes of nibbles) is an affine block of 8 sub-blocks of 32: w = d*sc[s]*q - dmin*m[s]. Its
-// nibbles are two 64-byte chunks k = 0, 1; byte c of chunk k lies in the 64-weight run
-// J = 2k + c / 32, low nibble = weight 64J + c % 32 (sub-block 2J), high nibble = weight
-// 64J + 32 + c % 32 (sub-block 2J + 1) (llama.cpp's dequantize_row_q4_K order). Cut into the
-// 4-bit planes of chunk.h (plane j = bits [4j, 4j+4) of u16 word i: bytes 2i, 2i+1), even
-// planes hold low nibbles and odd planes high ones, so each (W row, x row) keeps two float32
-// accumulators per chunk and scales them with the sub-block scales of lanes 0-7 (J = 2k) and
-// 8-15 (J = 2k + 1). The mins are hoisted: y -= sum_s dmin*m[s] * (sum of x over sub-block s).
-// Scales and mins of a super-block are unpacked with 32-bit SWAR, converted and multiplied by d /
-// dmin in one 16-lane vector (block_scales). x enters as P bfloat16 terms, exactly as for the
-// affine kernels (QmmArgs::x_bf16_terms).
+// Q4_K and Q6_K x float32/float16/bfloat16 at small M, with the bfloat16 dot products of
+// chunk.h: the nibbles (and Q6_K's 2-bit high fields) of a super-block are 64-byte chunks cut
+// into planes by vpermw; x is laid out to match once per call, as P exact bfloat16 terms
+// (QmmArgs::x_bf16_terms); each plane's dot product is scaled per lane by its sub-block's scale,
+// and the offsets (Q4_K mins, Q6_K's -32) are hoisted out as one 16-lane FMA per super-block
+// against sums of x. The block layouts are described at Q4K and Q6K below.
 #include "gguf_chunked.h"
 
 #include <ATen/Parallel.h>
@@ -33,120 +25,290 @@ namespace {
 
 using namespace chunk;
 
-constexpr int64_t kBlockBytes = 144, kQsOffset = 16, kSpanRows = 128;
-static_assert(sizeof(gguf::BlockQ4K) == kBlockBytes, "Q4_K layout");
+constexpr int64_t kSpanRows = 128;  // W rows per work item
 
-// Rows of x up to which this kernel beats the fused / GEMM routes of gguf_qmm.cpp, by bfloat16
-// terms of x. Measured on 14336x5120 (2-core Zen 4, chunked against TORCH_QMM_CPU_NO_BF16=1, ms):
-// 3 terms (float32) 34.6 / 45.6 at M=16, 74 / 55 at 32; 2 (float16) 54 / 54 at 32, 105 / 80 at
-// 64; 1 (bfloat16) 110 / 125 at 128. M=1: 2.0 / 1.7 / 1.4 against 8.3 for all three.
-inline int64_t max_rows(int x_bf16_terms) { return x_bf16_terms >= 3 ? 16 : x_bf16_terms == 2 ? 32 : 128; }
-
-// [d*sc[0..7], dmin*m[0..7]] of the super-block at blk (gguf::q4k_scale_min, 4 bytes at a time).
-inline __m512 block_scales(const uint8_t* blk) {
-  uint16_t dh, mh;
-  uint32_t s0, s1, s2;
-  std::memcpy(&dh, blk, 2);
-  std::memcpy(&mh, blk + 2, 2);
-  std::memcpy(&s0, blk + 4, 4);
-  std::memcpy(&s1, blk + 8, 4);
-  std::memcpy(&s2, blk + 12, 4);
-  const uint32_t sc_lo = s0 & 0x3F3F3F3Fu, m_lo = s1 & 0x3F3F3F3Fu;
-  const uint32_t sc_hi = (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);  // (q[j-4] >> 6) << 4
-  const uint32_t m_hi = ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
-  const __m128i bytes = _mm_set_epi32(int(m_hi), int(m_lo), int(sc_hi), int(sc_lo));
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-  const float d = float(c10::Half(dh, c10::Half::from_bits())), dmin = float(c10::Half(mh, c10::Half::from_bits()));
-  return _mm512_mul_ps(f, _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(d), _mm512_set1_ps(dmin)));
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return float(c10::Half(h, c10::Half::from_bits()));
 }
 
-// Lane l of chunk k: scale of sub-block 2J (even planes) / 2J + 1 (odd), J = 2k + (l >= 8).
-struct ScaleIdx {
-  alignas(64) int32_t even[2][16];
-  alignas(64) int32_t odd[2][16];
-};
-constexpr ScaleIdx scale_idx() {
-  ScaleIdx t{};
-  for (int k = 0; k < 2; ++k)
-    for (int l = 0; l < 16; ++l) {
-      t.even[k][l] = 2 * (2 * k + (l >= 8 ? 1 : 0));
-      t.odd[k][l] = t.even[k][l] + 1;
-    }
-  return t;
-}
-
-constexpr int tile_rows(int mb) { return mb == 1 ? 4 : mb == 2 ? 2 : 1; }
-inline int x_block_rows(int64_t left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
-
-// Prepared x per row: P bfloat16 terms per weight in plane order (xb[2b + k][plane j][term t]
-// [lane i]) and per super-block 16 floats: zeros, then the 8 sub-block sums (lanes 8-15 meet
-// the mins of block_scales).
+// Terms t of x (rounded to nearest even, what terms 0..t-1 left) into xb[t * 32].
 template <int P>
-struct PreparedX {
-  std::vector<uint16_t> xb;
-  std::vector<float> xs;
-  int64_t xb_stride, xs_stride;
-};
+inline void put_terms(float v, uint16_t* xb) {
+  for (int t = 0; t < P; ++t) {
+    const c10::BFloat16 term(v);
+    xb[t * 32] = term.x;
+    v -= static_cast<float>(term);
+  }
+}
 
-template <int R, int MB, int P>
-void tile(const GgufArgs& a, int64_t n, const uint16_t* const (&xb)[MB], const float* const (&xs)[MB],
-          float (&out)[R][MB]) {
-  alignas(64) static constexpr Planes<4>::Table kTable = Planes<4>::table();
-  alignas(64) static constexpr ScaleIdx kIdx = scale_idx();
-  const __m512i table = _mm512_load_si512(kTable.e);
-  const int64_t nb = a.K / 256, row_bytes = nb * kBlockBytes;
-  const uint8_t* row[R];
-  for (int r = 0; r < R; ++r) row[r] = a.blocks + (n + r) * row_bytes;
-  __m512 acc[R][MB];
+// One vpermw plane of a chunk: plane j of every u16 word (fields of F bits) as bfloat16.
+template <int F, int J>
+__attribute__((always_inline)) inline __m512i plane(__m512i w, __m512i table) {
+  return _mm512_permutexvar_epi16(J == 0 ? w : _mm512_srli_epi16(w, F * J), table);
+}
+
+// acc[r][m] (+)= sum over planes J in the sequence of the planes' dot products with x, each plane
+// into chains[r][m][slot(J)] (zeroed here).
+template <int R, int MB, int P, int F, int kSlots, typename Slot, int... J>
+__attribute__((always_inline)) inline void dot_planes(const __m512i (&w)[R], __m512i table,
+                                                      const uint16_t* const (&xc)[MB], Slot slot,
+                                                      __m512 (&chains)[R][MB][kSlots],
+                                                      std::integer_sequence<int, J...>) {
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < kSlots; ++c) chains[r][m][c] = _mm512_setzero_ps();
+  auto step = [&](auto jc) __attribute__((always_inline)) {
+    constexpr int j = decltype(jc)::value;
+    __m512i v[R];
+    for (int r = 0; r < R; ++r) v[r] = plane<F, j>(w[r], table);
+    for (int t = 0; t < P; ++t)
+      for (int m = 0; m < MB; ++m) {
+        const __m512i xv = _mm512_loadu_si512(xc[m] + (j * P + t) * 32);
+        for (int r = 0; r < R; ++r) {
+          __m512& chain = chains[r][m][slot(j)];
+          chain = _mm512_dpbf16_ps(chain, (__m512bh)v[r], (__m512bh)xv);
+        }
+      }
+  };
+  (step(std::integral_constant<int, J>{}), ...);
+}
+
+// Q4_K (144 bytes: d, dmin f16; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles):
+// w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. The nibbles are two 64-byte chunks k; byte c of
+// chunk k lies in the 64-weight run J = 2k + c / 32, low nibble = weight 64J + c % 32 (sub-block
+// 2J), high nibble = weight 64J + 32 + c % 32 (sub-block 2J + 1) (llama.cpp's order). In the
+// 4-bit planes of chunk.h, even planes hold low nibbles and odd planes high ones: two chains per
+// (W row, x row), scaled by the sub-blocks of lanes 0-7 (J = 2k) and 8-15 (J = 2k + 1). The mins
+// are hoisted: y -= sum_s dmin*m[s] * (sum of x over sub-block s).
+struct Q4K {
+  static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16;
+  template <int P>
+  static constexpr int64_t kXPerBlock = 2 * 4 * P * 32;
+  static constexpr int tile_rows(int mb) { return mb == 1 ? 4 : mb == 2 ? 2 : 1; }
+  // Rows of x up to which this beats the fused / GEMM routes of gguf_qmm.cpp, by bfloat16 terms
+  // of x. Measured on 14336x5120 (2-core Zen 4, chunked against TORCH_QMM_CPU_NO_BF16=1, ms):
+  // 3 terms (float32) 34.6 / 45.6 at M=16, 74 / 55 at 32; 2 (float16) 54 / 54 at 32, 105 / 80
+  // at 64; 1 (bfloat16) 110 / 125 at 128. M=1: 2.0 / 1.7 / 1.4 against 8.3 for all three.
+  static constexpr int64_t max_rows(int terms) { return terms >= 3 ? 16 : terms == 2 ? 32 : 128; }
+
+  // x of one super-block -> xb (planes of chunk k = 0, 1) and xs (lanes 8-15: sub-block sums).
+  template <int P>
+  static void prepare(const float* x, uint16_t* xb, float* xs) {
+    for (int k = 0; k < 2; ++k)
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 32; ++i) {
+          const int c = 2 * i + (j >= 2 ? 1 : 0), run = 2 * k + c / 32;
+          put_terms<P>(x[64 * run + 32 * (j % 2) + c % 32], xb + ((k * 4 + j) * P) * 32 + i);
+        }
+    for (int s = 0; s < 8; ++s) {
+      float t = 0.0f;
+      for (int i = 0; i < 32; ++i) t += x[32 * s + i];
+      xs[s] = 0.0f;
+      xs[8 + s] = t;
+    }
+  }
+
+  // [d*sc[0..7], dmin*m[0..7]] (gguf::q4k_scale_min, 4 bytes at a time).
+  static inline __m512 scales(const uint8_t* blk) {
+    uint32_t s0, s1, s2;
+    std::memcpy(&s0, blk + 4, 4);
+    std::memcpy(&s1, blk + 8, 4);
+    std::memcpy(&s2, blk + 12, 4);
+    const uint32_t sc_lo = s0 & 0x3F3F3F3Fu, m_lo = s1 & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);  // (q[j-4] >> 6) << 4
+    const uint32_t m_hi = ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+    const __m128i bytes = _mm_set_epi32(int(m_hi), int(m_lo), int(sc_hi), int(sc_lo));
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+    return _mm512_mul_ps(f, _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(f16_at(blk)),
+                                                 _mm512_set1_ps(f16_at(blk + 2))));
+  }
+
+  struct Idx {
+    alignas(64) int32_t even[2][16];
+    alignas(64) int32_t odd[2][16];
+  };
+  static constexpr Idx idx() {
+    Idx t{};
+    for (int k = 0; k < 2; ++k)
+      for (int l = 0; l < 16; ++l) {
+        t.even[k][l] = 2 * (2 * k + (l >= 8 ? 1 : 0));
+        t.odd[k][l] = t.even[k][l] + 1;
+      }
+    return t;
+  }
+
+  template <int R, int MB, int P>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R],
+                                                          const uint16_t* const (&xb)[MB],
+                                                          const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
+    alignas(64) static constexpr Planes<4>::Table kTable = Planes<4>::table();
+    alignas(64) static constexpr Idx kIdx = idx();
+    const __m512i table = _mm512_load_si512(kTable.e);
     __m512 sv[R];
     for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = row[r] + b * kBlockBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + R * row_bytes), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + R * row_bytes + 64), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + R * row_bytes + 128), _MM_HINT_T1);
-      sv[r] = block_scales(blk);
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m] + 16 * b), acc[r][m]);
+      sv[r] = scales(blk[r]);
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
     }
     for (int k = 0; k < 2; ++k) {
       __m512i w[R];
-      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_si512(row[r] + b * kBlockBytes + kQsOffset + 64 * k);
-      __m512 pe[R][MB], po[R][MB];
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) pe[r][m] = po[r][m] = _mm512_setzero_ps();
-      const int64_t xoff = (2 * b + k) * 4 * P * 32;
-      auto step = [&](auto jc) __attribute__((always_inline)) {
-        constexpr int j = decltype(jc)::value;
-        __m512i v[R];
-        for (int r = 0; r < R; ++r)
-          v[r] = _mm512_permutexvar_epi16(j == 0 ? w[r] : _mm512_srli_epi16(w[r], 4 * j), table);
-        for (int t = 0; t < P; ++t)
-          for (int m = 0; m < MB; ++m) {
-            const __m512i xv = _mm512_loadu_si512(xb[m] + xoff + (j * P + t) * 32);
-            for (int r = 0; r < R; ++r) {
-              __m512& chain = j % 2 ? po[r][m] : pe[r][m];
-              chain = _mm512_dpbf16_ps(chain, (__m512bh)v[r], (__m512bh)xv);
-            }
-          }
-      };
-      for_each_index(step, std::make_integer_sequence<int, 4>{});
+      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_si512(blk[r] + kQs + 64 * k);
+      const uint16_t* xc[MB];
+      for (int m = 0; m < MB; ++m) xc[m] = xb[m] + k * 4 * P * 32;
+      __m512 ch[R][MB][2];  // even (low nibble) / odd (high nibble) planes
+      dot_planes<R, MB, P, 4, 2>(w, table, xc, [](int j) { return j % 2; }, ch, std::make_integer_sequence<int, 4>{});
       const __m512i ie = _mm512_load_si512(kIdx.even[k]), io = _mm512_load_si512(kIdx.odd[k]);
       for (int r = 0; r < R; ++r) {
         const __m512 se = _mm512_permutexvar_ps(ie, sv[r]), so = _mm512_permutexvar_ps(io, sv[r]);
         for (int m = 0; m < MB; ++m)
-          acc[r][m] = _mm512_fmadd_ps(po[r][m], so, _mm512_fmadd_ps(pe[r][m], se, acc[r][m]));
+          acc[r][m] = _mm512_fmadd_ps(ch[r][m][1], so, _mm512_fmadd_ps(ch[r][m][0], se, acc[r][m]));
       }
     }
+  }
+};
+
+// Q6_K (210 bytes: ql[128] low nibbles, qh[64] high 2 bits, 16 int8 scales, d f16):
+// w = d*sc[s]*(q - 32), 16 sub-blocks of 16, q = low nibble + 16 * high field. Half h (128
+// weights) has ql bytes 64h + c: low nibble = weight 128h + c, high nibble = weight 128h + 64 + c;
+// and qh bytes 32h + l: field f (bits 2f, 2f+1) = high bits of weight 128h + 32f + l (llama.cpp's
+// dequantize_row_q6_K order). So: the two ql halves are 4-bit chunks (even planes: sub-block
+// 8h + l/4 of lane l, odd: 8h + 4 + l/4), the 64 qh bytes one 2-bit chunk (plane j, field f =
+// j % 4: lane l in sub-block 8(l/8) + 2f + (l%8)/4; x times 16), and the -32 is hoisted:
+// y -= sum_s d*sc[s] * 32 * (sum of x over sub-block s), one 16-lane FMA per super-block.
+struct Q6K {
+  static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208;
+  template <int P>
+  static constexpr int64_t kXPerBlock = (2 * 4 + 8) * P * 32;
+  static constexpr int tile_rows(int mb) { return mb == 1 ? 2 : 1; }
+  // Measured like Q4K::max_rows (14336x5120, ms, chunked against fused/GEMM): 3 terms 10.0 /
+  // 12.6 at M=2, 18.9 / 16.8 at 4; 2 terms 14.0 / 16.1 at 4, 25.6 / 21.5 at 8; 1 term 50.9 / 53.6
+  // at 32. M=1: 4.1 / 3.2 / 2.7 against 11.1.
+  static constexpr int64_t max_rows(int terms) { return terms >= 3 ? 2 : terms == 2 ? 4 : 32; }
+
+  template <int P>
+  static void prepare(const float* x, uint16_t* xb, float* xs) {
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 32; ++i) {
+          const int c = 2 * i + (j >= 2 ? 1 : 0);
+          put_terms<P>(x[128 * h + 64 * (j % 2) + c], xb + ((h * 4 + j) * P) * 32 + i);
+        }
+    uint16_t* xh = xb + 2 * 4 * P * 32;
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 32; ++i) {
+        const int c = 2 * i + (j >= 4 ? 1 : 0), h = c / 32, l = c % 32;
+        put_terms<P>(16.0f * x[128 * h + 32 * (j % 4) + l], xh + (j * P) * 32 + i);
+      }
+    for (int s = 0; s < 16; ++s) {
+      float t = 0.0f;
+      for (int i = 0; i < 16; ++i) t += x[16 * s + i];
+      xs[s] = 32.0f * t;
+    }
+  }
+
+  struct Idx {
+    alignas(64) int32_t even[2][16];
+    alignas(64) int32_t odd[2][16];
+    alignas(64) int32_t field[4][16];
+  };
+  static constexpr Idx idx() {
+    Idx t{};
+    for (int l = 0; l < 16; ++l) {
+      for (int h = 0; h < 2; ++h) {
+        t.even[h][l] = 8 * h + l / 4;
+        t.odd[h][l] = 8 * h + 4 + l / 4;
+      }
+      for (int f = 0; f < 4; ++f) t.field[f][l] = 8 * (l / 8) + 2 * f + (l % 8) / 4;
+    }
+    return t;
+  }
+
+  template <int R, int MB, int P>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R],
+                                                          const uint16_t* const (&xb)[MB],
+                                                          const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
+    alignas(64) static constexpr Planes<4>::Table kTable4 = Planes<4>::table();
+    alignas(64) static constexpr Planes<2>::Table kTable2 = Planes<2>::table();
+    alignas(64) static constexpr Idx kIdx = idx();
+    __m512 sv[R];
+    for (int r = 0; r < R; ++r) {
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + kScales))));
+      sv[r] = _mm512_mul_ps(sc, _mm512_set1_ps(f16_at(blk[r] + kD)));
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
+    }
+    const __m512i table4 = _mm512_load_si512(kTable4.e);
+    for (int h = 0; h < 2; ++h) {
+      __m512i w[R];
+      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_si512(blk[r] + 64 * h);
+      const uint16_t* xc[MB];
+      for (int m = 0; m < MB; ++m) xc[m] = xb[m] + h * 4 * P * 32;
+      __m512 ch[R][MB][2];
+      dot_planes<R, MB, P, 4, 2>(w, table4, xc, [](int j) { return j % 2; }, ch, std::make_integer_sequence<int, 4>{});
+      const __m512i ie = _mm512_load_si512(kIdx.even[h]), io = _mm512_load_si512(kIdx.odd[h]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 se = _mm512_permutexvar_ps(ie, sv[r]), so = _mm512_permutexvar_ps(io, sv[r]);
+        for (int m = 0; m < MB; ++m)
+          acc[r][m] = _mm512_fmadd_ps(ch[r][m][1], so, _mm512_fmadd_ps(ch[r][m][0], se, acc[r][m]));
+      }
+    }
+    {
+      const __m512i table2 = _mm512_load_si512(kTable2.e);
+      __m512i w[R];
+      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_si512(blk[r] + kQh);
+      const uint16_t* xc[MB];
+      for (int m = 0; m < MB; ++m) xc[m] = xb[m] + 2 * 4 * P * 32;
+      __m512 ch[R][MB][4];  // by field f = j % 4
+      dot_planes<R, MB, P, 2, 4>(w, table2, xc, [](int j) { return j % 4; }, ch, std::make_integer_sequence<int, 8>{});
+      for (int f = 0; f < 4; ++f) {
+        const __m512i fi = _mm512_load_si512(kIdx.field[f]);
+        for (int r = 0; r < R; ++r) {
+          const __m512 sf = _mm512_permutexvar_ps(fi, sv[r]);
+          for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(ch[r][m][f], sf, acc[r][m]);
+        }
+      }
+    }
+  }
+};
+
+inline int x_block_rows(int64_t left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+
+template <typename Fmt, int P>
+struct PreparedX {
+  std::vector<uint16_t> xb;
+  std::vector<float> xs;  // 16 floats per super-block (Fmt::prepare)
+  int64_t xb_stride, xs_stride;
+};
+
+template <typename Fmt, int R, int MB, int P>
+void tile(const GgufArgs& a, int64_t n, const uint16_t* const (&xb)[MB], const float* const (&xs)[MB],
+          float (&out)[R][MB]) {
+  const int64_t nb = a.K / 256, row_bytes = nb * Fmt::kBlockBytes;
+  __m512 acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk[R];
+    for (int r = 0; r < R; ++r) {
+      blk[r] = a.blocks + (n + r) * row_bytes + b * Fmt::kBlockBytes;
+      for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)  // the next tile's block
+        _mm_prefetch(reinterpret_cast<const char*>(blk[r] + R * row_bytes + off), _MM_HINT_T1);
+    }
+    const uint16_t* xbb[MB];
+    const float* xsb[MB];
+    for (int m = 0; m < MB; ++m) {
+      xbb[m] = xb[m] + b * Fmt::template kXPerBlock<P>;
+      xsb[m] = xs[m] + b * 16;
+    }
+    Fmt::template block<R, MB, P>(blk, xbb, xsb, acc);
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-template <int MB, int P>
-void run_block(const GgufArgs& a, int64_t n0, int64_t n1, int64_t m0, const PreparedX<P>& px, float* y) {
-  constexpr int R = tile_rows(MB);
+template <typename Fmt, int MB, int P>
+void run_block(const GgufArgs& a, int64_t n0, int64_t n1, int64_t m0, const PreparedX<Fmt, P>& px, float* y) {
+  constexpr int R = Fmt::tile_rows(MB);
   const uint16_t* xb[MB];
   const float* xs[MB];
   for (int m = 0; m < MB; ++m) {
@@ -156,49 +318,29 @@ void run_block(const GgufArgs& a, int64_t n0, int64_t n1, int64_t m0, const Prep
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     float out[R][MB];
-    tile<R, MB, P>(a, n, xb, xs, out);
+    tile<Fmt, R, MB, P>(a, n, xb, xs, out);
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) y[(m0 + m) * a.N + n + r] = out[r][m];
   }
   for (; n < n1; ++n) {
     float out[1][MB];
-    tile<1, MB, P>(a, n, xb, xs, out);
+    tile<Fmt, 1, MB, P>(a, n, xb, xs, out);
     for (int m = 0; m < MB; ++m) y[(m0 + m) * a.N + n] = out[0][m];
   }
 }
 
-template <int P>
+template <typename Fmt, int P>
 void run(const GgufArgs& a, float* y) {
   const int64_t nb = a.K / 256;
-  PreparedX<P> px;
-  px.xb_stride = nb * 2 * 4 * P * 32;
+  PreparedX<Fmt, P> px;
+  px.xb_stride = nb * Fmt::template kXPerBlock<P>;
   px.xs_stride = nb * 16;
   px.xb.resize(a.M * px.xb_stride);
-  px.xs.assign(a.M * px.xs_stride, 0.0f);
-  for (int64_t m = 0; m < a.M; ++m) {
-    const float* x = a.x + m * a.K;
-    uint16_t* xb = px.xb.data() + m * px.xb_stride;
-    float* xs = px.xs.data() + m * px.xs_stride;
-    for (int64_t b = 0; b < nb; ++b) {
-      for (int k = 0; k < 2; ++k)
-        for (int j = 0; j < 4; ++j)
-          for (int i = 0; i < 32; ++i) {
-            const int c = 2 * i + (j >= 2 ? 1 : 0);   // byte within the chunk
-            const int run = 2 * k + c / 32;            // 64-weight run J
-            float rest = x[256 * b + 64 * run + 32 * (j % 2) + c % 32];
-            for (int t = 0; t < P; ++t) {
-              const c10::BFloat16 term(rest);
-              xb[((2 * b + k) * 4 + j) * P * 32 + t * 32 + i] = term.x;
-              rest -= static_cast<float>(term);
-            }
-          }
-      for (int s = 0; s < 8; ++s) {
-        float t = 0.0f;
-        for (int i = 0; i < 32; ++i) t += x[256 * b + 32 * s + i];
-        xs[16 * b + 8 + s] = t;
-      }
-    }
-  }
+  px.xs.resize(a.M * px.xs_stride);
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t b = 0; b < nb; ++b)
+      Fmt::template prepare<P>(a.x + m * a.K + 256 * b, px.xb.data() + m * px.xb_stride + b * Fmt::template kXPerBlock<P>,
+                               px.xs.data() + m * px.xs_stride + 16 * b);
   const int64_t spans = (a.N + kSpanRows - 1) / kSpanRows;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), spans), 1, [&](int64_t, int64_t) {
@@ -206,35 +348,45 @@ void run(const GgufArgs& a, float* y) {
       const int64_t n0 = i * kSpanRows, n1 = std::min(a.N, n0 + kSpanRows);
       for (int64_t m0 = 0; m0 < a.M;) {
         const int mb = x_block_rows(a.M - m0);
-        if (mb == 4) run_block<4, P>(a, n0, n1, m0, px, y);
-        else if (mb == 2) run_block<2, P>(a, n0, n1, m0, px, y);
-        else run_block<1, P>(a, n0, n1, m0, px, y);
+        if (mb == 4) run_block<Fmt, 4, P>(a, n0, n1, m0, px, y);
+        else if (mb == 2) run_block<Fmt, 2, P>(a, n0, n1, m0, px, y);
+        else run_block<Fmt, 1, P>(a, n0, n1, m0, px, y);
         m0 += mb;
       }
     }
   });
 }
 
+template <typename Fmt>
+void run_terms(const GgufArgs& a, float* y) {
+  switch (a.x_bf16_terms) {
+    case 1: return run<Fmt, 1>(a, y);
+    case 2: return run<Fmt, 2>(a, y);
+    default: return run<Fmt, 3>(a, y);
+  }
+}
+
 }  // namespace
 
-const char* gguf_q4k_chunked_tile(const GgufArgs& a, int64_t ggml_type) {
-  if (ggml_type != gguf::kTypeQ4_K || a.avoid_bf16 || a.M < 1 || a.M > max_rows(a.x_bf16_terms)) return nullptr;
-  if (!x_in_range(a.x, a.M * a.K)) return nullptr;
+const char* gguf_chunked_tile(const GgufArgs& a, int64_t ggml_type) {
+  if (a.avoid_bf16 || a.M < 1) return nullptr;
+  const int64_t limit = ggml_type == Q4K::kType ? Q4K::max_rows(a.x_bf16_terms)
+                        : ggml_type == Q6K::kType ? Q6K::max_rows(a.x_bf16_terms) : 0;
+  if (a.M > limit || !x_in_range(a.x, a.M * a.K)) return nullptr;
   return a.x_bf16_terms == 1 ? "bf16x1" : a.x_bf16_terms == 2 ? "bf16x2" : "bf16x3";
 }
 
-void gguf_q4k_chunked(const GgufArgs& a, float* y) {
-  switch (a.x_bf16_terms) {
-    case 1: return run<1>(a, y);
-    case 2: return run<2>(a, y);
-    default: return run<3>(a, y);
-  }
+void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y) {
+  if (ggml_type == Q4K::kType)
+    run_terms<Q4K>(a, y);
+  else
+    run_terms<Q6K>(a, y);
 }
 
 #else  // the fused decode-and-dot of gguf_qmm.cpp serves every CPU without AVX512_BF16
 
-const char* gguf_q4k_chunked_tile(const GgufArgs&, int64_t) { return nullptr; }
-void gguf_q4k_chunked(const GgufArgs&, float*) { TORCH_CHECK(false, "gguf_qmm: the Q4_K chunk kernel needs AVX512_BF16"); }
+const char* gguf_chunked_tile(const GgufArgs&, int64_t) { return nullptr; }
+void gguf_chunked(const GgufArgs&, int64_t, float*) { TORCH_CHECK(false, "gguf_qmm: the chunk kernels need AVX512_BF16"); }
 
 #endif
 

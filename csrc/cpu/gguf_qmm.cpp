@@ -1,6 +1,6 @@
 // CPU gguf_qmm: y[..., N] = x[..., K] @ W.T, W [N, K] given as GGUF K-quant blocks (Q4_K, Q6_K).
 //
-// Q4_K at small M with AVX512_BF16: gguf_chunked.cpp. Otherwise, small M: each task owns rows of
+// Small M with AVX512_BF16: gguf_chunked.cpp. Otherwise, small M: each task owns rows of
 // W; a super-block is decoded once to 256 floats and reused for every row of x.
 // Large M: rows of W are decoded in blocks to float32 and multiplied with a BLAS GEMM.
 // Accumulation is float32 throughout. Block layouts: csrc/gguf_format.h.
@@ -164,8 +164,8 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   at::Tensor yf = at::empty({M, N}, xf.options());
   const cpu::GgufArgs a = args_for(xf, blocks, N, K, x.scalar_type());
-  if (cpu::gguf_q4k_chunked_tile(a, ggml_type) != nullptr) {
-    cpu::gguf_q4k_chunked(a, yf.data_ptr<float>());
+  if (cpu::gguf_chunked_tile(a, ggml_type) != nullptr) {
+    cpu::gguf_chunked(a, ggml_type, yf.data_ptr<float>());
     return yf.to(x.scalar_type()).reshape(out_shape);
   }
   const auto* w = blocks.data_ptr<uint8_t>();
@@ -193,7 +193,7 @@ std::string gguf_qmm_cpu_route(const at::Tensor& x, const at::Tensor& blocks_in,
   if (M == 0 || N == 0) return "empty";
   const at::Tensor blocks = blocks_in.contiguous();
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  if (const char* t = cpu::gguf_q4k_chunked_tile(args_for(xf, blocks, N, K, x.scalar_type()), ggml_type))
+  if (const char* t = cpu::gguf_chunked_tile(args_for(xf, blocks, N, K, x.scalar_type()), ggml_type))
     return std::string("chunked/") + t;
   return M < kGemmMinRows ? "fused" : "gemm";
 }
