@@ -75,6 +75,25 @@ __attribute__((always_inline)) inline void dot_planes(const __m512i (&w)[R], __m
   (step(std::integral_constant<int, J>{}), ...);
 }
 
+// One 64-byte chunk of nibbles at byte `at` of each block, x of the chunk at xc: even planes (low
+// nibbles) scaled per lane by sv[ie], odd planes (high nibbles) by sv[io], into acc.
+template <int R, int MB, int P>
+__attribute__((always_inline)) inline void nibble_chunk(const uint8_t* const (&blk)[R], int64_t at,
+                                                        const uint16_t* const (&xc)[MB], const __m512 (&sv)[R],
+                                                        __m512i ie, __m512i io, __m512 (&acc)[R][MB]) {
+  alignas(64) static constexpr Planes<4>::Table kTable = Planes<4>::table();
+  __m512i w[R];
+  for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_si512(blk[r] + at);
+  __m512 ch[R][MB][2];
+  dot_planes<R, MB, P, 4, 2>(w, _mm512_load_si512(kTable.e), xc, [](int j) { return j % 2; }, ch,
+                             std::make_integer_sequence<int, 4>{});
+  for (int r = 0; r < R; ++r) {
+    const __m512 se = _mm512_permutexvar_ps(ie, sv[r]), so = _mm512_permutexvar_ps(io, sv[r]);
+    for (int m = 0; m < MB; ++m)
+      acc[r][m] = _mm512_fmadd_ps(ch[r][m][1], so, _mm512_fmadd_ps(ch[r][m][0], se, acc[r][m]));
+  }
+}
+
 // Q4_K (144 bytes: d, dmin f16; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles):
 // w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. The nibbles are two 64-byte chunks k; byte c of
 // chunk k lies in the 64-weight run J = 2k + c / 32, low nibble = weight 64J + c % 32 (sub-block
@@ -143,27 +162,17 @@ struct Q4K {
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R],
                                                           const uint16_t* const (&xb)[MB],
                                                           const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
-    alignas(64) static constexpr Planes<4>::Table kTable = Planes<4>::table();
     alignas(64) static constexpr Idx kIdx = idx();
-    const __m512i table = _mm512_load_si512(kTable.e);
     __m512 sv[R];
     for (int r = 0; r < R; ++r) {
       sv[r] = scales(blk[r]);
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
     }
     for (int k = 0; k < 2; ++k) {
-      __m512i w[R];
-      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_si512(blk[r] + kQs + 64 * k);
       const uint16_t* xc[MB];
       for (int m = 0; m < MB; ++m) xc[m] = xb[m] + k * 4 * P * 32;
-      __m512 ch[R][MB][2];  // even (low nibble) / odd (high nibble) planes
-      dot_planes<R, MB, P, 4, 2>(w, table, xc, [](int j) { return j % 2; }, ch, std::make_integer_sequence<int, 4>{});
-      const __m512i ie = _mm512_load_si512(kIdx.even[k]), io = _mm512_load_si512(kIdx.odd[k]);
-      for (int r = 0; r < R; ++r) {
-        const __m512 se = _mm512_permutexvar_ps(ie, sv[r]), so = _mm512_permutexvar_ps(io, sv[r]);
-        for (int m = 0; m < MB; ++m)
-          acc[r][m] = _mm512_fmadd_ps(ch[r][m][1], so, _mm512_fmadd_ps(ch[r][m][0], se, acc[r][m]));
-      }
+      nibble_chunk<R, MB, P>(blk, kQs + 64 * k, xc, sv, _mm512_load_si512(kIdx.even[k]),
+                             _mm512_load_si512(kIdx.odd[k]), acc);
     }
   }
 };
@@ -228,7 +237,6 @@ struct Q6K {
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R],
                                                           const uint16_t* const (&xb)[MB],
                                                           const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
-    alignas(64) static constexpr Planes<4>::Table kTable4 = Planes<4>::table();
     alignas(64) static constexpr Planes<2>::Table kTable2 = Planes<2>::table();
     alignas(64) static constexpr Idx kIdx = idx();
     __m512 sv[R];
@@ -237,20 +245,11 @@ struct Q6K {
       sv[r] = _mm512_mul_ps(sc, _mm512_set1_ps(f16_at(blk[r] + kD)));
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
     }
-    const __m512i table4 = _mm512_load_si512(kTable4.e);
     for (int h = 0; h < 2; ++h) {
-      __m512i w[R];
-      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_si512(blk[r] + 64 * h);
       const uint16_t* xc[MB];
       for (int m = 0; m < MB; ++m) xc[m] = xb[m] + h * 4 * P * 32;
-      __m512 ch[R][MB][2];
-      dot_planes<R, MB, P, 4, 2>(w, table4, xc, [](int j) { return j % 2; }, ch, std::make_integer_sequence<int, 4>{});
-      const __m512i ie = _mm512_load_si512(kIdx.even[h]), io = _mm512_load_si512(kIdx.odd[h]);
-      for (int r = 0; r < R; ++r) {
-        const __m512 se = _mm512_permutexvar_ps(ie, sv[r]), so = _mm512_permutexvar_ps(io, sv[r]);
-        for (int m = 0; m < MB; ++m)
-          acc[r][m] = _mm512_fmadd_ps(ch[r][m][1], so, _mm512_fmadd_ps(ch[r][m][0], se, acc[r][m]));
-      }
+      nibble_chunk<R, MB, P>(blk, 64 * h, xc, sv, _mm512_load_si512(kIdx.even[h]), _mm512_load_si512(kIdx.odd[h]),
+                             acc);
     }
     {
       const __m512i table2 = _mm512_load_si512(kTable2.e);
