@@ -1,7 +1,7 @@
 """The CPU chunk kernels (csrc/cpu/qmm_chunked.cpp, chunk.h) on every multiplier and bit width.
 
-affine_qmm on CPU takes them for transpose=True, bits 2/4/8, K of at least one 64-byte chunk
-(512/bits codes) when the build has AVX-512, with x in range. Multipliers: "bf16xP"
+affine_qmm on CPU takes them for transpose=True, K of at least one chunk (512/bits codes for
+bits 2/4/8, 32 for the bit streams of 3/5/6) when the build has AVX-512, with x in range. Multipliers: "bf16xP"
 (AVX512_BF16, x as P bfloat16 terms: 1 for bfloat16 x, 2 for float16, 3 for float32, or fewer
 for float32 when torch.set_float32_matmul_precision allows; up to cpu::chunked_max_rows rows of
 x) and "f32" (AVX-512 without BF16, 4-bit M=1 only; forced here with TORCH_QMM_CPU_NO_BF16=1).
@@ -43,10 +43,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TERMS = {torch.bfloat16: 1, torch.float16: 2}  # exact; float32: by precision
 PRECISION_TERMS = {"highest": 3, "high": 2, "medium": 1}
 
-CHUNK_BITS = [2, 4, 8]
+CHUNK_BITS = [2, 3, 4, 5, 6, 8]
 # cpu::chunked_max_rows by (bits, terms); None: no limit.
 MAX_ROWS = {(b, 3): 32 for b in (2, 4)} | {(b, 2): 128 for b in (2, 4)} | {(b, 1): None for b in (2, 4)}
 MAX_ROWS |= {(8, 3): 1, (8, 2): 2, (8, 1): 32}
+MAX_ROWS |= {(b, t): 16 for b in (3, 5, 6) for t in (2, 3)} | {(b, 1): 32 for b in (3, 5, 6)}
 # Rows of x in blocks of 4/2/1, W rows in tiles of 4 (M<=2) or 2 and spans of 128.
 MS = [1, 2, 3, 4, 5, 7, 9, 16]
 
@@ -102,8 +103,8 @@ def test_chunk_kernels_match_reference(tile, bits, group_size, dtype):
     """One and several whole chunks (512/bits codes), tails of 1..7 blocks of 32, W rows in tiles
     and spans of 128, x rows in blocks of 4/2/1 (M in MS)."""
     gen = torch.Generator().manual_seed(100 * bits + group_size)
-    chunk = 512 // bits
-    ks = [chunk, 3 * chunk] + sorted({chunk + t * 32 for t in (1, 3, chunk // 32 - 1) if 0 < t < chunk // 32})
+    chunk = 32 if bits in (3, 5, 6) else 512 // bits
+    ks = sorted({chunk, 3 * chunk, 384, 640} | {chunk + t * 32 for t in (1, 3, chunk // 32 - 1) if 0 < t < chunk // 32})
     for k in ks:
         if k % group_size:
             continue
@@ -207,9 +208,6 @@ def test_other_shapes_do_not_take_the_chunk_kernels(tile):
     gen = torch.Generator().manual_seed(15)
     wq, scales, biases = random_packed(8, 256, 4, 64, torch.float32, gen)
     assert route(torch.randn(1, 8), wq, scales, biases, 64, transpose=False) == "fused"  # W [K=8, N=256]
-    for bits in [3, 5, 6]:  # bit streams: not cut into planes
-        wq, scales, biases = random_packed(8, 256, bits, 64, torch.float32, gen)
-        assert route(torch.randn(1, 256), wq, scales, biases, 64, bits=bits) == "fused"
     wq, scales, biases = random_packed(8, 224, 2, 32, torch.float32, gen)
     assert route(torch.randn(1, 224), wq, scales, biases, 32, bits=2) == "fused"  # K < 256 (one 2-bit chunk)
     wq, scales, biases = random_packed(8, 96, 4, 32, torch.float32, gen)

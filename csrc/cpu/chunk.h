@@ -1,6 +1,7 @@
-// The 64-byte chunk kernels for bits 2/4/8, transpose=True, small M (qmm_chunked.cpp drives
-// them). A 64-byte load of a packed row is one *chunk* of 512/BITS codes; x is rearranged once
-// per call so that every code meets its x in-lane, with no shuffle of W. Two ways to multiply:
+// The chunk kernels for transpose=True, small M (qmm_chunked.cpp drives them). A load of a packed
+// row is one *chunk*: 64 bytes (512/BITS codes) for bits 2/4/8, one 32-code block (4*BITS bytes,
+// masked load) for the bit streams of bits 3/5/6; x is rearranged once per call so that every
+// code meets its x in-lane, with no shuffle of W. Two ways to multiply:
 //
 // bfloat16 (AVX512_BF16: vdpbf16ps, 32 products per instruction summed in float32). The chunk is
 // 32 u16 words, each cut into *planes* of F = 4 bits (2 for BITS=2): plane j holds bits
@@ -9,7 +10,9 @@
 //   4-bit: plane j (0..3), u16 lane i = q[4i + j]
 //   8-bit: planes 2h, 2h+1 = low / high nibble of q[2i + h]  (x of the high one times 16)
 //   2-bit: plane j (0..7), u16 lane i = q[8i + j]
-// and float32 lane l sums u16 lanes 2l, 2l+1, i.e. codes (32/BITS)*l .. + 32/BITS - 1.
+//   3/5/6-bit: one plane, u16 lane i = q[i]: vpermb gathers the two bytes under code i, vpsrlvw
+//   shifts it down, vpermw (vpermi2w: 64 entries for 6 bits) maps it to bfloat16
+// and float32 lane l sums u16 lanes 2l, 2l+1 (codes of one group).
 // Each row of x enters as P bfloat16 terms laid out the same way (xb[c][plane][t][32]). Each
 // product field * term is exact in float32, and P = 3 / 2 / 1 terms hold float32 / float16 /
 // bfloat16 x exactly: the result is a float32 sum of the exact products q * x. For float32 x,
@@ -48,8 +51,23 @@ namespace torch_qmm {
 namespace cpu {
 namespace chunk {
 
+// Bits 2/4/8: a chunk is 64 bytes of whole u16 words. Bits 3/5/6 (a bit stream): one block of
+// 32 codes, 4*BITS bytes.
 template <int BITS>
-constexpr int kCodesPerChunk = 512 / BITS;
+constexpr bool kStream = BITS == 3 || BITS == 5 || BITS == 6;
+template <int BITS>
+constexpr int kCodesPerChunk = kStream<BITS> ? 32 : 512 / BITS;
+template <int BITS>
+constexpr int kChunkBytes = kCodesPerChunk<BITS> * BITS / 8;
+
+// A chunk of a packed row into a register (bit streams: a masked load, never past the block).
+template <int BITS>
+__attribute__((always_inline)) inline __m512i load_chunk(const uint8_t* p) {
+  if constexpr (kChunkBytes<BITS> == 64)
+    return _mm512_loadu_si512(p);
+  else
+    return _mm512_maskz_loadu_epi8(__mmask64((1ull << kChunkBytes<BITS>) - 1), p);
+}
 
 // f(integral_constant<int, J>) for J in the sequence, unrolled.
 template <typename F, int... J>
@@ -134,26 +152,63 @@ struct F32Chunk {
 };
 
 #if defined(__AVX512BF16__)
-// Plane geometry of BITS: F-bit fields, 16 / F planes per u16 word.
+// bfloat16 of a small integer v (exact below 256): exponent + 7 bits of significand.
+constexpr uint16_t bf16_of(int v) {
+  int exp = 0;
+  while ((2 << exp) <= v) ++exp;
+  return v == 0 ? 0 : uint16_t(((127 + exp) << 7) | (((v << 7) >> exp) & 0x7F));
+}
+
+// Plane geometry of BITS. Bits 2/4/8: F-bit fields, 16 / F planes per u16 word, each decoded by a
+// shift and a vpermw. Bits 3/5/6: one plane, u16 lane i = code i of the 32-code block, decoded
+// by a vpermb (the two bytes holding the code), a per-lane shift (vpsrlvw) and a vpermw (vpermi2w
+// for 6 bits: 64 entries).
 template <int BITS>
 struct Planes {
-  static_assert(BITS == 2 || BITS == 4 || BITS == 8, "bfloat16 chunks: bits 2, 4 or 8");
-  static constexpr int kFieldBits = BITS == 2 ? 2 : 4;
-  static constexpr int kCount = 16 / kFieldBits;
+  static_assert(BITS >= 2 && BITS <= 8 && BITS != 7, "bfloat16 chunks: bits 2, 3, 4, 5, 6, 8");
+  static constexpr int kFieldBits = kStream<BITS> ? BITS : BITS == 2 ? 2 : 4;
+  static constexpr int kCount = kStream<BITS> ? 1 : 16 / kFieldBits;
   // Code (within the chunk) of plane j, u16 lane i, and the power of two its x is scaled by.
-  static constexpr int code(int j, int i) { return (16 / BITS) * i + kFieldBits * j / BITS; }
-  static constexpr int x_shift(int j) { return kFieldBits * j % BITS; }
-  // u16 entry e = bfloat16 bits of float(e mod 2^F): vpermw indexes by the low 5 bits.
-  struct Table { alignas(64) uint16_t e[32]; };
+  static constexpr int code(int j, int i) { return kStream<BITS> ? i : (16 / BITS) * i + kFieldBits * j / BITS; }
+  static constexpr int x_shift(int j) { return kStream<BITS> ? 0 : kFieldBits * j % BITS; }
+  // u16 entry e = bfloat16 of (e mod 2^F); 64 entries (vpermi2w) for 6-bit fields, else the low
+  // 32 (vpermw indexes by 5 bits, so fields narrower than 5 bits repeat).
+  struct Table { alignas(64) uint16_t e[64]; };
   static constexpr Table table() {
     Table t{};
-    for (int e = 0; e < 32; ++e) {
-      const int v = e & ((1 << kFieldBits) - 1);  // bfloat16 of a small integer: exponent + 3 bits
-      int exp = 0;
-      while ((2 << exp) <= v) ++exp;
-      t.e[e] = v == 0 ? 0 : uint16_t(((127 + exp) << 7) | (((v << 7) >> exp) & 0x7F));
+    for (int e = 0; e < 64; ++e) t.e[e] = bf16_of(e & ((1 << kFieldBits) - 1));
+    return t;
+  }
+  // Bit streams: the bytes under u16 lane i (vpermb indices) and its shift (vpsrlvw).
+  struct StreamIdx {
+    alignas(64) uint8_t bytes[64];
+    alignas(64) uint16_t shift[32];
+  };
+  static constexpr StreamIdx stream_idx() {
+    StreamIdx t{};
+    for (int i = 0; i < 32; ++i) {
+      t.bytes[2 * i] = uint8_t(BITS * i / 8);
+      t.bytes[2 * i + 1] = uint8_t(BITS * i / 8 + 1);  // past the block only for codes that end in the first byte
+      t.shift[i] = uint16_t(BITS * i % 8);
     }
     return t;
+  }
+
+  // Plane j of the chunk w as bfloat16.
+  template <int J>
+  __attribute__((always_inline)) static inline __m512i decode(__m512i w) {
+    alignas(64) static constexpr Table kTable = table();
+    if constexpr (kStream<BITS>) {
+      alignas(64) static constexpr StreamIdx kIdx = stream_idx();
+      const __m512i words = _mm512_srlv_epi16(_mm512_permutexvar_epi8(_mm512_load_si512(kIdx.bytes), w),
+                                              _mm512_load_si512(kIdx.shift));
+      if constexpr (BITS == 6)
+        return _mm512_permutex2var_epi16(_mm512_load_si512(kTable.e), words, _mm512_load_si512(kTable.e + 32));
+      else
+        return _mm512_permutexvar_epi16(words, _mm512_load_si512(kTable.e));
+    } else {
+      return _mm512_permutexvar_epi16(J == 0 ? w : _mm512_srli_epi16(w, kFieldBits * J), _mm512_load_si512(kTable.e));
+    }
   }
 };
 
@@ -166,8 +221,6 @@ struct Bf16Chunk {
   template <int R, int MB>
   __attribute__((always_inline)) static inline void dot(const __m512i (&w)[R], const uint16_t* const (&xc)[MB],
                                                         __m512 (&p)[R][MB]) {
-    alignas(64) static constexpr typename Geometry::Table kTable = Geometry::table();
-    const __m512i table = _mm512_load_si512(kTable.e);
     // vdpbf16ps has ~6 cycles of latency: below 8 independent (r, m) chains, alternate two
     // accumulators per chain.
     constexpr bool kTwoChains = R * MB < 8;
@@ -178,8 +231,7 @@ struct Bf16Chunk {
     auto step = [&](auto jc) __attribute__((always_inline)) {
       constexpr int j = decltype(jc)::value;
       __m512i v[R];
-      for (int r = 0; r < R; ++r)
-        v[r] = _mm512_permutexvar_epi16(j == 0 ? w[r] : _mm512_srli_epi16(w[r], Geometry::kFieldBits * j), table);
+      for (int r = 0; r < R; ++r) v[r] = Geometry::template decode<j>(w[r]);
       for (int t = 0; t < P; ++t)
         for (int m = 0; m < MB; ++m) {
           const __m512i xv = _mm512_loadu_si512(xc[m] + (j * P + t) * 32);
@@ -217,8 +269,8 @@ void tile(const QmmArgs& a, int64_t n, const typename C::X* const (&xr)[MB], flo
     __m512i w[R];
     for (int r = 0; r < R; ++r) {
       // The same chunk of the next tile's row r: the rows are contiguous.
-      _mm_prefetch(reinterpret_cast<const char*>(row[r] + R * row_bytes + c * 64), _MM_HINT_T1);
-      w[r] = _mm512_loadu_si512(row[r] + c * 64);
+      _mm_prefetch(reinterpret_cast<const char*>(row[r] + R * row_bytes + c * kChunkBytes<C::kBits>), _MM_HINT_T1);
+      w[r] = load_chunk<C::kBits>(row[r] + c * kChunkBytes<C::kBits>);
     }
     __m512 p[R][MB];
     for (int r = 0; r < R; ++r)

@@ -1,4 +1,4 @@
-// Bits 2/4/8, transpose=True, small to medium M: the chunk kernels of chunk.h, AVX-512 only.
+// Bits 2-8, transpose=True, small to medium M: the chunk kernels of chunk.h, AVX-512 only.
 // This file prepares x, walks W and picks the tiles.
 //
 // Work: W rows go out in spans of kSpanRows from a shared counter, so a thread that loses its
@@ -224,8 +224,9 @@ void run_bf16(const QmmArgs& a, float* y) {
 }  // namespace
 
 const char* qmm_t_chunked_tile(const QmmArgs& a) {
-  if (a.bits != 2 && a.bits != 4 && a.bits != 8) return nullptr;
-  if (a.M < 1 || a.K < 512 / a.bits) return nullptr;  // at least one chunk
+  if (a.bits < 2 || a.bits > 8 || a.bits == 7) return nullptr;
+  const int64_t chunk_codes = (a.bits == 3 || a.bits == 5 || a.bits == 6) ? 32 : 512 / a.bits;  // kCodesPerChunk
+  if (a.M < 1 || a.K < chunk_codes) return nullptr;  // at least one chunk
   if (a.group_size != 32 && a.group_size != 64 && a.group_size != 128) return nullptr;
   const char* tile = nullptr;
 #if defined(__AVX512BF16__)
@@ -242,7 +243,10 @@ void qmm_t_chunked(const QmmArgs& a, float* y) {
   if (!a.avoid_bf16) {
     switch (a.bits) {
       case 2: return run_bf16<2>(a, y);
+      case 3: return run_bf16<3>(a, y);
       case 4: return run_bf16<4>(a, y);
+      case 5: return run_bf16<5>(a, y);
+      case 6: return run_bf16<6>(a, y);
       default: return run_bf16<8>(a, y);
     }
   }

@@ -3,8 +3,8 @@
 //   fused (qmm_fused.cpp)  small M: each 32-code block of W is decoded in registers, dequantized
 //                          (w = s*q + b) and multiplied into up to 4 rows of x at once;
 //                          W is never written to memory.
-//   chunked (qmm_chunked.cpp, chunk.h) bits 2/4/8 on AVX-512 up to chunked_max_rows: 64-byte
-//                          chunks, shuffle-free decode, bfloat16 dot products where the CPU has
+//   chunked (qmm_chunked.cpp, chunk.h) any bits on AVX-512 up to chunked_max_rows: 64-byte
+//                          (or 32-code) chunks, shuffle-free decode, bfloat16 dot products where the CPU has
 //                          them; each W chunk decoded once per 4 rows of x.
 //   gemm  (qmm_gemm.cpp)   large M: W is decoded in cache-sized float32 tiles by each thread,
 //                          which multiplies its own tiles with a single-threaded BLAS GEMM
@@ -52,11 +52,11 @@ bool avoid_bf16();
 constexpr int64_t kGemmMinRows = 16;
 
 // y [M, N] float32 row-major.
-// Bits 2/4/8, small to medium M (qmm_chunked.cpp, AVX-512), x in natural order.
+// Bits 2/3/4/5/6/8, small to medium M (qmm_chunked.cpp, AVX-512), x in natural order.
 // qmm_t_chunked_tile names the chunk multiplier it would use ("bf16x3", "bf16x2", "bf16x1": x
 // as that many bfloat16 terms; "f32": 4-bit, M = 1, without AVX512_BF16), or is null where it
-// does not apply (bits 3/5/6, M above chunked_max_rows, K below one chunk, no AVX-512, x out of
-// range): then qmm_t_chunked must not be called.
+// does not apply (M above chunked_max_rows, K below one chunk, no AVX-512, x out of range): then
+// qmm_t_chunked must not be called.
 const char* qmm_t_chunked_tile(const QmmArgs& a);
 void qmm_t_chunked(const QmmArgs& a, float* y);
 
@@ -69,8 +69,12 @@ void qmm_t_chunked(const QmmArgs& a, float* y);
 //   bits 8 (4 planes per 64 codes: twice the work per code): 3 terms at M=1 only (3.2 / 3.4;
 //     5.1 / 4.8 at 2); 2 up to M=2 (4.0 / 6.5; 7.5 / 6.7 at 4); 1 up to 32 (35 / 37; 69 / 61
 //     at 64).
+//   bits 3, 5, 6 (bit streams, 32-code chunks): 3 and 2 terms up to M=16 (3-bit float32 24.5 /
+//     26.2, 5-bit 24.0 / 23.9; 47.8 / 36.7 at 32); 1 up to 32 (38 / 66, 38 / 44, 40 / 43), not
+//     measured beyond. M=1: 2.6-3.8 against 4.0-5.5.
 inline int64_t chunked_max_rows(int bits, int x_bf16_terms) {
   if (bits == 8) return x_bf16_terms >= 3 ? 1 : x_bf16_terms == 2 ? 2 : 32;
+  if (bits == 3 || bits == 5 || bits == 6) return x_bf16_terms >= 2 ? 16 : 32;
   return x_bf16_terms >= 3 ? 32 : x_bf16_terms == 2 ? 128 : std::numeric_limits<int64_t>::max();
 }
 
