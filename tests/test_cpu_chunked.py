@@ -39,6 +39,7 @@ def _cpu_flags() -> set[str]:
 NATIVE = os.environ.get("TORCH_QMM_PORTABLE", "0") != "1" and platform.machine() == "x86_64"
 HAS_AVX512 = NATIVE and {"avx512f", "avx512bw"} <= _cpu_flags()
 HAS_BF16 = HAS_AVX512 and "avx512_bf16" in _cpu_flags()
+HAS_VBMI = HAS_AVX512 and "avx512vbmi" in _cpu_flags()  # bit-stream chunks (bits 3/5/6) gather with vpermb
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TERMS = {torch.bfloat16: 1, torch.float16: 2}  # exact; float32: by precision
 PRECISION_TERMS = {"highest": 3, "high": 2, "medium": 1}
@@ -77,6 +78,8 @@ def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m:
     others = "fused" if m < 16 else "gemm"  # cpu::kGemmMinRows
     if tile == "f32":
         return "chunked/f32" if m == 1 and bits == 4 else others
+    if bits in (3, 5, 6) and not HAS_VBMI:
+        return others
     terms = TERMS.get(dtype, PRECISION_TERMS[precision])
     limit = MAX_ROWS[bits, terms]
     if limit is not None and m > limit:

@@ -24,8 +24,8 @@
 // float32 (4-bit only; AVX-512 without BF16, M = 1). The chunk is 16 dwords of 8 nibbles:
 //   vector j (0..7), lane l:  w & (15 << 4j)  =  q[8l + j] * 16^j     (no shift)
 //   converted unsigned (exact: 4 significant bits), times xw[c][j][l] = x[128c + 8l + j] * 2^-4j
-// so every 16 codes cost one and, one convert and one FMA; scaling x by a power of two makes
-// each product exactly q * x (for |x| >= 2^-98).
+// so every 16 codes cost one and, one convert and one FMA; the powers of two cancel exactly (for
+// |x| >= 2^-98), so each FMA adds q * x, rounded once as an FMA does.
 //
 // Both leave lane l with codes of one group, so the scale is a per-lane vector (chunk_lanes)
 // applied once per chunk, and the bias is hoisted out of the chunk loop (qmm_chunked.cpp):
@@ -55,6 +55,19 @@ namespace chunk {
 // 32 codes, 4*BITS bytes.
 template <int BITS>
 constexpr bool kStream = BITS == 3 || BITS == 5 || BITS == 6;
+// The bit-stream decode gathers bytes with vpermb (AVX512_VBMI): without it (e.g. Cooper Lake,
+// which has AVX512_BF16) bits 3/5/6 keep the fused kernels.
+#if defined(__AVX512VBMI__)
+constexpr bool kHaveStreamChunks = true;
+#else
+constexpr bool kHaveStreamChunks = false;
+#endif
+
+// Prefetch into L2 the line at base + offset (integer arithmetic: the address may lie past the
+// end of the buffer, where prefetches do not fault but pointer arithmetic would be undefined).
+__attribute__((always_inline)) inline void prefetch_l2(const void* base, int64_t offset) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + uintptr_t(offset)), _MM_HINT_T1);
+}
 template <int BITS>
 constexpr int kCodesPerChunk = kStream<BITS> ? 32 : 512 / BITS;
 template <int BITS>
@@ -117,11 +130,10 @@ inline __m512 chunk_lanes(const T* s) {
 // prefetcher follows well (float32 scales: ~10-15% faster with this, 2 threads).
 template <typename T, int R>
 inline void prefetch_params(const QmmArgs& a, int64_t n, int64_t groups) {
-  const T* scale = static_cast<const T*>(a.scales) + (n + R) * groups;
-  const T* bias = static_cast<const T*>(a.biases) + (n + R) * groups;
+  const int64_t next = (n + R) * groups * int64_t(sizeof(T));  // byte offset of the next tile's rows
   for (int64_t off = 0; off < R * groups * int64_t(sizeof(T)); off += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(scale) + off, _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(bias) + off, _MM_HINT_T1);
+    prefetch_l2(a.scales, next + off);
+    prefetch_l2(a.biases, next + off);
   }
 }
 
@@ -199,6 +211,7 @@ struct Planes {
   __attribute__((always_inline)) static inline __m512i decode(__m512i w) {
     alignas(64) static constexpr Table kTable = table();
     if constexpr (kStream<BITS>) {
+#if defined(__AVX512VBMI__)
       alignas(64) static constexpr StreamIdx kIdx = stream_idx();
       const __m512i words = _mm512_srlv_epi16(_mm512_permutexvar_epi8(_mm512_load_si512(kIdx.bytes), w),
                                               _mm512_load_si512(kIdx.shift));
@@ -206,6 +219,10 @@ struct Planes {
         return _mm512_permutex2var_epi16(_mm512_load_si512(kTable.e), words, _mm512_load_si512(kTable.e + 32));
       else
         return _mm512_permutexvar_epi16(words, _mm512_load_si512(kTable.e));
+#else
+      static_assert(!kStream<BITS>, "bit-stream chunks need AVX512_VBMI (kHaveStreamChunks)");
+      return w;
+#endif
     } else {
       return _mm512_permutexvar_epi16(J == 0 ? w : _mm512_srli_epi16(w, kFieldBits * J), _mm512_load_si512(kTable.e));
     }
@@ -269,7 +286,7 @@ void tile(const QmmArgs& a, int64_t n, const typename C::X* const (&xr)[MB], flo
     __m512i w[R];
     for (int r = 0; r < R; ++r) {
       // The same chunk of the next tile's row r: the rows are contiguous.
-      _mm_prefetch(reinterpret_cast<const char*>(row[r] + R * row_bytes + c * kChunkBytes<C::kBits>), _MM_HINT_T1);
+      prefetch_l2(row[r], R * row_bytes + c * kChunkBytes<C::kBits>);
       w[r] = load_chunk<C::kBits>(row[r] + c * kChunkBytes<C::kBits>);
     }
     __m512 p[R][MB];

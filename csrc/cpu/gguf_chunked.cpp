@@ -291,7 +291,7 @@ void tile(const GgufArgs& a, int64_t n, const uint16_t* const (&xb)[MB], const f
     for (int r = 0; r < R; ++r) {
       blk[r] = a.blocks + (n + r) * row_bytes + b * Fmt::kBlockBytes;
       for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)  // the next tile's block
-        _mm_prefetch(reinterpret_cast<const char*>(blk[r] + R * row_bytes + off), _MM_HINT_T1);
+        prefetch_l2(blk[r], R * row_bytes + off);
     }
     const uint16_t* xbb[MB];
     const float* xsb[MB];
@@ -376,10 +376,9 @@ const char* gguf_chunked_tile(const GgufArgs& a, int64_t ggml_type) {
 }
 
 void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y) {
-  if (ggml_type == Q4K::kType)
-    run_terms<Q4K>(a, y);
-  else
-    run_terms<Q6K>(a, y);
+  if (ggml_type == Q4K::kType) return run_terms<Q4K>(a, y);
+  if (ggml_type == Q6K::kType) return run_terms<Q6K>(a, y);
+  TORCH_CHECK(false, "gguf_qmm: no chunk kernel for ggml type ", ggml_type, " (gguf_chunked_tile)");
 }
 
 #else  // the fused decode-and-dot of gguf_qmm.cpp serves every CPU without AVX512_BF16

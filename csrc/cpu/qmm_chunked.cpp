@@ -123,8 +123,8 @@ template <typename T, int G, typename C>
 void run_span(const QmmArgs& a, int64_t i, const PreparedX<C>& px, float* y) {
   const int64_t n0 = i * kSpanRows, n1 = std::min(a.N, n0 + kSpanRows);
   for (int64_t m0 = 0; m0 < a.M;) {
-    const int mb = x_block_rows(a.M - m0);
-    if constexpr (std::is_same_v<C, F32Chunk>) {  // M = 1 only (qmm_t_chunked_tile)
+    const int mb = std::is_same_v<C, F32Chunk> ? 1 : x_block_rows(a.M - m0);
+    if constexpr (std::is_same_v<C, F32Chunk>) {  // one row at a time (routed at M = 1 only)
       run_block<T, G, C, 1>(a, n0, n1, m0, px, y);
     } else {
       switch (mb) {
@@ -175,7 +175,7 @@ void prepare_row(const float* x, int64_t chunks, uint16_t* xb, Bf16Chunk<P, BITS
   for (int64_t c = 0; c < chunks; ++c)
     for (int j = 0; j < Geo::kCount; ++j)
       for (int i = 0; i < 32; ++i) {
-        float rest = std::ldexp(x[kCodes * c + Geo::code(j, i)], Geo::x_shift(j));
+        float rest = x[kCodes * c + Geo::code(j, i)] * float(1 << Geo::x_shift(j));  // exact: in range
         for (int t = 0; t < P; ++t) {
           const c10::BFloat16 term(rest);
           xb[c * Bf16Chunk<P, BITS>::kXPerChunk + (j * P + t) * 32 + i] = term.x;
@@ -225,7 +225,9 @@ void run_bf16(const QmmArgs& a, float* y) {
 
 const char* qmm_t_chunked_tile(const QmmArgs& a) {
   if (a.bits < 2 || a.bits > 8 || a.bits == 7) return nullptr;
-  const int64_t chunk_codes = (a.bits == 3 || a.bits == 5 || a.bits == 6) ? 32 : 512 / a.bits;  // kCodesPerChunk
+  const bool stream = a.bits == 3 || a.bits == 5 || a.bits == 6;
+  if (stream && !kHaveStreamChunks) return nullptr;
+  const int64_t chunk_codes = stream ? 32 : 512 / a.bits;  // kCodesPerChunk
   if (a.M < 1 || a.K < chunk_codes) return nullptr;  // at least one chunk
   if (a.group_size != 32 && a.group_size != 64 && a.group_size != 128) return nullptr;
   const char* tile = nullptr;
@@ -243,11 +245,14 @@ void qmm_t_chunked(const QmmArgs& a, float* y) {
   if (!a.avoid_bf16) {
     switch (a.bits) {
       case 2: return run_bf16<2>(a, y);
-      case 3: return run_bf16<3>(a, y);
       case 4: return run_bf16<4>(a, y);
+      case 8: return run_bf16<8>(a, y);
+#if defined(__AVX512VBMI__)
+      case 3: return run_bf16<3>(a, y);
       case 5: return run_bf16<5>(a, y);
       case 6: return run_bf16<6>(a, y);
-      default: return run_bf16<8>(a, y);
+#endif
+      default: TORCH_CHECK(false, "affine_qmm: no chunk kernel for bits ", a.bits, " (qmm_t_chunked_tile)");
     }
   }
 #endif
