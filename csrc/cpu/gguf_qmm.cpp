@@ -164,9 +164,12 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   at::Tensor yf = at::empty({M, N}, xf.options());
   const cpu::GgufArgs a = args_for(xf, blocks, N, K, x.scalar_type());
+  // The chunk kernels hoist the Q4_K mins (and Q6_K's -32) out of the dot products; where that
+  // gives a non-finite value it need not be the one IEEE arithmetic on the decoded weights gives,
+  // so such calls are redone by the fused / GEMM kernels below, which multiply decoded weights.
   if (cpu::gguf_chunked_tile(a, ggml_type) != nullptr) {
     cpu::gguf_chunked(a, ggml_type, yf.data_ptr<float>());
-    return yf.to(x.scalar_type()).reshape(out_shape);
+    if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return yf.to(x.scalar_type()).reshape(out_shape);
   }
   const auto* w = blocks.data_ptr<uint8_t>();
   const int64_t bpb = gguf::block_bytes(ggml_type);
@@ -185,7 +188,8 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
   return yf.to(x.scalar_type()).reshape(out_shape);
 }
 
-// Which CPU kernel gguf_qmm would run: "chunked/<multiplier>", "fused", "gemm", or "empty".
+// Which CPU kernel gguf_qmm would run: "chunked/<multiplier>", "fused", "gemm", or "empty" (for a
+// finite result; a chunked call whose result is not finite is redone by "fused" / "gemm").
 std::string gguf_qmm_cpu_route(const at::Tensor& x, const at::Tensor& blocks_in, int64_t ggml_type, int64_t N,
                                int64_t K) {
   check_gguf_qmm(x, blocks_in, ggml_type, N, K);

@@ -26,7 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..formats import check_format, packed_words
-from ..nn import QuantLinear
+from ..nn import FORMAT_STATE_KEY, QuantLinear
 from .modules import QuantEmbedding, TiedQuantLinear
 from .safetensors_io import Checkpoint, save_sharded
 
@@ -213,7 +213,10 @@ def load_mlx(
     state = model.state_dict()
     targets = {renamed.get(k, k): k for k in keys}
     if strict:
-        missing = sorted(k for k in state if k not in targets and not _is_tied_duplicate(model, k, tied_to, keys))
+        missing = sorted(
+            k for k in state
+            if k not in targets and not _is_tied_duplicate(model, k, tied_to, keys) and not _is_format_state(k)
+        )
         unexpected = sorted(k for k, _ in targets.items() if k not in state)
         if missing or unexpected:
             raise ValueError(
@@ -236,6 +239,11 @@ def load_mlx(
             if not key.endswith((".scales", ".biases")) and target == key:
                 report.float_tensors += 1
     return report
+
+
+def _is_format_state(key: str) -> bool:
+    # The format of a quantized layer comes from config.json (MLX stores none in the tensors).
+    return key.rpartition(".")[2] == FORMAT_STATE_KEY
 
 
 def _is_tied_duplicate(model: nn.Module, key: str, tied_to: dict[str, str], keys: list[str]) -> bool:
@@ -275,6 +283,8 @@ def mlx_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, tuple[int, ...]]] = set()
     for key, t in model.state_dict().items():
         module_name, _, leaf = key.rpartition(".")
+        if leaf == FORMAT_STATE_KEY:  # config.json's "quantization" carries the format
+            continue
         if module_name in quantized and leaf == "qweight":
             key = f"{module_name}.weight" if module_name else "weight"
         ident = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), tuple(t.shape))
