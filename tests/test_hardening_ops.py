@@ -400,3 +400,43 @@ def test_quantize_model_leaves_multihead_attention_working():
         torch_qmm.quantize_model(mha, bits=4, group_size=32)
     with torch.no_grad():
         assert torch.equal(mha(x, x, x)[0], float_y)
+
+
+METAL_POISONS = ["x+inf", "x-inf", "x+-inf", "bias_inf", "scale_inf"]
+
+
+@pytest.mark.parametrize("transpose", [True, False])
+def test_non_finite_values_follow_ieee_on_every_metal_route(device, transpose):
+    """M = 1 (qmv / qvm), 3 (decode once for a few rows), 12 and 40 (simdgroup-matrix tiles); on
+    "cpu" the same cases again."""
+    gen = torch.Generator().manual_seed(13)
+    n, k = 128, 256
+    w = torch.randn(n, k, generator=gen) if transpose else torch.randn(k, n, generator=gen)
+    wq, scales, biases = torch_qmm.quantize(w, 64, 4)
+    for m in [1, 3, 12, 40]:
+        for poison in METAL_POISONS:
+            x, s, b = _poisoned(poison, torch.randn(m, k, generator=gen), scales, biases)
+            y = torch.ops.torch_qmm.affine_qmm(x.to(device), wq.to(device), s.to(device), b.to(device), 4, 64,
+                                               transpose).cpu()
+            ref = reference.qmm(x, wq, s, b, 4, 64, transpose)
+            mag = reference.qmm_magnitude(x, wq, s, b, 4, 64, transpose)
+            assert_ieee_matches(y, ref, mag, torch.float32, f"{device} {poison} M={m} transpose={transpose}")
+
+
+@pytest.mark.parametrize("ggml_type, poison", [(Q4_K, "x+inf"), (Q4_K, "dmin_inf"), (Q6_K, "x+inf"),
+                                               (Q6_K, "d_inf")], ids=lambda v: getattr(v, "name", v))
+def test_gguf_non_finite_values_follow_ieee_on_metal(device, ggml_type, poison):
+    n, k = 16, 512
+    raw = random_k_blocks(ggml_type, n, k, np.random.default_rng(14))
+    if poison != "x+inf":
+        at = {(Q4_K, "dmin_inf"): 2, (Q6_K, "d_inf"): 208}[ggml_type, poison]
+        raw[2, at:at + 2] = np.array([np.inf], dtype="<f2").view(np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
+    for m in [1, 3]:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) + (1.5 if poison == "dmin_inf" else 0.0)
+        if poison == "x+inf":
+            x[0, 17] = float("inf")
+        y = torch.ops.torch_qmm.gguf_qmm(x.to(device), torch.from_numpy(raw).to(device), int(ggml_type), n, k).cpu()
+        xd = x.double()
+        assert_ieee_matches(y, xd @ w.T, xd.abs() @ w.abs().T, torch.float32, f"{device} {ggml_type.name} {poison} M={m}")
