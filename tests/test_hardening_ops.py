@@ -440,3 +440,27 @@ def test_gguf_non_finite_values_follow_ieee_on_metal(device, ggml_type, poison):
         y = torch.ops.torch_qmm.gguf_qmm(x.to(device), torch.from_numpy(raw).to(device), int(ggml_type), n, k).cpu()
         xd = x.double()
         assert_ieee_matches(y, xd @ w.T, xd.abs() @ w.abs().T, torch.float32, f"{device} {ggml_type.name} {poison} M={m}")
+
+
+def test_transformers_reload_checks_the_saved_format(tmp_path):
+    """save_pretrained writes each QuantLinear's format; from_pretrained loads it without missing
+    or unexpected keys and refuses a layer whose saved format disagrees with the config."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    _tiny_llama(tie=False).save_pretrained(tmp_path / "float")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=TorchQmmConfig(8, 32))
+    model.save_pretrained(tmp_path / "q")
+    state = load_file(tmp_path / "q" / "model.safetensors")
+    assert state["model.layers.0.mlp.up_proj._extra_state"].tolist() == [8, 32]
+    back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "q", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+    state["model.layers.0.mlp.up_proj._extra_state"] = torch.tensor([4, 32], dtype=torch.int32)
+    save_file(state, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="holds bits=4, group_size=32, this layer has bits=8, group_size=32"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "q")

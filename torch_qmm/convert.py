@@ -51,7 +51,7 @@ def _module_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
 
 
-def model_bytes(model: nn.Module) -> int:
+def _model_bytes(model: nn.Module) -> int:
     """Bytes of the storages behind the parameters and buffers of `model`, each storage counted once
     (tied weights share one)."""
     seen: set = set()
@@ -109,7 +109,7 @@ def quantize_model(
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(id(module))
-    model_before = model_bytes(model)
+    model_before = _model_bytes(model)
     # remove_duplicate=False: a layer registered under several names (shared) is replaced at every
     # one of them by one QuantLinear, quantized once (named_modules() would yield only the first).
     candidates = [
@@ -135,7 +135,7 @@ def quantize_model(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, quantized)
         summary.converted.append(name)
-    summary.model_bytes_before, summary.model_bytes_after = model_before, model_bytes(model)
+    summary.model_bytes_before, summary.model_bytes_after = model_before, _model_bytes(model)
     if summary.skipped:
         warnings.warn(
             "quantize_model skipped "
