@@ -31,6 +31,8 @@ MODES = {
     "inference_mode": torch.inference_mode,
     "no_grad": torch.no_grad,
     "grad": contextlib.nullcontext,
+    # The ops compute in float32 whatever autocast asks of the matmuls they call inside.
+    "autocast_bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
 }
 
 
@@ -44,7 +46,7 @@ def num_threads(n: int):
         torch.set_num_threads(before)
 
 
-# ---- thread-local state in the CPU workers: every route under every autograd mode ----
+# ---- thread-local state (autograd modes, autocast) and the CPU workers: every route ----
 
 # (M, N, K, transpose): one call per CPU route of affine_qmm (the chunk kernels need AVX-512).
 AFFINE_CASES = [(1, 256, 512, True), (3, 256, 96, True), (3, 96, 256, False), (64, 256, 512, True),
@@ -53,7 +55,7 @@ AFFINE_CASES = [(1, 256, 512, True), (3, 256, 96, True), (3, 96, 256, False), (6
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
-def test_every_affine_cpu_route_runs_under_every_autograd_mode(mode, threads):
+def test_every_affine_cpu_route_runs_under_every_thread_local_mode(mode, threads):
     gen = torch.Generator().manual_seed(1)
     routes = set()
     for m, n, k, transpose in AFFINE_CASES:
@@ -71,7 +73,7 @@ def test_every_affine_cpu_route_runs_under_every_autograd_mode(mode, threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
-def test_every_gguf_cpu_route_runs_under_every_autograd_mode(mode, threads):
+def test_every_gguf_cpu_route_runs_under_every_thread_local_mode(mode, threads):
     n, k = 64, 512
     routes = set()
     for ggml_type, m in [(Q4_K, 1), (Q6_K, 4), (Q4_K, 40)]:  # chunked (AVX512_BF16) / fused, fused, gemm

@@ -7,7 +7,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -181,7 +181,9 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
       for (int64_t r0 = 0; r0 < N; r0 += kGemmBlockRows) {
         const int64_t r1 = std::min(N, r0 + kGemmBlockRows);
         decode_rows(w, wf.data_ptr<float>(), r0, r1, K, bpb, decode);
-        yf.narrow(1, r0, r1 - r0).copy_(at::mm(xf, wf.narrow(0, 0, r1 - r0).t()));
+        // The CPU kernel itself (at::cpu::), not the dispatcher: under torch.autocast, at::mm would
+        // multiply in bfloat16.
+        yf.narrow(1, r0, r1 - r0).copy_(at::cpu::mm(xf, wf.narrow(0, 0, r1 - r0).t()));
       }
     }
   });
