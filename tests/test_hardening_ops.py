@@ -258,6 +258,15 @@ def test_quant_embedding_refuses_id_dtypes_nn_embedding_refuses(dtype):
         qemb(ids)
 
 
+def test_quant_embedding_checks_ids_inside_a_compiled_graph():
+    _, qemb = _embeddings()
+    compiled = torch.compile(qemb, backend="eager", fullgraph=True)
+    ids = torch.tensor([[1, 2], [3, 9]])
+    assert torch.equal(compiled(ids), qemb(ids))
+    with pytest.raises(RuntimeError, match=r"argument 'ids' must be in \[0, 10\)"):
+        compiled(torch.tensor([1, -1]))
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=str)
 def test_quant_embedding_takes_the_ids_nn_embedding_takes(dtype):
     emb, qemb = _embeddings()
@@ -435,7 +444,7 @@ def test_gguf_non_finite_values_follow_ieee_on_metal(device, ggml_type, poison):
         raw[2, at:at + 2] = np.array([np.inf], dtype="<f2").view(np.uint8)
     with np.errstate(invalid="ignore", over="ignore"):
         w = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
-    for m in [1, 3]:
+    for m in [1, 3, 40]:  # qmv, small M, simdgroup-matrix tiles
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) + (1.5 if poison == "dmin_inf" else 0.0)
         if poison == "x+inf":
             x[0, 17] = float("inf")

@@ -46,7 +46,10 @@ class QuantEmbedding(AffineFormatState, nn.Module):
         if ids.dtype not in (torch.int64, torch.int32):
             raise RuntimeError(f"QuantEmbedding: argument 'ids' must be an int64 or int32 tensor, got {ids.dtype}")
         flat = ids.reshape(-1)
-        if flat.numel() != 0:
+        if torch.compiler.is_compiling():  # no host sync inside a graph: a checking op instead
+            torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
+                                f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings})")
+        elif flat.numel() != 0:
             lo, hi = torch.stack(torch.aminmax(flat)).tolist()  # one device sync
             if lo < 0 or hi >= self.num_embeddings:
                 bad = lo if lo < 0 else hi
