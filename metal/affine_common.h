@@ -106,7 +106,9 @@ inline float load_x_prescaled(const device T* x, thread float* xt) {
 // forms below fall back to where they are not finite. There (Inf/NaN in x, s or b, or an
 // overflow) the hoisted value need not be the one IEEE arithmetic on the dequantized weights
 // gives (F.linear's: +Inf in x against weights of both signs is NaN, an Inf bias against x of
-// both signs too); done weight by weight it is. Finite results keep the hoisted form.
+// both signs too); done weight by weight it is. Finite results keep the hoisted form. (isfinite
+// holds its meaning because the executor compiles with MTLMathModeSafe, as metalsim with
+// -fno-fast-math.)
 template <typename T, int bits, int n>
 inline float qdot_by_weight(const device uint8_t* w, const device T* x, float s, float b) {
   float acc = 0.0f;
