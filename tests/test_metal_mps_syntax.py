@@ -101,7 +101,8 @@ def test_a_kernel_source_compiles_to_that_kernel_alone():
 
 
 def test_a_dispatch_compiles_only_the_kernel_it_launches():
-    """A fresh process: one qmm on the metalsim backend compiles exactly the planned kernel."""
+    """A fresh process: one qmm on the metalsim backend compiles exactly the planned kernel; concurrent
+    first uses of a kernel compile it once."""
     from metal_helpers import require_clang
 
     require_clang()
@@ -113,12 +114,19 @@ def test_a_dispatch_compiles_only_the_kernel_it_launches():
         "with backend():\n"
         "    torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=5)\n"
         "(l,) = last_launches()\n"
-        "print(json.dumps([l.kernel, compiled_kernels(), kernel_library(l.kernel).kernels]))\n"
+        "first = [l.kernel, compiled_kernels(), kernel_library(l.kernel).kernels]\n"
+        # four threads' first use of another kernel: one compile, one library for all
+        "import threading\n"
+        "name = 'gguf_qmv_q6_K_float'; got = []\n"
+        "ts = [threading.Thread(target=lambda: got.append(kernel_library(name))) for _ in range(4)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "print(json.dumps(first + [compiled_kernels(), len({id(g) for g in got}), len(got)]))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     import json
 
-    kernel, compiled, in_library = json.loads(result.stdout.strip().splitlines()[-1])
+    kernel, compiled, in_library, compiled_after, libraries, calls = json.loads(result.stdout.strip().splitlines()[-1])
     assert kernel == "affine_qmm_t_bm4_float_gs_64_b_5"
     assert compiled == [kernel] and in_library == [kernel]
+    assert compiled_after == [kernel, "gguf_qmv_q6_K_float"] and (libraries, calls) == (1, 4)
