@@ -366,6 +366,8 @@ def device_problem(device: str) -> Optional[str]:
     if device == "metalsim":
         from .metalsim import _build
 
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return f"--device metalsim: metalsim runs on x86-64 only (this machine: {platform.machine()})"
         try:
             _build.find_clang()
         except RuntimeError as e:
