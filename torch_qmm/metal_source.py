@@ -90,11 +90,14 @@ def prelude(library: str, directory: Path | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
-def flatten_library(library: str, directory: Path | None = None) -> str:
-    """The whole library file with its headers inlined (every instantiation: what one
-    newLibraryWithSource of the library compiles)."""
+def flatten_libraries(libraries=LIBRARIES, directory: Path | None = None) -> str:
+    """The library files with their headers inlined, each header once: one source holding every
+    instantiation (what a single newLibraryWithSource of all of metal/ compiles)."""
+    directory = directory or metal_dir()
+    seen: set = set()
     out: list = []
-    _flatten((directory or metal_dir()) / library, set(), out)
+    for library in libraries:
+        _flatten(directory / library, seen, out)
     return "\n".join(out) + "\n"
 
 

@@ -21,16 +21,6 @@ from .. import metal_source
 from .report import machine_info, write_json
 
 
-def whole_source() -> str:
-    """Every library file of metal/ as one source, shared headers once: what one
-    newLibraryWithSource compiled when the executor embedded all of metal/."""
-    seen: set = set()
-    out: list = []
-    for library in metal_source.LIBRARIES:
-        metal_source._flatten(metal_source.metal_dir() / library, seen, out)
-    return "\n".join(out) + "\n"
-
-
 def measure(sample: int = 8) -> dict:
     from ..metalsim import _api as metalsim
 
@@ -38,7 +28,7 @@ def measure(sample: int = 8) -> dict:
     names = list(kernels)
     picked = [names[i * (len(names) - 1) // (sample - 1)] for i in range(sample)]  # spread over the table
     per_kernel = [len(metal_source.kernel_source(n).encode()) for n in names]
-    whole = whole_source()
+    whole = metal_source.flatten_libraries()  # all of metal/: the first call's source before
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCH_QMM_METALSIM_CACHE"] = cache  # cold: nothing built before
         t0 = time.perf_counter()
