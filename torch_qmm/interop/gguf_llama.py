@@ -12,7 +12,8 @@ Facts from llama.cpp's convert_hf_to_gguf.py and transformers' GGUF loader
   (GGUF blocks never cross rows): the file's blocks are kept, only reordered.
 * config: llama.{block_count, embedding_length, feed_forward_length, attention.head_count,
   attention.head_count_kv, attention.layer_norm_rms_epsilon, rope.freq_base, context_length,
-  rope.dimension_count}.
+  rope.dimension_count}; the special token ids tokenizer.ggml.{bos,eos,padding}_token_id (the
+  unknown token has no config field: it is in the tokenizer files, see gguf_tokenizer).
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ _CONFIG_KEYS = {
     "attention.head_count_kv": "num_key_value_heads",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
 }
+# GGUF special token ids -> LlamaConfig fields. Absent from the file: None (LlamaConfig's own
+# defaults, bos 1 / eos 2, belong to one vocabulary and are not the file's).
+_TOKEN_ID_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -100,7 +108,25 @@ def llama_config_from_gguf(f: GGUFFile):
         raise ValueError(f"{f.path}: no token_embd.weight tensor")
     kwargs["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
     kwargs["tie_word_embeddings"] = "output.weight" not in f.tensors
+    kwargs.update(_special_token_ids(f, kwargs["vocab_size"]))
     return LlamaConfig(**kwargs)
+
+
+def _special_token_ids(f: GGUFFile, vocab_size: int) -> dict[str, int | None]:
+    """{bos,eos,pad}_token_id from the file's tokenizer metadata, each checked to name a token."""
+    tokens = f.reader.fields.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens.data) if tokens is not None else vocab_size
+    out: dict[str, int | None] = {}
+    for key, field in _TOKEN_ID_KEYS.items():
+        value = f.get_metadata(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < min(vocab_size, n_tokens)):
+            raise ValueError(
+                f"{f.path}: metadata {key} must be a token id in [0, {min(vocab_size, n_tokens)}) (the vocabulary "
+                f"has {n_tokens} tokens, token_embd.weight {vocab_size} rows), got {value!r}"
+            )
+        out[field] = value
+    return out
 
 
 def _rows_permuted(t: GGUFTensor, perm: torch.Tensor) -> GGUFTensor:
