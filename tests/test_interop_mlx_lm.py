@@ -11,6 +11,7 @@ shares no code with ours.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -219,3 +220,202 @@ def test_gguf_to_mlx_loads_in_mlx_lm_and_matches_torch(gguf_model, gguf_mlx, ref
     print(f"gguf -> mlx: max |mlx_lm - torch| / max |logit| = {err:.2e}")
     greedy = torch_greedy(reference, ids, N_NEW)
     assert mlx_greedy(model, ids, N_NEW) == greedy
+
+
+def test_mlx_lm_honors_the_rope_theta_we_wrote(gguf_model, gguf_mlx, reference_tokenizer):
+    # The tolerance above is far below what the rotary base changes: with mlx_lm's default base
+    # (what it used before the folder carried rope_theta) the same comparison fails.
+    ids = reference_tokenizer(PROMPT).input_ids
+    config = json.loads((gguf_mlx / "config.json").read_text())
+    assert config["rope_theta"] == ROPE_THETA and config["rope_scaling"] is None
+    want = torch_logits(gguf_model[1], ids)
+    model, _ = mlx_lm_utils.load_model(gguf_mlx, model_config={"rope_theta": 10000.0})
+    err = (mlx_logits(model, ids) - want).abs().max().item() / want.abs().max().item()
+    assert err > 100 * RTOL_LOGITS
+
+
+@pytest.fixture(scope="module")
+def hf_mlx(tmp_path_factory, reference_tokenizer):
+    """(transformers folder with the real tokenizer, its `convert --format mlx` output)."""
+    folder = tmp_path_factory.mktemp("hf")
+    random_llama(len(reference_tokenizer), tied=False, seed=1).save_pretrained(folder)
+    reference_tokenizer.save_pretrained(folder)
+    out = tmp_path_factory.mktemp("hf_mlx") / "out"
+    assert main(["convert", str(folder), str(out), "--format", "mlx", "--bits", "4", "--group-size", "32"]) == 0
+    return folder, out
+
+
+def torch_from_mlx_folder(folder: Path):
+    """The torch side of an MLX folder: transformers' reading of its config, our loader."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(folder)).eval()
+    load_mlx(model, folder)
+    return model
+
+
+def test_transformers_folder_to_mlx_loads_in_mlx_lm_and_matches_torch(hf_mlx, reference_tokenizer):
+    model, tokenizer = mlx_lm_utils.load(str(hf_mlx[1]))
+    ids = tokenizer.encode(PROMPT)
+    assert ids == reference_tokenizer(PROMPT).input_ids
+    reference = torch_from_mlx_folder(hf_mlx[1])
+    err = assert_logits_close(mlx_logits(model, ids), torch_logits(reference, ids))
+    print(f"transformers -> mlx: max |mlx_lm - torch| / max |logit| = {err:.2e}")
+    assert mlx_greedy(model, ids, N_NEW) == torch_greedy(reference, ids, N_NEW)
+
+
+def expected_model_args(hf) -> dict:
+    """What mlx_lm's llama ModelArgs must hold for the model transformers builds from `hf`."""
+    assert hf.rope_parameters["rope_type"] == "default"
+    return {
+        "model_type": "llama", "hidden_size": hf.hidden_size, "num_hidden_layers": hf.num_hidden_layers,
+        "intermediate_size": hf.intermediate_size, "num_attention_heads": hf.num_attention_heads,
+        "rms_norm_eps": hf.rms_norm_eps, "vocab_size": hf.vocab_size, "head_dim": hf.head_dim,
+        "max_position_embeddings": hf.max_position_embeddings, "num_key_value_heads": hf.num_key_value_heads,
+        "attention_bias": hf.attention_bias, "mlp_bias": hf.mlp_bias,
+        "rope_theta": hf.rope_parameters["rope_theta"], "rope_scaling": None,
+        "rope_traditional": False,  # transformers' rotate-half layout (llama.cpp's permutation undone)
+        "tie_word_embeddings": hf.tie_word_embeddings,
+        "layer_types": ["full_attention"] * hf.num_hidden_layers, "sliding_window": None,
+    }
+
+
+@pytest.mark.parametrize("which", ["gguf", "transformers"])
+def test_mlx_lm_model_args_equal_what_transformers_reads(which, gguf_mlx, hf_mlx):
+    from mlx_lm.models.llama import ModelArgs
+
+    out = gguf_mlx if which == "gguf" else hf_mlx[1]
+    args = ModelArgs.from_dict(mlx_lm_utils.load_config(out))
+    hf = transformers.LlamaConfig.from_pretrained(out)
+    expected = expected_model_args(hf)
+    # every field mlx_lm reads is compared (a field added by a later mlx_lm shows up here)
+    assert {f.name for f in dataclasses.fields(args)} == set(expected)
+    assert dataclasses.asdict(args) == expected
+    # and both equal what the source said
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.num_key_value_heads, hf.rope_parameters["rope_theta"]) == (
+        HIDDEN, LAYERS, KV_HEADS, ROPE_THETA)
+    assert hf.tie_word_embeddings == (which == "gguf")
+
+
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "rope_theta": ROPE_THETA, "factor": 4.0},
+    # original context 16: every rotary frequency with a wavelength above 16 positions is scaled
+    "llama3": {"rope_type": "llama3", "rope_theta": ROPE_THETA, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPE_SCALINGS))
+def test_rope_scaling_reaches_mlx_lm(tmp_path, rope):
+    torch_model = random_llama(vocab=512, tied=True, seed=2, rope_parameters=ROPE_SCALINGS[rope])
+    save_mlx(torch_model, tmp_path)  # float weights, the config from torch_model.config
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_scaling"] == {k: v for k, v in ROPE_SCALINGS[rope].items() if k != "rope_theta"}
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, 512, 96)]
+    want = torch_logits(torch_model, ids)
+    model, _ = mlx_lm_utils.load_model(tmp_path)
+    assert_logits_close(mlx_logits(model, ids), want)
+    unscaled, _ = mlx_lm_utils.load_model(tmp_path, model_config={"rope_scaling": None})
+    assert (mlx_logits(unscaled, ids) - want).abs().max().item() / want.abs().max().item() > 100 * RTOL_LOGITS
+
+
+_MLX_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.uint32: "uint32"}
+
+
+def assert_same_bits(name: str, theirs, ours: torch.Tensor) -> None:
+    assert str(theirs.dtype).rpartition(".")[2] == _MLX_DTYPES[ours.dtype], (name, theirs.dtype, ours.dtype)
+    assert tuple(theirs.shape) == tuple(ours.shape), (name, theirs.shape, ours.shape)
+    if ours.dtype == torch.bfloat16:  # numpy has no bfloat16: compare the 16-bit patterns
+        theirs, ours = theirs.view(mx.uint16), ours.view(torch.int16)
+    a, b = np.array(theirs), ours.detach().contiguous().numpy()
+    assert np.array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}")), f"{name}: bits differ"
+
+
+@pytest.mark.parametrize("which", ["gguf", "transformers"])
+def test_mlx_lm_holds_bit_for_bit_what_our_loader_reads(which, gguf_mlx, hf_mlx):
+    out = gguf_mlx if which == "gguf" else hf_mlx[1]
+    ours = mlx_state_dict(torch_from_mlx_folder(out))
+    model, _ = mlx_lm_utils.load_model(out)
+    theirs = dict(tree_flatten(model.parameters()))
+    assert set(theirs) == set(ours)
+    for name, t in ours.items():
+        assert_same_bits(name, theirs[name], t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_save_mlx_tensors_read_by_mlx_bit_for_bit(tmp_path, dtype):
+    from torch_qmm.convert import quantize_model
+
+    model = random_llama(vocab=256, tied=False, seed=3).to(dtype)
+    quantize_model(model, bits=4, group_size=32, filter_fn=lambda name, _: "mlp" in name)
+    written = mlx_state_dict(model)
+    save_mlx(model, tmp_path, max_shard_bytes=2**14)  # several shards
+    read = {}
+    for f in sorted(tmp_path.glob("model*.safetensors")):
+        read.update(mx.load(str(f)))
+    assert len(list(tmp_path.glob("model*.safetensors"))) > 1 and set(read) == set(written)
+    for name, t in written.items():
+        assert_same_bits(name, read[name], t)
+
+
+def real_token_ids(tokenizer_fields) -> dict[str, int]:
+    return {k: v for k, v, _, _ in tokenizer_fields if k.endswith("_token_id")}
+
+
+def test_gguf_special_tokens_reach_both_folders_and_mlx_lm(gguf_model, gguf_mlx, tokenizer_fields, tmp_path):
+    ids = real_token_ids(tokenizer_fields)
+    tokens = next(v for k, v, _, _ in tokenizer_fields if k == "tokenizer.ggml.tokens")
+    bos, eos, pad, unk = (ids[f"tokenizer.ggml.{n}_token_id"] for n in ("bos", "eos", "padding", "unknown"))
+    config = json.loads((gguf_mlx / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (bos, eos, pad)
+    _, tokenizer = mlx_lm_utils.load(str(gguf_mlx))
+    assert (tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token) == (tokens[bos], tokens[pad], tokens[unk])
+    assert tokenizer.eos_token_ids == {eos}
+
+    out = tmp_path / "hf"  # GGUF -> transformers folder: the same tokenizer, generation_config has the ids
+    assert main(["convert", str(gguf_model[0]), str(out)]) == 0
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (bos, eos, pad)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tokenizer(PROMPT).input_ids == tokenizer.encode(PROMPT)
+    assert (hf_tokenizer.unk_token, hf_tokenizer.eos_token) == (tokens[unk], tokens[eos])
+
+
+def _config_gguf(path: Path, metadata: dict, vocab: int = 96, n_tokens: int | None = None) -> GGUFFile:
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in {"llama.block_count": 1, "llama.embedding_length": 32, "llama.attention.head_count": 2,
+                       **metadata}.items():
+        writer.add_uint32(key, value)
+    if n_tokens is not None:
+        writer.add_token_list([f"t{i}" for i in range(n_tokens)])
+    writer.add_tensor("token_embd.weight", np.zeros((vocab, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile(path)
+
+
+def test_llama_config_takes_the_special_token_ids_of_the_file(tmp_path):
+    ids = {"tokenizer.ggml.bos_token_id": 5, "tokenizer.ggml.eos_token_id": 7, "tokenizer.ggml.padding_token_id": 9}
+    config = llama_config_from_gguf(_config_gguf(tmp_path / "a.gguf", ids, n_tokens=96))
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (5, 7, 9)
+    # a file that names none: none (LlamaConfig's defaults 1 / 2 are another vocabulary's)
+    config = llama_config_from_gguf(_config_gguf(tmp_path / "b.gguf", {}))
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (None, None, None)
+
+
+@pytest.mark.parametrize("vocab, n_tokens, eos", [(96, 96, 96), (96, 50, 60), (96, None, 2**32 - 1)])
+def test_special_token_id_outside_the_vocabulary_is_an_error(tmp_path, vocab, n_tokens, eos):
+    f = _config_gguf(tmp_path / "a.gguf", {"tokenizer.ggml.eos_token_id": eos}, vocab=vocab, n_tokens=n_tokens)
+    with pytest.raises(ValueError, match=rf"a.gguf: metadata tokenizer.ggml.eos_token_id must be a token id in "
+                                         rf"\[0, {min(vocab, n_tokens or vocab)}\).*got {eos}"):
+        llama_config_from_gguf(f)
+
+
+def test_gguf_without_tokenizer_metadata_warns_and_writes_no_tokenizer(tmp_path):
+    from test_interop_gguf_llama import hf_model
+    from test_interop_gguf_llama import write_llama_gguf as write_plain_gguf
+
+    write_plain_gguf(hf_model(tied=True), tmp_path / "m.gguf", {}, np.random.default_rng(0))
+    with pytest.warns(UserWarning, match=r"m.gguf: no tokenizer.ggml.model metadata, so no tokenizer files were written"):
+        assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--format", "mlx"]) == 0
+    assert not (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "config.json").is_file()
