@@ -194,10 +194,15 @@ def mlx_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def torch_greedy(model, ids: list[int], n: int) -> list[int]:
-    """Argmax over the full recomputed sequence each step (no cache): another code path."""
+    """Argmax over the full recomputed sequence each step (no cache): another code path. Each
+    step's best logit must beat the second by more than the logits tolerance, so that equal
+    tokens are a real agreement and not one side's rounding."""
     seq = list(ids)
     for _ in range(n):
-        seq.append(int(torch_logits(model, seq)[-1].argmax()))
+        logits = torch_logits(model, seq)
+        top2 = logits[-1].topk(2).values
+        assert top2[0] - top2[1] > 2 * RTOL_LOGITS * logits.abs().max(), "greedy step decided by rounding"
+        seq.append(int(logits[-1].argmax()))
     return seq[len(ids):]
 
 
