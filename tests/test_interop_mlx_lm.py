@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -424,3 +425,22 @@ def test_gguf_without_tokenizer_metadata_warns_and_writes_no_tokenizer(tmp_path)
     with pytest.warns(UserWarning, match=r"m.gguf: no tokenizer.ggml.model metadata, so no tokenizer files were written"):
         assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--format", "mlx"]) == 0
     assert not (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "config.json").is_file()
+
+
+def test_gguf_rotary_scaling_that_the_config_cannot_carry_warns(tmp_path):
+    # llama.cpp writes Llama 3.1-style scaling as per-frequency factors (rope_freqs.weight)
+    plain = _config_gguf(tmp_path / "plain.gguf", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llama_config_from_gguf(plain)
+    writer = GGUFWriter(str(tmp_path / "scaled.gguf"), "llama")
+    for key, value in {"llama.block_count": 1, "llama.embedding_length": 32, "llama.attention.head_count": 2}.items():
+        writer.add_uint32(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((96, 32), np.float32))
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * 4 + [8.0] * 4, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.warns(UserWarning, match=r"scaled.gguf: the file scales the rotary embedding \(rope_freqs.weight"):
+        llama_config_from_gguf(GGUFFile(tmp_path / "scaled.gguf"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import torch
 from torch import nn
@@ -47,7 +48,8 @@ _RENAMES = [
     (r"\.attn_norm\.", ".input_layernorm."),
     (r"\.ffn_norm\.", ".post_attention_layernorm."),
 ]
-# Tensors transformers recomputes from the config.
+# Not model parameters: llama.cpp's per-frequency rotary factors (Llama 3.1-style scaling), which
+# transformers derives from the config instead (checked in _warn_unmapped_rope).
 _SKIPPED = ("rope_freqs.weight",)
 
 # GGUF metadata key (after "<arch>.") -> LlamaConfig field (transformers integrations/ggml.py).
@@ -109,7 +111,23 @@ def llama_config_from_gguf(f: GGUFFile):
     kwargs["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
     kwargs["tie_word_embeddings"] = "output.weight" not in f.tensors
     kwargs.update(_special_token_ids(f, kwargs["vocab_size"]))
+    _warn_unmapped_rope(f, arch)
     return LlamaConfig(**kwargs)
+
+
+def _warn_unmapped_rope(f: GGUFFile, arch: str) -> None:
+    """The config carries the plain rotary embedding only: a file that scales it (llama.cpp's
+    rope_freqs.weight factors, or {arch}.rope.scaling.type) gets a warning, not a silent change."""
+    scaling = f.get_metadata(f"{arch}.rope.scaling.type")
+    freqs = f.tensors.get("rope_freqs.weight")
+    scaled_freqs = freqs is not None and not bool((dequantize(freqs) == 1).all())
+    if (scaling not in (None, "none")) or scaled_freqs:
+        what = "rope_freqs.weight (per-frequency factors)" if scaled_freqs else f"{arch}.rope.scaling.type={scaling!r}"
+        warnings.warn(
+            f"{f.path}: the file scales the rotary embedding ({what}); the transformers config built from it "
+            "has the unscaled rotary embedding, so outputs differ from llama.cpp's (most at long context)",
+            stacklevel=3,
+        )
 
 
 def _special_token_ids(f: GGUFFile, vocab_size: int) -> dict[str, int | None]:
