@@ -410,11 +410,13 @@ def test_llama_config_takes_the_special_token_ids_of_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("vocab, n_tokens, eos", [(96, 96, 96), (96, 50, 60), (96, None, 2**32 - 1)])
-def test_special_token_id_outside_the_vocabulary_is_an_error(tmp_path, vocab, n_tokens, eos):
-    f = _config_gguf(tmp_path / "a.gguf", {"tokenizer.ggml.eos_token_id": eos}, vocab=vocab, n_tokens=n_tokens)
-    with pytest.raises(ValueError, match=rf"a.gguf: metadata tokenizer.ggml.eos_token_id must be a token id in "
-                                         rf"\[0, {min(vocab, n_tokens or vocab)}\).*got {eos}"):
-        llama_config_from_gguf(f)
+def test_special_token_id_outside_the_vocabulary_warns_and_is_dropped(tmp_path, vocab, n_tokens, eos):
+    ids = {"tokenizer.ggml.eos_token_id": eos, "tokenizer.ggml.bos_token_id": 3}
+    f = _config_gguf(tmp_path / "a.gguf", ids, vocab=vocab, n_tokens=n_tokens)
+    with pytest.warns(UserWarning, match=rf"a.gguf: metadata tokenizer.ggml.eos_token_id = {eos} is not a token id "
+                                         rf"in \[0, {min(vocab, n_tokens or vocab)}\)"):
+        config = llama_config_from_gguf(f)
+    assert (config.bos_token_id, config.eos_token_id) == (3, None)
 
 
 def test_gguf_without_tokenizer_metadata_warns_and_writes_no_tokenizer(tmp_path):

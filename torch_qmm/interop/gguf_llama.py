@@ -131,18 +131,22 @@ def _warn_unmapped_rope(f: GGUFFile, arch: str) -> None:
 
 
 def _special_token_ids(f: GGUFFile, vocab_size: int) -> dict[str, int | None]:
-    """{bos,eos,pad}_token_id from the file's tokenizer metadata, each checked to name a token."""
+    """{bos,eos,pad}_token_id from the file's tokenizer metadata. An id that names no token is
+    dropped with a warning (as llama.cpp's loader does: the special token is optional, the
+    weights are still good)."""
     tokens = f.reader.fields.get("tokenizer.ggml.tokens")
     n_tokens = len(tokens.data) if tokens is not None else vocab_size
+    limit = min(vocab_size, n_tokens)
     out: dict[str, int | None] = {}
     for key, field in _TOKEN_ID_KEYS.items():
         value = f.get_metadata(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 0 <= value < min(vocab_size, n_tokens)):
-            raise ValueError(
-                f"{f.path}: metadata {key} must be a token id in [0, {min(vocab_size, n_tokens)}) (the vocabulary "
-                f"has {n_tokens} tokens, token_embd.weight {vocab_size} rows), got {value!r}"
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit):
+            warnings.warn(
+                f"{f.path}: metadata {key} = {value!r} is not a token id in [0, {limit}) (the vocabulary has "
+                f"{n_tokens} tokens, token_embd.weight {vocab_size} rows); the config gets {field}=None",
+                stacklevel=3,
             )
+            value = None
         out[field] = value
     return out
 

@@ -294,10 +294,10 @@ def mlx_lm_config(config: dict) -> dict:
 
     transformers 5 keeps the rotary embedding in `rope_parameters` ({"rope_type", "rope_theta",
     and the type's parameters}) and ignores top-level copies when it reads a config; mlx_lm's model
-    arguments (models/llama.py and the other families) read top-level `rope_theta` (default 10000)
-    and `rope_scaling` (None or the type's parameters, as transformers 4 wrote them), and some
-    families `partial_rotary_factor`. Those are set from `rope_parameters`, so both readers build
-    the same rotary embedding; a config without `rope_parameters` is returned unchanged. The other
+    arguments (models/llama.py, whose arguments mistral's also use, and others) read top-level
+    `rope_theta` (default 10000) and `rope_scaling` (None or the type's parameters, as
+    transformers 4 wrote them). Both are set from `rope_parameters`, so both readers build the
+    same rotary embedding; a config without `rope_parameters` is returned unchanged. The other
     fields mlx_lm reads (hidden_size, num_key_value_heads, head_dim, rms_norm_eps,
     tie_word_embeddings, eos_token_id, ...) have the same names and meaning in both.
     """
@@ -317,8 +317,6 @@ def mlx_lm_config(config: dict) -> dict:
     out["rope_theta"] = rope["rope_theta"]
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     out["rope_scaling"] = None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
-    if "partial_rotary_factor" in rope:
-        out["partial_rotary_factor"] = rope["partial_rotary_factor"]
     return out
 
 
