@@ -220,6 +220,11 @@ def test_gguf_to_mlx_loads_in_mlx_lm_and_matches_torch(gguf_model, gguf_mlx, ref
     assert ids == reference_tokenizer(PROMPT).input_ids
     assert tokenizer.decode(ids) == PROMPT
     assert 2 in tokenizer.eos_token_ids  # SmolLM2's <|im_end|>
+    chat = [{"role": "user", "content": "Hi"}]  # mlx_lm.generate applies the chat template by default
+    assert tokenizer.chat_template == reference_tokenizer.chat_template is not None
+    rendered = reference_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == rendered
+    assert "<|im_start|>user\nHi<|im_end|>" in rendered
     reference = gguf_model[1]
     want = torch_logits(reference, ids)
     err = assert_logits_close(mlx_logits(model, ids), want)
