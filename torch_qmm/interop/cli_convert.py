@@ -12,6 +12,7 @@ layers keep their exact weights (affine, group size 32); Q4_K layers (linear and
 converted without re-quantization to bits 4, group size 32 (gguf.q4_k_to_affine): exact with
 float32 scales/biases (the default for GGUF), rounded with --dtype float16/bfloat16 (the output
 says which layers are exact); Q6_K/float layers are re-quantized to --bits/--group-size.
+From GGUF, both formats get tokenizer files built from the file's tokenizer metadata.
 """
 
 from __future__ import annotations
@@ -221,7 +222,13 @@ def run(args: argparse.Namespace) -> int:
         model.save_pretrained(args.dst)
         if is_gguf:
             shutil.rmtree(args.dst / ".float")
-    if not is_gguf:
+    if is_gguf:
+        from .gguf_tokenizer import save_gguf_tokenizer
+
+        written = save_gguf_tokenizer(src, args.dst)
+        if written:
+            print(f"tokenizer from the GGUF metadata: {', '.join(written)}")
+    else:
         for f in src.iterdir():
             if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES):
                 if not (args.dst / f.name).exists():
