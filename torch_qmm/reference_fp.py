@@ -17,8 +17,7 @@ there are no biases; MLX accepts only these group sizes and bit widths):
 Element and scale codecs:
     e2m1  sign | 2 exponent bits | 1 mantissa bit: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; code 8 is -0.
     e4m3  the OCP/NVIDIA "fn" byte: sign | 4 exponent bits (bias 7) | 3 mantissa bits, subnormals
-          m * 2^-9, no infinities. MLX decodes code 0x7F (the NaN pattern of the standard) as 480,
-          not NaN, and its encoder can emit it (see below).
+          m * 2^-9, no infinities, 0x7F / 0xFF NaN, largest finite value 448 (0x7E).
     e8m0  an unsigned exponent byte b meaning 2^(b - 127); MLX decodes b = 255 as 2^128 (inf in
           float32/bfloat16), not NaN.
 
@@ -39,8 +38,8 @@ Quantization, as MLX's CPU build does it (all arithmetic in w's dtype unless sai
         (0.25 -> 0, 0.75 -> 0.5, 1.25 -> 1, 5 -> 4) and -0 / small negative values to code 0
         (+0); beyond +-6 saturates to +-6; inf / NaN quotients give code 0.
     e4m3 element (and the nvfp4 scale): round to nearest even on the 3 mantissa bits, subnormals
-        on the 2^-9 grid; |x| >= 480 (and NaN / inf) saturate to 0x7E (+-448); 464 < |x| < 480
-        rounds to 0x7F, which MLX decodes as 480.
+        on the 2^-9 grid; |x| >= 448, inf and NaN saturate to 0x7E / 0xFE (+-448, x's sign bit), so
+        the encoder never emits the NaN pattern.
 
 Dequantization: the element value (exact in every output dtype) times the group scale, where the
 e8m0 scale 2^(b - 127) and the product are each rounded to the output dtype (bfloat16 unless
@@ -133,20 +132,21 @@ def e2m1_encode(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes (values 0..255) -> float64 values as MLX decodes them (0x7F / 0xFF -> +-480)."""
+    """e4m3 bytes (values 0..255) -> float64 values; 0x7F and 0xFF are NaN."""
     c = codes.to(torch.int64)
     exponent = (c >> 3) & 0xF
     mantissa = (c & 7).to(torch.float64)
     normal = (8 + mantissa) * torch.exp2((exponent - 10).to(torch.float64))
     subnormal = mantissa * 2.0**-9
     magnitude = torch.where(exponent == 0, subnormal, normal)
+    magnitude = torch.where((c & 0x7F) == 0x7F, torch.full_like(magnitude, float("nan")), magnitude)
     return torch.where((c & 0x80) != 0, -magnitude, magnitude)
 
 
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     """float64 x (values of a float32/float16/bfloat16 tensor) -> int64 e4m3 bytes, MLX's rounding.
 
-    Round to nearest even; |x| >= 480, inf and NaN saturate to 0x7E (448) with x's sign bit.
+    Round to nearest even; |x| >= 448, inf and NaN saturate to 0x7E (448) with x's sign bit.
     """
     a = x.abs()
     sign = torch.signbit(x).to(torch.int64) << 7
@@ -156,7 +156,7 @@ def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     # Rounding the mantissa up to 8 carries into the exponent field: (E * 8 + 8) == (E + 1) * 8.
     high = (exponent.to(torch.float64) - 1 + 7) * 8 + torch.round((2 * mantissa - 1) * 8)
     code = torch.where(a < 2.0**-6, low, high)
-    saturate = ~(a < 480.0)  # also NaN
+    saturate = ~(a < 448.0)  # also NaN
     code = torch.where(saturate, torch.full_like(code, 0x7E), code)
     return code.to(torch.int64) | sign
 
