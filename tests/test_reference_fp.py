@@ -227,6 +227,18 @@ def test_every_e4m3_byte_decodes_as_mlx(dtype):
     assert_same_values(dequantize_fp(wq4, scales4, "nvfp4", dtype=dtype), mlx_dequantize(wq4, scales4, "nvfp4", dtype), "nvfp4")
 
 
+def test_nvfp4_single_group_rows():
+    """MLX packs the whole tensor in blocks of 32 codes and rejects an odd number of nvfp4 groups;
+    the reference packs rows and agrees with MLX's rows of a doubled tensor."""
+    w = torch.randn(1, 16, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError):
+        mlx_quantize(w, "nvfp4")
+    wq, scales = quantize_fp(w, "nvfp4")
+    mwq, mscales = mlx_quantize(w.repeat(2, 1), "nvfp4")
+    assert wq.shape == (1, 2) and scales.shape == (1, 1)
+    assert torch.equal(wq.view(torch.int32), mwq[:1].view(torch.int32)) and torch.equal(scales, mscales[:1])
+
+
 def test_default_dequantize_dtype_is_bfloat16_as_mlx():
     wq, scales = quantize_fp(torch.randn(2, 64), "mxfp4")
     ours = dequantize_fp(wq, scales, "mxfp4")

@@ -1,5 +1,9 @@
 """Exact reference of MLX's floating-point quantization modes (mxfp4, nvfp4, mxfp8): pure torch.
 
+MLX's quantize needs w.numel() to be a multiple of 32 (it packs the whole tensor in blocks of
+32 codes), so it rejects e.g. a [1, 16] nvfp4 weight; this reference packs row by row and accepts
+it.
+
 Every value is carried in float64 and rounded to a narrower dtype exactly where MLX's CPU path
 rounds, so the results equal ``mlx.core.quantize`` / ``mlx.core.dequantize`` (mlx 0.32.4, CPU)
 bit for bit. Correctly rounded float64 results of + - * / rounded once more to float32, float16
@@ -26,12 +30,12 @@ Quantization, as MLX's CPU build does it (all arithmetic in w's dtype unless sai
     mxfp4/mxfp8: s = amax / element_max (rounded to w's dtype); n = ceil(log2(s)) computed
         exactly (s an exact power of two gives its own exponent), n = 0 when s == 0; the scale
         byte is (n + 127) mod 256 (MLX does not clamp: a group whose s is below 2^-127, i.e.
-        float32/bfloat16 subnormal weights, wraps to a byte near 255 that dequantizes to a huge
-        scale); each element is q = w / 2^n rounded to w's dtype.
+        float32/bfloat16 weights below about 3.5e-38, wraps to a byte from 233 to 255 that
+        dequantizes to a huge scale); each element is q = w / 2^n rounded to w's dtype.
     nvfp4: s = amax / 6 in w's dtype; the scale byte is e4m3(s); each element is
         q = w / e4m3_value(byte) in w's dtype, then carried in float32. With a global scale g
         (float32), s and q are multiplied (in float32) by enc = 448 * 6 / g and dequantize
-        multiplies by g / (448 * 6). A scale byte of 0 (amax / 6 below 2^-10) gives q = +-inf or
+        multiplies by g / (448 * 6). A scale byte of 0 (amax / 6 at most 2^-10) gives q = +-inf or
         NaN, which encodes as code 0: the group dequantizes to zeros.
     e2m1 element: the nearest of the 16 table values, distances |q - v| computed in w's dtype
         (float32 for nvfp4); ties go to the first table entry, i.e. to the smaller magnitude
@@ -43,17 +47,24 @@ Quantization, as MLX's CPU build does it (all arithmetic in w's dtype unless sai
 
 Dequantization: the element value (exact in every output dtype) times the group scale, where the
 e8m0 scale 2^(b - 127) and the product are each rounded to the output dtype (bfloat16 unless
-asked otherwise): in float16 scales below 2^-25 become 0 and above 2^15 inf.
+asked otherwise): in float16 scales of 2^-25 and below become 0 and 2^16 and above inf.
 
-MLX's Metal path (mlx/backend/metal/kernels/fp_quantized.h, fp4.h, fp8.h) differs from the CPU
-path above; the CPU path is the one this module matches and CI checks:
-    - all arithmetic in float32 whatever w's dtype, and elements are w * (1 / scale), not w / scale;
-    - the e8m0 exponent is round(log2(s)) (round half away from zero, on float32 log2), clamped to
-      [-127, 127], so scales can be half a power of two smaller than the CPU's ceil (elements then
-      saturate at +-6 / +-448); s == 0 gives byte 0 (2^-127) instead of 127;
-    - e2m1 rounds to nearest even at the midpoints (0.75 -> 1, 1.75 -> 2, 3.5 -> 4, 5 -> 4 but
-      2.5 -> 2) and keeps the sign of -0 and small negatives (code 8); NaN gives code 7 (6.0);
-    - dequantization computes scale * value in float32 and rounds once to the output dtype.
+MLX's Metal kernels (fp_quantized.h, fp4.h, fp8.h in MLX's source; no Apple GPU here to check
+them) differ from the CPU path above, which is the one this module matches and CI checks:
+    - all arithmetic is float32 whatever w's dtype, and elements are w * (1 / scale) rather than
+      w / scale (the same for e8m0 scales, not always for nvfp4's e4m3 scales);
+    - the e8m0 exponent is also the smallest power of two >= s, but computed as round(log2(s))
+      clamped to [-127, 127] and then raised by one where 2^n < s and the byte is below 254: a
+      zero group gets byte 0 (CPU: 127), s <= 2^-127 gives byte 0 (CPU: a wrapped byte), and
+      s > 2^127 gives byte 254 (CPU: 255);
+    - e2m1 rounds to nearest even at the midpoints (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
+      2.5 -> 2, 3.5 -> 4, 5 -> 4; the CPU's ties-to-smaller differ at 0.75, 1.75 and 3.5), keeps
+      the sign of -0 and small negatives (code 8) and maps NaN to code 7 (6.0);
+    - the e4m3 encoder saturates only from |x| >= 480, so 464 < |x| < 480 encodes 0x7F (NaN):
+      an nvfp4 group whose amax / 6 falls there gets a NaN scale (the CPU build gives 448). MX
+      elements never get there since their scale is rounded up;
+    - dequantization multiplies scale * value in float32 and rounds once to the output dtype
+      (the CPU rounds the e8m0 scale to the output dtype first: float16 differs at tiny scales).
 
 Non-finite weights: MLX quantizes them without complaint into codes that do not reproduce them
 (the NaN / inf is lost and its group's other values are garbled); this reference refuses them with
