@@ -161,7 +161,7 @@ def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     """
     a = x.abs()
     sign = torch.signbit(x).to(torch.int64) << 7
-    # Subnormal range (below 2^-6): the 2^-9 grid; 2^-6 itself comes out as code 8, the first normal.
+    # Below 2^-6 (subnormals): the 2^-9 grid; a value rounding up to 2^-6 gives code 8, the first normal.
     low = torch.round(a * 2.0**9)
     mantissa, exponent = torch.frexp(torch.where(a > 0, a, torch.ones_like(a)))  # a = m * 2^e, m in [0.5, 1)
     # Rounding the mantissa up to 8 carries into the exponent field: (E * 8 + 8) == (E + 1) * 8.
