@@ -60,8 +60,10 @@ them) differ from the CPU path above, which is the one this module matches and C
     - e2m1 rounds to nearest even at the midpoints (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
       2.5 -> 2, 3.5 -> 4, 5 -> 4; the CPU's ties-to-smaller differ at 0.75, 1.75 and 3.5), keeps
       the sign of -0 and small negatives (code 8) and maps NaN to code 7 (6.0);
-    - the e4m3 encoder saturates only from |x| >= 480, so 464 < |x| < 480 encodes 0x7F (NaN):
-      an nvfp4 group whose amax / 6 falls there gets a NaN scale (the CPU build gives 448). MX
+    - the e4m3 encoder in the source read saturates only from |x| >= 480, so 464 < |x| < 480
+      encodes 0x7F (NaN): an nvfp4 group whose amax / 6 falls there gets a NaN scale (the CPU
+      build gives 448). That source's CPU encoder saturates from 480 too, unlike the mlx 0.32.4
+      CPU build tested here, so the 0.32.4 Metal encoder may already saturate from 448. MX
       elements never get there since their scale is rounded up;
     - dequantization multiplies scale * value in float32 and rounds once to the output dtype
       (the CPU rounds the e8m0 scale to the output dtype first: float16 differs at tiny scales).
