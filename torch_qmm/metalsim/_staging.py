@@ -292,10 +292,33 @@ def _parse_params(toks, lo, hi, fname):
         if p is not None and any(nm == "function_constant" for nm, _ in attrs):
             p.optional = True
         if p is None:
-            raise StageError(f"kernel {fname}: parameter {pname!r} has no [[buffer(n)]], [[threadgroup(n)]] or "
-                             f"builtin attribute")
+            # MSL gives a resource argument without a location attribute the first free index
+            p = Param(pname, "buffer", None, "buffer")
         params.append(p)
+    _assign_implicit_buffers(params, fname)
     return params
+
+
+def _assign_implicit_buffers(params, fname):
+    """Buffer arguments without [[buffer(n)]] take, in order, the lowest index no other
+    buffer argument of the kernel uses (MSL's implicit location assignment)."""
+    used = set()
+    for p in params:
+        if p.kind == "buffer" and p.index is not None:
+            if not isinstance(p.index, int):
+                if any(q.kind == "buffer" and q.index is None for q in params):
+                    raise StageError(f"kernel {fname}: implicit buffer indices cannot be combined with named "
+                                     f"index constants ([[buffer({p.index})]]); give every index as a number")
+                continue
+            used.add(p.index)
+    nxt = 0
+    for p in params:
+        if p.kind == "buffer" and p.index is None:
+            while nxt in used:
+                nxt += 1
+            p.index = nxt
+            p.attr = f"buffer({nxt})"
+            used.add(nxt)
 
 
 def _index(args: str):
@@ -423,6 +446,9 @@ def stage(text: str) -> Staged:
             ed.replace(t.start, toks[i + 2].end, f"__msim_make<{toks[i + 1].text}>(")
             ed.insert(toks[end - 1].end, ")")
 
+    _merge_addrspace_methods(toks, ed, text)
+    _decay_array_params(toks, ed)
+
     # ---- pass 2: structure (namespaces, kernels, threadgroup declarations, function constants) ----
     stack: list = []  # entries: ("ns", name) or ("blk", None)
     decl_start = 0  # token index where the current namespace-scope declaration starts
@@ -499,6 +525,122 @@ def stage(text: str) -> Staged:
                      f"{{{codes}{', ' if codes else ''}-1}};")
     staged = ed.apply() + "\n".join(lines) + "\n"
     return Staged(staged, kernels, fcs, needs_fibers)
+
+
+ADDRSPACES = ("device", "constant", "threadgroup", "thread")
+_AS_PREFERENCE = {"thread": 0, "device": 1, "constant": 2, "threadgroup": 3}
+
+
+def _merge_addrspace_methods(toks, ed, text):
+    """Member functions overloaded on the address space of `*this` (`S() threadgroup`,
+    `float get() const device`): clang has no such qualifier outside OpenCL C++, and every
+    address space converts to the generic one here, so one variant per signature is kept
+    (thread first) with the qualifier removed, and the others are dropped."""
+    n = len(toks)
+    enclosing, stack = [0] * n, [-1]
+    for k, t in enumerate(toks):
+        enclosing[k] = stack[-1]
+        if t.kind == "p" and t.text == "{":
+            stack.append(k)
+        elif t.kind == "p" and t.text == "}" and len(stack) > 1:
+            stack.pop()
+    groups = {}
+    for k, t in enumerate(toks):
+        if t.kind != "p" or t.text != ")":
+            continue
+        j, quals, space = k + 1, [], None
+        while j < n and toks[j].kind == "id" and toks[j].text in ("const", "volatile") + ADDRSPACES:
+            if toks[j].text in ADDRSPACES:
+                space = j
+            quals.append(toks[j].text)
+            j += 1
+        if space is None or j >= n or toks[j].text not in ("{", ";", ":", "=", "->"):
+            continue
+        try:
+            po = next(m for m in range(k, -1, -1) if toks[m].text == "(" and _match(toks, m, "(", ")") == k)
+        except (StopIteration, StageError):
+            continue
+        start = po - 1
+        while start > 0:
+            pt = toks[start - 1]
+            if pt.text in (";", "{", "}") or (pt.text == ":" and start >= 2 and toks[start - 2].text in
+                                              ("public", "private", "protected")):
+                break
+            start -= 1
+        end = _member_end(toks, j)
+        if end is None:
+            continue
+        key = (enclosing[k], text[toks[start].start:toks[k].end], "const" in quals)
+        groups.setdefault(key, []).append((toks[space].text, start, end, space))
+    for variants in groups.values():
+        variants.sort(key=lambda v: _AS_PREFERENCE[v[0]])
+        for rank, (_, start, end, space) in enumerate(variants):
+            if rank == 0:
+                ed.replace_span(toks[space].start, toks[space].end, " " * len(toks[space].text))
+            else:
+                seg = text[toks[start].start:toks[end].end]
+                ed.replace_span(toks[start].start, toks[end].end, re.sub(r"[^\n]", " ", seg))
+
+
+def _decay_array_params(toks, ed):
+    """A parameter `constant const T name[N]` becomes `constant const T *name`: MSL adjusts an
+    array parameter to a pointer into its address space, clang rejects the qualified array."""
+    n = len(toks)
+    for k in range(1, n - 1):
+        if toks[k].text != "[" or toks[k].kind != "p" or toks[k - 1].kind != "id":
+            continue
+        if toks[k + 1].text == "[":
+            continue
+        try:
+            close = _match(toks, k, "[", "]")
+        except StageError:
+            continue
+        if close + 1 >= n or toks[close + 1].text not in (",", ")"):
+            continue
+        m, space = k - 2, False
+        while m >= 0 and toks[m].text not in (",", "(", ";", "{", "}"):
+            if toks[m].kind == "id" and toks[m].text in ("device", "constant", "threadgroup"):
+                space = True
+            m -= 1
+        if not space or m < 0 or toks[m].text not in (",", "("):
+            continue
+        ed.insert(toks[k - 1].start, "*")
+        ed.replace(toks[k].start, toks[close].end, "")
+
+
+def _member_end(toks, j):
+    """Index of the last token of a member function declaration whose qualifiers end before toks[j]."""
+    n = len(toks)
+    t = toks[j].text
+    if t == ";":
+        return j
+    if t == "=":
+        return next((m for m in range(j, n) if toks[m].text == ";"), None)
+    if t == ":":  # constructor initialiser list, then the body
+        m = j + 1
+        while m < n:
+            while m < n and (toks[m].kind == "id" or toks[m].text == "::"):
+                m += 1
+            if m < n and toks[m].text == "<":
+                m = _match_angle(toks, m) + 1
+            if m >= n or toks[m].text not in ("(", "{"):
+                return None
+            m = _match(toks, m, toks[m].text, ")" if toks[m].text == "(" else "}") + 1
+            if m < n and toks[m].text == ",":
+                m += 1
+                continue
+            break
+        j = m
+        if j >= n or toks[j].text != "{":
+            return None
+    elif t == "->":
+        j = next((m for m in range(j, n) if toks[m].text in ("{", ";")), None)
+        if j is None or toks[j].text == ";":
+            return j
+    end = _match(toks, j, "{", "}")
+    if end + 1 < n and toks[end + 1].text == ";":
+        end += 1
+    return end
 
 
 def _is_kernel_decl(toks, lo, hi):
