@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from . import _staging, _trace_ir
+from . import _staging, _strict, _trace_ir
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
@@ -63,7 +63,7 @@ def cache_dir() -> Path:
 def _shim_hash() -> str:
     h = hashlib.sha256(SHIM_VERSION.encode())
     for f in sorted(INCLUDE.rglob("*")) + [RUNTIME_C, Path(_staging.__file__), Path(_trace_ir.__file__),
-                                              Path(__file__)]:
+                                              Path(_strict.__file__), Path(__file__)]:
         if f.is_file():
             h.update(str(f.relative_to(HERE)).encode())
             h.update(f.read_bytes())
@@ -151,14 +151,16 @@ def preprocess(clang: str, source: str, filename: str, defines, include_dirs) ->
     return out
 
 
-def _resolve_indices(so: Path, meta: dict) -> None:
+def _resolve_indices(so: Path, meta: dict, wanted) -> None:
     """Attribute indices written as named constants ([[buffer(BUF_W)]]) are read back from the library."""
     import ctypes
 
     dll = ctypes.CDLL(str(so))
-    for k in meta["kernels"]:
-        codes = (ctypes.c_int * (len(k["params"]) + 1)).in_dll(dll, k["symbol"] + "_codes")
-        for p, c in zip(k["params"], codes):
+    for k, kinfo in enumerate(meta["kernels"]):
+        if wanted is not None and k not in wanted:
+            continue
+        codes = (ctypes.c_int * (len(kinfo["params"]) + 1)).in_dll(dll, kinfo["symbol"] + "_codes")
+        for p, c in zip(kinfo["params"], codes):
             p["index"] = c % 1000
 
 
@@ -166,7 +168,8 @@ def _traced_object(clang: str, cmd: list, cpp: Path) -> Path:
     """Instrumented build in two steps: optimised, instrumented IR; _trace_ir.rewrite; then
     code generation only (-disable-llvm-passes: optimising again could re-form intrinsics)."""
     ll = cpp.with_suffix(".ll")
-    _run(cmd + ["-S", "-emit-llvm", str(cpp), "-o", str(ll)], "compiling the staged Metal source")
+    _strict.run(cmd + _strict.FLAGS + ["-S", "-emit-llvm", str(cpp), "-o", str(ll)],
+                "compiling the staged Metal source")
     try:
         ll.write_text(_trace_ir.rewrite(ll.read_text()))
     except _trace_ir.UnsupportedIR as e:
@@ -177,17 +180,23 @@ def _traced_object(clang: str, cmd: list, cpp: Path) -> Path:
     return obj
 
 
-def build(source: str, filename, defines, include_dirs, instrumented: bool):
-    """Returns (path to .so, staging metadata dict)."""
+class Staged:
+    """A preprocessed and staged library: its metadata, and where its staged C++ lives."""
+
+    def __init__(self, key: str, meta: dict, cpp: Path):
+        self.key, self.meta, self.cpp = key, meta, cpp
+
+
+def stage(source: str, filename, defines, include_dirs) -> Staged:
+    """Preprocess and stage (cached by content hash); compiles no kernel."""
     clang = find_clang()
-    defines = dict(defines or {})
-    pre = preprocess(clang, source, filename, defines, include_dirs)
+    pre = preprocess(clang, source, filename, dict(defines or {}), include_dirs)
     key = hashlib.sha256((shim_hash() + "\0" + opt_flag() + "\0" + pre).encode()).hexdigest()[:24]
     d = cache_dir()
-    meta_path = d / f"{key}.json"
-    so = d / f"{key}{'-instr' if instrumented else ''}.so"
-    if meta_path.exists() and so.exists():
-        return so, json.loads(meta_path.read_text())
+    meta_path, cpp = d / f"{key}.json", d / f"{key}.staged.cpp"
+    if meta_path.exists() and cpp.exists():
+        return Staged(key, json.loads(meta_path.read_text()), cpp)
+    _strict.check_tokens(pre)
     staged = _staging.stage(pre)
     meta = {
         "kernels": [
@@ -199,22 +208,59 @@ def build(source: str, filename, defines, include_dirs, instrumented: bool):
         "function_constants": [{"name": f.name, "index": f.index, "type": f.type} for f in staged.function_constants],
         "needs_fibers": staged.needs_fibers,
     }
+    _atomic_write(cpp, staged.source)
+    _atomic_write(meta_path, json.dumps(meta))
+    return Staged(key, meta, cpp)
+
+
+def _source_for(st: Staged, wanted) -> str:
+    return ('#include <metal_stdlib>\n' + _staging.selection(len(st.meta["kernels"]), wanted)
+            + st.cpp.read_text())
+
+
+def check_syntax(st: Staged) -> None:
+    """Parse and check the library without compiling any kernel (a lazy library's compile step)."""
+    marker = cache_dir() / f"{st.key}.syntax-ok"
+    if marker.exists():
+        return
+    clang = find_clang()
+    with tempfile.TemporaryDirectory() as td:
+        cpp = Path(td) / "staged.cpp"
+        cpp.write_text(_source_for(st, ()))
+        _compile_checked([clang, "-x", "c++", *COMMON, "-I", str(INCLUDE), "-fsyntax-only", str(cpp)])
+    _atomic_write(marker, "")
+
+
+def build(st: Staged, wanted, instrumented: bool):
+    """Compile the kernels `wanted` (indices; None: all) of a staged library into a shared
+    library; returns its path and the kernels' metadata with named indices resolved."""
+    clang = find_clang()
+    tag = "" if wanted is None else "-k" + "-".join(str(k) for k in sorted(wanted))
+    so = cache_dir() / f"{st.key}{tag}{'-instr' if instrumented else ''}.so"
+    meta_path = so.with_suffix(".json")
+    if so.exists() and meta_path.exists():
+        return so, json.loads(meta_path.read_text())
+    meta = json.loads(json.dumps(st.meta))
     rt = runtime_object(clang)
     with tempfile.TemporaryDirectory() as td:
         cpp = Path(td) / "staged.cpp"
-        cpp.write_text('#include <metal_stdlib>\n' + staged.source)
+        cpp.write_text(_source_for(st, wanted))
         out = Path(td) / "kernels.so"
         cmd = [clang, "-x", "c++", *COMMON, opt_flag(), "-I", str(INCLUDE)]
         if instrumented:
             cmd = [clang, "-shared", str(_traced_object(clang, cmd + INSTR, cpp))]
+            cmd += ["-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
+            _run(cmd, "compiling the staged Metal source")
         else:
-            cmd += ["-shared", str(cpp)]
-        cmd += ["-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
-        _run(cmd, "compiling the staged Metal source")
-        _resolve_indices(out, meta)
-        if os.environ.get("TORCH_QMM_METALSIM_KEEP"):
-            shutil.copy(cpp, d / f"{key}.staged.cpp")
+            cmd += ["-shared", str(cpp), "-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
+            _compile_checked(cmd)
+        _resolve_indices(out, meta, None if wanted is None else set(wanted))
         shutil.copy(out, so.with_suffix(f".tmp{os.getpid()}"))
         os.replace(so.with_suffix(f".tmp{os.getpid()}"), so)
     _atomic_write(meta_path, json.dumps(meta))
     return so, meta
+
+
+def _compile_checked(cmd) -> None:
+    """Run a compile of user code with metalsim's strictness diagnostics (see _strict)."""
+    _strict.run(cmd + _strict.FLAGS, "compiling the staged Metal source")

@@ -329,6 +329,33 @@ def _index(args: str):
         return args
 
 
+def _const_int(expr: str):
+    """Value of an integer constant expression of literals and + - * / % << >> | & ( ), or None."""
+    import ast
+    expr = re.sub(r"(?<=\d)[uUlL]+\b", "", expr.strip())
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        return None
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.FloorDiv: lambda a, b: a // b, ast.Div: lambda a, b: int(a / b), ast.Mod: lambda a, b: a % b,
+           ast.LShift: lambda a, b: a << b, ast.RShift: lambda a, b: a >> b, ast.BitOr: lambda a, b: a | b,
+           ast.BitAnd: lambda a, b: a & b}
+
+    def ev(n):
+        if isinstance(n, ast.Constant) and isinstance(n.value, int) and not isinstance(n.value, bool):
+            return n.value
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -ev(n.operand)
+        if isinstance(n, ast.BinOp) and type(n.op) in ops:
+            return ops[type(n.op)](ev(n.left), ev(n.right))
+        raise ValueError
+    try:
+        return ev(tree.body)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
 def _unary_end(toks, i):
     """Index one past the end of the unary-expression starting at toks[i] (C-style cast operand)."""
     n = len(toks)
@@ -519,10 +546,10 @@ def stage(text: str) -> Staged:
     lines = ["", "// ---- metalsim entry points ----"]
     for k, kinfo in enumerate(kernels):
         codes = ", ".join(str(p.code) for p in kinfo.params)
-        lines.append(f"MSIM_ENTRY void {kinfo.symbol}(const msim_launch *L, const msim_thread *t) "
+        lines.append(f"{kernel_guard(k)}(MSIM_ENTRY void {kinfo.symbol}(const msim_launch *L, const msim_thread *t) "
                      f"{{ __msim_invoke<{codes}>(&{kinfo.function}, L, t); }}")
         lines.append(f"extern \"C\" __attribute__((visibility(\"default\"))) const int {kinfo.symbol}_codes[] = "
-                     f"{{{codes}{', ' if codes else ''}-1}};")
+                     f"{{{codes}{', ' if codes else ''}-1}};)")
     staged = ed.apply() + "\n".join(lines) + "\n"
     return Staged(staged, kernels, fcs, needs_fibers)
 
@@ -597,10 +624,14 @@ def _decay_array_params(toks, ed):
             continue
         if close + 1 >= n or toks[close + 1].text not in (",", ")"):
             continue
+        # the declaration before the name is made of identifiers and `::` / template arguments only
         m, space = k - 2, False
         while m >= 0 and toks[m].text not in (",", "(", ";", "{", "}"):
             if toks[m].kind == "id" and toks[m].text in ("device", "constant", "threadgroup"):
                 space = True
+            elif toks[m].kind != "id" and toks[m].text not in ("::", "<", ">"):
+                space = False
+                break
             m -= 1
         if not space or m < 0 or toks[m].text not in (",", "("):
             continue
@@ -641,6 +672,18 @@ def _member_end(toks, j):
     if end + 1 < n and toks[end + 1].text == ";":
         end += 1
     return end
+
+
+def kernel_guard(k: int) -> str:
+    """Macro wrapping kernel k's instantiation and entry point; a build defines it to expand
+    its argument for the kernels it compiles and to nothing for the others (selection())."""
+    return f"__MSIM_K{k}"
+
+
+def selection(nkernels: int, wanted) -> str:
+    """Definitions of the kernel guards for a build of `wanted` (kernel indices; None: all)."""
+    keep = set(range(nkernels)) if wanted is None else set(wanted)
+    return "".join(f"#define {kernel_guard(k)}(...){' __VA_ARGS__' if k in keep else ''}\n" for k in range(nkernels))
 
 
 def _is_kernel_decl(toks, lo, hi):
@@ -710,6 +753,9 @@ def _maybe_kernel(toks, lo, hi, ed, kernels, templates, ns, text, body):
         else:
             qual = ns + fexpr
         name = host or fexpr
+        # the instantiation is compiled only in builds that want this kernel (see kernel_guard)
+        ed.insert(toks[lo].start, f"{kernel_guard(len(kernels))}(")
+        ed.insert(toks[hi].end, ")")
         kernels.append(KernelInfo(name, f"__msim_entry_{len(kernels)}", qual, params))
         return
     # definition or declaration: find the name before the first top-level '('
@@ -725,6 +771,8 @@ def _maybe_kernel(toks, lo, hi, ed, kernels, templates, ns, text, body):
         return
     if not body:
         return  # a prototype; the definition registers it
+    # internal linkage: emitted only by builds whose entry point calls it
+    ed.insert(toks[lo].start, "static inline ")
     kernels.append(KernelInfo(host or fname, f"__msim_entry_{len(kernels)}", ns + fname, params))
 
 
@@ -770,7 +818,9 @@ def _maybe_constant(toks, lo, hi, ed, fcs, fc_names, text):
     for gi, gj in groups:
         for nm, args in _attr_items(toks, gi, gj):
             if nm == "function_constant":
-                fc_index = int(args, 0)
+                fc_index = _const_int(args)
+                if fc_index is None or not 0 <= fc_index < 65536:
+                    raise StageError(f"function constant index {args!r}: expected an integer constant 0..65535")
     if fc_index is not None:
         name_tok = toks[groups[0][0] - 1]
         typ = text[toks[lo + 1].start : name_tok.start].strip()

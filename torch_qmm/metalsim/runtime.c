@@ -129,8 +129,18 @@ EXPORT const msim_thread *msim_current(void) { return tls_w ? tls_w->cur : 0; }
 
 const void *msim_fc(int index) {
   worker *w = tls_w;
-  if (index < 0 || index >= MSIM_MAX_FC) return 0;
+  if (index < 0 || (uint32_t)index >= w->L->nfc) return 0;
   return w->L->fc[index];
+}
+
+/* a kernel read the value of a function constant the dispatch did not set */
+void msim_fault_fc_unset(int index) {
+  worker *w = tls_w;
+  char d[256];
+  thread_desc(d, sizeof d, w->cur);
+  record_fault(w, "function constant %d is read but not set (give it in function_constants=, or test "
+                  "is_function_constant_defined first); by %s", index, d);
+  abort_fiber(w);
 }
 
 void msim_barrier(int flags) {
@@ -297,6 +307,12 @@ static void on_access(const void *p, size_t n, int store, int atomic) {
         char d[256];
         thread_desc(d, sizeof d, w->cur);
         long long rel = (long long)(a - (const char *)L->bufs[i]);
+        if (L->unbound >> i & 1u) {
+          record_fault(w, "device %s of %zu bytes through buffer(%d), which is not bound (Metal leaves an "
+                          "unbound buffer undefined; bind it or do not access it) by %s",
+                       store ? "write" : "read", n, i, d);
+          abort_fiber(w);
+        }
         record_fault(w,
                      "out-of-bounds device %s of %zu bytes at buffer(%d) byte offset %lld (bound "
                      "at offset %llu of a %llu-byte allocation, so %lld valid bytes) by %s",

@@ -67,7 +67,11 @@ MSIM_INLINE void __msim_invoke(R (*f)(A...), const msim_launch *L, const msim_th
 template <class T, int I> struct __msim_fc {
   MSIM_INLINE operator T() const {
     const void *p = msim_fc(I);
-    return p ? *(const T *)p : T();
+    if (__builtin_expect(!p, 0)) {
+      msim_fault_fc_unset(I);
+      return T();
+    }
+    return *(const T *)p;
   }
   MSIM_INLINE T __get() const { return (T) * this; }
 };
