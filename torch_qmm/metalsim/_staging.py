@@ -52,6 +52,8 @@ STD_ATTRS = {"maybe_unused", "likely", "unlikely", "fallthrough", "nodiscard", "
 SCALARS = ["bool", "char", "uchar", "short", "ushort", "int", "uint", "long", "ulong", "half", "float", "bfloat"]
 VEC_NAMES = {f"{s}{n}" for s in SCALARS for n in (2, 3, 4, 8, 16)}
 VEC_NAMES |= {f"packed_{s}{n}" for s in SCALARS for n in (2, 3, 4)}
+# static_cast<bfloat>(x) of a half x is legal MSL; clang allows half <-> bfloat only through float
+BFLOAT_NAMES = {"bfloat", "bfloat16_t", "metal::bfloat"}
 COLLECTIVE_RE = re.compile(
     r"\b(threadgroup_barrier|simdgroup_barrier|simd_\w+|quad_\w+|simdgroup_multiply\w*)\s*[(<]")
 
@@ -459,7 +461,7 @@ def stage(text: str) -> Staged:
                     continue
                 inner = text[toks[i + 2].start : toks[k - 1].end].strip() if k > i + 2 else ""
                 if (inner in VEC_NAMES or inner.startswith("vec<") or inner.startswith("metal::vec<")
-                        or inner.removeprefix("metal::") in VEC_NAMES):
+                        or inner.removeprefix("metal::") in VEC_NAMES or inner in BFLOAT_NAMES):
                     ed.replace(t.start, toks[k].end, f"__msim_make<{inner}>")
         elif t.kind == "p" and t.text == "(" and i + 2 < n and toks[i + 2].text == ")" \
                 and toks[i + 1].kind == "id" and toks[i + 1].text in VEC_NAMES:

@@ -284,6 +284,16 @@ template <class T> MSIM_INLINE T rotate(T v, T i) {
   return s ? (T)(((U)v << s) | ((U)v >> (sizeof(T) * 8 - s))) : v;
 }
 
-namespace precise { using namespace ::metal; }
-namespace fast { using namespace ::metal; }
+// precise:: and fast:: declare the math functions themselves (using-declarations), so that a
+// user's overload added to one of them (MLX's bfloat ones) joins the set instead of hiding it
+#define MSIM_MATH_NAMES(X)                                                                         \
+  X(exp) X(exp2) X(exp10) X(log) X(log2) X(log10) X(sqrt) X(rsqrt) X(sin) X(cos) X(tan) X(asin)    \
+  X(acos) X(atan) X(sinh) X(cosh) X(tanh) X(asinh) X(acosh) X(atanh) X(sinpi) X(cospi) X(tanpi)    \
+  X(floor) X(ceil) X(trunc) X(round) X(rint) X(fract) X(fabs) X(saturate) X(sign) X(pow) X(powr)   \
+  X(atan2) X(fmod) X(fmin) X(fmax) X(copysign) X(divide) X(step) X(fdim) X(nextafter) X(fma)       \
+  X(ldexp) X(frexp) X(fmax3) X(fmin3) X(fmedian3) X(abs) X(min) X(max) X(clamp) X(mix)             \
+  X(smoothstep) X(isnan) X(isinf) X(isfinite) X(signbit) X(dot) X(length) X(distance) X(normalize)
+#define MSIM_USING(name) using ::metal::name;
+namespace precise { MSIM_MATH_NAMES(MSIM_USING) }
+namespace fast { MSIM_MATH_NAMES(MSIM_USING) }
 }  // namespace metal
