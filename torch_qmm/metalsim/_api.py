@@ -291,7 +291,7 @@ class Library:
         for idx, nbytes in (threadgroup_memory or {}).items():
             L.tg_arg_size[int(idx)] = int(nbytes)
         for p in k["params"]:
-            if p["kind"] == "threadgroup" and not L.tg_arg_size[p["index"]]:
+            if p["kind"] == "threadgroup" and int(p["index"]) not in {int(i) for i in (threadgroup_memory or {})}:
                 raise ValueError(f"kernel {name}: [[threadgroup({p['index']})]] ({p['name']}) needs "
                                  f"threadgroup_memory={{{p['index']}: nbytes}}")
         fc_values = {}

@@ -728,7 +728,8 @@ def _maybe_kernel(toks, lo, hi, ed, kernels, templates, ns, text, body):
             # find the declarator: last "name<...>" before the parameter list
             po = next((m for m in plain[1:] if toks[m].text == "("), None)
             if po is None:
-                raise StageError("cannot parse kernel instantiation")
+                # `template [[host_name("x")]] kernel fn_type f<...>;` (a typedef of the function type)
+                po = hi
             q = po - 1
             if toks[q].text == ">":
                 depth = 0
@@ -760,8 +761,12 @@ def _maybe_kernel(toks, lo, hi, ed, kernels, templates, ns, text, body):
         ed.insert(toks[hi].end, ")")
         kernels.append(KernelInfo(name, f"__msim_entry_{len(kernels)}", qual, params))
         return
-    # definition or declaration: find the name before the first top-level '('
-    po = next((m for m in plain if toks[m].text == "("), None)
+    # definition or declaration: find the name before the first top-level '(' after any
+    # template parameter list (which may hold function-pointer parameters)
+    after = plain[0]
+    if toks[plain[0]].text == "template" and len(plain) > 1 and toks[plain[1]].text == "<":
+        after = _match_angle(toks, plain[1])
+    po = next((m for m in plain if m > after and toks[m].text == "("), None)
     if po is None or toks[po - 1].kind != "id":
         raise StageError("cannot parse kernel declaration near " + " ".join(toks[m].text for m in plain[:12]))
     fname = toks[po - 1].text

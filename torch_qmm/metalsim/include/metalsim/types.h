@@ -29,6 +29,19 @@ MSIM_VEC_TYPES(half)
 MSIM_VEC_TYPES(float)
 MSIM_VEC_TYPES(bfloat)
 
+// ---- matrices: C columns of R-element vectors (MSL's floatCxR / halfCxR) ----
+template <class T, int C, int R> struct matrix {
+  vec<T, R> columns[C];
+  MSIM_INLINE vec<T, R> &operator[](int i) { return columns[i]; }
+  MSIM_INLINE const vec<T, R> &operator[](int i) const { return columns[i]; }
+};
+#define MSIM_MATRIX_TYPES(T)                                                                   \
+  typedef matrix<T, 2, 2> T##2x2; typedef matrix<T, 2, 3> T##2x3; typedef matrix<T, 2, 4> T##2x4; \
+  typedef matrix<T, 3, 2> T##3x2; typedef matrix<T, 3, 3> T##3x3; typedef matrix<T, 3, 4> T##3x4; \
+  typedef matrix<T, 4, 2> T##4x2; typedef matrix<T, 4, 3> T##4x3; typedef matrix<T, 4, 4> T##4x4;
+MSIM_MATRIX_TYPES(float)
+MSIM_MATRIX_TYPES(half)
+
 // ---- element info for scalars, vectors and packed types ----
 template <class T> struct __msim_vinfo { using elem = T; static constexpr int n = 1; static constexpr bool is_vec = false; };
 template <class T, int N> struct __msim_vinfo<vec<T, N>> { using elem = T; static constexpr int n = N; static constexpr bool is_vec = true; };
@@ -130,6 +143,7 @@ using ::half;
 using ::bfloat;
 using ::as_type;
 using ::vec;
+using ::matrix;
 
 // ---- type traits: std's, with half and bfloat added where std lacks them ----
 using std::integral_constant;
