@@ -51,7 +51,9 @@ def lib(metalsim):
 def test_llamacpp_mul_mv_matches_float64(lib, qtype):
     name, nr0, nsg, smem, rows_by_nr0 = KERNELS[qtype]
     rng = np.random.default_rng(int(qtype))
-    N, K, M = 12, 512, 2  # ne01 rows of src0, ne00 = K, ne11 = M activation rows
+    # ne01 = N rows of src0 (a multiple of nr0 * nsg: the kernels read whole row tiles), ne00 = K,
+    # ne11 = M activation rows
+    N, K, M = 16, 512, 2
     if qtype == Q.Q4_K:
         src0 = random_k_blocks(qtype, N, K, rng)
     else:

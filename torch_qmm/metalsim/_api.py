@@ -17,7 +17,7 @@ MAX_BUFFERS = 32
 MAX_TG_ARGS = 32
 MAX_FC = 65536  # function constant indices 0..65535
 # A library with more kernels than this compiles each kernel when it is first dispatched.
-LAZY_THRESHOLD = 64
+LAZY_THRESHOLD = 1024
 MAX_THREADS_PER_THREADGROUP = 1024
 
 
