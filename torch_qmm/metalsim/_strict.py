@@ -2,14 +2,15 @@
 
 Two mechanisms, each used where it can tell exactly:
 
-* clang diagnostics (compile flags below; the shim already builds with -fno-exceptions and
-  -fno-rtti, so `try`/`throw`/`catch`, `typeid` and `dynamic_cast` are clang errors): implicit
+* clang diagnostics (compile flags below; the shim builds with -fno-rtti, so `typeid` and
+  `dynamic_cast` are clang errors; -fno-exceptions does not reject `try`/`throw` in clang's
+  SYCL device mode, so those are keyword rules below): implicit
   conversions to bfloat arrive as clang's -Wimplicit-float-conversion /
   -Wimplicit-int-float-conversion warnings, and those whose destination is bfloat in user
   code become errors (MSL: bfloat converts implicitly only to a type of greater rank).
   Implicit float -> half stays legal, as in MSL.
 * keywords of C++ that MSL removes (`goto`, `virtual`, `new`, `delete` expressions,
-  `double`): checked on the tokens of the preprocessed user source. They are keywords, so a
+  `double`, `try`, `catch`, `throw`): checked on the tokens of the preprocessed user source. They are keywords, so a
   token match is exact (no identifier can be spelled like them).
 
 README.md (section "Strictness") lists the rules; tests/metalsim/test_metalsim_strict.py has
@@ -37,6 +38,9 @@ KEYWORD_RULES = {
     "new": "dynamic allocation (new) is not supported by the Metal Shading Language",
     "delete": "dynamic allocation (delete) is not supported by the Metal Shading Language",
     "double": "double is not supported by the Metal Shading Language (use float)",
+    "try": "exceptions (try) are not supported by the Metal Shading Language",
+    "catch": "exceptions (catch) are not supported by the Metal Shading Language",
+    "throw": "exceptions (throw) are not supported by the Metal Shading Language",
 }
 
 
