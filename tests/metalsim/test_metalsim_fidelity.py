@@ -115,3 +115,56 @@ def test_high_function_constant_indices_and_unbound_optional_buffer(lib, metalsi
     with pytest.raises(metalsim.KernelFault, match="function constant 101"):
         lib.dispatch("optional_bias", buffers={0: y}, function_constants={200: False},
                      threadgroups=1, threads_per_threadgroup=8)
+
+
+SPEC_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+struct Params { float alpha; };
+constant bool use_src [[function_constant(100)]];
+constant int offset [[function_constant(7)]];
+constant bool has_offset = is_function_constant_defined(offset);
+kernel void dead_read(device float* y [[buffer(0)]],
+                      const constant Params* p [[buffer(1), function_constant(use_src)]],
+                      uint i [[thread_position_in_grid]]) {
+  // read unconditionally, used only under the constant (MLX's steel GEMM builds its
+  // epilogue from addmm_params this way); dead when use_src is false
+  const float a = p->alpha;
+  y[i] = (use_src ? a * y[i] : float(i)) + (has_offset ? float(offset) : 0.0f);
+}
+"""
+
+
+def test_function_constants_specialise(metalsim):  # G15
+    lib = metalsim.compile(SPEC_SRC)
+    y = np.ones(8, np.float32)
+    # use_src false: the read of the unbound buffer(1) is dead code, as on Metal; no fault
+    lib.dispatch("dead_read", buffers={0: y}, function_constants={"use_src": False},
+                 threadgroups=1, threads_per_threadgroup=8, check=True)
+    np.testing.assert_array_equal(y, np.arange(8))
+    y[:] = 2
+    lib.dispatch("dead_read", buffers={0: y}, bytes={1: np.float32(3)},
+                 function_constants={"use_src": True, "offset": 5}, threadgroups=1, threads_per_threadgroup=8,
+                 check=True)
+    np.testing.assert_array_equal(y, np.full(8, 11))
+    # use_src true and the buffer unbound: the read is live and checked mode reports it
+    with pytest.raises(metalsim.KernelFault, match=r"buffer\(1\), which is not bound"):
+        lib.dispatch("dead_read", buffers={0: y}, function_constants={100: True},
+                     threadgroups=1, threads_per_threadgroup=8, check=True)
+
+
+def test_function_constant_is_not_a_constant_expression(metalsim):  # G15
+    # MSL resolves function constants when the pipeline is built, after the front end: an
+    # array size or template argument needs a constant expression and cannot use one
+    src = """#include <metal_stdlib>
+using namespace metal;
+constant int n [[function_constant(0)]];
+kernel void k(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  float t[n];
+  t[0] = 1.0f;
+  y[i] = t[0];
+}
+"""
+    with pytest.raises(metalsim.CompileError, match="not a constant expression"):
+        metalsim.compile(src).dispatch("k", buffers={0: np.zeros(1, np.float32)}, threadgroups=1,
+                                       function_constants={0: 4})

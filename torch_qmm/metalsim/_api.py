@@ -44,8 +44,6 @@ class _Launch(ctypes.Structure):
         ("buf_size", ctypes.c_uint64 * MAX_BUFFERS),
         ("buf_offset", ctypes.c_uint64 * MAX_BUFFERS),
         ("tg_arg_size", ctypes.c_uint64 * MAX_TG_ARGS),
-        ("fc", ctypes.POINTER(ctypes.c_void_p)),
-        ("nfc", ctypes.c_uint32),
         ("unbound", ctypes.c_uint32),
         ("groups", ctypes.c_uint32 * 3),
         ("tptg", ctypes.c_uint32 * 3),
@@ -149,7 +147,7 @@ class Library:
         self._staged = staged
         self._meta = staged.meta
         self._lazy = lazy
-        self._dlls = {}  # (kernel index or None, instrumented) -> (CDLL, metadata)
+        self._dlls = {}  # (kernel index or None, instrumented, constants) -> (CDLL, metadata)
         self._lock = threading.Lock()
         self._index = {k["name"]: i for i, k in enumerate(self._meta["kernels"])}
         self._fcs = {f["name"]: f for f in self._meta["function_constants"]}
@@ -158,13 +156,17 @@ class Library:
         else:
             self._library(None, False)
 
-    def _library(self, kernel, instrumented: bool):
-        """(CDLL, metadata) of the build that holds `kernel` (an index; None: the whole library)."""
-        key = (kernel if self._lazy else None, instrumented)
+    def _library(self, kernel, instrumented: bool, constants=None):
+        """(CDLL, metadata) of the build that holds `kernel` (an index) specialised for the
+        function constant values `constants` ({index: bytes}). Without constants that is the
+        whole library's build, unless the library is lazy; a specialised build holds only `kernel`."""
+        spec = tuple(sorted((constants or {}).items()))
+        key = (kernel if self._lazy or spec else None, instrumented, spec)
         with self._lock:
             got = self._dlls.get(key)
             if got is None:
-                so, meta = _build.build(self._staged, None if key[0] is None else [key[0]], instrumented)
+                so, meta = _build.build(self._staged, None if key[0] is None else [key[0]], instrumented,
+                                        dict(spec))
                 dll = ctypes.CDLL(str(so))
                 dll.msim_launch_size.restype = ctypes.c_size_t
                 size = dll.msim_launch_size()
@@ -206,7 +208,9 @@ class Library:
             threadgroups: (gx, gy, gz) threadgroups per grid (dispatchThreadgroups).
             threads_per_threadgroup: (tx, ty, tz), at most 1024 threads.
             bytes: {index: value} like setBytes; numpy scalars/arrays, bytes or ctypes values.
-            function_constants: {index or name: value}; unset constants are undefined.
+            function_constants: {index or name: value}, like MTLFunctionConstantValues: the
+                kernel is built specialised for these values (cached per set of values);
+                constants not given are undefined (is_function_constant_defined is false).
             threadgroup_memory: {index: nbytes} for [[threadgroup(n)]] arguments
                 (setThreadgroupMemoryLength).
             check: checked mode (faults raise KernelFault); None means the
@@ -271,7 +275,7 @@ class Library:
             arr[: len(data)] = np.frombuffer(data, dtype=np.uint8)
             keep.append(arr)
             bound[idx] = (arr.__array_interface__["data"][0], len(data), 0)
-        dll, meta = self._library(self._index[name], count)
+        dll, meta = self._library(self._index[name], count, self._constant_values(function_constants))
         k = meta["kernels"][self._index[name]]
         # Metal lets a dispatch leave buffers unbound that the kernel does not access. Checked
         # mode binds them to an empty buffer, so an access faults naming the index; otherwise
@@ -294,31 +298,6 @@ class Library:
             if p["kind"] == "threadgroup" and int(p["index"]) not in {int(i) for i in (threadgroup_memory or {})}:
                 raise ValueError(f"kernel {name}: [[threadgroup({p['index']})]] ({p['name']}) needs "
                                  f"threadgroup_memory={{{p['index']}: nbytes}}")
-        fc_values = {}
-        for key, v in (function_constants or {}).items():
-            if isinstance(key, str):
-                if key not in self._fcs:
-                    raise KeyError(f"function constant {key!r} not declared; known: {', '.join(self._fcs)}")
-                idx, typ = self._fcs[key]["index"], self._fcs[key]["type"]
-            else:
-                idx = int(key)
-                typ = next((f["type"] for f in self._fcs.values() if f["index"] == idx), None)
-            if not 0 <= idx < MAX_FC:
-                raise ValueError(f"function constant index {idx} out of range")
-            if typ is not None and typ in _FC_DTYPES:
-                data = np.asarray(v, dtype=_FC_DTYPES[typ]).tobytes()
-            else:
-                data = _bytes_of(v, f"function_constants[{key!r}]")
-            buf = ctypes.create_string_buffer(data, max(len(data), 16))
-            keep.append(buf)
-            fc_values[idx] = ctypes.addressof(buf)
-        if fc_values:
-            table = (ctypes.c_void_p * (max(fc_values) + 1))()
-            for idx, addr in fc_values.items():
-                table[idx] = addr
-            keep.append(table)
-            L.fc = ctypes.cast(table, ctypes.POINTER(ctypes.c_void_p))
-            L.nfc = len(table)
         entry = getattr(dll, k["symbol"])
         L.entry = ctypes.cast(entry, ctypes.c_void_p).value
         kname = name.encode()
@@ -343,6 +322,29 @@ class Library:
         total = groups[0] * groups[1] * groups[2]
         nthreads = (L.threads[0] * L.threads[1] * L.threads[2])
         return DispatchStats(name, int(nthreads), int(total), seconds, count, stats)
+
+    def _constant_values(self, function_constants) -> dict:
+        """{index: bytes} of the given constants the library declares, each converted to its
+        declared type; values for undeclared indices are ignored, as Metal does."""
+        declared = {f["index"]: f["type"] for f in self._fcs.values()}
+        values = {}
+        for key, v in (function_constants or {}).items():
+            if isinstance(key, str):
+                if key not in self._fcs:
+                    raise KeyError(f"function constant {key!r} not declared; known: {', '.join(self._fcs)}")
+                idx = self._fcs[key]["index"]
+            else:
+                idx = int(key)
+                if not 0 <= idx < MAX_FC:
+                    raise ValueError(f"function constant index {idx} out of range 0..{MAX_FC - 1}")
+                if idx not in declared:
+                    continue
+            typ = declared[idx]
+            if typ in _FC_DTYPES:
+                values[idx] = np.asarray(v, dtype=_FC_DTYPES[typ]).tobytes()
+            else:
+                values[idx] = _bytes_of(v, f"function_constants[{key!r}]")
+        return values
 
     def __repr__(self) -> str:
         return f"<metalsim.Library {len(self._index)} kernels: {', '.join(self._index)}>"

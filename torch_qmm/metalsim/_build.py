@@ -213,9 +213,26 @@ def stage(source: str, filename, defines, include_dirs) -> Staged:
     return Staged(key, meta, cpp)
 
 
-def _source_for(st: Staged, wanted) -> str:
-    return ('#include <metal_stdlib>\n' + _staging.selection(len(st.meta["kernels"]), wanted)
-            + st.cpp.read_text())
+def specialisation(constants) -> str:
+    """C++ that gives a build the function constant values `constants` ({index: bytes}):
+    one __msim_fcv<index> per value (include/metalsim/kernel.h reads them)."""
+    out = []
+    for idx, data in sorted(constants.items()):
+        out.append(f"template <> struct __msim_fcv<{int(idx)}> {{ static constexpr int size = {len(data)}; "
+                   f"static constexpr __msim_fcbytes<{len(data)}> bytes = {{{{{', '.join(str(b) for b in data)}}}}}; }};\n")
+    return "".join(out)
+
+
+def _spec_tag(constants) -> str:
+    if not constants:
+        return ""
+    h = hashlib.sha256(repr(sorted((int(i), bytes(d)) for i, d in constants.items())).encode())
+    return "-fc" + h.hexdigest()[:16]
+
+
+def _source_for(st: Staged, wanted, constants=None) -> str:
+    return ('#include <metal_stdlib>\n' + specialisation(constants or {})
+            + _staging.selection(len(st.meta["kernels"]), wanted) + st.cpp.read_text())
 
 
 def check_syntax(st: Staged) -> None:
@@ -231,11 +248,13 @@ def check_syntax(st: Staged) -> None:
     _atomic_write(marker, "")
 
 
-def build(st: Staged, wanted, instrumented: bool):
+def build(st: Staged, wanted, instrumented: bool, constants=None):
     """Compile the kernels `wanted` (indices; None: all) of a staged library into a shared
-    library; returns its path and the kernels' metadata with named indices resolved."""
+    library, specialised for the function constant values `constants` ({index: bytes}; the
+    others are not defined); returns its path and the kernels' metadata with named indices
+    resolved. Cached by the library's content hash, the kernels and the constant values."""
     clang = find_clang()
-    tag = "" if wanted is None else "-k" + "-".join(str(k) for k in sorted(wanted))
+    tag = ("" if wanted is None else "-k" + "-".join(str(k) for k in sorted(wanted))) + _spec_tag(constants)
     so = cache_dir() / f"{st.key}{tag}{'-instr' if instrumented else ''}.so"
     meta_path = so.with_suffix(".json")
     if so.exists() and meta_path.exists():
@@ -244,7 +263,7 @@ def build(st: Staged, wanted, instrumented: bool):
     rt = runtime_object(clang)
     with tempfile.TemporaryDirectory() as td:
         cpp = Path(td) / "staged.cpp"
-        cpp.write_text(_source_for(st, wanted))
+        cpp.write_text(_source_for(st, wanted, constants))
         out = Path(td) / "kernels.so"
         cmd = [clang, "-x", "c++", *COMMON, opt_flag(), "-I", str(INCLUDE)]
         if instrumented:

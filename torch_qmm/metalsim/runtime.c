@@ -127,13 +127,7 @@ static void abort_fiber(worker *w) {
 /* ---- builtins available to kernel code ---- */
 EXPORT const msim_thread *msim_current(void) { return tls_w ? tls_w->cur : 0; }
 
-const void *msim_fc(int index) {
-  worker *w = tls_w;
-  if (index < 0 || (uint32_t)index >= w->L->nfc) return 0;
-  return w->L->fc[index];
-}
-
-/* a kernel read the value of a function constant the dispatch did not set */
+/* a kernel read the value of a function constant its build was not given */
 void msim_fault_fc_unset(int index) {
   worker *w = tls_w;
   char d[256];
