@@ -257,5 +257,5 @@ template <class T> struct uniform {
   MSIM_INLINE uniform &operator++() { ++value; return *this; }
   MSIM_INLINE T operator++(int) { return value++; }
 };
-template <class T> MSIM_INLINE uniform<T> make_uniform(T v) { return uniform<T>(v); }
+template <class T> MSIM_INLINE constexpr uniform<T> make_uniform(T v) { return uniform<T>(v); }
 }  // namespace metal
