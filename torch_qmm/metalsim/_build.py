@@ -93,6 +93,8 @@ COMMON = ["-std=c++17", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux
 # to the runtime by _trace_ir.rewrite. Vectorizing changes no result (no FP reassociation), so
 # the plain build keeps it.
 INSTR = ["-fsanitize-coverage=bb,trace-loads,trace-stores", "-D__MSIM_INSTRUMENTED=1",
+         # undefined values (shuffles from inactive lanes) are tracked to their use; see runtime.c
+         "-fsanitize=kernel-memory", "-mllvm", "-msan-poison-stack=0", "-fno-sanitize-memory-use-after-dtor",
          "-fno-builtin-memset", "-fno-builtin-memcpy", "-fno-builtin-memmove",
          "-fno-vectorize", "-fno-slp-vectorize"]
 

@@ -72,7 +72,9 @@ MSIM_CONVERGENT void msim_barrier(int flags);
 MSIM_CONVERGENT void msim_collective(int kind, const char *what, const void *in, void *out, msim_combine_fn fn);
 void *msim_tg_var(int id, size_t size, size_t align, const char *name);
 void msim_fault_fc_unset(int index);
-void msim_fault_shuffle(const char *what, uint32_t lane, uint32_t src_lane);
+/* the result `out` (n bytes) of a shuffle by `lane` read inactive lane `src_lane`: in checked
+ * mode it becomes undefined (poisoned), and a fault is reported where it is used */
+void msim_poison_shuffle(void *out, size_t n, const char *what, uint32_t lane, uint32_t src_lane);
 void msim_access(const void *p, size_t n, int is_store, int is_atomic);
 const msim_thread *msim_current(void);
 

@@ -142,11 +142,12 @@ void __msim_shuffle(uint32_t mask, const void *const *ins, void *const *outs) {
     }
     if (src == -1) { *(T *)outs[l] = me->v; continue; }  // not shifted in: keep own value
     if (src < 0 || !(mask >> src & 1u)) {
-      msim_fault_shuffle(MODE == __MSIM_IDX ? (GROUP == 4 ? "quad_shuffle/quad_broadcast" : "simd_shuffle/simd_broadcast")
-                         : MODE == __MSIM_XOR ? "simd_shuffle_xor" : MODE == __MSIM_UP ? "simd_shuffle_up"
-                         : MODE == __MSIM_DOWN ? "simd_shuffle_down" : "simd_shuffle_rotate",
-                         (uint32_t)l, (uint32_t)(src < 0 ? a : src));
       *(T *)outs[l] = me->v;
+      msim_poison_shuffle(outs[l], sizeof(T),
+                          MODE == __MSIM_IDX ? (GROUP == 4 ? "quad_shuffle/quad_broadcast" : "simd_shuffle/simd_broadcast")
+                          : MODE == __MSIM_XOR ? "simd_shuffle_xor" : MODE == __MSIM_UP ? "simd_shuffle_up"
+                          : MODE == __MSIM_DOWN ? "simd_shuffle_down" : "simd_shuffle_rotate",
+                          (uint32_t)l, (uint32_t)(src < 0 ? a : src));
       continue;
     }
     *(T *)outs[l] = ((const __msim_dep<T> *)ins[src])->v;
@@ -191,9 +192,9 @@ void __msim_shuffle_fill(uint32_t mask, const void *const *ins, void *const *out
     bool fill = UP ? s < 0 : s >= m;
     int src = g + (fill ? (UP ? s + m : s - m) : s);
     if (src < g || src >= g + m || !(mask >> src & 1u)) {
-      msim_fault_shuffle(UP ? "simd_shuffle_and_fill_up" : "simd_shuffle_and_fill_down", (uint32_t)l,
-                         (uint32_t)src);
       *(T *)outs[l] = me->data;
+      msim_poison_shuffle(outs[l], sizeof(T), UP ? "simd_shuffle_and_fill_up" : "simd_shuffle_and_fill_down",
+                          (uint32_t)l, (uint32_t)src);
       continue;
     }
     const __msim_fill<T> *o = (const __msim_fill<T> *)ins[src];
