@@ -85,7 +85,9 @@ COMMON = ["-std=c++17", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux
           "-fbfloat16-excess-precision=none", "-ffp-contract=off", "-fno-fast-math", "-fconvergent-functions",
           "-fvisibility=hidden", "-fno-exceptions", "-fno-rtti", "-Wno-unknown-attributes",
           "-Wno-ignored-attributes", "-Wno-unused-value", "-Wno-c++20-extensions", "-Wno-c++2b-extensions",
-          "-Wno-unused-command-line-argument", "-Wno-ignored-pragma-intrinsic", "-ferror-limit=30"]
+          "-Wno-unused-command-line-argument", "-Wno-ignored-pragma-intrinsic", "-ferror-limit=30",
+          # tail calls stay calls, so recursion stays visible to _strict.check_ir
+          "-fno-optimize-sibling-calls"]
 # Instrumented build: sanitizer-coverage hooks see plain loads and stores; the compiler must not
 # turn them into accesses the hooks cannot see (memset/memcpy from loops or merged stores: the
 # -fno-builtin-mem* flags disable loop idiom recognition and MemCpyOpt; wide vector accesses from
@@ -172,13 +174,28 @@ def _traced_object(clang: str, cmd: list, cpp: Path) -> Path:
     ll = cpp.with_suffix(".ll")
     _strict.run(cmd + _strict.FLAGS + ["-S", "-emit-llvm", str(cpp), "-o", str(ll)],
                 "compiling the staged Metal source")
+    ir = ll.read_text()
+    _strict.check_ir(ir)
     try:
-        ll.write_text(_trace_ir.rewrite(ll.read_text()))
+        ll.write_text(_trace_ir.rewrite(ir))
     except _trace_ir.UnsupportedIR as e:
         raise CompileError(f"checked mode: {e}") from None
     obj = cpp.with_suffix(".o")
     _run([clang, "-x", "ir", opt_flag(), "-fPIC", "-Xclang", "-disable-llvm-passes", "-c", str(ll), "-o", str(obj)],
          "compiling the instrumented IR")
+    return obj
+
+
+def _plain_object(clang: str, cmd: list, cpp: Path) -> Path:
+    """Plain build in two steps, like _traced_object: optimised IR (checked by
+    _strict.check_ir), then code generation only."""
+    ll = cpp.with_suffix(".ll")
+    _strict.run(cmd + _strict.FLAGS + ["-S", "-emit-llvm", str(cpp), "-o", str(ll)],
+                "compiling the staged Metal source")
+    _strict.check_ir(ll.read_text())
+    obj = cpp.with_suffix(".o")
+    _run([clang, "-x", "ir", opt_flag(), "-fPIC", "-Xclang", "-disable-llvm-passes", "-c", str(ll), "-o", str(obj)],
+         "compiling the optimised IR")
     return obj
 
 
@@ -273,8 +290,9 @@ def build(st: Staged, wanted, instrumented: bool, constants=None):
             cmd += ["-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
             _run(cmd, "compiling the staged Metal source")
         else:
-            cmd += ["-shared", str(cpp), "-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
-            _compile_checked(cmd)
+            cmd = [clang, "-shared", str(_plain_object(clang, cmd, cpp))]
+            cmd += ["-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
+            _run(cmd, "linking the staged Metal source")
         _resolve_indices(out, meta, None if wanted is None else set(wanted))
         shutil.copy(out, so.with_suffix(f".tmp{os.getpid()}"))
         os.replace(so.with_suffix(f".tmp{os.getpid()}"), so)
