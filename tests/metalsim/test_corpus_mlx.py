@@ -224,9 +224,9 @@ def test_mlx_gemv_t_axpby_matches_float64(gemv_lib, N, check):
 def test_mlx_gemv_t_partial_threadgroup_barrier_divergence(gemv_lib, metalsim):
     """N % 32 != 0: in the last threadgroup the threads whose columns lie past N skip the K
     loop, which holds a threadgroup_barrier, and exit; MSL requires every thread of the
-    threadgroup to reach a barrier that any of them reaches, so checked mode reports it (the
-    unchecked run above gives the right values: metalsim, like Apple's GPUs evidently do,
-    releases a barrier once every thread that has not exited waits at it)."""
+    threadgroup to reach a barrier that any of them reaches, so checked mode reports it. The
+    unchecked run above gives the right values because metalsim releases a barrier once every
+    thread that has not exited waits at it; on a GPU the behaviour is undefined."""
     with pytest.raises(metalsim.KernelFault, match="barrier divergence"):
         _gemv_t_axpby(gemv_lib, 40, True)
 
