@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -95,10 +96,15 @@ COMMON = ["-std=c++17", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux
 # to the runtime by _trace_ir.rewrite. Vectorizing changes no result (no FP reassociation), so
 # the plain build keeps it.
 INSTR = ["-fsanitize-coverage=bb,trace-loads,trace-stores", "-D__MSIM_INSTRUMENTED=1",
-         # undefined values (shuffles from inactive lanes) are tracked to their use; see runtime.c
-         "-fsanitize=kernel-memory", "-mllvm", "-msan-poison-stack=0", "-fno-sanitize-memory-use-after-dtor",
          "-fno-builtin-memset", "-fno-builtin-memcpy", "-fno-builtin-memmove",
          "-fno-vectorize", "-fno-slp-vectorize"]
+
+
+# Undefined values (a shuffle's result read from an inactive lane) are tracked to their use by
+# MemorySanitizer's instrumentation (see runtime.c). Only shuffles make such values, so a library
+# that names none is built without it (the instrumentation about doubles the compile time).
+UNDEF = ["-fsanitize=kernel-memory", "-mllvm", "-msan-poison-stack=0", "-fno-sanitize-memory-use-after-dtor"]
+SHUFFLE_RE = re.compile(r"(?:simd|quad)_(?:shuffle|broadcast)")
 
 
 def opt_flag() -> str:
@@ -226,6 +232,7 @@ def stage(source: str, filename, defines, include_dirs) -> Staged:
         ],
         "function_constants": [{"name": f.name, "index": f.index, "type": f.type} for f in staged.function_constants],
         "needs_fibers": staged.needs_fibers,
+        "uses_shuffles": bool(SHUFFLE_RE.search(pre)),
     }
     _atomic_write(cpp, staged.source)
     _atomic_write(meta_path, json.dumps(meta))
@@ -286,7 +293,8 @@ def build(st: Staged, wanted, instrumented: bool, constants=None):
         out = Path(td) / "kernels.so"
         cmd = [clang, "-x", "c++", *COMMON, opt_flag(), "-I", str(INCLUDE)]
         if instrumented:
-            cmd = [clang, "-shared", str(_traced_object(clang, cmd + INSTR, cpp))]
+            undef = UNDEF if st.meta.get("uses_shuffles", True) else []
+            cmd = [clang, "-shared", str(_traced_object(clang, cmd + INSTR + undef, cpp))]
             cmd += ["-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
             _run(cmd, "compiling the staged Metal source")
         else:
