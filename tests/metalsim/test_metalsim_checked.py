@@ -138,7 +138,8 @@ FAULTS = [
                  r"thread_index_in_threadgroup=0 wrote it", r"no threadgroup_barrier"]),
     ("early_exit", [r"barrier divergence", r"exited"]),
     ("two_barriers", [r"barrier divergence", r"different threadgroup_barrier"]),
-    ("shuffle_inactive", [r"simd_shuffle_down reads lane 16", r"inactive", r"lane 15"]),
+    ("shuffle_inactive", [r"buffer\(1\) byte offset 60 holds an undefined value",
+                          r"simd_shuffle_down by .*lane 15\) read lane 16, which is inactive"]),
     ("partial_mma", [r"simdgroup_multiply_accumulate entered by 16 of 32 lanes"]),
 ]
 
@@ -196,3 +197,55 @@ def test_light_threads_throughput(lib):
     # target >= 1M threads/s/core; keep slack for loaded CI machines
     assert rate > 3e5, f"{rate:.3g} threads/s"
     assert st.threads == n
+
+
+# A shuffle that reads an inactive lane gives an undefined value (MSL), not an error: checked
+# mode reports it where the value is used (stored to a device buffer, a branch, an address),
+# not where it is discarded. Lanes >= 16 exit; lane 15's shuffle_down by 1 reads lane 16.
+UNDEF_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+kernel void undef_use(device float* y [[buffer(0)]], device const int* idx [[buffer(1)]],
+                      constant uint& mode [[buffer(2)]], ushort lane [[thread_index_in_simdgroup]]) {
+  threadgroup float tg[32];
+  if (lane >= 16) return;
+  float v = simd_shuffle_down(float(lane), ushort(1));
+  int j = simd_shuffle_down(idx[lane], ushort(1));
+  if (mode == 0) {         // discarded by lane 15: only lanes whose source is active keep theirs
+    if (lane < 15) y[lane] = v;
+  } else if (mode == 1) {  // left in threadgroup memory that nobody reads
+    tg[lane] = v;
+    y[lane] = 1.0f;
+  } else if (mode == 2) {  // a branch on it
+    if (v > 100.0f) y[lane] = 1.0f;
+  } else {                 // an int used as an address
+    y[j] = 1.0f;
+  }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def undef_lib(metalsim):
+    return metalsim.compile(UNDEF_SRC)
+
+
+def _undef(lib, mode):
+    y = np.zeros(32, np.float32)
+    lib.dispatch("undef_use", buffers={0: y, 1: np.arange(1, 33, dtype=np.int32)}, bytes={2: np.uint32(mode)},
+                 threadgroups=1, threads_per_threadgroup=32, check=True)
+    return y
+
+
+@pytest.mark.parametrize("mode", [0, 1], ids=["discarded", "left-in-threadgroup-memory"])
+def test_undefined_shuffle_value_not_used_is_no_fault(undef_lib, mode):
+    y = _undef(undef_lib, mode)
+    if mode == 0:
+        np.testing.assert_array_equal(y[:15], np.arange(1, 16))
+
+
+@pytest.mark.parametrize("mode", [2, 3], ids=["branch", "address"])
+def test_undefined_shuffle_value_used_is_a_fault(undef_lib, metalsim, mode):
+    with pytest.raises(metalsim.KernelFault, match=r"undefined value is used .*lane 15\).*simd_shuffle_down by "
+                                                    r".*lane 15\) read lane 16, which is inactive"):
+        _undef(undef_lib, mode)

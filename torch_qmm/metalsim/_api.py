@@ -15,7 +15,9 @@ from . import _build
 
 MAX_BUFFERS = 32
 MAX_TG_ARGS = 32
-MAX_FC = 64
+MAX_FC = 65536  # function constant indices 0..65535
+# A library with more kernels than this compiles each kernel when it is first dispatched.
+LAZY_THRESHOLD = 1024
 MAX_THREADS_PER_THREADGROUP = 1024
 
 
@@ -42,7 +44,7 @@ class _Launch(ctypes.Structure):
         ("buf_size", ctypes.c_uint64 * MAX_BUFFERS),
         ("buf_offset", ctypes.c_uint64 * MAX_BUFFERS),
         ("tg_arg_size", ctypes.c_uint64 * MAX_TG_ARGS),
-        ("fc", ctypes.c_void_p * MAX_FC),
+        ("unbound", ctypes.c_uint32),
         ("groups", ctypes.c_uint32 * 3),
         ("tptg", ctypes.c_uint32 * 3),
         ("threads", ctypes.c_uint32 * 3),
@@ -141,19 +143,41 @@ _FC_DTYPES = {
 class Library:
     """A compiled Metal library: its kernels, ready to dispatch."""
 
-    def __init__(self, so_path: Path, meta: dict, source: str, filename, defines, include_dirs):
-        self._so = so_path
-        self._meta = meta
-        self._source, self._filename, self._defines, self._include_dirs = source, filename, defines, include_dirs
-        self._dll = ctypes.CDLL(str(so_path))
-        self._dll_instr = None
+    def __init__(self, staged, lazy: bool):
+        self._staged = staged
+        self._meta = staged.meta
+        self._lazy = lazy
+        self._dlls = {}  # (kernel index or None, instrumented, constants) -> (CDLL, metadata)
         self._lock = threading.Lock()
-        self._kernels = {k["name"]: k for k in meta["kernels"]}
-        self._fcs = {f["name"]: f for f in meta["function_constants"]}
-        self._dll.msim_launch_size.restype = ctypes.c_size_t
-        size = self._dll.msim_launch_size()
-        if size != ctypes.sizeof(_Launch):
-            raise RuntimeError(f"metalsim: runtime ABI mismatch ({size} != {ctypes.sizeof(_Launch)})")
+        self._index = {k["name"]: i for i, k in enumerate(self._meta["kernels"])}
+        self._fcs = {f["name"]: f for f in self._meta["function_constants"]}
+        if lazy:
+            _build.check_syntax(staged)
+        else:
+            self._library(None, False)
+
+    def _library(self, kernel, instrumented: bool, constants=None):
+        """(CDLL, metadata) of the build that holds `kernel` (an index) specialised for the
+        function constant values `constants` ({index: bytes}). Without constants that is the
+        whole library's build, unless the library is lazy; a specialised build holds only `kernel`."""
+        spec = tuple(sorted((constants or {}).items()))
+        key = (kernel if self._lazy or spec else None, instrumented, spec)
+        with self._lock:
+            got = self._dlls.get(key)
+            if got is None:
+                so, meta = _build.build(self._staged, None if key[0] is None else [key[0]], instrumented,
+                                        dict(spec))
+                dll = ctypes.CDLL(str(so))
+                dll.msim_launch_size.restype = ctypes.c_size_t
+                size = dll.msim_launch_size()
+                if size != ctypes.sizeof(_Launch):
+                    raise RuntimeError(f"metalsim: runtime ABI mismatch ({size} != {ctypes.sizeof(_Launch)})")
+                got = self._dlls[key] = (dll, meta)
+            return got
+
+    @property
+    def _kernels(self) -> dict:
+        return {k["name"]: k for k in self._meta["kernels"]}
 
     @property
     def kernels(self) -> list:
@@ -164,13 +188,6 @@ class Library:
     def function_constants(self) -> dict:
         """name -> (index, type) of the library's function constants."""
         return {n: (f["index"], f["type"]) for n, f in self._fcs.items()}
-
-    def _instrumented(self):
-        with self._lock:
-            if self._dll_instr is None:
-                so, _ = _build.build(self._source, self._filename, self._defines, self._include_dirs, True)
-                self._dll_instr = ctypes.CDLL(str(so))
-            return self._dll_instr
 
     def dispatch_threads(self, name: str, threads, threads_per_threadgroup, **kw) -> DispatchStats:
         """Like dispatchThreads: a non-uniform grid of `threads`; edge threadgroups are partial."""
@@ -191,7 +208,9 @@ class Library:
             threadgroups: (gx, gy, gz) threadgroups per grid (dispatchThreadgroups).
             threads_per_threadgroup: (tx, ty, tz), at most 1024 threads.
             bytes: {index: value} like setBytes; numpy scalars/arrays, bytes or ctypes values.
-            function_constants: {index or name: value}; unset constants are undefined.
+            function_constants: {index or name: value}, like MTLFunctionConstantValues: the
+                kernel is built specialised for these values (cached per set of values);
+                constants not given are undefined (is_function_constant_defined is false).
             threadgroup_memory: {index: nbytes} for [[threadgroup(n)]] arguments
                 (setThreadgroupMemoryLength).
             check: checked mode (faults raise KernelFault); None means the
@@ -202,9 +221,8 @@ class Library:
         Returns:
             DispatchStats with .threads, .seconds and per-index .buffers[i] byte counters.
         """
-        if name not in self._kernels:
-            raise KeyError(f"no kernel {name!r} in this library; kernels: {', '.join(self._kernels) or '(none)'}")
-        k = self._kernels[name]
+        if name not in self._index:
+            raise KeyError(f"no kernel {name!r} in this library; kernels: {', '.join(self._index) or '(none)'}")
         if check is None:
             check = check_enabled()
         check = bool(check)
@@ -257,9 +275,18 @@ class Library:
             arr[: len(data)] = np.frombuffer(data, dtype=np.uint8)
             keep.append(arr)
             bound[idx] = (arr.__array_interface__["data"][0], len(data), 0)
+        dll, meta = self._library(self._index[name], count, self._constant_values(function_constants))
+        k = meta["kernels"][self._index[name]]
+        # Metal lets a dispatch leave buffers unbound that the kernel does not access. Checked
+        # mode binds them to an empty buffer, so an access faults naming the index; otherwise
+        # they point at 64 KB of zeros of their own.
         for p in k["params"]:
-            if p["kind"] == "buffer" and p["index"] not in bound and not p.get("optional"):
-                raise ValueError(f"kernel {name}: [[buffer({p['index']})]] ({p['name']}) is not bound")
+            if p["kind"] == "buffer" and p["index"] not in bound:
+                idx = p["index"]
+                filler = _EMPTY if count else np.zeros(1 << 16, dtype=np.uint8)
+                keep.append(filler)
+                bound[idx] = (filler.__array_interface__["data"][0], 0 if count else filler.nbytes, 0)
+                L.unbound |= 1 << idx
         for idx, (base, nbytes, off) in bound.items():
             L.bufs[idx] = base + off
             L.buf_base[idx] = base
@@ -268,27 +295,9 @@ class Library:
         for idx, nbytes in (threadgroup_memory or {}).items():
             L.tg_arg_size[int(idx)] = int(nbytes)
         for p in k["params"]:
-            if p["kind"] == "threadgroup" and not L.tg_arg_size[p["index"]]:
+            if p["kind"] == "threadgroup" and int(p["index"]) not in {int(i) for i in (threadgroup_memory or {})}:
                 raise ValueError(f"kernel {name}: [[threadgroup({p['index']})]] ({p['name']}) needs "
                                  f"threadgroup_memory={{{p['index']}: nbytes}}")
-        for key, v in (function_constants or {}).items():
-            if isinstance(key, str):
-                if key not in self._fcs:
-                    raise KeyError(f"function constant {key!r} not declared; known: {', '.join(self._fcs)}")
-                idx, typ = self._fcs[key]["index"], self._fcs[key]["type"]
-            else:
-                idx = int(key)
-                typ = next((f["type"] for f in self._fcs.values() if f["index"] == idx), None)
-            if not 0 <= idx < MAX_FC:
-                raise ValueError(f"function constant index {idx} out of range")
-            if typ is not None and typ in _FC_DTYPES:
-                data = np.asarray(v, dtype=_FC_DTYPES[typ]).tobytes()
-            else:
-                data = _bytes_of(v, f"function_constants[{key!r}]")
-            buf = ctypes.create_string_buffer(data, max(len(data), 16))
-            keep.append(buf)
-            L.fc[idx] = ctypes.addressof(buf)
-        dll = self._instrumented() if count else self._dll
         entry = getattr(dll, k["symbol"])
         L.entry = ctypes.cast(entry, ctypes.c_void_p).value
         kname = name.encode()
@@ -314,16 +323,42 @@ class Library:
         nthreads = (L.threads[0] * L.threads[1] * L.threads[2])
         return DispatchStats(name, int(nthreads), int(total), seconds, count, stats)
 
+    def _constant_values(self, function_constants) -> dict:
+        """{index: bytes} of the given constants the library declares, each converted to its
+        declared type; values for undeclared indices are ignored, as Metal does."""
+        declared = {f["index"]: f["type"] for f in self._fcs.values()}
+        values = {}
+        for key, v in (function_constants or {}).items():
+            if isinstance(key, str):
+                if key not in self._fcs:
+                    raise KeyError(f"function constant {key!r} not declared; known: {', '.join(self._fcs)}")
+                idx = self._fcs[key]["index"]
+            else:
+                idx = int(key)
+                if not 0 <= idx < MAX_FC:
+                    raise ValueError(f"function constant index {idx} out of range 0..{MAX_FC - 1}")
+                if idx not in declared:
+                    continue
+            typ = declared[idx]
+            if typ in _FC_DTYPES:
+                values[idx] = np.asarray(v, dtype=_FC_DTYPES[typ]).tobytes()
+            else:
+                values[idx] = _bytes_of(v, f"function_constants[{key!r}]")
+        return values
+
     def __repr__(self) -> str:
-        return f"<metalsim.Library {len(self._kernels)} kernels: {', '.join(self._kernels)}>"
+        return f"<metalsim.Library {len(self._index)} kernels: {', '.join(self._index)}>"
 
 
 _cache: dict = {}
 _cache_lock = threading.Lock()
 
 
+_EMPTY = np.zeros(64, dtype=np.uint8)
+
+
 def compile(source_or_path: Union[str, os.PathLike], defines: Optional[Mapping[str, Any]] = None,
-            include_dirs: Sequence[Union[str, os.PathLike]] = ()) -> Library:
+            include_dirs: Sequence[Union[str, os.PathLike]] = (), lazy: Optional[bool] = None) -> Library:
     """Compile MSL source (a string, or a path to a .metal file) into a Library.
 
     Args:
@@ -331,6 +366,8 @@ def compile(source_or_path: Union[str, os.PathLike], defines: Optional[Mapping[s
             searched for #include "..." files).
         defines: {name: value or None} preprocessor definitions.
         include_dirs: extra include directories.
+        lazy: compile each kernel when it is first dispatched (the library is parsed and
+            checked now); None: lazily when the library has more than LAZY_THRESHOLD kernels.
     Builds are cached on disk by content hash (source after preprocessing, shim version),
     under TORCH_QMM_METALSIM_CACHE or ~/.cache/torch_qmm/metalsim.
     """
@@ -344,13 +381,15 @@ def compile(source_or_path: Union[str, os.PathLike], defines: Optional[Mapping[s
         source = str(source_or_path)
     defines = dict(defines or {})
     include_dirs = tuple(str(Path(d).resolve()) for d in include_dirs)
-    key = (source, filename, tuple(sorted((k, str(v)) for k, v in defines.items())), include_dirs)
+    key = (source, filename, tuple(sorted((k, str(v)) for k, v in defines.items())), include_dirs, lazy)
     with _cache_lock:
         lib = _cache.get(key)
     if lib is not None:
         return lib
-    so, meta = _build.build(source, filename, defines, include_dirs, False)
-    lib = Library(so, meta, source, filename, defines, include_dirs)
+    staged = _build.stage(source, filename, defines, include_dirs)
+    if lazy is None:
+        lazy = len(staged.meta["kernels"]) > LAZY_THRESHOLD
+    lib = Library(staged, bool(lazy))
     with _cache_lock:
         _cache[key] = lib
     return lib

@@ -12,12 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-from . import _staging, _trace_ir
+from . import _staging, _strict, _trace_ir
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
@@ -63,7 +64,7 @@ def cache_dir() -> Path:
 def _shim_hash() -> str:
     h = hashlib.sha256(SHIM_VERSION.encode())
     for f in sorted(INCLUDE.rglob("*")) + [RUNTIME_C, Path(_staging.__file__), Path(_trace_ir.__file__),
-                                              Path(__file__)]:
+                                              Path(_strict.__file__), Path(__file__)]:
         if f.is_file():
             h.update(str(f.relative_to(HERE)).encode())
             h.update(f.read_bytes())
@@ -85,7 +86,9 @@ COMMON = ["-std=c++17", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux
           "-fbfloat16-excess-precision=none", "-ffp-contract=off", "-fno-fast-math", "-fconvergent-functions",
           "-fvisibility=hidden", "-fno-exceptions", "-fno-rtti", "-Wno-unknown-attributes",
           "-Wno-ignored-attributes", "-Wno-unused-value", "-Wno-c++20-extensions", "-Wno-c++2b-extensions",
-          "-Wno-unused-command-line-argument", "-Wno-ignored-pragma-intrinsic", "-ferror-limit=30"]
+          "-Wno-unused-command-line-argument", "-Wno-ignored-pragma-intrinsic", "-ferror-limit=30",
+          # tail calls stay calls, so recursion stays visible to _strict.check_ir
+          "-fno-optimize-sibling-calls"]
 # Instrumented build: sanitizer-coverage hooks see plain loads and stores; the compiler must not
 # turn them into accesses the hooks cannot see (memset/memcpy from loops or merged stores: the
 # -fno-builtin-mem* flags disable loop idiom recognition and MemCpyOpt; wide vector accesses from
@@ -95,6 +98,13 @@ COMMON = ["-std=c++17", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux
 INSTR = ["-fsanitize-coverage=bb,trace-loads,trace-stores", "-D__MSIM_INSTRUMENTED=1",
          "-fno-builtin-memset", "-fno-builtin-memcpy", "-fno-builtin-memmove",
          "-fno-vectorize", "-fno-slp-vectorize"]
+
+
+# Undefined values (a shuffle's result read from an inactive lane) are tracked to their use by
+# MemorySanitizer's instrumentation (see runtime.c). Only shuffles make such values, so a library
+# that names none is built without it (the instrumentation about doubles the compile time).
+UNDEF = ["-fsanitize=kernel-memory", "-mllvm", "-msan-poison-stack=0", "-fno-sanitize-memory-use-after-dtor"]
+SHUFFLE_RE = re.compile(r"(?:simd|quad)_(?:shuffle|broadcast)")
 
 
 def opt_flag() -> str:
@@ -151,14 +161,16 @@ def preprocess(clang: str, source: str, filename: str, defines, include_dirs) ->
     return out
 
 
-def _resolve_indices(so: Path, meta: dict) -> None:
+def _resolve_indices(so: Path, meta: dict, wanted) -> None:
     """Attribute indices written as named constants ([[buffer(BUF_W)]]) are read back from the library."""
     import ctypes
 
     dll = ctypes.CDLL(str(so))
-    for k in meta["kernels"]:
-        codes = (ctypes.c_int * (len(k["params"]) + 1)).in_dll(dll, k["symbol"] + "_codes")
-        for p, c in zip(k["params"], codes):
+    for k, kinfo in enumerate(meta["kernels"]):
+        if wanted is not None and k not in wanted:
+            continue
+        codes = (ctypes.c_int * (len(kinfo["params"]) + 1)).in_dll(dll, kinfo["symbol"] + "_codes")
+        for p, c in zip(kinfo["params"], codes):
             p["index"] = c % 1000
 
 
@@ -166,9 +178,12 @@ def _traced_object(clang: str, cmd: list, cpp: Path) -> Path:
     """Instrumented build in two steps: optimised, instrumented IR; _trace_ir.rewrite; then
     code generation only (-disable-llvm-passes: optimising again could re-form intrinsics)."""
     ll = cpp.with_suffix(".ll")
-    _run(cmd + ["-S", "-emit-llvm", str(cpp), "-o", str(ll)], "compiling the staged Metal source")
+    _strict.run(cmd + _strict.FLAGS + ["-S", "-emit-llvm", str(cpp), "-o", str(ll)],
+                "compiling the staged Metal source")
+    ir = ll.read_text()
+    _strict.check_ir(ir)
     try:
-        ll.write_text(_trace_ir.rewrite(ll.read_text()))
+        ll.write_text(_trace_ir.rewrite(ir))
     except _trace_ir.UnsupportedIR as e:
         raise CompileError(f"checked mode: {e}") from None
     obj = cpp.with_suffix(".o")
@@ -177,17 +192,36 @@ def _traced_object(clang: str, cmd: list, cpp: Path) -> Path:
     return obj
 
 
-def build(source: str, filename, defines, include_dirs, instrumented: bool):
-    """Returns (path to .so, staging metadata dict)."""
+def _plain_object(clang: str, cmd: list, cpp: Path) -> Path:
+    """Plain build in two steps, like _traced_object: optimised IR (checked by
+    _strict.check_ir), then code generation only."""
+    ll = cpp.with_suffix(".ll")
+    _strict.run(cmd + _strict.FLAGS + ["-S", "-emit-llvm", str(cpp), "-o", str(ll)],
+                "compiling the staged Metal source")
+    _strict.check_ir(ll.read_text())
+    obj = cpp.with_suffix(".o")
+    _run([clang, "-x", "ir", opt_flag(), "-fPIC", "-Xclang", "-disable-llvm-passes", "-c", str(ll), "-o", str(obj)],
+         "compiling the optimised IR")
+    return obj
+
+
+class Staged:
+    """A preprocessed and staged library: its metadata, and where its staged C++ lives."""
+
+    def __init__(self, key: str, meta: dict, cpp: Path):
+        self.key, self.meta, self.cpp = key, meta, cpp
+
+
+def stage(source: str, filename, defines, include_dirs) -> Staged:
+    """Preprocess and stage (cached by content hash); compiles no kernel."""
     clang = find_clang()
-    defines = dict(defines or {})
-    pre = preprocess(clang, source, filename, defines, include_dirs)
+    pre = preprocess(clang, source, filename, dict(defines or {}), include_dirs)
     key = hashlib.sha256((shim_hash() + "\0" + opt_flag() + "\0" + pre).encode()).hexdigest()[:24]
     d = cache_dir()
-    meta_path = d / f"{key}.json"
-    so = d / f"{key}{'-instr' if instrumented else ''}.so"
-    if meta_path.exists() and so.exists():
-        return so, json.loads(meta_path.read_text())
+    meta_path, cpp = d / f"{key}.json", d / f"{key}.staged.cpp"
+    if meta_path.exists() and cpp.exists():
+        return Staged(key, json.loads(meta_path.read_text()), cpp)
+    _strict.check_tokens(pre)
     staged = _staging.stage(pre)
     meta = {
         "kernels": [
@@ -198,23 +232,82 @@ def build(source: str, filename, defines, include_dirs, instrumented: bool):
         ],
         "function_constants": [{"name": f.name, "index": f.index, "type": f.type} for f in staged.function_constants],
         "needs_fibers": staged.needs_fibers,
+        "uses_shuffles": bool(SHUFFLE_RE.search(pre)),
     }
+    _atomic_write(cpp, staged.source)
+    _atomic_write(meta_path, json.dumps(meta))
+    return Staged(key, meta, cpp)
+
+
+def specialisation(constants) -> str:
+    """C++ that gives a build the function constant values `constants` ({index: bytes}):
+    one __msim_fcv<index> per value (include/metalsim/kernel.h reads them)."""
+    out = []
+    for idx, data in sorted(constants.items()):
+        out.append(f"template <> struct __msim_fcv<{int(idx)}> {{ static constexpr int size = {len(data)}; "
+                   f"static constexpr __msim_fcbytes<{len(data)}> bytes = {{{{{', '.join(str(b) for b in data)}}}}}; }};\n")
+    return "".join(out)
+
+
+def _spec_tag(constants) -> str:
+    if not constants:
+        return ""
+    h = hashlib.sha256(repr(sorted((int(i), bytes(d)) for i, d in constants.items())).encode())
+    return "-fc" + h.hexdigest()[:16]
+
+
+def _source_for(st: Staged, wanted, constants=None) -> str:
+    return ('#include <metal_stdlib>\n' + specialisation(constants or {})
+            + _staging.selection(len(st.meta["kernels"]), wanted) + st.cpp.read_text())
+
+
+def check_syntax(st: Staged) -> None:
+    """Parse and check the library without compiling any kernel (a lazy library's compile step)."""
+    marker = cache_dir() / f"{st.key}.syntax-ok"
+    if marker.exists():
+        return
+    clang = find_clang()
+    with tempfile.TemporaryDirectory() as td:
+        cpp = Path(td) / "staged.cpp"
+        cpp.write_text(_source_for(st, ()))
+        _compile_checked([clang, "-x", "c++", *COMMON, "-I", str(INCLUDE), "-fsyntax-only", str(cpp)])
+    _atomic_write(marker, "")
+
+
+def build(st: Staged, wanted, instrumented: bool, constants=None):
+    """Compile the kernels `wanted` (indices; None: all) of a staged library into a shared
+    library, specialised for the function constant values `constants` ({index: bytes}; the
+    others are not defined); returns its path and the kernels' metadata with named indices
+    resolved. Cached by the library's content hash, the kernels and the constant values."""
+    clang = find_clang()
+    tag = ("" if wanted is None else "-k" + "-".join(str(k) for k in sorted(wanted))) + _spec_tag(constants)
+    so = cache_dir() / f"{st.key}{tag}{'-instr' if instrumented else ''}.so"
+    meta_path = so.with_suffix(".json")
+    if so.exists() and meta_path.exists():
+        return so, json.loads(meta_path.read_text())
+    meta = json.loads(json.dumps(st.meta))
     rt = runtime_object(clang)
     with tempfile.TemporaryDirectory() as td:
         cpp = Path(td) / "staged.cpp"
-        cpp.write_text('#include <metal_stdlib>\n' + staged.source)
+        cpp.write_text(_source_for(st, wanted, constants))
         out = Path(td) / "kernels.so"
         cmd = [clang, "-x", "c++", *COMMON, opt_flag(), "-I", str(INCLUDE)]
         if instrumented:
-            cmd = [clang, "-shared", str(_traced_object(clang, cmd + INSTR, cpp))]
+            undef = UNDEF if st.meta.get("uses_shuffles", True) else []
+            cmd = [clang, "-shared", str(_traced_object(clang, cmd + INSTR + undef, cpp))]
+            cmd += ["-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
+            _run(cmd, "compiling the staged Metal source")
         else:
-            cmd += ["-shared", str(cpp)]
-        cmd += ["-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
-        _run(cmd, "compiling the staged Metal source")
-        _resolve_indices(out, meta)
-        if os.environ.get("TORCH_QMM_METALSIM_KEEP"):
-            shutil.copy(cpp, d / f"{key}.staged.cpp")
+            cmd = [clang, "-shared", str(_plain_object(clang, cmd, cpp))]
+            cmd += ["-x", "none", str(rt), "-o", str(out), "-lm", "-lpthread"]
+            _run(cmd, "linking the staged Metal source")
+        _resolve_indices(out, meta, None if wanted is None else set(wanted))
         shutil.copy(out, so.with_suffix(f".tmp{os.getpid()}"))
         os.replace(so.with_suffix(f".tmp{os.getpid()}"), so)
     _atomic_write(meta_path, json.dumps(meta))
     return so, meta
+
+
+def _compile_checked(cmd) -> None:
+    """Run a compile of user code with metalsim's strictness diagnostics (see _strict)."""
+    _strict.run(cmd + _strict.FLAGS, "compiling the staged Metal source")

@@ -52,6 +52,8 @@ STD_ATTRS = {"maybe_unused", "likely", "unlikely", "fallthrough", "nodiscard", "
 SCALARS = ["bool", "char", "uchar", "short", "ushort", "int", "uint", "long", "ulong", "half", "float", "bfloat"]
 VEC_NAMES = {f"{s}{n}" for s in SCALARS for n in (2, 3, 4, 8, 16)}
 VEC_NAMES |= {f"packed_{s}{n}" for s in SCALARS for n in (2, 3, 4)}
+# static_cast<bfloat>(x) of a half x is legal MSL; clang allows half <-> bfloat only through float
+BFLOAT_NAMES = {"bfloat", "bfloat16_t", "metal::bfloat"}
 COLLECTIVE_RE = re.compile(
     r"\b(threadgroup_barrier|simdgroup_barrier|simd_\w+|quad_\w+|simdgroup_multiply\w*)\s*[(<]")
 
@@ -292,10 +294,33 @@ def _parse_params(toks, lo, hi, fname):
         if p is not None and any(nm == "function_constant" for nm, _ in attrs):
             p.optional = True
         if p is None:
-            raise StageError(f"kernel {fname}: parameter {pname!r} has no [[buffer(n)]], [[threadgroup(n)]] or "
-                             f"builtin attribute")
+            # MSL gives a resource argument without a location attribute the first free index
+            p = Param(pname, "buffer", None, "buffer")
         params.append(p)
+    _assign_implicit_buffers(params, fname)
     return params
+
+
+def _assign_implicit_buffers(params, fname):
+    """Buffer arguments without [[buffer(n)]] take, in order, the lowest index no other
+    buffer argument of the kernel uses (MSL's implicit location assignment)."""
+    used = set()
+    for p in params:
+        if p.kind == "buffer" and p.index is not None:
+            if not isinstance(p.index, int):
+                if any(q.kind == "buffer" and q.index is None for q in params):
+                    raise StageError(f"kernel {fname}: implicit buffer indices cannot be combined with named "
+                                     f"index constants ([[buffer({p.index})]]); give every index as a number")
+                continue
+            used.add(p.index)
+    nxt = 0
+    for p in params:
+        if p.kind == "buffer" and p.index is None:
+            while nxt in used:
+                nxt += 1
+            p.index = nxt
+            p.attr = f"buffer({nxt})"
+            used.add(nxt)
 
 
 def _index(args: str):
@@ -304,6 +329,33 @@ def _index(args: str):
         return int(args, 0)
     except ValueError:
         return args
+
+
+def _const_int(expr: str):
+    """Value of an integer constant expression of literals and + - * / % << >> | & ( ), or None."""
+    import ast
+    expr = re.sub(r"(?<=\d)[uUlL]+\b", "", expr.strip())
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        return None
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.FloorDiv: lambda a, b: a // b, ast.Div: lambda a, b: int(a / b), ast.Mod: lambda a, b: a % b,
+           ast.LShift: lambda a, b: a << b, ast.RShift: lambda a, b: a >> b, ast.BitOr: lambda a, b: a | b,
+           ast.BitAnd: lambda a, b: a & b}
+
+    def ev(n):
+        if isinstance(n, ast.Constant) and isinstance(n.value, int) and not isinstance(n.value, bool):
+            return n.value
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -ev(n.operand)
+        if isinstance(n, ast.BinOp) and type(n.op) in ops:
+            return ops[type(n.op)](ev(n.left), ev(n.right))
+        raise ValueError
+    try:
+        return ev(tree.body)
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def _unary_end(toks, i):
@@ -409,7 +461,7 @@ def stage(text: str) -> Staged:
                     continue
                 inner = text[toks[i + 2].start : toks[k - 1].end].strip() if k > i + 2 else ""
                 if (inner in VEC_NAMES or inner.startswith("vec<") or inner.startswith("metal::vec<")
-                        or inner.removeprefix("metal::") in VEC_NAMES):
+                        or inner.removeprefix("metal::") in VEC_NAMES or inner in BFLOAT_NAMES):
                     ed.replace(t.start, toks[k].end, f"__msim_make<{inner}>")
         elif t.kind == "p" and t.text == "(" and i + 2 < n and toks[i + 2].text == ")" \
                 and toks[i + 1].kind == "id" and toks[i + 1].text in VEC_NAMES:
@@ -422,6 +474,9 @@ def stage(text: str) -> Staged:
             end = _unary_end(toks, i + 3)
             ed.replace(t.start, toks[i + 2].end, f"__msim_make<{toks[i + 1].text}>(")
             ed.insert(toks[end - 1].end, ")")
+
+    _merge_addrspace_methods(toks, ed, text)
+    _decay_array_params(toks, ed)
 
     # ---- pass 2: structure (namespaces, kernels, threadgroup declarations, function constants) ----
     stack: list = []  # entries: ("ns", name) or ("blk", None)
@@ -493,12 +548,144 @@ def stage(text: str) -> Staged:
     lines = ["", "// ---- metalsim entry points ----"]
     for k, kinfo in enumerate(kernels):
         codes = ", ".join(str(p.code) for p in kinfo.params)
-        lines.append(f"MSIM_ENTRY void {kinfo.symbol}(const msim_launch *L, const msim_thread *t) "
+        lines.append(f"{kernel_guard(k)}(MSIM_ENTRY void {kinfo.symbol}(const msim_launch *L, const msim_thread *t) "
                      f"{{ __msim_invoke<{codes}>(&{kinfo.function}, L, t); }}")
         lines.append(f"extern \"C\" __attribute__((visibility(\"default\"))) const int {kinfo.symbol}_codes[] = "
-                     f"{{{codes}{', ' if codes else ''}-1}};")
+                     f"{{{codes}{', ' if codes else ''}-1}};)")
     staged = ed.apply() + "\n".join(lines) + "\n"
     return Staged(staged, kernels, fcs, needs_fibers)
+
+
+ADDRSPACES = ("device", "constant", "threadgroup", "thread")
+_AS_PREFERENCE = {"thread": 0, "device": 1, "constant": 2, "threadgroup": 3}
+
+
+def _merge_addrspace_methods(toks, ed, text):
+    """Member functions overloaded on the address space of `*this` (`S() threadgroup`,
+    `float get() const device`): clang has no such qualifier outside OpenCL C++, and every
+    address space converts to the generic one here, so one variant per signature is kept
+    (thread first) with the qualifier removed, and the others are dropped."""
+    n = len(toks)
+    enclosing, stack = [0] * n, [-1]
+    for k, t in enumerate(toks):
+        enclosing[k] = stack[-1]
+        if t.kind == "p" and t.text == "{":
+            stack.append(k)
+        elif t.kind == "p" and t.text == "}" and len(stack) > 1:
+            stack.pop()
+    groups = {}
+    for k, t in enumerate(toks):
+        if t.kind != "p" or t.text != ")":
+            continue
+        j, quals, space = k + 1, [], None
+        while j < n and toks[j].kind == "id" and toks[j].text in ("const", "volatile") + ADDRSPACES:
+            if toks[j].text in ADDRSPACES:
+                space = j
+            quals.append(toks[j].text)
+            j += 1
+        if space is None or j >= n or toks[j].text not in ("{", ";", ":", "=", "->"):
+            continue
+        try:
+            po = next(m for m in range(k, -1, -1) if toks[m].text == "(" and _match(toks, m, "(", ")") == k)
+        except (StopIteration, StageError):
+            continue
+        start = po - 1
+        while start > 0:
+            pt = toks[start - 1]
+            if pt.text in (";", "{", "}") or (pt.text == ":" and start >= 2 and toks[start - 2].text in
+                                              ("public", "private", "protected")):
+                break
+            start -= 1
+        end = _member_end(toks, j)
+        if end is None:
+            continue
+        key = (enclosing[k], text[toks[start].start:toks[k].end], "const" in quals)
+        groups.setdefault(key, []).append((toks[space].text, start, end, space))
+    for variants in groups.values():
+        variants.sort(key=lambda v: _AS_PREFERENCE[v[0]])
+        for rank, (_, start, end, space) in enumerate(variants):
+            if rank == 0:
+                ed.replace_span(toks[space].start, toks[space].end, " " * len(toks[space].text))
+            else:
+                seg = text[toks[start].start:toks[end].end]
+                ed.replace_span(toks[start].start, toks[end].end, re.sub(r"[^\n]", " ", seg))
+
+
+def _decay_array_params(toks, ed):
+    """A parameter `constant const T name[N]` becomes `constant const T *name`: MSL adjusts an
+    array parameter to a pointer into its address space, clang rejects the qualified array."""
+    n = len(toks)
+    for k in range(1, n - 1):
+        if toks[k].text != "[" or toks[k].kind != "p" or toks[k - 1].kind != "id":
+            continue
+        if toks[k + 1].text == "[":
+            continue
+        try:
+            close = _match(toks, k, "[", "]")
+        except StageError:
+            continue
+        if close + 1 >= n or toks[close + 1].text not in (",", ")"):
+            continue
+        # the declaration before the name is made of identifiers and `::` / template arguments only
+        m, space = k - 2, False
+        while m >= 0 and toks[m].text not in (",", "(", ";", "{", "}"):
+            if toks[m].kind == "id" and toks[m].text in ("device", "constant", "threadgroup"):
+                space = True
+            elif toks[m].kind != "id" and toks[m].text not in ("::", "<", ">"):
+                space = False
+                break
+            m -= 1
+        if not space or m < 0 or toks[m].text not in (",", "("):
+            continue
+        ed.insert(toks[k - 1].start, "*")
+        ed.replace(toks[k].start, toks[close].end, "")
+
+
+def _member_end(toks, j):
+    """Index of the last token of a member function declaration whose qualifiers end before toks[j]."""
+    n = len(toks)
+    t = toks[j].text
+    if t == ";":
+        return j
+    if t == "=":
+        return next((m for m in range(j, n) if toks[m].text == ";"), None)
+    if t == ":":  # constructor initialiser list, then the body
+        m = j + 1
+        while m < n:
+            while m < n and (toks[m].kind == "id" or toks[m].text == "::"):
+                m += 1
+            if m < n and toks[m].text == "<":
+                m = _match_angle(toks, m) + 1
+            if m >= n or toks[m].text not in ("(", "{"):
+                return None
+            m = _match(toks, m, toks[m].text, ")" if toks[m].text == "(" else "}") + 1
+            if m < n and toks[m].text == ",":
+                m += 1
+                continue
+            break
+        j = m
+        if j >= n or toks[j].text != "{":
+            return None
+    elif t == "->":
+        j = next((m for m in range(j, n) if toks[m].text in ("{", ";")), None)
+        if j is None or toks[j].text == ";":
+            return j
+    end = _match(toks, j, "{", "}")
+    if end + 1 < n and toks[end + 1].text == ";":
+        end += 1
+    return end
+
+
+def kernel_guard(k: int) -> str:
+    """Macro wrapping kernel k's instantiation and entry point; a build defines it to expand
+    its argument for the kernels it compiles and to nothing for the others (selection())."""
+    return f"__MSIM_K{k}"
+
+
+def selection(nkernels: int, wanted) -> str:
+    """Definitions of the kernel guards for a build of `wanted` (kernel indices; None: all)."""
+    keep = set(range(nkernels)) if wanted is None else set(wanted)
+    return "".join(f"#define {kernel_guard(k)}(...){' __VA_ARGS__' if k in keep else ''}\n" for k in range(nkernels))
 
 
 def _is_kernel_decl(toks, lo, hi):
@@ -541,7 +728,8 @@ def _maybe_kernel(toks, lo, hi, ed, kernels, templates, ns, text, body):
             # find the declarator: last "name<...>" before the parameter list
             po = next((m for m in plain[1:] if toks[m].text == "("), None)
             if po is None:
-                raise StageError("cannot parse kernel instantiation")
+                # `template [[host_name("x")]] kernel fn_type f<...>;` (a typedef of the function type)
+                po = hi
             q = po - 1
             if toks[q].text == ">":
                 depth = 0
@@ -568,10 +756,17 @@ def _maybe_kernel(toks, lo, hi, ed, kernels, templates, ns, text, body):
         else:
             qual = ns + fexpr
         name = host or fexpr
+        # the instantiation is compiled only in builds that want this kernel (see kernel_guard)
+        ed.insert(toks[lo].start, f"{kernel_guard(len(kernels))}(")
+        ed.insert(toks[hi].end, ")")
         kernels.append(KernelInfo(name, f"__msim_entry_{len(kernels)}", qual, params))
         return
-    # definition or declaration: find the name before the first top-level '('
-    po = next((m for m in plain if toks[m].text == "("), None)
+    # definition or declaration: find the name before the first top-level '(' after any
+    # template parameter list (which may hold function-pointer parameters)
+    after = plain[0]
+    if toks[plain[0]].text == "template" and len(plain) > 1 and toks[plain[1]].text == "<":
+        after = _match_angle(toks, plain[1])
+    po = next((m for m in plain if m > after and toks[m].text == "("), None)
     if po is None or toks[po - 1].kind != "id":
         raise StageError("cannot parse kernel declaration near " + " ".join(toks[m].text for m in plain[:12]))
     fname = toks[po - 1].text
@@ -583,6 +778,8 @@ def _maybe_kernel(toks, lo, hi, ed, kernels, templates, ns, text, body):
         return
     if not body:
         return  # a prototype; the definition registers it
+    # internal linkage: emitted only by builds whose entry point calls it
+    ed.insert(toks[lo].start, "static inline ")
     kernels.append(KernelInfo(host or fname, f"__msim_entry_{len(kernels)}", ns + fname, params))
 
 
@@ -628,7 +825,9 @@ def _maybe_constant(toks, lo, hi, ed, fcs, fc_names, text):
     for gi, gj in groups:
         for nm, args in _attr_items(toks, gi, gj):
             if nm == "function_constant":
-                fc_index = int(args, 0)
+                fc_index = _const_int(args)
+                if fc_index is None or not 0 <= fc_index < 65536:
+                    raise StageError(f"function constant index {args!r}: expected an integer constant 0..65535")
     if fc_index is not None:
         name_tok = toks[groups[0][0] - 1]
         typ = text[toks[lo + 1].start : name_tok.start].strip()

@@ -14,6 +14,7 @@
 #define _GNU_SOURCE
 #include "metalsim/runtime.h"
 #include <pthread.h>
+#include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -127,10 +128,14 @@ static void abort_fiber(worker *w) {
 /* ---- builtins available to kernel code ---- */
 EXPORT const msim_thread *msim_current(void) { return tls_w ? tls_w->cur : 0; }
 
-const void *msim_fc(int index) {
+/* a kernel read the value of a function constant its build was not given */
+void msim_fault_fc_unset(int index) {
   worker *w = tls_w;
-  if (index < 0 || index >= MSIM_MAX_FC) return 0;
-  return w->L->fc[index];
+  char d[256];
+  thread_desc(d, sizeof d, w->cur);
+  record_fault(w, "function constant %d is read but not set (give it in function_constants=, or test "
+                  "is_function_constant_defined first); by %s", index, d);
+  abort_fiber(w);
 }
 
 void msim_barrier(int flags) {
@@ -164,14 +169,106 @@ void msim_collective(int kind, const char *what, const void *in, void *out, msim
 }
 
 static __thread uint32_t resolving_lane_base;
-void msim_fault_shuffle(const char *what, uint32_t lane, uint32_t src_lane) {
+
+/* ---- undefined values (checked mode) ----
+ * The instrumented build is also compiled with -fsanitize=kernel-memory: clang's
+ * MemorySanitizer pass (in its kernel flavour, which asks the runtime for every shadow address
+ * instead of assuming a fixed memory layout, and keeps its argument shadows in a context
+ * struct instead of static TLS, which a dlopen'ed library cannot have) gives every byte of
+ * memory and every value a shadow (nonzero = undefined), propagates it through loads, stores
+ * and arithmetic, and calls __msan_warning where an undefined value is used: a branch or
+ * select condition, an address, or an argument or return value of a call that is not inlined.
+ * A shuffle that reads an inactive lane marks its result undefined (msim_poison_shuffle);
+ * nothing else does (stack poisoning is off, memory starts defined), so every report is a use
+ * of such a value. A value stored to a device buffer is reported when the launch ends (the
+ * buffer copies' shadow); one that is discarded, or left in thread or threadgroup memory, is not.
+ * Shadow exists for the memory kernels write in checked mode: the device buffer copies, the
+ * fiber stacks and the threadgroup arena; any other memory reads as defined. */
+typedef struct { char *lo; size_t n; unsigned char *sh; } shregion;
+enum { SH_BUFFERS, SH_STACKS, SH_ARENA, SH_N };
+static __thread shregion shr[SH_N];
+#define SH_SCRATCH 65536
+static const unsigned char sh_defined[SH_SCRATCH]; /* shadow of memory without one: defined */
+static unsigned char sh_sink[SH_SCRATCH];          /* where shadow stores to such memory go */
+static unsigned char origin_sink[4 * SH_SCRATCH];  /* origins are not tracked */
+static __thread char poison_msg[512]; /* the first undefined value of the launch: where it came from */
+static __thread int poisoned;
+/* MemorySanitizer's kernel context: shadows of arguments, return values and varargs */
+typedef struct {
+  unsigned long long param[100], retval[100], va_arg[100], va_arg_origin[100], va_arg_overflow_size;
+  unsigned param_origin[200], retval_origin;
+} msan_context;
+static __thread msan_context msan_ctx;
+
+static void shadow_map(int k, void *lo, size_t n) {
+  void *sh = mmap(0, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  shr[k].lo = lo;
+  shr[k].n = sh == MAP_FAILED ? 0 : n;
+  shr[k].sh = sh == MAP_FAILED ? 0 : sh;
+}
+static void shadow_unmap(int k) {
+  if (shr[k].sh) munmap(shr[k].sh, shr[k].n);
+  memset(&shr[k], 0, sizeof shr[k]);
+}
+static void shadow_reset(int k) { /* every byte defined again */
+  if (shr[k].sh) madvise(shr[k].sh, shr[k].n, MADV_DONTNEED);
+}
+static unsigned char *shadow_at(const void *p, size_t n, int store) {
+  for (int k = 0; k < SH_N; k++)
+    if (shr[k].sh && (const char *)p >= shr[k].lo && (const char *)p + n <= shr[k].lo + shr[k].n)
+      return shr[k].sh + ((const char *)p - shr[k].lo);
+  return store ? sh_sink : (unsigned char *)sh_defined;
+}
+
+typedef struct { void *shadow, *origin; } msan_meta;
+#define MSAN_META(N)                                                                                 \
+  msan_meta __msan_metadata_ptr_for_load_##N(void *p) { return (msan_meta){shadow_at(p, N, 0), origin_sink}; } \
+  msan_meta __msan_metadata_ptr_for_store_##N(void *p) { return (msan_meta){shadow_at(p, N, 1), origin_sink}; }
+MSAN_META(1)
+MSAN_META(2)
+MSAN_META(4)
+MSAN_META(8)
+msan_meta __msan_metadata_ptr_for_load_n(void *p, uint64_t n) {
+  return (msan_meta){n <= SH_SCRATCH ? shadow_at(p, n, 0) : (void *)sh_defined, origin_sink};
+}
+msan_meta __msan_metadata_ptr_for_store_n(void *p, uint64_t n) {
+  return (msan_meta){n <= SH_SCRATCH ? shadow_at(p, n, 1) : (void *)sh_sink, origin_sink};
+}
+msan_context *__msan_get_context_state(void) { return &msan_ctx; }
+uint32_t __msan_chain_origin(uint32_t origin) { return origin; }
+static void shadow_set(const void *p, size_t n, int v) {
+  for (int k = 0; k < SH_N; k++)
+    if (shr[k].sh && (const char *)p >= shr[k].lo && (const char *)p + n <= shr[k].lo + shr[k].n) {
+      memset(shr[k].sh + ((const char *)p - shr[k].lo), v, n);
+      return;
+    }
+}
+void __msan_poison_alloca(void *p, uint64_t n, char *descr) { (void)descr; shadow_set(p, n, 0); }
+void __msan_unpoison_alloca(void *p, uint64_t n) { shadow_set(p, n, 0); }
+void __msan_instrument_asm_store(void *p, uint64_t n) { shadow_set(p, n, 0); }
+
+void msim_poison_shuffle(void *out, size_t n, const char *what, uint32_t lane, uint32_t src_lane) {
   worker *w = tls_w;
   if (!w->L->check) return;
-  msim_thread *t = &w->threads[resolving_lane_base + lane];
+  shadow_set(out, n, 0xff);
+  if (!poisoned) {
+    msim_thread *t = &w->threads[resolving_lane_base + lane];
+    char d[256];
+    thread_desc(d, sizeof d, t);
+    snprintf(poison_msg, sizeof poison_msg, "%s by %s read lane %u, which is inactive (exited or diverged) at "
+             "this call, so the value is undefined", what, d, src_lane);
+    poisoned = 1;
+  }
+}
+
+void __msan_warning(uint32_t origin) {
+  (void)origin;
+  worker *w = tls_w;
   char d[256];
-  thread_desc(d, sizeof d, t);
-  record_fault(w, "%s reads lane %u, which is inactive (exited or diverged) at this call; reader %s",
-               what, src_lane, d);
+  thread_desc(d, sizeof d, w->cur);
+  record_fault(w, "an undefined value is used (a branch, an address, or a call argument) by %s; %s", d,
+               poisoned ? poison_msg : "(no shuffle from an inactive lane recorded)");
+  abort_fiber(w);
 }
 
 void *msim_tg_var(int id, size_t size, size_t align, const char *name) {
@@ -297,6 +394,12 @@ static void on_access(const void *p, size_t n, int store, int atomic) {
         char d[256];
         thread_desc(d, sizeof d, w->cur);
         long long rel = (long long)(a - (const char *)L->bufs[i]);
+        if (L->unbound >> i & 1u) {
+          record_fault(w, "device %s of %zu bytes through buffer(%d), which is not bound (Metal leaves an "
+                          "unbound buffer undefined; bind it or do not access it) by %s",
+                       store ? "write" : "read", n, i, d);
+          abort_fiber(w);
+        }
         record_fault(w,
                      "out-of-bounds device %s of %zu bytes at buffer(%d) byte offset %lld (bound "
                      "at offset %llu of a %llu-byte allocation, so %lld valid bytes) by %s",
@@ -341,6 +444,32 @@ void __msim_memset(void *d, uint8_t v, uint64_t n) {
   if (!n) return;
   on_access(d, n, 1, 0);
   memset(d, v, n);
+}
+/* MemorySanitizer routes the memory intrinsics here: traced as above, shadow copied along */
+static void shadow_copy(void *d, const void *s, uint64_t n) {
+  unsigned char *ds = n <= SH_SCRATCH ? shadow_at(d, n, 1) : sh_sink;
+  if (ds == sh_sink) {
+    shadow_set(d, n, 0);
+    return;
+  }
+  const unsigned char *ss = n <= SH_SCRATCH ? shadow_at(s, n, 0) : sh_defined;
+  if (ss == sh_defined) memset(ds, 0, n);
+  else memmove(ds, ss, n);
+}
+void *__msan_memcpy(void *d, const void *s, uint64_t n) {
+  __msim_memcpy(d, s, n);
+  if (n) shadow_copy(d, s, n);
+  return d;
+}
+void *__msan_memmove(void *d, const void *s, uint64_t n) {
+  __msim_memmove(d, s, n);
+  if (n) shadow_copy(d, s, n);
+  return d;
+}
+void *__msan_memset(void *d, int v, uint64_t n) {
+  __msim_memset(d, (uint8_t)v, n);
+  shadow_set(d, n, 0);
+  return d;
 }
 
 #define HOOK(N)                                                                   \
@@ -538,6 +667,9 @@ static void *worker_main(void *arg) {
   if (ensure_threads(&W, L->use_fibers ? n : 1)) {
     record_fault(&W, "could not allocate fiber stacks for %u threads", n);
     *a->stop = 1;
+  } else if (L->check) {
+    shadow_map(SH_ARENA, W.tg.arena, TG_ARENA);
+    if (W.stacks) shadow_map(SH_STACKS, W.stacks, (size_t)W.cap * STACK_SIZE);
   }
   uint64_t total = (uint64_t)L->groups[0] * L->groups[1] * L->groups[2];
   while (!*a->stop) {
@@ -564,6 +696,10 @@ static void *worker_main(void *arg) {
     /* reset the arena: zeros in plain mode (deterministic), poison (shadow) in checked mode */
     memset(tg->arena, 0, tg->high);
     if (W.shadow) memset(W.shadow, 0, tg->high * sizeof(tgshadow));
+    if (poisoned) { /* undefined values left in thread and threadgroup memory by the last threadgroup */
+      shadow_reset(SH_ARENA);
+      shadow_reset(SH_STACKS);
+    }
     tg->used = 0;
     tg->nvars = 0;
     for (int k = 0; k < MSIM_MAX_TG_ARGS; k++) {
@@ -577,6 +713,8 @@ static void *worker_main(void *arg) {
     else run_tg_fast(&W);
     if (W.abort) { *a->stop = 1; break; }
   }
+  shadow_unmap(SH_ARENA);
+  shadow_unmap(SH_STACKS);
   free(W.tg.arena);
   free(W.shadow);
   free(W.threads);
@@ -594,6 +732,7 @@ EXPORT int msim_run(msim_launch *L) {
   char *region = 0;
   size_t region_size = 0;
   int instr = L->check || L->count;
+  poisoned = 0;
   if (instr) {
     /* copies of every bound buffer, each surrounded by a red zone, so an access can be
      * attributed to the buffer it belongs to (or falls just outside of) */
@@ -606,6 +745,7 @@ EXPORT int msim_run(msim_launch *L) {
       snprintf(L->fault_msg, sizeof L->fault_msg, "could not map %zu bytes for checked mode", region_size);
       return 1;
     }
+    if (L->check) shadow_map(SH_BUFFERS, region, region_size);
     char *p = region + GAP;
     for (int i = 0; i < MSIM_MAX_BUFFERS; i++) {
       if (!L->buf_base[i]) continue;
@@ -639,6 +779,23 @@ EXPORT int msim_run(msim_launch *L) {
     pthread_attr_destroy(&attr);
     if (!started) worker_main(&a);
   }
+  if (instr && poisoned && shr[SH_BUFFERS].sh) {
+    /* an undefined value stored to a device buffer is observable: report it */
+    for (int k = 0; k < bm.nb && !L->fault; k++) {
+      const unsigned char *sh = shr[SH_BUFFERS].sh + (bm.lo[k] - region);
+      for (size_t off = 0; off < (size_t)(bm.hi[k] - bm.lo[k]); off++)
+        if (sh[off]) {
+          int i = bm.idx[k];
+          int c = snprintf(L->fault_msg, sizeof L->fault_msg, "kernel '%s': buffer(%d) byte offset %zu holds an "
+                           "undefined value the kernel stored; ", L->kernel_name, i,
+                           off - (size_t)L->buf_offset[i]);
+          snprintf(L->fault_msg + c, sizeof L->fault_msg - c, "%s", poison_msg);
+          L->fault = 1;
+          break;
+        }
+    }
+  }
+  shadow_unmap(SH_BUFFERS);
   if (instr) {
     for (int k = 0; k < bm.nb; k++) {
       int i = bm.idx[k];

@@ -69,8 +69,44 @@ template <class T> MSIM_INLINE T *__msim_av(const volatile atomic<T> *o) { retur
   MSIM_ATOMIC_RMW(T, min, __atomic_fetch_min)
 MSIM_ATOMIC_INT(int)
 MSIM_ATOMIC_INT(uint)
-MSIM_ATOMIC_INT(long)
-MSIM_ATOMIC_INT(ulong)
+
+// 64-bit atomics: MSL (2.4 and later, on Apple8/Apple9-class GPUs) has only atomic_fetch_min /
+// atomic_fetch_max on atomic_ulong / atomic_long in device memory; every other operation, and
+// any in threadgroup memory, is rejected like Apple's compiler rejects it (strictness).
+template <class> inline constexpr bool __msim_false_v = false;
+#define MSIM_ATOMIC64_MSG                                                                          \
+  "metalsim strictness (Apple's compiler rejects this): 64-bit atomics support only "              \
+  "atomic_fetch_min_explicit / atomic_fetch_max_explicit, on device memory"
+#define MSIM_ATOMIC64_MINMAX(T, name, builtin)                                                     \
+  MSIM_INLINE T atomic_fetch_##name##_explicit(volatile device atomic<T> *o, T v, memory_order) {  \
+    MSIM_ATOMIC_HOOK(__msim_av(o), 1);                                                             \
+    return builtin(__msim_av(o), v, __ATOMIC_RELAXED);                                             \
+  }                                                                                                \
+  template <class D = void>                                                                        \
+  MSIM_INLINE T atomic_fetch_##name##_explicit(volatile threadgroup atomic<T> *, T v, memory_order) { \
+    static_assert(__msim_false_v<D>, MSIM_ATOMIC64_MSG);                                              \
+    return v;                                                                                      \
+  }
+#define MSIM_ATOMIC64_REJECT(T, fn)                                                                \
+  template <class D = void, class... A> MSIM_INLINE T fn(const volatile atomic<T> *, A...) {       \
+    static_assert(__msim_false_v<D>, MSIM_ATOMIC64_MSG);                                              \
+    return T();                                                                                    \
+  }
+#define MSIM_ATOMIC64(T)                                                                           \
+  MSIM_ATOMIC64_MINMAX(T, max, __atomic_fetch_max)                                                 \
+  MSIM_ATOMIC64_MINMAX(T, min, __atomic_fetch_min)                                                 \
+  MSIM_ATOMIC64_REJECT(T, atomic_store_explicit)                                                   \
+  MSIM_ATOMIC64_REJECT(T, atomic_load_explicit)                                                    \
+  MSIM_ATOMIC64_REJECT(T, atomic_exchange_explicit)                                                \
+  MSIM_ATOMIC64_REJECT(T, atomic_compare_exchange_weak_explicit)                                   \
+  MSIM_ATOMIC64_REJECT(T, atomic_compare_exchange_strong_explicit)                                 \
+  MSIM_ATOMIC64_REJECT(T, atomic_fetch_add_explicit)                                               \
+  MSIM_ATOMIC64_REJECT(T, atomic_fetch_sub_explicit)                                               \
+  MSIM_ATOMIC64_REJECT(T, atomic_fetch_and_explicit)                                               \
+  MSIM_ATOMIC64_REJECT(T, atomic_fetch_or_explicit)                                                \
+  MSIM_ATOMIC64_REJECT(T, atomic_fetch_xor_explicit)
+MSIM_ATOMIC64(long)
+MSIM_ATOMIC64(ulong)
 MSIM_ATOMIC_FUNCS(bool)
 MSIM_ATOMIC_FUNCS(float)
 

@@ -63,15 +63,29 @@ MSIM_INLINE void __msim_invoke(R (*f)(A...), const msim_launch *L, const msim_th
 
 #define MSIM_ENTRY extern "C" __attribute__((visibility("default"), flatten))
 
-// function constants: `constant T name [[function_constant(i)]];` becomes a __msim_fc<T, i>
+// Function constants are specialised as Metal does when it builds a pipeline: a build for a
+// set of constant values defines __msim_fcv<I> for each value given (see _build.specialisation),
+// so a constant reads as a compile-time value the optimizer folds, and code under a false
+// constant is dead. As in MSL, a constant is not a C++ constant expression (no array sizes or
+// template arguments): the conversion is an inline function, not constexpr.
+template <int N> struct __msim_fcbytes { unsigned char b[N]; };
+template <int I> struct __msim_fcv { static constexpr int size = 0; };  // not given
+// `constant T name [[function_constant(i)]];` becomes a __msim_fc<T, i>
 template <class T, int I> struct __msim_fc {
   MSIM_INLINE operator T() const {
-    const void *p = msim_fc(I);
-    return p ? *(const T *)p : T();
+    if constexpr (__msim_fcv<I>::size == 0) {
+      msim_fault_fc_unset(I);
+      return T();
+    } else {
+      static_assert(__msim_fcv<I>::size == sizeof(T), "metalsim: function constant value of the wrong size");
+      return __builtin_bit_cast(T, __msim_fcv<I>::bytes);
+    }
   }
   MSIM_INLINE T __get() const { return (T) * this; }
 };
-template <class T, int I> MSIM_INLINE bool is_function_constant_defined(const __msim_fc<T, I> &) { return msim_fc(I) != nullptr; }
+template <class T, int I> MSIM_INLINE bool is_function_constant_defined(const __msim_fc<T, I> &) {
+  return __msim_fcv<I>::size != 0;
+}
 
 // `threadgroup T name[N];` in a kernel body becomes a reference into the group's arena
 template <class A> MSIM_INLINE threadgroup A &__msim_tg(int id, const char *name) {

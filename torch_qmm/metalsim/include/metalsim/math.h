@@ -1,11 +1,18 @@
 // metal:: math, common, integer, relational and geometric functions, plus the
 // precise:: and fast:: namespaces (both map to the same correctly rounded code here).
-// half and bfloat functions evaluate in float and round once, like Metal's precise forms.
+// half functions evaluate in float and round once, like Metal's precise forms.
+// Metal's library has float and half overloads only: a bfloat argument converts to float
+// and the result is a float (so `bfloat y = exp(x);` is an implicit float -> bfloat
+// conversion, which Metal rejects). The bfloat overloads here are templates that model this:
+// they return float, and a user's own non-template bfloat overload (as MLX's bf16_math.h
+// defines in namespace metal) is preferred over them instead of colliding.
 #pragma once
 
 namespace metal {
 
-#define MSIM_FLOATS(X) X(float) X(half) X(bfloat)
+#define MSIM_FLOATS(X) X(float) X(half)
+// template parameter list of the bfloat overloads
+#define MSIM_BF template <class T, std::enable_if_t<std::is_same<T, bfloat>::value, int> = 0>
 #define MSIM_INTS(X) X(char) X(signed char) X(uchar) X(short) X(ushort) X(int) X(uint) X(long) X(ulong) X(long long) X(unsigned long long)
 #define MSIM_ALL(X) MSIM_FLOATS(X) MSIM_INTS(X)
 
@@ -13,13 +20,13 @@ namespace metal {
 #define MSIM_VEC1(name)                                                                   \
   template <class T, int N> MSIM_INLINE vec<T, N> name(vec<T, N> x) {                     \
     vec<T, N> r;                                                                          \
-    for (int i = 0; i < N; i++) r[i] = name(static_cast<T>(x[i]));                        \
+    for (int i = 0; i < N; i++) r[i] = static_cast<T>(name(static_cast<T>(x[i])));           \
     return r;                                                                             \
   }
 #define MSIM_VEC2(name)                                                                   \
   template <class T, int N> MSIM_INLINE vec<T, N> name(vec<T, N> x, vec<T, N> y) {        \
     vec<T, N> r;                                                                          \
-    for (int i = 0; i < N; i++) r[i] = name(static_cast<T>(x[i]), static_cast<T>(y[i]));  \
+    for (int i = 0; i < N; i++) r[i] = static_cast<T>(name(static_cast<T>(x[i]), static_cast<T>(y[i]))); \
     return r;                                                                             \
   }                                                                                       \
   template <class T, int N> MSIM_INLINE vec<T, N> name(vec<T, N> x, T y) {                \
@@ -29,7 +36,7 @@ namespace metal {
   template <class T, int N> MSIM_INLINE vec<T, N> name(vec<T, N> x, vec<T, N> y, vec<T, N> z) {   \
     vec<T, N> r;                                                                                  \
     for (int i = 0; i < N; i++)                                                                   \
-      r[i] = name(static_cast<T>(x[i]), static_cast<T>(y[i]), static_cast<T>(z[i]));             \
+      r[i] = static_cast<T>(name(static_cast<T>(x[i]), static_cast<T>(y[i]), static_cast<T>(z[i]))); \
     return r;                                                                                     \
   }                                                                                               \
   template <class T, int N> MSIM_INLINE vec<T, N> name(vec<T, N> x, T y, T z) {                   \
@@ -43,12 +50,12 @@ namespace metal {
 #define MSIM_F1(name, fn)                                                        \
   MSIM_INLINE float name(float x) { return fn(x); }                             \
   MSIM_INLINE half name(half x) { return (half)fn((float)x); }                  \
-  MSIM_INLINE bfloat name(bfloat x) { return (bfloat)fn((float)x); }            \
+  MSIM_BF MSIM_INLINE float name(T x) { return fn((float)x); }                   \
   MSIM_VEC1(name)
 #define MSIM_F2(name, fn)                                                                  \
   MSIM_INLINE float name(float x, float y) { return fn(x, y); }                           \
   MSIM_INLINE half name(half x, half y) { return (half)fn((float)x, (float)y); }          \
-  MSIM_INLINE bfloat name(bfloat x, bfloat y) { return (bfloat)fn((float)x, (float)y); }  \
+  MSIM_BF MSIM_INLINE float name(T x, T y) { return fn((float)x, (float)y); }            \
   MSIM_VEC2(name)
 
 MSIM_INLINE float __rsqrtf(float x) { return 1.0f / __builtin_sqrtf(x); }
@@ -71,7 +78,6 @@ MSIM_F1(log2, __builtin_log2f)
 MSIM_F1(log10, __builtin_log10f)
 MSIM_F1(sqrt, __builtin_sqrtf)
 MSIM_F1(rsqrt, __rsqrtf)
-MSIM_F1(cbrt, __builtin_cbrtf)
 MSIM_F1(sin, __builtin_sinf)
 MSIM_F1(cos, __builtin_cosf)
 MSIM_F1(tan, __builtin_tanf)
@@ -87,8 +93,6 @@ MSIM_F1(atanh, __builtin_atanhf)
 MSIM_F1(sinpi, __sinpif)
 MSIM_F1(cospi, __cospif)
 MSIM_F1(tanpi, __tanpif)
-MSIM_F1(erf, __builtin_erff)
-MSIM_F1(erfc, __builtin_erfcf)
 MSIM_F1(floor, __builtin_floorf)
 MSIM_F1(ceil, __builtin_ceilf)
 MSIM_F1(trunc, __builtin_truncf)
@@ -98,8 +102,6 @@ MSIM_F1(fract, __fractf)
 MSIM_F1(fabs, __builtin_fabsf)
 MSIM_F1(saturate, __saturatef)
 MSIM_F1(sign, __signf)
-MSIM_F1(log1p, __builtin_log1pf)
-MSIM_F1(expm1, __builtin_expm1f)
 MSIM_F2(pow, __builtin_powf)
 MSIM_F2(powr, __powrf)
 MSIM_F2(atan2, __builtin_atan2f)
@@ -114,17 +116,19 @@ MSIM_F2(nextafter, __builtin_nextafterf)
 
 MSIM_INLINE float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 MSIM_INLINE half fma(half a, half b, half c) { return (half)__builtin_fmaf((float)a, (float)b, (float)c); }
-MSIM_INLINE bfloat fma(bfloat a, bfloat b, bfloat c) { return (bfloat)__builtin_fmaf((float)a, (float)b, (float)c); }
+MSIM_BF MSIM_INLINE float fma(T a, T b, T c) { return __builtin_fmaf((float)a, (float)b, (float)c); }
 MSIM_VEC3(fma)
 MSIM_INLINE float mad(float a, float b, float c) { return a * b + c; }
 MSIM_INLINE half mad(half a, half b, half c) { return a * b + c; }
 MSIM_VEC3(mad)
 MSIM_INLINE float ldexp(float x, int e) { return __builtin_ldexpf(x, e); }
 MSIM_INLINE half ldexp(half x, int e) { return (half)__builtin_ldexpf((float)x, e); }
+MSIM_BF MSIM_INLINE float ldexp(T x, int e) { return __builtin_ldexpf((float)x, e); }
 
 // abs / min / max / clamp for every scalar type
 #define MSIM_ABS(T) MSIM_INLINE T abs(T x) { return x < (T)0 ? (T)-x : x; }
 MSIM_FLOATS(MSIM_ABS)
+MSIM_BF MSIM_INLINE float abs(T x) { return __builtin_fabsf((float)x); }
 MSIM_ABS(char) MSIM_ABS(signed char) MSIM_ABS(short) MSIM_ABS(int) MSIM_ABS(long) MSIM_ABS(long long)
 #define MSIM_UABS(T) MSIM_INLINE T abs(T x) { return x; }
 MSIM_UABS(uchar) MSIM_UABS(ushort) MSIM_UABS(uint) MSIM_UABS(ulong) MSIM_UABS(unsigned long long)
@@ -144,6 +148,28 @@ MSIM_VEC1(abs)
   MSIM_INLINE T max3(T a, T b, T c) { return max(max(a, b), c); }                    \
   MSIM_INLINE T median3(T a, T b, T c) { return max(min(a, b), min(max(a, b), c)); }
 MSIM_ALL(MSIM_MINMAX)
+MSIM_BF MSIM_INLINE float min(T a, T b) { return min((float)a, (float)b); }
+MSIM_BF MSIM_INLINE float max(T a, T b) { return max((float)a, (float)b); }
+MSIM_BF MSIM_INLINE float clamp(T x, T lo, T hi) { return clamp((float)x, (float)lo, (float)hi); }
+MSIM_BF MSIM_INLINE float min3(T a, T b, T c) { return min3((float)a, (float)b, (float)c); }
+MSIM_BF MSIM_INLINE float max3(T a, T b, T c) { return max3((float)a, (float)b, (float)c); }
+MSIM_BF MSIM_INLINE float median3(T a, T b, T c) { return median3((float)a, (float)b, (float)c); }
+#define MSIM_F3(name, fn)                                                                \
+  MSIM_INLINE float name(float a, float b, float c) { return fn(a, b, c); }             \
+  MSIM_INLINE half name(half a, half b, half c) { return (half)fn((float)a, (float)b, (float)c); } \
+  MSIM_BF MSIM_INLINE float name(T a, T b, T c) { return fn((float)a, (float)b, (float)c); } \
+  MSIM_VEC3(name)
+MSIM_INLINE float __fmax3f(float a, float b, float c) { return __builtin_fmaxf(__builtin_fmaxf(a, b), c); }
+MSIM_INLINE float __fmin3f(float a, float b, float c) { return __builtin_fminf(__builtin_fminf(a, b), c); }
+MSIM_INLINE float __fmedian3f(float a, float b, float c) {
+  return __builtin_fmaxf(__builtin_fminf(a, b), __builtin_fminf(__builtin_fmaxf(a, b), c));
+}
+MSIM_F3(fmax3, __fmax3f)
+MSIM_F3(fmin3, __fmin3f)
+MSIM_F3(fmedian3, __fmedian3f)
+MSIM_INLINE float frexp(float x, thread int &e) { return __builtin_frexpf(x, &e); }
+MSIM_INLINE half frexp(half x, thread int &e) { return (half)__builtin_frexpf((float)x, &e); }
+MSIM_BF MSIM_INLINE float frexp(T x, thread int &e) { return __builtin_frexpf((float)x, &e); }
 MSIM_VEC2(min)
 MSIM_VEC2(max)
 MSIM_VEC3(clamp)
@@ -151,6 +177,7 @@ MSIM_VEC3(clamp)
 // mix, smoothstep
 #define MSIM_MIX(T) MSIM_INLINE T mix(T x, T y, T a) { return x + (y - x) * a; }
 MSIM_FLOATS(MSIM_MIX)
+MSIM_BF MSIM_INLINE float mix(T x, T y, T a) { return mix((float)x, (float)y, (float)a); }
 MSIM_VEC3(mix)
 #define MSIM_SMOOTH(T)                                                                   \
   MSIM_INLINE T smoothstep(T e0, T e1, T x) {                                            \
@@ -168,6 +195,10 @@ MSIM_VEC3(smoothstep)
   MSIM_INLINE bool isnormal(T x) { return __builtin_isnormal(x); }                     \
   MSIM_INLINE bool signbit(T x) { return __builtin_signbit((float)x); }
 MSIM_FLOATS(MSIM_REL)
+MSIM_BF MSIM_INLINE bool isnan(T x) { return x != x; }
+MSIM_BF MSIM_INLINE bool isinf(T x) { return __builtin_isinf((float)x); }
+MSIM_BF MSIM_INLINE bool isfinite(T x) { return __builtin_isfinite((float)x); }
+MSIM_BF MSIM_INLINE bool signbit(T x) { return __builtin_signbit((float)x); }
 #define MSIM_RELV(name)                                                        \
   template <class T, int N> MSIM_INLINE vec<bool, N> name(vec<T, N> x) {      \
     vec<bool, N> r;                                                           \
@@ -253,6 +284,16 @@ template <class T> MSIM_INLINE T rotate(T v, T i) {
   return s ? (T)(((U)v << s) | ((U)v >> (sizeof(T) * 8 - s))) : v;
 }
 
-namespace precise { using namespace ::metal; }
-namespace fast { using namespace ::metal; }
+// precise:: and fast:: declare the math functions themselves (using-declarations), so that a
+// user's overload added to one of them (MLX's bfloat ones) joins the set instead of hiding it
+#define MSIM_MATH_NAMES(X)                                                                         \
+  X(exp) X(exp2) X(exp10) X(log) X(log2) X(log10) X(sqrt) X(rsqrt) X(sin) X(cos) X(tan) X(asin)    \
+  X(acos) X(atan) X(sinh) X(cosh) X(tanh) X(asinh) X(acosh) X(atanh) X(sinpi) X(cospi) X(tanpi)    \
+  X(floor) X(ceil) X(trunc) X(round) X(rint) X(fract) X(fabs) X(saturate) X(sign) X(pow) X(powr)   \
+  X(atan2) X(fmod) X(fmin) X(fmax) X(copysign) X(divide) X(step) X(fdim) X(nextafter) X(fma)       \
+  X(ldexp) X(frexp) X(fmax3) X(fmin3) X(fmedian3) X(abs) X(min) X(max) X(clamp) X(mix)             \
+  X(smoothstep) X(isnan) X(isinf) X(isfinite) X(signbit) X(dot) X(length) X(distance) X(normalize)
+#define MSIM_USING(name) using ::metal::name;
+namespace precise { MSIM_MATH_NAMES(MSIM_USING) }
+namespace fast { MSIM_MATH_NAMES(MSIM_USING) }
 }  // namespace metal

@@ -10,7 +10,6 @@ extern "C" {
 
 #define MSIM_MAX_BUFFERS 32
 #define MSIM_MAX_TG_ARGS 32
-#define MSIM_MAX_FC 64
 #define MSIM_SIMD_WIDTH 32
 
 struct msim_launch;
@@ -44,7 +43,7 @@ typedef struct msim_launch {
   uint64_t buf_size[MSIM_MAX_BUFFERS];   /* caller's allocation size */
   uint64_t buf_offset[MSIM_MAX_BUFFERS];
   uint64_t tg_arg_size[MSIM_MAX_TG_ARGS];
-  const void *fc[MSIM_MAX_FC];           /* function constant values (NULL: undefined) */
+  uint32_t unbound;                      /* bit i: buffer index i is declared but not bound */
   uint32_t groups[3];                    /* threadgroups per grid */
   uint32_t tptg[3];                      /* threads per threadgroup */
   uint32_t threads[3];                   /* threads per grid (dispatch_threads) */
@@ -72,8 +71,10 @@ enum { MSIM_C_SIMD = 0, MSIM_C_SHUFFLE = 1, MSIM_C_MATRIX = 2, MSIM_C_BARRIER = 
 MSIM_CONVERGENT void msim_barrier(int flags);
 MSIM_CONVERGENT void msim_collective(int kind, const char *what, const void *in, void *out, msim_combine_fn fn);
 void *msim_tg_var(int id, size_t size, size_t align, const char *name);
-const void *msim_fc(int index);
-void msim_fault_shuffle(const char *what, uint32_t lane, uint32_t src_lane);
+void msim_fault_fc_unset(int index);
+/* the result `out` (n bytes) of a shuffle by `lane` read inactive lane `src_lane`: in checked
+ * mode it becomes undefined (poisoned), and a fault is reported where it is used */
+void msim_poison_shuffle(void *out, size_t n, const char *what, uint32_t lane, uint32_t src_lane);
 void msim_access(const void *p, size_t n, int is_store, int is_atomic);
 const msim_thread *msim_current(void);
 

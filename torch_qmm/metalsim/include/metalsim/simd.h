@@ -42,9 +42,21 @@ struct __msim_add { template <class T> static MSIM_INLINE T f(T a, T b) { return
 struct __msim_mul { template <class T> static MSIM_INLINE T f(T a, T b) { return a * b; } static constexpr int id = 1; };
 struct __msim_min { template <class T> static MSIM_INLINE T f(T a, T b) { return min(a, b); } };
 struct __msim_max { template <class T> static MSIM_INLINE T f(T a, T b) { return max(a, b); } };
-struct __msim_and { template <class T> static MSIM_INLINE T f(T a, T b) { return a & b; } };
-struct __msim_or { template <class T> static MSIM_INLINE T f(T a, T b) { return a | b; } };
-struct __msim_xor { template <class T> static MSIM_INLINE T f(T a, T b) { return a ^ b; } };
+// bitwise reductions of floating-point values combine their bit patterns
+template <class T> struct __msim_bits_of { using type = T; };
+template <> struct __msim_bits_of<float> { using type = uint32_t; };
+template <> struct __msim_bits_of<half> { using type = uint16_t; };
+template <> struct __msim_bits_of<bfloat> { using type = uint16_t; };
+#define MSIM_BITOP(name, op)                                                        \
+  struct name {                                                                     \
+    template <class T> static MSIM_INLINE T f(T a, T b) {                           \
+      using U = typename __msim_bits_of<T>::type;                                   \
+      return as_type<T>((U)(as_type<U>(a) op as_type<U>(b)));                       \
+    }                                                                               \
+  };
+MSIM_BITOP(__msim_and, &)
+MSIM_BITOP(__msim_or, |)
+MSIM_BITOP(__msim_xor, ^)
 
 // GROUP = 32 (SIMD-group) or 4 (quad-group)
 template <class T, class Op, int GROUP>
@@ -130,18 +142,19 @@ void __msim_shuffle(uint32_t mask, const void *const *ins, void *const *outs) {
     }
     if (src == -1) { *(T *)outs[l] = me->v; continue; }  // not shifted in: keep own value
     if (src < 0 || !(mask >> src & 1u)) {
-      msim_fault_shuffle(MODE == __MSIM_IDX ? (GROUP == 4 ? "quad_shuffle/quad_broadcast" : "simd_shuffle/simd_broadcast")
-                         : MODE == __MSIM_XOR ? "simd_shuffle_xor" : MODE == __MSIM_UP ? "simd_shuffle_up"
-                         : MODE == __MSIM_DOWN ? "simd_shuffle_down" : "simd_shuffle_rotate",
-                         (uint32_t)l, (uint32_t)(src < 0 ? a : src));
       *(T *)outs[l] = me->v;
+      msim_poison_shuffle(outs[l], sizeof(T),
+                          MODE == __MSIM_IDX ? (GROUP == 4 ? "quad_shuffle/quad_broadcast" : "simd_shuffle/simd_broadcast")
+                          : MODE == __MSIM_XOR ? "simd_shuffle_xor" : MODE == __MSIM_UP ? "simd_shuffle_up"
+                          : MODE == __MSIM_DOWN ? "simd_shuffle_down" : "simd_shuffle_rotate",
+                          (uint32_t)l, (uint32_t)(src < 0 ? a : src));
       continue;
     }
     *(T *)outs[l] = ((const __msim_dep<T> *)ins[src])->v;
   }
 }
 #define MSIM_SHUFFLE(name, MODE, G)                                                 \
-  template <class T> MSIM_COLL T name(T x, uint a) {                                \
+  template <class T> MSIM_COLL T name(T x, ushort a) {                              \
     __msim_dep<T> d{x, a};                                                          \
     T out;                                                                          \
     msim_collective(MSIM_C_SHUFFLE, #name, &d, &out, &__msim_shuffle<T, MODE, G>);  \
@@ -161,6 +174,51 @@ MSIM_SHUFFLE(quad_shuffle_down, __MSIM_DOWN, 4)
 MSIM_SHUFFLE(quad_shuffle_xor, __MSIM_XOR, 4)
 MSIM_SHUFFLE(quad_shuffle_rotate_up, __MSIM_ROT_UP, 4)
 MSIM_SHUFFLE(quad_shuffle_rotate_down, __MSIM_ROT_DOWN, 4)
+// simd_shuffle_and_fill_{up,down}: within each group of `modulo` lanes, lane r reads data from
+// lane r -/+ delta of its group, or filling_data from the lane that index wraps to (MSL).
+template <class T> struct __msim_fill {
+  T data, fill;
+  uint32_t delta, modulo;
+};
+template <class T, bool UP>
+void __msim_shuffle_fill(uint32_t mask, const void *const *ins, void *const *outs) {
+  for (int l = 0; l < 32; l++) {
+    if (!(mask >> l & 1u)) continue;
+    const __msim_fill<T> *me = (const __msim_fill<T> *)ins[l];
+    int m = (int)me->modulo, d = (int)me->delta;
+    if (m < 1 || m > 32) m = 32;
+    int g = l - l % m, r = l % m;
+    int s = UP ? r - d : r + d;
+    bool fill = UP ? s < 0 : s >= m;
+    int src = g + (fill ? (UP ? s + m : s - m) : s);
+    if (src < g || src >= g + m || !(mask >> src & 1u)) {
+      *(T *)outs[l] = me->data;
+      msim_poison_shuffle(outs[l], sizeof(T), UP ? "simd_shuffle_and_fill_up" : "simd_shuffle_and_fill_down",
+                          (uint32_t)l, (uint32_t)src);
+      continue;
+    }
+    const __msim_fill<T> *o = (const __msim_fill<T> *)ins[src];
+    *(T *)outs[l] = fill ? o->fill : o->data;
+  }
+}
+template <class T> MSIM_COLL T simd_shuffle_and_fill_down(T data, T filling_data, ushort delta, ushort modulo) {
+  __msim_fill<T> d{data, filling_data, delta, modulo};
+  T out;
+  msim_collective(MSIM_C_SHUFFLE, "simd_shuffle_and_fill_down", &d, &out, &__msim_shuffle_fill<T, false>);
+  return out;
+}
+template <class T> MSIM_COLL T simd_shuffle_and_fill_down(T data, T filling_data, ushort delta) {
+  return simd_shuffle_and_fill_down(data, filling_data, delta, (ushort)32);
+}
+template <class T> MSIM_COLL T simd_shuffle_and_fill_up(T data, T filling_data, ushort delta, ushort modulo) {
+  __msim_fill<T> d{data, filling_data, delta, modulo};
+  T out;
+  msim_collective(MSIM_C_SHUFFLE, "simd_shuffle_and_fill_up", &d, &out, &__msim_shuffle_fill<T, true>);
+  return out;
+}
+template <class T> MSIM_COLL T simd_shuffle_and_fill_up(T data, T filling_data, ushort delta) {
+  return simd_shuffle_and_fill_up(data, filling_data, delta, (ushort)32);
+}
 template <class T> MSIM_COLL T simd_broadcast_first(T x) {
   __msim_dep<T> d{x, 0};
   T out;

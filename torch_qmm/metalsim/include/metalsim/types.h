@@ -29,6 +29,19 @@ MSIM_VEC_TYPES(half)
 MSIM_VEC_TYPES(float)
 MSIM_VEC_TYPES(bfloat)
 
+// ---- matrices: C columns of R-element vectors (MSL's floatCxR / halfCxR) ----
+template <class T, int C, int R> struct matrix {
+  vec<T, R> columns[C];
+  MSIM_INLINE vec<T, R> &operator[](int i) { return columns[i]; }
+  MSIM_INLINE const vec<T, R> &operator[](int i) const { return columns[i]; }
+};
+#define MSIM_MATRIX_TYPES(T)                                                                   \
+  typedef matrix<T, 2, 2> T##2x2; typedef matrix<T, 2, 3> T##2x3; typedef matrix<T, 2, 4> T##2x4; \
+  typedef matrix<T, 3, 2> T##3x2; typedef matrix<T, 3, 3> T##3x3; typedef matrix<T, 3, 4> T##3x4; \
+  typedef matrix<T, 4, 2> T##4x2; typedef matrix<T, 4, 3> T##4x3; typedef matrix<T, 4, 4> T##4x4;
+MSIM_MATRIX_TYPES(float)
+MSIM_MATRIX_TYPES(half)
+
 // ---- element info for scalars, vectors and packed types ----
 template <class T> struct __msim_vinfo { using elem = T; static constexpr int n = 1; static constexpr bool is_vec = false; };
 template <class T, int N> struct __msim_vinfo<vec<T, N>> { using elem = T; static constexpr int n = N; static constexpr bool is_vec = true; };
@@ -63,20 +76,29 @@ static_assert(sizeof(packed_float3) == 12 && alignof(packed_float4) == 4, "packe
 // ---- value conversions: Metal's float4(h4), float4(a, b, c, d), float4(v.xy, 0, 1) ----
 // Staging rewrites T(...), (T)x and static_cast<T>(x) for vector types T into __msim_make<T>(...)
 // because a clang C-style vector cast is a bitcast while Metal's converts values.
-template <class E, class A> MSIM_INLINE void __msim_put(E *dst, int &k, const A &a) {
+// Arguments are taken by value: a device/threadgroup lvalue (`float4(p[i])`) is loaded first.
+// half <-> bfloat goes through float (exact), which clang's own cast does not allow.
+template <class E, class A> MSIM_INLINE E __msim_cvt(A a) {
+  if constexpr ((std::is_same<E, bfloat>::value && std::is_same<A, half>::value) ||
+                (std::is_same<E, half>::value && std::is_same<A, bfloat>::value))
+    return static_cast<E>(static_cast<float>(a));
+  else
+    return static_cast<E>(a);
+}
+template <class E, class A> MSIM_INLINE void __msim_put(E *dst, int &k, A a) {
   using I = __msim_vinfo<A>;
   if constexpr (I::is_vec) {
-    for (int j = 0; j < I::n; j++) dst[k++] = static_cast<E>(a[j]);
+    for (int j = 0; j < I::n; j++) dst[k++] = __msim_cvt<E>(a[j]);
   } else {
-    dst[k++] = static_cast<E>(a);
+    dst[k++] = __msim_cvt<E>(a);
   }
 }
-template <class V, class... A> MSIM_INLINE V __msim_make(const A &...a) {
+template <class V, class... A> MSIM_INLINE V __msim_make(A... a) {
   using I = __msim_vinfo<V>;
   using E = typename I::elem;
   if constexpr (!I::is_vec) {
     static_assert(sizeof...(A) == 1, "scalar conversion takes one argument");
-    return static_cast<V>((a, ...));
+    return __msim_cvt<V>((a, ...));
   } else if constexpr (sizeof...(A) == 0) {
     V r{};
     return r;
@@ -121,6 +143,7 @@ using ::half;
 using ::bfloat;
 using ::as_type;
 using ::vec;
+using ::matrix;
 
 // ---- type traits: std's, with half and bfloat added where std lacks them ----
 using std::integral_constant;
@@ -157,7 +180,6 @@ using std::make_signed_t;
 using std::is_class;
 using std::is_void;
 using std::is_const;
-using std::is_empty;
 using std::declval;
 using std::is_trivially_copyable;
 template <class T, class U> inline constexpr bool is_same_v = std::is_same<T, U>::value;
@@ -178,8 +200,12 @@ template <class T> struct vec_elements : integral_constant<int, __msim_vinfo<T>:
 template <class T> inline constexpr int vec_elements_v = vec_elements<T>::value;
 template <class T> struct make_scalar { using type = typename __msim_vinfo<T>::elem; };
 template <class T> using make_scalar_t = typename make_scalar<T>::type;
-template <class T> struct remove_address_space { using type = T; };
-template <class T> using remove_address_space_t = T;
+// remove_addrspace: the type with its address space qualifier removed
+template <class T> struct remove_addrspace { using type = T; };
+template <class T> struct remove_addrspace<device T> { using type = T; };
+template <class T> struct remove_addrspace<constant T> { using type = T; };
+template <class T> struct remove_addrspace<threadgroup T> { using type = T; };
+template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type;
 
 // ---- numeric_limits ----
 template <class T> struct numeric_limits : std::numeric_limits<T> {};
@@ -217,4 +243,19 @@ template <class T, size_t N> struct array {
   static constexpr size_t size() { return N; }
 };
 template <class A, class B> struct pair { A first; B second; };
+
+// uniform<T>: a value the same in every thread (a hint to Apple's compiler; a plain value here)
+template <class T> struct uniform {
+  T value;
+  MSIM_INLINE constexpr uniform() = default;
+  MSIM_INLINE constexpr uniform(T v) : value(v) {}
+  MSIM_INLINE constexpr operator T() const { return value; }
+  template <class U> MSIM_INLINE uniform &operator=(U v) { value = static_cast<T>(v); return *this; }
+  template <class U> MSIM_INLINE uniform &operator+=(U v) { value += v; return *this; }
+  template <class U> MSIM_INLINE uniform &operator-=(U v) { value -= v; return *this; }
+  template <class U> MSIM_INLINE uniform &operator*=(U v) { value *= v; return *this; }
+  MSIM_INLINE uniform &operator++() { ++value; return *this; }
+  MSIM_INLINE T operator++(int) { return value++; }
+};
+template <class T> MSIM_INLINE constexpr uniform<T> make_uniform(T v) { return uniform<T>(v); }
 }  // namespace metal

@@ -1,0 +1,170 @@
+"""Real-world MSL that metalsim must accept unmodified (each test one construct that Apple's
+compiler accepts and real kernels, MLX's and llama.cpp's, use)."""
+import numpy as np
+import pytest
+
+SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+
+// user bfloat overloads in namespace metal, as MLX's bf16_math.h adds them
+namespace metal {
+METAL_FUNC bfloat exp(bfloat x) { return static_cast<bfloat>(__metal_exp(static_cast<float>(x), __METAL_MAYBE_FAST_MATH__)); }
+METAL_FUNC bfloat simd_shuffle(bfloat x, ushort lane) { return as_type<bfloat>(simd_shuffle(as_type<ushort>(x), lane)); }
+METAL_FUNC float log1p(float x) { return metal::log(1.0f + x); }  // not an MSL function
+}
+template <typename T> struct is_empty { static constexpr bool value = false; };  // not an MSL name either
+
+struct Acc {
+  float v;
+  Acc() thread : v(1) {}
+  Acc() threadgroup : v(2) {}
+  float get() const thread { return v; }
+  float get() const device { return v + 100; }
+};
+
+METAL_FUNC int second(constant const int s[2]) { return s[1]; }
+METAL_FUNC float take(const constant float& x) { return x; }
+
+// implicit buffer indices: the first free index in order
+kernel void implicit_idx(device float* out, device const float* in, constant float& k,
+                         uint i [[thread_position_in_grid]]) {
+  out[i] = in[i] * k;
+}
+
+kernel void builtins_and_overloads(device float* out [[buffer(0)]], device const half4* h [[buffer(1)]],
+                                   constant int* s [[buffer(2)]], constant float& c [[buffer(3)]],
+                                   uint lane [[thread_index_in_simdgroup]]) {
+  float x = float(lane);
+  out[lane * 12 + 0] = __metal_fabs(-x, __METAL_MAYBE_FAST_MATH__);
+  out[lane * 12 + 1] = __metal_simd_sum(x);
+  out[lane * 12 + 2] = float(exp(bfloat(0.5f)));
+  out[lane * 12 + 3] = float(simd_shuffle(static_cast<bfloat>(x), ushort(31 - lane)));
+  out[lane * 12 + 4] = simd_shuffle_and_fill_down(x, x + 100.0f, ushort(2));
+  out[lane * 12 + 5] = simd_shuffle_and_fill_up(x, x + 100.0f, ushort(3), ushort(8));
+  Acc a;
+  out[lane * 12 + 6] = a.get();
+  out[lane * 12 + 7] = float(second(s));
+  out[lane * 12 + 8] = float4(h[lane % 2]).y;                         // vector from a device lvalue
+  out[lane * 12 + 9] = float(static_cast<bfloat>(half(1.5h)));          // half -> bfloat cast
+  out[lane * 12 + 10] = take(c) + float(is_empty<int>::value) + log1p(0.0f);
+  uniform<float> u = make_uniform(2.0f);
+  out[lane * 12 + 11] = u * 3.0f + float(is_same_v<remove_addrspace_t<device float>, float>);
+}
+
+constant bool has_bias [[function_constant(200)]];
+constant int scale [[function_constant(101)]];
+kernel void optional_bias(device float* y [[buffer(0)]], device const float* bias [[buffer(1), function_constant(has_bias)]],
+                          constant float& b2 [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  y[i] = float(scale) * float(i) + (has_bias ? bias[i] + b2 : 0.0f);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lib(metalsim):
+    return metalsim.compile(SRC)
+
+
+def test_implicit_buffer_indices(lib):  # G1
+    x = np.arange(8, dtype=np.float32)
+    y = np.zeros(8, np.float32)
+    lib.dispatch("implicit_idx", buffers={0: y, 1: x}, bytes={2: np.float32(3)}, threadgroups=1,
+                 threads_per_threadgroup=8)
+    np.testing.assert_array_equal(y, x * 3)
+
+
+def test_builtins_overloads_and_conversions(lib):  # G2-G12, G17
+    out = np.zeros((32, 12), np.float32)
+    h = np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.float16)
+    lane = np.arange(32, dtype=np.float32)
+    lib.dispatch("builtins_and_overloads", buffers={0: out, 1: h, 2: np.array([7, 9], np.int32)},
+                 bytes={3: np.float32(0.25)}, threadgroups=1, threads_per_threadgroup=32)
+    np.testing.assert_array_equal(out[:, 0], lane)                                  # G3
+    assert (out[:, 1] == lane.sum()).all()                                          # G3
+    assert (out[:, 2] == np.float32(1.6484375)).all()  # bfloat(exp(0.5)) = 1.6484375 (8-bit mantissa), G2
+    np.testing.assert_array_equal(out[:, 3], 31 - lane)                             # G7
+    down = np.where(lane + 2 < 32, lane + 2, lane + 2 - 32 + 100)                   # G8: MSL semantics
+    np.testing.assert_array_equal(out[:, 4], down)
+    g, r = lane // 8 * 8, lane % 8
+    up = np.where(r - 3 >= 0, lane - 3, g + (r - 3 + 8) + 100)
+    np.testing.assert_array_equal(out[:, 5], up)
+    assert (out[:, 6] == 1).all()                                                   # G4: thread variant
+    assert (out[:, 7] == 9).all()                                                   # G9
+    np.testing.assert_array_equal(out[:, 8], np.where(lane % 2 == 0, 2, 6))         # G12
+    assert (out[:, 9] == 1.5).all()                                                 # G11
+    assert (out[:, 10] == 0.25).all()                                               # G5, G6, G10
+    assert (out[:, 11] == 7).all()                                                  # G5, G17
+
+
+def test_high_function_constant_indices_and_unbound_optional_buffer(lib, metalsim):  # G14-G16
+    y = np.zeros(8, np.float32)
+    # has_bias false: buffers 1 and 2 unbound; not read, so no fault even in checked mode
+    lib.dispatch("optional_bias", buffers={0: y}, function_constants={"has_bias": False, "scale": 3},
+                 threadgroups=1, threads_per_threadgroup=8, check=True)
+    np.testing.assert_array_equal(y, np.arange(8) * 3)
+    bias = np.ones(8, np.float32)
+    lib.dispatch("optional_bias", buffers={0: y, 1: bias}, bytes={2: np.float32(2)},
+                 function_constants={200: True, 101: 1}, threadgroups=1, threads_per_threadgroup=8)
+    np.testing.assert_array_equal(y, np.arange(8) + 3)
+    # a true constant with the buffer left unbound: checked mode reports it, never crashes
+    with pytest.raises(metalsim.KernelFault, match="not bound"):
+        lib.dispatch("optional_bias", buffers={0: y}, bytes={2: np.float32(2)},
+                     function_constants={200: True, 101: 1}, threadgroups=1, threads_per_threadgroup=8, check=True)
+    # an unset constant that is read: a fault naming it
+    with pytest.raises(metalsim.KernelFault, match="function constant 101"):
+        lib.dispatch("optional_bias", buffers={0: y}, function_constants={200: False},
+                     threadgroups=1, threads_per_threadgroup=8)
+
+
+SPEC_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+struct Params { float alpha; };
+constant bool use_src [[function_constant(100)]];
+constant int offset [[function_constant(7)]];
+constant bool has_offset = is_function_constant_defined(offset);
+kernel void dead_read(device float* y [[buffer(0)]],
+                      const constant Params* p [[buffer(1), function_constant(use_src)]],
+                      uint i [[thread_position_in_grid]]) {
+  // read unconditionally, used only under the constant (MLX's steel GEMM builds its
+  // epilogue from addmm_params this way); dead when use_src is false
+  const float a = p->alpha;
+  y[i] = (use_src ? a * y[i] : float(i)) + (has_offset ? float(offset) : 0.0f);
+}
+"""
+
+
+def test_function_constants_specialise(metalsim):  # G15
+    lib = metalsim.compile(SPEC_SRC)
+    y = np.ones(8, np.float32)
+    # use_src false: the read of the unbound buffer(1) is dead code, as on Metal; no fault
+    lib.dispatch("dead_read", buffers={0: y}, function_constants={"use_src": False},
+                 threadgroups=1, threads_per_threadgroup=8, check=True)
+    np.testing.assert_array_equal(y, np.arange(8))
+    y[:] = 2
+    lib.dispatch("dead_read", buffers={0: y}, bytes={1: np.float32(3)},
+                 function_constants={"use_src": True, "offset": 5}, threadgroups=1, threads_per_threadgroup=8,
+                 check=True)
+    np.testing.assert_array_equal(y, np.full(8, 11))
+    # use_src true and the buffer unbound: the read is live and checked mode reports it
+    with pytest.raises(metalsim.KernelFault, match=r"buffer\(1\), which is not bound"):
+        lib.dispatch("dead_read", buffers={0: y}, function_constants={100: True},
+                     threadgroups=1, threads_per_threadgroup=8, check=True)
+
+
+def test_function_constant_is_not_a_constant_expression(metalsim):  # G15
+    # MSL resolves function constants when the pipeline is built, after the front end: an
+    # array size or template argument needs a constant expression and cannot use one
+    src = """#include <metal_stdlib>
+using namespace metal;
+constant int n [[function_constant(0)]];
+kernel void k(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  float t[n];
+  t[0] = 1.0f;
+  y[i] = t[0];
+}
+"""
+    with pytest.raises(metalsim.CompileError, match="not a constant expression"):
+        metalsim.compile(src).dispatch("k", buffers={0: np.zeros(1, np.float32)}, threadgroups=1,
+                                       function_constants={0: 4})

@@ -1,0 +1,75 @@
+"""Strictness: constructs Apple's Metal compiler rejects are rejected by metalsim too, with a
+message (one test per rule of the README's "Strictness" list)."""
+import pytest
+
+HEAD = "#include <metal_stdlib>\nusing namespace metal;\n"
+
+
+def _body(stmt):
+    return HEAD + f"kernel void k(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {{ {stmt} }}\n"
+
+
+REJECTED = [
+    ("implicit_float_to_bfloat", _body("float f = y[i]; bfloat b = f; y[i] = float(b);"), "to bfloat"),
+    ("implicit_int_to_bfloat", _body("int n = int(i); bfloat b = n; y[i] = float(b);"), "to bfloat"),
+    ("bfloat_returned_from_float_math", _body("bfloat b = bfloat(y[i]); bfloat e = exp(b); y[i] = float(e);"),
+     "to bfloat"),
+    ("goto", _body("if (i) goto done; y[i] = 1; done: ;"), "goto"),
+    ("virtual", HEAD + "struct B { virtual float f() { return 1; } };\n" + _body("y[i] = 0;"), "virtual"),
+    ("new", _body("float* p = new float[4]; y[i] = p[0];"), "dynamic allocation"),
+    ("double", _body("double d = y[i]; y[i] = float(d);"), "double"),
+    ("exceptions", _body("try { y[i] = 1; } catch (...) { }"), "exceptions"),
+    ("throw", _body("if (i) throw 1;"), "exceptions"),
+    ("rtti", HEAD + "struct A { int x; };\n" + _body("A a; y[i] = float(typeid(a) == typeid(a));"), "rtti|typeid"),
+    ("malloc", _body("float* p = (float*)malloc(16); y[i] = p[0];"), "undeclared|malloc"),
+    # recursion: MSL has no recursive calls (found as a cycle of the call graph the kernel reaches)
+    ("recursion_direct", HEAD + "int fact(int n) { return n <= 1 ? 1 : n * fact(n - 1); }\n"
+     + _body("y[i] = float(fact(int(i)));"), r"recursive function calls .*fact\(int\) -> fact\(int\)"),
+    ("recursion_tail", HEAD + "int count(int n, int acc) { return n == 0 ? acc : count(n - 1, acc + 2); }\n"
+     + _body("y[i] = float(count(int(i), 0));"), r"recursive function calls .*count"),
+    ("recursion_mutual", HEAD + "int odd(int n);\n"
+     + "__attribute__((noinline)) int even(int n) { return n == 0 ? 1 : odd(n - 1); }\n"
+     + "__attribute__((noinline)) int odd(int n) { return n == 0 ? 0 : even(n - 1); }\n"
+     + _body("y[i] = float(even(int(i)));"), r"recursive function calls .*(even|odd)\(int\) -> (odd|even)\(int\)"),
+    # a call through a function pointer chosen at run time (not a [[visible]] function)
+    ("function_pointer_call", HEAD + "float twice(float x) { return 2 * x; }\nfloat thrice(float x) { return 3 * x; }\n"
+     + _body("float (*f)(float) = y[i] > 0 ? &twice : &thrice; y[i] = f(y[i]);"), "through a function pointer"),
+    # 64-bit atomics: only fetch_min / fetch_max, on device memory
+    ("atomic64_threadgroup", HEAD + "kernel void k(device ulong* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {\n"
+     "  threadgroup atomic_ulong m;\n  atomic_fetch_max_explicit(&m, ulong(i), memory_order_relaxed);\n  y[i] = 0; }\n",
+     "64-bit atomics"),
+    ("atomic64_add", HEAD + "kernel void k(device atomic_long* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {\n"
+     "  atomic_fetch_add_explicit(y, long(i), memory_order_relaxed); }\n", "64-bit atomics"),
+]
+
+
+@pytest.mark.parametrize("name,src,match", REJECTED, ids=[r[0] for r in REJECTED])
+def test_rejected_with_a_message(metalsim, name, src, match):
+    with pytest.raises(metalsim.CompileError, match=match):
+        metalsim.compile(src)
+
+
+def test_what_metal_allows_stays_allowed(metalsim):
+    # explicit conversions to bfloat, implicit float -> half, `= delete`, bfloat -> float
+    src = HEAD + ("struct NoCopy { NoCopy() = default; NoCopy(const thread NoCopy&) = delete; };\n"
+                  + _body("float f = y[i]; bfloat b = static_cast<bfloat>(f); bfloat c = bfloat(f); "
+                          "half h = f; float g = b; y[i] = g + float(c) + float(h);"))
+    lib = metalsim.compile(src)
+    assert lib.kernels == ["k"]
+
+
+def test_what_metal_allows_stays_allowed_calls_and_atomics(metalsim):
+    # a function pointer as a template argument (resolved at compile time: llama.cpp's and
+    # MLX's kernels use this), non-recursive helpers, 64-bit atomic max on device memory
+    import numpy as np
+    src = HEAD + ("float twice(float x) { return 2 * x; }\n"
+                  "template <float (*F)(float)> float apply(float x) { return F(x); }\n"
+                  "kernel void k(device float* y [[buffer(0)]], device atomic_ulong* m [[buffer(1)]],\n"
+                  "              uint i [[thread_position_in_grid]]) {\n"
+                  "  y[i] = apply<twice>(y[i]);\n"
+                  "  atomic_fetch_max_explicit(m, ulong(i) << 40, memory_order_relaxed);\n}\n")
+    lib = metalsim.compile(src)
+    y, m = np.arange(4, dtype=np.float32), np.zeros(1, np.uint64)
+    lib.dispatch("k", buffers={0: y, 1: m}, threadgroups=1, threads_per_threadgroup=4)
+    np.testing.assert_array_equal(y, np.arange(4) * 2)
+    assert m[0] == 3 << 40

@@ -1,0 +1,227 @@
+"""Strictness: constructs Apple's Metal compiler rejects are rejected here too, with a message.
+
+Two mechanisms, each used where it can tell exactly:
+
+* clang diagnostics (compile flags below; the shim builds with -fno-rtti, so `typeid` and
+  `dynamic_cast` are clang errors; -fno-exceptions does not reject `try`/`throw` in clang's
+  SYCL device mode, so those are keyword rules below): implicit
+  conversions to bfloat arrive as clang's -Wimplicit-float-conversion /
+  -Wimplicit-int-float-conversion warnings, and those whose destination is bfloat in user
+  code become errors (MSL: bfloat converts implicitly only to a type of greater rank).
+  Implicit float -> half stays legal, as in MSL.
+* keywords of C++ that MSL removes (`goto`, `virtual`, `new`, `delete` expressions,
+  `double`, `try`, `catch`, `throw`): checked on the tokens of the preprocessed user source. They are keywords, so a
+  token match is exact (no identifier can be spelled like them).
+
+README.md (section "Strictness") lists the rules; tests/metalsim/test_metalsim_strict.py has
+one test per rule.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from . import _staging
+
+FLAGS = ["-Wimplicit-float-conversion", "-Wimplicit-int-float-conversion"]
+INCLUDE = Path(__file__).resolve().parent / "include"
+
+# clang's text for the conversions that MSL forbids; the destination is the quoted type after "to"
+_BFLOAT_CONV = re.compile(r"implicit conversion (?:loses floating-point precision: |from )'([^']+)'"
+                          r"(?: \(aka '[^']+'\))? to '(bfloat|__bf16|bfloat16_t)'")
+_DIAG = re.compile(r"^(?P<loc>[^\s:][^:]*:\d+:\d+): (?P<kind>warning|error): (?P<msg>.*)$", re.M)
+
+KEYWORD_RULES = {
+    "goto": "goto is not supported by the Metal Shading Language",
+    "virtual": "virtual functions are not supported by the Metal Shading Language",
+    "new": "dynamic allocation (new) is not supported by the Metal Shading Language",
+    "delete": "dynamic allocation (delete) is not supported by the Metal Shading Language",
+    "double": "double is not supported by the Metal Shading Language (use float)",
+    "try": "exceptions (try) are not supported by the Metal Shading Language",
+    "catch": "exceptions (catch) are not supported by the Metal Shading Language",
+    "throw": "exceptions (throw) are not supported by the Metal Shading Language",
+}
+
+
+def run(cmd, what):
+    """Run a clang compile of staged user code; its errors, and warnings that are errors in
+    MSL, raise CompileError (imported lazily to keep one definition in _build)."""
+    from ._build import CompileError
+
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise CompileError(f"{what} failed:\n{r.stderr.strip()}\n(command: {' '.join(cmd)})")
+    bad = []
+    for m in _DIAG.finditer(r.stderr):
+        if m.group("kind") != "warning" or str(INCLUDE) in m.group("loc"):
+            continue
+        c = _BFLOAT_CONV.search(m.group("msg"))
+        if c:
+            bad.append(f"{m.group('loc')}: error: implicit conversion from '{c.group(1)}' to bfloat: "
+                       f"Metal converts to bfloat only explicitly (write static_cast<bfloat>(...))")
+    if bad:
+        raise CompileError(f"{what} failed (metalsim strictness: Apple's compiler rejects this):\n"
+                           + "\n".join(bad) + "\n\nclang's diagnostics:\n" + r.stderr.strip())
+    return r.stdout
+
+
+def check_tokens(pre: str) -> None:
+    """Reject MSL-removed keywords in preprocessed user code (`pre`, with clang's line markers)."""
+    from ._build import CompileError
+
+    toks = _staging.tokenize(pre)
+    bad = []
+    for i, t in enumerate(toks):
+        if t.kind != "id" or t.text not in KEYWORD_RULES:
+            continue
+        prev = toks[i - 1].text if i else ""
+        if t.text in ("new", "delete") and prev == "operator":
+            pass  # `operator new` declarations are allocation too
+        elif t.text == "delete" and prev == "=":
+            continue  # a deleted function, not a delete expression
+        bad.append(f"{_location(pre, t.start)}: error: {KEYWORD_RULES[t.text]}")
+    if bad:
+        raise CompileError("metalsim strictness: Apple's compiler rejects this:\n" + "\n".join(bad[:20]))
+
+
+_LINEMARK = re.compile(r'^#\s*(\d+)\s+"([^"]*)"', re.M)
+
+
+def _location(pre: str, offset: int) -> str:
+    """file:line of a character offset of `clang -E` output, from its line markers."""
+    last = None
+    for m in _LINEMARK.finditer(pre, 0, offset):
+        last = m
+    if last is None:
+        return f"<source>:{pre.count(chr(10), 0, offset) + 1}"
+    line = int(last.group(1)) + pre.count("\n", last.end(), offset) - 1
+    return f"{last.group(2)}:{line}"
+
+
+# ---- rules checked on the optimised LLVM IR of a build (every build: plain and instrumented) ----
+# Builds keep tail calls as calls (-fno-optimize-sibling-calls: LLVM's tail-recursion
+# elimination honours it), so a recursive function stays a cycle of the call graph.
+_DEFINE = re.compile(r"^define\b[^@]*@(\"[^\"]+\"|[-\w.$]+)\(")
+_CALL = re.compile(r"\b(?:call|invoke)\b(?!\s+void\s+asm)(?:[^@%;]|%\w+\s*\*|\([^()]*\))*?([@%](?:\"[^\"]+\"|[-\w.$]+))\(")
+ENTRY_PREFIX = "__msim_entry_"
+
+
+def _demangle(names):
+    try:
+        r = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, timeout=60)
+        out = r.stdout.splitlines()
+        if r.returncode == 0 and len(out) == len(names):
+            return dict(zip(names, out))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {n: n for n in names}
+
+
+def check_ir(ir: str) -> None:
+    """Reject recursion and calls through function pointers in the functions the kernels of a
+    build reach (its optimised IR): MSL has no recursive calls, and calls functions through
+    pointers only when they are [[visible]] functions (visible function tables, which metalsim
+    does not support). A function pointer the optimizer resolves to its target (a template
+    argument, a constant) is a direct call, as it is for Apple's compiler."""
+    from ._build import CompileError
+
+    calls, indirect, cur = {}, {}, None
+    for line in ir.splitlines():
+        m = _DEFINE.match(line)
+        if m:
+            cur = m.group(1).strip('"')
+            calls[cur], indirect[cur] = set(), False
+            continue
+        if cur is None:
+            continue
+        if line.startswith("}"):
+            cur = None
+            continue
+        for c in _CALL.finditer(line):
+            target = c.group(1)
+            if target.startswith("%"):
+                indirect[cur] = True
+            elif not target.startswith("@llvm."):
+                calls[cur].add(target[1:].strip('"'))
+    reach, todo = set(), [f for f in calls if f.startswith(ENTRY_PREFIX)]
+    while todo:
+        f = todo.pop()
+        if f in reach:
+            continue
+        reach.add(f)
+        todo.extend(g for g in calls[f] if g in calls)
+    # the shim calls the kernel function through a pointer when not optimised (-O0)
+    bad_ptr = sorted(f for f in reach if indirect[f] and "__msim_invoke" not in f)
+    cycles = _cycles({f: {g for g in calls[f] if g in reach} for f in reach})
+    if not bad_ptr and not cycles:
+        return
+    names = _demangle(sorted({f for c in cycles for f in c} | set(bad_ptr)))
+    msgs = [f"error: recursive function calls are not supported by the Metal Shading Language: "
+            f"{' -> '.join(names[f] for f in c + [c[0]])}" for c in cycles]
+    msgs += [f"error: a call through a function pointer in {names[f]}: the Metal Shading Language calls "
+             f"functions through pointers only when they are [[visible]] functions (visible function "
+             f"tables), which metalsim does not support" for f in bad_ptr]
+    raise CompileError("metalsim strictness: Apple's compiler rejects this:\n" + "\n".join(msgs[:20]))
+
+
+def _cycles(graph):
+    """One cycle (a list of functions) per strongly connected component of `graph` that has one
+    (Tarjan's algorithm, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1 or v in graph[v]:
+                    out.append(_cycle_in(graph, set(comp), v))
+    return out
+
+
+def _cycle_in(graph, comp, start):
+    """A path start -> ... -> start inside the component `comp` (breadth-first)."""
+    prev, frontier = {}, [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w not in comp:
+                    continue
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(prev[path[-1]])
+                    return path[::-1]
+                if w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return [start]
