@@ -20,15 +20,16 @@ have at most 17 significant bits: exact in float32, rounded in float16/bfloat16.
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf import quants as gguf_quants
-from gguf.constants import GGMLQuantizationType, GGUFValueType
+from gguf.constants import GGMLQuantizationType
 
 from ..nn import QuantLinear
 from .gguf_types import (
@@ -50,10 +51,9 @@ from .gguf_types import (
     supported_list,
     type_name,
 )
+from .gguf_header import GGUFFormatError, read_header
+from .gguf_header import value as metadata_value
 from .modules import GGUFLinear, QuantEmbedding
-
-# magic, version, tensor count, metadata count (GGUF v2+).
-_MIN_HEADER_BYTES = 4 + 4 + 8 + 8
 
 __all__ = ["GGUFFile", "GGUFTensor", "dequantize", "to_affine", "q4_k_to_affine", "to_blocks", "linear_from_gguf"]
 
@@ -63,12 +63,14 @@ Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins,
 @dataclass
 class GGUFTensor:
     """One tensor of a GGUF file. `shape` is in torch order ([N, K] for a matrix: ggml's ne reversed);
-    `raw` is its bytes, uint8 [rows, bytes per row] (a view of the memory-mapped file)."""
+    `raw` is its bytes, uint8 [rows, bytes per row] (a view of the memory-mapped file); `source`
+    the file it came from (named in errors)."""
 
     name: str
     ggml_type: int
     shape: tuple[int, ...]
     raw: np.ndarray
+    source: str = "<memory>"
 
     @property
     def type_name(self) -> str:
@@ -80,69 +82,42 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """A GGUF file with every tensor's type, shape and byte range checked against the file."""
+    """A GGUF file whose header was checked against the file (gguf_header.read_header) before any
+    tensor is touched; tensors are views of the memory-mapped file."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise ValueError(f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-        if size < _MIN_HEADER_BYTES:
-            raise ValueError(f"{self.path}: truncated GGUF file ({size} bytes, shorter than the fixed header)")
-        try:
-            reader = GGUFReader(self.path, "r")
-        except Exception as e:  # the reader raises ValueError, KeyError, struct/numpy errors, ...
-            raise ValueError(f"{self.path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
-        self.reader = reader
+        header = read_header(self.path)
+        self.header = header
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if header.tensors else np.zeros(0, np.uint8)
         self.tensors: dict[str, GGUFTensor] = {}
-        for t in reader.tensors:
-            ggml_type = int(t.tensor_type)
-            if ggml_type not in GGML_TYPES:
-                raise ValueError(f"{self.path}: tensor {t.name!r} has unknown ggml type {ggml_type}")
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            per_block, block_bytes = block_info(ggml_type)
-            numel = int(np.prod(shape)) if shape else 1
-            if shape[-1] % per_block != 0:
-                raise ValueError(
-                    f"{self.path}: tensor {t.name!r} of type {type_name(ggml_type)} has rows of {shape[-1]} values, "
-                    f"not a multiple of its block size {per_block}"
-                )
-            expected = numel // per_block * block_bytes
-            if int(t.n_bytes) != expected or t.data_offset + expected > size:
-                raise ValueError(
-                    f"{self.path}: tensor {t.name!r} ({type_name(ggml_type)}, shape {list(shape)}) needs {expected} "
-                    f"bytes at offset {t.data_offset}, but the file has {size} bytes (truncated or corrupt header)"
-                )
-            raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-            if raw.nbytes != expected:
-                raise ValueError(f"{self.path}: tensor {t.name!r}: read {raw.nbytes} bytes, expected {expected}")
-            rows = numel // shape[-1]
-            self.tensors[t.name] = GGUFTensor(t.name, ggml_type, shape, raw.reshape(rows, -1))
+        for info in header.tensors:
+            shape = tuple(reversed(info.ne))
+            row = shape[-1] if shape else 1
+            per_block, block_bytes = block_info(info.ggml_type)
+            raw = self._map[info.offset:info.offset + info.nbytes]
+            rows = math.prod(shape[:-1])
+            self.tensors[info.name] = GGUFTensor(info.name, info.ggml_type, shape,
+                                                 raw.reshape(rows, row // per_block * block_bytes), str(self.path))
 
     @property
     def metadata(self) -> dict[str, object]:
-        """Key-value metadata as Python values (arrays of strings/numbers as lists)."""
-        out = {}
-        for name, field in self.reader.fields.items():
-            if name.startswith("GGUF.") or not field.types:
-                continue
-            try:
-                out[name] = field.contents()
-            except Exception:  # an unreadable value should not hide the others
-                out[name] = None
-        return out
+        """Key-value metadata as Python values (arrays as lists)."""
+        return {key: self.get_metadata(key) for key in self.header.kv}
 
     def get_metadata(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None or not field.types:
+        entry = self.header.kv.get(key)
+        if entry is None:
             return default
-        return field.contents()
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return metadata_value(buf, entry, self.path)
 
     @property
     def architecture(self) -> str | None:
-        return self.get_metadata("general.architecture")
+        arch = self.get_metadata("general.architecture")
+        if arch is not None and not isinstance(arch, str):
+            raise GGUFFormatError(f"{self.path}: metadata 'general.architecture' must be a string, got {arch!r}")
+        return arch
 
 
 def _require(t: GGUFTensor, allowed: tuple[int, ...], what: str) -> None:
