@@ -235,7 +235,8 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
         elif src in ("float", "F32", "F16", "BF16"):
             how = f"kept {fmt}" if src == "float" else f"kept {src} -> {fmt}"
         else:
-            how = f"decoded {src} -> {fmt} (exact; no affine form, --requantize rest to quantize)"
+            exact = "as gguf decodes it" if m.weight.dtype == torch.float32 else f"rounded to {str(m.weight.dtype)[6:]}"
+            how = f"decoded {src} -> {fmt} ({exact}; no exact affine form: --requantize rest quantizes it)"
         rows.append((name, how))
     return rows
 
@@ -344,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
                     shutil.copyfile(f, out / name)
         rows = _layer_report(model, origin, quantized_now, q4_k_exact)
     _print_report(rows)
+    if any("rounded" in how for _, how in rows):
+        print("  (Q4_K scales/biases rounded to the --dtype: use --dtype float32 for exact Q4_K layers)")
     formats = sorted({how.split(" -> ")[-1] for _, how in rows})
     print(f"wrote {args.dst} ({args.format}): {len(rows)} layers; formats: {'; '.join(formats)}")
     return 0

@@ -123,23 +123,35 @@ class GGUFFile:
 def _require(t: GGUFTensor, allowed: tuple[int, ...], what: str) -> None:
     if t.ggml_type not in allowed:
         raise ValueError(
-            f"tensor {t.name!r} has type {t.type_name}; {what} supports "
+            f"{t.source}: tensor {t.name!r} has type {t.type_name}; {what} supports "
             f"{', '.join(type_name(a) for a in allowed)} (torch_qmm reads: {supported_list()})"
         )
 
 
+def _corrupt_values(t: GGUFTensor, what: str) -> GGUFFormatError:
+    return GGUFFormatError(f"{t.source}: tensor {t.name!r} ({t.type_name}) holds NaN or Inf {what}: the file is "
+                           "corrupt (a model's weights and block scales are finite)")
+
+
 def dequantize(t: GGUFTensor) -> torch.Tensor:
-    """float32 tensor of `t`'s shape, decoded by the gguf package (the reference decoder)."""
+    """float32 tensor of `t`'s shape, decoded by the gguf package (the reference decoder).
+    Raises GGUFFormatError when the decoded values are not all finite (a corrupt file)."""
     _require(t, SUPPORTED_TYPES, "dequantize")
     if t.ggml_type == F32:
         values = t.raw.view(np.float32)
     elif t.ggml_type == F16:
         values = t.raw.view(np.float16).astype(np.float32)
     elif t.ggml_type == BF16:
-        return torch.from_numpy(t.raw.view(np.int16).copy()).view(torch.bfloat16).float().reshape(t.shape)
+        out = torch.from_numpy(t.raw.view(np.int16).copy()).view(torch.bfloat16).float().reshape(t.shape)
+        if not torch.isfinite(out).all():
+            raise _corrupt_values(t, "values")
+        return out
     else:
         values = gguf_quants.dequantize(t.raw, GGMLQuantizationType(t.ggml_type))
-    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(t.shape)  # a writable copy
+    out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(t.shape)  # a writable copy
+    if not torch.isfinite(out).all():
+        raise _corrupt_values(t, "values" if t.ggml_type in FLOAT_TYPES else "block scales")
+    return out
 
 
 def _pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -194,11 +206,14 @@ def to_affine(
     else:  # Q5_1
         bits, d = 5, f16(0)
         codes, bias = nibbles(b[..., 8:24]) | (high_bits(4) << 4), f16(2)
+    if not (np.isfinite(d).all() and np.isfinite(bias).all()):
+        raise _corrupt_values(t, "block scales")
     wq = torch.from_numpy(_pack_bits(codes.reshape(rows, k), bits))
     scales = torch.from_numpy(d).to(dtype)
     biases = torch.from_numpy(bias).to(dtype)
     if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
-        raise ValueError(f"tensor {t.name!r}: its scales/biases overflow {dtype}; convert with dtype=torch.float32")
+        raise ValueError(f"{t.source}: tensor {t.name!r}: its finite scales/biases overflow {dtype}; convert with "
+                         "dtype=torch.float32")
     return wq, scales, biases, bits, 32
 
 
@@ -278,7 +293,14 @@ def q4_k_to_affine(
 def to_blocks(t: GGUFTensor) -> torch.Tensor:
     """The block bytes of a Q4_K / Q6_K matrix as uint8 [N, K/256 * block_bytes] (a copy)."""
     _require(t, NATIVE_TYPES, "gguf_qmm")
-    return torch.from_numpy(np.array(t.raw, copy=True))
+    _, block_bytes = block_info(t.ggml_type)
+    blocks = np.array(t.raw, copy=True)
+    b = blocks.reshape(-1, block_bytes)
+    # float16 super-block scales: Q4_K d, dmin at bytes 0..3; Q6_K d at bytes 208..209.
+    scale_bytes = b[:, 0:4] if t.ggml_type == Q4_K else b[:, 208:210]
+    if not np.isfinite(np.ascontiguousarray(scale_bytes).view("<f2")).all():
+        raise _corrupt_values(t, "block scales")
+    return torch.from_numpy(blocks)
 
 
 def linear_from_gguf(

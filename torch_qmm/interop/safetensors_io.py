@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .json_files import read_json_object
+
 INDEX_NAME = "model.safetensors.index.json"
 
 # safetensors dtype names -> bytes per element (the dtypes a torch checkpoint can hold).
@@ -52,6 +54,8 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: safetensors header JSON is nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
     header.pop("__metadata__", None)
@@ -97,6 +101,14 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
     return header
 
 
+def _check_shard_name(index: Path, tensor: str, file) -> None:
+    """A shard named by an index must be a plain *.safetensors file name: in the index's folder,
+    never a path that leaves it (../x.safetensors, /abs/x.safetensors, sub/x.safetensors)."""
+    if not isinstance(file, str) or not file.endswith(".safetensors") or Path(file).name != file or file in (".", ".."):
+        raise ValueError(f"{index}: 'weight_map' entry {tensor!r} -> {file!r}: a shard must be a *.safetensors file "
+                         "name in the index's own folder")
+
+
 def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -115,10 +127,12 @@ class Checkpoint:
         if path.is_file():
             files = [path]
         elif (path / INDEX_NAME).is_file():
-            index = json.loads((path / INDEX_NAME).read_text())
+            index = read_json_object(path / INDEX_NAME)
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{path / INDEX_NAME}: missing 'weight_map'")
+            for name, file in weight_map.items():
+                _check_shard_name(path / INDEX_NAME, name, file)
             files = sorted({path / f for f in weight_map.values()})
             missing = [str(f) for f in files if not f.is_file()]
             if missing:
