@@ -159,7 +159,7 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
         raise ValueError(f"{f.path}: head dim {head_dim} (from '{arch}.rope.dimension_count' or embedding_length / "
                          "head_count) must be even for rotary embeddings")
     blocks = sorted({int(m.group(1)) for name in f.tensors if (m := re.match(r"^blk\.(\d+)\.", name))})
-    if blocks != list(range(layers)):
+    if len(blocks) != layers or blocks != list(range(layers)):  # (the length first: never build a huge range)
         raise ValueError(f"{f.path}: metadata '{arch}.block_count' = {layers} but the file holds tensors for "
                          f"blocks {_ranges(blocks)}")
     ffn_up = f.tensors.get("blk.0.ffn_up.weight")
