@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
         parsers[name] = sub.add_parser(name, help=help_text, description=getattr(module, "DESCRIPTION", help_text),
-                                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                       formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(parsers[name])
         parsers[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
         modules[name] = module

@@ -27,10 +27,12 @@ class QuantizeSummary:
     bytes_after: int  # qweight + scales + biases (+bias) bytes after
 
     def __str__(self) -> str:
-        ratio = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
+        head = f"{len(self.converted)} linear layers quantized, {len(self.skipped)} skipped"
+        if not self.bytes_after:
+            return head + "; no weights changed"
         return (
-            f"{len(self.converted)} linear layers quantized, {len(self.skipped)} skipped; "
-            f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB ({ratio:.2f}x smaller)"
+            f"{head}; {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB "
+            f"({self.bytes_before / self.bytes_after:.2f}x smaller)"
         )
 
 

@@ -130,4 +130,6 @@ def format_model(r: dict) -> str:
     for m, t in r["by_tokens"].items():
         lines.append(f"  M={m:>4}: float {t['float_ms']:.2f} ms, quantized {t['quantized_ms']:.2f} ms "
                      f"({t['float_ms'] / t['quantized_ms']:.2f}x), relative output error {t['rel_error']:.4f}")
+    lines.append("  (relative output error: ||y_q - y|| / ||y|| of the quantized model's logits y_q against the "
+                 f"same model unquantized in {r['dtype']}, one random token sequence, in float64)")
     return "\n".join(lines)
