@@ -21,7 +21,6 @@ have at most 17 significant bits: exact in float32, rounded in float16/bfloat16.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +88,7 @@ class GGUFFile:
         self.path = Path(path)
         header = read_header(self.path)
         self.header = header
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if header.tensors else np.zeros(0, np.uint8)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")  # the checked file (never empty)
         self.tensors: dict[str, GGUFTensor] = {}
         for info in header.tensors:
             shape = tuple(reversed(info.ne))
@@ -109,8 +108,7 @@ class GGUFFile:
         entry = self.header.kv.get(key)
         if entry is None:
             return default
-        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return metadata_value(buf, entry, self.path)
+        return metadata_value(memoryview(self._map), entry, self.path)
 
     @property
     def architecture(self) -> str | None:
