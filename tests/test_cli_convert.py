@@ -125,6 +125,24 @@ def test_symlinks_in_the_source_are_followed_only_inside_it(hf_folder, tmp_path,
     assert (tmp_path / "out" / "notes.txt").read_text() == '{"tok": 1}'
 
 
+def test_a_hugging_face_cache_snapshot_converts_with_its_links_into_blobs(hf_folder, tmp_path, capsys):
+    """<repo>/snapshots/<rev>/* are links into <repo>/blobs: followed, and copied as files."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for f in hf_folder.iterdir():
+        blob = repo / "blobs" / f"blob-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    assert main(["convert", str(snap), str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    assert (out / "tokenizer.json").read_text() == '{"tok": 1}' and not (out / "tokenizer.json").is_symlink()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # a normal folder, not mkdtemp's private 0700
+
+
 # --- B8: lossless by default, flags only where they apply, a per-layer report ----------------
 
 

@@ -43,6 +43,9 @@ def staged_output(dst: Path) -> Iterator[Path]:
     created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the finished folder private
     try:
         yield tmp
         if dst.exists():
