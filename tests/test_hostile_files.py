@@ -534,11 +534,11 @@ def test_fuzz_hostile_files_end_fast_in_bounded_memory_and_are_refused_cleanly(l
     cases = []
     for name, m in structural_gguf_mutants(llama_gguf).items():
         cases.append({"id": f"gguf structural: {name}", "kind": "gguf", "file": "", "structural": True, **m})
-    for i, m in enumerate(_random_gguf_mutants(llama_gguf, rng, 160)):
+    for i, m in enumerate(_random_gguf_mutants(llama_gguf, rng, 140)):
         cases.append({"id": f"gguf random #{i}", "kind": "gguf", "file": "", "structural": False, **m})
     for name, m in _structural_mlx_mutants(mlx_folder).items():
         cases.append({"id": f"mlx structural: {name}", "kind": "mlx", "structural": True, "patches": [], **m})
-    for i, m in enumerate(_random_mlx_mutants(mlx_folder, rng, 75)):
+    for i, m in enumerate(_random_mlx_mutants(mlx_folder, rng, 66)):
         cases.append({"id": f"mlx random #{i}", "kind": "mlx", "structural": False, "patches": [], **m})
     spec = {"base": {"gguf": str(llama_gguf), "mlx": str(mlx_folder)}, "time_limit": FUZZ_TIME_LIMIT_S,
             "max_converts": FUZZ_MAX_CONVERTS, "cases": cases}
