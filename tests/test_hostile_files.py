@@ -382,6 +382,17 @@ def test_mlx_float_tensor_stored_as_integers_is_refused(mlx_folder, tmp_path):
         load_mlx(_fresh_model(mlx_folder), folder)
 
 
+def test_safetensors_metadata_that_is_not_strings_is_refused(mlx_folder, tmp_path):
+    folder = _copy(mlx_folder, tmp_path / "m")
+    shard = _shard_of(folder, "model.norm.weight")
+    _, header = _header(shard)
+    header["__metadata__"] = {"format": 1}
+    _rewrite_header(shard, header)
+    with pytest.raises(ValueError, match=r"'__metadata__' must map names to strings") as e:
+        load_mlx(_fresh_model(mlx_folder), folder)
+    assert str(shard) in str(e.value)
+
+
 def test_index_shard_outside_the_folder_is_refused(mlx_folder, tmp_path):
     folder = _copy(mlx_folder, tmp_path / "m")
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -512,6 +523,7 @@ def _structural_mlx_mutants(folder: Path) -> dict[str, dict]:
     begin, end = header[key]["data_offsets"]
     return {
         "scales I32": header_patch(lambda h: h[key].update(dtype="I32")),
+        "metadata value not a string": header_patch(lambda h: h.update({"__metadata__": {"format": 1}})),
         "scales shape": header_patch(lambda h: h[key].update(shape=[h[key]["shape"][0] // 2, h[key]["shape"][1]])),
         "scales offsets shifted": header_patch(lambda h: h[key].update(data_offsets=[begin + 4, end + 4])),
         "scales end 2^64-1": header_patch(lambda h: h[key].update(data_offsets=[begin, U64_MAX])),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .json_files import read_json_object
@@ -58,7 +58,9 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
         raise ValueError(f"{path}: safetensors header JSON is nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(f"{path}: safetensors '__metadata__' must map names to strings, got {str(metadata)[:200]}")
     data_bytes = size - 8 - n
     for name, info in header.items():
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
@@ -170,14 +172,17 @@ class Checkpoint:
         return end - begin
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(self.where[name], framework="pt") as f:
-            return f.get_tensor(name)
+        file = self.where[name]
+        try:
+            with safe_open(file, framework="pt") as f:
+                return f.get_tensor(name)
+        except SafetensorError as e:  # what our header checks do not cover (file changed since?)
+            raise ValueError(f"{file}: tensor {name!r}: {e}") from None
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.headers:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            for name in self.headers[file]:
+                yield name, self.get(name)
 
 
 def save_sharded(
