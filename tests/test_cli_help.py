@@ -38,3 +38,13 @@ def test_bad_values_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_quantize_summary_and_progress_when_nothing_is_quantized(capsys):
+    import torch
+
+    from torch_qmm.convert import quantize_model
+
+    summary = quantize_model(torch.nn.Sequential(torch.nn.ReLU()), progress=True)
+    assert str(summary) == "0 linear layers quantized, 0 skipped; no weights changed"  # not "nanx"
+    assert "0layer" not in capsys.readouterr().err  # no empty progress bar
