@@ -180,3 +180,13 @@ def test_bench_bad_values_are_usage_errors(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(["bench", "--device", "cpu", *argv])
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_model_config_file_is_checked(tmp_path, capsys):
+    for fields, message in [({"dim": 0}, "field 'dim' must be a positive integer, got 0"),
+                            ({"heads": 3}, "must be a multiple of 'heads' = 3"), ({"depth": 2}, "unknown ModelConfig")]:
+        cfg = tmp_path / "model.json"
+        cfg.write_text(json.dumps(fields))
+        assert main(["bench", "--device", "cpu", "--model", str(cfg), "--output", str(tmp_path / "o.json")]) == 1
+        err = capsys.readouterr().err
+        assert message in err and str(cfg) in err

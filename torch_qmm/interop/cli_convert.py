@@ -281,7 +281,8 @@ def _check_transformers_folder(src: Path) -> None:
         Checkpoint(src)
 
 
-def _from_pretrained(path: Path, **kwargs):
+def from_pretrained(path: Path, **kwargs):
+    """AutoModelForCausalLM.from_pretrained, its errors as ValueErrors naming the folder."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -322,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
                 model, q4_k_exact, origin = _load_gguf(src, dtype or torch.float32,
                                                        keep_affine=args.requantize != "all")
             else:
-                model = _from_pretrained(src, dtype=dtype or "auto")
+                model = from_pretrained(src, dtype=dtype or "auto")
             if not is_gguf or args.requantize:
                 quantized_now = _quantize_for_mlx(model, bits, group_size)
             save_mlx(model, out, config=model.config.to_dict())
@@ -333,10 +334,10 @@ def run(args: argparse.Namespace) -> int:
                 model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
                 staging = out / ".float"  # inside this run's temporary folder; removed below
                 model.save_pretrained(staging)
-                model = _from_pretrained(staging, quantization_config=cfg, dtype=dtype or "auto")
+                model = from_pretrained(staging, quantization_config=cfg, dtype=dtype or "auto")
                 shutil.rmtree(staging)
             else:
-                model = _from_pretrained(src, quantization_config=cfg, dtype=dtype or "auto")
+                model = from_pretrained(src, quantization_config=cfg, dtype=dtype or "auto")
             quantized_now = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
             model.save_pretrained(out)
         if not is_gguf:
