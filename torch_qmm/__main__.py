@@ -11,13 +11,14 @@ import importlib
 import sys
 import traceback
 
-from .cli_errors import EXIT_FAILURE, exit_code, one_line
+from .cli_errors import exit_code, one_line
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "demo": ("torch_qmm.demo", "quantize a small built-in model: error, memory saved, speed"),
     "bench": ("torch_qmm.bench", "benchmark affine_qmm against F.linear, int8/int4 packs and MLX; JSON + plot"),
-    "convert": ("torch_qmm.interop.cli_convert", "quantize a transformers folder or GGUF file (transformers or MLX output)"),
+    "convert": ("torch_qmm.interop.cli_convert",
+                "a transformers folder or GGUF file into a torch_qmm or MLX folder (GGUF: lossless where possible)"),
     "inspect": ("torch_qmm.interop.cli_inspect", "list a checkpoint's layers, formats and bytes (GGUF, safetensors, MLX)"),
 }
 
@@ -42,15 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(modules[args.command].run(args) or 0)
-    except KeyboardInterrupt:
-        raise
+    except KeyboardInterrupt:  # partial outputs were already removed on the way out
+        if args.debug:
+            raise
+        print(f"{parsers[args.command].prog}: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # one line per error; the traceback only when asked
         if args.debug:
             traceback.print_exc()
         else:
-            print(f"{parsers[args.command].prog}: error: {one_line(e)}", file=sys.stderr)
-            if exit_code(e) == EXIT_FAILURE and not isinstance(e, (ValueError, OSError)):
-                print("  (an unexpected error: re-run with --debug for the traceback and report it)", file=sys.stderr)
+            hint = "" if isinstance(e, (ValueError, OSError)) else " (unexpected: re-run with --debug and report it)"
+            print(f"{parsers[args.command].prog}: error: {one_line(e)}{hint}", file=sys.stderr)
         return exit_code(e)
 
 
