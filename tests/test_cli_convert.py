@@ -239,3 +239,69 @@ def test_the_cli_prints_no_traceback_unless_debug(tmp_path):
     assert p.returncode == 1 and "Traceback" not in p.stderr and str(bad) in p.stderr
     p = run("inspect", str(bad), "--debug")
     assert p.returncode == 1 and "Traceback" in p.stderr and "GGUFFormatError" in p.stderr
+
+
+_MEMORY_SCRIPT = r"""
+import contextlib, io, json, os, sys, threading, time
+import torch_qmm.interop.cli_convert  # noqa: F401  (imports done before the baseline)
+from torch_qmm.__main__ import main
+
+def rss():  # resident bytes now (Linux)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+small, big, out = sys.argv[1:4]
+quiet = lambda: (contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()))
+a, b = quiet()
+with a, b:
+    assert main(["convert", small, out + "-warm", "--format", "mlx"]) == 0  # first-use costs
+before, peak, done = rss(), [0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+
+t = threading.Thread(target=sample)
+t.start()
+a, b = quiet()
+with a, b:
+    rc = main(["convert", big, out, "--format", "mlx"])
+done.set()
+t.join()
+print(json.dumps({"rc": rc, "growth": peak[0] - before}))
+"""
+
+
+def test_gguf_conversion_needs_a_small_multiple_of_the_file_size(gguf_path, tmp_path):
+    """The model skeleton is never initialized in float: resident memory (sampled every 2 ms)
+    grows by less than 4x the file during the conversion (a float32 skeleton alone is 7x a Q4_0 file)."""
+    from gguf import quants
+
+    from gguf_helpers import write_gguf
+
+    hidden, ffn, vocab, layers, heads = 512, 1408, 8192, 4, 8
+    rng = np.random.default_rng(0)
+
+    def q(shape):
+        return quants.quantize((rng.standard_normal(shape) * 0.02).astype(np.float32), T.Q4_0), T.Q4_0
+
+    tensors = {"token_embd.weight": q((vocab, hidden)), "output_norm.weight": (np.ones(hidden, np.float32), None)}
+    for i in range(layers):
+        for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (hidden, hidden)), ("attn_v", (hidden, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))]:
+            tensors[f"blk.{i}.{name}.weight"] = q(shape)
+        tensors[f"blk.{i}.attn_norm.weight"] = tensors[f"blk.{i}.ffn_norm.weight"] = (np.ones(hidden, np.float32), None)
+    big = tmp_path / "big.gguf"
+    write_gguf(big, tensors, metadata={
+        "llama.block_count": layers, "llama.context_length": 64, "llama.embedding_length": hidden,
+        "llama.feed_forward_length": ffn, "llama.attention.head_count": heads, "llama.attention.head_count_kv": heads,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 10000.0})
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    p = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(gguf_path), str(big), str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["rc"] == 0
+    assert result["growth"] < 4 * big.stat().st_size, (result, big.stat().st_size)

@@ -147,6 +147,18 @@ def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype) -
     return exact
 
 
+def _uninitialized(model_class, config) -> nn.Module:
+    """The model without initializing its weights: built on the meta device, then given
+    uninitialized CPU storage, whose pages stay untouched (not resident) for the layers the loader
+    replaces; the rotary embedding, whose buffers are computed rather than loaded, is built for real."""
+    with torch.device("meta"):
+        model = model_class(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives every parameter its own storage: tie the output head again
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    return model.eval()
+
+
 def _gguf_types(f: GGUFFile) -> dict[str, str]:
     """{transformers module name: GGUF type name of its weight}."""
     from .gguf_llama import hf_name
@@ -169,8 +181,8 @@ def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
 
     f = GGUFFile(src)
     config = LlamaConfig(**check_llama_metadata(f))  # checked against the tensors before anything is built
-    model = LlamaForCausalLM(config).eval()
-    print(load_gguf_llama(model, f, dtype=dtype, progress=True))
+    model = _uninitialized(LlamaForCausalLM, config)
+    print(load_gguf_llama(model, f, dtype=dtype, progress=True))  # strict: every parameter comes from the file
     q4_k_exact = _q4_k_to_affine_modules(model, f, dtype) if keep_affine else {}
     for name, m in list(model.named_modules()):
         if isinstance(m, GGUFLinear) or (isinstance(m, QuantLinear) and not keep_affine):
