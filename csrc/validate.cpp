@@ -64,6 +64,11 @@ void check_quantize_finite(bool all_finite) {
                     "weights (replace or clamp them first, e.g. torch.nan_to_num)");
 }
 
+void check_quantize_range(bool ranges_finite) {
+  TORCH_CHECK_VALUE(ranges_finite, "affine_quantize: argument 'w' has a group whose range max - min exceeds ",
+                    "the float32 maximum 3.4028235e+38 (its scale would be Inf); scale or clamp the weights first");
+}
+
 std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq,
                                       const at::Tensor& scales, const at::Tensor& biases,
                                       int64_t bits, int64_t group_size, bool transpose) {

@@ -27,6 +27,8 @@ std::pair<int64_t, int64_t> check_quantize(const at::Tensor& w, int64_t bits, in
 // The data-dependent check of affine_quantize, one message for every backend: non-finite weights
 // have no affine representation, so they are refused (documented behaviour).
 void check_quantize_finite(bool all_finite);
+// Refuses finite weights whose group range max - min overflows float32 (the scale would be Inf).
+void check_quantize_range(bool ranges_finite);
 
 // All checks of affine_qmm. Returns (N, K) of y[..., N] = x[..., K] @ W.
 std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq,

@@ -102,10 +102,30 @@ inline float load_x_prescaled(const device T* x, thread float* xt) {
   return sum;
 }
 
+// sum_i (s*q_i + b) * x_i over n values (n a multiple of 8), weight by weight: what the hoisted
+// forms below fall back to where they are not finite. There (Inf/NaN in x, s or b, or an
+// overflow) the hoisted value need not be the one IEEE arithmetic on the dequantized weights
+// gives (F.linear's: +Inf in x against weights of both signs is NaN, an Inf bias against x of
+// both signs too); done weight by weight it is. Finite results keep the hoisted form. (isfinite
+// holds its meaning because the executor compiles with MTLMathModeSafe, as metalsim with
+// -fno-fast-math.)
+template <typename T, int bits, int n>
+inline float qdot_by_weight(const device uint8_t* w, const device T* x, float s, float b) {
+  float acc = 0.0f;
+  float q[8];
+  for (int u = 0; u < n / 8; ++u) {
+    decode8<bits>(w + u * bits, q);
+    for (int i = 0; i < 8; ++i) acc += fma(s, q[i], b) * float(x[8 * u + i]);
+  }
+  return acc;
+}
+
 // s * sum_i(q_i * x_i) + b * sum_i(x_i) over n values (n a multiple of 8): the bias hoist
-// saves one multiply-add per weight. xt comes from load_x_prescaled<T, bits, n>.
-template <int bits, int n>
-inline float qdot(const device uint8_t* w, const thread float* xt, float s, float b, float xsum) {
+// saves one multiply-add per weight. xt comes from load_x_prescaled<T, bits, n> of x; where the
+// result is not finite, qdot_by_weight.
+template <typename T, int bits, int n>
+inline float qdot(const device uint8_t* w, const thread float* xt, const device T* x, float s, float b,
+                  float xsum) {
   float acc = 0.0f;
   if (bits == 4) {
     const device uint16_t* ws = (const device uint16_t*)w;
@@ -127,12 +147,23 @@ inline float qdot(const device uint8_t* w, const thread float* xt, float s, floa
       for (int i = 0; i < 8; ++i) acc += q[i] * xt[8 * u + i];
     }
   }
-  return s * acc + b * xsum;
+  const float hoisted = s * acc + b * xsum;
+  return isfinite(hoisted) ? hoisted : qdot_by_weight<T, bits, n>(w, x, s, b);
 }
 
 // sum_i q_i * x_i for 8 decoded values and 8 raw values of x.
 inline float dot8(const thread float* q, const thread float* x) {
   float acc = 0.0f;
   for (int i = 0; i < 8; ++i) acc += q[i] * x[i];
+  return acc;
+}
+
+// s * dot8(q, x) + b * xsum (xsum = the sum of the 8 x); where that is not finite, the 8
+// weights one by one (see qdot_by_weight).
+inline float affine_dot8(const thread float* q, const thread float* x, float s, float b, float xsum) {
+  const float hoisted = s * dot8(q, x) + b * xsum;
+  if (isfinite(hoisted)) return hoisted;
+  float acc = 0.0f;
+  for (int i = 0; i < 8; ++i) acc += fma(s, q[i], b) * x[i];
   return acc;
 }

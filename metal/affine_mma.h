@@ -43,7 +43,8 @@ struct AffineWLoader {
     decode8<bits>(wq + ga * row_bytes + gc * bits / 8, q);
     const float s = live ? float(scales[ga * groups + gc / G]) : 0.0f;
     const float b = live ? float(biases[ga * groups + gc / G]) : 0.0f;
-    for (int i = 0; i < U; ++i) ws[a * MMA_LDW + c + i] = s * q[i] + b;
+    // fma: one rounding, as affine_dequantize (a weight is 0 only where s*q + b is).
+    for (int i = 0; i < U; ++i) ws[a * MMA_LDW + c + i] = fma(s, q[i], b);
   }
 };
 

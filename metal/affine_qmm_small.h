@@ -9,6 +9,7 @@
 //   K-block of 256 = 32 lanes x 8 values:
 //     lane l decodes q[4 rows][8] at k = k0 + 8l once (one unit of `bits` bytes per row),
 //     then for each of the R rows of x: loads x[m, k .. k+8), acc[m][r] += s*dot(q, x) + b*sum(x)
+//     (weight by weight where that is not finite: affine_dot8)
 //   end: simd_sum of each acc[m][r] -> y[m0+m, n0+r]
 // Bounds: rows of x past M and rows of W past N are skipped (uniform per SIMD-group); lanes whose
 // 8 values start at or past K stop (K % G == 0, so a unit never straddles K).
@@ -57,7 +58,7 @@ inline void affine_qmm_small_impl(const device uint8_t* wq, const device T* scal
         xv[i] = float(xr[i]);
         xsum += xv[i];
       }
-      for (int r = 0; r < ROWS; ++r) acc[m][r] += s[r] * dot8(q[r], xv) + b[r] * xsum;
+      for (int r = 0; r < ROWS; ++r) acc[m][r] += affine_dot8(q[r], xv, s[r], b[r], xsum);
     }
   }
   for (int m = 0; m < R; ++m) {

@@ -7,7 +7,8 @@
 //   threadgroup t (64 threads)            one K-block = 32 lanes x V values (V = 16 or 8)
 //   simdgroup 0 -> W rows 8t+0 .. 8t+3    lane l: x[k0 + l*V .. +V) in registers (pre-scaled),
 //   simdgroup 1 -> W rows 8t+4 .. 8t+7        W[row, same K range] for each of its 4 rows
-//   per row: acc += s * sum(q*x) + b * sum(x); at the end simd_sum(acc) -> y[row]
+//   per row: acc += s * sum(q*x) + b * sum(x) (weight by weight where that is not finite: qdot);
+//   at the end simd_sum(acc) -> y[row]
 //
 // Variants (template flag `bounded`):
 //   fast    : N % 8 == 0 and K % (32*V) == 0 (the planner checks), no bounds tests at all.
@@ -39,7 +40,8 @@ inline void affine_qmv_impl(const device uint8_t* wq, const device T* scales, co
       const uint n = row0 + r;
       if (bounded && n >= N) break;
       const uint g = n * groups + k / G;
-      acc[r] += qdot<bits, V>(wq + n * row_bytes + k * bits / 8, xt, float(scales[g]), float(biases[g]), xsum);
+      acc[r] += qdot<T, bits, V>(wq + n * row_bytes + k * bits / 8, xt, x + k, float(scales[g]), float(biases[g]),
+                                 xsum);
     }
   }
   // Every lane reaches the reductions (rows past N reduce zeros and are not written).

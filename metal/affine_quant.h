@@ -13,8 +13,8 @@
 //   scale = max((max - min) / (2^bits - 1), 1e-7), negated unless |min| > |max|; the larger-
 //   magnitude extreme `edge` is kept exact: q0 = rint(edge / scale), if q0 != 0 then
 //   scale = edge / q0, bias = edge (else bias = 0); q = clamp(rint((w - bias) / scale), 0, 2^bits-1).
-// rint rounds half to even in Metal as in C. Non-finite weights are refused by the host before
-// the launch (a kernel cannot raise).
+// rint rounds half to even in Metal as in C. Non-finite weights, and groups whose range max - min
+// overflows float32, are refused by the host before the launch (a kernel cannot raise).
 #pragma once
 
 #include "affine_common.h"

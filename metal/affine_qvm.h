@@ -7,7 +7,8 @@
 //   grid (ceil(N/256), M); threadgroup = 4 SIMD-groups x 32 lanes
 //   lane l of every SIMD-group -> columns n = 256*tx + 8l .. +7 (one decode unit per row k)
 //   SIMD-group s -> rows k = s, s+4, s+8, ...   (consecutive lanes read consecutive bytes)
-//     acc[i] += (x[m,k] * s_k) * q_i ; bsum += x[m,k] * b_k   (the 8 columns share a group)
+//     acc[i] += (x[m,k] * s_k) * q_i ; bsum += x[m,k] * b_k   (the 8 columns share a group;
+//     where acc + bsum is not finite, redone as acc[i] += x[m,k] * (s_k*q_i + b_k))
 //   SIMD-groups 1..3 park acc + bsum in threadgroup memory; SIMD-group 0 adds and writes y.
 // Bounds: any K; N is a multiple of G (hence of 8), columns past N are skipped per lane.
 #pragma once
@@ -36,6 +37,20 @@ inline void affine_qvm_impl(const device uint8_t* wq, const device T* scales, co
       const float xs = xk * float(scales[k * groups + n / G]);
       bsum += xk * float(biases[k * groups + n / G]);
       for (int i = 0; i < C; ++i) acc[i] += xs * q[i];
+    }
+    // Where a column's sum is not finite, the lane's columns again weight by weight, x * (s*q + b)
+    // (why: qdot_by_weight in affine_common.h).
+    bool finite = true;
+    for (int i = 0; i < C; ++i) finite = finite && isfinite(acc[i] + bsum);
+    if (!finite) {
+      for (int i = 0; i < C; ++i) acc[i] = 0.0f;
+      bsum = 0.0f;
+      for (uint k = simd_gid; k < K; k += QVM_SIMDGROUPS) {
+        const float xk = float(x[m * K + k]);
+        decode8<bits>(wq + k * row_bytes + n * bits / 8, q);
+        const float s = float(scales[k * groups + n / G]), b = float(biases[k * groups + n / G]);
+        for (int i = 0; i < C; ++i) acc[i] += xk * fma(s, q[i], b);
+      }
     }
   }
   if (simd_gid > 0) {

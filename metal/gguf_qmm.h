@@ -14,6 +14,7 @@
 //                   weights 128h + 32t + l0 .. +4 for t = 0..3 (one int8 scale per run)
 //   per super-block and W row: decode the lane's runs once (codes as floats, a scale and a min
 //   per run), then for each of the R rows of x: acc[m][r] += scale * dot(q, x) - min * sum(x)
+//   (weight by weight where that is not finite: run_dot)
 //   end: simd_sum of each acc[m][r] -> y[m0 + m, n0 + r]
 //
 // Design credits: the lane/block interleaving and the per-run "scale * dot - min * sum(x)"
@@ -130,6 +131,20 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> {
   }
 };
 
+// scale * dot - min * xsum for run j of a decoded slice (dot = sum q*x, xsum = sum x over the
+// run's x values xv). Where that is not finite (Inf/NaN in x or a scale, or an overflow), the
+// factored form need not give what IEEE arithmetic on the decoded weights gives (F.linear's: +Inf
+// in x against weights of both signs is NaN): then the run's weights one by one.
+template <typename Slice>
+inline float run_dot(const thread Slice& s, int j, float dot, float xsum, const thread float* xv) {
+  const float factored = Slice::HAS_MIN ? s.scale[j] * dot - s.min[j] * xsum : s.scale[j] * dot;
+  if (isfinite(factored)) return factored;
+  float acc = 0.0f;
+  for (int i = 0; i < Slice::RUN; ++i)
+    acc += (Slice::HAS_MIN ? s.scale[j] * s.q[j][i] - s.min[j] : s.scale[j] * s.q[j][i]) * xv[i];
+  return acc;
+}
+
 // ---- The kernel body ---------------------------------------------------------------------------
 // R rows of x per threadgroup (R = 1: the M = 1 matvec). For R = 1 the lane's x values are loaded
 // once per super-block and reused for the SIMD-group's 4 rows of W; for R > 1 each decoded slice
@@ -172,7 +187,7 @@ inline void gguf_qmm_impl(const device uint8_t* blocks, const device T* x, devic
         for (int j = 0; j < Slice::RUNS; ++j) {
           float dot = 0.0f;
           for (int i = 0; i < Slice::RUN; ++i) dot += s.q[j][i] * xv[j][i];
-          acc[0][r] += Slice::HAS_MIN ? s.scale[j] * dot - s.min[j] * xsum[j] : s.scale[j] * dot;
+          acc[0][r] += run_dot(s, j, dot, xsum[j], xv[j]);
         }
       }
     } else {
@@ -184,13 +199,13 @@ inline void gguf_qmm_impl(const device uint8_t* blocks, const device T* x, devic
           if (m0 + m >= M) break;
           const device T* xr = xb + m * K;
           for (int j = 0; j < Slice::RUNS; ++j) {
-            float dot = 0.0f, xsum = 0.0f;
+            float dot = 0.0f, xsum = 0.0f, xv[Slice::RUN];
             for (int i = 0; i < Slice::RUN; ++i) {
-              const float xi = float(xr[off[j] + i]);
-              dot += s.q[j][i] * xi;
-              xsum += xi;
+              xv[i] = float(xr[off[j] + i]);
+              dot += s.q[j][i] * xv[i];
+              xsum += xv[i];
             }
-            acc[m][r] += Slice::HAS_MIN ? s.scale[j] * dot - s.min[j] * xsum : s.scale[j] * dot;
+            acc[m][r] += run_dot(s, j, dot, xsum, xv);
           }
         }
       }

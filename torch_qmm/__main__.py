@@ -1,4 +1,4 @@
-"""Command line: python -m torch_qmm {demo,bench,convert,inspect} ...
+"""Command line: python -m torch_qmm {selftest,demo,bench,convert,inspect} ...
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
 this file only lists them.
@@ -15,6 +15,7 @@ from .cli_errors import exit_code, one_line
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
+    "selftest": ("torch_qmm.selftest", "run every kernel route against the float64 reference; table + JSON report"),
     "demo": ("torch_qmm.demo", "quantize a small built-in model: error, memory saved, speed"),
     "bench": ("torch_qmm.bench", "benchmark affine_qmm against F.linear, int8/int4 packs and MLX; JSON + plot"),
     "convert": ("torch_qmm.interop.cli_convert",

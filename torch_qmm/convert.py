@@ -17,6 +17,16 @@ from .nn import QuantLinear
 _PROGRESS_MIN_LAYERS = 32
 
 
+# Modules that read these children's .weight instead of calling them, so a QuantLinear there would
+# break them: MultiheadAttention passes out_proj.weight to F.multi_head_attention_forward;
+# TransformerEncoderLayer's eval fast path (and TransformerEncoder's) pass linear1/linear2.weight to
+# one fused kernel.
+_WEIGHT_READERS: tuple[tuple[type[nn.Module], tuple[str, ...]], ...] = (
+    (nn.MultiheadAttention, ("out_proj",)),
+    (nn.TransformerEncoderLayer, ("linear1", "linear2")),
+)
+
+
 @dataclasses.dataclass
 class QuantizeSummary:
     """What quantize_model did."""
@@ -25,19 +35,51 @@ class QuantizeSummary:
     skipped: dict[str, str]  # layer name -> reason
     bytes_before: int  # weight (+bias) bytes of the converted layers before
     bytes_after: int  # qweight + scales + biases (+bias) bytes after
+    model_bytes_before: int = 0  # all parameters and buffers of the model (shared storage once)
+    model_bytes_after: int = 0
 
     def __str__(self) -> str:
-        head = f"{len(self.converted)} linear layers quantized, {len(self.skipped)} skipped"
-        if not self.bytes_after:
-            return head + "; no weights changed"
+        ratio = f"{self.bytes_before / self.bytes_after:.2f}x smaller" if self.bytes_after else "none converted"
         return (
-            f"{head}; {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB "
-            f"({self.bytes_before / self.bytes_after:.2f}x smaller)"
+            f"{len(self.converted)} linear layers quantized, {len(self.skipped)} skipped; "
+            f"those layers {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB ({ratio}); "
+            f"model {self.model_bytes_before / 2**20:.1f} MiB -> {self.model_bytes_after / 2**20:.1f} MiB"
         )
 
 
 def _module_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def _model_bytes(model: nn.Module) -> int:
+    """Bytes of the storages behind the parameters and buffers of `model`, each storage counted once
+    (tied weights share one)."""
+    seen: set = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr()) if storage.data_ptr() != 0 else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _why_not_convertible(model: nn.Module, name: str, linear: nn.Linear, owners: dict[int, set[int]],
+                         group_size: int) -> str | None:
+    if linear.in_features % group_size != 0:
+        return f"in_features={linear.in_features} is not a multiple of group_size={group_size}"
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    for reader, children in _WEIGHT_READERS:
+        if isinstance(parent, reader) and child in children:
+            return f"its parent {type(parent).__name__} reads {child}.weight directly"
+    for pname, p in linear.named_parameters(recurse=False):
+        others = [o for o in owners[id(p)] if o != id(linear)]
+        if others:
+            shared = sorted({n for n, m in model.named_modules(remove_duplicate=False) if id(m) in others})
+            return f"{pname} is shared with {', '.join(shared)} (tied; kept float so that the tie holds)"
+    return None
 
 
 def quantize_model(
@@ -57,9 +99,17 @@ def quantize_model(
         dtype: compute dtype of the quantized layers (default: each layer's weight dtype).
         progress: show a tqdm bar (default: when there are many layers).
 
-    Layers whose in_features is not a multiple of group_size are skipped with a warning.
+    Skipped with a warning: layers whose in_features is not a multiple of group_size, layers whose
+    weight (or bias) another module shares (a tied output head stays tied to its float embedding),
+    and layers whose parent reads their .weight instead of calling them (nn.MultiheadAttention's
+    out_proj; nn.TransformerEncoderLayer's linear1/linear2, read by its fast path).
     """
     check_format(bits, group_size)
+    owners: dict[int, set[int]] = {}  # id(parameter) -> ids of the modules holding it
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(module))
+    model_before = _model_bytes(model)
     # remove_duplicate=False: a layer registered under several names (shared) is replaced at every
     # one of them by one QuantLinear, quantized once (named_modules() would yield only the first).
     candidates = [
@@ -71,8 +121,9 @@ def quantize_model(
     show = bool(candidates) and (progress if progress is not None else len(candidates) >= _PROGRESS_MIN_LAYERS)
     done: dict[int, QuantLinear] = {}  # id(original layer) -> its replacement
     for name, linear in tqdm(candidates, desc="quantizing", disable=not show, unit="layer"):
-        if linear.in_features % group_size != 0:
-            summary.skipped[name] = f"in_features={linear.in_features} is not a multiple of group_size={group_size}"
+        why_not = _why_not_convertible(model, name, linear, owners, group_size)
+        if why_not is not None:
+            summary.skipped[name] = why_not
             continue
         quantized = done.get(id(linear))
         if quantized is None:
@@ -84,6 +135,7 @@ def quantize_model(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, quantized)
         summary.converted.append(name)
+    summary.model_bytes_before, summary.model_bytes_after = model_before, _model_bytes(model)
     if summary.skipped:
         warnings.warn(
             "quantize_model skipped "

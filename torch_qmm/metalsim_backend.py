@@ -1,4 +1,4 @@
-"""metalsim executor (issue 4): run the torch_qmm ops' Metal kernels on metalsim, through the planner.
+"""metalsim executor: run the torch_qmm ops' Metal kernels on metalsim, through the planner.
 
     from torch_qmm.metalsim import backend, last_launches   # re-exported from this module
     with backend():                       # or backend(check=True) for checked mode
@@ -14,9 +14,10 @@ gguf_qmm} on CPU tensors are executed exactly as the MPS executor (csrc/mps/) ex
   3. the kernels of metal/affine.metal or metal/gguf.metal run on metalsim.
 This module sits next to, not inside, torch_qmm/metalsim/: a submodule named `backend` would
 shadow the function `metalsim.backend`, and the emulator core stays free of torch.
-The affine library is compiled once per process and bit width (-DTORCH_QMM_ONLY_BITS=<bits>, which
-keeps each compile small), the GGUF library once per process; metalsim caches both on disk by
-content hash.
+Each kernel is compiled on first use from its own source (torch_qmm/metal_source.py: the library's
+flattened headers + the kernel's one instantiation line), the text the MPS executor compiles on a
+Mac, and kept per process (metalsim also caches builds on disk by content hash).
+compiled_kernels() lists what this process compiled, in order.
 """
 
 from __future__ import annotations
@@ -32,26 +33,24 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import metal_source
 from .metalsim import _api as metalsim
 
-__all__ = ["backend", "last_launches", "library", "gguf_library", "metal_dir", "Launch"]
+__all__ = ["backend", "last_launches", "library", "gguf_library", "kernel_library", "compiled_kernels",
+           "metal_dir", "Launch"]
 
 _ops = torch.ops.torch_qmm
 
 
 def metal_dir() -> Path:
     """The directory holding metal/affine.metal: package data when installed, else the checkout."""
-    here = Path(__file__).resolve().parent  # torch_qmm/
-    for candidate in (here / "metal", here.parent / "metal"):
-        if (candidate / "affine.metal").is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"torch_qmm: metal/affine.metal not found next to {here} (package data missing from the install?)"
-    )
+    return metal_source.metal_dir()
 
 
 _libs: dict[tuple, Any] = {}
 _libs_lock = threading.Lock()
+_kernel_locks: dict[str, threading.Lock] = {}
+_compiled: list[str] = []
 
 
 def _compile(source: str, defines: Optional[dict] = None):
@@ -66,13 +65,39 @@ def _compile(source: str, defines: Optional[dict] = None):
 
 
 def library(bits: int):
-    """The metalsim library holding every affine kernel of one bit width (compiled once)."""
+    """The whole affine library of one bit width (every kernel; for tests that list names)."""
     return _compile("affine.metal", {"TORCH_QMM_ONLY_BITS": str(bits)})
 
 
 def gguf_library():
-    """The metalsim library holding every GGUF kernel (metal/gguf.metal; compiled once)."""
+    """The whole GGUF library, metal/gguf.metal (every kernel; for tests that list names)."""
     return _compile("gguf.metal")
+
+
+def kernel_library(name: str):
+    """The metalsim library of kernel `name` alone, compiled from metal_source.kernel_source(name)
+    on first use (once per process and name; concurrent first uses of one name wait for one
+    compile, different names compile in parallel)."""
+    with _libs_lock:
+        lib = _libs.get(("kernel", name))
+        if lib is not None:
+            return lib
+        lock = _kernel_locks.setdefault(name, threading.Lock())
+    with lock:
+        with _libs_lock:
+            lib = _libs.get(("kernel", name))
+        if lib is None:
+            lib = metalsim.compile(metal_source.kernel_source(name))
+            with _libs_lock:
+                _libs[("kernel", name)] = lib
+                _compiled.append(name)
+        return lib
+
+
+def compiled_kernels() -> list[str]:
+    """The kernels kernel_library() compiled in this process, in order."""
+    with _libs_lock:
+        return list(_compiled)
 
 
 @dataclasses.dataclass
@@ -105,10 +130,10 @@ def _storage_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _run(op: str, tensors: list, operands: dict, bits: int, group_size: int, transpose: bool,
          check: Optional[bool], count: bool) -> None:
     plan = json.loads(_ops._plan_for(op, tensors, bits, group_size, transpose))
-    _execute(plan, library(bits) if plan else None, operands, check, count)
+    _execute(plan, operands, check, count)
 
 
-def _execute(plan: list, lib, operands: dict, check: Optional[bool], count: bool) -> None:
+def _execute(plan: list, operands: dict, check: Optional[bool], count: bool) -> None:
     """Runs planned launches: the family-independent part (what csrc/mps/metal_executor.mm does)."""
     done = []
     for launch in plan:
@@ -117,7 +142,7 @@ def _execute(plan: list, lib, operands: dict, check: Optional[bool], count: bool
             storage, offset = _storage_view(operands[b["operand"]])
             buffers[b["index"]] = (storage, offset + b["byte_offset"])
         consts = {c["index"]: np.array(c["u32"], dtype=np.uint32) for c in launch["bytes"]}
-        stats = lib.dispatch(
+        stats = kernel_library(launch["kernel"]).dispatch(
             launch["kernel"],
             buffers=buffers,
             threadgroups=tuple(launch["threadgroups"]),
@@ -174,7 +199,7 @@ def _gguf_qmm(x, blocks, ggml_type, N, K, *, check=None, count=False):
     y = torch.zeros(x2.shape[0], N, dtype=x.dtype)
     # The kernels read Q4_K words as uint32 and Q6_K as uint16 (metal/gguf_qmm.h).
     operands = {"x": x2, "blocks": _aligned(blocks), "y": y}
-    _execute(plan, gguf_library() if plan else None, operands, check, count)
+    _execute(plan, operands, check, count)
     return y.reshape(*x.shape[:-1], N)
 
 

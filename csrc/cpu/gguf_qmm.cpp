@@ -7,7 +7,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -164,9 +164,12 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   at::Tensor yf = at::empty({M, N}, xf.options());
   const cpu::GgufArgs a = args_for(xf, blocks, N, K, x.scalar_type());
+  // The chunk kernels hoist the Q4_K mins (and Q6_K's -32) out of the dot products; where that
+  // gives a non-finite value it need not be the one IEEE arithmetic on the decoded weights gives,
+  // so such calls are redone by the fused / GEMM kernels below, which multiply decoded weights.
   if (cpu::gguf_chunked_tile(a, ggml_type) != nullptr) {
     cpu::gguf_chunked(a, ggml_type, yf.data_ptr<float>());
-    return yf.to(x.scalar_type()).reshape(out_shape);
+    if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return yf.to(x.scalar_type()).reshape(out_shape);
   }
   const auto* w = blocks.data_ptr<uint8_t>();
   const int64_t bpb = gguf::block_bytes(ggml_type);
@@ -178,14 +181,17 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
       for (int64_t r0 = 0; r0 < N; r0 += kGemmBlockRows) {
         const int64_t r1 = std::min(N, r0 + kGemmBlockRows);
         decode_rows(w, wf.data_ptr<float>(), r0, r1, K, bpb, decode);
-        yf.narrow(1, r0, r1 - r0).copy_(at::mm(xf, wf.narrow(0, 0, r1 - r0).t()));
+        // The CPU kernel itself (at::cpu::), not the dispatcher: under torch.autocast, at::mm would
+        // multiply in bfloat16.
+        yf.narrow(1, r0, r1 - r0).copy_(at::cpu::mm(xf, wf.narrow(0, 0, r1 - r0).t()));
       }
     }
   });
   return yf.to(x.scalar_type()).reshape(out_shape);
 }
 
-// Which CPU kernel gguf_qmm would run: "chunked/<multiplier>", "fused", "gemm", or "empty".
+// Which CPU kernel gguf_qmm would run: "chunked/<multiplier>", "fused", "gemm", or "empty" (for a
+// finite result; a chunked call whose result is not finite is redone by "fused" / "gemm").
 std::string gguf_qmm_cpu_route(const at::Tensor& x, const at::Tensor& blocks_in, int64_t ggml_type, int64_t N,
                                int64_t K) {
   check_gguf_qmm(x, blocks_in, ggml_type, N, K);

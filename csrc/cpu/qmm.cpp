@@ -92,30 +92,36 @@ at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::T
   if (c.empty) return at::zeros(c.out_shape, x.options());
   cpu::QmmArgs& a = c.a;
   const Route route = route_for(a, transpose);
-  at::Tensor yf;
+  auto done = [&](const at::Tensor& yf) { return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape); };
+  // The chunk kernels and the transpose=True fused kernel hoist the bias (s*sum(q*x) + b*sum(x));
+  // where that gives a non-finite value (Inf/NaN in x, scales or biases, or an overflow) it need
+  // not be the one IEEE arithmetic on the dequantized weights gives (F.linear's: e.g. +Inf in x
+  // times weights of both signs), so those calls are redone by the GEMM kernels, which multiply
+  // the dequantized weights.
   if (route == Route::kChunked) {  // x in natural order
-    yf = at::empty({a.M, a.N}, c.xf.options());
+    at::Tensor yf = at::empty({a.M, a.N}, c.xf.options());
     cpu::qmm_t_chunked(a, yf.data_ptr<float>());
-    return yf.to(x.scalar_type()).reshape(c.out_shape);
+    if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return done(yf);
   }
   if (transpose) {
     c.xf = to_codec_order(c.xf, int(bits));
     a.x = c.xf.data_ptr<float>();
   }
   if (route == Route::kFused) {
-    yf = at::empty({a.M, a.N}, c.xf.options());
-    if (transpose)
-      cpu::qmm_t_fused(a, yf.data_ptr<float>());
-    else
+    at::Tensor yf = at::empty({a.M, a.N}, c.xf.options());
+    if (!transpose) {
       cpu::qmm_n_fused(a, yf.data_ptr<float>());
-  } else {
-    yf = transpose ? cpu::qmm_t_gemm(a) : cpu::qmm_n_gemm(a);
+      return done(yf);
+    }
+    cpu::qmm_t_fused(a, yf.data_ptr<float>());
+    if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return done(yf);
   }
-  return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape);
+  return done(transpose ? cpu::qmm_t_gemm(a) : cpu::qmm_n_gemm(a));
 }
 
 // Which CPU kernel affine_qmm would run: "chunked/<multiplier>" (qmm_kernels.h), "fused", "gemm", or
-// "empty".
+// "empty" (for a finite result; a call whose chunked or transposed fused result is not finite is
+// redone by "gemm").
 std::string affine_qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                                  const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
   const Call c = prepare(x, wq, scales, biases, bits, group_size, transpose);
@@ -130,6 +136,19 @@ std::string affine_qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, cons
 }  // namespace
 
 namespace cpu {
+bool all_finite(const float* y, int64_t n) {
+  // Exponent bits all ones <=> Inf or NaN; an integer count (vectorizes, unlike float tests).
+  const int64_t bad = at::parallel_reduce(
+      0, n, int64_t(1) << 16, int64_t(0),
+      [&](int64_t i0, int64_t i1, int64_t acc) {
+        const uint32_t* u = reinterpret_cast<const uint32_t*>(y);
+        for (int64_t i = i0; i < i1; ++i) acc += (u[i] & 0x7f800000u) == 0x7f800000u;
+        return acc;
+      },
+      [](int64_t p, int64_t q) { return p + q; });
+  return bad == 0;
+}
+
 bool avoid_bf16() {
   const char* v = std::getenv("TORCH_QMM_CPU_NO_BF16");
   return v != nullptr && v[0] != '\0' && v[0] != '0';

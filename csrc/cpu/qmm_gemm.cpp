@@ -3,13 +3,17 @@
 // Each thread owns whole output tiles (rows of yT = y^T [N, M]) and, for each, walks K in steps
 // of kTileK: decodes the W tile [kTileN, kTileK] into its own scratch (L2-sized, 256 KB) and
 // calls a single-threaded GEMM (at::mm inside at::parallel_for runs serially) that accumulates
-// into its output rows. Decode and GEMM thus run on all cores with no barrier between them and
+// into its output rows. The GEMM is a dispatcher call, so each worker runs it under the caller's
+// thread-local state (inference mode, grad mode: at::ThreadLocalStateGuard, as at::launch does);
+// OpenMP workers would otherwise see the defaults, and an in-place update of a tensor made under
+// torch.inference_mode() outside it is an error. Decode and GEMM thus run on all cores with no barrier between them and
 // decoding costs ~1 pass over the packed weights per M (it is O(N*K), the GEMM O(M*N*K)).
 //
 //   transpose=True : yT[n-tile, :] += W[n-tile, k-tile] @ xp[:, k-tile]^T   (xp: codec-ordered x)
 //   transpose=False: yT[n-tile, :] += W[k-tile, n-tile]^T @ x[:, k-tile]^T  (n in codec order,
 //                                                                            un-permuted at the end)
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -65,7 +69,9 @@ at::Tensor gemm_transposed_y(const QmmArgs& a) {
   at::Tensor yT = at::empty({a.N, a.M}, opts);
   const at::Tensor x = at::from_blob(const_cast<float*>(a.x), {a.M, a.K}, opts);
   const int64_t tiles = (a.N + kTileN - 1) / kTileN;
+  const at::ThreadLocalState caller_state;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    const at::ThreadLocalStateGuard state_guard(caller_state);
     std::vector<float> scratch(kTileN * std::min(kTileK, a.K));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileN, nn = std::min(kTileN, a.N - n0);

@@ -45,6 +45,8 @@ struct QmmArgs {
 int x_bf16_terms_for(at::ScalarType x_dtype);
 // Whether the environment asks for float32-only kernels (QmmArgs::avoid_bf16).
 bool avoid_bf16();
+// Whether y[0 .. n) holds no Inf or NaN.
+bool all_finite(const float* y, int64_t n);
 
 // Rows of x from which the GEMM family is used (both transpose modes). Measured on a 2-core
 // AVX-512 machine (benchmarks/): the fused kernels reach ~80% of the FMA peak for a few rows,

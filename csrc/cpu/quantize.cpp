@@ -7,6 +7,9 @@
 //   when q0 != 0, scale = edge / q0, bias = edge (else bias = 0);
 //   q = clamp(rint((w - bias) / scale), 0, 2^bits - 1), rint = round half to even.
 // Scales and biases are rounded to the dtype of w only when stored; q uses the float32 values.
+// Weights MLX would turn into a non-finite scale are refused: NaN/Inf, and finite groups whose
+// range max - min overflows float32 (beyond 3.4028235e38: mlx.core.quantize gives such a group
+// scale -inf and dequantizes it to NaN).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,7 +29,7 @@ namespace {
 
 template <typename T>
 void quantize_rows(const T* w, uint8_t* wq, T* scales, T* biases, int64_t rows, int64_t K, int bits,
-                   int group_size, std::atomic<bool>& non_finite) {
+                   int group_size, std::atomic<bool>& non_finite, std::atomic<bool>& range_overflow) {
   const float n_bins = float((1 << bits) - 1);
   const int64_t groups = K / group_size;
   const int64_t row_bytes = packed_words(K, bits) * 4;
@@ -43,6 +46,7 @@ void quantize_rows(const T* w, uint8_t* wq, T* scales, T* biases, int64_t rows, 
           w_min = std::min(w_min, v);
           if (!std::isfinite(v)) non_finite.store(true, std::memory_order_relaxed);
         }
+        if (std::isinf(w_max - w_min)) range_overflow.store(true, std::memory_order_relaxed);
         const bool min_is_edge = std::abs(w_min) > std::abs(w_max);
         float scale = std::max((w_max - w_min) / n_bins, 1e-7f);
         scale = min_is_edge ? scale : -scale;
@@ -81,13 +85,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> affine_quantize_cpu(const at::Ten
   at::Tensor scales = at::empty(group_shape, w.options());
   at::Tensor biases = at::empty(group_shape, w.options());
 
-  std::atomic<bool> non_finite{false};
+  std::atomic<bool> non_finite{false}, range_overflow{false};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "affine_quantize", [&] {
     quantize_rows<scalar_t>(w.data_ptr<scalar_t>(), reinterpret_cast<uint8_t*>(wq.data_ptr()),
                             scales.data_ptr<scalar_t>(), biases.data_ptr<scalar_t>(), rows, K, int(bits),
-                            int(group_size), non_finite);
+                            int(group_size), non_finite, range_overflow);
   });
   check_quantize_finite(!non_finite.load());
+  check_quantize_range(!range_overflow.load());
   return {wq, scales, biases};
 }
 

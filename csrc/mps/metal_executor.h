@@ -1,6 +1,6 @@
 // The family-independent half of the MPS executors (csrc/mps/*_mps.mm): the embedded Metal
-// library (metal/affine.metal + metal/gguf.metal), a pipeline cache, and encoding a plan's
-// launches on PyTorch's MPS stream. Declared in plain C++ so that each op file stays a thin
+// sources (metal/affine.metal + metal/gguf.metal, each kernel compiled on its first use), a
+// pipeline cache, and encoding a plan's launches on PyTorch's MPS stream. Declared in plain C++ so that each op file stays a thin
 // "validated problem -> plan -> operands -> encode" function.
 //
 // NOT RUN ON APPLE HARDWARE: syntax-checked on Linux by tests/test_metal_mps_syntax.py.

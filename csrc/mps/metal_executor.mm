@@ -5,10 +5,15 @@
 // NOT RUN ON APPLE HARDWARE: written against Apple's documentation and the ATen/mps headers of
 // the torch wheel, syntax-checked on Linux by tests/test_metal_mps_syntax.py.
 //
-// Rules followed (DESIGN.md "Apple facts"): encode inside dispatch_sync on the stream's queue,
-// with the stream's shared commandEncoder(); never end the encoder or commit; bind a tensor's
-// storage buffer at storage_offset() * element_size(); compile the embedded source once with
-// fast math off; cache pipelines by name under a mutex. Works with and without ARC.
+// Rules followed: encode inside dispatch_sync on the stream's queue, with the stream's shared
+// commandEncoder(); never end the encoder or commit; bind a tensor's storage buffer at
+// storage_offset() * element_size(); compile with fast math off; cache pipelines by name. Works
+// with and without ARC.
+//
+// Kernels are compiled on first use, one at a time: kernel `name` is its library's headers + its
+// one instantiation line (metal_kernel_source.h), the source torch_qmm/metal_source.py's
+// kernel_source(name) gives and that CI compiles with metalsim. A first call therefore compiles
+// the kernel it launches, not every instantiation of metal/.
 #include "metal_executor.h"
 
 #include <ATen/mps/MPSStream.h>
@@ -17,12 +22,13 @@
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
 
-#include "metal_source.inc"  // kMetalSource: metal/ flattened by embed_metal.py
+#include "metal_kernel_source.h"  // kernel_source(name)
 
 namespace torch_qmm {
 namespace mps {
@@ -34,12 +40,13 @@ namespace {
 #define TQMM_RELEASE(x) [(x) release]
 #endif
 
-id<MTLLibrary> metal_library(id<MTLDevice> device) {
-  static std::mutex mu;
-  static id<MTLLibrary> library = nil;  // compiled once per process, kept for its lifetime
-  std::lock_guard<std::mutex> lock(mu);
-  if (library != nil) return library;
+// Compiles kernel `name` alone and makes its pipeline. Nothing inside @autoreleasepool throws:
+// errors are collected and raised after it.
+id<MTLComputePipelineState> compile_pipeline(id<MTLDevice> device, const std::string& name) {
+  const std::string source = kernel_source(name);
+  TORCH_CHECK(!source.empty(), "torch_qmm: no Metal kernel named '", name, "' in the embedded source");
   std::string error_text;
+  id<MTLComputePipelineState> state = nil;
   @autoreleasepool {
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
     // Fast math off: results must match the reference (fast math reassociates and flushes).
@@ -50,34 +57,54 @@ id<MTLLibrary> metal_library(id<MTLDevice> device) {
     }
     options.languageVersion = MTLLanguageVersion3_1;  // bfloat (macOS 14)
     NSError* error = nil;
-    library = [device newLibraryWithSource:[NSString stringWithUTF8String:kMetalSource] options:options error:&error];
+    id<MTLLibrary> library = [device newLibraryWithSource:[NSString stringWithUTF8String:source.c_str()]
+                                                  options:options
+                                                    error:&error];
     TQMM_RELEASE(options);
-    if (library == nil && error != nil) error_text = [[error localizedDescription] UTF8String];
+    if (library == nil) {
+      error_text = "compiling the Metal source failed: ";
+      if (error != nil) error_text += [[error localizedDescription] UTF8String];
+    } else {
+      id<MTLFunction> fn = [library newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
+      if (fn == nil) {
+        error_text = "the compiled source has no function of that name";
+      } else {
+        error = nil;
+        state = [device newComputePipelineStateWithFunction:fn error:&error];
+        if (state == nil) {
+          error_text = "making the pipeline failed: ";
+          if (error != nil) error_text += [[error localizedDescription] UTF8String];
+        }
+        TQMM_RELEASE(fn);
+      }
+      TQMM_RELEASE(library);  // the pipeline state does not need it
+    }
   }
-  TORCH_CHECK(library != nil, "torch_qmm: compiling the Metal kernels failed: ", error_text);
-  return library;
+  TORCH_CHECK(state != nil, "torch_qmm: Metal kernel '", name, "': ", error_text);
+  return state;
 }
+
+// One slot per kernel name: the map's lock is held only to find the slot, the slot's lock while
+// its kernel compiles, so a first use of one kernel does not stall launches of the others. A
+// failed compile leaves the slot empty (the next call tries again and raises the same error).
+struct PipelineSlot {
+  std::mutex mu;
+  id<MTLComputePipelineState> state = nil;  // kept for the process's lifetime
+};
 
 id<MTLComputePipelineState> pipeline(id<MTLDevice> device, const std::string& name) {
   static std::mutex mu;
-  static std::unordered_map<std::string, id<MTLComputePipelineState>> cache;
-  id<MTLLibrary> library = metal_library(device);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(name);
-  if (it != cache.end()) return it->second;
-  id<MTLComputePipelineState> state = nil;
-  std::string error_text;
-  @autoreleasepool {
-    id<MTLFunction> fn = [library newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
-    TORCH_CHECK(fn != nil, "torch_qmm: kernel '", name, "' is missing from the Metal library");
-    NSError* error = nil;
-    state = [device newComputePipelineStateWithFunction:fn error:&error];
-    TQMM_RELEASE(fn);
-    if (state == nil && error != nil) error_text = [[error localizedDescription] UTF8String];
+  static std::unordered_map<std::string, std::unique_ptr<PipelineSlot>> slots;
+  PipelineSlot* slot = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    std::unique_ptr<PipelineSlot>& s = slots[name];
+    if (!s) s = std::make_unique<PipelineSlot>();
+    slot = s.get();
   }
-  TORCH_CHECK(state != nil, "torch_qmm: pipeline for '", name, "' failed: ", error_text);
-  cache.emplace(name, state);
-  return state;
+  std::lock_guard<std::mutex> lock(slot->mu);
+  if (slot->state == nil) slot->state = compile_pipeline(device, name);
+  return slot->state;
 }
 
 }  // namespace

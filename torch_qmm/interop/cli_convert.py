@@ -38,7 +38,8 @@ bits 4 / group size 32 (exact with float32 scales, the default for GGUF; --dtype
 rounds them and the output says which layers). Layers without an exact affine form (Q6_K, float)
 stay float unless --requantize asks otherwise; --bits/--group-size apply only with --requantize.
 The transformers format holds one format for all layers, so GGUF -> transformers always
-re-quantizes and needs --requantize all. The output lists what happened to every layer.
+re-quantizes and needs --requantize all. Both formats get tokenizer files built (by transformers)
+from the GGUF's tokenizer metadata. The output lists what happened to every layer.
 
 DST must not exist or be empty (or pass --overwrite); it is written to a temporary folder next to
 it and moved into place when complete, and never inside the source."""
@@ -175,12 +176,12 @@ def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
     """The GGUF model as a transformers model. keep_affine (MLX output): affine layers stay, Q4_K
     layers become exact affine ones; everything else becomes float.
     Returns (model, {Q4_K module: exact}, {module: GGUF type})."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from .gguf_llama import check_llama_metadata, load_gguf_llama
+    from .gguf_llama import llama_config_from_gguf, load_gguf_llama
 
     f = GGUFFile(src)
-    config = LlamaConfig(**check_llama_metadata(f))  # checked against the tensors before anything is built
+    config = llama_config_from_gguf(f)  # checked against the tensors before anything is built
     model = _uninitialized(LlamaForCausalLM, config)
     print(load_gguf_llama(model, f, dtype=dtype, progress=True))  # strict: every parameter comes from the file
     q4_k_exact = _q4_k_to_affine_modules(model, f, dtype) if keep_affine else {}
@@ -352,7 +353,13 @@ def run(args: argparse.Namespace) -> int:
                 model = from_pretrained(src, quantization_config=cfg, dtype=dtype or "auto")
             quantized_now = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
             model.save_pretrained(out)
-        if not is_gguf:
+        if is_gguf:
+            from .gguf_tokenizer import save_gguf_tokenizer
+
+            written = save_gguf_tokenizer(src, out)
+            if written:
+                print(f"tokenizer from the GGUF metadata: {', '.join(written)}")
+        else:
             for name, f in side_files:
                 if not (out / name).exists():
                     shutil.copyfile(f, out / name)

@@ -12,7 +12,8 @@ Facts from llama.cpp's convert_hf_to_gguf.py and transformers' GGUF loader
   (GGUF blocks never cross rows): the file's blocks are kept, only reordered.
 * config: llama.{block_count, embedding_length, feed_forward_length, attention.head_count,
   attention.head_count_kv, attention.layer_norm_rms_epsilon, rope.freq_base, context_length,
-  rope.dimension_count}.
+  rope.dimension_count}; the special token ids tokenizer.ggml.{bos,eos,padding}_token_id (the
+  unknown token has no config field: it is in the tokenizer files, see gguf_tokenizer).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 
 import torch
 from torch import nn
@@ -47,7 +49,8 @@ _RENAMES = [
     (r"\.attn_norm\.", ".input_layernorm."),
     (r"\.ffn_norm\.", ".post_attention_layernorm."),
 ]
-# Tensors transformers recomputes from the config.
+# Not model parameters: llama.cpp's per-frequency rotary factors (Llama 3.1-style scaling), which
+# transformers derives from the config instead (checked in _warn_unmapped_rope).
 _SKIPPED = ("rope_freqs.weight",)
 
 # GGUF metadata key (after "<arch>.") -> LlamaConfig field (transformers integrations/ggml.py).
@@ -61,6 +64,13 @@ _CONFIG_KEYS = {
     "attention.head_count": "num_attention_heads",
     "attention.head_count_kv": "num_key_value_heads",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+}
+# GGUF special token ids -> LlamaConfig fields. Absent from the file: None (LlamaConfig's own
+# defaults, bos 1 / eos 2, belong to one vocabulary and are not the file's).
+_TOKEN_ID_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
 
 
@@ -87,7 +97,10 @@ def llama_config_from_gguf(f: GGUFFile):
     (check_llama_metadata) before anything is built from it."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(**check_llama_metadata(f))
+    kwargs = check_llama_metadata(f)
+    kwargs.update(_special_token_ids(f, kwargs["vocab_size"]))
+    _warn_unmapped_rope(f, f.architecture)
+    return LlamaConfig(**kwargs)
 
 
 # Metadata that must be a positive integer / a positive finite float when present.
@@ -194,6 +207,42 @@ def _ranges(values: list[int]) -> str:
     if values == list(range(values[0], values[-1] + 1)):
         return f"{values[0]}..{values[-1]}"
     return ", ".join(map(str, values[:10])) + (" ..." if len(values) > 10 else "")
+
+
+def _warn_unmapped_rope(f: GGUFFile, arch: str) -> None:
+    """The config carries the plain rotary embedding only: a file that scales it (llama.cpp's
+    rope_freqs.weight factors, or {arch}.rope.scaling.type) gets a warning, not a silent change."""
+    scaling = f.get_metadata(f"{arch}.rope.scaling.type")
+    freqs = f.tensors.get("rope_freqs.weight")
+    scaled_freqs = freqs is not None and not bool((dequantize(freqs) == 1).all())
+    if (scaling not in (None, "none")) or scaled_freqs:
+        what = "rope_freqs.weight (per-frequency factors)" if scaled_freqs else f"{arch}.rope.scaling.type={scaling!r}"
+        warnings.warn(
+            f"{f.path}: the file scales the rotary embedding ({what}); the transformers config built from it "
+            "has the unscaled rotary embedding, so outputs differ from llama.cpp's (most at long context)",
+            stacklevel=3,
+        )
+
+
+def _special_token_ids(f: GGUFFile, vocab_size: int) -> dict[str, int | None]:
+    """{bos,eos,pad}_token_id from the file's tokenizer metadata. An id that names no token is
+    dropped with a warning (as llama.cpp's loader does: the special token is optional, the
+    weights are still good)."""
+    tokens = f.header.kv.get("tokenizer.ggml.tokens")
+    n_tokens = tokens.count if tokens is not None else vocab_size
+    limit = min(vocab_size, n_tokens)
+    out: dict[str, int | None] = {}
+    for key, field in _TOKEN_ID_KEYS.items():
+        value = f.get_metadata(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit):
+            warnings.warn(
+                f"{f.path}: metadata {key} = {value!r} is not a token id in [0, {limit}) (the vocabulary has "
+                f"{n_tokens} tokens, token_embd.weight {vocab_size} rows); the config gets {field}=None",
+                stacklevel=3,
+            )
+            value = None
+        out[field] = value
+    return out
 
 
 def _rows_permuted(t: GGUFTensor, perm: torch.Tensor) -> GGUFTensor:

@@ -11,6 +11,9 @@ An MLX folder (as mlx.nn / mlx_lm write it):
 Which layers are quantized follows mlx_lm's rule: a layer is quantized when `p.scales` is stored;
 the config gives its bits and group size. Layer names are the torch model's (mlx_lm keeps the
 Hugging Face names), so a transformers model of the same architecture loads by name.
+
+The rest of config.json is the model's transformers config, plus the rotary-embedding fields in
+the spelling mlx_lm's model arguments read (see mlx_lm_config).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -26,7 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..formats import check_format, packed_words
-from ..nn import QuantLinear
+from ..nn import FORMAT_STATE_KEY, QuantLinear
 from .modules import QuantEmbedding, TiedQuantLinear
 from .json_files import read_json_object
 from .safetensors_io import Checkpoint, save_sharded
@@ -236,7 +240,10 @@ def load_mlx(
     state = model.state_dict()
     targets = {renamed.get(k, k): k for k in keys}
     if strict:
-        missing = sorted(k for k in state if k not in targets and not _is_tied_duplicate(model, k, tied_to, keys))
+        missing = sorted(
+            k for k in state
+            if k not in targets and not _is_tied_duplicate(model, k, tied_to, keys) and not _is_format_state(k)
+        )
         unexpected = sorted(k for k, _ in targets.items() if k not in state)
         if missing or unexpected:
             raise ValueError(
@@ -262,6 +269,11 @@ def load_mlx(
             if not key.endswith((".scales", ".biases")) and target == key:
                 report.float_tensors += 1
     return report
+
+
+def _is_format_state(key: str) -> bool:
+    # The format of a quantized layer comes from config.json (MLX stores none in the tensors).
+    return key.rpartition(".")[2] == FORMAT_STATE_KEY
 
 
 def _is_tied_duplicate(model: nn.Module, key: str, tied_to: dict[str, str], keys: list[str]) -> bool:
@@ -301,6 +313,8 @@ def mlx_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, tuple[int, ...]]] = set()
     for key, t in model.state_dict().items():
         module_name, _, leaf = key.rpartition(".")
+        if leaf == FORMAT_STATE_KEY:  # config.json's "quantization" carries the format
+            continue
         if module_name in quantized and leaf == "qweight":
             key = f"{module_name}.weight" if module_name else "weight"
         ident = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), tuple(t.shape))
@@ -311,24 +325,59 @@ def mlx_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def mlx_lm_config(config: dict) -> dict:
+    """`config` (a transformers config as a dict) with the rotary-embedding fields mlx_lm reads.
+
+    transformers 5 keeps the rotary embedding in `rope_parameters` ({"rope_type", "rope_theta",
+    and the type's parameters}) and ignores top-level copies when it reads a config; mlx_lm's model
+    arguments (models/llama.py, whose arguments mistral's also use, and others) read top-level
+    `rope_theta` (default 10000) and `rope_scaling` (None or the type's parameters, as
+    transformers 4 wrote them). Both are set from `rope_parameters`, so both readers build the
+    same rotary embedding; a config without `rope_parameters` is returned unchanged. The other
+    fields mlx_lm reads (hidden_size, num_key_value_heads, head_dim, rms_norm_eps,
+    tie_word_embeddings, eos_token_id, ...) have the same names and meaning in both.
+    """
+    out = dict(config)
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return out
+    if "rope_theta" not in rope:
+        # Per-layer-type parameters ({"full_attention": {...}, "sliding_attention": {...}}) have no
+        # single top-level spelling; mlx_lm's families that use them read their own fields.
+        warnings.warn(
+            f"config 'rope_parameters' has no 'rope_theta' (keys {sorted(rope)}); config.json gets no top-level "
+            "rope_theta/rope_scaling, so mlx_lm uses its model's defaults for them",
+            stacklevel=3,
+        )
+        return out
+    out["rope_theta"] = rope["rope_theta"]
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    out["rope_scaling"] = None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
+
+
 def save_mlx(
     model: nn.Module,
     folder: str | os.PathLike,
     config: dict | None = None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> Path:
-    """Saves `model` as an MLX model folder: config.json (+ quantization) and safetensors shards.
+    """Saves `model` as an MLX model folder: config.json (+ quantization) and safetensors shards,
+    which mlx_lm.load reads (with the tokenizer files, which are not the model's: copy them).
 
     Args:
         model: a torch model whose quantized layers are QuantLinear / QuantEmbedding.
         folder: output folder (created).
-        config: the model's config to write (e.g. a transformers `config.to_dict()`); the
-            "quantization" and "quantization_config" entries are set from the model.
+        config: the model's config to write; default: `model.config.to_dict()` for a transformers
+            model. The "quantization" and "quantization_config" entries are set from the model and
+            the fields mlx_lm reads under other names are added (mlx_lm_config).
         max_shard_bytes: shard size limit; several shards get model.safetensors.index.json.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = dict(config or {})
+    if config is None and callable(getattr(getattr(model, "config", None), "to_dict", None)):
+        config = model.config.to_dict()
+    config = mlx_lm_config(dict(config or {}))
     q = quantization_config(model)
     for k in _QUANT_KEYS:
         config.pop(k, None)

@@ -6,15 +6,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..nn import load_affine_weight, register_affine_weight
+from ..nn import AffineFormatState, load_affine_weight, register_affine_weight
 
 
-class QuantEmbedding(nn.Module):
+class QuantEmbedding(AffineFormatState, nn.Module):
     """nn.Embedding with its table [num_embeddings, dim] in the affine format (after MLX's
     QuantizedEmbedding): a lookup dequantizes only the rows it reads.
 
     Buffers: ``qweight`` uint32 [num, dim*bits/32], ``scales`` / ``biases`` [num, dim/group_size] in
-    the compute dtype (the dtype of the output).
+    the compute dtype (the dtype of the output); the format as ``_extra_state`` (AffineFormatState).
     """
 
     def __init__(
@@ -40,7 +40,22 @@ class QuantEmbedding(nn.Module):
         return module
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: int64 or int32, each in [0, num_embeddings), as nn.Embedding takes them (other
+        dtypes raise RuntimeError and ids out of range IndexError, as there; tensor indexing would
+        otherwise wrap negative ids and read a bool tensor as a mask)."""
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise RuntimeError(f"QuantEmbedding: argument 'ids' must be an int64 or int32 tensor, got {ids.dtype}")
         flat = ids.reshape(-1)
+        if torch.compiler.is_compiling():  # no host sync inside a graph: a checking op instead
+            torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
+                                f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings})")
+        elif flat.numel() != 0:
+            lo, hi = torch.stack(torch.aminmax(flat)).tolist()  # one device sync
+            if lo < 0 or hi >= self.num_embeddings:
+                bad = lo if lo < 0 else hi
+                raise IndexError(
+                    f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings}), got {bad}"
+                )
         rows = torch.ops.torch_qmm.affine_dequantize(
             self.qweight[flat], self.scales[flat], self.biases[flat], self.bits, self.group_size
         )

@@ -1,0 +1,50 @@
+"""The tokenizer a GGUF file describes, written as transformers tokenizer files.
+
+A GGUF file has no tokenizer.json: it carries the vocabulary, merges, token types, special token
+ids and chat template as tokenizer.ggml.* / tokenizer.chat_template metadata. transformers builds
+a fast tokenizer from that metadata (AutoTokenizer.from_pretrained(..., gguf_file=...), its
+integrations/gguf), and its save_pretrained writes the files AutoTokenizer and mlx_lm.load read
+(tokenizer.json, tokenizer_config.json, chat_template.jinja). This module only calls those.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+from .gguf import GGUFFile
+
+_MODEL_KEY = "tokenizer.ggml.model"
+
+
+def save_gguf_tokenizer(gguf: str | os.PathLike | GGUFFile, folder: str | os.PathLike) -> list[str]:
+    """Writes the tokenizer of `gguf` into `folder` (which must exist); returns the file names written.
+
+    A file without tokenizer metadata, or with a tokenizer transformers cannot build, gets a
+    warning and no files (the weights are still usable, but AutoTokenizer and mlx_lm.load need
+    tokenizer files: copy the original model's).
+    """
+    f = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
+    folder = Path(folder)
+    kind = f.get_metadata(_MODEL_KEY)
+    if kind is None:
+        warnings.warn(f"{f.path}: no {_MODEL_KEY} metadata, so no tokenizer files were written to {folder}; "
+                      "AutoTokenizer and mlx_lm.load need them (copy the original model's)", stacklevel=2)
+        return []
+    from transformers import AutoTokenizer
+
+    # The file alone, in a folder of its own: from_pretrained also reads tokenizer_config.json
+    # from the folder it is given, and the GGUF's folder may hold another model's.
+    with tempfile.TemporaryDirectory() as tmp:
+        link = Path(tmp) / "model.gguf"
+        link.symlink_to(f.path.resolve())
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=link.name, local_files_only=True)
+        except (ValueError, KeyError, IndexError, TypeError, OSError) as e:
+            warnings.warn(f"{f.path}: transformers cannot build its {kind!r} tokenizer ({type(e).__name__}: {e}), "
+                          f"so no tokenizer files were written to {folder}; AutoTokenizer and mlx_lm.load need them "
+                          "(copy the original model's)", stacklevel=2)
+            return []
+    return sorted(Path(p).name for p in tokenizer.save_pretrained(folder))

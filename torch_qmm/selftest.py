@@ -1,0 +1,443 @@
+"""`python -m torch_qmm selftest`: every kernel route on small shapes against the float64 reference.
+
+    python -m torch_qmm selftest                          # mps when present, else cpu
+    python -m torch_qmm selftest --device mps --json selftest.json   # the first run on a Mac
+    python -m torch_qmm selftest --device metalsim        # the Metal kernels on metalsim (clang-19)
+    python -m torch_qmm selftest --bits 4 --group-sizes 64 --dtypes float16   # a smaller run
+
+Cases: each row of the planner's routing table (torch.ops.torch_qmm._routes, csrc/plan.cpp) x
+bits x group size x dtype (affine qmm, quantize, dequantize), and each GGUF route x native type
+x dtype, on an aligned shape (dimensions multiples of every tile and K-block) and an unaligned
+one (odd N or K, partial tiles) where the route takes it; M for a route is found by asking the
+planner, so a new route gets cases without editing this file, and a route no probe shape
+reaches is reported as a failed case. Weights are made by the float64 oracle
+(torch_qmm/reference.py), GGUF blocks decoded by the gguf package; qmm results must meet
+torch_qmm/tolerance.py's rule, quantize must equal reference.quantize bit for bit.
+
+Prints one row per case, writes a JSON report (--json: `cases` with route, kernel, shapes, ok,
+error, max error and bound; `environment`), exits 1 if any case failed, 2 if the device is
+missing. The kernel recorded is the one that ran: metalsim's launch, the CPU route on cpu; on mps
+the planner's kernel (what the MPS executor launches for that plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from . import reference
+from .tolerance import error_bound
+
+DEVICES = ("mps", "metalsim", "cpu")
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Probe M values: the aligned shapes take whole tiles (powers of two), the unaligned ones the
+# smallest M of a route (its partial row tile). The first M the planner sends to a route is used.
+ALIGNED_MS = (1, 2, 4, 8, 16, 32, 64)
+UNALIGNED_MS = (1, 2, 3, 5, 7, 9, 13, 17, 33)
+# Aligned: N and K multiples of every tile width (8, 32), K-block (qmv: 256 or 512) and group size.
+ALIGNED_NK = (128, 512)
+GGUF_UNALIGNED_NK = (37, 768)  # odd N; K = 3 super-blocks (loop tails of the lane teams)
+
+_ops = torch.ops.torch_qmm
+
+
+@dataclasses.dataclass
+class Case:
+    op: str  # qmm | quantize | dequantize | gguf_qmm
+    route: str  # the routing-table row the shape was chosen to reach
+    variant: str  # aligned | unaligned
+    M: int
+    N: int
+    K: int
+    dtype: str
+    bits: Optional[int] = None
+    group_size: Optional[int] = None
+    transpose: Optional[bool] = None
+    ggml_type: Optional[str] = None
+    planned_kernel: str = ""  # what the planner names for this problem
+    kernel: str = ""  # what ran (see module doc)
+    ok: bool = False
+    error: Optional[str] = None
+    max_error: Optional[float] = None  # max |result - reference|
+    bound: Optional[float] = None  # the allowed error at the worst element (max error / bound ratio)
+    worst_ratio: Optional[float] = None  # max |error| / bound over elements (<= 1 passes)
+    seconds: float = 0.0
+
+    def label(self) -> str:
+        if self.op == "gguf_qmm":
+            return f"{self.ggml_type} {self.dtype}"
+        t = "" if self.transpose is None else (" T" if self.transpose else " N")
+        return f"b{self.bits} gs{self.group_size} {self.dtype}{t}"
+
+
+# ---- which cases ----------------------------------------------------------------------------------
+
+def _plan_route(op: str, M: int, N: int, K: int, bits: int, gs: int, dtype, transpose: bool) -> tuple[str, str]:
+    (launch,) = json.loads(_ops._plan(op, M, N, K, bits, gs, dtype, transpose))
+    return launch["route"], launch["kernel"]
+
+
+def _gguf_plan_route(M: int, N: int, K: int, ggml_type: int, dtype) -> tuple[str, str]:
+    (launch,) = json.loads(_ops._plan_gguf(M, N, K, ggml_type, dtype))
+    return launch["route"], launch["kernel"]
+
+
+def _affine_probes(op: str, gs: int) -> list[tuple[str, bool, int, int, tuple]]:
+    """(variant, transpose, N, K, Ms) shapes to try: transpose=True quantizes along K (any N),
+    transpose=False along N (any K); quantize/dequantize have rows N and columns K."""
+    aligned_n, aligned_k = ALIGNED_NK
+    probes = [("aligned", True, aligned_n, aligned_k, ALIGNED_MS), ("unaligned", True, 37, 3 * gs, UNALIGNED_MS)]
+    if op == "qmm":
+        probes += [("aligned", False, aligned_n, aligned_k, ALIGNED_MS),
+                   ("unaligned", False, 3 * gs, 45, UNALIGNED_MS)]
+    return probes
+
+
+def native_gguf_types() -> dict[str, int]:
+    """GGUF types with Metal/CPU kernels of their own (the planner accepts them): name -> ggml type."""
+    from gguf import GGMLQuantizationType
+
+    found = {}
+    for t in GGMLQuantizationType:
+        try:
+            _ops._plan_gguf(1, 8, 256, int(t), torch.float32)
+        except (ValueError, RuntimeError):
+            continue
+        found[t.name] = int(t)
+    return found
+
+
+def cases(bits=BITS, group_sizes=GROUP_SIZES, dtypes=tuple(DTYPES), routes: Optional[set] = None,
+          gguf_types: Optional[set] = None) -> list[Case]:
+    table = json.loads(_ops._routes())
+    out: list[Case] = []
+    for r in table:
+        route, op = r["route"], r["op"]
+        if routes is not None and route not in routes:
+            continue
+        if op == "gguf_qmm":
+            for tname, tid in native_gguf_types().items():
+                if gguf_types is not None and tname not in gguf_types:
+                    continue
+                for dname in dtypes:
+                    out += _reach(route, [
+                        (v, N, K, Ms, lambda M, N, K, d=DTYPES[dname], t=tid: _gguf_plan_route(M, N, K, t, d),
+                         dict(op=op, dtype=dname, ggml_type=tname))
+                        for v, (N, K), Ms in (("aligned", ALIGNED_NK, ALIGNED_MS),
+                                               ("unaligned", GGUF_UNALIGNED_NK, UNALIGNED_MS))])
+            continue
+        for b in bits:
+            for gs in group_sizes:
+                for dname in dtypes:
+                    probes = []
+                    for v, transpose, N, K, Ms in _affine_probes(op, gs):
+                        plan = (lambda M, N, K, t=transpose, d=DTYPES[dname]:
+                                _plan_route(op, M, N, K, b, gs, d, t))
+                        probes.append((v, N, K, Ms if op == "qmm" else (0,), plan,
+                                       dict(op=op, dtype=dname, bits=b, group_size=gs,
+                                            transpose=transpose if op == "qmm" else None)))
+                    out += _reach(route, probes)
+    return out
+
+
+def _reach(route: str, probes: list) -> list[Case]:
+    """One case per variant: the first probe shape and M the planner sends to `route`."""
+    found: dict[str, Case] = {}
+    for variant, N, K, Ms, plan, fields in probes:
+        if variant in found:
+            continue
+        for M in Ms:
+            got, kernel = plan(M, N, K)
+            if got == route:
+                found[variant] = Case(route=route, variant=variant, M=M, N=N, K=K, planned_kernel=kernel, **fields)
+                break
+    if not found:
+        fields = probes[0][-1] if probes else {}
+        c = Case(route=route, variant="-", M=0, N=0, K=0, **({"op": "?", "dtype": "?"} | fields))
+        c.error = f"no probe shape reaches route {route} (selftest's probe shapes need one for it)"
+        return [c]
+    return list(found.values())
+
+
+# ---- running one case -------------------------------------------------------------------------------
+
+def _weights(rows: int, cols: int, dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random rows of different scales, plus the groups that stress quantization (constant, zero,
+    one dominant negative extreme, a single non-zero value)."""
+    w = torch.randn(rows, cols, generator=gen, dtype=torch.float64) * (0.5 + torch.rand(rows, 1, generator=gen,
+                                                                                          dtype=torch.float64))
+    if rows >= 4 and cols >= 32:
+        w[0, :32] = 0.75
+        w[1, :32] = 0.0
+        w[2, :32] = torch.linspace(-5.0, 1.0, 32, dtype=torch.float64)
+        w[3, :32] = 0.0
+        w[3, 7] = -2.5
+    return w.to(dtype)
+
+
+def _compare(case: Case, y: torch.Tensor, y_ref: torch.Tensor, magnitude: torch.Tensor, dtype) -> None:
+    if y.dtype != dtype or tuple(y.shape) != tuple(y_ref.shape):
+        raise AssertionError(f"result {y.dtype} {tuple(y.shape)}, expected {dtype} {tuple(y_ref.shape)}")
+    err = (y.detach().cpu().to(torch.float64) - y_ref).abs()
+    bound = error_bound(y_ref, magnitude, dtype)
+    ratio = err / bound
+    case.max_error = err.max().item() if err.numel() else 0.0
+    if err.numel():
+        worst = int(torch.nan_to_num(ratio, nan=float("inf")).argmax())
+        case.worst_ratio = ratio.reshape(-1)[worst].item()
+        case.bound = bound.reshape(-1)[worst].item()
+    else:
+        case.worst_ratio, case.bound = 0.0, 0.0
+    case.ok = bool(torch.isfinite(y.detach().cpu().float()).all()) and case.worst_ratio <= 1.0
+    if not case.ok:
+        case.error = (f"error {case.max_error:.3e} exceeds the {case.dtype} tolerance "
+                      f"(worst error/bound {case.worst_ratio:.3g})")
+
+
+class _Runner:
+    """Moves inputs to the device, runs an op, says which kernel ran."""
+
+    def __init__(self, device: str, check: bool = False):
+        self.device = device
+        self.check = check
+
+    def run(self, case: Case, call: Callable[[], object], cpu_route: Callable[[], str]):
+        if self.device == "metalsim":
+            from .metalsim_backend import backend, last_launches
+
+            with backend(check=self.check):
+                out = call()
+            launches = last_launches()
+            case.kernel = ",".join(l.kernel for l in launches)
+            ran = [l.route for l in launches]
+            if ran != [case.route]:
+                raise AssertionError(f"ran route(s) {ran}, the case was planned for {case.route}")
+            return out
+        out = call()
+        if self.device == "mps":
+            torch.mps.synchronize()
+            case.kernel = case.planned_kernel
+        else:
+            case.kernel = cpu_route()
+        return out
+
+    def to(self, *tensors):
+        target = "cpu" if self.device == "metalsim" else self.device
+        return [t.to(target) for t in tensors]
+
+
+def run_case(case: Case, runner: _Runner, seed: int) -> Case:
+    from .ops import dequantize, gguf_matmul, quantize, quantized_matmul
+
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    dtype = DTYPES.get(case.dtype)
+    try:
+        if case.error is not None:
+            return case
+        if case.op == "gguf_qmm":
+            _run_gguf(case, runner, gen, dtype, gguf_matmul)
+        elif case.op == "quantize":
+            w = _weights(case.N, case.K, dtype, gen)
+            want = reference.quantize(w, case.bits, case.group_size)
+            (wd,) = runner.to(w)
+            got = runner.run(case, lambda: quantize(wd, group_size=case.group_size, bits=case.bits), lambda: "cpu quantize")
+            got = [t.cpu() for t in got]
+            same = (torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+                    and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]))
+            w_got = reference.dequantize(*got, case.bits, case.group_size)
+            w_want = reference.dequantize(*want, case.bits, case.group_size)
+            case.max_error, case.bound, case.worst_ratio = (w_got - w_want).abs().max().item(), 0.0, None
+            case.ok = same
+            if not same:
+                case.error = "quantize differs from reference.quantize (must be bit-exact)"
+        else:
+            rows, cols = (case.N, case.K) if case.transpose in (None, True) else (case.K, case.N)
+            wq, s, b = reference.quantize(_weights(rows, cols, dtype, gen), case.bits, case.group_size)
+            if case.op == "dequantize":
+                w_ref = reference.dequantize(wq, s, b, case.bits, case.group_size)
+                scaled = reference.unpack(wq, case.bits).double() * s.double().repeat_interleave(case.group_size, -1)
+                magnitude = scaled.abs() + b.double().repeat_interleave(case.group_size, -1).abs()
+                dev = runner.to(wq, s, b)
+                y = runner.run(case, lambda: dequantize(*dev, group_size=case.group_size, bits=case.bits),
+                               lambda: "cpu dequantize")
+                _compare(case, y.cpu(), w_ref, magnitude, dtype)
+            else:
+                x = torch.randn(case.M, case.K, generator=gen).to(dtype)
+                y_ref = reference.qmm(x, wq, s, b, case.bits, case.group_size, case.transpose)
+                magnitude = reference.qmm_magnitude(x, wq, s, b, case.bits, case.group_size, case.transpose)
+                dev = runner.to(x, wq, s, b)
+                y = runner.run(case, lambda: quantized_matmul(*dev, transpose=case.transpose, group_size=case.group_size,
+                                                              bits=case.bits),
+                               lambda: _ops._cpu_route(x, wq, s, b, case.bits, case.group_size, case.transpose))
+                _compare(case, y.cpu(), y_ref, magnitude, dtype)
+    except Exception as e:  # a failing kernel is a result, not the end of the run
+        case.ok = False
+        text = str(e).strip()
+        case.error = f"{type(e).__name__}: {text.splitlines()[0] if text else repr(e)}"
+    finally:
+        case.seconds = round(time.perf_counter() - t0, 4)
+    return case
+
+
+def _run_gguf(case: Case, runner: _Runner, gen, dtype, gguf_matmul) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gguf_quants
+
+    from .bench.kernels import _rand_gguf
+
+    tid = int(GGMLQuantizationType[case.ggml_type])
+    blocks = _rand_gguf(case.N, case.K, case.ggml_type, "cpu", gen)
+    w = torch.from_numpy(gguf_quants.dequantize(blocks.numpy(), GGMLQuantizationType(tid))).double()
+    x = torch.randn(case.M, case.K, generator=gen).to(dtype)
+    xd = x.double()
+    xs, bs = runner.to(x, blocks)
+    y = runner.run(case, lambda: gguf_matmul(xs, bs, tid, case.N, case.K),
+                   lambda: _ops._gguf_cpu_route(x, blocks, tid, case.N, case.K))
+    _compare(case, y.cpu(), xd @ w.T, xd.abs() @ w.abs().T, dtype)
+
+
+# ---- report -------------------------------------------------------------------------------------------
+
+def environment(device: str) -> dict:
+    from .bench.report import git_commit
+
+    env = {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+        "macos": platform.mac_ver()[0] or None,
+        "machine": platform.machine(),
+        "processor": _processor(),
+        "mps_available": torch.backends.mps.is_available(),
+        "mps_built": torch.backends.mps.is_built(),
+        "commit": git_commit(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "argv": sys.argv[1:],
+    }
+    if device == "metalsim":
+        from .metalsim import _build
+
+        try:
+            env["clang"] = _build.find_clang()
+        except RuntimeError as e:
+            env["clang"] = str(e)
+    return env
+
+
+def _processor() -> str:
+    if sys.platform == "darwin":
+        import subprocess
+
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                 timeout=10).stdout.strip()
+            if out:
+                return out  # "Apple M2 Pro": names the GPU generation too
+        except (OSError, subprocess.SubprocessError):
+            pass
+    from .bench.report import _cpu_name
+
+    return _cpu_name()
+
+
+def format_row(c: Case) -> list[str]:
+    ratio = "-" if c.worst_ratio is None else f"{c.worst_ratio:.3f}"
+    return [c.route, c.variant, c.label(), f"{c.M}x{c.N}x{c.K}", c.kernel or c.planned_kernel or "-",
+            f"{c.max_error:.2e}" if c.max_error is not None else "-", ratio, "ok" if c.ok else "FAIL"]
+
+
+def device_problem(device: str) -> Optional[str]:
+    """Why `device` cannot run here, or None."""
+    if device == "mps" and not torch.backends.mps.is_available():
+        return ("--device mps: torch.backends.mps.is_available() is False (needs Apple silicon, macOS 14+, a torch "
+                f"built with MPS; this torch {torch.__version__} on {platform.system()} {platform.machine()})")
+    if device == "metalsim":
+        from .metalsim import _build
+
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return f"--device metalsim: metalsim runs on x86-64 only (this machine: {platform.machine()})"
+        try:
+            _build.find_clang()
+        except RuntimeError as e:
+            return f"--device metalsim: {e}"
+    return None
+
+
+def _csv(kind, choices):
+    def parse(text: str):
+        items = [kind(t) for t in text.split(",") if t.strip()]
+        bad = [i for i in items if i not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {list(choices)}, got {text!r}")
+        return tuple(items)
+
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    default = "mps" if torch.backends.mps.is_available() else "cpu"
+    p.add_argument("--device", choices=DEVICES, default=default,
+                   help=f"mps (our Metal kernels on the GPU), metalsim (the same kernels on the emulator), cpu "
+                        f"(the C++ kernels); default here: {default}")
+    p.add_argument("--json", type=Path, metavar="FILE", help="write the report (cases + environment) to FILE")
+    p.add_argument("--bits", type=_csv(int, BITS), default=BITS, help="e.g. 4,8 (default: all)")
+    p.add_argument("--group-sizes", type=_csv(int, GROUP_SIZES), default=GROUP_SIZES, help="e.g. 64 (default: all)")
+    p.add_argument("--dtypes", type=_csv(str, tuple(DTYPES)), default=tuple(DTYPES), help="e.g. float16,bfloat16 (default: all)")
+    p.add_argument("--routes", type=lambda t: set(t.split(",")), default=None,
+                   help="routing-table rows to run (default: all; names: torch.ops.torch_qmm._routes())")
+    p.add_argument("--check", action="store_true", help="metalsim only: checked mode (out-of-bounds, races, ...)")
+    p.add_argument("--failures-only", action="store_true", help="print only the failed cases")
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = device_problem(args.device)
+    if problem:
+        print(f"selftest: {problem}", file=sys.stderr)
+        return 2
+    if args.check and args.device != "metalsim":
+        print("selftest: --check is for --device metalsim", file=sys.stderr)
+        return 2
+    if args.routes is not None:
+        known = {r["route"] for r in json.loads(_ops._routes())}
+        if args.routes - known:
+            print(f"selftest: --routes: unknown {sorted(args.routes - known)}; routes are {sorted(known)}",
+                  file=sys.stderr)
+            return 2
+    t0 = time.perf_counter()
+    todo = cases(args.bits, args.group_sizes, args.dtypes, args.routes)
+    runner = _Runner(args.device, check=args.check)
+    rows = [["route", "shape", "cell", "MxNxK", "kernel", "max err", "err/bound", ""]]
+    done = []
+    for i, case in enumerate(todo):
+        done.append(run_case(case, runner, seed=i))
+        if not (args.failures_only and case.ok):
+            rows.append(format_row(case))
+    from .bench.report import text_table
+
+    failed = [c for c in done if not c.ok]
+    seconds = time.perf_counter() - t0
+    if len(rows) > 1:
+        print(text_table(rows, "err/bound: worst |error| / allowed error (torch_qmm/tolerance.py); <= 1 passes"))
+    for c in failed:
+        print(f"FAIL {c.route} {c.variant} {c.label()} M={c.M} N={c.N} K={c.K}: {c.error}")
+    print(f"selftest on {args.device}: {len(done)} cases, {len(failed)} failed, {seconds:.1f} s")
+    if args.json:
+        doc = {"environment": environment(args.device),
+               "summary": {"cases": len(done), "failed": len(failed), "seconds": round(seconds, 2)},
+               "cases": [dataclasses.asdict(c) for c in done]}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+        print(f"report: {args.json}")
+    return 1 if failed else 0
