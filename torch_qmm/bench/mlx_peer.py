@@ -1,8 +1,7 @@
 """The MLX peer of the kernel benchmark, timed in a process of its own.
 
 MLX's CPU worker threads keep spinning after a call, so timing MLX in the benchmark's process
-slowed every other implementation (torch_qmm's M=1 median rose from ~0.35 ms to 1-7 ms). The
-benchmark therefore never imports mlx: it times everything else first, then runs this module as
+would slow every other implementation timed next to it. The benchmark therefore never imports mlx: it times everything else first, then runs this module as
 a child process (`python -m torch_qmm.bench.mlx_peer`, JSON on stdin and stdout) while it waits
 idle, and merges the times. Each config is timed as in the parent (weight copies cycled past the
 last-level cache, warm-up, median of rounds, kernels.time_impls).
