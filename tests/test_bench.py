@@ -136,3 +136,57 @@ def test_bench_model_accepts_a_transformers_folder(tmp_path):
     assert result["layers_quantized"] == 8 and result["bytes_after"] < result["bytes_before"]
     for t in result["by_tokens"].values():
         assert t["quantized_ms"] > 0 and 0 <= t["rel_error"] < 0.5
+
+
+def test_bench_times_mlx_in_its_own_process_and_records_how(tmp_path):
+    """MLX's worker threads keep spinning after a call: it is timed in a child process after the
+    in-process peers, and the JSON says so; the parent never imports mlx."""
+    import sys
+
+    pytest = __import__("pytest")
+    pytest.importorskip("mlx.core")
+    had_mlx = "mlx.core" in sys.modules
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--device", "cpu", "--shapes", "64x256", "--m", "1,32", "--bits", "4", "--dtype", "float32",
+               "--repeats", "2", "--peers", "linear_float32,mlx", "--mlx-max-m", "16", "--output", str(out)])
+    assert rc == 0
+    assert had_mlx or "mlx.core" not in sys.modules
+    doc = json.loads(out.read_text())
+    assert "separate child process" in doc["isolation"]["mlx"]
+    m1, m32 = doc["results"]
+    assert m1["times_ms"]["mlx"] > 0 and math.isfinite(m1["speedup_vs"]["mlx"])
+    assert "mlx" not in m32["times_ms"] and "--mlx-max-m" in m32["skipped"]["mlx"]
+    assert all(isinstance(r["load_average"], float) for r in doc["results"])
+    assert "load_average_end" in doc["machine"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_bench_model_draws_its_plot_and_explains_the_error(tmp_path, capsys):
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps({"dim": 128, "hidden": 256, "layers": 1, "heads": 4, "vocab": 256}))
+    out = tmp_path / "model_result.json"
+    assert main(["bench", "--device", "cpu", "--model", str(cfg), "--repeats", "2", "--output", str(out)]) == 0
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "against the same model unquantized" in capsys.readouterr().out
+
+
+def test_bench_bad_values_are_usage_errors(tmp_path, capsys):
+    import pytest
+
+    for argv, message in [(["--shapes", "12x"], "expected N x K shapes"), (["--m", "0"], "positive integers"),
+                          (["--bits", "7"], "expected bit widths"), (["--peers", "foo"], "comma-separated list of"),
+                          (["--repeats", "0"], "positive integers")]:
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--device", "cpu", *argv])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_model_config_file_is_checked(tmp_path, capsys):
+    for fields, message in [({"dim": 0}, "field 'dim' must be a positive integer, got 0"),
+                            ({"heads": 3}, "must be a multiple of 'heads' = 3"), ({"depth": 2}, "unknown ModelConfig")]:
+        cfg = tmp_path / "model.json"
+        cfg.write_text(json.dumps(fields))
+        assert main(["bench", "--device", "cpu", "--model", str(cfg), "--output", str(tmp_path / "o.json")]) == 1
+        err = capsys.readouterr().err
+        assert message in err and str(cfg) in err

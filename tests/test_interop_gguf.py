@@ -107,8 +107,7 @@ def test_unsupported_gguf_type_lists_the_supported_ones(tmp_path):
 
 def test_truncated_gguf_is_a_clear_error(gguf_file, tmp_path):
     data = gguf_file[0].read_bytes()
-    for cut, message in [(len(data) - 4096, "truncated or corrupt GGUF file"), (60, "truncated or corrupt GGUF file"),
-                         (20, "truncated GGUF file"), (3, "not a GGUF file")]:
+    for cut, message in [(len(data) - 4096, "truncated"), (60, "truncated"), (20, "truncated"), (3, "not a GGUF file")]:
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
         with pytest.raises(ValueError, match=message):
             GGUFFile(tmp_path / "cut.gguf")
@@ -129,5 +128,5 @@ def test_header_sizes_disagreeing_with_the_data_are_an_error(tmp_path):
     assert int.from_bytes(data[at:at + 4], "little") == 2
     data[at + 12:at + 20] = (400).to_bytes(8, "little")  # ne1 = N: 4 -> 400 rows
     (tmp_path / "a.gguf").write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="GGUF file"):
+    with pytest.raises(ValueError, match=r"a\.gguf: tensor 'only'.*truncated"):
         GGUFFile(tmp_path / "a.gguf")

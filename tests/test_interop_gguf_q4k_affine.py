@@ -140,11 +140,14 @@ def q4_k_gguf(tmp_path_factory):
 def test_convert_q4_k_gguf_to_mlx_is_exact_in_float32(q4_k_gguf, tmp_path, capsys):
     path, held = q4_k_gguf
     out = tmp_path / "mlx"
-    assert main(["convert", str(path), str(out), "--format", "mlx", "--bits", "8", "--group-size", "64"]) == 0
+    assert main(["convert", str(path), str(out), "--format", "mlx", "--requantize", "rest", "--bits", "8",
+                 "--group-size", "64"]) == 0
     text = capsys.readouterr().out
-    exact_line = next(line for line in text.splitlines() if line.strip().startswith("exact:"))
-    assert "model.layers.0.self_attn.q_proj" in exact_line and "model.embed_tokens" in exact_line
-    assert "NOT exact" not in text and "Q4_K layers as affine bits=4 group_size=32: 13/13 exact" in text
+    report = {line.split()[0]: line.split(None, 1)[1] for line in text.splitlines() if line.startswith("  ")}
+    assert report["model.layers.0.self_attn.q_proj"] == "lossless Q4_K -> affine b4 gs32"
+    assert report["model.embed_tokens"] == "lossless Q4_K -> affine b4 gs32"
+    assert report["model.layers.0.mlp.down_proj"] == "re-quantized Q6_K -> affine b8 gs64"
+    assert sum(v.startswith("lossless Q4_K") for v in report.values()) == 13 and "rounded" not in text
 
     default, overrides = parse_quantization(json.loads((out / "config.json").read_text()))
     assert (default.bits, default.group_size) == (4, 32)  # the Q4_K layers
@@ -176,8 +179,10 @@ def test_convert_q4_k_gguf_to_mlx_float16_says_not_exact(q4_k_gguf, tmp_path, ca
     out = tmp_path / "mlx16"
     assert main(["convert", str(path), str(out), "--format", "mlx", "--dtype", "float16"]) == 0
     text = capsys.readouterr().out
-    assert "NOT exact (scales/biases rounded to torch.float16; use --dtype float32 for exact)" in text
-    assert "(the others rounded: use --dtype float32)" in text
+    report = {line.split()[0]: line.split(None, 1)[1] for line in text.splitlines() if line.startswith("  ")}
+    assert report["model.layers.0.mlp.up_proj"] == "Q4_K scales rounded to float16 Q4_K -> affine b4 gs32"
+    assert "use --dtype float32 for exact Q4_K layers" in text
+    assert report["model.layers.0.mlp.down_proj"].startswith("decoded Q6_K -> float float16 (rounded")  # no --requantize
     weights = _read_mlx_weights(out)
     s = weights["model.layers.0.mlp.up_proj.scales"]
     assert s.dtype == torch.float16

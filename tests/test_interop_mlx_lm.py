@@ -383,12 +383,23 @@ def test_gguf_special_tokens_reach_both_folders_and_mlx_lm(gguf_model, gguf_mlx,
     assert tokenizer.eos_token_ids == {eos}
 
     out = tmp_path / "hf"  # GGUF -> transformers folder: the same tokenizer, generation_config has the ids
-    assert main(["convert", str(gguf_model[0]), str(out)]) == 0
+    assert main(["convert", str(gguf_model[0]), str(out), "--requantize", "all"]) == 0
     generation = json.loads((out / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (bos, eos, pad)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tokenizer(PROMPT).input_ids == tokenizer.encode(PROMPT)
     assert (hf_tokenizer.unk_token, hf_tokenizer.eos_token) == (tokens[unk], tokens[eos])
+
+
+def _add_llama_tensors(writer, vocab: int, hidden: int = 32, ffn: int = 64) -> None:
+    """The tensors of a one-block llama whose shapes agree with the metadata of _config_gguf
+    (llama_config_from_gguf checks the metadata against them)."""
+    writer.add_tensor("token_embd.weight", np.zeros((vocab, hidden), np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (hidden, hidden)), ("attn_v", (hidden, hidden)),
+                        ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                        ("ffn_down", (hidden, ffn)), ("attn_norm", (hidden,)), ("ffn_norm", (hidden,))]:
+        writer.add_tensor(f"blk.0.{name}.weight", np.zeros(shape, np.float32))
 
 
 def _config_gguf(path: Path, metadata: dict, vocab: int = 96, n_tokens: int | None = None) -> GGUFFile:
@@ -398,7 +409,7 @@ def _config_gguf(path: Path, metadata: dict, vocab: int = 96, n_tokens: int | No
         writer.add_uint32(key, value)
     if n_tokens is not None:
         writer.add_token_list([f"t{i}" for i in range(n_tokens)])
-    writer.add_tensor("token_embd.weight", np.zeros((vocab, 32), np.float32))
+    _add_llama_tensors(writer, vocab)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -444,7 +455,7 @@ def test_gguf_rotary_scaling_that_the_config_cannot_carry_warns(tmp_path):
     writer = GGUFWriter(str(tmp_path / "scaled.gguf"), "llama")
     for key, value in {"llama.block_count": 1, "llama.embedding_length": 32, "llama.attention.head_count": 2}.items():
         writer.add_uint32(key, value)
-    writer.add_tensor("token_embd.weight", np.zeros((96, 32), np.float32))
+    _add_llama_tensors(writer, 96)
     writer.add_tensor("rope_freqs.weight", np.array([1.0] * 4 + [8.0] * 4, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

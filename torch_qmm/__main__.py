@@ -9,27 +9,53 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
+
+from .cli_errors import exit_code, one_line
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "selftest": ("torch_qmm.selftest", "run every kernel route against the float64 reference; table + JSON report"),
     "demo": ("torch_qmm.demo", "quantize a small built-in model: error, memory saved, speed"),
     "bench": ("torch_qmm.bench", "benchmark affine_qmm against F.linear, int8/int4 packs and MLX; JSON + plot"),
-    "convert": ("torch_qmm.interop.cli_convert", "quantize a transformers folder or GGUF file (transformers or MLX output)"),
+    "convert": ("torch_qmm.interop.cli_convert",
+                "a transformers folder or GGUF file into a torch_qmm or MLX folder (GGUF: lossless where possible)"),
     "inspect": ("torch_qmm.interop.cli_inspect", "list a checkpoint's layers, formats and bytes (GGUF, safetensors, MLX)"),
 }
 
 
+_DEBUG_HELP = "on an error, print the full traceback instead of one line"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Runs one subcommand; returns its exit code: 0 done, 1 a bad input file or failed run, 2 a bad
+    argument (argparse's own usage errors exit with 2 through SystemExit)."""
     parser = argparse.ArgumentParser(prog="python -m torch_qmm", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
+    modules, parsers = {}, {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        parsers[name] = sub.add_parser(name, help=help_text, description=getattr(module, "DESCRIPTION", help_text),
+                                       formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(parsers[name])
+        parsers[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
         modules[name] = module
     args = parser.parse_args(argv)
-    return int(modules[args.command].run(args) or 0)
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except KeyboardInterrupt:  # partial outputs were already removed on the way out
+        if args.debug:
+            raise
+        print(f"{parsers[args.command].prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line per error; the traceback only when asked
+        if args.debug:
+            traceback.print_exc()
+        else:
+            hint = "" if isinstance(e, (ValueError, OSError)) else " (unexpected: re-run with --debug and report it)"
+            print(f"{parsers[args.command].prog}: error: {one_line(e)}{hint}", file=sys.stderr)
+        return exit_code(e)
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def quantize_model(
         if type(module) is nn.Linear and (filter_fn is None or filter_fn(name, module))
     ]
     summary = QuantizeSummary(converted=[], skipped={}, bytes_before=0, bytes_after=0)
-    show = progress if progress is not None else len(candidates) >= _PROGRESS_MIN_LAYERS
+    show = bool(candidates) and (progress if progress is not None else len(candidates) >= _PROGRESS_MIN_LAYERS)
     done: dict[int, QuantLinear] = {}  # id(original layer) -> its replacement
     for name, linear in tqdm(candidates, desc="quantizing", disable=not show, unit="layer"):
         why_not = _why_not_convertible(model, name, linear, owners, group_size)

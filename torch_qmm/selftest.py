@@ -394,7 +394,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, metavar="FILE", help="write the report (cases + environment) to FILE")
     p.add_argument("--bits", type=_csv(int, BITS), default=BITS, help="e.g. 4,8 (default: all)")
     p.add_argument("--group-sizes", type=_csv(int, GROUP_SIZES), default=GROUP_SIZES, help="e.g. 64 (default: all)")
-    p.add_argument("--dtypes", type=_csv(str, tuple(DTYPES)), default=tuple(DTYPES), help="e.g. float16,bfloat16")
+    p.add_argument("--dtypes", type=_csv(str, tuple(DTYPES)), default=tuple(DTYPES), help="e.g. float16,bfloat16 (default: all)")
     p.add_argument("--routes", type=lambda t: set(t.split(",")), default=None,
                    help="routing-table rows to run (default: all; names: torch.ops.torch_qmm._routes())")
     p.add_argument("--check", action="store_true", help="metalsim only: checked mode (out-of-bounds, races, ...)")

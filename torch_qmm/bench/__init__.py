@@ -8,24 +8,28 @@
 Kernel rows: kernels.py (Config -> Result, method); output: report.py; model: model.py;
 metalsim traffic (bytes per buffer vs compulsory, no time): metalsim_traffic.py.
 Peers in the same run: F.linear float32/float16/bfloat16, torch._weight_int8pack_mm,
-PyTorch's int4 weight-only matmul where the device has it, mlx.core.quantized_matmul when
-importable. Performance is reported, never asserted.
+PyTorch's int4 weight-only matmul where the device has it (all timed in this process, interleaved),
+and mlx.core.quantized_matmul when importable, timed in a child process of its own after the
+others (mlx_peer.py: MLX's spinning worker threads would slow them). Performance is reported,
+never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+from pathlib import Path
 
 import torch
 
+from ..cli_errors import UsageError
 from ..devices import best_device
-from . import metalsim_traffic
+from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from . import metalsim_traffic, mlx_peer
 from .kernels import Config, run_config
 from .model import format_model, run_model
 from .report import (copy_bandwidth_gbps, default_result_path, format_table, last_level_cache_bytes, machine_info,
-                     save_json, save_plot)
+                     save_json, save_model_plot, save_plot, write_json)
 
 # The seed's production shapes, out x in (N x K).
 SHAPES = ["4096x4096", "5120x5120", "14336x5120", "5120x14336", "27648x5120"]
@@ -36,37 +40,91 @@ QUICK = {"shapes": ["4096x4096"], "m": [1, 16, 128], "bits": [4], "dtype": ["bfl
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
-def _strs(text: str) -> list[str]:
-    return [v for v in text.split(",") if v]
+def _choices(allowed: list[str]):
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(allowed)}, got {text!r}")
+        return values
+    return parse
+
+
+def _bit_list(text: str) -> list[int]:
+    values = _ints(text)
+    if any(v not in SUPPORTED_BITS for v in values):
+        raise argparse.ArgumentTypeError(f"expected bit widths among {', '.join(map(str, SUPPORTED_BITS))}, got {text!r}")
+    return values
+
+
+def _shapes(text: str) -> list[str]:
+    shapes = [v for v in text.split(",") if v]
+    for shape in shapes:
+        parts = shape.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"expected N x K shapes like 4096x4096, got {shape!r}")
+    if not shapes:
+        raise argparse.ArgumentTypeError("expected at least one N x K shape")
+    return shapes
+
+
+def _positive(text: str) -> int:
+    value = _ints(text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return value[0]
+
+
+PEERS = ["linear_float32", "linear_float16", "linear_bfloat16", "int8pack", "int4pack", "mlx"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, mps, cuda, metalsim (default: the best present)")
-    parser.add_argument("--quick", action="store_true", help="a small subset (one shape, M in 1/16/128, 4-bit)")
-    parser.add_argument("--shapes", type=_strs, default=None, help=f"N x K list (default {','.join(SHAPES)})")
-    parser.add_argument("--m", type=_ints, default=None, help=f"rows of x (default {','.join(map(str, MS))})")
-    parser.add_argument("--bits", type=_ints, default=None, help="default 4,8")
-    parser.add_argument("--dtype", type=_strs, default=None, help="default float32,float16,bfloat16")
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--gguf", type=_strs, default=None,
+    parser.add_argument("--quick", action="store_true",
+                        help="a small subset: shape 4096x4096, M 1/16/128, 4-bit, bfloat16")
+    parser.add_argument("--shapes", type=_shapes, default=None, help=f"N x K list (default: {','.join(SHAPES)})")
+    parser.add_argument("--m", type=_ints, default=None,
+                        help=f"rows of x, comma-separated (default: {','.join(map(str, MS))})")
+    parser.add_argument("--bits", type=_bit_list, default=None,
+                        help=f"bit widths, comma-separated, of {','.join(map(str, SUPPORTED_BITS))} "
+                             f"(default: {','.join(map(str, BITS))}; --model: the first, default 4)")
+    parser.add_argument("--dtype", type=_choices(DTYPES), default=None,
+                        help=f"dtypes of x, scales and biases, comma-separated (default: {','.join(DTYPES)}; "
+                             "--model: float32)")
+    parser.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=64,
+                        help="weights per scale/bias (default: %(default)s)")
+    parser.add_argument("--gguf", type=_choices(["Q4_K", "Q6_K"]), default=None,
                         help="native GGUF types (Q4_K, Q6_K): time gguf_qmm on random blocks instead of "
                              "affine_qmm (--bits ignored)")
-    parser.add_argument("--peers", type=_strs, default=None,
-                        help="only these peers (linear_float32, linear_float16, linear_bfloat16, int8pack, "
-                             "int4pack, mlx); default all")
+    parser.add_argument("--peers", type=_choices(PEERS), default=None,
+                        help=f"only these peers, comma-separated, of {', '.join(PEERS)} (default: all)")
     parser.add_argument("--float32-precision", choices=["highest", "high", "medium"], default=None,
                         help="torch.set_float32_matmul_precision for the run (all implementations; "
                              "default: leave as is). torch_qmm's CPU 4-bit M=1 kernel then keeps float32 x "
                              "as 2 (high) or 1 (medium) bfloat16 terms instead of 3")
-    parser.add_argument("--repeats", type=int, default=10, help="timed rounds (fewer for slow calls)")
-    parser.add_argument("--mlx-max-m", type=int, default=16, help="time MLX only up to this M (slow on CPU)")
+    parser.add_argument("--repeats", type=_positive, default=10,
+                        help="timed rounds per config (fewer for calls slower than 2 s; default: %(default)s)")
+    parser.add_argument("--mlx-max-m", type=_positive, default=16,
+                        help="time MLX only up to this M: its CPU quantized_matmul takes seconds per call beyond "
+                             "(default: %(default)s)")
     parser.add_argument("--model", nargs="?", const="tiny", default=None, metavar="CONFIG_OR_PATH",
-                        help="model benchmark instead: 'tiny', a JSON file of ModelConfig fields, or a transformers model folder")
-    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/<tag>-<device>-<time>.json)")
-    parser.add_argument("--no-plot", action="store_true")
+                        help="model benchmark instead: 'tiny' (the default when no value is given), a JSON file of "
+                             "ModelConfig fields, or a transformers model folder; reports forward times at M=1 and "
+                             "M=128, weight memory, and the relative error ||y_q - y|| / ||y|| of the quantized "
+                             "model's logits against the same model unquantized in the same dtype")
+    parser.add_argument("--output", default=None,
+                        help="JSON path (default: benchmarks/results/<tag>-<device>-<time>.json; the plot is "
+                             "written next to it as .png)")
+    parser.add_argument("--no-plot", action="store_true", help="do not draw the .png plot")
     parser.add_argument("--full", action="store_true",
                         help=f"--device metalsim: the seed shapes at full size (default: N, K / {metalsim_traffic.SCALE})")
 
@@ -93,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_float32_matmul_precision(args.float32_precision)
     if device == "metalsim":  # byte counts instead of time: metalsim_traffic.py
         return metalsim_traffic.run(args, SHAPES, MS, QUICK)
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"argument --device: {device!r} is not a usable device here ({' '.join(str(e).split())[:200]})")
     copy_gbps = copy_bandwidth_gbps(device)
     info = machine_info(device, copy_gbps)
     print(f"{info['processor']} ({info['cpu_threads']} threads), {info['os']}, torch {info['torch']}, "
@@ -101,41 +163,77 @@ def run(args: argparse.Namespace) -> int:
     load = info["load_average"]
     if device == "cpu" and load is not None and load > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {load} on {os.cpu_count()} CPUs: other processes share the cores and "
-              f"times will be noisy (see min_ms in the JSON)")
+              f"times will be noisy (see min_ms and load_average in the JSON)")
 
     if args.model is not None:
-        dtypes = args.dtype or ["float32"]
-        results = [run_model(args.model, device, getattr(torch, d), (args.bits or [4])[0], args.group_size,
-                             max(1, args.repeats // 2)) for d in dtypes]
-        for r in results:
-            print(format_model(r))
-        path = default_result_path(device, "model") if args.output is None else args.output
-        save_json_path = __import__("pathlib").Path(path)
-        save_json_path.parent.mkdir(parents=True, exist_ok=True)
-        save_json_path.write_text(json.dumps({"machine": info, "models": results}, indent=1))
-        print(f"saved {save_json_path}")
-        return 0
+        return _run_model(args, device, info)
 
     cache = last_level_cache_bytes()
     peer_ok = (lambda p: p in args.peers) if args.peers else (lambda p: True)
     peer_cache: dict = {}
     results = []
     for cfg in configs(args, device):
-        r = run_config(cfg, args.repeats, cache, peer_ok, peer_cache, mlx_max_m=args.mlx_max_m)
+        r = run_config(cfg, args.repeats, cache, peer_ok, peer_cache)
         results.append(r)
-        sp = ", ".join(f"{p} {v:.2f}x" for p, v in r.speedups().items())
         print(f"  {cfg.n}x{cfg.k} M={cfg.m} {cfg.label} {cfg.dtype}: {r.times_ms['torch_qmm']:.3f} ms "
-              f"({r.gbps():.1f} GB/s); {sp}", flush=True)
+              f"({r.gbps():.1f} GB/s); {_speedups(r)}", flush=True)
+    if peer_ok("mlx"):
+        _add_mlx(results, args, cache)
     skipped = {p: why for r in results for p, why in r.skipped.items()}
     print()
     print(format_table(results, copy_gbps))
     for p, why in skipped.items():
         print(f"  peer {p} not run: {why}")
-    from pathlib import Path
-
     path = Path(args.output) if args.output else default_result_path(device, "quick" if args.quick else "kernels")
-    save_json(path, info, results)
+    info["load_average_end"] = machine_info(device, copy_gbps)["load_average"]
+    save_json(path, info, results, extra={"isolation": {"in_process": "torch_qmm and the F.linear / int8pack / "
+                                                                      "int4pack peers, interleaved round by round",
+                                                        "mlx": mlx_peer.ISOLATION}})
     print(f"saved {path}")
     if not args.no_plot:
         print(save_plot(path.with_suffix(".png"), results, info))
+    return 0
+
+
+def _speedups(r) -> str:
+    return ", ".join(f"{p} {v:.2f}x" for p, v in r.speedups().items())
+
+
+def _add_mlx(results: list, args: argparse.Namespace, cache: int) -> None:
+    """Times MLX for the eligible configs in a child process (mlx_peer.py) and merges the times."""
+    eligible = []
+    for r in results:
+        c = r.config
+        if c.fmt != "affine":
+            continue
+        if c.m > args.mlx_max_m:
+            r.skipped["mlx"] = f"M > {args.mlx_max_m} (--mlx-max-m): MLX's CPU quantized_matmul takes seconds per call"
+        else:
+            eligible.append(r)
+    if not eligible:
+        return
+    print(f"timing mlx for {len(eligible)} configs in a separate process ...", flush=True)
+    for r, out in zip(eligible, mlx_peer.time_in_child([r.config for r in eligible], args.repeats, cache)):
+        if "skipped" in out:
+            r.skipped["mlx"] = out["skipped"]
+            continue
+        r.times_ms["mlx"], r.min_ms["mlx"] = out["stats"]["median"], out["stats"]["min"]
+        r.samples["mlx"], r.weight_bytes["mlx"] = out["stats"]["samples"], out["bytes"]
+        print(f"  {r.config.n}x{r.config.k} M={r.config.m} {r.config.label} {r.config.dtype}: mlx "
+              f"{r.times_ms['mlx']:.3f} ms ({r.speedups()['mlx']:.2f}x)", flush=True)
+
+
+def _run_model(args: argparse.Namespace, device: str, info: dict) -> int:
+    dtypes = args.dtype or ["float32"]
+    bits = (args.bits or [4])[0]
+    results = [run_model(args.model, device, getattr(torch, d), bits, args.group_size, max(1, args.repeats // 2))
+               for d in dtypes]
+    for r in results:
+        print(format_model(r))
+    path = Path(default_result_path(device, "model") if args.output is None else args.output)
+    info["load_average_end"] = machine_info(device, info["copy_gbps"])["load_average"]
+    write_json(path, {"machine": info, "models": results})
+    print(f"saved {path}")
+    if not args.no_plot:
+        print(save_model_plot(path.with_suffix(".png"), results, info))
     return 0

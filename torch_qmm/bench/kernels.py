@@ -1,19 +1,22 @@
 """Kernel benchmark: torch_qmm's affine_qmm against its peers on one device, in one run.
 
 One `Config` (shape, M, bits, dtype) -> one `Result` holding the median time of every
-implementation. Method (issue 6):
+implementation. Method:
   * every implementation gets several copies of its weights, cycled call by call, so the weights
     in play exceed the last-level cache (a weight read comes from memory, as in a real model);
   * outputs are checked against a reference before timing (torch_qmm's against the float64
     reference on a slice of output columns, with the tests' tolerance rule);
   * warm-up, then rounds in which every implementation runs once (interleaved, so background load
-    hits all of them alike), device synchronized around each call; the median is reported.
+    hits all of them alike), device synchronized around each call; the median is reported;
+  * MLX runs in a child process of its own after the others (mlx_peer.py): its worker threads
+    keep spinning after a call and would slow whatever is timed next to them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import statistics
 import time
 from typing import Callable
@@ -55,6 +58,7 @@ class Result:
     samples: dict[str, int]
     weight_bytes: dict[str, int]  # implementation -> bytes of weights read per call
     skipped: dict[str, str]  # implementation -> why it did not run
+    load_average: float | None = None  # 1-minute load average when the config was timed
 
     def gbps(self, impl: str = OURS) -> float:
         return self.weight_bytes[impl] / (self.times_ms[impl] * 1e-3) / 1e9
@@ -178,38 +182,6 @@ def _int4pack(cfg: Config, dtype: torch.dtype, cache_bytes: int, gen: torch.Gene
     return (lambda i: mm(x, sets[i % len(sets)][0], gs, sets[i % len(sets)][1])), nbytes
 
 
-def _mlx(cfg: Config, cache_bytes: int, gen: torch.Generator) -> Impl:
-    """mlx.core.quantized_matmul on the same affine format (CPU stream unless on a Mac GPU)."""
-    import mlx.core as mx  # optional peer
-
-    if cfg.device not in ("cpu", "mps"):
-        raise RuntimeError(f"MLX runs on cpu/mps, not {cfg.device}")
-    mx.set_default_device(mx.gpu if cfg.device == "mps" else mx.cpu)
-    mdtype = getattr(mx, cfg.dtype)
-
-    def to_mx(t: torch.Tensor):
-        if t.dtype == torch.uint32:
-            return mx.array(t.view(torch.int32).numpy()).view(mx.uint32)
-        return mx.array(t.float().numpy()).astype(mdtype)
-
-    dtype = getattr(torch, cfg.dtype)
-    x = to_mx(torch.randn(cfg.m, cfg.k, generator=gen))
-    first = _rand_affine(cfg.n, cfg.k, cfg.bits, cfg.group_size, dtype, "cpu", gen)
-    nbytes = sum(t.numel() * t.element_size() for t in first)
-    sets = [first] + [_rand_affine(cfg.n, cfg.k, cfg.bits, cfg.group_size, dtype, "cpu", gen)
-                      for _ in range(copies_for(nbytes, cache_bytes) - 1)]
-    sets = [tuple(to_mx(t) for t in s) for s in sets]
-    mx.eval(sets)
-    gs, bits = cfg.group_size, cfg.bits
-
-    def call(i: int):
-        y = mx.quantized_matmul(x, *sets[i % len(sets)], transpose=True, group_size=gs, bits=bits)
-        mx.eval(y)
-        return y
-
-    return call, nbytes
-
-
 def peers(cfg: Config) -> dict[str, Callable[[int, torch.Generator], Impl]]:
     """Peer name -> builder(cache_bytes, generator). Builders raise when the peer is unavailable."""
     dtype = getattr(torch, cfg.dtype)
@@ -220,8 +192,7 @@ def peers(cfg: Config) -> dict[str, Callable[[int, torch.Generator], Impl]]:
         return out
     out["int8pack"] = lambda c, g: _int8pack(cfg, dtype, c, g)
     out["int4pack"] = lambda c, g: _int4pack(cfg, dtype, c, g)
-    out["mlx"] = lambda c, g: _mlx(cfg, c, g)
-    return out
+    return out  # MLX is timed in its own process: mlx_peer.py
 
 
 def time_impls(impls: dict[str, Impl], device: str, repeats: int, budget_s: float = 2.0) -> dict[str, dict]:
@@ -253,10 +224,11 @@ def time_impls(impls: dict[str, Impl], device: str, repeats: int, budget_s: floa
 
 
 def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callable[[str], bool] = lambda p: True,
-               peer_cache: dict | None = None, seed: int = 0, mlx_max_m: int = 16) -> Result:
-    """Times torch_qmm and its peers for one config. `peer_cache` reuses peer times that do not
-    depend on bits (F.linear, int8/int4 packs) across configs of the same run. MLX is timed up to
-    M = mlx_max_m (its CPU quantized_matmul takes seconds per call beyond)."""
+               peer_cache: dict | None = None, seed: int = 0) -> Result:
+    """Times torch_qmm and its in-process peers for one config (MLX: mlx_peer.py). `peer_cache`
+    reuses peer times that do not depend on bits (F.linear, int8/int4 packs) across configs of the
+    same run."""
+    load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(cfg.m, cfg.k, generator=gen).to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
     impls: dict[str, Impl] = {OURS: _ours(cfg, x, cache_bytes, gen)}
@@ -265,11 +237,8 @@ def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callabl
     for name, build in peers(cfg).items():
         if not peer_filter(name):
             continue
-        if name == "mlx" and cfg.m > mlx_max_m:
-            skipped[name] = f"M > {mlx_max_m} (--mlx-max-m): MLX's CPU quantized_matmul takes seconds per call"
-            continue
         key = (name, cfg.n, cfg.k, cfg.m, cfg.device) + ((cfg.dtype,) if name in ("int8pack", "int4pack") else ())
-        if name != "mlx" and peer_cache is not None and key in peer_cache:
+        if peer_cache is not None and key in peer_cache:
             cached[name] = peer_cache[key]
             continue
         try:
@@ -284,8 +253,8 @@ def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callabl
         stats[name], nbytes[name] = st, b
     if peer_cache is not None:
         for name in impls:
-            if name not in (OURS, "mlx"):
+            if name != OURS:
                 key = (name, cfg.n, cfg.k, cfg.m, cfg.device) + ((cfg.dtype,) if name in ("int8pack", "int4pack") else ())
                 peer_cache[key] = (stats[name], nbytes[name])
     return Result(cfg, {k: v["median"] for k, v in stats.items()}, {k: v["min"] for k, v in stats.items()},
-                  {k: v["samples"] for k, v in stats.items()}, nbytes, skipped)
+                  {k: v["samples"] for k, v in stats.items()}, nbytes, skipped, load)

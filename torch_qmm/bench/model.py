@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -79,9 +78,9 @@ def build_model(spec: str | None) -> tuple[nn.Module, int, dict]:
     """(model, vocabulary size, description) for `spec`: "tiny"/None, a JSON config file of
     ModelConfig fields, or a transformers model folder (config.json + weights)."""
     if spec and Path(spec).is_dir():
-        from transformers import AutoModelForCausalLM  # optional: the `transformers` extra
+        from ..interop.cli_convert import from_pretrained  # optional: the `transformers` extra
 
-        model = AutoModelForCausalLM.from_pretrained(spec)
+        model = from_pretrained(Path(spec))
         return _LogitsOnly(model), model.config.vocab_size, {"path": str(spec), "type": model.config.model_type}
     cfg = load_config(spec)
     torch.manual_seed(0)
@@ -92,7 +91,23 @@ def load_config(spec: str | None) -> ModelConfig:
     """`None`/"tiny": the default; a path to a JSON file with ModelConfig fields otherwise."""
     if spec in (None, "", "tiny"):
         return ModelConfig()
-    return ModelConfig(**json.loads(Path(spec).read_text()))
+    from ..cli_errors import UsageError
+    from ..interop.json_files import read_json_object
+
+    if not Path(spec).is_file():
+        raise UsageError(f"argument --model: {spec} is not 'tiny', a JSON file or a model folder")
+    fields = read_json_object(spec)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{spec}: unknown ModelConfig fields {unknown} (expected some of {sorted(known)})")
+    for name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{spec}: field {name!r} must be a positive integer, got {value!r}")
+    cfg = ModelConfig(**fields)
+    if cfg.dim % cfg.heads:
+        raise ValueError(f"{spec}: field 'dim' = {cfg.dim} must be a multiple of 'heads' = {cfg.heads}")
+    return cfg
 
 
 def _bytes(model: nn.Module) -> int:
@@ -130,4 +145,6 @@ def format_model(r: dict) -> str:
     for m, t in r["by_tokens"].items():
         lines.append(f"  M={m:>4}: float {t['float_ms']:.2f} ms, quantized {t['quantized_ms']:.2f} ms "
                      f"({t['float_ms'] / t['quantized_ms']:.2f}x), relative output error {t['rel_error']:.4f}")
+    lines.append("  (relative output error: ||y_q - y|| / ||y|| of the quantized model's logits y_q against the "
+                 f"same model unquantized in {r['dtype']}, one random token sequence, in float64)")
     return "\n".join(lines)

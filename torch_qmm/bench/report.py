@@ -110,6 +110,7 @@ def result_record(r: Result, copy_gbps: float) -> dict:
         "pct_of_copy_bandwidth": round(100 * gbps / copy_gbps, 1),
         "speedup_vs": {k: round(v, 3) for k, v in r.speedups().items()},
         "skipped": r.skipped,
+        "load_average": r.load_average,
     }
 
 
@@ -148,12 +149,8 @@ def write_json(path: Path, doc: dict) -> None:
 
 def save_plot(path: Path, results: list[Result], info: dict) -> str:
     """GB/s vs M and speed-up over the fastest F.linear vs M, one line per shape/bits/dtype."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return "plot skipped: matplotlib is not installed (pip install -e '.[bench]')"
     series: dict[str, list[Result]] = {}
     for r in results:
@@ -164,23 +161,89 @@ def save_plot(path: Path, results: list[Result], info: dict) -> str:
         rs = sorted(rs, key=lambda r: r.config.m)
         ms = [r.config.m for r in rs]
         ax1.plot(ms, [r.gbps() for r in rs], marker="o", label=label)
-        lin = [min((t for p, t in r.times_ms.items() if p.startswith("linear_")), default=math.nan) / r.times_ms[OURS]
-               for r in rs]
+        fastest = [fastest_linear(r) for r in rs]
+        lin = [t / r.times_ms[OURS] if name else math.nan for r, (name, t) in zip(rs, fastest)]
         ax2.plot(ms, lin, marker="o", label=label)
+        for m, v, (name, _) in zip(ms, lin, fastest):  # which F.linear dtype was the fastest there
+            if name:
+                ax2.annotate(_SHORT_DTYPE[name], (m, v), textcoords="offset points", xytext=(3, 3), fontsize=6)
     ax1.axhline(info["copy_gbps"] / 2, color="gray", ls="--", lw=1, label="copy bandwidth / 2 (read only)")
-    for ax, title in ((ax1, "torch_qmm weight GB/s"), (ax2, "speed-up over the fastest F.linear")):
+    for ax, title in ((ax1, "torch_qmm weight GB/s"),
+                      (ax2, "speed-up over the fastest F.linear (its dtype at each point: f32/f16/bf16)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (rows of x)")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     ax2.axhline(1.0, color="gray", lw=1)
     ax1.legend(fontsize=7)
-    fig.suptitle(f"torch_qmm on {info['device']} ({info['processor']}, torch {info['torch']}, {info['commit']})")
+    fig.suptitle(_plot_title(info))
+    return _save(fig, plt, path)
+
+
+_SHORT_DTYPE = {"linear_float32": "f32", "linear_float16": "f16", "linear_bfloat16": "bf16"}
+
+
+def fastest_linear(r: Result) -> tuple[str | None, float]:
+    """(name, median ms) of the fastest F.linear peer of `r` (None when none ran)."""
+    times = {p: t for p, t in r.times_ms.items() if p.startswith("linear_")}
+    if not times:
+        return None, math.nan
+    name = min(times, key=times.get)
+    return name, times[name]
+
+
+def _plot_title(info: dict) -> str:
+    load = info.get("load_average")
+    end = info.get("load_average_end")
+    loads = f"load average {load}" + (f" -> {end}" if end is not None else "") if load is not None else ""
+    return (f"torch_qmm on {info['device']} ({info['processor']}, torch {info['torch']}, {info['commit']})"
+            + (f"; {loads}" if loads else ""))
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _save(fig, plt, path: Path) -> str:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"plot: {path}"
+
+
+def save_model_plot(path: Path, results: list[dict], info: dict) -> str:
+    """Model benchmark: forward ms float vs quantized per M, one group per dtype, with the relative
+    output error (quantized logits against the same model unquantized) above each pair."""
+    plt = _pyplot()
+    if plt is None:
+        return "plot skipped: matplotlib is not installed (pip install -e '.[bench]')"
+    tokens = sorted({int(m) for r in results for m in r["by_tokens"]})
+    fig, axes = plt.subplots(1, len(tokens), figsize=(5 * len(tokens), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], tokens):
+        labels = [r["dtype"] for r in results]
+        rows = [r["by_tokens"].get(m, r["by_tokens"].get(str(m))) for r in results]
+        xs = range(len(results))
+        ax.bar([x - 0.2 for x in xs], [t["float_ms"] for t in rows], width=0.4, label="float")
+        ax.bar([x + 0.2 for x in xs], [t["quantized_ms"] for t in rows], width=0.4,
+               label=f"torch_qmm {results[0]['bits']}-bit gs{results[0]['group_size']}")
+        for x, t in zip(xs, rows):
+            ax.annotate(f"{t['float_ms'] / t['quantized_ms']:.2f}x, err {t['rel_error']:.3f}",
+                        (x, max(t["float_ms"], t["quantized_ms"])), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylabel("forward ms (median)")
+        ax.set_title(f"M={m} tokens")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"model {results[0]['config']}\nerr: ||y_q - y|| / ||y|| of the logits vs the unquantized model; "
+                 + _plot_title(info), fontsize=8)
+    return _save(fig, plt, path)
 
 
 def default_result_path(device: str, tag: str) -> Path:

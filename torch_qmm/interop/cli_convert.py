@@ -1,19 +1,5 @@
-"""`python -m torch_qmm convert SRC DST`: quantize a transformers model folder or a GGUF file.
-
-    python -m torch_qmm convert ./Llama-3.2-1B ./out --bits 4 --group-size 64            # transformers folder
-    python -m torch_qmm convert ./Llama-3.2-1B ./out-mlx --format mlx                    # MLX folder (mlx_lm)
-    python -m torch_qmm convert ./model.Q8_0.gguf ./out-mlx --format mlx                 # llama-family GGUF
-
---format transformers (default): a folder that `from_pretrained` reloads (import
-torch_qmm.interop.transformers first). Linear layers are quantized except the output head.
---format mlx: an MLX folder; linear layers *and* the embedding are quantized (as mlx.nn.quantize
-does), a tied output head reuses the quantized embedding. From GGUF, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1
-layers keep their exact weights (affine, group size 32); Q4_K layers (linear and embedding) are
-converted without re-quantization to bits 4, group size 32 (gguf.q4_k_to_affine): exact with
-float32 scales/biases (the default for GGUF), rounded with --dtype float16/bfloat16 (the output
-says which layers are exact); Q6_K/float layers are re-quantized to --bits/--group-size.
-From GGUF, both formats get tokenizer files built from the file's tokenizer metadata.
-"""
+"""`python -m torch_qmm convert SRC DST`: a transformers folder or a llama-family GGUF file into a
+torch_qmm (transformers) or MLX model folder."""
 
 from __future__ import annotations
 
@@ -25,25 +11,66 @@ import torch
 from torch import nn
 
 from .. import reference
+from ..cli_errors import UsageError
 from ..convert import quantize_model
+from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..nn import QuantLinear
 from .gguf import GGUFFile, dequantize, q4_k_to_affine
-from .gguf_types import Q4_K
+from .gguf_types import Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
+from .output_folder import check_destination, side_file_source, staged_output
+
+DESCRIPTION = """\
+Convert a model to a torch_qmm or MLX folder.
+
+    python -m torch_qmm convert ./Llama-3.2-1B ./out --bits 4 --group-size 64   # transformers folder
+    python -m torch_qmm convert ./Llama-3.2-1B ./out-mlx --format mlx           # MLX folder (mlx_lm)
+    python -m torch_qmm convert ./model.Q8_0.gguf ./out-mlx --format mlx        # GGUF, lossless
+
+A transformers folder (float weights) is quantized with --bits / --group-size: every linear layer
+except the output head (--format transformers, reloadable with from_pretrained after importing
+torch_qmm.interop.transformers), or the linear layers and the embedding (--format mlx, as
+mlx.nn.quantize does; a tied output head reuses the quantized embedding).
+
+A llama-family GGUF file keeps its quantization where the MLX format can hold it exactly:
+Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit, Q4_K becomes
+bits 4 / group size 32 (exact with float32 scales, the default for GGUF; --dtype float16/bfloat16
+rounds them and the output says which layers). Layers without an exact affine form (Q6_K, float)
+stay float unless --requantize asks otherwise; --bits/--group-size apply only with --requantize.
+The transformers format holds one format for all layers, so GGUF -> transformers always
+re-quantizes and needs --requantize all. Both formats get tokenizer files built (by transformers)
+from the GGUF's tokenizer metadata. The output lists what happened to every layer.
+
+DST must not exist or be empty (or pass --overwrite); it is written to a temporary folder next to
+it and moved into place when complete, and never inside the source."""
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DEFAULT_BITS, _DEFAULT_GROUP_SIZE = 4, 64
 # Files of a transformers folder that are not weights or config: copied to DST (tokenizer, ...).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", type=Path, help="a transformers model folder or a .gguf file")
-    parser.add_argument("dst", type=Path, help="output folder")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--format", choices=["transformers", "mlx"], default="transformers")
+    parser.add_argument("src", type=Path, help="a transformers model folder (config.json + weights) or a .gguf file")
+    parser.add_argument("dst", type=Path, help="the output folder (must not exist or be empty, see --overwrite)")
+    parser.add_argument("--format", choices=["transformers", "mlx"], default="transformers",
+                        help="output: a transformers folder with torch_qmm layers, or an MLX folder for mlx / "
+                             "mlx_lm (default: %(default)s)")
+    parser.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=None,
+                        help=f"bits per weight of the layers quantized by this run (default: {_DEFAULT_BITS}; for "
+                             "GGUF only with --requantize)")
+    parser.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=None,
+                        help=f"weights per scale/bias of the layers quantized by this run (default: "
+                             f"{_DEFAULT_GROUP_SIZE}; for GGUF only with --requantize)")
+    parser.add_argument("--requantize", choices=["rest", "all"], default=None,
+                        help="GGUF only. rest: quantize the layers without an exact affine form (Q6_K, float) "
+                             "to --bits/--group-size, keep the others exact; all: re-quantize every layer from "
+                             "its decoded weights (lossy). Default: no re-quantization")
     parser.add_argument("--dtype", choices=list(_DTYPES), default=None,
-                        help="compute dtype (default: the source's, float32 for GGUF)")
+                        help="dtype of the float weights and of scales/biases (default: the source's; float32 "
+                             "for GGUF)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing non-empty DST (only once the new folder is complete)")
 
 
 def _float_linear(layer: nn.Module, dtype: torch.dtype) -> nn.Linear:
@@ -74,7 +101,7 @@ def _q4_k_affine(blocks, n: int, k: int, dtype: torch.dtype, name: str):
     wq, s32, b32 = q4_k_to_affine(blocks, n, k, torch.float32)
     scales, biases = s32.to(dtype), b32.to(dtype)
     if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
-        raise ValueError(f"{name}: Q4_K scales/biases overflow {dtype}; convert with --dtype float32")
+        raise UsageError(f"{name}: Q4_K scales/biases overflow {dtype}; convert with --dtype float32")
     exact = torch.equal(scales.float(), s32) and torch.equal(biases.float(), b32)
     return wq, scales, biases, exact
 
@@ -121,31 +148,42 @@ def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype) -
     return exact
 
 
-def _report_q4_k(exact: dict[str, bool], dtype: torch.dtype) -> None:
-    if not exact:
-        return
-    ok = [n for n, e in exact.items() if e]
-    rounded = [n for n, e in exact.items() if not e]
-    print(f"Q4_K -> affine bits=4 group_size=32 without re-quantization: {len(ok)}/{len(exact)} layers exact "
-          f"({dtype} scales/biases)")
-    if ok:
-        print(f"  exact: {', '.join(ok)}")
-    if rounded:
-        print(f"  NOT exact (scales/biases rounded to {dtype}; use --dtype float32 for exact): {', '.join(rounded)}")
+def _uninitialized(model_class, config) -> nn.Module:
+    """The model without initializing its weights: built on the meta device, then given
+    uninitialized CPU storage, whose pages stay untouched (not resident) for the layers the loader
+    replaces; the rotary embedding, whose buffers are computed rather than loaded, is built for real."""
+    with torch.device("meta"):
+        model = model_class(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives every parameter its own storage: tie the output head again
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    return model.eval()
+
+
+def _gguf_types(f: GGUFFile) -> dict[str, str]:
+    """{transformers module name: GGUF type name of its weight}."""
+    from .gguf_llama import hf_name
+
+    out = {}
+    for gname, t in f.tensors.items():
+        name = hf_name(gname)
+        if name and name.endswith(".weight") and len(t.shape) == 2:
+            out[name.rpartition(".")[0]] = type_name(t.ggml_type)
+    return out
 
 
 def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
     """The GGUF model as a transformers model. keep_affine (MLX output): affine layers stay, Q4_K
-    layers become exact affine ones; everything else becomes float (re-quantized later).
-    Returns (model, {Q4_K module: exact})."""
+    layers become exact affine ones; everything else becomes float.
+    Returns (model, {Q4_K module: exact}, {module: GGUF type})."""
     from transformers import LlamaForCausalLM
 
     from .gguf_llama import llama_config_from_gguf, load_gguf_llama
 
     f = GGUFFile(src)
-    config = llama_config_from_gguf(f)
-    model = LlamaForCausalLM(config).eval()
-    print(load_gguf_llama(model, f, dtype=dtype, progress=True))
+    config = llama_config_from_gguf(f)  # checked against the tensors before anything is built
+    model = _uninitialized(LlamaForCausalLM, config)
+    print(load_gguf_llama(model, f, dtype=dtype, progress=True))  # strict: every parameter comes from the file
     q4_k_exact = _q4_k_to_affine_modules(model, f, dtype) if keep_affine else {}
     for name, m in list(model.named_modules()):
         if isinstance(m, GGUFLinear) or (isinstance(m, QuantLinear) and not keep_affine):
@@ -159,10 +197,12 @@ def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
             _replace(model, name, nn.Linear(m.in_features, m.out_features, bias=False, dtype=dtype))
     if not keep_affine and config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model, q4_k_exact
+    return model, q4_k_exact, _gguf_types(f)
 
 
-def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int) -> None:
+def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int) -> set[str]:
+    """Quantizes the float linear layers and embeddings of `model` (MLX's rule); returns the
+    names quantized by this call."""
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     embeddings = {n: m for n, m in model.named_modules() if type(m) is nn.Embedding}
@@ -170,73 +210,164 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int) -> None:
         n: e for n, m in model.named_modules() if type(m) is nn.Linear
         for e, emb in embeddings.items() if m.weight is emb.weight
     }
+    done = set()
     for name, emb in embeddings.items():
         if emb.embedding_dim % group_size == 0:
             _replace(model, name, QuantEmbedding.from_embedding(emb, bits=bits, group_size=group_size))
+            done.add(name)
     for out_name, emb_name in tied_outputs.items():
         emb = model.get_submodule(emb_name)
         if tied and isinstance(emb, QuantEmbedding):
             _replace(model, out_name, TiedQuantLinear(emb))
+            done.add(out_name)
     summary = quantize_model(model, bits=bits, group_size=group_size, progress=True)
-    if summary.converted:
-        print(summary)
+    return done | set(summary.converted)
+
+
+def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[str],
+                  q4_k_exact: dict[str, bool]) -> list[tuple[str, str]]:
+    """[(module name, what happened)] for every linear layer and embedding of the written model."""
+    rows = []
+    for name, m in model.named_modules():
+        src = origin.get(name, "float")
+        if isinstance(m, TiedQuantLinear):
+            fmt = f"tied to the embedding (affine b{m._embedding.bits} gs{m._embedding.group_size})"
+        elif isinstance(m, (QuantLinear, QuantEmbedding)):
+            fmt = f"affine b{m.bits} gs{m.group_size}"
+        elif isinstance(m, (nn.Linear, nn.Embedding)):
+            fmt = f"float {str(m.weight.dtype)[6:]}"
+        else:
+            continue
+        if isinstance(m, TiedQuantLinear):
+            how = fmt
+        elif name in quantized_now:
+            how = f"{'re-quantized' if src != 'float' else 'quantized'} {src} -> {fmt}"
+        elif isinstance(m, (QuantLinear, QuantEmbedding)):
+            exact = q4_k_exact.get(name, True)
+            how = f"{'lossless' if exact else 'Q4_K scales rounded to ' + str(m.scales.dtype)[6:]} {src} -> {fmt}"
+        elif src in ("float", "F32", "F16", "BF16"):
+            how = f"kept {fmt}" if src == "float" else f"kept {src} -> {fmt}"
+        else:
+            exact = "as gguf decodes it" if m.weight.dtype == torch.float32 else f"rounded to {str(m.weight.dtype)[6:]}"
+            how = f"decoded {src} -> {fmt} ({exact}; no exact affine form: --requantize rest quantizes it)"
+        rows.append((name, how))
+    return rows
+
+
+def _print_report(rows: list[tuple[str, str]]) -> None:
+    width = max([len(n) for n, _ in rows] + [5])
+    for name, how in rows:
+        print(f"  {name:<{width}}  {how}")
+    counts: dict[str, int] = {}
+    for _, how in rows:
+        kind = how.split(" ")[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    print("layers: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+
+
+def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
+    flags = [f for f, v in (("--bits", args.bits), ("--group-size", args.group_size)) if v is not None]
+    if not is_gguf:
+        if args.requantize:
+            raise UsageError(f"--requantize applies to GGUF sources only; {args.src} is a float transformers folder, "
+                             "which is always quantized with --bits/--group-size")
+        return
+    if args.format == "transformers" and args.requantize != "all":
+        raise UsageError(f"{args.src}: the transformers format holds one format for all layers, so GGUF -> "
+                         "transformers re-quantizes every layer (lossy). Use --format mlx for the exact layers, or "
+                         "--requantize all [--bits B --group-size G] to re-quantize")
+    if flags and not args.requantize:
+        raise UsageError(f"{' and '.join(flags)} apply only to re-quantization: {args.src} keeps its own formats "
+                         "(lossless) unless --requantize rest|all is given")
+
+
+def _check_transformers_folder(src: Path) -> None:
+    """Reads config.json and every safetensors header with our checks before transformers sees them."""
+    from .json_files import read_json_object
+    from .safetensors_io import Checkpoint
+
+    config = read_json_object(src / "config.json")
+    if not isinstance(config.get("model_type"), str):
+        raise ValueError(f"{src / 'config.json'}: field 'model_type' must be a string, got "
+                         f"{config.get('model_type')!r}")
+    if any(src.glob("*.safetensors")):
+        Checkpoint(src)
+
+
+def from_pretrained(path: Path, **kwargs):
+    """AutoModelForCausalLM.from_pretrained, its errors as ValueErrors naming the folder."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, ZeroDivisionError) as e:
+        raise ValueError(f"{path}: transformers could not build the model from its config/weights: "
+                         f"{type(e).__name__}: {' '.join(str(e).split())[:400]}") from e
 
 
 def run(args: argparse.Namespace) -> int:
-    from .transformers import TorchQmmConfig  # registers the quantizer; checks bits / group size
+    from .transformers import TorchQmmConfig  # registers the quantizer
 
-    TorchQmmConfig(bits=args.bits, group_size=args.group_size)
     src: Path = args.src
     if not src.exists():
-        raise SystemExit(f"convert: {src} does not exist")
+        raise UsageError(f"source {src} does not exist")
     is_gguf = src.is_file() and src.suffix == ".gguf"
-    q4_k_exact: dict[str, bool] = {}
-    if not is_gguf and not (src / "config.json").is_file():
-        raise SystemExit(f"convert: {src} is neither a .gguf file nor a transformers folder with config.json")
-    from transformers import AutoModelForCausalLM
+    if not is_gguf and not (src.is_dir() and (src / "config.json").is_file()):
+        raise UsageError(f"source {src} is neither a .gguf file nor a transformers folder with config.json")
+    _check_arguments(args, is_gguf)
+    check_destination(src, args.dst, args.overwrite)
+    bits = args.bits or _DEFAULT_BITS
+    group_size = args.group_size or _DEFAULT_GROUP_SIZE
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    if not is_gguf:
+        _check_transformers_folder(src)
+        side_files = [(f.name, side_file_source(src, f)) for f in sorted(src.iterdir())
+                      if (f.is_file() or f.is_symlink()) and f.name != "config.json"
+                      and not f.name.endswith(_WEIGHT_SUFFIXES)]
 
-    if args.format == "mlx":
-        from .mlx import save_mlx
+    with staged_output(args.dst) as out:
+        origin: dict[str, str] = {}
+        q4_k_exact: dict[str, bool] = {}
+        quantized_now: set[str] = set()
+        if args.format == "mlx":
+            from .mlx import save_mlx
 
-        if is_gguf:
-            model, q4_k_exact = _load_gguf(src, _DTYPES[args.dtype or "float32"], keep_affine=True)
-            _report_q4_k(q4_k_exact, _DTYPES[args.dtype or "float32"])
+            if is_gguf:
+                model, q4_k_exact, origin = _load_gguf(src, dtype or torch.float32,
+                                                       keep_affine=args.requantize != "all")
+            else:
+                model = from_pretrained(src, dtype=dtype or "auto")
+            if not is_gguf or args.requantize:
+                quantized_now = _quantize_for_mlx(model, bits, group_size)
+            save_mlx(model, out, config=model.config.to_dict())
         else:
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=_DTYPES[args.dtype] if args.dtype else "auto")
-        _quantize_for_mlx(model, args.bits, args.group_size)
-        config = model.config.to_dict()
-        save_mlx(model, args.dst, config=config)
-    else:
+            cfg = TorchQmmConfig(bits=bits, group_size=group_size)
+            if is_gguf:
+                model, _, origin = _load_gguf(src, dtype or torch.float32, keep_affine=False)
+                model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
+                staging = out / ".float"  # inside this run's temporary folder; removed below
+                model.save_pretrained(staging)
+                model = from_pretrained(staging, quantization_config=cfg, dtype=dtype or "auto")
+                shutil.rmtree(staging)
+            else:
+                model = from_pretrained(src, quantization_config=cfg, dtype=dtype or "auto")
+            quantized_now = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+            model.save_pretrained(out)
         if is_gguf:
-            model, _ = _load_gguf(src, _DTYPES[args.dtype or "float32"], keep_affine=False)
-            model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
-            tmp = args.dst / ".float"
-            model.save_pretrained(tmp)
-            load_from = tmp
-        else:
-            load_from = src
-        model = AutoModelForCausalLM.from_pretrained(
-            load_from, quantization_config=TorchQmmConfig(bits=args.bits, group_size=args.group_size),
-            dtype=_DTYPES[args.dtype] if args.dtype else "auto",
-        )
-        model.save_pretrained(args.dst)
-        if is_gguf:
-            shutil.rmtree(args.dst / ".float")
-    if is_gguf:
-        from .gguf_tokenizer import save_gguf_tokenizer
+            from .gguf_tokenizer import save_gguf_tokenizer
 
-        written = save_gguf_tokenizer(src, args.dst)
-        if written:
-            print(f"tokenizer from the GGUF metadata: {', '.join(written)}")
-    else:
-        for f in src.iterdir():
-            if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES):
-                if not (args.dst / f.name).exists():
-                    shutil.copy2(f, args.dst / f.name)
-    summary = f"wrote {args.dst} ({args.format}, bits={args.bits}, group_size={args.group_size})"
-    if is_gguf and args.format == "mlx" and q4_k_exact:
-        n_exact = sum(q4_k_exact.values())
-        summary += (f"; Q4_K layers as affine bits=4 group_size=32: {n_exact}/{len(q4_k_exact)} exact"
-                    + ("" if n_exact == len(q4_k_exact) else " (the others rounded: use --dtype float32)"))
-    print(summary)
+            written = save_gguf_tokenizer(src, out)
+            if written:
+                print(f"tokenizer from the GGUF metadata: {', '.join(written)}")
+        else:
+            for name, f in side_files:
+                if not (out / name).exists():
+                    shutil.copyfile(f, out / name)
+        rows = _layer_report(model, origin, quantized_now, q4_k_exact)
+    _print_report(rows)
+    if any("rounded" in how for _, how in rows):
+        print("  (Q4_K scales/biases rounded to the --dtype: use --dtype float32 for exact Q4_K layers)")
+    formats = sorted({how.split(" -> ")[-1] for _, how in rows})
+    print(f"wrote {args.dst} ({args.format}): {len(rows)} layers; formats: {'; '.join(formats)}")
     return 0
+

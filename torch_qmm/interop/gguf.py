@@ -20,15 +20,15 @@ have at most 17 significant bits: exact in float32, rounded in float16/bfloat16.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf import quants as gguf_quants
-from gguf.constants import GGMLQuantizationType, GGUFValueType
+from gguf.constants import GGMLQuantizationType
 
 from ..nn import QuantLinear
 from .gguf_types import (
@@ -50,10 +50,9 @@ from .gguf_types import (
     supported_list,
     type_name,
 )
+from .gguf_header import GGUFFormatError, read_header
+from .gguf_header import value as metadata_value
 from .modules import GGUFLinear, QuantEmbedding
-
-# magic, version, tensor count, metadata count (GGUF v2+).
-_MIN_HEADER_BYTES = 4 + 4 + 8 + 8
 
 __all__ = ["GGUFFile", "GGUFTensor", "dequantize", "to_affine", "q4_k_to_affine", "to_blocks", "linear_from_gguf"]
 
@@ -63,12 +62,14 @@ Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins,
 @dataclass
 class GGUFTensor:
     """One tensor of a GGUF file. `shape` is in torch order ([N, K] for a matrix: ggml's ne reversed);
-    `raw` is its bytes, uint8 [rows, bytes per row] (a view of the memory-mapped file)."""
+    `raw` is its bytes, uint8 [rows, bytes per row] (a view of the memory-mapped file); `source`
+    the file it came from (named in errors)."""
 
     name: str
     ggml_type: int
     shape: tuple[int, ...]
     raw: np.ndarray
+    source: str = "<memory>"
 
     @property
     def type_name(self) -> str:
@@ -80,91 +81,75 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """A GGUF file with every tensor's type, shape and byte range checked against the file."""
+    """A GGUF file whose header was checked against the file (gguf_header.read_header) before any
+    tensor is touched; tensors are views of the memory-mapped file."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise ValueError(f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-        if size < _MIN_HEADER_BYTES:
-            raise ValueError(f"{self.path}: truncated GGUF file ({size} bytes, shorter than the fixed header)")
-        try:
-            reader = GGUFReader(self.path, "r")
-        except Exception as e:  # the reader raises ValueError, KeyError, struct/numpy errors, ...
-            raise ValueError(f"{self.path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
-        self.reader = reader
+        header = read_header(self.path)
+        self.header = header
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")  # the checked file (never empty)
         self.tensors: dict[str, GGUFTensor] = {}
-        for t in reader.tensors:
-            ggml_type = int(t.tensor_type)
-            if ggml_type not in GGML_TYPES:
-                raise ValueError(f"{self.path}: tensor {t.name!r} has unknown ggml type {ggml_type}")
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            per_block, block_bytes = block_info(ggml_type)
-            numel = int(np.prod(shape)) if shape else 1
-            if shape[-1] % per_block != 0:
-                raise ValueError(
-                    f"{self.path}: tensor {t.name!r} of type {type_name(ggml_type)} has rows of {shape[-1]} values, "
-                    f"not a multiple of its block size {per_block}"
-                )
-            expected = numel // per_block * block_bytes
-            if int(t.n_bytes) != expected or t.data_offset + expected > size:
-                raise ValueError(
-                    f"{self.path}: tensor {t.name!r} ({type_name(ggml_type)}, shape {list(shape)}) needs {expected} "
-                    f"bytes at offset {t.data_offset}, but the file has {size} bytes (truncated or corrupt header)"
-                )
-            raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-            if raw.nbytes != expected:
-                raise ValueError(f"{self.path}: tensor {t.name!r}: read {raw.nbytes} bytes, expected {expected}")
-            rows = numel // shape[-1]
-            self.tensors[t.name] = GGUFTensor(t.name, ggml_type, shape, raw.reshape(rows, -1))
+        for info in header.tensors:
+            shape = tuple(reversed(info.ne))
+            row = shape[-1] if shape else 1
+            per_block, block_bytes = block_info(info.ggml_type)
+            raw = self._map[info.offset:info.offset + info.nbytes]
+            rows = math.prod(shape[:-1])
+            self.tensors[info.name] = GGUFTensor(info.name, info.ggml_type, shape,
+                                                 raw.reshape(rows, row // per_block * block_bytes), str(self.path))
 
     @property
     def metadata(self) -> dict[str, object]:
-        """Key-value metadata as Python values (arrays of strings/numbers as lists)."""
-        out = {}
-        for name, field in self.reader.fields.items():
-            if name.startswith("GGUF.") or not field.types:
-                continue
-            try:
-                out[name] = field.contents()
-            except Exception:  # an unreadable value should not hide the others
-                out[name] = None
-        return out
+        """Key-value metadata as Python values (arrays as lists)."""
+        return {key: self.get_metadata(key) for key in self.header.kv}
 
     def get_metadata(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None or not field.types:
+        entry = self.header.kv.get(key)
+        if entry is None:
             return default
-        return field.contents()
+        return metadata_value(memoryview(self._map), entry, self.path)
 
     @property
     def architecture(self) -> str | None:
-        return self.get_metadata("general.architecture")
+        arch = self.get_metadata("general.architecture")
+        if arch is not None and not isinstance(arch, str):
+            raise GGUFFormatError(f"{self.path}: metadata 'general.architecture' must be a string, got {arch!r}")
+        return arch
 
 
 def _require(t: GGUFTensor, allowed: tuple[int, ...], what: str) -> None:
     if t.ggml_type not in allowed:
         raise ValueError(
-            f"tensor {t.name!r} has type {t.type_name}; {what} supports "
+            f"{t.source}: tensor {t.name!r} has type {t.type_name}; {what} supports "
             f"{', '.join(type_name(a) for a in allowed)} (torch_qmm reads: {supported_list()})"
         )
 
 
+def _corrupt_values(t: GGUFTensor, what: str) -> GGUFFormatError:
+    return GGUFFormatError(f"{t.source}: tensor {t.name!r} ({t.type_name}) holds NaN or Inf {what}: the file is "
+                           "corrupt (a model's weights and block scales are finite)")
+
+
 def dequantize(t: GGUFTensor) -> torch.Tensor:
-    """float32 tensor of `t`'s shape, decoded by the gguf package (the reference decoder)."""
+    """float32 tensor of `t`'s shape, decoded by the gguf package (the reference decoder).
+    Raises GGUFFormatError when the decoded values are not all finite (a corrupt file)."""
     _require(t, SUPPORTED_TYPES, "dequantize")
     if t.ggml_type == F32:
         values = t.raw.view(np.float32)
     elif t.ggml_type == F16:
         values = t.raw.view(np.float16).astype(np.float32)
     elif t.ggml_type == BF16:
-        return torch.from_numpy(t.raw.view(np.int16).copy()).view(torch.bfloat16).float().reshape(t.shape)
+        out = torch.from_numpy(t.raw.view(np.int16).copy()).view(torch.bfloat16).float().reshape(t.shape)
+        if not torch.isfinite(out).all():
+            raise _corrupt_values(t, "values")
+        return out
     else:
         values = gguf_quants.dequantize(t.raw, GGMLQuantizationType(t.ggml_type))
-    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(t.shape)  # a writable copy
+    out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(t.shape)  # a writable copy
+    if not torch.isfinite(out).all():
+        raise _corrupt_values(t, "values" if t.ggml_type in FLOAT_TYPES else "block scales")
+    return out
 
 
 def _pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -219,11 +204,14 @@ def to_affine(
     else:  # Q5_1
         bits, d = 5, f16(0)
         codes, bias = nibbles(b[..., 8:24]) | (high_bits(4) << 4), f16(2)
+    if not (np.isfinite(d).all() and np.isfinite(bias).all()):
+        raise _corrupt_values(t, "block scales")
     wq = torch.from_numpy(_pack_bits(codes.reshape(rows, k), bits))
     scales = torch.from_numpy(d).to(dtype)
     biases = torch.from_numpy(bias).to(dtype)
     if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
-        raise ValueError(f"tensor {t.name!r}: its scales/biases overflow {dtype}; convert with dtype=torch.float32")
+        raise ValueError(f"{t.source}: tensor {t.name!r}: its finite scales/biases overflow {dtype}; convert with "
+                         "dtype=torch.float32")
     return wq, scales, biases, bits, 32
 
 
@@ -303,7 +291,14 @@ def q4_k_to_affine(
 def to_blocks(t: GGUFTensor) -> torch.Tensor:
     """The block bytes of a Q4_K / Q6_K matrix as uint8 [N, K/256 * block_bytes] (a copy)."""
     _require(t, NATIVE_TYPES, "gguf_qmm")
-    return torch.from_numpy(np.array(t.raw, copy=True))
+    _, block_bytes = block_info(t.ggml_type)
+    blocks = np.array(t.raw, copy=True)
+    b = blocks.reshape(-1, block_bytes)
+    # float16 super-block scales: Q4_K d, dmin at bytes 0..3; Q6_K d at bytes 208..209.
+    scale_bytes = b[:, 0:4] if t.ggml_type == Q4_K else b[:, 208:210]
+    if not np.isfinite(np.ascontiguousarray(scale_bytes).view("<f2")).all():
+        raise _corrupt_values(t, "block scales")
+    return torch.from_numpy(blocks)
 
 
 def linear_from_gguf(

@@ -18,6 +18,7 @@ Facts from llama.cpp's convert_hf_to_gguf.py and transformers' GGUF loader
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
@@ -92,27 +93,120 @@ def unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
 
 
 def llama_config_from_gguf(f: GGUFFile):
-    """A transformers LlamaConfig from the file's metadata (and tensor shapes)."""
+    """A transformers LlamaConfig from the file's metadata, checked against the tensor shapes
+    (check_llama_metadata) before anything is built from it."""
     from transformers import LlamaConfig
 
+    kwargs = check_llama_metadata(f)
+    kwargs.update(_special_token_ids(f, kwargs["vocab_size"]))
+    _warn_unmapped_rope(f, f.architecture)
+    return LlamaConfig(**kwargs)
+
+
+# Metadata that must be a positive integer / a positive finite float when present.
+_INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
+_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
+# Largest context length accepted (2^24 tokens, far beyond any llama-family model).
+_MAX_CONTEXT = 2**24
+
+
+def _metadata_value(f: GGUFFile, arch: str, key: str, field: str):
+    value = f.get_metadata(f"{arch}.{key}")
+    if value is None:
+        return None
+    where = f"{f.path}: metadata '{arch}.{key}'"
+    if field in _INT_FIELDS:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where} must be a positive integer, got {value!r}")
+        if field == "max_position_embeddings" and value > _MAX_CONTEXT:
+            raise ValueError(f"{where} = {value} is larger than {_MAX_CONTEXT} (corrupt metadata?)")
+    else:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{where} must be a positive finite number, got {value!r}")
+    return value
+
+
+def check_llama_metadata(f: GGUFFile) -> dict:
+    """The LlamaConfig fields of a llama-family GGUF file, after checking every one against the
+    tensors the file holds: each parameter of the transformers model these fields describe must be
+    a tensor of exactly that shape, and every block 0 .. block_count-1 must be present. So the
+    model built from the result holds no more values than the file's tensors.
+
+    Raises ValueError naming the file and the metadata key or tensor that disagrees.
+    """
     arch = f.architecture
     if arch not in LLAMA_FAMILY:
         raise ValueError(f"{f.path}: architecture {arch!r} is not in the llama family {LLAMA_FAMILY}")
     kwargs = {}
     for key, field in _CONFIG_KEYS.items():
-        value = f.get_metadata(f"{arch}.{key}")
+        value = _metadata_value(f, arch, key, field)
         if value is not None:
             kwargs[field] = value
     for required in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
         if required not in kwargs:
-            raise ValueError(f"{f.path}: metadata {arch}.* lacks what gives {required}")
+            key = next(k for k, v in _CONFIG_KEYS.items() if v == required)
+            raise ValueError(f"{f.path}: metadata '{arch}.{key}' (gives {required}) is missing")
     if "token_embd.weight" not in f.tensors:
         raise ValueError(f"{f.path}: no token_embd.weight tensor")
-    kwargs["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
+    embd = f.tensors["token_embd.weight"].shape
+    if len(embd) != 2 or embd[0] < 1:
+        raise ValueError(f"{f.path}: tensor 'token_embd.weight' must be [vocab >= 1, hidden], got {list(embd)}")
+    kwargs["vocab_size"] = embd[0]
     kwargs["tie_word_embeddings"] = "output.weight" not in f.tensors
-    kwargs.update(_special_token_ids(f, kwargs["vocab_size"]))
-    _warn_unmapped_rope(f, arch)
-    return LlamaConfig(**kwargs)
+    _check_shapes(f, arch, kwargs)
+    return kwargs
+
+
+def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
+    hidden, n_head, layers = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
+    n_kv = c.get("num_key_value_heads", n_head)
+    if n_head % n_kv:
+        raise ValueError(f"{f.path}: metadata '{arch}.attention.head_count' = {n_head} is not a multiple of "
+                         f"'{arch}.attention.head_count_kv' = {n_kv}")
+    if "head_dim" not in c and hidden % n_head:
+        raise ValueError(f"{f.path}: metadata '{arch}.embedding_length' = {hidden} is not a multiple of "
+                         f"'{arch}.attention.head_count' = {n_head} (and no '{arch}.rope.dimension_count')")
+    head_dim = c.get("head_dim", hidden // n_head)
+    if head_dim % 2:
+        raise ValueError(f"{f.path}: head dim {head_dim} (from '{arch}.rope.dimension_count' or embedding_length / "
+                         "head_count) must be even for rotary embeddings")
+    blocks = sorted({int(m.group(1)) for name in f.tensors if (m := re.match(r"^blk\.(\d+)\.", name))})
+    if len(blocks) != layers or blocks != list(range(layers)):  # (the length first: never build a huge range)
+        raise ValueError(f"{f.path}: metadata '{arch}.block_count' = {layers} but the file holds tensors for "
+                         f"blocks {_ranges(blocks)}")
+    ffn_up = f.tensors.get("blk.0.ffn_up.weight")
+    ffn = c.get("intermediate_size", ffn_up.shape[0] if ffn_up is not None and ffn_up.shape else None)
+    if ffn is None:
+        raise ValueError(f"{f.path}: no '{arch}.feed_forward_length' and no blk.0.ffn_up.weight to infer it from")
+    c.setdefault("intermediate_size", ffn)
+    vocab = c["vocab_size"]
+    expected = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if not c["tie_word_embeddings"]:
+        expected["output.weight"] = (vocab, hidden)
+    for i in range(layers):
+        expected.update({
+            f"blk.{i}.attn_q.weight": (n_head * head_dim, hidden), f"blk.{i}.attn_k.weight": (n_kv * head_dim, hidden),
+            f"blk.{i}.attn_v.weight": (n_kv * head_dim, hidden), f"blk.{i}.attn_output.weight": (hidden, n_head * head_dim),
+            f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, ffn), f"blk.{i}.attn_norm.weight": (hidden,),
+            f"blk.{i}.ffn_norm.weight": (hidden,),
+        })
+    for name, shape in expected.items():
+        t = f.tensors.get(name)
+        if t is None:
+            raise ValueError(f"{f.path}: no tensor {name!r}, which the metadata ({arch}.*) implies")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{f.path}: tensor {name!r} has shape {list(t.shape)}, but the metadata ({arch}.* "
+                             f"embedding_length, head counts, feed_forward_length, vocab) implies {list(shape)}")
+
+
+def _ranges(values: list[int]) -> str:
+    if not values:
+        return "none"
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}..{values[-1]}"
+    return ", ".join(map(str, values[:10])) + (" ..." if len(values) > 10 else "")
 
 
 def _warn_unmapped_rope(f: GGUFFile, arch: str) -> None:
@@ -134,8 +228,8 @@ def _special_token_ids(f: GGUFFile, vocab_size: int) -> dict[str, int | None]:
     """{bos,eos,pad}_token_id from the file's tokenizer metadata. An id that names no token is
     dropped with a warning (as llama.cpp's loader does: the special token is optional, the
     weights are still good)."""
-    tokens = f.reader.fields.get("tokenizer.ggml.tokens")
-    n_tokens = len(tokens.data) if tokens is not None else vocab_size
+    tokens = f.header.kv.get("tokenizer.ggml.tokens")
+    n_tokens = tokens.count if tokens is not None else vocab_size
     limit = min(vocab_size, n_tokens)
     out: dict[str, int | None] = {}
     for key, field in _TOKEN_ID_KEYS.items():

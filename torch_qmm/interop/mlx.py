@@ -32,12 +32,15 @@ from tqdm.auto import tqdm
 from ..formats import check_format, packed_words
 from ..nn import FORMAT_STATE_KEY, QuantLinear
 from .modules import QuantEmbedding, TiedQuantLinear
+from .json_files import read_json_object
 from .safetensors_io import Checkpoint, save_sharded
 
 _QUANT_KEYS = ("quantization", "quantization_config")
 _SPEC_KEYS = {"group_size", "bits", "mode", "quant_method"}
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_STORED_DTYPES = {"U32": torch.uint32, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "I8": torch.int8,
+                  "I16": torch.int16, "BOOL": torch.bool, **_SAFETENSORS_DTYPES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +74,15 @@ def _spec_from(entry: dict, where: str) -> QuantSpec:
         raise ValueError(f"{where}: quantization mode {mode!r} is not supported (torch_qmm reads mode 'affine')")
     if "bits" not in entry or "group_size" not in entry:
         raise ValueError(f"{where}: quantization entry must give 'bits' and 'group_size', got {entry!r}")
+    for field in ("bits", "group_size"):
+        v = entry[field]
+        if not isinstance(v, int) or isinstance(v, bool):  # 4.7 or "4" is a corrupt config, not 4
+            raise ValueError(f"{where}: field {field!r} must be a JSON integer, got {v!r}")
     try:
-        check_format(int(entry["bits"]), int(entry["group_size"]))
+        check_format(entry["bits"], entry["group_size"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    return QuantSpec(int(entry["bits"]), int(entry["group_size"]))
+    return QuantSpec(entry["bits"], entry["group_size"])
 
 
 def parse_quantization(config: dict, where: str = "config.json") -> tuple[QuantSpec | None, dict[str, QuantSpec | bool]]:
@@ -124,6 +131,22 @@ def _check_quantized_shapes(ckpt: Checkpoint, path: str, spec: QuantSpec, rows: 
         )
     if ckpt.dtype_name(f"{path}.weight") != "U32":
         raise ValueError(f"{ckpt.path}: layer {path!r}: quantized weight must be U32, got {ckpt.dtype_name(f'{path}.weight')}")
+    for part in ("scales", "biases"):
+        if ckpt.dtype_name(f"{path}.{part}") not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{ckpt.path}: layer {path!r}: {part} must be a float dtype ({', '.join(_SAFETENSORS_DTYPES)}), "
+                             f"got {ckpt.dtype_name(f'{path}.{part}')}")
+
+
+def _check_dtype(ckpt: Checkpoint, key: str, dst: torch.Tensor) -> None:
+    """A stored tensor's dtype must suit its role: any float dtype for a float parameter (cast on
+    load), exactly the buffer's dtype otherwise."""
+    stored = ckpt.dtype_name(key)
+    if dst.is_floating_point():
+        if stored not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{ckpt.path}: tensor {key!r} is {stored}, but the model's tensor is {dst.dtype}: a float "
+                             f"tensor must be stored as {', '.join(_SAFETENSORS_DTYPES)}")
+    elif _STORED_DTYPES.get(stored) != dst.dtype:
+        raise ValueError(f"{ckpt.path}: tensor {key!r} is {stored}, the model's tensor is {dst.dtype}")
 
 
 def load_mlx(
@@ -152,7 +175,7 @@ def load_mlx(
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     config_path = folder / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = read_json_object(config_path) if config_path.is_file() else {}
     default, overrides = parse_quantization(config, str(config_path))
     ckpt = Checkpoint(path)
     keys = ckpt.keys()
@@ -227,7 +250,10 @@ def load_mlx(
                 f"{ckpt.path}: checkpoint does not match the model: missing {missing[:8]}"
                 f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
             )
-    show = progress if progress is not None else len(keys) > 32
+    for target, key in targets.items():
+        if target in state:
+            _check_dtype(ckpt, key, state[target])
+    show = bool(targets) and (progress if progress is not None else len(keys) > 32)
     with torch.no_grad():
         for target, key in tqdm(sorted(targets.items()), desc="loading", disable=not show, unit="tensor"):
             if target not in state:

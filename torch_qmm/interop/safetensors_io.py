@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from .json_files import read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -52,9 +54,13 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: safetensors header JSON is nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(f"{path}: safetensors '__metadata__' must map names to strings, got {str(metadata)[:200]}")
     data_bytes = size - 8 - n
     for name, info in header.items():
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
@@ -97,6 +103,14 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
     return header
 
 
+def _check_shard_name(index: Path, tensor: str, file) -> None:
+    """A shard named by an index must be a plain *.safetensors file name: in the index's folder,
+    never a path that leaves it (../x.safetensors, /abs/x.safetensors, sub/x.safetensors)."""
+    if not isinstance(file, str) or not file.endswith(".safetensors") or Path(file).name != file or file in (".", ".."):
+        raise ValueError(f"{index}: 'weight_map' entry {tensor!r} -> {file!r}: a shard must be a *.safetensors file "
+                         "name in the index's own folder")
+
+
 def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -115,10 +129,12 @@ class Checkpoint:
         if path.is_file():
             files = [path]
         elif (path / INDEX_NAME).is_file():
-            index = json.loads((path / INDEX_NAME).read_text())
+            index = read_json_object(path / INDEX_NAME)
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{path / INDEX_NAME}: missing 'weight_map'")
+            for name, file in weight_map.items():
+                _check_shard_name(path / INDEX_NAME, name, file)
             files = sorted({path / f for f in weight_map.values()})
             missing = [str(f) for f in files if not f.is_file()]
             if missing:
@@ -156,14 +172,17 @@ class Checkpoint:
         return end - begin
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(self.where[name], framework="pt") as f:
-            return f.get_tensor(name)
+        file = self.where[name]
+        try:
+            with safe_open(file, framework="pt") as f:
+                return f.get_tensor(name)
+        except SafetensorError as e:  # what our header checks do not cover (file changed since?)
+            raise ValueError(f"{file}: tensor {name!r}: {e}") from None
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.headers:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            for name in self.headers[file]:
+                yield name, self.get(name)
 
 
 def save_sharded(

@@ -1,0 +1,307 @@
+"""`convert`: never destroys user data, converts losslessly unless asked, says what it did per
+layer, and reports bad input in one line with exit code 1 (file) or 2 (argument)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as T
+
+from torch_qmm.__main__ import main
+from torch_qmm.interop import parse_quantization
+
+transformers = pytest.importorskip("transformers")
+from test_interop_gguf_llama import hf_model, write_llama_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("src") / "hf"
+    hf_model(tied=True).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text('{"tok": 1}')
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "m.gguf"
+    write_llama_gguf(hf_model(tied=False), path, {"q_proj": T.Q8_0, "k_proj": T.Q4_K, "v_proj": T.Q6_K, "embed": T.Q4_0,
+                                                  "lm_head": T.Q8_0}, np.random.default_rng(0))
+    return path
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _report(text: str) -> dict[str, str]:
+    return {line.split()[0]: line.split(None, 1)[1] for line in text.splitlines() if line.startswith("  ")}
+
+
+# --- D: user data ---------------------------------------------------------------------------
+
+
+def test_a_non_empty_destination_is_refused_without_overwrite(hf_folder, tmp_path, capsys):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "mine.txt").write_text("keep me")
+    assert main(["convert", str(hf_folder), str(dst)]) == 2
+    assert "is not empty; pass --overwrite" in capsys.readouterr().err
+    assert _tree(dst) == {"mine.txt": b"keep me"}
+
+
+def test_overwrite_replaces_the_destination_only_when_the_new_one_is_complete(hf_folder, tmp_path, capsys):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("old")
+    assert main(["convert", str(hf_folder), str(dst), "--overwrite"]) == 0
+    assert not (dst / "old.txt").exists() and (dst / "config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folders left
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "parent"])
+def test_convert_never_writes_into_its_source(hf_folder, tmp_path, where, capsys):
+    src = tmp_path / "hf"
+    import shutil
+
+    shutil.copytree(hf_folder, src)
+    before = _tree(src)
+    dst = {"same": src, "inside": src / "out", "parent": tmp_path}[where]
+    assert main(["convert", str(src), str(dst), "--overwrite"]) == 2
+    assert "convert never writes into its source" in capsys.readouterr().err
+    assert _tree(src) == before
+
+
+def test_a_failed_conversion_leaves_nothing_behind_and_keeps_the_old_destination(hf_folder, tmp_path, capsys):
+    src = tmp_path / "hf"
+    import shutil
+
+    shutil.copytree(hf_folder, src)
+    (src / "model.safetensors").write_bytes(b"\x08" + bytes(7) + b"{}")  # a header claiming more than is there
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("old")
+    assert main(["convert", str(src), str(dst), "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert str(src / "model.safetensors") in err and len(err.splitlines()) == 1
+    assert _tree(dst) == {"old.txt": b"old"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+    # and a new nested destination is not created when the run fails
+    assert main(["convert", str(src), str(tmp_path / "a" / "b" / "out")]) == 1
+    assert not (tmp_path / "a").exists()
+
+
+def test_gguf_to_transformers_keeps_a_pre_existing_dot_float_folder_of_the_user(gguf_path, tmp_path, capsys):
+    dst = tmp_path / "out"
+    (dst / ".float").mkdir(parents=True)
+    (dst / ".float" / "mine").write_text("mine")
+    assert main(["convert", str(gguf_path), str(dst), "--requantize", "all", "--bits", "8", "--group-size", "32"]) == 2
+    assert (dst / ".float" / "mine").read_text() == "mine"  # refused: the destination is not empty
+
+
+def test_symlinks_in_the_source_are_followed_only_inside_it(hf_folder, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_folder, src)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private")
+    (src / "notes.txt").symlink_to(secret)
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"{src / 'notes.txt'}: a symbolic link to {secret}" in err and "outside the source folder" in err
+    assert not (tmp_path / "out").exists()
+    # a link to a file inside the source is copied as that file's contents
+    (src / "notes.txt").unlink()
+    (src / "notes.txt").symlink_to(src / "tokenizer.json")
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 0
+    assert not (tmp_path / "out" / "notes.txt").is_symlink()
+    assert (tmp_path / "out" / "notes.txt").read_text() == '{"tok": 1}'
+
+
+def test_a_hugging_face_cache_snapshot_converts_with_its_links_into_blobs(hf_folder, tmp_path, capsys):
+    """<repo>/snapshots/<rev>/* are links into <repo>/blobs: followed, and copied as files."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for f in hf_folder.iterdir():
+        blob = repo / "blobs" / f"blob-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    assert main(["convert", str(snap), str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    assert (out / "tokenizer.json").read_text() == '{"tok": 1}' and not (out / "tokenizer.json").is_symlink()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # a normal folder, not mkdtemp's private 0700
+
+
+# --- B8: lossless by default, flags only where they apply, a per-layer report ----------------
+
+
+def test_gguf_to_mlx_is_lossless_by_default_and_reports_each_layer(gguf_path, tmp_path, capsys):
+    out = tmp_path / "mlx"
+    assert main(["convert", str(gguf_path), str(out), "--format", "mlx"]) == 0
+    text = capsys.readouterr().out
+    report = _report(text)
+    assert report["model.layers.0.self_attn.q_proj"] == "lossless Q8_0 -> affine b8 gs32"
+    assert report["model.layers.0.self_attn.k_proj"] == "lossless Q4_K -> affine b4 gs32"
+    assert report["model.embed_tokens"] == "lossless Q4_0 -> affine b4 gs32"
+    assert report["model.layers.0.self_attn.v_proj"].startswith("decoded Q6_K -> float float32 (as gguf decodes it")
+    assert report["model.layers.0.mlp.up_proj"] == "kept F32 -> float float32"
+    assert "group_size=64" not in text and "bits=4," not in text  # no format this run did not use
+    _, overrides = parse_quantization(json.loads((out / "config.json").read_text()))
+    assert overrides["model.layers.0.self_attn.v_proj"] is False  # stored float, as reported
+
+
+def test_gguf_requantize_rest_uses_the_flags_for_layers_without_an_exact_form(gguf_path, tmp_path, capsys):
+    out = tmp_path / "mlx"
+    assert main(["convert", str(gguf_path), str(out), "--format", "mlx", "--requantize", "rest", "--bits", "3",
+                 "--group-size", "128"]) == 0
+    report = _report(capsys.readouterr().out)
+    assert report["model.layers.0.self_attn.v_proj"] == "re-quantized Q6_K -> affine b3 gs128"
+    assert report["model.layers.0.mlp.up_proj"] == "re-quantized F32 -> affine b3 gs128"
+    assert report["model.layers.0.self_attn.q_proj"] == "lossless Q8_0 -> affine b8 gs32"
+    default, overrides = parse_quantization(json.loads((out / "config.json").read_text()))
+    spec = overrides.get("model.layers.0.self_attn.v_proj", default)
+    assert (spec.bits, spec.group_size) == (3, 128)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--format", "mlx", "--bits", "3", "--group-size", "128"],
+     "--bits and --group-size apply only to re-quantization"),
+    ([], "GGUF -> transformers re-quantizes every layer"),
+    (["--format", "transformers", "--requantize", "rest"], "GGUF -> transformers re-quantizes every layer"),
+])
+def test_gguf_flags_that_do_not_apply_are_usage_errors(gguf_path, tmp_path, argv, message, capsys):
+    assert main(["convert", str(gguf_path), str(tmp_path / "out"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_requantize_on_a_float_folder_is_a_usage_error(hf_folder, tmp_path, capsys):
+    assert main(["convert", str(hf_folder), str(tmp_path / "out"), "--requantize", "all"]) == 2
+    assert "--requantize applies to GGUF sources only" in capsys.readouterr().err
+
+
+def test_float_folder_report_names_the_format_used(hf_folder, tmp_path, capsys):
+    assert main(["convert", str(hf_folder), str(tmp_path / "out"), "--bits", "8", "--group-size", "32"]) == 0
+    report = _report(capsys.readouterr().out)
+    assert report["model.layers.0.mlp.up_proj"] == "quantized float -> affine b8 gs32"
+    assert report["lm_head"].startswith("kept float")
+
+
+# --- E20: one line, exit codes, no traceback ---------------------------------------------------
+
+
+@pytest.mark.parametrize("config, message", [
+    ("{not json", "config.json: not valid JSON"),
+    ('{"model_type": 3}', "config.json: field 'model_type' must be a string"),
+    ("[" * 50_000 + "]" * 50_000, "config.json: JSON nested too deeply"),
+])
+def test_a_corrupt_config_json_is_one_line_naming_the_file(hf_folder, tmp_path, config, message, capsys):
+    import shutil
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_folder, src)
+    (src / "config.json").write_text(config)
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and str(src) in err and len(err.splitlines()) == 1
+
+
+def test_transformers_config_errors_name_the_folder(hf_folder, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_folder, src)
+    config = json.loads((src / "config.json").read_text())
+    config["num_attention_heads"] = 0
+    (src / "config.json").write_text(json.dumps(config))
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"{src}: transformers could not build the model" in err and len(err.splitlines()) == 1
+
+
+def test_the_cli_prints_no_traceback_unless_debug(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(40))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "torch_qmm", *a], capture_output=True, text=True, env=env)
+    p = run("inspect", str(bad))
+    assert p.returncode == 1 and "Traceback" not in p.stderr and str(bad) in p.stderr
+    p = run("inspect", str(bad), "--debug")
+    assert p.returncode == 1 and "Traceback" in p.stderr and "GGUFFormatError" in p.stderr
+
+
+_MEMORY_SCRIPT = r"""
+import contextlib, io, json, os, sys, threading, time
+import torch_qmm.interop.cli_convert  # noqa: F401  (imports done before the baseline)
+from torch_qmm.__main__ import main
+
+def rss():  # resident bytes now (Linux)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+small, big, out = sys.argv[1:4]
+quiet = lambda: (contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()))
+a, b = quiet()
+with a, b:
+    assert main(["convert", small, out + "-warm", "--format", "mlx"]) == 0  # first-use costs
+before, peak, done = rss(), [0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+
+t = threading.Thread(target=sample)
+t.start()
+a, b = quiet()
+with a, b:
+    rc = main(["convert", big, out, "--format", "mlx"])
+done.set()
+t.join()
+print(json.dumps({"rc": rc, "growth": peak[0] - before}))
+"""
+
+
+def test_gguf_conversion_needs_a_small_multiple_of_the_file_size(gguf_path, tmp_path):
+    """The model skeleton is never initialized in float: resident memory (sampled every 2 ms)
+    grows by less than 4x the file during the conversion (a float32 skeleton alone is 7x a Q4_0 file)."""
+    from gguf import quants
+
+    from gguf_helpers import write_gguf
+
+    hidden, ffn, vocab, layers, heads = 512, 1408, 8192, 4, 8
+    rng = np.random.default_rng(0)
+
+    def q(shape):
+        return quants.quantize((rng.standard_normal(shape) * 0.02).astype(np.float32), T.Q4_0), T.Q4_0
+
+    tensors = {"token_embd.weight": q((vocab, hidden)), "output_norm.weight": (np.ones(hidden, np.float32), None)}
+    for i in range(layers):
+        for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (hidden, hidden)), ("attn_v", (hidden, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))]:
+            tensors[f"blk.{i}.{name}.weight"] = q(shape)
+        tensors[f"blk.{i}.attn_norm.weight"] = tensors[f"blk.{i}.ffn_norm.weight"] = (np.ones(hidden, np.float32), None)
+    big = tmp_path / "big.gguf"
+    write_gguf(big, tensors, metadata={
+        "llama.block_count": layers, "llama.context_length": 64, "llama.embedding_length": hidden,
+        "llama.feed_forward_length": ffn, "llama.attention.head_count": heads, "llama.attention.head_count_kv": heads,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 10000.0})
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    p = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(gguf_path), str(big), str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["rc"] == 0
+    assert result["growth"] < 4 * big.stat().st_size, (result, big.stat().st_size)

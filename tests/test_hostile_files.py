@@ -1,0 +1,585 @@
+"""Hostile and corrupt files: refused with a ValueError naming the file, fast, in bounded memory.
+
+Field positions of the valid files are found with the `gguf` package's own reader and Python's
+json, not with torch_qmm's parser, and the structural mutations are the ones llama.cpp's loader
+refuses (ggml/src/gguf.cpp): wrong offsets, sizes, types, dims, counts, alignment.
+The fuzz test runs a few hundred mutants in a fresh process (tests/hostile_worker.py) and checks
+per case: the time, the memory (peak RSS and the peak of traced Python/numpy allocations), and
+the outcome (accepted, or refused naming the file; never another exception).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader, GGUFWriter
+from gguf.constants import GGMLQuantizationType as T
+
+from torch_qmm.__main__ import main
+from torch_qmm.interop import load_mlx, save_mlx
+from torch_qmm.interop.gguf import GGUFFile, dequantize
+from torch_qmm.interop.gguf_header import GGUFFormatError
+from torch_qmm.interop.gguf_llama import check_llama_metadata
+
+transformers = pytest.importorskip("transformers")
+from test_interop_gguf_llama import hf_model, write_llama_gguf  # noqa: E402
+
+TESTS = Path(__file__).parent
+U64_MAX = 2**64 - 1
+
+# ---------------------------------------------------------------------------------------------
+# A small valid llama GGUF with every kind of field the parser meets, and its field positions.
+
+
+def _rewrite_with_extras(src: Path, dst: Path) -> None:
+    """src's tensors and metadata plus: an odd-sized tensor first (so every later offset depends
+    on the padding), a numeric and a string array."""
+    r = GGUFReader(src)
+    w = GGUFWriter(str(dst), "llama")
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = field.contents()
+        if isinstance(value, float):
+            w.add_float32(name, value)
+        elif isinstance(value, int):
+            w.add_uint32(name, value)
+        else:
+            w.add_string(name, value)
+    w.add_uint32("general.alignment", 32)  # the default, written out so that mutants can change it
+    w.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0])
+    w.add_array("tokenizer.ggml.tokens", ["<s>", "a", "bc"])
+    w.add_tensor("rope_freqs.weight", np.arange(5, dtype=np.float32))  # 20 bytes: padded to 32
+    for t in r.tensors:
+        if t.tensor_type == T.F32:
+            w.add_tensor(t.name, np.array(t.data))
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("hostile_gguf")
+    write_llama_gguf(hf_model(tied=False), folder / "plain.gguf",
+                     {"q_proj": T.Q4_K, "k_proj": T.Q8_0, "v_proj": T.Q6_K, "o_proj": T.Q4_0, "gate_proj": T.Q5_1,
+                      "up_proj": T.Q8_0, "down_proj": T.Q4_1, "embed": T.Q4_0, "lm_head": T.Q8_0},
+                     np.random.default_rng(3))
+    _rewrite_with_extras(folder / "plain.gguf", folder / "m.gguf")
+    return folder / "m.gguf"
+
+
+def _positions(path: Path) -> dict:
+    """Byte positions of header fields, from gguf's reader: per tensor its n_dims, dims, type and
+    offset; per metadata key its value (or array length); the counts."""
+    r = GGUFReader(path)
+
+    def part_offsets(field):
+        out, pos = [], field.offset
+        for part in field.parts:
+            out.append(pos)
+            pos += part.nbytes
+        return out
+
+    tensors = {}
+    for t in r.tensors:
+        p = part_offsets(t.field)  # name length, name, n_dims, dims, type, offset
+        tensors[t.name] = {"name_len": p[0], "name": p[1], "n_dims": p[2], "dims": p[3], "type": p[4], "offset": p[5],
+                           "data_offset": int(t.data_offset - r.data_offset), "ne": [int(d) for d in t.shape]}
+    fields = {}
+    for name, f in r.fields.items():
+        p = part_offsets(f)
+        fields[name] = {"key_len": p[0], "value": p[3] if len(p) > 3 else None, "array_len": p[4] if len(p) > 4 else None}
+    return {"tensors": tensors, "fields": fields, "data_start": int(r.data_offset), "size": path.stat().st_size}
+
+
+def _u32(v: int) -> str:
+    return struct.pack("<I", v).hex()
+
+
+def _u64(v: int) -> str:
+    return struct.pack("<Q", v).hex()
+
+
+def structural_gguf_mutants(path: Path) -> dict[str, dict]:
+    """name -> {"patches": [[offset, hex]], "truncate": n}: each one a file llama.cpp refuses."""
+    pos = _positions(path)
+    tensors = pos["tensors"]
+    names = list(tensors)
+    first, second, last = tensors[names[0]], tensors[names[1]], tensors[names[-1]]
+    q8 = next(t for n, t in tensors.items() if n == "blk.0.attn_k.weight")
+    fields = pos["fields"]
+    m: dict[str, dict] = {
+        "49 bytes declaring a 2^40-element array": {
+            "truncate": 0, "patches": [[0, (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a"
+                                            + struct.pack("<IIQ", 9, 0, 2**40)).hex()]]},
+        "version 1": {"patches": [[4, _u32(1)]]},
+        "version 4": {"patches": [[4, _u32(4)]]},
+        "tensor count + 1": {"patches": [[8, _u64(len(names) + 1)]]},
+        "tensor count 2^40": {"patches": [[8, _u64(2**40)]]},
+        "kv count + 1": {"patches": [[16, _u64(len(fields) - 3 + 1)]]},  # GGUF.* pseudo-fields are not kvs
+        "kv count 2^63": {"patches": [[16, _u64(2**63)]]},
+        "key length 2^40": {"patches": [[fields["general.architecture"]["key_len"], _u64(2**40)]]},
+        "string array length 2^40": {"patches": [[fields["tokenizer.ggml.tokens"]["array_len"], _u64(2**40)]]},
+        "float array length 2^62": {"patches": [[fields["tokenizer.ggml.scores"]["array_len"], _u64(2**62)]]},
+        "alignment 1": {"patches": [[fields["general.alignment"]["value"], _u32(1)]]},
+        "alignment 3": {"patches": [[fields["general.alignment"]["value"], _u32(3)]]},
+        "alignment 0": {"patches": [[fields["general.alignment"]["value"], _u32(0)]]},
+        "alignment as a float": {"patches": [[fields["general.alignment"]["value"] - 4, _u32(6)]]},
+        "misaligned offset": {"patches": [[second["offset"], _u64(second["data_offset"] + 4)]]},
+        "gap before a tensor": {"patches": [[second["offset"], _u64(second["data_offset"] + 32)]]},
+        "overlapping offset": {"patches": [[second["offset"], _u64(first["data_offset"])]]},
+        "offset 2^64-1": {"patches": [[last["offset"], _u64(U64_MAX)]]},
+        "offset 2^63": {"patches": [[second["offset"], _u64(2**63)]]},
+        "retyped Q8_0 -> Q4_0": {"patches": [[q8["type"], _u32(int(T.Q4_0))]]},
+        "retyped Q8_0 -> F32": {"patches": [[q8["type"], _u32(int(T.F32))]]},
+        "last tensor retyped Q8_0 -> Q4_0": {"patches": [[last["type"], _u32(int(T.Q4_0))]]},
+        "unknown type 99": {"patches": [[q8["type"], _u32(99)]]},
+        "row not a multiple of the block": {"patches": [[q8["dims"], _u64(q8["ne"][0] - 32 + 16)]]},
+        "rows + 1": {"patches": [[q8["dims"] + 8, _u64(q8["ne"][1] + 1)]]},
+        "last tensor rows - 1": {"patches": [[last["dims"] + 8, _u64(last["ne"][1] - 1)]]},
+        "rows 2^40": {"patches": [[q8["dims"] + 8, _u64(2**40)]]},
+        "dim 2^63 (negative)": {"patches": [[q8["dims"] + 8, _u64(2**63)]]},
+        "5 dims": {"patches": [[q8["n_dims"], _u32(5)]]},
+        "duplicate tensor name": {"patches": [[tensors["blk.0.attn_k.weight"]["name"], b"blk.0.attn_q.weight".hex()]]},
+        "truncated in the header": {"truncate": first["offset"] + 3},
+        "truncated in the data": {"truncate": pos["size"] - 1000},
+        "trailing bytes": {"patches": [[pos["size"], (b"\0" * 4096).hex()]]},
+        "NaN block scale (Q8_0)": {"patches": [[pos["data_start"] + q8["data_offset"], "007e"]]},
+        "Inf block scale (Q4_K)": {"patches": [[pos["data_start"] + tensors["blk.1.attn_q.weight"]["data_offset"],
+                                                "007c"]]},
+    }
+    return m
+
+
+def _mutated(path: Path, mutant: dict, out: Path) -> Path:
+    data = bytearray(path.read_bytes())
+    if mutant.get("truncate") is not None:
+        del data[mutant["truncate"]:]
+    for offset, hexbytes in mutant.get("patches", []):
+        patch = bytes.fromhex(hexbytes)
+        data[offset:offset + len(patch)] = patch
+    out.write_bytes(bytes(data))
+    return out
+
+
+def _read_everything(path: Path) -> None:
+    f = GGUFFile(path)
+    f.metadata
+    for t in f.tensors.values():
+        dequantize(t)
+    check_llama_metadata(f)
+
+
+def test_the_valid_file_reads_and_its_fields_are_where_the_mutants_expect(llama_gguf):
+    _read_everything(llama_gguf)
+    f = GGUFFile(llama_gguf)
+    assert f.get_metadata("tokenizer.ggml.tokens") == ["<s>", "a", "bc"]
+    assert f.get_metadata("tokenizer.ggml.scores") == [0.5, -1.0, 2.0]
+    assert f.metadata["llama.block_count"] == 2
+    # the same bytes gguf's reader sees
+    r = GGUFReader(llama_gguf)
+    for t in r.tensors:
+        assert np.array_equal(f.tensors[t.name].raw.reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("name", [
+    "49 bytes declaring a 2^40-element array", "version 1", "version 4", "tensor count + 1", "tensor count 2^40",
+    "kv count + 1", "kv count 2^63", "key length 2^40", "string array length 2^40", "float array length 2^62",
+    "alignment 1", "alignment 3", "alignment 0", "alignment as a float", "misaligned offset", "gap before a tensor",
+    "overlapping offset", "offset 2^64-1", "offset 2^63", "retyped Q8_0 -> Q4_0", "retyped Q8_0 -> F32",
+    "last tensor retyped Q8_0 -> Q4_0", "unknown type 99", "row not a multiple of the block", "rows + 1",
+    "last tensor rows - 1", "rows 2^40", "dim 2^63 (negative)", "5 dims", "duplicate tensor name",
+    "truncated in the header", "truncated in the data", "trailing bytes", "NaN block scale (Q8_0)",
+    "Inf block scale (Q4_K)"])
+def test_structurally_corrupt_gguf_is_refused_naming_the_file(llama_gguf, tmp_path, name):
+    bad = _mutated(llama_gguf, structural_gguf_mutants(llama_gguf)[name], tmp_path / "bad.gguf")
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        _read_everything(bad)
+    assert time.perf_counter() - t0 < 5
+    assert str(bad) in str(e.value)
+    if "scale" in name:
+        assert "corrupt" in str(e.value) and "float32" not in str(e.value)  # no dtype advice for a bad file
+
+
+def test_gguf_with_another_power_of_two_alignment_is_read(llama_gguf, tmp_path):
+    """llama.cpp accepts any power of two; a file written with alignment 64 reads the same tensors."""
+    r = GGUFReader(llama_gguf)
+    w = GGUFWriter(str(tmp_path / "a64.gguf"), "llama")
+    w.data_alignment = 64
+    w.add_uint32("general.alignment", 64)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=None if t.tensor_type == T.F32 else t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(tmp_path / "a64.gguf")
+    assert f.header.alignment == 64
+    for t in r.tensors:
+        assert np.array_equal(f.tensors[t.name].raw.reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8))
+
+
+def test_a_49_byte_file_declaring_a_huge_array_fails_fast_in_the_cli(tmp_path, capsys):
+    path = tmp_path / "a.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a"
+                     + struct.pack("<IIQ", 9, 0, 2**40))
+    assert path.stat().st_size == 49
+    t0 = time.perf_counter()
+    assert main(["inspect", str(path)]) == 1
+    assert main(["convert", str(path), str(tmp_path / "out"), "--format", "mlx"]) == 1
+    assert time.perf_counter() - t0 < 5
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(str(path) in line and "metadata 'a'" in line for line in err)
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata that disagrees with the tensors: refused before the model is built.
+
+
+def _with_metadata(src: Path, dst: Path, key: str, value: int) -> Path:
+    pos = _positions(src)["fields"][key]["value"]
+    return _mutated(src, {"patches": [[pos, _u32(value)]]}, dst)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.feed_forward_length", 2**18, r"'blk.0.ffn_gate.weight' has shape \[512, 256\], but the metadata"),
+    ("llama.block_count", 2**31 - 1, r"'llama.block_count' = 2147483647 but the file holds tensors for blocks 0..1"),
+    ("llama.attention.head_count", 0, r"'llama.attention.head_count' must be a positive integer, got 0"),
+    ("llama.embedding_length", 0, r"'llama.embedding_length' must be a positive integer"),
+    ("llama.attention.head_count_kv", 3, r"head_count' = 4 is not a multiple of 'llama.attention.head_count_kv' = 3"),
+    ("llama.rope.dimension_count", 0, r"'llama.rope.dimension_count' must be a positive integer"),
+])
+def test_metadata_disagreeing_with_the_tensors_is_refused_before_building(llama_gguf, tmp_path, key, value, message,
+                                                                            capsys):
+    bad = _with_metadata(llama_gguf, tmp_path / "bad.gguf", key, value)
+    with pytest.raises(ValueError, match=message):
+        check_llama_metadata(GGUFFile(bad))
+    # the CLI too: one line, exit 1, within seconds and without building the model
+    t0 = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert main(["convert", str(bad), str(tmp_path / "out"), "--format", "mlx"]) == 1
+    assert time.perf_counter() - t0 < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024  # KiB: far below 1.97 GB
+    assert str(bad) in capsys.readouterr().err
+
+
+def test_rope_freq_base_zero_is_refused(llama_gguf, tmp_path):
+    pos = _positions(llama_gguf)["fields"]["llama.rope.freq_base"]["value"]
+    bad = _mutated(llama_gguf, {"patches": [[pos, struct.pack("<f", 0.0).hex()]]}, tmp_path / "bad.gguf")
+    with pytest.raises(ValueError, match=r"'llama.rope.freq_base' must be a positive finite number, got 0.0"):
+        check_llama_metadata(GGUFFile(bad))
+
+
+# ---------------------------------------------------------------------------------------------
+# MLX folders and config.json.
+
+
+@pytest.fixture(scope="module")
+def mlx_folder(tmp_path_factory) -> Path:
+    """A sharded MLX folder (index + 3 shards) of the small llama, 4-bit group size 64."""
+    from torch_qmm.convert import quantize_model
+
+    folder = tmp_path_factory.mktemp("hostile_mlx") / "mlx"
+    model = hf_model(tied=False)
+    quantize_model(model, bits=4, group_size=64)
+    save_mlx(model, folder, config=model.config.to_dict(), max_shard_bytes=300_000)
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+def _fresh_model(folder: Path):
+    config = json.loads((folder / "config.json").read_text())
+    for k in ("quantization", "quantization_config", "architectures", "transformers_version", "model_type"):
+        config.pop(k, None)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+
+
+def _copy(folder: Path, dst: Path) -> Path:
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def _edit_config(folder: Path, edit) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return n, json.loads(data[8:8 + n])
+
+
+def _rewrite_header(path: Path, header: dict) -> None:
+    """Replaces a shard's header keeping its length (safetensors pads headers with spaces)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    path.write_bytes(data[:8] + text.ljust(n, b" ") + data[8 + n:])
+
+
+def _shard_of(folder: Path, key: str) -> Path:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder / index["weight_map"][key]
+
+
+@pytest.mark.parametrize("value, message", [
+    (4.7, "field 'bits' must be a JSON integer, got 4.7"),
+    ("4", "field 'bits' must be a JSON integer, got '4'"),
+    (True, "field 'bits' must be a JSON integer, got True"),
+])
+def test_mlx_config_bits_must_be_an_integer(mlx_folder, tmp_path, value, message):
+    folder = _copy(mlx_folder, tmp_path / "m")
+
+    def edit(c):
+        c["quantization"]["bits"] = c["quantization_config"]["bits"] = value
+
+    _edit_config(folder, edit)
+    with pytest.raises(ValueError, match=message) as e:
+        load_mlx(_fresh_model(mlx_folder), folder)
+    assert str(folder / "config.json") in str(e.value)
+
+
+def test_mlx_scales_stored_as_integers_are_refused(mlx_folder, tmp_path):
+    folder = _copy(mlx_folder, tmp_path / "m")
+    key = "model.layers.0.mlp.up_proj.scales"
+    shard = _shard_of(folder, key)
+    _, header = _header(shard)
+    assert header[key]["dtype"] == "F32"
+    header[key]["dtype"] = "I32"  # same size: the byte ranges still tile the file
+    _rewrite_header(shard, header)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj': scales must be a float dtype .* got I32"):
+        load_mlx(_fresh_model(mlx_folder), folder)
+
+
+def test_mlx_float_tensor_stored_as_integers_is_refused(mlx_folder, tmp_path):
+    folder = _copy(mlx_folder, tmp_path / "m")
+    key = "model.norm.weight"
+    shard = _shard_of(folder, key)
+    _, header = _header(shard)
+    header[key]["dtype"] = "I32"
+    _rewrite_header(shard, header)
+    with pytest.raises(ValueError, match=r"tensor 'model.norm.weight' is I32, but the model's tensor is torch.float32"):
+        load_mlx(_fresh_model(mlx_folder), folder)
+
+
+def test_safetensors_metadata_that_is_not_strings_is_refused(mlx_folder, tmp_path):
+    folder = _copy(mlx_folder, tmp_path / "m")
+    shard = _shard_of(folder, "model.norm.weight")
+    _, header = _header(shard)
+    header["__metadata__"] = {"format": 1}
+    _rewrite_header(shard, header)
+    with pytest.raises(ValueError, match=r"'__metadata__' must map names to strings") as e:
+        load_mlx(_fresh_model(mlx_folder), folder)
+    assert str(shard) in str(e.value)
+
+
+def test_index_shard_outside_the_folder_is_refused(mlx_folder, tmp_path):
+    folder = _copy(mlx_folder, tmp_path / "m")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    shutil.copyfile(folder / first, tmp_path / first)  # a readable file outside the folder
+    index["weight_map"] = {k: (f"../{v}" if v == first else v) for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"-> '\.\./{first}': a shard must be a \*\.safetensors file name"):
+        load_mlx(_fresh_model(mlx_folder), folder)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "config.json: not valid JSON"),
+    ("[" * 100_000 + "]" * 100_000, "config.json: JSON nested too deeply"),
+    ("[1, 2]", "config.json: must hold a JSON object, got list"),
+])
+def test_config_json_that_is_not_a_json_object_is_refused(mlx_folder, tmp_path, text, message, capsys):
+    folder = _copy(mlx_folder, tmp_path / "m")
+    (folder / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_mlx(_fresh_model(mlx_folder), folder)
+    assert main(["inspect", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_inspect_reads_a_tensor_name_without_a_dot(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2, 3), "layer.0.bias": torch.zeros(3)}, str(tmp_path / "x.safetensors"))
+    assert main(["inspect", str(tmp_path / "x.safetensors"), "--json"]) == 0
+    rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)["layers"]}
+    assert rows["w"]["shape"] == [2, 3] and rows["layer.0.bias"]["format"] == "F32"
+
+
+def test_inspect_sorts_layers_naturally(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    save_file({f"blk.{i}.w": torch.zeros(1) for i in (10, 2, 0, 1, 11)}, str(tmp_path / "x.safetensors"))
+    assert main(["inspect", str(tmp_path / "x.safetensors"), "--json"]) == 0
+    assert [r["layer"] for r in json.loads(capsys.readouterr().out)["layers"]] == \
+        [f"blk.{i}.w" for i in (0, 1, 2, 10, 11)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The fuzz: a few hundred mutants in a fresh process, bounded in time and memory.
+
+FUZZ_TIME_LIMIT_S = 10  # per case (SIGALRM in the worker); a normal case takes well under 1 s
+FUZZ_RSS_GROWTH_MB = 400  # peak RSS above the worker's baseline (torch + transformers imported)
+FUZZ_MAX_CONVERTS = 8  # accepted GGUF mutants also run through `convert` (0.4 s each): the first 8
+FUZZ_TRACED_FACTOR = 32  # traced Python/numpy allocations per case <= 32 x the file + 16 MiB
+
+
+def _random_gguf_mutants(path: Path, rng: np.random.Generator, n: int) -> list[dict]:
+    pos = _positions(path)
+    header_end = pos["data_start"]
+    extremes = [0, 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**63 - 1, 2**63, U64_MAX]
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:  # flip 1-3 random header bytes
+            patches = [[int(o), bytes([int(rng.integers(0, 256))]).hex()]
+                       for o in rng.integers(0, header_end, size=int(rng.integers(1, 4)))]
+        elif kind == 1:  # an extreme u64 at a random header position
+            patches = [[int(rng.integers(4, header_end - 8)), _u64(extremes[int(rng.integers(len(extremes)))])]]
+        elif kind == 2:  # an extreme u32 at a random header position
+            patches = [[int(rng.integers(4, header_end - 4)), _u32(extremes[int(rng.integers(5))] % 2**32)]]
+        else:  # a random data byte (a valid file, different weights; some scales become NaN/Inf)
+            patches = [[int(rng.integers(header_end, pos["size"])), bytes([int(rng.integers(0, 256))]).hex()]]
+        out.append({"patches": patches, "truncate": None})
+    for cut in rng.integers(1, pos["size"], size=8):
+        out.append({"patches": [], "truncate": int(cut)})
+    return out
+
+
+def _random_mlx_mutants(folder: Path, rng: np.random.Generator, n: int) -> list[dict]:
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    config_text = (folder / "config.json").read_text()
+    out = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:  # bytes of a shard's header (length field and JSON)
+            shard = shards[int(rng.integers(0, len(shards)))]
+            n_header, _ = _header(folder / shard)
+            patches = [[int(o), bytes([int(rng.choice(list(b'0123456789"[]{},:FIU ') + [0, 255]))]).hex()]
+                       for o in rng.integers(0, 8 + n_header, size=int(rng.integers(1, 3)))]
+            out.append({"file": shard, "patches": patches})
+        elif kind == 1:  # config.json text
+            chars = list(config_text)
+            for o in rng.integers(0, len(chars), size=int(rng.integers(1, 3))):
+                chars[int(o)] = str(rng.choice(list('0123456789."{}[],:x-e ')))
+            out.append({"file": "config.json", "text": "".join(chars)})
+        else:  # the index
+            text = (folder / "model.safetensors.index.json").read_text()
+            chars = list(text)
+            for o in rng.integers(0, len(chars), size=int(rng.integers(1, 3))):
+                chars[int(o)] = str(rng.choice(list('0123456789./"{}[],:x ')))
+            out.append({"file": "model.safetensors.index.json", "text": "".join(chars)})
+    return out
+
+
+def _structural_mlx_mutants(folder: Path) -> dict[str, dict]:
+    key = "model.layers.0.mlp.up_proj.scales"
+    shard = _shard_of(folder, key)
+    n, header = _header(shard)
+    raw = shard.read_bytes()
+
+    def header_patch(edit) -> dict:
+        h = json.loads(json.dumps(header))
+        edit(h)
+        text = json.dumps(h, separators=(",", ":")).encode()
+        if len(text) > n:  # make room: the metadata entry is optional
+            h.pop("__metadata__")
+            text = json.dumps(h, separators=(",", ":")).encode()
+        assert len(text) <= n
+        return {"file": shard.name, "patches": [[8, text.ljust(n, b" ").hex()]]}
+
+    def config_with(edit) -> dict:
+        c = json.loads((folder / "config.json").read_text())
+        edit(c)
+        return {"file": "config.json", "text": json.dumps(c)}
+
+    def set_q(field, value):
+        def edit(c):
+            c["quantization"][field] = c["quantization_config"][field] = value
+        return edit
+
+    begin, end = header[key]["data_offsets"]
+    return {
+        "scales I32": header_patch(lambda h: h[key].update(dtype="I32")),
+        "metadata value not a string": header_patch(lambda h: h.update({"__metadata__": {"format": 1}})),
+        "scales shape": header_patch(lambda h: h[key].update(shape=[h[key]["shape"][0] // 2, h[key]["shape"][1]])),
+        "scales offsets shifted": header_patch(lambda h: h[key].update(data_offsets=[begin + 4, end + 4])),
+        "scales end 2^64-1": header_patch(lambda h: h[key].update(data_offsets=[begin, U64_MAX])),
+        "header length 2^63": {"file": shard.name, "patches": [[0, _u64(2**63)]]},
+        "header length + 1": {"file": shard.name, "patches": [[0, _u64(n + 1)]]},
+        "shard truncated": {"file": shard.name, "patches": [], "truncate": len(raw) - 7},
+        "bits 4.7": config_with(set_q("bits", 4.7)),
+        "bits '4'": config_with(set_q("bits", "4")),
+        "bits 8 (shapes disagree)": config_with(set_q("bits", 8)),
+        "group_size 0": config_with(set_q("group_size", 0)),
+        "config not JSON": {"file": "config.json", "text": "{\"quantization\": "},
+        "config nested 10^5": {"file": "config.json", "text": "[" * 100_000 + "]" * 100_000},
+        "index shard ../": {"file": "model.safetensors.index.json", "text": (folder / "model.safetensors.index.json")
+                            .read_text().replace('"model-00001', '"../model-00001')},
+    }
+
+
+def test_fuzz_hostile_files_end_fast_in_bounded_memory_and_are_refused_cleanly(llama_gguf, mlx_folder, tmp_path):
+    rng = np.random.default_rng(20261201)
+    cases = []
+    for name, m in structural_gguf_mutants(llama_gguf).items():
+        cases.append({"id": f"gguf structural: {name}", "kind": "gguf", "file": "", "structural": True, **m})
+    for i, m in enumerate(_random_gguf_mutants(llama_gguf, rng, 140)):
+        cases.append({"id": f"gguf random #{i}", "kind": "gguf", "file": "", "structural": False, **m})
+    for name, m in _structural_mlx_mutants(mlx_folder).items():
+        cases.append({"id": f"mlx structural: {name}", "kind": "mlx", "structural": True, "patches": [], **m})
+    for i, m in enumerate(_random_mlx_mutants(mlx_folder, rng, 66)):
+        cases.append({"id": f"mlx random #{i}", "kind": "mlx", "structural": False, "patches": [], **m})
+    spec = {"base": {"gguf": str(llama_gguf), "mlx": str(mlx_folder)}, "time_limit": FUZZ_TIME_LIMIT_S,
+            "max_converts": FUZZ_MAX_CONVERTS, "cases": cases}
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    t0 = time.perf_counter()
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.run([sys.executable, str(TESTS / "hostile_worker.py"), str(tmp_path / "cases.json"),
+                           str(tmp_path / "results.json")], env=env, capture_output=True, text=True, timeout=240,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)))
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["intact"] == {"gguf": ["accepted"] * 3, "mlx": ["accepted"] * 2}
+    by_id = {c["id"]: c for c in cases}
+    bad, not_refused = [], []
+    for r in results["cases"]:
+        if any(o.startswith("bad") for o in r["outcomes"]):
+            bad.append((r["id"], r["outcomes"]))
+        if by_id[r["id"]]["structural"] and r["outcomes"][0] != "refused":
+            not_refused.append((r["id"], r["outcomes"]))
+    assert not bad, bad[:10]
+    assert not not_refused, not_refused
+    max_s = max(r["seconds"] for r in results["cases"])
+    max_rss = max(r["rss_mb"] for r in results["cases"])
+    assert max_s < FUZZ_TIME_LIMIT_S
+    assert max_rss - results["baseline_rss_mb"] < FUZZ_RSS_GROWTH_MB
+    for r in results["cases"]:
+        assert r["traced_peak_bytes"] <= FUZZ_TRACED_FACTOR * r["file_bytes"] + 16 * 2**20, r
+    refused = sum(r["outcomes"][0] == "refused" for r in results["cases"])
+    print(f"\nfuzz: {len(cases)} cases, {refused} refused cleanly, {len(cases) - refused} accepted, 0 bad; "
+          f"max {max_s:.2f} s per case, peak RSS {max_rss:.0f} MB (baseline {results['baseline_rss_mb']:.0f} MB), "
+          f"max traced {max(r['traced_peak_bytes'] for r in results['cases']) / 2**20:.1f} MiB; wall {wall:.1f} s")

@@ -1,0 +1,82 @@
+"""Writing a converted model folder without ever destroying what the user has.
+
+* The destination must not be the source, inside it, or contain it.
+* An existing non-empty destination is refused unless overwrite=True.
+* Everything is written to a fresh temporary folder next to the destination and moved into place
+  only when the whole conversion succeeded; on failure only that temporary folder (and the
+  parent folders this run created) is removed. With overwrite, the old destination is replaced
+  only at that last step.
+* Side files copied from a source folder (tokenizer, generation config, ...): a symbolic link is
+  followed only when it resolves to a regular file inside the source folder or, for a Hugging
+  Face cache snapshot (<repo>/snapshots/<revision>/), inside that repository's cache folder;
+  anything else is refused, so that a link to a private file is never copied into the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from ..cli_errors import UsageError
+
+
+def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """Raises UsageError when writing `dst` could touch `src` or replace data without --overwrite."""
+    s, d = src.resolve(), dst.resolve()
+    if s == d or s in d.parents or d in s.parents:
+        raise UsageError(f"destination {dst} is the source {src}, inside it or contains it: convert never writes "
+                         "into its source; choose another output folder")
+    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
+        raise UsageError(f"destination {dst} exists and is not a folder; choose another output folder")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise UsageError(f"destination {dst} exists and is not empty; pass --overwrite to replace it")
+
+
+@contextlib.contextmanager
+def staged_output(dst: Path) -> Iterator[Path]:
+    """Yields a new empty folder next to `dst`; on success it becomes `dst` (replacing an existing
+    one); on any error it is removed, with the parent folders created for it, and `dst` is untouched."""
+    created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the finished folder private
+    try:
+        yield tmp
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.replace(dst, old / dst.name)
+            os.replace(tmp, dst)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in created:  # innermost first; only if still empty
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+
+
+def side_file_source(src_folder: Path, f: Path) -> Path:
+    """The file to copy for `f` of `src_folder` (its target when `f` is a permitted symbolic link).
+
+    Raises ValueError naming the link when it dangles or points outside the permitted folders."""
+    if not f.is_symlink():
+        return f
+    target = f.resolve()
+    root = src_folder.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":  # Hugging Face cache: links into <repo>/blobs
+        allowed.append(root.parent.parent)
+    if not target.is_file() or not any(target == a or a in target.parents for a in allowed):
+        raise ValueError(f"{f}: a symbolic link to {target}, "
+                         + ("which does not exist or is not a file" if not target.is_file() else
+                            f"outside the source folder {src_folder}")
+                         + "; convert copies only files inside the source (remove or replace the link)")
+    return target
