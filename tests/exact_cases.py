@@ -17,10 +17,13 @@ left is checked exactly:
   that rounds x (e.g. float32 x as two bfloat16 terms instead of three, float16 x as one)
   fails.
 
-The expected output is the float64 reference (torch_qmm.reference) rounded once to the dtype.
+The expected output is the float64 product of x and W built from the codes (not from the
+packed words), rounded once to the dtype; the words are packed by torch_qmm.reference.pack.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +35,34 @@ SCALE_EXPONENTS = (-1, 0)  # s = 2^e
 
 def _packed(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return reference.pack(codes, bits)
+
+
+def _dense(codes, scales, biases, group_size) -> torch.Tensor:
+    """float64 W = s * q + b from the codes themselves (not from the packed words)."""
+    s = scales.to(torch.float64).repeat_interleave(group_size, dim=1)
+    b = biases.to(torch.float64).repeat_interleave(group_size, dim=1)
+    return s * codes.to(torch.float64) + b
+
+
+class ExactCase(NamedTuple):
+    x: torch.Tensor
+    wq: torch.Tensor
+    scales: torch.Tensor
+    biases: torch.Tensor
+    w: torch.Tensor  # float64 stored matrix: [N, K] (transpose) or [K, N]
+    transpose: bool
+
+    @property
+    def operands(self):
+        return self.x, self.wq, self.scales, self.biases
+
+    def expected(self) -> torch.Tensor:
+        """The exact product (float64, exact here), rounded once to x's dtype."""
+        w = self.w.T if self.transpose else self.w
+        y = self.x.to(torch.float64) @ w
+        y32 = y.to(torch.float32)
+        assert torch.equal(y32.to(torch.float64), y), "the problem's product must be exact in float32"
+        return y32.to(self.x.dtype)
 
 
 def rounding_case(M: int, N: int, K: int, bits: int, group_size: int, dtype, transpose: bool, seed: int):
@@ -50,9 +81,9 @@ def rounding_case(M: int, N: int, K: int, bits: int, group_size: int, dtype, tra
     spread = 2 ** (max(SCALE_EXPONENTS) - min(SCALE_EXPONENTS))
     R = max(1, min(15, (2**24 - 1) // (max(K, 1) * levels * spread * 2)))
     x = torch.randint(-R, R + 1, (M, K), generator=g).to(torch.float64) * 2.0**-X_SHIFT
-    case = (x.to(dtype), _packed(codes, bits), scales.to(dtype), biases.to(dtype))
-    assert all(torch.equal(t.to(torch.float64), u.to(torch.float64)) for t, u in zip(case[2:], (scales, biases)))
-    assert torch.equal(case[0].to(torch.float64), x), "x must be exact in its dtype"
+    case = ExactCase(x.to(dtype), _packed(codes, bits), scales.to(dtype), biases.to(dtype),
+                     _dense(codes, scales, biases, group_size), transpose)
+    assert torch.equal(case.x.to(torch.float64), x), "x must be exact in its dtype"
     return case
 
 
@@ -71,15 +102,7 @@ def selection_case(M: int, N: int, K: int, bits: int, group_size: int, dtype, tr
     scales = torch.ldexp(torch.ones(groups), e).to(dtype)
     biases = torch.zeros(groups, dtype=dtype)
     x = torch.randn(M, K, generator=g, dtype=torch.float64).to(dtype)
-    return x, _packed(codes, bits), scales, biases
-
-
-def expected(x, wq, scales, biases, bits: int, group_size: int, transpose: bool) -> torch.Tensor:
-    """The float64 reference, exact for these problems, rounded once to x's dtype."""
-    y = reference.qmm(x, wq, scales, biases, bits, group_size, transpose)
-    y32 = y.to(torch.float32)
-    assert torch.equal(y32.to(torch.float64), y), "the problem's product must be exact in float32"
-    return y32.to(x.dtype)
+    return ExactCase(x, _packed(codes, bits), scales, biases, _dense(codes, scales, biases, group_size), transpose)
 
 
 def assert_bitwise(y: torch.Tensor, want: torch.Tensor, what: str) -> None:
