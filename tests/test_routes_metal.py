@@ -79,14 +79,16 @@ def _run(case, make, check=None):
     i, bits, dtype = case
     route, M, N, K, transpose = _resolve(i, bits)
     gs = 32
-    (launch,) = plan("qmm", M, N, K, bits, gs, dtype, transpose)
-    assert launch["route"] == route, f"{_id(case)}: the plan chose {launch['route']}"
     c = make(M, N, K, bits, gs, dtype, transpose, seed=zlib.crc32(_id(case).encode()) % 10_000)
     with backend(check=check):
         y = torch_qmm.quantized_matmul(*c.operands, transpose=transpose, group_size=gs, bits=bits)
     (ran,) = last_launches()
-    assert ran.route == route
-    assert_bitwise(y, c.expected(), f"{make.__name__} {_id(case)}")
+    # The output first (a wrong route must also give a wrong or a right answer, never pass
+    # unnoticed), then that this shape took the route it is here for.
+    assert_bitwise(y, c.expected(), f"{make.__name__} {_id(case)} ({ran.route})")
+    assert ran.route == route, f"{_id(case)}: the plan chose {ran.route}"
+    (launch,) = plan("qmm", M, N, K, bits, gs, dtype, transpose)
+    assert launch["route"] == route
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)

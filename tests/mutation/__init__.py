@@ -1,0 +1,153 @@
+"""Mutation harness: plants each curated bug (tests/mutation/mutants.py) in a scratch copy of the
+checkout, runs the tests meant to catch it, and reports which were killed and by which test.
+
+    python -m tests.mutation                 # the fast mutants (Metal, Python): no C++ rebuild
+    python -m tests.mutation --cpp           # the C++ ones too (each rebuilds its scratch copy)
+    python -m tests.mutation -k mma -j 2     # a selection, two at a time
+
+A scratch copy holds the tracked files of the checkout (git ls-files) plus its built extension
+(torch_qmm/_C*.so; a C++ mutant rebuilds its own with setup.py build_ext --inplace), so the real
+checkout is never touched. A mutant is killed when its tests fail (pytest exit status 1);
+survived when they pass; an error when the patch no longer applies (the text it replaces is gone
+or not unique) or pytest could not run, which the harness reports as a failure too, so the list
+cannot go stale silently. The killing tests are output assertions (numeric, bitwise, route, error
+message or metalsim's checked mode), never timing or traffic bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # path in the checkout
+    old: str  # exact text, present once
+    new: str
+    tests: tuple[str, ...]  # pytest arguments (files, -k expressions) that must fail
+    why: str = ""
+
+    @property
+    def area(self) -> str:
+        if self.file.startswith("csrc/"):
+            return "cpp"
+        if self.file.startswith("metal/"):
+            return "metal"
+        return "python"
+
+    @property
+    def needs_build(self) -> bool:
+        return self.area == "cpp"
+
+
+@dataclasses.dataclass
+class Result:
+    mutant: Mutant
+    status: str  # killed | survived | error
+    killed_by: str = ""
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def _tracked_files(root: Path) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=root, check=True, capture_output=True).stdout
+    return [p for p in out.decode().split("\0") if p]
+
+
+def scratch_copy(root: Path, dest: Path, with_extension: bool) -> None:
+    """The checkout's tracked files (and its built extension) under dest."""
+    for rel in _tracked_files(root):
+        src = root / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    if with_extension:
+        built = sorted((root / "torch_qmm").glob("_C*.so")) + sorted((root / "torch_qmm").glob("_C*.pyd"))
+        if not built:
+            raise RuntimeError(f"{root}/torch_qmm has no built extension (_C*.so): build the checkout first")
+        for so in built:
+            shutil.copy2(so, dest / "torch_qmm" / so.name)
+
+
+def apply(mutant: Mutant, tree: Path) -> None:
+    path = tree / mutant.file
+    text = path.read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        raise ValueError(f"{mutant.name}: the text to replace occurs {count} times in {mutant.file} (must be once)")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
+
+
+def run_one(mutant: Mutant, root: Path = ROOT, timeout: float = 900, keep: bool = False) -> Result:
+    start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f"qmm-mutant-{mutant.name}-"))
+    try:
+        scratch_copy(root, tmp, with_extension=not mutant.needs_build)
+        try:
+            apply(mutant, tmp)
+        except ValueError as e:
+            return Result(mutant, "error", detail=str(e), seconds=time.monotonic() - start)
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        env.pop("PYTEST_ADDOPTS", None)
+        if mutant.needs_build:
+            b = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp, env=env,
+                               capture_output=True, text=True, timeout=timeout * 2)
+            if b.returncode != 0:  # a mutant that does not compile is a broken mutant, not a kill
+                return Result(mutant, "error", detail="build failed:\n" + b.stdout[-2000:] + b.stderr[-2000:],
+                              seconds=time.monotonic() - start)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly",
+               *mutant.tests]
+        try:
+            p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return Result(mutant, "error", detail=f"tests did not finish in {timeout:.0f} s",
+                          seconds=time.monotonic() - start)
+        out = p.stdout + p.stderr
+        if p.returncode == 0:
+            return Result(mutant, "survived", seconds=time.monotonic() - start)
+        if p.returncode == 1:
+            failed = _FAILED.findall(out)
+            return Result(mutant, "killed", killed_by=failed[0] if failed else "?", seconds=time.monotonic() - start)
+        return Result(mutant, "error", detail=f"pytest exit status {p.returncode}:\n{out[-3000:]}",
+                      seconds=time.monotonic() - start)
+    finally:
+        if keep:
+            print(f"kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(mutants: list[Mutant], jobs: int = 1, root: Path = ROOT, timeout: float = 900, keep: bool = False,
+        on_result=None) -> list[Result]:
+    def one(m):
+        r = run_one(m, root, timeout, keep)
+        if on_result is not None:
+            on_result(r)
+        return r
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, mutants))
+
+
+def table(results: list[Result]) -> str:
+    rows = ["| mutant | area | file | result | killed by | s |", "|---|---|---|---|---|---|"]
+    for r in results:
+        rows.append(f"| {r.mutant.name} | {r.mutant.area} | {r.mutant.file} | {r.status} | {r.killed_by} | {r.seconds:.0f} |")
+    killed = sum(r.status == "killed" for r in results)
+    rows.append(f"\n{killed} of {len(results)} killed")
+    return "\n".join(rows)
