@@ -6,8 +6,9 @@ checkout, runs the tests meant to catch it, and reports which were killed and by
     python -m tests.mutation -k mma -j 2     # a selection, two at a time
 
 A scratch copy holds the tracked files of the checkout (git ls-files) plus its built extension
-(torch_qmm/_C*.so; a C++ mutant rebuilds its own with setup.py build_ext --inplace), so the real
-checkout is never touched. A mutant is killed when its tests fail (pytest exit status 1);
+(torch_qmm/_C*.so), so the real checkout is never touched. The C++ mutants share one scratch copy
+built once from source (setup.py build_ext --inplace), then each is applied, rebuilt
+incrementally, tested and reverted. A mutant is killed when its tests fail (pytest exit status 1);
 survived when they pass; an error when the patch no longer applies (the text it replaces is gone
 or not unique) or pytest could not run, which the harness reports as a failure too, so the list
 cannot go stale silently. The killing tests are output assertions (numeric, bitwise, route, error
@@ -93,38 +94,88 @@ def apply(mutant: Mutant, tree: Path) -> None:
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
 
 
+def _pytest(mutant: Mutant, tree: Path, env: dict, timeout: float, start: float) -> Result:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly",
+           *mutant.tests]
+    try:
+        p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Result(mutant, "error", detail=f"tests did not finish in {timeout:.0f} s", seconds=time.monotonic() - start)
+    out = p.stdout + p.stderr
+    if p.returncode == 0:
+        return Result(mutant, "survived", seconds=time.monotonic() - start)
+    if p.returncode == 1:
+        failed = _FAILED.findall(out)
+        return Result(mutant, "killed", killed_by=failed[0] if failed else "?", seconds=time.monotonic() - start)
+    return Result(mutant, "error", detail=f"pytest exit status {p.returncode}:\n{out[-3000:]}",
+                  seconds=time.monotonic() - start)
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def _build(tree: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    # --force: setuptools would skip the build when only a header changed; ninja still recompiles
+    # only what depends on the changed file.
+    return subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "--force"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def run_one(mutant: Mutant, root: Path = ROOT, timeout: float = 900, keep: bool = False) -> Result:
+    """A Metal or Python mutant in its own scratch copy (with the checkout's built extension)."""
     start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f"qmm-mutant-{mutant.name}-"))
     try:
-        scratch_copy(root, tmp, with_extension=not mutant.needs_build)
+        scratch_copy(root, tmp, with_extension=True)
         try:
             apply(mutant, tmp)
         except ValueError as e:
             return Result(mutant, "error", detail=str(e), seconds=time.monotonic() - start)
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-        env.pop("PYTEST_ADDOPTS", None)
-        if mutant.needs_build:
-            b = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp, env=env,
-                               capture_output=True, text=True, timeout=timeout * 2)
-            if b.returncode != 0:  # a mutant that does not compile is a broken mutant, not a kill
-                return Result(mutant, "error", detail="build failed:\n" + b.stdout[-2000:] + b.stderr[-2000:],
-                              seconds=time.monotonic() - start)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly",
-               *mutant.tests]
-        try:
-            p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return Result(mutant, "error", detail=f"tests did not finish in {timeout:.0f} s",
-                          seconds=time.monotonic() - start)
-        out = p.stdout + p.stderr
-        if p.returncode == 0:
-            return Result(mutant, "survived", seconds=time.monotonic() - start)
-        if p.returncode == 1:
-            failed = _FAILED.findall(out)
-            return Result(mutant, "killed", killed_by=failed[0] if failed else "?", seconds=time.monotonic() - start)
-        return Result(mutant, "error", detail=f"pytest exit status {p.returncode}:\n{out[-3000:]}",
-                      seconds=time.monotonic() - start)
+        return _pytest(mutant, tmp, _env(), timeout, start)
+    finally:
+        if keep:
+            print(f"kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_cpp(mutants: list[Mutant], root: Path = ROOT, timeout: float = 900, keep: bool = False,
+            on_result=None) -> list[Result]:
+    """C++ mutants one after another in one scratch copy: built once in full, then each mutant is
+    applied, rebuilt incrementally, tested and reverted."""
+    env = _env()
+    tmp = Path(tempfile.mkdtemp(prefix="qmm-mutants-cpp-"))
+    results = []
+    try:
+        scratch_copy(root, tmp, with_extension=False)
+        b = _build(tmp, env, timeout * 4)
+        if b.returncode != 0:
+            raise RuntimeError("the unmutated scratch copy does not build:\n" + b.stderr[-3000:])
+        for m in mutants:
+            start = time.monotonic()
+            path = tmp / m.file
+            original = path.read_text()
+            try:
+                apply(m, tmp)
+            except ValueError as e:
+                r = Result(m, "error", detail=str(e), seconds=time.monotonic() - start)
+            else:
+                try:
+                    b = _build(tmp, env, timeout * 2)
+                    if b.returncode != 0:  # a mutant that does not compile is broken, not killed
+                        r = Result(m, "error", detail="build failed:\n" + (b.stdout + b.stderr)[-3000:],
+                                   seconds=time.monotonic() - start)
+                    else:
+                        r = _pytest(m, tmp, env, timeout, start)
+                finally:
+                    path.write_text(original)
+            results.append(r)
+            if on_result is not None:
+                on_result(r)
+        return results
     finally:
         if keep:
             print(f"kept {tmp}", file=sys.stderr)
@@ -134,14 +185,20 @@ def run_one(mutant: Mutant, root: Path = ROOT, timeout: float = 900, keep: bool 
 
 def run(mutants: list[Mutant], jobs: int = 1, root: Path = ROOT, timeout: float = 900, keep: bool = False,
         on_result=None) -> list[Result]:
+    """Every mutant: the fast ones `jobs` at a time, then the C++ ones (run_cpp). Results in list order."""
     def one(m):
         r = run_one(m, root, timeout, keep)
         if on_result is not None:
             on_result(r)
         return r
 
+    fast = [m for m in mutants if not m.needs_build]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, mutants))
+        done = dict(zip(fast, pool.map(one, fast)))
+    cpp = [m for m in mutants if m.needs_build]
+    if cpp:
+        done.update(zip(cpp, run_cpp(cpp, root, timeout, keep, on_result)))
+    return [done[m] for m in mutants]
 
 
 def table(results: list[Result]) -> str:
