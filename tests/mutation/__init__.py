@@ -58,6 +58,7 @@ class Result:
     mutant: Mutant
     status: str  # killed | survived | error
     killed_by: str = ""
+    how: str = ""  # the exception the killing test raised (AssertionError, ValueError, KernelFault, ...)
     seconds: float = 0.0
     detail: str = ""
 
@@ -92,6 +93,11 @@ def apply(mutant: Mutant, tree: Path) -> None:
 
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
+# The first exception pytest reports ("E   AssertionError: ..."): what the kill was.
+_RAISED = re.compile(r"^E\s+([A-Za-z_.]*(?:Error|Exception|Fault|Failed))\b", re.M)
+# Failures that mean the mutated code does not compile (Metal on metalsim) or import (Python).
+_BROKEN = re.compile(r"\b(NameError|SyntaxError|IndentationError|ImportError|ModuleNotFoundError|CompileError|"
+                     r"StageError|UnsupportedIR)\b")
 
 
 def _pytest(mutant: Mutant, tree: Path, env: dict, timeout: float, start: float) -> Result:
@@ -105,8 +111,14 @@ def _pytest(mutant: Mutant, tree: Path, env: dict, timeout: float, start: float)
     if p.returncode == 0:
         return Result(mutant, "survived", seconds=time.monotonic() - start)
     if p.returncode == 1:
+        broken = _BROKEN.search(out)
+        if broken:  # the patch made code that does not build or run at all: not a kill
+            return Result(mutant, "error", detail=f"the mutant does not compile or import ({broken.group(1)}):\n"
+                          + out[-3000:], seconds=time.monotonic() - start)
         failed = _FAILED.findall(out)
-        return Result(mutant, "killed", killed_by=failed[0] if failed else "?", seconds=time.monotonic() - start)
+        how = _RAISED.search(out)
+        return Result(mutant, "killed", killed_by=failed[0] if failed else "?", how=how.group(1) if how else "?",
+                      seconds=time.monotonic() - start)
     return Result(mutant, "error", detail=f"pytest exit status {p.returncode}:\n{out[-3000:]}",
                   seconds=time.monotonic() - start)
 
@@ -202,9 +214,10 @@ def run(mutants: list[Mutant], jobs: int = 1, root: Path = ROOT, timeout: float 
 
 
 def table(results: list[Result]) -> str:
-    rows = ["| mutant | area | file | result | killed by | s |", "|---|---|---|---|---|---|"]
+    rows = ["| mutant | area | file | result | killed by | raised | s |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        rows.append(f"| {r.mutant.name} | {r.mutant.area} | {r.mutant.file} | {r.status} | {r.killed_by} | {r.seconds:.0f} |")
+        rows.append(f"| {r.mutant.name} | {r.mutant.area} | {r.mutant.file} | {r.status} | {r.killed_by} | {r.how} "
+                    f"| {r.seconds:.0f} |")
     killed = sum(r.status == "killed" for r in results)
     rows.append(f"\n{killed} of {len(results)} killed")
     return "\n".join(rows)

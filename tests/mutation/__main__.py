@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def progress(r):
-        print(f"{r.status:8s} {r.mutant.name} ({r.seconds:.0f} s) {r.killed_by}{(': ' + r.detail) if r.detail else ''}",
+        print(f"{r.status:8s} {r.mutant.name} ({r.seconds:.0f} s) {r.killed_by} {r.how}{(': ' + r.detail) if r.detail else ''}",
               flush=True)
 
     results = run(chosen, jobs=args.jobs, timeout=args.timeout, keep=args.keep, on_result=progress)
