@@ -56,13 +56,21 @@ class ExactCase(NamedTuple):
     def operands(self):
         return self.x, self.wq, self.scales, self.biases
 
+    def exact(self) -> torch.Tensor:
+        """The exact product, float64 (exact here)."""
+        return self.x.to(torch.float64) @ (self.w.T if self.transpose else self.w)
+
     def expected(self) -> torch.Tensor:
-        """The exact product (float64, exact here), rounded once to x's dtype."""
-        w = self.w.T if self.transpose else self.w
-        y = self.x.to(torch.float64) @ w
+        """The exact product rounded once (to nearest even) to x's dtype."""
+        y = self.exact()
         y32 = y.to(torch.float32)
         assert torch.equal(y32.to(torch.float64), y), "the problem's product must be exact in float32"
         return y32.to(self.x.dtype)
+
+    def rounded_fraction(self) -> float:
+        """The share of outputs the dtype cannot hold exactly (where truncation would differ)."""
+        y = self.exact()
+        return (self.expected().to(torch.float64) != y).to(torch.float64).mean().item()
 
 
 def rounding_case(M: int, N: int, K: int, bits: int, group_size: int, dtype, transpose: bool, seed: int):
@@ -79,7 +87,8 @@ def rounding_case(M: int, N: int, K: int, bits: int, group_size: int, dtype, tra
     # |x| <= R: the largest partial sum, K * R * levels * 2^max(e), in granules of 2^(min(e) - 7),
     # stays below 2^24 (the factor 2 covers the spread of the scale exponents).
     spread = 2 ** (max(SCALE_EXPONENTS) - min(SCALE_EXPONENTS))
-    R = max(1, min(15, (2**24 - 1) // (max(K, 1) * levels * spread * 2)))
+    # R <= 255 keeps x exact in bfloat16 (8 significant bits).
+    R = max(1, min(255, (2**24 - 1) // (max(K, 1) * levels * spread * 2)))
     x = torch.randint(-R, R + 1, (M, K), generator=g).to(torch.float64) * 2.0**-X_SHIFT
     case = ExactCase(x.to(dtype), _packed(codes, bits), scales.to(dtype), biases.to(dtype),
                      _dense(codes, scales, biases, group_size), transpose)

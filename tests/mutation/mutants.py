@@ -24,7 +24,7 @@ MUTANTS: list[Mutant] = [
            "static_cast<T>(C[i][j].thread_elements()[0]);",
            (RM, "-k", "rounds_exactly and mma and bfloat16"), "bfloat16 output by truncation, not round to nearest"),
     Mutant("mma-half-store-via-bfloat", "metal/mma_tile.h", _STORE0,
-           "      if (gn < N) y[gm * N + gn] = static_cast<T>(static_cast<bfloat>(C[i][j].thread_elements()[0]));",
+           "      if (gn < N) y[gm * N + gn] = static_cast<T>(float(static_cast<bfloat>(C[i][j].thread_elements()[0])));",
            (RM, "-k", "rounds_exactly and qmm_t_mma and float16"), "output rounded twice (through bfloat16)"),
     Mutant("mma-missing-barrier", "metal/mma_tile.h",
            "    threadgroup_barrier(mem_flags::mem_threadgroup);\n  }\n\n  for (int i = 0; i < 2; ++i) {",
