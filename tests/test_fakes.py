@@ -8,6 +8,10 @@ good case must give the real output's shape and dtype."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -140,9 +144,18 @@ def test_meta_quantize_dequantize_gguf_refuse_what_the_kernels_refuse(case):
 
 
 def test_gguf_k_zero_is_a_value_error_not_a_crash():
-    blocks = torch.zeros(3, 0, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"argument 'K' must be a positive multiple of 256"):
-        ops.gguf_qmm(torch.zeros(2, 0), blocks, int(Q4_K), 3, 0)
+    # In a child process: without the check the kernel divides by K = 0 and the process dies.
+    code = (
+        "import torch, torch_qmm\n"
+        "try:\n"
+        "    torch.ops.torch_qmm.gguf_qmm(torch.zeros(2, 0), torch.zeros(3, 0, dtype=torch.uint8), 12, 3, 0)\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, f"gguf_qmm with K=0 killed the process (status {r.returncode}): {r.stderr[-500:]}"
+    assert "argument 'K' must be a positive multiple of 256" in r.stdout, r.stdout + r.stderr
 
 
 def test_meta_outputs_have_the_real_shapes_and_dtypes():

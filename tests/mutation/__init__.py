@@ -9,7 +9,8 @@ A scratch copy holds the tracked files of the checkout (git ls-files) plus its b
 (torch_qmm/_C*.so), so the real checkout is never touched. The C++ mutants share one scratch copy
 built once from source (setup.py build_ext --inplace), then each is applied, rebuilt
 incrementally, tested and reverted. A mutant is killed when its tests fail (pytest exit status 1);
-survived when they pass; an error when the patch no longer applies (the text it replaces is gone
+survived when they pass; crashed when the test process dies (found, but not by an assertion:
+make the test run the call in a subprocess); an error when the patch no longer applies (the text it replaces is gone
 or not unique) or pytest could not run, which the harness reports as a failure too, so the list
 cannot go stale silently. The killing tests are output assertions (numeric, bitwise, route, error
 message or metalsim's checked mode), never timing or traffic bounds.
@@ -56,7 +57,7 @@ class Mutant:
 @dataclasses.dataclass
 class Result:
     mutant: Mutant
-    status: str  # killed | survived | error
+    status: str  # killed | survived | crashed | error
     killed_by: str = ""
     how: str = ""  # the exception the killing test raised (AssertionError, ValueError, KernelFault, ...)
     seconds: float = 0.0
@@ -94,7 +95,7 @@ def apply(mutant: Mutant, tree: Path) -> None:
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
 # The first exception pytest reports ("E   AssertionError: ..."): what the kill was.
-_RAISED = re.compile(r"^E\s+([A-Za-z_.]*(?:Error|Exception|Fault|Failed))\b", re.M)
+_RAISED = re.compile(r"^E\s+(?:([A-Za-z_.]*(?:Error|Exception|Fault|Failed))\b|(assert)\b)", re.M)
 # Failures that mean the mutated code does not compile (Metal on metalsim) or import (Python).
 _BROKEN = re.compile(r"\b(NameError|SyntaxError|IndentationError|ImportError|ModuleNotFoundError|CompileError|"
                      r"StageError|UnsupportedIR)\b")
@@ -117,7 +118,11 @@ def _pytest(mutant: Mutant, tree: Path, env: dict, timeout: float, start: float)
                           + out[-3000:], seconds=time.monotonic() - start)
         failed = _FAILED.findall(out)
         how = _RAISED.search(out)
-        return Result(mutant, "killed", killed_by=failed[0] if failed else "?", how=how.group(1) if how else "?",
+        how = "?" if how is None else how.group(1) or "AssertionError"
+        return Result(mutant, "killed", killed_by=failed[0] if failed else "?", how=how,
+                      seconds=time.monotonic() - start)
+    if p.returncode < 0:  # the test process died: a crash is found, but not by an assertion
+        return Result(mutant, "crashed", detail=f"the tests died of signal {-p.returncode}:\n{out[-1500:]}",
                       seconds=time.monotonic() - start)
     return Result(mutant, "error", detail=f"pytest exit status {p.returncode}:\n{out[-3000:]}",
                   seconds=time.monotonic() - start)

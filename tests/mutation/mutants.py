@@ -128,7 +128,7 @@ MUTANTS: list[Mutant] = [
            (FAKES, "-k", "opcheck_affine_qmm or real_shapes"), "the fake's N for transpose=False assumes 4 bits"),
     Mutant("gguf-k-positive-dropped", "csrc/gguf_validate.cpp",
            "TORCH_CHECK_VALUE(K > 0 && K % gguf::kQK_K == 0", "TORCH_CHECK_VALUE(K % gguf::kQK_K == 0",
-           (FAKES, "-k", "gguf"), "gguf_qmm accepts K=0 (division by zero in the kernel)"),
+           (FAKES, "-k", "k_zero_is_a_value_error"), "gguf_qmm accepts K=0 (division by zero in the kernel)"),
     Mutant("packed-overflow-check-dropped", "csrc/validate.cpp",
            "words <= kMaxIndex / 32 && wq.sym_numel() <= kMaxIndex / 32", "true",
            (FAKES, "-k", "overflow or expanded"), "an expanded [1, 2^59] wq overflows to K=0"),
