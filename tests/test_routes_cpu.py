@@ -70,7 +70,7 @@ def _cases():
         for M in (1, 3, 4, 5, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, GEMM_MIN_ROWS + 1):
             cases.append((bits, 32, dtype, False, M, 96 if M % 2 else 160, 45, False))
         cases.append((bits, 32, dtype, False, GEMM_MIN_ROWS, 160, 545, False))
-    return cases
+    return list(dict.fromkeys(cases))  # once each, in order
 
 
 CASES = _cases()
