@@ -8,6 +8,7 @@ good case must give the real output's shape and dtype."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,7 +103,7 @@ def _qmm_bad_cases():
     }
 
 
-@pytest.mark.parametrize("case", sorted(_qmm_bad_cases()))
+@pytest.mark.parametrize("case", sorted(_qmm_bad_cases()), ids=lambda c: re.sub(r"\W+", "-", c))
 def test_meta_affine_qmm_refuses_what_the_kernel_refuses(case):
     _assert_same_refusal(ops.affine_qmm, _qmm_bad_cases()[case])
 
@@ -137,7 +138,7 @@ def _other_bad_cases():
     }
 
 
-@pytest.mark.parametrize("case", sorted(_other_bad_cases()))
+@pytest.mark.parametrize("case", sorted(_other_bad_cases()), ids=lambda c: re.sub(r"\W+", "-", c))
 def test_meta_quantize_dequantize_gguf_refuse_what_the_kernels_refuse(case):
     op, args = _other_bad_cases()[case]
     _assert_same_refusal(op, args)
