@@ -31,12 +31,12 @@ void check_gguf_qmm(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_
   TORCH_CHECK_TYPE(blocks.scalar_type() == at::kByte, op,
                    ": argument 'blocks' must be uint8 (the GGUF block bytes), got ", blocks.scalar_type());
   const int64_t row_bytes = K / gguf::kQK_K * gguf::block_bytes(ggml_type);
-  TORCH_CHECK_VALUE(blocks.dim() == 2 && blocks.size(0) == N && blocks.size(1) == row_bytes, op,
+  TORCH_CHECK_VALUE(blocks.dim() == 2 && blocks.sym_size(0) == N && blocks.sym_size(1) == row_bytes, op,
                     ": argument 'blocks' must have shape [N, K/256*", gguf::block_bytes(ggml_type), "] = [", N,
-                    ", ", row_bytes, "] for N=", N, ", K=", K, ", got ", blocks.sizes());
+                    ", ", row_bytes, "] for N=", N, ", K=", K, ", got ", blocks.sym_sizes());
   check_float_dtype(op, "x", x);
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == K, op, ": argument 'x' must have last dimension K=", K,
-                    ", got x of shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.sym_size(-1) == K, op, ": argument 'x' must have last dimension K=", K,
+                    ", got x of shape ", x.sym_sizes());
   TORCH_CHECK_VALUE(x.device() == blocks.device(), op, ": argument 'x' is on ", x.device(),
                     " but 'blocks' is on ", blocks.device());
 }

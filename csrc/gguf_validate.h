@@ -1,4 +1,5 @@
-// Argument checks of gguf_qmm, shared by every backend (CPU now, MPS later).
+// Argument checks of gguf_qmm, shared by every backend and by its Meta kernel (csrc/meta.cpp);
+// shapes are read as c10::SymInt, as in validate.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>

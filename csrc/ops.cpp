@@ -1,5 +1,5 @@
 // The op schemas of torch_qmm: written here once. Backends (csrc/cpu, csrc/mps) only add
-// implementations; Python fake (meta) kernels live in torch_qmm/ops.py.
+// implementations; the Meta (fake) kernels are csrc/meta.cpp.
 #include <Python.h>
 #include <torch/library.h>
 

@@ -4,7 +4,15 @@
 
 #include "format.h"
 
+#include <limits>
+#include <vector>
+
 namespace torch_qmm {
+
+namespace {
+// The largest element count or index an int64 holds.
+constexpr int64_t kMaxIndex = std::numeric_limits<int64_t>::max();
+}  // namespace
 
 void check_bits_and_group_size(const char* op, int64_t bits, int64_t group_size) {
   TORCH_CHECK_VALUE(is_supported_bits(bits), op, ": argument 'bits' must be one of 2, 3, 4, 5, 6, 8, got ",
@@ -19,44 +27,62 @@ void check_float_dtype(const char* op, const char* arg, const at::Tensor& t) {
                    "' must be float32, float16 or bfloat16, got ", d);
 }
 
-PackedShape check_packed(const char* op, const at::Tensor& wq, const at::Tensor& scales,
-                         const at::Tensor& biases, int64_t bits, int64_t group_size) {
+SymPackedShape check_packed_sym(const char* op, const at::Tensor& wq, const at::Tensor& scales,
+                                const at::Tensor& biases, int64_t bits, int64_t group_size) {
   check_bits_and_group_size(op, bits, group_size);
   TORCH_CHECK_TYPE(wq.scalar_type() == at::kUInt32, op,
                    ": argument 'wq' must be uint32 (packed weights), got ", wq.scalar_type(),
                    " (an int32 tensor holding the same bits can be passed as wq.view(torch.uint32))");
   TORCH_CHECK_VALUE(wq.dim() == 2, op, ": argument 'wq' must be 2-D [rows, cols*bits/32], got shape ",
-                    wq.sizes());
+                    wq.sym_sizes());
   check_float_dtype(op, "scales", scales);
   TORCH_CHECK_TYPE(biases.scalar_type() == scales.scalar_type(), op,
                    ": argument 'biases' must have the dtype of 'scales' (", scales.scalar_type(),
                    "), got ", biases.scalar_type());
-  const int64_t rows = wq.size(0);
-  const int64_t cols = wq.size(1) * 32 / bits;
-  TORCH_CHECK_VALUE(wq.size(1) * 32 % bits == 0 && cols % group_size == 0, op,
-                    ": argument 'wq' has ", wq.size(1), " words per row, which is not a whole number of ",
-                    "groups of ", group_size, " ", bits, "-bit values");
-  const std::vector<int64_t> expected{rows, cols / group_size};
-  TORCH_CHECK_VALUE(scales.sizes() == at::IntArrayRef(expected), op, ": argument 'scales' must have shape ",
-                    at::IntArrayRef(expected), " for wq of shape ", wq.sizes(), " with bits=", bits,
-                    " and group_size=", group_size, ", got ", scales.sizes());
-  TORCH_CHECK_VALUE(biases.sizes() == scales.sizes(), op, ": argument 'biases' must have shape ",
-                    scales.sizes(), " (the shape of 'scales'), got ", biases.sizes());
+  const c10::SymInt rows = wq.sym_size(0);
+  const c10::SymInt words = wq.sym_size(1);
+  // cols = words * 32 / bits must be a number of weights int64 can index (a stride-0 expanded wq
+  // can claim any size without holding it).
+  TORCH_CHECK_VALUE(words <= kMaxIndex / 32 && wq.sym_numel() <= kMaxIndex / 32, op, ": argument 'wq' of shape ",
+                    wq.sym_sizes(), " holds more weights than int64 can index");
+  const c10::SymInt cols = words * 32 / bits;
+  TORCH_CHECK_VALUE(words * 32 % bits == 0 && cols % group_size == 0, op, ": argument 'wq' has ", words,
+                    " words per row, which is not a whole number of groups of ", group_size, " ", bits,
+                    "-bit values");
+  const std::vector<c10::SymInt> expected{rows, cols / group_size};
+  TORCH_CHECK_VALUE(scales.sym_sizes() == c10::SymIntArrayRef(expected), op, ": argument 'scales' must have shape ",
+                    c10::SymIntArrayRef(expected), " for wq of shape ", wq.sym_sizes(), " with bits=", bits,
+                    " and group_size=", group_size, ", got ", scales.sym_sizes());
+  TORCH_CHECK_VALUE(biases.sym_sizes() == scales.sym_sizes(), op, ": argument 'biases' must have shape ",
+                    scales.sym_sizes(), " (the shape of 'scales'), got ", biases.sym_sizes());
   TORCH_CHECK_VALUE(wq.device() == scales.device() && wq.device() == biases.device(), op,
                     ": 'wq', 'scales' and 'biases' must be on one device, got ", wq.device(), ", ",
                     scales.device(), ", ", biases.device());
   return {rows, cols};
 }
 
-std::pair<int64_t, int64_t> check_quantize(const at::Tensor& w, int64_t bits, int64_t group_size) {
+PackedShape check_packed(const char* op, const at::Tensor& wq, const at::Tensor& scales,
+                         const at::Tensor& biases, int64_t bits, int64_t group_size) {
+  const SymPackedShape s = check_packed_sym(op, wq, scales, biases, bits, group_size);
+  return {s.rows.expect_int(), s.cols.expect_int()};
+}
+
+std::pair<c10::SymInt, c10::SymInt> check_quantize_sym(const at::Tensor& w, int64_t bits, int64_t group_size) {
   const char* op = "affine_quantize";
   check_bits_and_group_size(op, bits, group_size);
   check_float_dtype(op, "w", w);
   TORCH_CHECK_VALUE(w.dim() >= 1, op, ": argument 'w' must have at least 1 dimension [..., K], got a scalar");
-  const int64_t K = w.size(-1);
+  const c10::SymInt K = w.sym_size(-1);
   TORCH_CHECK_VALUE(K % group_size == 0, op, ": the last dimension of 'w' (K=", K,
                     ") must be a multiple of group_size=", group_size);
-  return {K == 0 ? 0 : w.numel() / K, K};
+  TORCH_CHECK_VALUE(K <= kMaxIndex / 8, op, ": the last dimension of 'w' (K=", K,
+                    ") is too large to pack: K*bits must fit in int64");
+  return {K == 0 ? c10::SymInt(0) : w.sym_numel() / K, K};
+}
+
+std::pair<int64_t, int64_t> check_quantize(const at::Tensor& w, int64_t bits, int64_t group_size) {
+  const auto [rows, K] = check_quantize_sym(w, bits, group_size);
+  return {rows.expect_int(), K.expect_int()};
 }
 
 void check_quantize_finite(bool all_finite) {
@@ -69,11 +95,11 @@ void check_quantize_range(bool ranges_finite) {
                     "the float32 maximum 3.4028235e+38 (its scale would be Inf); scale or clamp the weights first");
 }
 
-std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq,
-                                      const at::Tensor& scales, const at::Tensor& biases,
-                                      int64_t bits, int64_t group_size, bool transpose) {
+std::pair<c10::SymInt, c10::SymInt> check_qmm_sym(const at::Tensor& x, const at::Tensor& wq,
+                                                  const at::Tensor& scales, const at::Tensor& biases,
+                                                  int64_t bits, int64_t group_size, bool transpose) {
   const char* op = "affine_qmm";
-  const PackedShape w = check_packed(op, wq, scales, biases, bits, group_size);
+  const SymPackedShape w = check_packed_sym(op, wq, scales, biases, bits, group_size);
   check_float_dtype(op, "x", x);
   TORCH_CHECK_TYPE(x.scalar_type() == scales.scalar_type(), op, ": argument 'x' must have the dtype of ",
                    "'scales' and 'biases' (", scales.scalar_type(), "), got ", x.scalar_type());
@@ -82,12 +108,19 @@ std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq,
                     " but the packed weights are on ", wq.device());
   // transpose=True: W [N, K] stored row by row, quantized along K.
   // transpose=False: W [K, N] quantized along N (MLX's qvm layout).
-  const int64_t K = transpose ? w.cols : w.rows;
-  const int64_t N = transpose ? w.rows : w.cols;
-  TORCH_CHECK_VALUE(x.size(-1) == K, op, ": argument 'x' must have last dimension K=", K,
-                    " (from wq of shape ", wq.sizes(), ", bits=", bits, ", transpose=",
-                    transpose ? "True" : "False", "), got x of shape ", x.sizes());
+  const c10::SymInt K = transpose ? w.cols : w.rows;
+  const c10::SymInt N = transpose ? w.rows : w.cols;
+  TORCH_CHECK_VALUE(x.sym_size(-1) == K, op, ": argument 'x' must have last dimension K=", K,
+                    " (from wq of shape ", wq.sym_sizes(), ", bits=", bits, ", transpose=",
+                    transpose ? "True" : "False", "), got x of shape ", x.sym_sizes());
   return {N, K};
+}
+
+std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq,
+                                      const at::Tensor& scales, const at::Tensor& biases,
+                                      int64_t bits, int64_t group_size, bool transpose) {
+  const auto [N, K] = check_qmm_sym(x, wq, scales, biases, bits, group_size, transpose);
+  return {N.expect_int(), K.expect_int()};
 }
 
 }  // namespace torch_qmm

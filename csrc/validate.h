@@ -1,8 +1,18 @@
-// Argument checks shared by every backend of every affine op. Each failure names the argument,
+// Argument checks shared by every backend of every affine op, and by the Meta kernels
+// (csrc/meta.cpp) that torch.compile, FakeTensor and meta tensors run: one validation, so a
+// shape-only run refuses exactly what the real kernels refuse. Each failure names the argument,
 // what was expected and what came (TORCH_CHECK_VALUE -> ValueError, TORCH_CHECK_TYPE -> TypeError).
+//
+// The checks read shapes as c10::SymInt (tensor.sym_size): concrete on real tensors, symbolic
+// under torch.compile(dynamic=True), where each comparison becomes a guard. The *_sym functions
+// return symbolic sizes (for the Meta kernels); the plain ones return int64_t for the kernels.
+// No check reads tensor data except check_quantize_finite, which only real kernels can make.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
+
+#include <utility>
 
 namespace torch_qmm {
 
@@ -11,17 +21,24 @@ struct PackedShape {
   int64_t rows;
   int64_t cols;
 };
+struct SymPackedShape {
+  c10::SymInt rows;
+  c10::SymInt cols;
+};
 
 void check_bits_and_group_size(const char* op, int64_t bits, int64_t group_size);
 void check_float_dtype(const char* op, const char* arg, const at::Tensor& t);
 
 // Checks wq / scales / biases against each other and against bits / group_size and returns
-// the stored matrix shape. `dtype` is the dtype the scales and biases must have.
+// the stored matrix shape.
+SymPackedShape check_packed_sym(const char* op, const at::Tensor& wq, const at::Tensor& scales,
+                                const at::Tensor& biases, int64_t bits, int64_t group_size);
 PackedShape check_packed(const char* op, const at::Tensor& wq, const at::Tensor& scales,
                          const at::Tensor& biases, int64_t bits, int64_t group_size);
 
 // All checks of affine_quantize but the data-dependent one. Returns (rows, K) of w viewed as
 // [rows, K].
+std::pair<c10::SymInt, c10::SymInt> check_quantize_sym(const at::Tensor& w, int64_t bits, int64_t group_size);
 std::pair<int64_t, int64_t> check_quantize(const at::Tensor& w, int64_t bits, int64_t group_size);
 
 // The data-dependent check of affine_quantize, one message for every backend: non-finite weights
@@ -31,6 +48,9 @@ void check_quantize_finite(bool all_finite);
 void check_quantize_range(bool ranges_finite);
 
 // All checks of affine_qmm. Returns (N, K) of y[..., N] = x[..., K] @ W.
+std::pair<c10::SymInt, c10::SymInt> check_qmm_sym(const at::Tensor& x, const at::Tensor& wq,
+                                                  const at::Tensor& scales, const at::Tensor& biases,
+                                                  int64_t bits, int64_t group_size, bool transpose);
 std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq,
                                       const at::Tensor& scales, const at::Tensor& biases,
                                       int64_t bits, int64_t group_size, bool transpose);

@@ -119,8 +119,10 @@ def test_qmm_rejects_one_dimensional_packed_weights():
 def test_qmm_rejects_tensors_on_different_devices():
     wq, s, b = _packed("cpu")
     meta = torch.empty(2, 128, device="meta")
-    with pytest.raises(ValueError, match=r"one device, got 'x' on meta, 'wq' on cpu"):
+    with pytest.raises(ValueError, match=r"argument 'x' is on meta but the packed weights are on cpu"):
         torch_qmm.quantized_matmul(meta, wq, s, b, group_size=64, bits=4)
+    with pytest.raises(ValueError, match=r"'wq', 'scales' and 'biases' must be on one device"):
+        torch_qmm.quantized_matmul(torch.randn(2, 128), wq, s.to("meta"), b, group_size=64, bits=4)
 
 
 def test_dequantize_rejects_mismatched_shapes():

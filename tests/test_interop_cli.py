@@ -66,6 +66,10 @@ def test_convert_to_mlx_is_read_by_mlx_and_by_load_mlx(hf_folder, tmp_path):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(out))
     load_mlx(model, out)
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    # what MLX reads from the folder is what load_mlx reads, tensor by tensor, bit for bit
+    from test_interop_mlx import assert_same_tensors
+
+    assert_same_tensors(model, weights)
     q = model.model.layers[1].self_attn.o_proj
     ours = torch_qmm_dequant(q)
     theirs = mx.dequantize(weights["model.layers.1.self_attn.o_proj.weight"],

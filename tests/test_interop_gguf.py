@@ -65,6 +65,11 @@ def test_k_quants_become_gguf_linear_with_the_file_bytes(gguf_file, qtype):
     t = GGUFFile(path).tensors[qtype.name]
     layer = linear_from_gguf(t)
     assert isinstance(layer, GGUFLinear) and layer.blocks.shape == (19, 512 // 256 * (144 if qtype == T.Q4_K else 210))
+    # the blocks are the bytes gguf's own reader finds in the file, bit for bit
+    from gguf import GGUFReader
+
+    raw = {r.name: r for r in GGUFReader(path).tensors}[qtype.name]
+    assert torch.equal(layer.blocks, torch.from_numpy(np.array(raw.data, dtype=np.uint8).reshape(layer.blocks.shape)))
     w_ref = expected[qtype.name][0]
     x = torch.randn(4, 512)
     xd = x.double()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from torch_qmm import reference
+from torch_qmm.tolerance import OUT_ATOL, OUT_RTOL
 from torch_qmm.convert import quantize_model
 from torch_qmm.interop import QuantEmbedding, TiedQuantLinear, load_mlx, save_mlx
 from torch_qmm.nn import QuantLinear
@@ -100,6 +101,28 @@ def assert_close_to_mlx(ours: torch.Tensor, theirs: torch.Tensor, ref: torch.Ten
     assert ours_err <= 2 * max(mlx_err, floor), f"{dtype}: our error {ours_err:.3e}, MLX's {mlx_err:.3e}"
 
 
+def mx_bits(a) -> torch.Tensor:
+    """An mx.array as a torch tensor holding the same bits (numpy has no bfloat16)."""
+    if a.dtype == mx.bfloat16:
+        return torch.from_numpy(np.array(a.view(mx.uint16))).view(torch.bfloat16)
+    return torch.from_numpy(np.array(a))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_tensors(model, mlx_weights: dict) -> None:
+    """The MLX side's tensors are the model's, tensor by tensor and bit for bit, none missing or
+    extra (MLX names a packed weight `weight`, QuantLinear `qweight`)."""
+    ours = {k.replace(".qweight", ".weight"): v for k, v in model.state_dict().items() if v.ndim >= 1}
+    assert set(mlx_weights) == set(ours), f"only MLX: {set(mlx_weights) - set(ours)}; only ours: {set(ours) - set(mlx_weights)}"
+    for name, a in mlx_weights.items():
+        theirs, mine = mx_bits(a), ours[name]
+        assert (theirs.dtype, theirs.shape) == (mine.dtype, mine.shape), f"{name}: {theirs.dtype} {tuple(theirs.shape)} != {mine.dtype} {tuple(mine.shape)}"
+        assert torch.equal(_raw(theirs), _raw(mine)), f"{name}: the bits differ"
+
+
 def _to_torch(a) -> torch.Tensor:
     return torch.from_numpy(np.array(a.astype(mx.float32)))
 
@@ -164,9 +187,8 @@ def test_mlx_checkpoint_loads_and_matches_mlx(tmp_path, dtype, tied, shards):
     assert model.layers[1]["down"].bits == 3 and model.layers[1]["down"].group_size == 128
     assert isinstance(model.head, TiedQuantLinear if tied else QuantLinear)
     assert report.quantized["layers.0.up"] == "affine b4 gs64"
-    # The stored words are MLX's, bit for bit.
-    mlx_params = dict(tree_flatten(mlx_model.parameters()))
-    assert torch.equal(model.layers[0]["up"].qweight, torch.from_numpy(np.array(mlx_params["layers.0.up.weight"])))
+    # Every tensor is MLX's, bit for bit.
+    assert_same_tensors(model, dict(tree_flatten(mlx_model.parameters())))
 
     got = model(torch.tensor(IDS))
     assert got.dtype == dtype and got.shape == expected.shape
@@ -204,6 +226,21 @@ def test_saved_model_loads_in_mlx_and_matches(tmp_path, dtype, tied):
             return q[path]
         return hasattr(module, "to_quantized") and f"{path}.scales" in weights
 
+    # What MLX reads back is what we wrote, tensor by tensor, bit for bit ...
+    assert_same_tensors(model, weights)
+    # ... and MLX decodes each quantized layer, with the format the config gives it, to our weights:
+    # the float64 reference of our tensors, within MLX's own rounding of s * q + b (half an ulp
+    # of each product and of the sum; swapped scales and biases, or a wrong bits / group size,
+    # are off by whole weights).
+    for name, module in model.named_modules():
+        if hasattr(module, "qweight") and not isinstance(module, TiedQuantLinear):
+            fmt = q.get(name, q)
+            got = mx.dequantize(weights[f"{name}.weight"], weights[f"{name}.scales"], weights[f"{name}.biases"],
+                                group_size=fmt["group_size"], bits=fmt["bits"])
+            want = reference.dequantize(module.qweight, module.scales, module.biases, fmt["bits"], fmt["group_size"])
+            terms = reference.dequantize(module.qweight, module.scales.abs(), module.biases.abs(), fmt["bits"], fmt["group_size"])
+            err = (mx_bits(got).double() - want).abs()
+            assert bool((err <= 2 * OUT_RTOL[dtype] * terms + OUT_ATOL[dtype]).all()), f"{name}: MLX decodes other weights"
     mnn.quantize(mlx_model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
     mlx_model.load_weights(list(weights.items()), strict=True)
     theirs = _to_torch(mlx_model(mx.array(IDS)))

@@ -1,8 +1,10 @@
-"""Typed Python wrappers of the torch_qmm ops, each next to its fake (meta) kernel.
+"""Typed Python wrappers of the torch_qmm ops and their autograd rules.
 
-The schemas are defined once in csrc/ops.cpp. The fakes give output shapes and dtypes without
-computing anything, so the ops trace under torch.compile(fullgraph=True, dynamic=True) and pass
-torch.library.opcheck; argument checking lives in the C++ implementations.
+The schemas are defined once in csrc/ops.cpp. The fake (meta) kernels are C++ (csrc/meta.cpp):
+they give output shapes and dtypes without computing anything, so the ops trace under
+torch.compile(fullgraph=True, dynamic=True) and pass torch.library.opcheck, and they run the
+same argument checks as the real kernels (csrc/validate.h), so meta and fake tensors are refused
+exactly as real ones.
 """
 
 from __future__ import annotations
@@ -10,30 +12,8 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (loads the library that defines and implements the ops)
-from .formats import packed_words
 
 _ops = torch.ops.torch_qmm
-
-
-def _check_one_device(op: str, **tensors: torch.Tensor) -> None:
-    # The dispatcher sends mixed meta/real inputs to the fake kernel; refuse them there too (the C++
-    # kernels make the same check for real devices).
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"'{n}' on {d}" for n, d in devices.items())
-        raise ValueError(f"{op}: all tensors must be on one device, got {listed}")
-
-
-@torch.library.register_fake("torch_qmm::affine_quantize")
-def _affine_quantize_fake(w: torch.Tensor, bits: int, group_size: int):
-    # Shapes only: wq [..., K*bits/32] uint32, scales/biases [..., K/group_size] in w's dtype.
-    k = w.shape[-1]
-    lead = tuple(w.shape[:-1])
-    return (
-        w.new_empty(lead + (packed_words(k, bits),), dtype=torch.uint32),
-        w.new_empty(lead + (k // group_size,)),
-        w.new_empty(lead + (k // group_size,)),
-    )
 
 
 def quantize(w: torch.Tensor, group_size: int = 64, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,13 +32,6 @@ def quantize(w: torch.Tensor, group_size: int = 64, bits: int = 4) -> tuple[torc
     return _ops.affine_quantize(w, bits, group_size)
 
 
-@torch.library.register_fake("torch_qmm::affine_dequantize")
-def _affine_dequantize_fake(wq, scales, biases, bits: int, group_size: int):
-    _check_one_device("affine_dequantize", wq=wq, scales=scales, biases=biases)
-    # Shapes only: [rows, words*32/bits] in the scales' dtype.
-    return scales.new_empty((wq.shape[0], wq.shape[1] * 32 // bits))
-
-
 def dequantize(
     wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int = 64, bits: int = 4
 ) -> torch.Tensor:
@@ -69,14 +42,6 @@ def dequantize(
         scales, biases: [rows, cols/group_size], float32/float16/bfloat16.
     """
     return _ops.affine_dequantize(wq, scales, biases, bits, group_size)
-
-
-@torch.library.register_fake("torch_qmm::affine_qmm")
-def _affine_qmm_fake(x, wq, scales, biases, bits: int, group_size: int, transpose: bool = True):
-    _check_one_device("affine_qmm", x=x, wq=wq, scales=scales, biases=biases)
-    # Shapes only: y [..., N]; N is wq's rows (transpose) or its unpacked columns.
-    n = wq.shape[0] if transpose else wq.shape[1] * 32 // bits
-    return x.new_empty(tuple(x.shape[:-1]) + (n,))
 
 
 def quantized_matmul(
@@ -99,12 +64,6 @@ def quantized_matmul(
         y [..., N] in x's dtype, accumulated in float32.
     """
     return _ops.affine_qmm(x, wq, scales, biases, bits, group_size, transpose)
-
-
-@torch.library.register_fake("torch_qmm::gguf_qmm")
-def _gguf_qmm_fake(x, blocks, ggml_type: int, N: int, K: int):
-    # Shapes only: y [..., N] in x's dtype.
-    return x.new_empty(tuple(x.shape[:-1]) + (N,))
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""python -m tests.mutation [--cpp | --only-cpp] [-k SUBSTRING] [-j JOBS] [--list] [--keep]
+
+Exit status 0 only when every selected mutant is killed (see tests/mutation/__init__.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import run, table
+from .mutants import MUTANTS
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.mutation", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpp", action="store_true", help="also run the C++ mutants (each rebuilds a scratch copy: minutes)")
+    ap.add_argument("--only-cpp", action="store_true", help="run only the C++ mutants")
+    ap.add_argument("-k", action="append", default=[], help="run mutants whose name contains this (repeatable)")
+    ap.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant's tests (default 900)")
+    ap.add_argument("--list", action="store_true", help="list the selected mutants and exit")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copies (paths on stderr)")
+    args = ap.parse_args(argv)
+
+    chosen = [m for m in MUTANTS if (m.area == "cpp") == args.only_cpp or (args.cpp and m.area == "cpp")]
+    if args.k:
+        chosen = [m for m in chosen if any(s in m.name for s in args.k)]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:40s} {m.area:6s} {m.file}  -> {' '.join(m.tests)}")
+        return 0
+    if not chosen:
+        print("no mutant selected", file=sys.stderr)
+        return 2
+
+    def progress(r):
+        print(f"{r.status:8s} {r.mutant.name} ({r.seconds:.0f} s) {r.killed_by} {r.how}{(': ' + r.detail) if r.detail else ''}",
+              flush=True)
+
+    results = run(chosen, jobs=args.jobs, timeout=args.timeout, keep=args.keep, on_result=progress)
+    print(table(results))
+    return 0 if all(r.status == "killed" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Every CPU affine_qmm route, reached on purpose at and around its boundaries, checked bit for bit.
+
+Each case first asserts the route torch.ops.torch_qmm._cpu_route names (the table below restates
+csrc/cpu/qmm_kernels.h: chunk kernels up to chunked_max_rows rows and from one chunk of K, fused
+below 16 rows, GEMM from 16), then runs two exact problems (tests/exact_cases.py): one whose
+float32 accumulation is exact (y must be the exact product rounded to nearest even: truncation
+or double rounding fails), one that selects single x values (float32 x must be used with all 24
+bits: the third bfloat16 term; float16 x with all 11). Shapes sit on both sides of every
+boundary: M at each threshold and row block (4), K one group below, at and above each chunk
+(512/bits codes for bits 2/4/8, 32 for 3/5/6; the fused tile's 1024-code K chunk for M >= 3;
+the GEMM tile's 512), N not a multiple of any tile (37, 129; transpose=False spans of 64 + 32).
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import torch_qmm
+from exact_cases import assert_bitwise, rounding_case, selection_case
+from test_cpu_chunked import HAS_AVX512, HAS_BF16, HAS_VBMI, MAX_ROWS
+
+BITS = (2, 3, 4, 5, 6, 8)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GEMM_MIN_ROWS = 16
+TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+def chunk_codes(bits: int) -> int:
+    return 32 if bits in (3, 5, 6) else 512 // bits
+
+
+def expected_route(bits, dtype, M, K, transpose, no_bf16) -> str:
+    stream = bits in (3, 5, 6)
+    if transpose and HAS_AVX512 and K >= chunk_codes(bits) and not (stream and not HAS_VBMI):
+        if HAS_BF16 and not no_bf16:
+            limit = MAX_ROWS[(bits, TERMS[dtype])]
+            if limit is None or M <= limit:
+                return f"chunked/bf16x{TERMS[dtype]}"
+        elif M == 1 and bits == 4:
+            return "chunked/f32"
+    return "fused" if M < GEMM_MIN_ROWS else "gemm"
+
+
+def _cases():
+    cases = []
+    for i, (bits, dtype) in enumerate(itertools.product(BITS, DTYPES)):
+        gs = (32, 64, 128)[i % 3]
+        limit = MAX_ROWS[(bits, TERMS[dtype])]
+        ms = {1, 2, 3, 4, 5, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, GEMM_MIN_ROWS + 1}
+        if limit is not None:
+            ms |= {limit, limit + 1}
+        chunk = chunk_codes(bits)
+        # K: one chunk plus a group (every M); below, at and above one chunk (at M = 1).
+        k_main = max(chunk, gs) + gs
+        for M in sorted(ms):
+            cases.append((bits, gs, dtype, True, M, 37, k_main, False))
+        for K in sorted({chunk - 32, chunk, chunk + 32} - {0}):
+            cases.append((bits, 32, dtype, True, 1, 37, K, False))
+        # The fused tile: float32-only kernels (TORCH_QMM_CPU_NO_BF16=1), M >= 3 walks K in
+        # 1024-code chunks: K at and across one chunk, 4-row blocks and their tails.
+        for M, K in ((3, 1056), (5, 1024), (7, 2080)):
+            cases.append((bits, 32, dtype, True, M, 37, K, True))
+        # GEMM tiles: N across the 128-row tile, K across the 512-code tile.
+        cases.append((bits, 32, dtype, True, GEMM_MIN_ROWS + 1, 129, 544, True))
+        # transpose=False: W [K, N] quantized along N; N in spans of 64 and a tail of 32, odd K.
+        for M in (1, 3, 4, 5, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, GEMM_MIN_ROWS + 1):
+            cases.append((bits, 32, dtype, False, M, 96 if M % 2 else 160, 45, False))
+        cases.append((bits, 32, dtype, False, GEMM_MIN_ROWS, 160, 545, False))
+    return list(dict.fromkeys(cases))  # once each, in order
+
+
+CASES = _cases()
+
+
+def _id(c):
+    bits, gs, dtype, transpose, M, N, K, no_bf16 = c
+    return f"b{bits}-gs{gs}-{str(dtype).split('.')[1]}-{'T' if transpose else 'N'}-M{M}-N{N}-K{K}" + ("-nobf16" if no_bf16 else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_cpu_route_is_exact_at_its_boundaries(case, monkeypatch):
+    bits, gs, dtype, transpose, M, N, K, no_bf16 = case
+    if no_bf16:
+        monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
+    want_route = expected_route(bits, dtype, M, K, transpose, no_bf16)
+    for kind, make in (("rounding", rounding_case), ("selection", selection_case)):
+        c = make(M, N, K, bits, gs, dtype, transpose, seed=zlib.crc32(_id(case).encode()) % 10_000)
+        if make is rounding_case and dtype != torch.float32:
+            assert c.rounded_fraction() > 0.1, "the problem must need rounding in this dtype"
+        route = torch.ops.torch_qmm._cpu_route(*c.operands, bits, gs, transpose)
+        y = torch_qmm.quantized_matmul(*c.operands, transpose=transpose, group_size=gs, bits=bits)
+        assert_bitwise(y, c.expected(), f"{kind} {_id(case)} ({route})")
+        assert route == want_route, f"{_id(case)}: route {route}, expected {want_route}"
+
+
+def test_every_cpu_route_is_reached():
+    """The table above reaches every kernel this machine has."""
+    routes = {expected_route(c[0], c[2], c[4], c[6], c[3], c[7]) for c in CASES}
+    want = {"fused", "gemm"}
+    if HAS_AVX512:
+        want |= {"chunked/f32"} if not HAS_BF16 else {"chunked/bf16x1", "chunked/bf16x2", "chunked/bf16x3"}
+    assert want <= routes, f"not reached: {want - routes}"
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="the float32 chunk kernel is AVX-512 only")
+def test_float32_chunk_kernel_is_exact(monkeypatch):
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
+    for dtype, make in itertools.product(DTYPES, (rounding_case, selection_case)):
+        c = make(1, 37, 256, 4, 64, dtype, True, seed=5)
+        assert torch.ops.torch_qmm._cpu_route(*c.operands, 4, 64, True) == "chunked/f32"
+        y = torch_qmm.quantized_matmul(*c.operands, group_size=64, bits=4)
+        assert_bitwise(y, c.expected(), f"chunked/f32 {dtype}")
