@@ -413,6 +413,42 @@ def test_quantize_model_leaves_multihead_attention_working():
         assert torch.equal(mha(x, x, x)[0], float_y)
 
 
+def test_quantize_model_again_with_another_format_is_refused_and_with_the_same_is_a_no_op():
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    torch_qmm.quantize_model(model, bits=8, group_size=32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"quantize_model\(bits=4, group_size=64\).*another format: "
+                                         r"0 \(bits=8, group_size=32\), 2 \(bits=8, group_size=32\)"):
+        torch_qmm.quantize_model(model, bits=4, group_size=64)
+    with pytest.raises(ValueError, match=r"2 \(bits=8, group_size=32\)"):  # the same bits, another group size
+        torch_qmm.quantize_model(model, bits=8, group_size=64)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # left unchanged
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = torch_qmm.quantize_model(model, bits=8, group_size=32)
+    assert again.converted == [] and again.already_quantized == ["0", "2"]
+    assert "2 already quantized with these settings" in str(again)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_quantize_model_quantizes_the_rest_when_filter_fn_leaves_out_the_quantized_layers():
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    torch_qmm.quantize_model(model, bits=8, group_size=32, filter_fn=lambda name, _: name == "0")
+    summary = torch_qmm.quantize_model(model, bits=4, group_size=32, filter_fn=lambda _, m: type(m) is nn.Linear)
+    assert summary.converted == ["2"]
+    assert (model[0].bits, model[2].bits) == (8, 4)
+
+
+def test_quantize_model_refuses_a_gguf_layer_it_would_leave_in_another_format():
+    from torch_qmm.interop import GGUFLinear
+
+    model = nn.Sequential(GGUFLinear(256, 4, int(Q4_K)), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"0 \(GGUF Q4_K\)"):
+        torch_qmm.quantize_model(model, bits=4, group_size=32)
+
+
 METAL_POISONS = ["x+inf", "x-inf", "x+-inf", "bias_inf", "scale_inf"]
 
 

@@ -37,11 +37,13 @@ class QuantizeSummary:
     bytes_after: int  # qweight + scales + biases (+bias) bytes after
     model_bytes_before: int = 0  # all parameters and buffers of the model (shared storage once)
     model_bytes_after: int = 0
+    already_quantized: list[str] = dataclasses.field(default_factory=list)  # in the asked format, left as they are
 
     def __str__(self) -> str:
         ratio = f"{self.bytes_before / self.bytes_after:.2f}x smaller" if self.bytes_after else "none converted"
+        already = f", {len(self.already_quantized)} already quantized with these settings" if self.already_quantized else ""
         return (
-            f"{len(self.converted)} linear layers quantized, {len(self.skipped)} skipped; "
+            f"{len(self.converted)} linear layers quantized, {len(self.skipped)} skipped{already}; "
             f"those layers {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB ({ratio}); "
             f"model {self.model_bytes_before / 2**20:.1f} MiB -> {self.model_bytes_after / 2**20:.1f} MiB"
         )
@@ -82,6 +84,39 @@ def _why_not_convertible(model: nn.Module, name: str, linear: nn.Linear, owners:
     return None
 
 
+def _quantized_format(module: nn.Module) -> str | None:
+    """The format of an already quantized linear layer, None for any other module."""
+    from .interop.modules import GGUFLinear  # imported here: interop imports this module's package
+
+    if isinstance(module, QuantLinear):
+        return f"bits={module.bits}, group_size={module.group_size}"
+    if isinstance(module, GGUFLinear):
+        from .interop.gguf_types import type_name
+
+        return f"GGUF {type_name(module.ggml_type)}"
+    return None
+
+
+def _already_quantized(model: nn.Module, filter_fn, bits: int, group_size: int) -> list[str]:
+    """Names of the quantized linear layers (accepted by filter_fn) already in the asked format;
+    raises ValueError naming those in another format, which quantize_model does not re-quantize."""
+    asked = f"bits={bits}, group_size={group_size}"
+    same, other = [], []
+    for name, module in model.named_modules(remove_duplicate=False):
+        fmt = _quantized_format(module)
+        if fmt is None or (filter_fn is not None and not filter_fn(name, module)):
+            continue
+        (same if fmt == asked else other).append((name, fmt))
+    if other:
+        raise ValueError(
+            f"quantize_model({asked}): the model already holds quantized layers in another format: "
+            + ", ".join(f"{n} ({fmt})" for n, fmt in other)
+            + "; they are not re-quantized (that would compound the rounding). Quantize the float model, "
+            "or pass a filter_fn that leaves these layers out to quantize only the others"
+        )
+    return [n for n, _ in same]
+
+
 def quantize_model(
     model: nn.Module,
     bits: int = 4,
@@ -95,7 +130,8 @@ def quantize_model(
     Args:
         model: any module; its nn.Linear children (at any depth) are candidates.
         bits, group_size: the affine format.
-        filter_fn: (qualified name, layer) -> bool; only layers it accepts are converted.
+        filter_fn: (qualified name, layer) -> bool; only layers it accepts are converted. It is
+            also asked about the layers that are already quantized (QuantLinear, GGUFLinear).
         dtype: compute dtype of the quantized layers (default: each layer's weight dtype).
         progress: show a tqdm bar (default: when there are many layers).
 
@@ -103,8 +139,13 @@ def quantize_model(
     weight (or bias) another module shares (a tied output head stays tied to its float embedding),
     and layers whose parent reads their .weight instead of calling them (nn.MultiheadAttention's
     out_proj; nn.TransformerEncoderLayer's linear1/linear2, read by its fast path).
+
+    Already quantized layers (that filter_fn accepts) are left as they are when they have the asked
+    bits and group_size (summary.already_quantized, so a repeated call is a no-op); in any other
+    format ValueError names each of them and both formats, before anything is changed.
     """
     check_format(bits, group_size)
+    already = _already_quantized(model, filter_fn, bits, group_size)
     owners: dict[int, set[int]] = {}  # id(parameter) -> ids of the modules holding it
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -117,7 +158,7 @@ def quantize_model(
         for name, module in model.named_modules(remove_duplicate=False)
         if type(module) is nn.Linear and (filter_fn is None or filter_fn(name, module))
     ]
-    summary = QuantizeSummary(converted=[], skipped={}, bytes_before=0, bytes_after=0)
+    summary = QuantizeSummary(converted=[], skipped={}, bytes_before=0, bytes_after=0, already_quantized=already)
     show = bool(candidates) and (progress if progress is not None else len(candidates) >= _PROGRESS_MIN_LAYERS)
     done: dict[int, QuantLinear] = {}  # id(original layer) -> its replacement
     for name, linear in tqdm(candidates, desc="quantizing", disable=not show, unit="layer"):

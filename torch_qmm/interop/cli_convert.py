@@ -220,7 +220,9 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int) -> set[str]:
         if tied and isinstance(emb, QuantEmbedding):
             _replace(model, out_name, TiedQuantLinear(emb))
             done.add(out_name)
-    summary = quantize_model(model, bits=bits, group_size=group_size, progress=True)
+    # The layers kept exact (QuantLinear, GGUFLinear) are left out: only float ones are quantized.
+    summary = quantize_model(model, bits=bits, group_size=group_size, progress=True,
+                             filter_fn=lambda _, m: type(m) is nn.Linear)
     return done | set(summary.converted)
 
 
