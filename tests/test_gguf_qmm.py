@@ -65,7 +65,8 @@ def test_gguf_linear_holds_the_blocks_and_adds_bias(device):
     xd = x.double()
     assert_matches_reference(layer.to(device)(x.to(device)), xd @ w.T + torch.arange(5.0).double(), xd.abs() @ w.abs().T + 5,
                              torch.float32, "GGUFLinear")
-    assert set(layer.state_dict()) == {"blocks", "bias"}
+    assert set(layer.state_dict()) == {"blocks", "bias", "_extra_state"}
+    assert layer.state_dict()["_extra_state"].tolist() == [int(Q6_K)]  # the GGUF type
 
 
 def test_gguf_qmm_opcheck_and_compile():

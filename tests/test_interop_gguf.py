@@ -135,3 +135,30 @@ def test_header_sizes_disagreeing_with_the_data_are_an_error(tmp_path):
     (tmp_path / "a.gguf").write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"a\.gguf: tensor 'only'.*truncated"):
         GGUFFile(tmp_path / "a.gguf")
+
+
+def test_gguf_linear_state_carries_its_type_and_another_type_is_refused(tmp_path):
+    """Q4_K with in_features=8960 and Q6_K with 6144 have blocks of the same shape [N, 5040]."""
+    from safetensors.torch import load_file, save_file
+
+    from gguf_helpers import random_k_blocks
+
+    q4 = GGUFLinear(8960, 2, int(T.Q4_K), bias=True)
+    q4.blocks.copy_(torch.from_numpy(random_k_blocks(T.Q4_K, 2, 8960, np.random.default_rng(0))))
+    q6 = GGUFLinear(6144, 2, int(T.Q6_K), bias=True)
+    assert q4.blocks.shape == q6.blocks.shape
+    save_file(q4.state_dict(), tmp_path / "q4.safetensors")
+    state = load_file(tmp_path / "q4.safetensors")
+    assert state["_extra_state"].tolist() == [int(T.Q4_K)]
+    before = {k: v.clone() for k, v in q6.state_dict().items()}
+    with pytest.raises(ValueError, match=r"holds ggml_type=12 \(Q4_K\), this layer has ggml_type=14 \(Q6_K\)"):
+        q6.load_state_dict(state)
+    assert all(torch.equal(before[k], v) for k, v in q6.state_dict().items())  # left unchanged
+    same = GGUFLinear(8960, 2, int(T.Q4_K), bias=True)
+    same.load_state_dict(state)
+    x = torch.randn(3, 8960)
+    assert torch.equal(same(x), q4(x))
+    with pytest.raises(ValueError, match=r"format state must be an integer tensor \[1\] \(ggml_type\)"):
+        same.load_state_dict({**state, "_extra_state": torch.tensor([12, 32], dtype=torch.int32)})
+    with pytest.raises(ValueError, match=r"integer tensor \[2\] \(bits, group_size\), got torch.int32 \[1\]"):
+        QuantLinear(256, 2, bits=4, group_size=64).load_state_dict(state, strict=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .format_state import FormatState
 from .formats import SUPPORTED_DTYPES, check_format, packed_words
 from .ops import quantize
 
@@ -46,44 +47,15 @@ def load_affine_weight(module: nn.Module, weight: torch.Tensor) -> None:
         module.biases.copy_(biases)
 
 
-# Key of the format in a module's state_dict: torch's name for get_extra_state's value.
-FORMAT_STATE_KEY = "_extra_state"
-
-
-class AffineFormatState:
-    """For modules with an affine weight (register_affine_weight): the format goes into state_dict
-    (``_extra_state``, int32 [2] = bits, group_size), and a state of another format is refused.
-    The buffer shapes cannot tell: qweight and scales of an 8-bit group_size=32 layer with K
-    columns have the shapes of a 4-bit group_size=64 one with 2K.
+class AffineFormatState(FormatState):
+    """The affine format (bits, group_size) in state_dict (FormatState). The buffer shapes cannot
+    tell: qweight and scales of an 8-bit group_size=32 layer with K columns have the shapes of a
+    4-bit group_size=64 one with 2K.
     """
 
+    FORMAT_FIELDS = ("bits", "group_size")
     bits: int
     group_size: int
-
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.tensor([self.bits, self.group_size], dtype=torch.int32)
-
-    def set_extra_state(self, state) -> None:
-        self._check_format_state(state, type(self).__name__)
-
-    def _check_format_state(self, state, where: str) -> None:
-        if not (isinstance(state, torch.Tensor) and state.shape == (2,) and not state.is_floating_point()
-                and state.dtype != torch.bool):
-            got = f"{state.dtype} {list(state.shape)}" if isinstance(state, torch.Tensor) else type(state).__name__
-            raise ValueError(f"{where}: the format state must be an integer tensor [2] (bits, group_size), got {got}")
-        bits, group_size = (int(v) for v in state.tolist())
-        if (bits, group_size) != (self.bits, self.group_size):
-            raise ValueError(
-                f"{where}: the state holds bits={bits}, group_size={group_size}, this layer has "
-                f"bits={self.bits}, group_size={self.group_size}; build the layer with the saved format to load it"
-            )
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # Checked before torch copies the buffers, so a refused state leaves the layer unchanged.
-        key = prefix + FORMAT_STATE_KEY
-        if key in state_dict:
-            self._check_format_state(state_dict[key], f"{type(self).__name__} {key!r}")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class QuantLinear(AffineFormatState, nn.Module):

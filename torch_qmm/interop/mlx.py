@@ -30,7 +30,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..formats import check_format, packed_words
-from ..nn import FORMAT_STATE_KEY, QuantLinear
+from ..format_state import FORMAT_STATE_KEY
+from ..nn import QuantLinear
 from .modules import QuantEmbedding, TiedQuantLinear
 from .json_files import read_json_object
 from .safetensors_io import Checkpoint, save_sharded

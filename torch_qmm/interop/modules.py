@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..format_state import FormatState
 from ..nn import AffineFormatState, load_affine_weight, register_affine_weight
+from .gguf_types import NATIVE_TYPES, block_info, type_name
 
 
 class QuantEmbedding(AffineFormatState, nn.Module):
@@ -98,13 +100,17 @@ class TiedQuantLinear(nn.Module):
         return f"tied to QuantEmbedding({self._embedding.extra_repr()})"
 
 
-class GGUFLinear(nn.Module):
+class GGUFLinear(FormatState, nn.Module):
     """y = x @ W.T + bias with W [out, in] kept as GGUF blocks (Q4_K, Q6_K), decoded in-kernel.
 
     Buffer ``blocks`` uint8 [out, in/256 * block_bytes]: each row of W is its super-blocks exactly as
     llama.cpp writes them (so a GGUF tensor's data is the buffer, no re-encoding). x may be float32,
-    float16 or bfloat16; the output has x's dtype (float32 accumulation).
+    float16 or bfloat16; the output has x's dtype (float32 accumulation). The GGUF type is in
+    state_dict as ``_extra_state`` (FormatState): the shapes cannot tell, Q4_K blocks with
+    in_features=8960 have the shape of Q6_K blocks with 6144.
     """
+
+    FORMAT_FIELDS = ("ggml_type",)
 
     def __init__(
         self,
@@ -116,8 +122,6 @@ class GGUFLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        from .gguf_types import NATIVE_TYPES, block_info, type_name
-
         if ggml_type not in NATIVE_TYPES:
             raise ValueError(
                 f"argument 'ggml_type' must be one of "
@@ -142,9 +146,10 @@ class GGUFLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y
 
-    def extra_repr(self) -> str:
-        from .gguf_types import type_name
+    def describe_format(self, values) -> str:
+        return ", ".join(f"ggml_type={v} ({type_name(v)})" for v in values)
 
+    def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"format={type_name(self.ggml_type)}, bias={self.bias is not None}"
