@@ -128,6 +128,69 @@ def test_inspect_lists_layers_formats_and_bytes(gguf_path, tmp_path, capsys):
     assert "model.layers.0.self_attn.q_proj" in text and "affine b8 gs32" in text and "quantization=mlx" in text
 
 
+def _saved_state_folder(folder):
+    """A state_dict saved with safetensors (no config.json): QuantLinear layers of two formats, a
+    GGUFLinear, a QuantEmbedding and a float layer."""
+    from safetensors.torch import save_file
+
+    from torch_qmm.interop import GGUFLinear
+
+    torch.manual_seed(15)
+    model = torch.nn.ModuleDict({
+        "a": QuantLinear(64, 32, bits=8, group_size=32), "b": QuantLinear(128, 16, bits=3, group_size=64),
+        "k": GGUFLinear(512, 4, int(T.Q6_K)), "e": QuantEmbedding(10, 64, bits=4, group_size=32),
+        "f": torch.nn.Linear(8, 2)})
+    folder.mkdir()
+    save_file(model.state_dict(), folder / "model.safetensors")
+    return folder
+
+
+def test_inspect_shows_the_format_each_layer_saved(tmp_path, capsys):
+    folder = _saved_state_folder(tmp_path / "state")
+    assert main(["inspect", str(folder), "--json"]) == 0
+    rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)["layers"]}
+    assert sorted(rows) == ["a", "b", "e", "f.bias", "f.weight", "k"]
+    assert (rows["a"]["format"], rows["a"]["shape"]) == ("affine b8 gs32 (F32)", [32, 64])
+    assert (rows["b"]["format"], rows["b"]["shape"]) == ("affine b3 gs64 (F32)", [16, 128])
+    assert (rows["e"]["format"], rows["e"]["shape"]) == ("affine b4 gs32 (F32)", [10, 64])
+    assert (rows["k"]["format"], rows["k"]["shape"]) == ("GGUF Q6_K", [4, 512])
+    assert rows["k"]["bytes"] == 4 * 2 * 210 + 4  # two Q6_K super-blocks per row, the int32 type
+
+
+def test_inspect_shows_a_saved_format_that_config_json_contradicts(tmp_path, capsys):
+    folder = _saved_state_folder(tmp_path / "state")
+    (folder / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "torch_qmm", "bits": 8, "group_size": 32}}))
+    assert main(["inspect", str(folder), "--json"]) == 0
+    rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)["layers"]}
+    assert rows["a"]["format"] == "affine b8 gs32 (F32)"
+    assert rows["b"]["format"] == "affine b3 gs64 (F32; config.json says b8 gs32)"
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([8.0, 32.0]), torch.zeros(2, 2, dtype=torch.int32),
+                                 torch.zeros(5000, dtype=torch.int32)], ids=["float", "2-D", "long"])
+def test_inspect_refuses_a_malformed_format_tensor(tmp_path, capsys, bad):
+    from safetensors.torch import load_file, save_file
+
+    folder = _saved_state_folder(tmp_path / "state")
+    state = load_file(folder / "model.safetensors")
+    save_file({**state, "a._extra_state": bad}, folder / "model.safetensors")
+    assert main(["inspect", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors: tensor 'a._extra_state' must be an integer tensor" in err and len(err.splitlines()) == 1
+
+
+def test_inspect_refuses_an_unsupported_saved_format(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    folder = _saved_state_folder(tmp_path / "state")
+    state = load_file(folder / "model.safetensors")
+    save_file({**state, "a._extra_state": torch.tensor([7, 32], dtype=torch.int32)}, folder / "model.safetensors")
+    assert main(["inspect", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors: tensor 'a._extra_state' holds an unsupported format" in err and "bits" in err
+
+
 def test_inspect_and_convert_bad_input(tmp_path, capsys):
     """One line on stderr naming the file or argument; exit 1 for a bad file, 2 for a bad argument."""
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(30))

@@ -9,6 +9,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..cli_errors import UsageError
+from ..format_state import FORMAT_STATE_KEY
+from ..formats import check_format
+from .gguf_types import NATIVE_TYPES, block_info, type_name
 from .json_files import read_json_object
 from .mlx import parse_quantization
 
@@ -17,8 +20,12 @@ List a checkpoint's layers (in natural order: 0, 1, 2, ..., 10), their formats, 
 and totals per format.
 
 FILE: a .gguf file, a .safetensors file, or a model folder (MLX, torch_qmm/transformers, float).
-Nothing is loaded beyond headers (GGUF tensor infos, safetensors headers, config.json), and each
-is checked first: a corrupt file is an error naming it."""
+A layer saved from torch_qmm's modules (save_pretrained, or a state_dict written with safetensors)
+shows the format its `_extra_state` tensor holds (noting where config.json says otherwise).
+Nothing is loaded beyond headers (GGUF tensor infos, safetensors headers, config.json) and those
+few-byte format tensors, and each is checked first: a corrupt file is an error naming it."""
+
+_INTEGER_DTYPES = ("I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +49,35 @@ def _rows_gguf(path: Path) -> tuple[list[dict], dict]:
     rows = [{"layer": t.name, "format": t.type_name, "shape": list(t.shape), "bytes": t.nbytes}
             for t in sorted(f.tensors.values(), key=lambda t: natural_key(t.name))]
     return rows, {"container": "gguf", "architecture": f.architecture}
+
+
+def _saved_format(ckpt, key: str) -> tuple[int, ...]:
+    """The values of a module's format tensor (FormatState): [2] bits, group_size for the affine
+    format, [1] the GGML type for GGUFLinear. Its header is checked before it is read."""
+    shape, dtype = ckpt.shape(key), ckpt.dtype_name(key)
+    if dtype not in _INTEGER_DTYPES or len(shape) != 1 or shape[0] not in (1, 2):
+        raise ValueError(f"{ckpt.where[key]}: tensor {key!r} must be an integer tensor [2] (bits, group_size) "
+                         f"or [1] (GGUF type), got {dtype} {list(shape)}")
+    values = tuple(int(v) for v in ckpt.get(key).tolist())
+    if len(values) == 2:
+        try:
+            check_format(*values)
+        except ValueError as e:
+            raise ValueError(f"{ckpt.where[key]}: tensor {key!r} holds an unsupported format: {e}") from None
+    return values
+
+
+def _gguf_row(ckpt, layer: str, ggml_type: int) -> tuple[str, list[int]]:
+    key = _join(layer, "blocks")
+    shape = ckpt.shape(key)
+    if ggml_type not in NATIVE_TYPES:
+        raise ValueError(f"{ckpt.where[key]}: tensor {_join(layer, FORMAT_STATE_KEY)!r} holds GGUF type {ggml_type} "
+                         f"({type_name(ggml_type)}); GGUFLinear holds {', '.join(type_name(t) for t in NATIVE_TYPES)}")
+    per_block, block_bytes = block_info(ggml_type)
+    if len(shape) != 2 or shape[1] % block_bytes != 0:
+        raise ValueError(f"{ckpt.where[key]}: tensor {key!r} of {type_name(ggml_type)} blocks must be "
+                         f"[rows, a multiple of {block_bytes}], got {list(shape)}")
+    return f"GGUF {type_name(ggml_type)}", [shape[0], shape[1] // block_bytes * per_block]
 
 
 def _rows_safetensors(path: Path) -> tuple[list[dict], dict]:
@@ -70,15 +106,23 @@ def _rows_safetensors(path: Path) -> tuple[list[dict], dict]:
     rows = []
     for layer, leaves in sorted(layers.items(), key=lambda kv: natural_key(kv[0])):
         nbytes = sum(ckpt.nbytes(_join(layer, leaf)) for leaf in leaves)
-        if "scales" in leaves and weight_key in leaves:
+        saved = _saved_format(ckpt, _join(layer, FORMAT_STATE_KEY)) if FORMAT_STATE_KEY in leaves else None
+        words_key = "qweight" if "qweight" in leaves else weight_key
+        if "scales" in leaves and words_key in leaves and (saved is None or len(saved) == 2):
             spec = overrides.get(layer, default)
-            words = ckpt.shape(_join(layer, weight_key))
+            configured = (spec.bits, spec.group_size) if spec else None
+            bits_gs = saved or configured
+            words = ckpt.shape(_join(layer, words_key))
             groups = ckpt.shape(_join(layer, "scales"))
-            if spec and len(words) == 2 and len(groups) == 2:
-                fmt = f"affine b{spec.bits} gs{spec.group_size} ({ckpt.dtype_name(_join(layer, 'scales'))})"
-                shape = [words[0], groups[-1] * spec.group_size]
+            if bits_gs and len(words) == 2 and len(groups) == 2:
+                note = f"; config.json says b{configured[0]} gs{configured[1]}" if configured not in (None, bits_gs) else ""
+                fmt = f"affine b{bits_gs[0]} gs{bits_gs[1]} ({ckpt.dtype_name(_join(layer, 'scales'))}{note})"
+                shape = [words[0], groups[-1] * bits_gs[1]]
             else:
                 fmt, shape = "affine (no config)", list(words)
+            rows.append({"layer": layer, "format": fmt, "shape": shape, "bytes": nbytes})
+        elif "blocks" in leaves and saved is not None and len(saved) == 1:
+            fmt, shape = _gguf_row(ckpt, layer, saved[0])
             rows.append({"layer": layer, "format": fmt, "shape": shape, "bytes": nbytes})
         else:
             for leaf in sorted(leaves, key=natural_key):
