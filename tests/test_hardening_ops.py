@@ -445,7 +445,7 @@ def test_quantize_model_refuses_a_gguf_layer_it_would_leave_in_another_format():
     from torch_qmm.interop import GGUFLinear
 
     model = nn.Sequential(GGUFLinear(256, 4, int(Q4_K)), nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"0 \(GGUF Q4_K\)"):
+    with pytest.raises(ValueError, match=r"another format: 0 \(ggml_type=12 \(Q4_K\)\)"):
         torch_qmm.quantize_model(model, bits=4, group_size=32)
 
 

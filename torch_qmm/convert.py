@@ -84,37 +84,28 @@ def _why_not_convertible(model: nn.Module, name: str, linear: nn.Linear, owners:
     return None
 
 
-def _quantized_format(module: nn.Module) -> str | None:
-    """The format of an already quantized linear layer, None for any other module."""
-    from .interop.modules import GGUFLinear  # imported here: interop imports this module's package
-
-    if isinstance(module, QuantLinear):
-        return f"bits={module.bits}, group_size={module.group_size}"
-    if isinstance(module, GGUFLinear):
-        from .interop.gguf_types import type_name
-
-        return f"GGUF {type_name(module.ggml_type)}"
-    return None
-
-
 def _already_quantized(model: nn.Module, filter_fn, bits: int, group_size: int) -> list[str]:
     """Names of the quantized linear layers (accepted by filter_fn) already in the asked format;
     raises ValueError naming those in another format, which quantize_model does not re-quantize."""
-    asked = f"bits={bits}, group_size={group_size}"
+    # Imported when called, so that `import torch_qmm` does not load the interop stack.
+    from .interop.modules import GGUFLinear
+
     same, other = [], []
     for name, module in model.named_modules(remove_duplicate=False):
-        fmt = _quantized_format(module)
-        if fmt is None or (filter_fn is not None and not filter_fn(name, module)):
+        if not isinstance(module, (QuantLinear, GGUFLinear)) or (filter_fn is not None and not filter_fn(name, module)):
             continue
-        (same if fmt == asked else other).append((name, fmt))
+        if isinstance(module, QuantLinear) and module.format_values() == (bits, group_size):
+            same.append(name)
+        else:
+            other.append(f"{name} ({module.describe_format(module.format_values())})")
     if other:
         raise ValueError(
-            f"quantize_model({asked}): the model already holds quantized layers in another format: "
-            + ", ".join(f"{n} ({fmt})" for n, fmt in other)
-            + "; they are not re-quantized (that would compound the rounding). Quantize the float model, "
-            "or pass a filter_fn that leaves these layers out to quantize only the others"
+            f"quantize_model(bits={bits}, group_size={group_size}): the model already holds quantized layers "
+            f"in another format: {', '.join(other)}; they are not re-quantized (that would compound the "
+            "rounding). Quantize the float model, or pass a filter_fn that leaves these layers out to quantize "
+            "only the others"
         )
-    return [n for n, _ in same]
+    return same
 
 
 def quantize_model(
