@@ -22,6 +22,7 @@ import copy
 import torch
 from torch import nn
 
+from . import calibration as cal
 from .affine import decode, rtn
 
 # alpha grid of the scale search (AWQ's: 20 points in [0, 1)).
@@ -89,3 +90,57 @@ def fold_into_rows(prev: nn.Linear, s: torch.Tensor) -> bool:
 def scale_columns(layer: nn.Linear, s: torch.Tensor) -> None:
     with torch.no_grad():
         layer.weight.mul_(s.to(layer.weight.dtype))
+
+
+def norms(block: nn.Module, prefix: str) -> dict[str, nn.Module]:
+    """The block's norm-like modules (leaf, not linear/embedding, a 1-D weight) by full name."""
+    out = {}
+    for rel, m in block.named_modules():
+        w = getattr(m, "weight", None)
+        if (rel and not isinstance(m, (nn.Linear, nn.Embedding)) and not list(m.children())
+                and isinstance(w, torch.Tensor) and w.dim() == 1):
+            out[prefix + rel] = m
+    return out
+
+
+def scale_block(model: nn.Module, stats: cal.InputStats, producers: dict[str, nn.Module],
+                layers: dict[str, nn.Linear], bits: dict[str, int], group_size: int, dtype_of):
+    """Searches and folds the scales of every input group of a block, on its float weights (all
+    before any is quantized). Returns key -> (member names, H, s); s = 1 where nothing could fold."""
+    chosen = {}
+    for key, members in cal.groups(stats).items():
+        h, mean_abs, _ = stats.of(key)
+        s = torch.ones(h.shape[0])
+        target = fold_target(model, key, stats, producers, members)
+        if target is not None:
+            cand, _alpha = search_scale([layers[n].weight for n in members], h, mean_abs,
+                                        min(bits[n] for n in members), group_size, dtype_of(layers[members[0]]))
+            folded = fold_into_rows(target, cand) if isinstance(target, nn.Linear) else fold_into_norm(target, cand)
+            if folded:
+                s = cand
+                for n in members:
+                    scale_columns(layers[n], s)
+        chosen[key] = (members, h, s)
+    return chosen
+
+
+def fold_target(model: nn.Module, key: str, stats: cal.InputStats, producers: dict[str, nn.Module],
+                members: list[str]):
+    """What can absorb 1/s for the layers reading input `key`: the norm that produced it, or the
+    sibling linear of ROW_FOLDS (v_proj for o_proj, up_proj for down_proj); None."""
+    if key in stats.fed_by:
+        return producers[stats.fed_by[key]]
+    if len(members) != 1:
+        return None
+    parent, _, leaf = key.rpartition(".")
+    sibling = ROW_FOLDS.get(leaf)
+    if sibling is None:
+        return None
+    try:
+        prev = model.get_submodule(f"{parent}.{sibling}" if parent else sibling)
+    except AttributeError:
+        return None
+    layer = model.get_submodule(key)
+    if type(prev) is not nn.Linear or prev.out_features != layer.in_features:
+        return None
+    return prev

@@ -254,3 +254,13 @@ def groups(stats: InputStats) -> dict[str, list[str]]:
     for name, key in stats.key.items():
         out.setdefault(key, []).append(name)
     return out
+
+
+def from_text(tokenizer, text: str, seq_len: int = 512, max_samples: int = 32) -> list[torch.Tensor]:
+    """Plain text as calibration samples: tokenized with the model's tokenizer (no special tokens)
+    and cut into consecutive [1, seq_len] windows (the last one may be shorter), at most max_samples."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError("calibration text is empty after tokenization")
+    windows = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)][:max_samples]
+    return [torch.tensor([w], dtype=torch.int64) for w in windows if len(w) > 1]

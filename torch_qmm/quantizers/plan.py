@@ -170,12 +170,6 @@ def _gptq_pass(model, layers, data, plan: Plan, options: GPTQ, bar) -> None:
     cal.walk(model, layers, data, on_block, on_rest)
 
 
-def _norm_like(m: nn.Module) -> bool:
-    w = getattr(m, "weight", None)
-    return (not isinstance(m, (nn.Linear, nn.Embedding)) and len(list(m.children())) == 0
-            and isinstance(w, torch.Tensor) and w.dim() == 1)
-
-
 def _awq_pass(model, layers, data, plan: Plan, bar) -> None:
     gs = plan.group_size
 
@@ -188,26 +182,9 @@ def _awq_pass(model, layers, data, plan: Plan, bar) -> None:
             bar.update(1)
 
     def on_block(block, prefix, inputs, mine) -> None:
-        producers = {prefix + rel: m for rel, m in block.named_modules() if rel and _norm_like(m)}
+        producers = awq.norms(block, prefix)
         stats = cal.collect(block, inputs, mine, producers=producers)
-        chosen = {}
-        # Every group's scales are searched on the float block and folded before any is quantized.
-        for key, members in cal.groups(stats).items():
-            h, mean_abs, _ = stats.of(key)
-            s = torch.ones(h.shape[0])
-            target = _fold_target(model, key, stats, producers, members)
-            if target is not None:
-                bits = min(plan.bits[n] for n in members)
-                cand, _alpha = awq.search_scale([mine[n].weight for n in members], h, mean_abs, bits, gs,
-                                                plan.dtype_of(mine[members[0]]))
-                folded = (awq.fold_into_norm(target, cand) if not isinstance(target, nn.Linear)
-                          else awq.fold_into_rows(target, cand))
-                if folded:
-                    s = cand
-                    for n in members:
-                        awq.scale_columns(mine[n], s)
-            chosen[key] = (members, h, s)
-        for members, h, s in chosen.values():
+        for members, h, s in awq.scale_block(model, stats, producers, mine, plan.bits, gs, plan.dtype_of).values():
             quantize(members, mine, h, s)
 
     def on_rest(rest) -> None:
@@ -217,24 +194,3 @@ def _awq_pass(model, layers, data, plan: Plan, bar) -> None:
             quantize(members, rest, h, torch.ones(h.shape[0]), write_back=False)
 
     cal.walk(model, layers, data, on_block, on_rest)
-
-
-def _fold_target(model, key, stats: cal.InputStats, producers, members):
-    """What can absorb 1/s for the layers reading input `key`: the norm that produced it, or the
-    sibling linear of ROW_FOLDS (v_proj for o_proj, up_proj for down_proj); None."""
-    if key in stats.fed_by:
-        return producers[stats.fed_by[key]]
-    if len(members) != 1:
-        return None
-    parent, _, leaf = key.rpartition(".")
-    sibling = awq.ROW_FOLDS.get(leaf)
-    if sibling is None:
-        return None
-    try:
-        prev = model.get_submodule(f"{parent}.{sibling}" if parent else sibling)
-    except AttributeError:
-        return None
-    layer = model.get_submodule(key)
-    if type(prev) is not nn.Linear or prev.out_features != layer.in_features:
-        return None
-    return prev
