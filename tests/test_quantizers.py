@@ -7,6 +7,7 @@ errors. Tiny random llamas and random matrices; no downloads."""
 from __future__ import annotations
 
 import copy
+import json
 import weakref
 
 import numpy as np
@@ -377,3 +378,62 @@ def test_bad_arguments_are_clear_errors():
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
     with pytest.warns(UserWarning, match="data-free: argument 'calibration' is ignored"):
         torch_qmm.quantize_model(model, method="mse", calibration=CALIB)
+
+
+# ---- convert CLI and TorchQmmConfig -----------------------------------------------------------------
+
+WORDS = "the a village river school market city train garden book walk bread".split()
+
+
+@pytest.fixture(scope="module")
+def folder_with_tokenizer(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path_factory.mktemp("hf_tok")
+    _llama().save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>"] + WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+def test_convert_cli_with_gptq_and_a_calibration_text(folder_with_tokenizer, tmp_path):
+    from torch_qmm.__main__ import main
+    from torch_qmm.interop.transformers import TorchQmmConfig
+    from torch_qmm.quantizers.calibration import from_text
+
+    text = " ".join(WORDS[i % len(WORDS)] for i in range(0, 700, 3))
+    (tmp_path / "calib.txt").write_text(text)
+    out = tmp_path / "out"
+    assert main(["convert", str(folder_with_tokenizer), str(out), "--bits", "4", "--group-size", "32",
+                 "--method", "gptq", "--calibration", str(tmp_path / "calib.txt")]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["method"] == "gptq"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(folder_with_tokenizer)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(
+        folder_with_tokenizer,
+        quantization_config=TorchQmmConfig(bits=4, group_size=32, method="gptq", calibration=from_text(tok, text)))
+    buffers = dict(expected.named_buffers())
+    names = [n for n, _ in reloaded.named_buffers() if n.endswith("qweight")]
+    assert len(names) == 14
+    for n, b in reloaded.named_buffers():
+        assert torch.equal(b, buffers[n]), n
+    # and it differs from rtn (the method was used)
+    rtn_model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder_with_tokenizer, quantization_config=TorchQmmConfig(bits=4, group_size=32))
+    assert not torch.equal(rtn_model.model.layers[0].mlp.up_proj.qweight, reloaded.model.layers[0].mlp.up_proj.qweight)
+
+
+def test_convert_cli_refuses_awq_without_calibration(folder_with_tokenizer, tmp_path):
+    from torch_qmm.__main__ import main
+
+    with pytest.raises(SystemExit, match="--method awq needs --calibration"):
+        main(["convert", str(folder_with_tokenizer), str(tmp_path / "o"), "--method", "awq"])
+    with pytest.raises(SystemExit, match="is not a file"):
+        main(["convert", str(folder_with_tokenizer), str(tmp_path / "o"), "--method", "awq",
+              "--calibration", str(tmp_path / "missing.txt")])
+    assert not (tmp_path / "o").exists()
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    with pytest.raises(ValueError, match="argument 'method' must be one of"):
+        TorchQmmConfig(method="hqq")

@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["transformers", "mlx"], default="transformers")
     parser.add_argument("--dtype", choices=list(_DTYPES), default=None,
                         help="compute dtype (default: the source's, float32 for GGUF)")
+    parser.add_argument("--method", choices=["rtn", "mse", "awq", "gptq"], default="rtn",
+                        help="quantizer (default rtn: MLX's, bit for bit); all write the same format")
+    parser.add_argument("--calibration", type=Path, default=None, metavar="FILE.txt",
+                        help="plain text for awq/gptq, tokenized with the model's tokenizer")
 
 
 def _float_linear(layer: nn.Module, dtype: torch.dtype) -> nn.Linear:
@@ -161,7 +165,32 @@ def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
     return model, q4_k_exact
 
 
-def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int) -> None:
+def _calibration(args: argparse.Namespace, is_gguf: bool):
+    """Token-id windows of --calibration (None without it); awq/gptq require it."""
+    if args.calibration is None:
+        if args.method in ("awq", "gptq"):
+            raise SystemExit(f"convert: --method {args.method} needs --calibration FILE.txt (plain text)")
+        return None
+    if not args.calibration.is_file():
+        raise SystemExit(f"convert: --calibration {args.calibration} is not a file")
+    try:
+        text = args.calibration.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"convert: --calibration {args.calibration} is not UTF-8 text ({e})")
+    from transformers import AutoTokenizer
+
+    from ..quantizers.calibration import from_text
+
+    src: Path = args.src
+    tok = (AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name) if is_gguf
+           else AutoTokenizer.from_pretrained(src))
+    try:
+        return from_text(tok, text)
+    except ValueError as e:
+        raise SystemExit(f"convert: --calibration {args.calibration}: {e}")
+
+
+def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str = "rtn", calibration=None) -> None:
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     embeddings = {n: m for n, m in model.named_modules() if type(m) is nn.Embedding}
@@ -176,7 +205,8 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int) -> None:
         emb = model.get_submodule(emb_name)
         if tied and isinstance(emb, QuantEmbedding):
             _replace(model, out_name, TiedQuantLinear(emb))
-    summary = quantize_model(model, bits=bits, group_size=group_size, progress=True)
+    summary = quantize_model(model, bits=bits, group_size=group_size, progress=True, method=method,
+                             calibration=calibration)
     if summary.converted:
         print(summary)
 
@@ -192,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
     q4_k_exact: dict[str, bool] = {}
     if not is_gguf and not (src / "config.json").is_file():
         raise SystemExit(f"convert: {src} is neither a .gguf file nor a transformers folder with config.json")
+    calibration = _calibration(args, is_gguf)
     from transformers import AutoModelForCausalLM
 
     if args.format == "mlx":
@@ -202,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
             _report_q4_k(q4_k_exact, _DTYPES[args.dtype or "float32"])
         else:
             model = AutoModelForCausalLM.from_pretrained(src, dtype=_DTYPES[args.dtype] if args.dtype else "auto")
-        _quantize_for_mlx(model, args.bits, args.group_size)
+        _quantize_for_mlx(model, args.bits, args.group_size, args.method, calibration)
         config = model.config.to_dict()
         save_mlx(model, args.dst, config=config)
     else:
@@ -215,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             load_from = src
         model = AutoModelForCausalLM.from_pretrained(
-            load_from, quantization_config=TorchQmmConfig(bits=args.bits, group_size=args.group_size),
+            load_from, quantization_config=TorchQmmConfig(bits=args.bits, group_size=args.group_size,
+                                                          method=args.method, calibration=calibration),
             dtype=_DTYPES[args.dtype] if args.dtype else "auto",
         )
         model.save_pretrained(args.dst)

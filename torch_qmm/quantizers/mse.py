@@ -32,8 +32,8 @@ def search(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes float32 [rows, cols], scale [rows, G], bias [rows, G]) in dtype.
 
-    importance: optional non-negative per-column weights c [cols] (e.g. E[x^2] of the layer's input);
-    None weighs all elements equally (plain weight error).
+    importance: optional non-negative weights c, per column [cols] (e.g. E[x^2] of the layer's
+    input) or per element [rows, cols]; None weighs all elements equally (plain weight error).
     """
     rows, cols = w.shape
     n_groups = cols // group_size
@@ -41,7 +41,8 @@ def search(
     if importance is None:
         c = torch.ones(1, 1, group_size).expand(1, n_groups, group_size)
     else:
-        c = importance.detach().float().clamp(min=0).reshape(1, n_groups, group_size)
+        c = importance.detach().float().clamp(min=0)
+        c = c.reshape(-1 if c.dim() == 2 else 1, n_groups, group_size)
     q0, s0, b0 = rtn(w, bits, group_size, dtype)
     best_q = q0.reshape(rows, n_groups, group_size)
     best_s = s0.float().unsqueeze(-1)
@@ -82,6 +83,14 @@ def _least_squares(g, q, c, s_prev, b_prev):
     s = torch.where(ok, (sw * sqx - sq * sx) / safe, s_prev)
     b = torch.where(ok, (sqq * sx - sq * sqx) / safe, b_prev)
     return s, b
+
+
+def magnitude_importance(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Data-free element weights |w| + mean |w| of the group: errors on large weights cost more
+    (the weighting llama.cpp's k-quant search uses without an importance matrix)."""
+    a = w.detach().float().abs()
+    g = a.reshape(a.shape[0], -1, group_size)
+    return (g + g.mean(-1, keepdim=True)).reshape(a.shape)
 
 
 def quantize(w, bits: int, group_size: int, dtype: torch.dtype, importance=None):
