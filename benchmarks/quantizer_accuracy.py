@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = [(4, 64), (4, 32), (3, 64), (2, 32), ("mixed3.5", 64)]
-METHODS = ["rtn", "mse", "awq", "gptq", "gptq-act-order"]
+CONFIGS = [(4, 64), (4, 32), (3, 64), ("mixed3.5", 64)]
+METHODS = ["rtn", "mse", "awq", "gptq"]
 
 
 def calibration_text() -> str:
@@ -101,10 +101,11 @@ def main() -> int:
     p.add_argument("--gguf", type=Path, required=True)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-len", type=int, default=512)
-    p.add_argument("--calib-samples", type=int, default=32)
+    p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--configs", default=",".join(f"{b}g{g}" for b, g in CONFIGS))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1, help="configurations run at once (one process each)")
     p.add_argument("--one-method", help=argparse.SUPPRESS)
     p.add_argument("--one-bits", help=argparse.SUPPRESS)
     p.add_argument("--one-group", type=int, help=argparse.SUPPRESS)
@@ -120,8 +121,8 @@ def main() -> int:
     runs = [("float", "-", 64)] + [
         (m, b, int(g)) for b, g in (c.split("g") for c in args.configs.split(",")) for m in args.methods.split(",")
     ]
-    rows = []
-    for method, bits, group in runs:
+    def run(spec):
+        method, bits, group = spec
         cmd = [sys.executable, __file__, "--gguf", str(args.gguf), "--window", str(args.window),
                "--calib-len", str(args.calib_len), "--calib-samples", str(args.calib_samples),
                "--threads", str(args.threads), "--one-method", method, "--one-bits", str(bits),
@@ -129,11 +130,15 @@ def main() -> int:
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
-            rows.append({"method": method, "bits": bits, "group_size": group, "error": out.stderr[-500:]})
-            continue
+            return {"method": method, "bits": bits, "group_size": group, "error": out.stderr[-500:]}
         row = json.loads(out.stdout.strip().splitlines()[-1])
         print(row, flush=True)
-        rows.append(row)
+        return row
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(run, runs))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = HERE / "results" / f"quantizer-accuracy-{args.gguf.stem}-{stamp}.json"
     path.write_text(json.dumps({

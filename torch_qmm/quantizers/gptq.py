@@ -6,8 +6,8 @@ the inverse Hessian, so that the layer's *output* error tr(D H D^T) stays small.
 Cholesky factor of H^-1 gives every column's update (GPTQ's formulation), processed in blocks of
 columns with a lazy update of the rest.
 
-Affine groups: each group's scale and bias are chosen (by the `mse` search on the group's current,
-error-updated weights) when its first column is reached. With activation order (columns by
+Affine groups: each group's scale and bias are chosen (by MLX's min/max rule, as GPTQ's own
+quantizer does, on the group's current, error-updated weights) when its first column is reached. With activation order (columns by
 decreasing H_ii) the groups are still MLX's contiguous groups of the original order: their scale
 and bias are chosen up front from the original weights ("static groups"), the columns are visited
 in the permuted order, and the codes are written back in the original order, so the stored format
@@ -21,12 +21,20 @@ from typing import Callable
 import torch
 
 from . import mse
-from .affine import codes, pack
+from .affine import codes, pack, rtn
 
 # Columns per lazy-update block (a multiple of every supported group size).
 BLOCK = 128
 
 GroupParams = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def rtn_params(bits: int, group_size: int, dtype: torch.dtype) -> GroupParams:
+    """Group parameters by MLX's rule (torch_qmm.quantize): W [rows, k*group_size] -> (scale, bias)."""
+    def params(w: torch.Tensor):
+        _, s, b = rtn(w.float(), bits, group_size, dtype)
+        return s.to(w.dtype), b.to(w.dtype)
+    return params
 
 
 def mse_params(bits: int, group_size: int, dtype: torch.dtype) -> GroupParams:
@@ -100,5 +108,5 @@ def search(
 def quantize(w, hessian, bits: int, group_size: int, dtype: torch.dtype, damp: float = 0.01,
              act_order: bool = False):
     """The packed affine triple (wq, scales, biases) in dtype."""
-    q, s, b = search(w, hessian.float(), bits, group_size, mse_params(bits, group_size, dtype), damp, act_order)
+    q, s, b = search(w, hessian.float(), bits, group_size, rtn_params(bits, group_size, dtype), damp, act_order)
     return pack(q, s, b, bits, dtype)
