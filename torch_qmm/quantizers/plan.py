@@ -119,15 +119,15 @@ def prepare(model: nn.Module, layers: list[tuple[str, nn.Linear]], bits, group_s
     `layers`: (name, layer) of every layer to quantize, each layer once."""
     method, options = _method(method)
     unique = dict(layers)
-    data = None
-    if method in CALIBRATED:
-        if calibration is None:
-            raise ValueError(f"method={method!r} needs calibration data: pass calibration= an iterable of model "
-                             "inputs (token-id tensors [1, T] or dicts of model kwargs)")
-        data = cal.samples(calibration)
-    elif calibration is not None:
-        warnings.warn(f"method={method!r} is data-free: argument 'calibration' is ignored", stacklevel=3)
     resolved = _bits(bits, group_size, unique)
+    budget = isinstance(resolved, mixed.MixedBits)
+    if method in CALIBRATED and calibration is None:
+        raise ValueError(f"method={method!r} needs calibration data: pass calibration= an iterable of model "
+                         "inputs (token-id tensors [1, T] or dicts of model kwargs)")
+    if calibration is not None and method not in CALIBRATED and not budget:
+        warnings.warn(f"method={method!r} is data-free: argument 'calibration' is ignored", stacklevel=3)
+    # Calibration also measures the sensitivities of a MixedBits budget, whatever the method.
+    data = cal.samples(calibration) if calibration is not None and (method in CALIBRATED or budget) else None
     plan = Plan(method, {}, group_size, dtype)
     if isinstance(resolved, mixed.MixedBits):
         low, high = resolved.widths()
@@ -155,12 +155,11 @@ def _gptq_pass(model, layers, data, plan: Plan, options: GPTQ, bar) -> None:
             bar.update(1)
 
     def on_block(block, _prefix, inputs, mine) -> None:
-        # Layer groups (a shared input) one after another, each calibrated on the block's outputs
-        # with the groups before it already quantized.
-        order = cal.groups(cal.collect(block, inputs[:1], mine, hessian=False))
-        for members in order.values():
-            sub = {n: mine[n] for n in members}
-            quantize(cal.collect(block, inputs, sub), members, sub)
+        # All layers of the block from one pass over its inputs (the outputs of the quantized blocks
+        # before it); their Hessians are freed with `stats`.
+        stats = cal.collect(block, inputs, mine)
+        for members in cal.groups(stats).values():
+            quantize(stats, members, mine)
 
     def on_rest(rest) -> None:
         stats = cal.collect_model(model, data, rest)
