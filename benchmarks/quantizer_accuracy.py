@@ -106,6 +106,7 @@ def main() -> int:
     p.add_argument("--configs", default=",".join(f"{b}g{g}" for b, g in CONFIGS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--jobs", type=int, default=1, help="configurations run at once (one process each)")
+    p.add_argument("--no-float", dest="with_float", action="store_false", help="skip the float baseline run")
     p.add_argument("--one-method", help=argparse.SUPPRESS)
     p.add_argument("--one-bits", help=argparse.SUPPRESS)
     p.add_argument("--one-group", type=int, help=argparse.SUPPRESS)
@@ -118,9 +119,19 @@ def main() -> int:
         return 0
     if not args.gguf.is_file():
         raise SystemExit(f"--gguf {args.gguf} is not a file")
-    runs = [("float", "-", 64)] + [
+    runs = [("float", "-", 64)] * args.with_float + [
         (m, b, int(g)) for b, g in (c.split("g") for c in args.configs.split(",")) for m in args.methods.split(",")
     ]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = HERE / "results" / f"quantizer-accuracy-{args.gguf.stem}-{stamp}.json"
+    rows: list[dict] = []
+
+    def write() -> None:  # after every configuration, so that an interrupted run keeps its rows
+        path.write_text(json.dumps({
+            "model": args.gguf.name, "baseline": "GGUF weights dequantized to float32 (output head float, tied)",
+            "heldout_text": "benchmarks/text/heldout_english.txt", "calibration_text": "pydoc_data.topics (CPython)",
+            "load_average": os.getloadavg(), "threads": args.threads, "rows": rows}, indent=1))
+
     def run(spec):
         method, bits, group = spec
         cmd = [sys.executable, __file__, "--gguf", str(args.gguf), "--window", str(args.window),
@@ -130,21 +141,17 @@ def main() -> int:
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
-            return {"method": method, "bits": bits, "group_size": group, "error": out.stderr[-500:]}
-        row = json.loads(out.stdout.strip().splitlines()[-1])
+            row = {"method": method, "bits": bits, "group_size": group, "error": out.stderr[-500:]}
+        else:
+            row = json.loads(out.stdout.strip().splitlines()[-1])
         print(row, flush=True)
-        return row
+        rows.append(row)
+        write()
 
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(run, runs))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = HERE / "results" / f"quantizer-accuracy-{args.gguf.stem}-{stamp}.json"
-    path.write_text(json.dumps({
-        "model": args.gguf.name, "baseline": "GGUF weights dequantized to float32 (output head float, tied)",
-        "heldout_text": "benchmarks/text/heldout_english.txt", "calibration_text": "pydoc_data.topics (CPython)",
-        "load_average": os.getloadavg(), "threads": args.threads, "rows": rows}, indent=1))
+        list(pool.map(run, runs))
     print(f"wrote {path}")
     return 0
 
