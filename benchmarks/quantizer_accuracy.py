@@ -6,8 +6,8 @@
 The float baseline is the GGUF's weights dequantized to float32 (for this file, a Q4_1 model: its
 linear weights already lie on a 4-bit grid of group 32). The output head (tied to the embedding)
 stays float. Held-out text: benchmarks/text/heldout_english.txt; calibration (awq, gptq, the mixed
-budget's sensitivities): the Python language reference topics shipped with CPython
-(pydoc_data.topics), a different text. Each configuration runs in a fresh process (its peak RSS
+budget's sensitivities): benchmarks/text/calibration_english.txt, a different English text (both
+written for this benchmark; ~2000 and ~1100 words). Each configuration runs in a fresh process (its peak RSS
 is the process's). Writes benchmarks/results/quantizer-accuracy-<model>-<time>.json.
 """
 
@@ -30,9 +30,7 @@ METHODS = ["rtn", "mse", "awq", "gptq"]
 
 
 def calibration_text() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
+    return (HERE / "text" / "calibration_english.txt").read_text()
 
 
 def load(gguf: Path):
@@ -129,7 +127,7 @@ def main() -> int:
     def write() -> None:  # after every configuration, so that an interrupted run keeps its rows
         path.write_text(json.dumps({
             "model": args.gguf.name, "baseline": "GGUF weights dequantized to float32 (output head float, tied)",
-            "heldout_text": "benchmarks/text/heldout_english.txt", "calibration_text": "pydoc_data.topics (CPython)",
+            "heldout_text": "benchmarks/text/heldout_english.txt", "calibration_text": "benchmarks/text/calibration_english.txt",
             "load_average": os.getloadavg(), "threads": args.threads, "rows": rows}, indent=1))
 
     def run(spec):
