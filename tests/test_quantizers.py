@@ -294,9 +294,6 @@ def test_statistics_are_held_one_block_at_a_time(monkeypatch):
     store = torch_qmm.quantizers.Plan.store
 
     def checking_store(self, name, layer, result, write_back=True):
-        import gc
-
-        gc.collect()
         held = sum(h.numel() for s in alive for h in s.h.values())
         blocks = {n.split(".")[2] for s in alive for n in s.layers if n.startswith("model.layers.")}
         seen.append((held, blocks))
