@@ -114,8 +114,10 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 def assert_same_tensors(model, mlx_weights: dict) -> None:
     """The MLX side's tensors are the model's, tensor by tensor and bit for bit, none missing or
-    extra (MLX names a packed weight `weight`, QuantLinear `qweight`)."""
-    ours = {k.replace(".qweight", ".weight"): v for k, v in model.state_dict().items() if v.ndim >= 1}
+    extra (MLX names a packed weight `weight`, QuantLinear `qweight`; the layers' format state,
+    `_extra_state`, travels in config.json's "quantization" instead)."""
+    ours = {k.replace(".qweight", ".weight"): v for k, v in model.state_dict().items()
+            if v.ndim >= 1 and not k.endswith("._extra_state")}
     assert set(mlx_weights) == set(ours), f"only MLX: {set(mlx_weights) - set(ours)}; only ours: {set(ours) - set(mlx_weights)}"
     for name, a in mlx_weights.items():
         theirs, mine = mx_bits(a), ours[name]

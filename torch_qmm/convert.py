@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .formats import check_format
+from .formats import SUPPORTED_BITS, check_format
 from .nn import QuantLinear
 
 # Show a progress bar when at least this many layers are converted.
@@ -94,7 +94,7 @@ def _already_quantized(model: nn.Module, filter_fn, bits: int, group_size: int) 
     for name, module in model.named_modules(remove_duplicate=False):
         if not isinstance(module, (QuantLinear, GGUFLinear)) or (filter_fn is not None and not filter_fn(name, module)):
             continue
-        if isinstance(module, QuantLinear) and module.format_values() == (bits, group_size):
+        if isinstance(module, QuantLinear) and type(bits) is int and module.format_values() == (bits, group_size):
             same.append(name)
         else:
             other.append(f"{name} ({module.describe_format(module.format_values())})")
@@ -115,6 +115,8 @@ def quantize_model(
     filter_fn: Callable[[str, nn.Linear], bool] | None = None,
     dtype: torch.dtype | None = None,
     progress: bool | None = None,
+    method: str = "rtn",
+    calibration: Iterable | None = None,
 ) -> QuantizeSummary:
     """Swaps eligible nn.Linear layers of `model` for QuantLinear, in place.
 
@@ -125,6 +127,11 @@ def quantize_model(
             also asked about the layers that are already quantized (QuantLinear, GGUFLinear).
         dtype: compute dtype of the quantized layers (default: each layer's weight dtype).
         progress: show a tqdm bar (default: when there are many layers).
+        method: "rtn" (MLX's round-to-nearest, bit for bit), "mse", "awq" or "gptq" (or a
+            torch_qmm.quantizers.GPTQ with options); all write the same affine format. See
+            torch_qmm.quantizers. `bits` may also be a mapping name -> bits or a MixedBits budget.
+        calibration: model inputs (token-id tensors [1, T] or dicts of model kwargs) for awq/gptq
+            (and for measuring sensitivity with a MixedBits budget).
 
     Skipped with a warning: layers whose in_features is not a multiple of group_size, layers whose
     weight (or bias) another module shares (a tied output head stays tied to its float embedding),
@@ -132,10 +139,13 @@ def quantize_model(
     out_proj; nn.TransformerEncoderLayer's linear1/linear2, read by its fast path).
 
     Already quantized layers (that filter_fn accepts) are left as they are when they have the asked
-    bits and group_size (summary.already_quantized, so a repeated call is a no-op); in any other
-    format ValueError names each of them and both formats, before anything is changed.
+    bits (an int) and group_size (summary.already_quantized, so a repeated call is a no-op); in any
+    other format (or with per-layer bits) ValueError names each of them and both formats, before
+    anything is changed.
     """
-    check_format(bits, group_size)
+    per_layer = method != "rtn" or type(bits) is not int or calibration is not None
+    # Per-layer bits (a mapping or a budget) are checked by the quantizers.
+    check_format(bits if type(bits) is int else SUPPORTED_BITS[0], group_size)
     already = _already_quantized(model, filter_fn, bits, group_size)
     owners: dict[int, set[int]] = {}  # id(parameter) -> ids of the modules holding it
     for module in model.modules():
@@ -151,6 +161,16 @@ def quantize_model(
     ]
     summary = QuantizeSummary(converted=[], skipped={}, bytes_before=0, bytes_after=0, already_quantized=already)
     show = bool(candidates) and (progress if progress is not None else len(candidates) >= _PROGRESS_MIN_LAYERS)
+    plan = None
+    if per_layer:
+        from .quantizers import prepare
+
+        eligible: dict[int, tuple[str, nn.Linear]] = {}  # each layer once, under its first name
+        for n, m in candidates:
+            if _why_not_convertible(model, n, m, owners, group_size) is None:
+                eligible.setdefault(id(m), (n, m))
+        plan = prepare(model, list(eligible.values()), bits, group_size, method, calibration, dtype,
+                       bool(show) and bool(eligible))
     done: dict[int, QuantLinear] = {}  # id(original layer) -> its replacement
     for name, linear in tqdm(candidates, desc="quantizing", disable=not show, unit="layer"):
         why_not = _why_not_convertible(model, name, linear, owners, group_size)
@@ -159,7 +179,8 @@ def quantize_model(
             continue
         quantized = done.get(id(linear))
         if quantized is None:
-            quantized = QuantLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype)
+            quantized = (plan.build(name, linear) if plan is not None
+                         else QuantLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype))
             done[id(linear)] = quantized
             summary.bytes_before += _module_bytes(linear)
             summary.bytes_after += _module_bytes(quantized)

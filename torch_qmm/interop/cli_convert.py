@@ -71,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for GGUF)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing non-empty DST (only once the new folder is complete)")
+    parser.add_argument("--method", choices=["rtn", "mse", "awq", "gptq"], default="rtn",
+                        help="quantizer (default rtn: MLX's, bit for bit); all write the same format")
+    parser.add_argument("--calibration", type=Path, default=None, metavar="FILE.txt",
+                        help="plain text for awq/gptq, tokenized with the model's tokenizer")
 
 
 def _float_linear(layer: nn.Module, dtype: torch.dtype) -> nn.Linear:
@@ -200,9 +204,35 @@ def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
     return model, q4_k_exact, _gguf_types(f)
 
 
-def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int) -> set[str]:
-    """Quantizes the float linear layers and embeddings of `model` (MLX's rule); returns the
-    names quantized by this call."""
+def _calibration(args: argparse.Namespace, is_gguf: bool):
+    """Token-id windows of --calibration (None without it); awq/gptq require it."""
+    if args.calibration is None:
+        if args.method in ("awq", "gptq"):
+            raise UsageError(f"--method {args.method} needs --calibration FILE.txt (plain text)")
+        return None
+    if not args.calibration.is_file():
+        raise UsageError(f"--calibration {args.calibration} is not a file")
+    try:
+        text = args.calibration.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{args.calibration}: the --calibration file is not UTF-8 text ({e})") from e
+    from transformers import AutoTokenizer
+
+    from ..quantizers.calibration import from_text
+
+    src: Path = args.src
+    tok = (AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name) if is_gguf
+           else AutoTokenizer.from_pretrained(src))
+    try:
+        return from_text(tok, text)
+    except ValueError as e:
+        raise ValueError(f"{args.calibration}: {e}") from e
+
+
+def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str = "rtn",
+                     calibration=None) -> set[str]:
+    """Quantizes the float linear layers and embeddings of `model` (MLX's rule; the linear layers
+    with `method`); returns the names quantized by this call."""
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     embeddings = {n: m for n, m in model.named_modules() if type(m) is nn.Embedding}
@@ -221,8 +251,8 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int) -> set[str]:
             _replace(model, out_name, TiedQuantLinear(emb))
             done.add(out_name)
     # The layers kept exact (QuantLinear, GGUFLinear) are left out: only float ones are quantized.
-    summary = quantize_model(model, bits=bits, group_size=group_size, progress=True,
-                             filter_fn=lambda _, m: type(m) is nn.Linear)
+    summary = quantize_model(model, bits=bits, group_size=group_size, progress=True, method=method,
+                             calibration=calibration, filter_fn=lambda _, m: type(m) is nn.Linear)
     return done | set(summary.converted)
 
 
@@ -317,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_gguf and not (src.is_dir() and (src / "config.json").is_file()):
         raise UsageError(f"source {src} is neither a .gguf file nor a transformers folder with config.json")
     _check_arguments(args, is_gguf)
+    calibration = _calibration(args, is_gguf)
     check_destination(src, args.dst, args.overwrite)
     bits = args.bits or _DEFAULT_BITS
     group_size = args.group_size or _DEFAULT_GROUP_SIZE
@@ -340,10 +371,10 @@ def run(args: argparse.Namespace) -> int:
             else:
                 model = from_pretrained(src, dtype=dtype or "auto")
             if not is_gguf or args.requantize:
-                quantized_now = _quantize_for_mlx(model, bits, group_size)
+                quantized_now = _quantize_for_mlx(model, bits, group_size, args.method, calibration)
             save_mlx(model, out, config=model.config.to_dict())
         else:
-            cfg = TorchQmmConfig(bits=bits, group_size=group_size)
+            cfg = TorchQmmConfig(bits=bits, group_size=group_size, method=args.method, calibration=calibration)
             if is_gguf:
                 model, _, origin = _load_gguf(src, dtype or torch.float32, keep_affine=False)
                 model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)

@@ -41,19 +41,28 @@ class TorchQmmConfig(QuantizationConfigMixin):
         group_size: 32, 64 or 128.
         modules_to_not_convert: module names (or name suffixes) kept in float; None: transformers'
             default (the output head, tied weights, keep-in-fp32 modules).
+        method: the quantizer, "rtn" (MLX's, default), "mse", "awq" or "gptq" (torch_qmm.quantizers);
+            the saved format is the same for all, so reloading ignores it.
+        calibration: model inputs for awq/gptq (token-id tensors [1, T]); not saved.
     """
 
     def __init__(self, bits: int = 4, group_size: int = 64, modules_to_not_convert: list[str] | None = None,
-                 **kwargs: Any) -> None:
+                 method: str = "rtn", calibration: Any = None, **kwargs: Any) -> None:
+        from ..quantizers import METHODS
+
         check_format(bits, group_size)
+        if method not in METHODS:
+            raise ValueError(f"argument 'method' must be one of {METHODS}, got {method!r}")
         self.quant_method = QUANT_METHOD
         self.bits = bits
         self.group_size = group_size
         self.modules_to_not_convert = modules_to_not_convert
+        self.method = method
+        self.calibration = calibration
 
     def to_dict(self) -> dict[str, Any]:
         return {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size,
-                "modules_to_not_convert": self.modules_to_not_convert}
+                "modules_to_not_convert": self.modules_to_not_convert, "method": self.method}
 
 
 def _skipped(name: str, skip: list[str]) -> bool:
@@ -104,7 +113,8 @@ class TorchQmmHfQuantizer(HfQuantizer):
             return model
         cfg = self.quantization_config
         eligible = set(self._eligible(model))
-        quantize_model(model, bits=cfg.bits, group_size=cfg.group_size, filter_fn=lambda n, _: n in eligible)
+        quantize_model(model, bits=cfg.bits, group_size=cfg.group_size, filter_fn=lambda n, _: n in eligible,
+                       method=cfg.method, calibration=cfg.calibration)
         # Record every float layer so that a reload rebuilds exactly these QuantLinears.
         cfg.modules_to_not_convert = sorted(
             set(self.modules_to_not_convert)

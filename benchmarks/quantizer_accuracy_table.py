@@ -1,0 +1,34 @@
+"""Markdown table of quantizer_accuracy.py results: python benchmarks/quantizer_accuracy_table.py RESULT.json..."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(paths: list[str]) -> None:
+    rows = [r for p in paths for r in json.load(open(p))["rows"] if "error" not in r]
+    floats = [r["perplexity"] for r in rows if r["method"] == "float"]
+    base = floats[0]
+    configs = []
+    for r in rows:
+        if r["method"] != "float" and (r["bits"], r["group_size"]) not in configs:
+            configs.append((r["bits"], r["group_size"]))
+    methods = [m for m in ("rtn", "mse", "awq", "gptq", "gptq-act-order") if any(r["method"] == m for r in rows)]
+    print(f"float: {base:.2f}\n")
+    print("| bits, group | " + " | ".join(methods) + " |")
+    print("|---|" + "---|" * len(methods))
+    for bits, group in configs:
+        cells = []
+        for m in methods:
+            r = next((r for r in rows if r["method"] == m and (r["bits"], r["group_size"]) == (bits, group)), None)
+            if r is None:
+                cells.append("")
+                continue
+            extra = f", {r['average_bits']:.2f} b" if "average_bits" in r else ""
+            cells.append(f"{r['perplexity']:.2f} ({100 * (r['perplexity'] / base - 1):+.0f}%{extra}; {r['quantize_s']:.0f} s)")
+        print(f"| {bits}, g{group} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,436 @@
+"""Quantizers beyond round-to-nearest (torch_qmm.quantizers): every method writes a valid affine
+triple that MLX decodes exactly as we do, lowers the objective it optimises versus RTN where it
+must, gptq equals a float64 reference, awq's folds leave the float model unchanged, act-order is
+invisible in the stored format, statistics are held one block at a time, bad arguments are clear
+errors. Tiny random llamas and random matrices; no downloads."""
+
+from __future__ import annotations
+
+import copy
+import json
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+import torch_qmm
+from torch_qmm import reference
+from torch_qmm.nn import QuantLinear
+from torch_qmm.quantizers import GPTQ, MixedBits, awq, calibration as cal, gptq, mse
+from torch_qmm.quantizers.affine import decode, output_error, rtn, weight_error
+
+mx = pytest.importorskip("mlx.core", reason="mlx is a test dependency: pip install -e '.[test]'")
+transformers = pytest.importorskip("transformers")
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _mlx(t: torch.Tensor):
+    if t.dtype == torch.uint32:
+        return mx.array(t.view(torch.int32).numpy().view(np.uint32))
+    if t.dtype == torch.bfloat16:
+        return mx.array(t.float().numpy()).astype(mx.bfloat16)
+    return mx.array(t.numpy())
+
+
+def _from_mlx(a) -> torch.Tensor:
+    if a.dtype == mx.bfloat16:
+        return torch.from_numpy(np.array(a.astype(mx.float32))).to(torch.bfloat16)
+    return torch.from_numpy(np.array(a))
+
+
+def assert_mlx_decodes_identically(wq, scales, biases, bits, group_size, rows, cols, dtype):
+    """MLX reads exactly the codes, scales and biases we wrote: mlx.core.dequantize gives, bit for
+    bit, s*q + b computed in the dtype from our own unpacked codes. torch_qmm.dequantize rounds
+    once from float32 (fused on CPU), so it agrees with MLX to the two-rounding bound of
+    tests/test_quantize.py (rtol per dtype, relative to |s*q| + |b|)."""
+    assert wq.dtype == torch.uint32 and wq.shape == (rows, cols * bits // 32)
+    assert scales.dtype == dtype and biases.dtype == dtype and scales.shape == (rows, cols // group_size)
+    theirs = _from_mlx(mx.dequantize(_mlx(wq), _mlx(scales), _mlx(biases), group_size=group_size, bits=bits))
+    q = reference.unpack(wq, bits).to(dtype)
+    s, b = (t.repeat_interleave(group_size, dim=-1) for t in (scales, biases))
+    assert theirs.dtype == dtype and torch.equal(theirs, q * s + b), "mlx.core.dequantize reads other values"
+    ours = torch_qmm.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
+    rtol = {torch.float32: 2**-22, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
+    magnitude = (q.double() * s.double()).abs() + b.double().abs()
+    assert ((ours.double() - theirs.double()).abs() <= 2 * rtol * magnitude).all()
+
+
+def _heavy_tailed(rows, cols, seed):
+    g = torch.Generator().manual_seed(seed)
+    # Student-t like: a few large weights per group, where the full-range grid wastes levels.
+    return torch.randn(rows, cols, generator=g) / torch.rand(rows, cols, generator=g).clamp(min=0.05).sqrt()
+
+
+def _correlated_inputs(n, cols, seed, outliers=()):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(cols, cols, generator=g) / cols**0.5 + torch.eye(cols)
+    x = torch.randn(n, cols, generator=g) @ mix
+    for c in outliers:
+        x[:, c] *= 30.0
+    return x
+
+
+# ---- valid triples, decoded by MLX as by us --------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (3, 32), (2, 128), (8, 32)])
+def test_every_method_writes_a_triple_mlx_decodes_identically(bits, group_size, dtype):
+    w = _heavy_tailed(16, group_size * 4, seed=bits + group_size).to(dtype)
+    x = _correlated_inputs(256, w.shape[1], seed=1)
+    h = x.T @ x
+    triples = {
+        "mse": mse.quantize(w, bits, group_size, dtype),
+        "mse-weighted": mse.quantize(w, bits, group_size, dtype, importance=torch.diagonal(h)),
+        "gptq": gptq.quantize(w, h, bits, group_size, dtype),
+        "gptq-act-order": gptq.quantize(w, h, bits, group_size, dtype, act_order=True),
+    }
+    for name, (wq, s, b) in triples.items():
+        assert torch.isfinite(s.float()).all() and torch.isfinite(b.float()).all(), name
+        assert_mlx_decodes_identically(wq, s, b, bits, group_size, *w.shape, dtype)
+
+
+# ---- each method lowers its own objective -----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_mse_weight_error_is_below_rtn(bits, dtype):
+    w = _heavy_tailed(32, 256, seed=bits).to(dtype)
+    ref = w.float()
+    e_rtn = weight_error(ref, decode(*rtn(w, bits, 64, dtype), 64))
+    q, s, b = mse.search(w, bits, 64, dtype)
+    e_mse = weight_error(ref, decode(q, s, b, 64))
+    # Never worse per group (RTN is the first candidate); on heavy tails clipping must win clearly.
+    assert e_mse < 0.9 * e_rtn, (e_mse, e_rtn)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_gptq_output_error_is_below_rtn(bits):
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    x = _correlated_inputs(1024, 256, seed=3)
+    h = x.T @ x
+    e_rtn = output_error(w, decode(*rtn(w, bits, 64, torch.float32), 64), h)
+    for act_order in (False, True):
+        q, s, b = gptq.search(w, h, bits, 64, gptq.mse_params(bits, 64, torch.float32), act_order=act_order)
+        e = output_error(w, decode(q, s, b, 64), h)
+        assert e < 0.8 * e_rtn, (act_order, e, e_rtn)
+
+
+def test_awq_scales_lower_the_output_error_with_outlier_channels():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
+    x = _correlated_inputs(1024, 256, seed=5, outliers=(3, 77, 200))
+    h = x.T @ x
+    s, alpha = awq.search_scale([w], h, x.abs().mean(0), 3, 64, torch.float32)
+    assert alpha > 0
+    q, qs, qb = rtn(w * s, 3, 64, torch.float32)
+    e_awq = output_error(w, decode(q, qs, qb, 64) / s, h)
+    e_rtn = output_error(w, decode(*rtn(w, 3, 64, torch.float32), 64), h)
+    assert e_awq < 0.8 * e_rtn, (e_awq, e_rtn)
+
+
+# ---- gptq against a float64 reference ---------------------------------------------------------------
+
+def _minmax_params(bits):
+    def params(wg):  # [rows, k*gs] -> per-group min/max affine params; here one group per call
+        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+        return (hi - lo) / (2**bits - 1), lo
+    return params
+
+
+def _gptq_reference(w, h, bits, group_size, damp):
+    """Optimal Brain Quantization column by column in float64, with the inverse Hessian of the
+    remaining columns recomputed by explicit inversion at every step (no Cholesky trick)."""
+    w = w.double().clone()
+    h = h.double().clone()
+    h += damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=torch.float64)
+    cols = w.shape[1]
+    q_out = torch.zeros_like(w)
+    s = b = None
+    for j in range(cols):
+        if j % group_size == 0:
+            g = w[:, j:j + group_size]
+            lo, hi = g.amin(-1), g.amax(-1)
+            s, b = (hi - lo) / (2**bits - 1), lo
+        q = torch.clamp(torch.round((w[:, j] - b) / s), 0, 2**bits - 1)
+        q_out[:, j] = q
+        hinv = torch.linalg.inv(h[j:, j:])
+        err = (w[:, j] - (q * s + b)) / hinv[0, 0]
+        w[:, j:] -= err[:, None] * hinv[0][None, :]
+    return q_out
+
+
+def test_gptq_equals_a_float64_reference():
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(8, 64, generator=g, dtype=torch.float64)
+    x = _correlated_inputs(200, 64, seed=7).double()
+    h = x.T @ x
+    q, _, _ = gptq.search(w, h, 3, 32, _minmax_params(3), damp=0.01)
+    q_ref = _gptq_reference(w, h, 3, 32, 0.01)
+    assert torch.equal(q, q_ref), f"{int((q != q_ref).sum())} codes differ"
+
+
+# ---- act-order leaves the stored format unchanged ---------------------------------------------------
+
+def test_act_order_is_folded_away_and_mlx_runs_the_result():
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(8))
+    x = _correlated_inputs(512, 256, seed=9)
+    h = x.T @ x
+    wq, s, b = gptq.quantize(w, h, 4, 64, torch.float32, act_order=True)
+    assert_mlx_decodes_identically(wq, s, b, 4, 64, 48, 256, torch.float32)
+    # Codes in the original column order: the decoded weights are close to W column by column (a
+    # permuted result would be far off), and MLX's matmul on the triple gives our float64 result.
+    w_hat = reference.dequantize(wq, s, b, 4, 64)
+    e_rtn = output_error(w, decode(*rtn(w, 4, 64, torch.float32), 64), h)
+    assert output_error(w, w_hat.float(), h) < e_rtn
+    assert float((w_hat - w.double()).abs().max()) < 0.5 * float(w.abs().max())
+    xs = x[:5]
+    theirs = _from_mlx(mx.quantized_matmul(_mlx(xs), _mlx(wq), _mlx(s), _mlx(b), transpose=True, group_size=64,
+                                           bits=4))
+    ref = reference.qmm(xs, wq, s, b, 4, 64)
+    assert torch.allclose(theirs.double(), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+# ---- on a tiny llama through quantize_model ---------------------------------------------------------
+
+def _llama(kv_heads=4, seed=0):
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=64)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial norms and a few outlier channels, as trained models have
+        for m in model.modules():
+            if isinstance(m, transformers.models.llama.modeling_llama.LlamaRMSNorm):
+                m.weight.copy_(torch.rand(m.weight.shape) * 2 + 0.1)
+                m.weight[[5, 40]] *= 20
+    return model
+
+
+CALIB = [torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+NOT_HEAD = staticmethod(lambda name, _: name != "lm_head")
+
+
+@pytest.mark.parametrize("method", ["mse", "awq", "gptq", GPTQ(act_order=True)])
+def test_quantize_model_methods_write_mlx_triples(method):
+    model = _llama()
+    ids = CALIB[0]
+    with torch.no_grad():
+        ref = model(ids).logits
+    data = None if method == "mse" else CALIB
+    summary = torch_qmm.quantize_model(model, bits=4, group_size=32, method=method, calibration=data)
+    assert len(summary.converted) == 15  # 7 per block and the head
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            assert_mlx_decodes_identically(m.qweight, m.scales, m.biases, m.bits, m.group_size,
+                                           m.out_features, m.in_features, torch.float32)
+    with torch.no_grad():
+        out = model(ids).logits
+    assert float((out - ref).pow(2).mean()) < 0.1 * float(ref.pow(2).mean())
+
+
+def test_calibrated_methods_are_deterministic():
+    results = []
+    for _ in range(2):
+        model = _llama()
+        torch_qmm.quantize_model(model, bits=3, group_size=32, method="gptq", calibration=CALIB)
+        results.append({n: b.clone() for n, b in model.named_buffers()})
+    assert results[0].keys() == results[1].keys()
+    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_awq_folding_keeps_the_float_model(kv_heads):
+    model = _llama(kv_heads)
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = model(ids).logits
+    layers = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head"}
+    folded = []
+
+    def on_block(block, prefix, inputs, mine):
+        producers = awq.norms(block, prefix)
+        stats = cal.collect(block, inputs, mine, producers=producers)
+        chosen = awq.scale_block(model, stats, producers, mine, {n: 3 for n in mine}, 32, lambda _: torch.float32)
+        folded.extend(k for k, (_, _, s) in chosen.items() if not torch.all(s == 1))
+
+    cal.walk(model, layers, cal.samples(CALIB), on_block, lambda rest: None)
+    # q/k/v into the attention norm, gate/up into the MLP norm, down into up_proj; o into v_proj
+    # only without grouped heads (v_proj's outputs then match o_proj's inputs).
+    expect = {"self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"} | ({"self_attn.o_proj"} if kv_heads == 4 else set())
+    assert {k.split(".", 3)[3] for k in folded} == expect
+    assert model.model.layers[0].input_layernorm.weight.max() < 39  # the fold changed the norm
+    with torch.no_grad():
+        out = model(ids).logits
+    # float32: a few ulps per op through 2 blocks.
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_awq_and_gptq_beat_rtn_on_the_calibration_outputs():
+    model = _llama()
+    with torch.no_grad():
+        ref = torch.cat([model(ids).logits for ids in CALIB], 1)
+    errs = {}
+    for method in ("rtn", "awq", "gptq"):
+        m = copy.deepcopy(model)
+        torch_qmm.quantize_model(m, bits=3, group_size=32, method=method,
+                                 calibration=None if method == "rtn" else CALIB, filter_fn=NOT_HEAD)
+        with torch.no_grad():
+            errs[method] = float((torch.cat([m(ids).logits for ids in CALIB], 1) - ref).pow(2).mean())
+    assert errs["awq"] < errs["rtn"] and errs["gptq"] < errs["rtn"], errs
+
+
+def test_statistics_are_held_one_block_at_a_time(monkeypatch):
+    model = _llama()
+    alive: weakref.WeakSet = weakref.WeakSet()
+    original = cal.InputStats.__init__
+
+    def tracked(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        alive.add(self)
+
+    monkeypatch.setattr(cal.InputStats, "__init__", tracked)
+    seen = []
+    store = torch_qmm.quantizers.Plan.store
+
+    def checking_store(self, name, layer, result, write_back=True):
+        held = sum(h.numel() for s in alive for h in s.h.values())
+        blocks = {n.split(".")[2] for s in alive for n in s.layers if n.startswith("model.layers.")}
+        seen.append((held, blocks))
+        store(self, name, layer, result, write_back)
+
+    monkeypatch.setattr(torch_qmm.quantizers.Plan, "store", checking_store)
+    for method in ("gptq", "awq"):
+        seen.clear()
+        torch_qmm.quantize_model(copy.deepcopy(model), bits=4, group_size=32, method=method, calibration=CALIB)
+        assert len(seen) == 15
+        # At most one block's statistics: q/k/v's, o's, gate/up's and down's inputs (128,128,128,256).
+        bound = 3 * 128 * 128 + 256 * 256
+        assert max(h for h, _ in seen) <= bound, method
+        assert all(len(b) <= 1 for _, b in seen), method
+
+
+# ---- per-layer bits ---------------------------------------------------------------------------------
+
+def test_bits_mapping_sets_each_layer():
+    model = _llama()
+    mapping = {"*": 4, "model.layers.0.mlp.down_proj": 8, "model.layers.1.self_attn.v_proj": 2}
+    torch_qmm.quantize_model(model, bits=mapping, group_size=32, filter_fn=NOT_HEAD)
+    got = {n: m.bits for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert got.pop("model.layers.0.mlp.down_proj") == 8 and got.pop("model.layers.1.self_attn.v_proj") == 2
+    assert set(got.values()) == {4}
+    # rtn with a mapping is still MLX's quantizer, layer by layer.
+    v = model.model.layers[1].self_attn.v_proj
+    w = _llama().model.layers[1].self_attn.v_proj.weight
+    wq, s, b = mx.quantize(_mlx(w.detach()), group_size=32, bits=2)
+    assert torch.equal(v.qweight.view(torch.int32), torch.from_numpy(np.array(wq).view(np.int32)))
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_budget_is_met_and_spent_on_sensitive_layers(calibrated):
+    model = _llama()
+    with torch.no_grad():  # one of the eight 128x128 layers much harder to quantize than the others:
+        # an outlier of 10 sigma in every group widens the grid for the other 31 weights.
+        k = model.model.layers[1].self_attn.k_proj.weight
+        k[:, ::32] = 10 * k.std() * torch.sign(k[:, ::32])
+    # 14 layers of 8 * 128*128 + 6 * 128*256 weights: 3.06 average bits pays for one 128x128 layer at 4.
+    torch_qmm.quantize_model(model, bits=MixedBits(3.06, low=3, high=4), group_size=32, filter_fn=NOT_HEAD,
+                             method="gptq" if calibrated else "rtn", calibration=CALIB if calibrated else None)
+    qs = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    sizes = {n: m.in_features * m.out_features for n, m in qs.items()}
+    avg = sum(qs[n].bits * sizes[n] for n in qs) / sum(sizes.values())
+    assert 3 < avg <= 3.06
+    assert [n for n, m in qs.items() if m.bits == 4] == ["model.layers.1.self_attn.k_proj"]
+
+
+# ---- bad arguments ----------------------------------------------------------------------------------
+
+def test_bad_arguments_are_clear_errors():
+    model = _llama()
+    with pytest.raises(ValueError, match="argument 'method' must be one of"):
+        torch_qmm.quantize_model(model, method="awq2")
+    with pytest.raises(ValueError, match="method='gptq' needs calibration"):
+        torch_qmm.quantize_model(model, method="gptq")
+    with pytest.raises(ValueError, match="method='awq' needs calibration"):
+        torch_qmm.quantize_model(model, method="awq")
+    with pytest.raises(ValueError, match="names layers that are not quantized here.*model.layers.9.mlp"):
+        torch_qmm.quantize_model(model, bits={"*": 4, "model.layers.9.mlp": 4})
+    with pytest.raises(ValueError, match="gives no bits for layer"):
+        torch_qmm.quantize_model(model, bits={"lm_head": 4})
+    with pytest.raises(ValueError, match="argument 'bits' must be one of"):
+        torch_qmm.quantize_model(model, bits={"*": 7})
+    with pytest.raises(ValueError, match="cannot be met with widths 3 and 4"):
+        torch_qmm.quantize_model(model, bits=MixedBits(5.0, low=3, high=4))
+    with pytest.raises(ValueError, match="outside the supported widths"):
+        torch_qmm.quantize_model(model, bits=MixedBits(1.5))
+    with pytest.raises(TypeError, match="item 1 must be a token-id tensor or a dict"):
+        torch_qmm.quantize_model(model, method="gptq", calibration=[CALIB[0], "text"])
+    with pytest.raises(ValueError, match="'calibration' is empty"):
+        torch_qmm.quantize_model(model, method="gptq", calibration=[])
+    with pytest.raises(ValueError, match="argument 'damp' must be in"):
+        GPTQ(damp=0)
+    with pytest.raises(ValueError, match="argument 'group_size' must be one of"):
+        torch_qmm.quantize_model(model, bits={"*": 4}, group_size=48)
+    # Nothing was converted by the failed calls.
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    with pytest.warns(UserWarning, match="data-free: argument 'calibration' is ignored"):
+        torch_qmm.quantize_model(model, method="mse", calibration=CALIB)
+
+
+# ---- convert CLI and TorchQmmConfig -----------------------------------------------------------------
+
+WORDS = "the a village river school market city train garden book walk bread".split()
+
+
+@pytest.fixture(scope="module")
+def folder_with_tokenizer(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path_factory.mktemp("hf_tok")
+    _llama().save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>"] + WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+def test_convert_cli_with_gptq_and_a_calibration_text(folder_with_tokenizer, tmp_path):
+    from torch_qmm.__main__ import main
+    from torch_qmm.interop.transformers import TorchQmmConfig
+    from torch_qmm.quantizers.calibration import from_text
+
+    text = " ".join(WORDS[i % len(WORDS)] for i in range(0, 700, 3))
+    (tmp_path / "calib.txt").write_text(text)
+    out = tmp_path / "out"
+    assert main(["convert", str(folder_with_tokenizer), str(out), "--bits", "4", "--group-size", "32",
+                 "--method", "gptq", "--calibration", str(tmp_path / "calib.txt")]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["method"] == "gptq"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(folder_with_tokenizer)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(
+        folder_with_tokenizer,
+        quantization_config=TorchQmmConfig(bits=4, group_size=32, method="gptq", calibration=from_text(tok, text)))
+    buffers = dict(expected.named_buffers())
+    names = [n for n, _ in reloaded.named_buffers() if n.endswith("qweight")]
+    assert len(names) == 14
+    for n, b in reloaded.named_buffers():
+        assert torch.equal(b, buffers[n]), n
+    # and it differs from rtn (the method was used)
+    rtn_model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder_with_tokenizer, quantization_config=TorchQmmConfig(bits=4, group_size=32))
+    assert not torch.equal(rtn_model.model.layers[0].mlp.up_proj.qweight, reloaded.model.layers[0].mlp.up_proj.qweight)
+
+
+def test_convert_cli_refuses_awq_without_calibration(folder_with_tokenizer, tmp_path, capsys):
+    from torch_qmm.__main__ import main
+
+    assert main(["convert", str(folder_with_tokenizer), str(tmp_path / "o"), "--method", "awq"]) == 2
+    assert "--method awq needs --calibration" in capsys.readouterr().err
+    assert main(["convert", str(folder_with_tokenizer), str(tmp_path / "o"), "--method", "awq",
+                 "--calibration", str(tmp_path / "missing.txt")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    with pytest.raises(ValueError, match="argument 'method' must be one of"):
+        TorchQmmConfig(method="hqq")

@@ -1,0 +1,195 @@
+"""Which bits each layer gets and what the chosen method writes, for quantize_model.
+
+Data-free methods (rtn, mse) quantize each layer when quantize_model swaps it. Calibrated methods
+(awq, gptq) walk the model block by block first (calibration.walk): each block's layers are
+quantized and their weights replaced by the dequantized values, so the next block is calibrated
+on the outputs of the quantized model; the packed results wait here until the swap.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..formats import check_format
+from ..nn import QuantLinear
+from ..ops import dequantize
+from . import awq, calibration as cal, gptq, mixed, mse
+from .affine import rtn as rtn_codes
+
+DATA_FREE = ("rtn", "mse")
+CALIBRATED = ("awq", "gptq")
+METHODS = DATA_FREE + CALIBRATED
+
+
+@dataclass(frozen=True)
+class GPTQ:
+    """gptq options: damp, the fraction of the mean Hessian diagonal added to it; act_order, visit
+    columns by decreasing activation energy (the stored format is the same either way)."""
+
+    damp: float = 0.01
+    act_order: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.damp, (int, float)) and 0 < self.damp < 1):
+            raise ValueError(f"argument 'damp' must be in (0, 1), got {self.damp!r}")
+
+
+Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class Plan:
+    """Builds the QuantLinear of each layer (quantize_model calls `build`)."""
+
+    def __init__(self, method: str, bits: dict[str, int], group_size: int, dtype: torch.dtype | None) -> None:
+        self.method = method
+        self.bits = bits
+        self.group_size = group_size
+        self.dtype = dtype
+        self.done: dict[str, Triple] = {}  # results of the calibrated pass, by layer name
+
+    def dtype_of(self, layer: nn.Linear) -> torch.dtype:
+        return self.dtype or layer.weight.dtype
+
+    def triple(self, name: str, layer: nn.Linear) -> Triple:
+        if name in self.done:
+            return self.done.pop(name)
+        bits, dtype = self.bits[name], self.dtype_of(layer)
+        if self.method == "mse":
+            return mse.quantize(layer.weight, bits, self.group_size, dtype)
+        from ..ops import quantize
+
+        return quantize(layer.weight.detach().to(dtype), group_size=self.group_size, bits=bits)
+
+    def build(self, name: str, layer: nn.Linear) -> QuantLinear:
+        wq, scales, biases = self.triple(name, layer)
+        dtype = self.dtype_of(layer)
+        q = QuantLinear(layer.in_features, layer.out_features, bias=layer.bias is not None, bits=self.bits[name],
+                        group_size=self.group_size, device=layer.weight.device, dtype=dtype)
+        with torch.no_grad():
+            q.qweight.copy_(wq)
+            q.scales.copy_(scales)
+            q.biases.copy_(biases)
+            if layer.bias is not None:
+                q.bias.copy_(layer.bias.detach().to(dtype))
+        return q
+
+    def store(self, name: str, layer: nn.Linear, result: Triple, write_back: bool = True) -> None:
+        """Keeps the result; write_back puts its dequantized weights in the float layer (for the
+        blocks that run next; never for layers outside the blocks, whose weight may be tied)."""
+        self.done[name] = result
+        if not write_back:
+            return
+        with torch.no_grad():
+            layer.weight.copy_(dequantize(*result, group_size=self.group_size, bits=self.bits[name]).to(layer.weight.dtype))
+
+
+def _method(method) -> tuple[str, GPTQ]:
+    if isinstance(method, GPTQ):
+        return "gptq", method
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"argument 'method' must be one of {METHODS} (or torch_qmm.quantizers.GPTQ(...)), got {method!r}")
+    return method, GPTQ()
+
+
+def _bits(bits, group_size: int, layers: dict[str, nn.Linear]) -> dict[str, int] | mixed.MixedBits:
+    if isinstance(bits, bool):
+        raise TypeError(f"argument 'bits' must be an int, a mapping name -> bits or MixedBits, got {bits!r}")
+    if isinstance(bits, int):
+        check_format(bits, group_size)
+        return {n: bits for n in layers}
+    if isinstance(bits, float):
+        bits = mixed.MixedBits(bits)
+    if isinstance(bits, mixed.MixedBits):
+        bits.widths()
+        return bits
+    if isinstance(bits, Mapping):
+        return mixed.from_mapping(bits, list(layers))
+    raise TypeError(f"argument 'bits' must be an int, a mapping name -> bits or MixedBits, got {type(bits).__name__}")
+
+
+def prepare(model: nn.Module, layers: list[tuple[str, nn.Linear]], bits, group_size: int, method,
+            calibration: Iterable | None, dtype: torch.dtype | None, progress: bool) -> Plan:
+    """Checks the arguments, assigns bits, and runs the calibrated pass if the method has one.
+    `layers`: (name, layer) of every layer to quantize, each layer once."""
+    method, options = _method(method)
+    unique = dict(layers)
+    resolved = _bits(bits, group_size, unique)
+    budget = isinstance(resolved, mixed.MixedBits)
+    if method in CALIBRATED and calibration is None:
+        raise ValueError(f"method={method!r} needs calibration data: pass calibration= an iterable of model "
+                         "inputs (token-id tensors [1, T] or dicts of model kwargs)")
+    if calibration is not None and method not in CALIBRATED and not budget:
+        warnings.warn(f"method={method!r} is data-free: argument 'calibration' is ignored", stacklevel=3)
+    # Calibration also measures the sensitivities of a MixedBits budget, whatever the method.
+    data = cal.samples(calibration) if calibration is not None and (method in CALIBRATED or budget) else None
+    plan = Plan(method, {}, group_size, dtype)
+    if isinstance(resolved, mixed.MixedBits):
+        low, high = resolved.widths()
+        sens = mixed.sensitivities(model, unique, low, high, group_size, plan.dtype_of, data)
+        resolved = mixed.assign(resolved, unique, sens)
+    plan.bits = resolved
+    if method in CALIBRATED and unique:
+        with tqdm(total=len(unique), desc=f"quantizing ({method})", unit="layer", disable=not progress) as bar:
+            if method == "gptq":
+                _gptq_pass(model, unique, data, plan, options, bar)
+            else:
+                _awq_pass(model, unique, data, plan, bar)
+    return plan
+
+
+def _gptq_pass(model, layers, data, plan: Plan, options: GPTQ, bar) -> None:
+    gs = plan.group_size
+
+    def quantize(stats: cal.InputStats, members: list[str], mine, write_back: bool = True) -> None:
+        for n in members:
+            layer = mine[n]
+            h = stats.of(n)[0]
+            plan.store(n, layer, gptq.quantize(layer.weight, h, plan.bits[n], gs, plan.dtype_of(layer),
+                                               options.damp, options.act_order), write_back)
+            bar.update(1)
+
+    def on_block(block, _prefix, inputs, mine) -> None:
+        # All layers of the block from one pass over its inputs (the outputs of the quantized blocks
+        # before it); their Hessians are freed with `stats`.
+        stats = cal.collect(block, inputs, mine)
+        for members in cal.groups(stats).values():
+            quantize(stats, members, mine)
+
+    def on_rest(rest) -> None:
+        stats = cal.collect_model(model, data, rest)
+        for members in cal.groups(stats).values():
+            quantize(stats, members, rest, write_back=False)
+
+    cal.walk(model, layers, data, on_block, on_rest)
+
+
+def _awq_pass(model, layers, data, plan: Plan, bar) -> None:
+    gs = plan.group_size
+
+    def quantize(members, mine, h, s, write_back: bool = True) -> None:
+        importance = torch.diagonal(h) / (s * s)
+        for n in members:
+            layer = mine[n]
+            plan.store(n, layer, mse.quantize(layer.weight, plan.bits[n], gs, plan.dtype_of(layer), importance),
+                       write_back)
+            bar.update(1)
+
+    def on_block(block, prefix, inputs, mine) -> None:
+        producers = awq.norms(block, prefix)
+        stats = cal.collect(block, inputs, mine, producers=producers)
+        for members, h, s in awq.scale_block(model, stats, producers, mine, plan.bits, gs, plan.dtype_of).values():
+            quantize(members, mine, h, s)
+
+    def on_rest(rest) -> None:
+        stats = cal.collect_model(model, data, rest)
+        for key, members in cal.groups(stats).items():
+            h = stats.of(key)[0]
+            quantize(members, rest, h, torch.ones(h.shape[0]), write_back=False)
+
+    cal.walk(model, layers, data, on_block, on_rest)
