@@ -143,6 +143,20 @@ def test_a_hugging_face_cache_snapshot_converts_with_its_links_into_blobs(hf_fol
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # a normal folder, not mkdtemp's private 0700
 
 
+def test_written_files_get_the_umask_modes_of_new_files(gguf_path, tmp_path, capsys):
+    """The weights too: safetensors' own writer would leave model.safetensors 0600 (owner only)."""
+    old = os.umask(0o022)
+    try:
+        for fmt in ("mlx", "transformers"):
+            out = tmp_path / fmt
+            extra = [] if fmt == "mlx" else ["--requantize", "all", "--bits", "8", "--group-size", "32"]
+            assert main(["convert", str(gguf_path), str(out), "--format", fmt, *extra]) == 0
+            modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+            assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+    finally:
+        os.umask(old)
+
+
 # --- B8: lossless by default, flags only where they apply, a per-layer report ----------------
 
 
