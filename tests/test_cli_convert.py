@@ -188,6 +188,18 @@ def test_gguf_requantize_rest_uses_the_flags_for_layers_without_an_exact_form(gg
     assert (spec.bits, spec.group_size) == (3, 128)
 
 
+def test_gguf_to_transformers_reports_why_the_embedding_is_float(gguf_path, tmp_path, capsys):
+    """The transformers format keeps the embedding float even under --requantize all; the report
+    says so instead of suggesting --requantize rest (refused for that format)."""
+    assert main(["convert", str(gguf_path), str(tmp_path / "hf"), "--requantize", "all", "--bits", "8",
+                 "--group-size", "32"]) == 0
+    report = _report(capsys.readouterr().out)
+    assert report["model.layers.0.self_attn.q_proj"] == "re-quantized Q8_0 -> affine b8 gs32"
+    assert report["model.embed_tokens"] == (
+        "decoded Q4_0 -> float float32 (as gguf decodes it; the transformers format keeps the embedding and the "
+        "output head float; --format mlx keeps them quantized)")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--format", "mlx", "--bits", "3", "--group-size", "128"],
      "--bits and --group-size apply only to re-quantization"),
