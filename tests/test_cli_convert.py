@@ -143,6 +143,20 @@ def test_a_hugging_face_cache_snapshot_converts_with_its_links_into_blobs(hf_fol
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # a normal folder, not mkdtemp's private 0700
 
 
+def test_written_files_get_the_umask_modes_of_new_files(gguf_path, tmp_path, capsys):
+    """The weights too: safetensors' own writer would leave model.safetensors 0600 (owner only)."""
+    old = os.umask(0o022)
+    try:
+        for fmt in ("mlx", "transformers"):
+            out = tmp_path / fmt
+            extra = [] if fmt == "mlx" else ["--requantize", "all", "--bits", "8", "--group-size", "32"]
+            assert main(["convert", str(gguf_path), str(out), "--format", fmt, *extra]) == 0
+            modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+            assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+    finally:
+        os.umask(old)
+
+
 # --- B8: lossless by default, flags only where they apply, a per-layer report ----------------
 
 
@@ -172,6 +186,18 @@ def test_gguf_requantize_rest_uses_the_flags_for_layers_without_an_exact_form(gg
     default, overrides = parse_quantization(json.loads((out / "config.json").read_text()))
     spec = overrides.get("model.layers.0.self_attn.v_proj", default)
     assert (spec.bits, spec.group_size) == (3, 128)
+
+
+def test_gguf_to_transformers_reports_why_the_embedding_is_float(gguf_path, tmp_path, capsys):
+    """The transformers format keeps the embedding float even under --requantize all; the report
+    says so instead of suggesting --requantize rest (refused for that format)."""
+    assert main(["convert", str(gguf_path), str(tmp_path / "hf"), "--requantize", "all", "--bits", "8",
+                 "--group-size", "32"]) == 0
+    report = _report(capsys.readouterr().out)
+    assert report["model.layers.0.self_attn.q_proj"] == "re-quantized Q8_0 -> affine b8 gs32"
+    assert report["model.embed_tokens"] == (
+        "decoded Q4_0 -> float float32 (as gguf decodes it; the transformers format keeps the embedding and the "
+        "output head float; --format mlx keeps them quantized)")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -32,6 +32,15 @@ def test_convert_help_says_what_it_does_with_gguf(capsys):
     assert "(default: 4; for GGUF only with --requantize)" in " ".join(text.split())
 
 
+def test_selftest_help_shows_how_to_run_a_smaller_set(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["selftest", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "selftest --device metalsim --bits 4 --group-sizes 64 --dtypes float16" in text
+    assert "--bits / --group-sizes / --dtypes / --routes narrow it" in text
+
+
 @pytest.mark.parametrize("argv", [["demo", "--bits", "7"], ["demo", "--tokens", "0"], ["demo", "--group-size", "48"],
                                   ["convert", "a", "b", "--format", "onnx"], ["inspect"]])
 def test_bad_values_are_usage_errors(argv, capsys):

@@ -249,6 +249,28 @@ def test_saved_model_loads_in_mlx_and_matches(tmp_path, dtype, tied):
     assert_close_to_mlx(ours, theirs, float64_reference(model, torch.tensor(IDS)), dtype)
 
 
+@pytest.mark.parametrize("first, second", [(40_000, 5 * 2**30), (5 * 2**30, 40_000), (40_000, 60_000)])
+def test_saving_again_into_a_folder_leaves_no_stale_weight_files(tmp_path, first, second):
+    """A second save with another shard count replaces the first one's weight files (a stale index
+    or shard would be read instead of, or together with, the new weights); other files stay."""
+    torch.manual_seed(0)
+    old, new = TorchToy(False), TorchToy(False)
+    quantize_model(old, bits=4, group_size=64, progress=False)
+    quantize_model(new, bits=8, group_size=32, progress=False)
+    (tmp_path / "notes.txt").write_text("mine")
+    save_mlx(old, tmp_path, config={"model_type": "toy"}, max_shard_bytes=first)
+    save_mlx(new, tmp_path, config={"model_type": "toy"}, max_shard_bytes=second)
+    index = tmp_path / "model.safetensors.index.json"
+    weights = (sorted(set(json.loads(index.read_text())["weight_map"].values())) + [index.name]
+               if second < 2**20 else ["model.safetensors"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(weights + ["config.json", "notes.txt"])
+    loaded = TorchToy(False)
+    load_mlx(loaded, tmp_path, progress=False)
+    assert loaded.layers[0]["up"].bits == 8
+    ids = torch.tensor(IDS)
+    assert torch.equal(loaded(ids), new(ids))
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 @pytest.fixture

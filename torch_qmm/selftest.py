@@ -4,6 +4,10 @@
     python -m torch_qmm selftest --device mps --json selftest.json   # the first run on a Mac
     python -m torch_qmm selftest --device metalsim        # the Metal kernels on metalsim (clang-19)
     python -m torch_qmm selftest --bits 4 --group-sizes 64 --dtypes float16   # a smaller run
+    python -m torch_qmm selftest --device metalsim --bits 4 --group-sizes 64 --dtypes float16
+
+The full set is every combination below: minutes on cpu and longer on metalsim (which emulates
+every GPU thread); --bits / --group-sizes / --dtypes / --routes narrow it.
 
 Cases: each row of the planner's routing table (torch.ops.torch_qmm._routes, csrc/plan.cpp) x
 bits x group size x dtype (affine qmm, quantize, dequantize), and each GGUF route x native type
@@ -36,6 +40,7 @@ import torch
 from . import reference
 from .tolerance import error_bound
 
+DESCRIPTION = __doc__  # the --help text
 DEVICES = ("mps", "metalsim", "cpu")
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)

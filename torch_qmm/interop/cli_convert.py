@@ -256,8 +256,16 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str 
     return done | set(summary.converted)
 
 
+# Why a GGUF-quantized layer was written as float, per output format.
+_WHY_DECODED = {
+    "mlx": "no exact affine form: --requantize rest quantizes it",
+    "transformers": "the transformers format keeps the embedding and the output head float; "
+                    "--format mlx keeps them quantized",
+}
+
+
 def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[str],
-                  q4_k_exact: dict[str, bool]) -> list[tuple[str, str]]:
+                  q4_k_exact: dict[str, bool], output_format: str) -> list[tuple[str, str]]:
     """[(module name, what happened)] for every linear layer and embedding of the written model."""
     rows = []
     for name, m in model.named_modules():
@@ -281,7 +289,7 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             how = f"kept {fmt}" if src == "float" else f"kept {src} -> {fmt}"
         else:
             exact = "as gguf decodes it" if m.weight.dtype == torch.float32 else f"rounded to {str(m.weight.dtype)[6:]}"
-            how = f"decoded {src} -> {fmt} ({exact}; no exact affine form: --requantize rest quantizes it)"
+            how = f"decoded {src} -> {fmt} ({exact}; {_WHY_DECODED[output_format]})"
         rows.append((name, how))
     return rows
 
@@ -396,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
             for name, f in side_files:
                 if not (out / name).exists():
                     shutil.copyfile(f, out / name)
-        rows = _layer_report(model, origin, quantized_now, q4_k_exact)
+        rows = _layer_report(model, origin, quantized_now, q4_k_exact, args.format)
     _print_report(rows)
     if any("rounded" in how for _, how in rows):
         print("  (Q4_K scales/biases rounded to the --dtype: use --dtype float32 for exact Q4_K layers)")

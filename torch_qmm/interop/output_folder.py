@@ -6,6 +6,9 @@
   only when the whole conversion succeeded; on failure only that temporary folder (and the
   parent folders this run created) is removed. With overwrite, the old destination is replaced
   only at that last step.
+* The finished folder and its files get the modes the umask gives new ones (0777 / 0666 masked):
+  mkdtemp makes the folder 0700, and safetensors >= 0.8 writes its files 0600 (it renames a
+  private temporary file into place), which would leave the weights unreadable to other users.
 * Side files copied from a source folder (tokenizer, generation config, ...): a symbolic link is
   followed only when it resolves to a regular file inside the source folder or, for a Hugging
   Face cache snapshot (<repo>/snapshots/<revision>/), inside that repository's cache folder;
@@ -45,9 +48,10 @@ def staged_output(dst: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     umask = os.umask(0)
     os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the finished folder private
+    tmp.chmod(0o777 & ~umask)
     try:
         yield tmp
+        _umask_modes(tmp, umask)
         if dst.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
             os.replace(dst, old / dst.name)
@@ -61,6 +65,15 @@ def staged_output(dst: Path) -> Iterator[Path]:
             with contextlib.suppress(OSError):
                 p.rmdir()
         raise
+
+
+def _umask_modes(folder: Path, umask: int) -> None:
+    """Gives the folders and regular files under `folder` (links untouched) the umask's modes."""
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            p = Path(root, name)
+            if not p.is_symlink():
+                p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def side_file_source(src_folder: Path, f: Path) -> Path:

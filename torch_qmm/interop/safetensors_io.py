@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 from .json_files import read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
+_OWN_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 # safetensors dtype names -> bytes per element (the dtypes a torch checkpoint can hold).
 _ITEMSIZE = {
@@ -193,6 +195,10 @@ def save_sharded(
 ) -> list[str]:
     """Writes model.safetensors, or model-0000i-of-0000n.safetensors + the index when larger.
 
+    Weight files of this naming left in `folder` by an earlier save and not rewritten now (another
+    shard count, the index of a sharded save, model.safetensors) are removed, as transformers'
+    save_pretrained removes stale shards: readers take the index or every model*.safetensors file,
+    so a stale one would be loaded in place of (or mixed with) the new weights.
     Returns the file names written.
     """
     folder = Path(folder)
@@ -219,4 +225,8 @@ def save_sharded(
         (folder / INDEX_NAME).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
+    written = set(names) | ({INDEX_NAME} if len(shards) > 1 else set())
+    for f in folder.iterdir():
+        if f.name not in written and _OWN_WEIGHT_FILE.fullmatch(f.name) and f.is_file():
+            f.unlink()
     return names
