@@ -203,6 +203,7 @@ def test_gguf_to_transformers_reports_why_the_embedding_is_float(gguf_path, tmp_
 @pytest.mark.parametrize("argv, message", [
     (["--format", "mlx", "--bits", "3", "--group-size", "128"],
      "--bits and --group-size apply only to re-quantization"),
+    (["--format", "mlx", "--bits", "3"], "--bits applies only to re-quantization"),
     ([], "GGUF -> transformers re-quantizes every layer"),
     (["--format", "transformers", "--requantize", "rest"], "GGUF -> transformers re-quantizes every layer"),
 ])

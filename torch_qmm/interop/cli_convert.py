@@ -317,7 +317,8 @@ def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
                          "transformers re-quantizes every layer (lossy). Use --format mlx for the exact layers, or "
                          "--requantize all [--bits B --group-size G] to re-quantize")
     if flags and not args.requantize:
-        raise UsageError(f"{' and '.join(flags)} apply only to re-quantization: {args.src} keeps its own formats "
+        verb = "apply" if len(flags) > 1 else "applies"
+        raise UsageError(f"{' and '.join(flags)} {verb} only to re-quantization: {args.src} keeps its own formats "
                          "(lossless) unless --requantize rest|all is given")
 
 
