@@ -27,9 +27,9 @@ VALIDATE = _files("tests/test_errors.py", "tests/test_hardening_ops.py", "tests/
                   "tests/test_hostile_files.py", "tests/test_gguf_qmm.py", "tests/test_qmm.py")
 CPU = _files("tests/test_qmm.py", "tests/test_quantize.py", "tests/test_cpu_*.py", "tests/test_gguf_qmm.py",
              "tests/test_routes_cpu.py", "tests/test_errors.py")
-OPS = _files("tests/test_qmm.py", "tests/test_nn.py", "tests/test_compile.py", "tests/test_errors.py",
+OPS = _files("tests/test_regressions.py", "tests/test_qmm.py", "tests/test_nn.py", "tests/test_compile.py", "tests/test_errors.py",
              "tests/test_hardening_ops.py", "tests/test_fakes.py")
-NN = _files("tests/test_nn.py", "tests/test_regressions.py", "tests/test_interop_transformers.py")
+NN = _files("tests/test_nn.py", "tests/test_regressions.py", "tests/test_hardening_ops.py", "tests/test_interop_transformers.py")
 CONVERT = _files("tests/test_nn.py", "tests/test_regressions.py", "tests/test_interop_transformers.py",
                  "tests/test_cli_convert.py")
 MLX = _files("tests/test_interop_mlx.py", "tests/test_interop_mlx_lm.py", "tests/test_interop_cli.py",
