@@ -1,4 +1,4 @@
-"""python -m tests.mutation [--cpp | --only-cpp] [-k SUBSTRING] [-j JOBS] [--list] [--keep]
+"""python -m tests.mutation [--cpp | --only-cpp] [--fresh] [-k SUBSTRING] [-j JOBS] [--list] [--keep]
 
 Exit status 0 only when every selected mutant is killed (see tests/mutation/__init__.py)."""
 
@@ -15,6 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.mutation", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpp", action="store_true", help="also run the C++ mutants (each rebuilds a scratch copy: minutes)")
     ap.add_argument("--only-cpp", action="store_true", help="run only the C++ mutants")
+    ap.add_argument("--fresh", action="store_true",
+                    help="use the independent audit list (tests/mutation/fresh_mutants.py) instead of the curated one")
     ap.add_argument("-k", action="append", default=[], help="run mutants whose name contains this (repeatable)")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant's tests (default 900)")
@@ -22,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies (paths on stderr)")
     args = ap.parse_args(argv)
 
-    chosen = [m for m in MUTANTS if (m.area == "cpp") == args.only_cpp or (args.cpp and m.area == "cpp")]
+    mutants = MUTANTS
+    if args.fresh:
+        from .fresh_mutants import MUTANTS as mutants
+    chosen = [m for m in mutants if (m.area == "cpp") == args.only_cpp or (args.cpp and m.area == "cpp")]
     if args.k:
         chosen = [m for m in chosen if any(s in m.name for s in args.k)]
     if args.list:
