@@ -47,9 +47,10 @@ def test_quant_linear_passes_gradient_to_earlier_layers():
     assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
 
 
-def test_backward_into_quantized_weights_is_a_clear_error(device):
+@pytest.mark.parametrize("operand", ["scales", "biases"])
+def test_backward_into_quantized_weights_is_a_clear_error(device, operand):
     wq, scales, biases = torch_qmm.quantize(torch.randn(8, 64), 32, 4)
-    scales.requires_grad_()
+    {"scales": scales, "biases": biases}[operand].requires_grad_()
     y = torch.ops.torch_qmm.affine_qmm(torch.randn(2, 64), wq, scales, biases, 4, 32, True)
     with pytest.raises(RuntimeError, match="no gradient with respect to 'wq', 'scales' or 'biases'"):
         y.sum().backward()
