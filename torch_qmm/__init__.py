@@ -1,4 +1,4 @@
-"""torch_qmm: low-bit quantized matmul for PyTorch (MLX's affine, mxfp4 and nvfp4 formats, GGUF blocks).
+"""torch_qmm: low-bit quantized matmul for PyTorch (MLX's affine and fp formats, GGUF blocks).
 
     import torch_qmm
     wq, scales, biases = torch_qmm.quantize(w, group_size=64, bits=4)

@@ -37,10 +37,11 @@ def quantize(w: torch.Tensor, group_size: int | None = None, bits: int | None = 
     Args:
         w: float32/float16/bfloat16 [..., K], K a multiple of group_size; finite values only
             (NaN or Inf raise ValueError).
-        group_size, bits: None for the mode's default (affine 64 / 4, mxfp4 32 / 4, nvfp4 16 / 4);
+        group_size, bits: None for the mode's default (MLX's: affine 64 / 4, mxfp4 32 / 4, ...);
             affine allows bits 2, 3, 4, 5, 6, 8 and group sizes 32, 64, 128, the fp modes only
-            their defaults (torch_qmm.formats.FORMATS).
-        mode: "affine", "mxfp4" or "nvfp4" (docs/formats.md).
+            their defaults (torch_qmm.formats.FORMATS lists every mode's).
+        mode: a key of torch_qmm.formats.FORMATS: "affine" or an fp mode such as "mxfp4"
+            (docs/formats.md).
 
     Returns:
         affine: (wq uint32 [..., K*bits/32], scales [..., K/group_size], biases [..., K/group_size]),
