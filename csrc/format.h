@@ -1,28 +1,22 @@
-// The affine format: one place for the facts every backend (CPU, planner, Metal) shares.
+// The packed bit stream every format of csrc/format_spec.h shares: one place for the facts every
+// backend (CPU, planner, Metal) relies on (torch_qmm/formats.py describes it for Python).
 //
-// MLX's affine format, bit for bit (see torch_qmm/formats.py for the Python mirror):
-//   W [N, K] (transpose=True) is stored as
-//     wq      uint32 [N, K * bits / 32]   row n is one little-endian bit stream along K:
-//                                          element k occupies bits [k*bits, (k+1)*bits).
-//                                          For bits 2/4/8 this is "least-significant bits first
-//                                          within each uint32 word"; for 3/5/6 a value may cross
-//                                          a byte (never more than a 32-bit window).
-//     scales  [N, K / group_size]          w[n, k] ~= scales[n, k/G] * q[n, k] + biases[n, k/G]
-//     biases  [N, K / group_size]
+// W [N, K] (transpose=True) is stored as
+//   wq      uint32 [N, K * bits / 32]   row n is one little-endian bit stream along K:
+//                                        element k occupies bits [k*bits, (k+1)*bits).
+//                                        For bits 2/4/8 this is "least-significant bits first
+//                                        within each uint32 word"; for 3/5/6 a value may cross
+//                                        a byte (never more than a 32-bit window).
+//   scales  [N, K / group_size]          affine: w[n, k] ~= scales[n, k/G] * q[n, k] + biases[n, k/G]
+//   biases  [N, K / group_size]          (affine only; the fp modes decode q and scale: fp_codec.h)
 #pragma once
 
 #include <cstdint>
 
 namespace torch_qmm {
 
-// Must match SUPPORTED_BITS / SUPPORTED_GROUP_SIZES in torch_qmm/formats.py.
-inline bool is_supported_bits(int64_t bits) {
-  return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
-}
-inline bool is_supported_group_size(int64_t g) { return g == 32 || g == 64 || g == 128; }
-
 // Number of uint32 words that hold `k` elements of `bits` bits (k * bits is a multiple of 32
-// whenever k is a multiple of a supported group size).
+// whenever k is a multiple of an allowed group size).
 inline int64_t packed_words(int64_t k, int64_t bits) { return k * bits / 32; }
 
 // Reads element `k` of a packed row (little-endian bit stream). Safe for every supported width:
