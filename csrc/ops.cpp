@@ -18,7 +18,9 @@ TORCH_LIBRARY(torch_qmm, m) {
       "bool transpose=True) -> Tensor");
   m.def("gguf_qmm(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> Tensor");
   // The Metal planner (csrc/plan*.cpp), for executors and tests: JSON launch lists, routing table.
-  m.def("_plan(str op, int M, int N, int K, int bits, int group_size, ScalarType dtype, bool transpose) -> str");
+  m.def(
+      "_plan(str op, int M, int N, int K, int bits, int group_size, ScalarType dtype, bool transpose, "
+      "str mode='affine') -> str");
   m.def("_plan_for(str op, Tensor[] args, int bits, int group_size, bool transpose) -> str");
   m.def("_plan_gguf(int M, int N, int K, int ggml_type, ScalarType dtype) -> str");
   m.def("_plan_for_gguf(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> str");

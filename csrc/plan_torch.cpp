@@ -83,11 +83,21 @@ plan::Op parse_op(const std::string& op) {
   TORCH_CHECK_VALUE(false, "_plan: argument 'op' must be one of 'qmm', 'dequantize', 'quantize', got '", op, "'");
 }
 
+Mode parse_mode(const std::string& mode) {
+  static const char* const names[] = {"affine", "mxfp4", "nvfp4", "mxfp8"};
+  for (int i = 0; i < 4; ++i)
+    if (mode == names[i]) return Mode(i);
+  TORCH_CHECK_VALUE(false, "_plan: argument 'mode' must be one of 'affine', 'mxfp4', 'nvfp4', 'mxfp8', got '", mode,
+                    "'");
+}
+
 std::string plan_op(const std::string& op, int64_t M, int64_t N, int64_t K, int64_t bits, int64_t group_size,
-                    at::ScalarType dtype, bool transpose) {
-  check_bits_and_group_size("_plan", bits, group_size);
+                    at::ScalarType dtype, bool transpose, const std::string& mode) {
+  const Mode m = parse_mode(mode);
+  if (m == Mode::kAffine) check_bits_and_group_size("_plan", bits, group_size);
   TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0, "_plan: M, N, K must be >= 0, got ", M, ", ", N, ", ", K);
-  const plan::Problem p{parse_op(op), M, N, K, int(bits), int(group_size), plan_dtype(dtype), transpose};
+  plan::Problem p{parse_op(op), M, N, K, int(bits), int(group_size), plan_dtype(dtype), transpose};
+  p.mode = m;
   try {
     return plan::to_json(plan::make_plan(p));
   } catch (const std::exception& e) {
