@@ -119,16 +119,21 @@ def test_every_route_is_reached_for_every_fp_mode():
             assert set(FP_MODES) <= set(r["formats"]), r
 
 
-def test_non_finite_codes_and_scales_propagate_as_in_the_reference():
-    """An e8m0 byte of 255 is 2^128 = inf: its group's weights are +-inf (NaN for code 0), and y
-    follows IEEE arithmetic on those weights, as the float64 reference does."""
+def test_non_finite_scales_propagate_as_through_the_dequantized_weights():
+    """An e8m0 byte of 255 is 2^128, +inf in float32 (as mx.dequantize decodes it): its group's
+    weights are +-inf, and NaN for code 0. y is NaN / inf exactly where F.linear on those float32
+    weights puts NaN / inf (the kernels fall back to weight-by-weight sums there)."""
     mode = "mxfp4"
-    wq, scales = reference_fp.quantize_fp(_weights(8, 64, torch.float32, 3), mode)
-    scales[2, 1] = 255
-    x = torch.randn(1, 64)
-    y, _ = metal_qmm(x, wq, scales, mode, True)
-    y_ref = reference_fp.qmm_fp(x, wq, scales, mode)
-    assert torch.equal(y.isnan(), y_ref.isnan()) and torch.equal(y.isinf(), y_ref.isinf())
+    for M, transpose in ((1, True), (3, True), (40, True), (2, False), (33, False)):
+        rows, cols = (8, 64) if transpose else (64, 64)
+        wq, scales = reference_fp.quantize_fp(_weights(rows, cols, torch.float32, 3), mode)
+        scales[2, 1] = 255
+        x = torch.randn(M, 64)
+        y, launch = metal_qmm(x, wq, scales, mode, transpose)
+        w = reference_fp.dequantize_fp(wq, scales, mode, dtype=torch.float32).double()
+        y_ref = x.double() @ (w.T if transpose else w)
+        assert y_ref.isnan().any() and torch.equal(y.isnan(), y_ref.isnan()), launch.kernel
+        assert torch.equal(y.isinf(), y_ref.isinf()), launch.kernel
 
 
 # ---- quantize / dequantize: bit for bit with mlx ---------------------------------------------------

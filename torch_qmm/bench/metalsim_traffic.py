@@ -77,17 +77,19 @@ class Traffic:
 
 
 def bounds(m: int, n: int, tile: tuple) -> dict[str, float]:
-    """The stated bound on tg_footprint / compulsory per buffer (buffers without one are absent)."""
+    """The stated bound on tg_footprint / compulsory per buffer (buffers without one are absent;
+    the fp modes bind no biases)."""
     if m == 1:
         return {"wq": M1_BOUND, "scales": M1_BOUND, "biases": M1_BOUND}
     rows, cols = tile
     return {"wq": math.ceil(m / rows), "x": math.ceil(n / cols)}
 
 
-def measure(cfg: Config, transpose: bool = True, scale: int = 1) -> Traffic:
+def measure(cfg: Config, transpose: bool = True, scale: int = 1, mode: str = "affine") -> Traffic:
     """Runs quantized_matmul for cfg once on metalsim with byte counters.
 
-    x is [M, K] in cfg.dtype; W is [N, K] (transpose=True) or [K, N]; one launch is expected.
+    x is [M, K] in cfg.dtype; W is [N, K] (transpose=True) or [K, N], quantized in `mode` (the fp
+    modes take their own bits and group size); one launch is expected.
     """
     import torch_qmm
     from torch_qmm.metalsim import backend, last_launches
@@ -95,12 +97,14 @@ def measure(cfg: Config, transpose: bool = True, scale: int = 1) -> Traffic:
     dtype = getattr(torch, cfg.dtype)
     rows, cols = (cfg.n, cfg.k) if transpose else (cfg.k, cfg.n)
     g = torch.Generator().manual_seed(cfg.m + cfg.n + cfg.k)
-    wq, s, b = torch_qmm.quantize(torch.randn(rows, cols, generator=g).to(dtype), group_size=cfg.group_size,
-                                  bits=cfg.bits)
+    gs, bits = (cfg.group_size, cfg.bits) if mode == "affine" else (None, None)
+    wq, s, *rest = torch_qmm.quantize(torch.randn(rows, cols, generator=g).to(dtype), group_size=gs, bits=bits,
+                                      mode=mode)
+    b = rest[0] if rest else None
     x = torch.randn(cfg.m, cfg.k, generator=g).to(dtype)
     t0 = time.perf_counter()
     with backend(count=True):
-        y = torch_qmm.quantized_matmul(x, wq, s, b, transpose=transpose, group_size=cfg.group_size, bits=cfg.bits)
+        y = torch_qmm.quantized_matmul(x, wq, s, b, transpose=transpose, group_size=gs, bits=bits, mode=mode)
     seconds = time.perf_counter() - t0
     launches = last_launches()
     if len(launches) != 1:
@@ -111,7 +115,7 @@ def measure(cfg: Config, transpose: bool = True, scale: int = 1) -> Traffic:
     limit = bounds(cfg.m, cfg.n, launch.tile)
     per = {}
     for name in BUFFERS:
-        if name not in stats:
+        if name not in stats:  # biases: not bound in the fp modes
             continue
         st = stats[name]
         per[name] = BufferTraffic(compulsory=tensors[name].numel() * tensors[name].element_size(),
