@@ -53,7 +53,8 @@ enum class Format : int { kAffine, kMxfp4, kNvfp4, kMxfp8, kQ4_K, kQ6_K };
 constexpr int kFormatCount = 6;
 using FormatSet = uint32_t;
 constexpr FormatSet bit(Format f) { return FormatSet(1) << int(f); }
-constexpr FormatSet kQuantModes = bit(Format::kAffine) | bit(Format::kMxfp4) | bit(Format::kNvfp4) | bit(Format::kMxfp8);
+// The quantized modes with Metal kernels (metal/affine.metal instantiates each).
+constexpr FormatSet kQuantModes = bit(Format::kAffine) | bit(Format::kMxfp4) | bit(Format::kNvfp4);
 constexpr FormatSet kGgufTypes = bit(Format::kQ4_K) | bit(Format::kQ6_K);
 
 // How a route's launch grid follows from the problem. Only the two factories make one (no
