@@ -112,7 +112,7 @@ bool holds(const RouteRow& r, const Problem& p, Format f) {
   if (r.transpose >= 0 && r.transpose != int(p.transpose)) return false;
   if ((p.op == Op::kQmm || p.op == Op::kGgufQmm) && (p.M < r.m_min || p.M > r.m_max)) return false;
   if (r.cond == Cond::kQmvAligned)
-    // Must match the K step and rows per threadgroup of affine_qmv_fast (metal/affine_qmv.h).
+    // Must match the K step and rows per threadgroup of qmv_fast (metal/affine_qmv.h).
     return p.N % QMV_ROWS_PER_TG == 0 && p.K % qmv_block_k(p.bits) == 0;
   return true;
 }
