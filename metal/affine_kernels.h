@@ -2,8 +2,8 @@
 // size, bits) cell of all of them. metal/affine.metal lists the cells; nothing else instantiates
 // kernels.
 //
-// Kernel names (metal/kernel_names.h): {mode}_{kernel}_{dtype}_gs_{G}_b_{B}, mode in {affine,
-// mxfp4, nvfp4}, dtype in {float, float16_t, bfloat16_t}. {kernel} is a routing-table row's kernel
+// Kernel names (metal/kernel_names.h): {mode}_{kernel}_{dtype}_gs_{G}_b_{B}, mode the name of a
+// QuantMode (the cells of metal/affine.metal), dtype in {float, float16_t, bfloat16_t}. {kernel} is a routing-table row's kernel
 // (csrc/plan.cpp), which plan::kernel_name spells the same way.
 //
 //   kernel          function       header               used for
