@@ -1,4 +1,4 @@
-"""The Metal kernels of MLX's fp modes (mxfp4, nvfp4) on metalsim, through the planner, against
+"""The Metal kernels of MLX's fp modes (metal_helpers.FP_MODES) on metalsim, through the planner, against
 things nobody here wrote: mlx.core.quantize / dequantize (bit for bit) and the float64 reference
 torch_qmm/reference_fp.py (qmm, with the tolerance of tests/tolerance.py).
 
