@@ -54,7 +54,8 @@ constexpr int kFormatCount = 6;
 using FormatSet = uint32_t;
 constexpr FormatSet bit(Format f) { return FormatSet(1) << int(f); }
 // The quantized modes with Metal kernels (metal/affine.metal instantiates each).
-constexpr FormatSet kQuantModes = bit(Format::kAffine) | bit(Format::kMxfp4) | bit(Format::kNvfp4);
+constexpr FormatSet kQuantModes =
+    bit(Format::kAffine) | bit(Format::kMxfp4) | bit(Format::kNvfp4) | bit(Format::kMxfp8);
 // Whether the planner has kernels for mode m.
 constexpr bool serves(Mode m) { return (kQuantModes & bit(Format(int(m)))) != 0; }
 constexpr FormatSet kGgufTypes = bit(Format::kQ4_K) | bit(Format::kQ6_K);

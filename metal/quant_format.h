@@ -263,3 +263,5 @@ template <typename T, int G, int bits>
 struct QuantFormat<MODE_MXFP4, T, G, bits> : FpFormat<FP_E2M1, FP_SCALE_E8M0, T, G, bits> {};
 template <typename T, int G, int bits>
 struct QuantFormat<MODE_NVFP4, T, G, bits> : FpFormat<FP_E2M1, FP_SCALE_E4M3, T, G, bits> {};
+template <typename T, int G, int bits>
+struct QuantFormat<MODE_MXFP8, T, G, bits> : FpFormat<FP_E4M3, FP_SCALE_E8M0, T, G, bits> {};

@@ -44,7 +44,7 @@ def plan(op: str, M: int, N: int, K: int, bits: int, group_size: int, dtype, tra
 
 
 # MLX's fp modes with Metal kernels, and their (bits, group size) (torch_qmm/reference_fp.py).
-FP_MODES = ("mxfp4", "nvfp4")
+FP_MODES = ("mxfp4", "nvfp4", "mxfp8")
 
 
 def fp_mode_params(mode: str) -> tuple[int, int]:
