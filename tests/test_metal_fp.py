@@ -225,3 +225,34 @@ def test_fp_quantize_equals_the_reference_on_random_weights(mode):
         wq, scales = metal_quantize(w, mode)
         rwq, rscales = reference_fp.quantize_fp(w, mode)
         assert torch.equal(wq.view(torch.int32), rwq.view(torch.int32)) and torch.equal(scales, rscales)
+
+
+@pytest.mark.parametrize("mode", FP_MODES)
+def test_fp_ops_run_on_metalsim_through_the_public_api(mode):
+    """torch_qmm.quantize / dequantize / quantized_matmul with mode= under backend(): the Metal
+    kernels run (the launches say which), with the CPU ops' results (bit for bit: quantize,
+    dequantize; qmm within the tolerance rule against the float64 reference)."""
+    import torch_qmm
+    from torch_qmm.formats import FORMATS
+    from torch_qmm.metalsim import backend, last_launches
+
+    if mode not in FORMATS:
+        pytest.skip(f"mode {mode!r} is not in the format table yet")
+    w = _weights(40, 128, torch.float16, 9)
+    wq, scales = torch_qmm.quantize(w, mode=mode)  # CPU op
+    x = torch.randn(2, 3, 128).half()
+    with backend(check=True):
+        mwq, mscales = torch_qmm.quantize(w, mode=mode)
+        assert [l.route for l in last_launches()] == ["quantize"]
+        deq = torch_qmm.dequantize(wq, scales, mode=mode)
+        assert [l.route for l in last_launches()] == ["dequantize"] and deq.dtype == torch.bfloat16
+        y = torch_qmm.quantized_matmul(x, wq, scales, mode=mode)
+        assert [l.route for l in last_launches()] == ["qmm_t_bm8"]
+        with pytest.raises(ValueError, match="biases"):
+            torch_qmm.quantized_matmul(x, wq, scales, torch.zeros(40, 128 // fp_mode_params(mode)[1]).half(), mode=mode)
+    assert torch.equal(mwq.view(torch.int32), wq.view(torch.int32)) and torch.equal(mscales, scales)
+    assert torch.equal(_bits(deq), _bits(torch_qmm.dequantize(wq, scales, mode=mode)))
+    y_ref = reference_fp.qmm_fp(x.reshape(6, 128), wq, scales, mode)
+    magnitude = reference_fp.qmm_fp_magnitude(x.reshape(6, 128), wq, scales, mode)
+    assert y.shape == (2, 3, 40)
+    assert_matches_reference(y.reshape(6, 40), y_ref, magnitude, torch.float16, f"{mode} through the API")

@@ -65,6 +65,7 @@ class Traffic:
     threadgroups: tuple
     buffers: dict[str, BufferTraffic]
     emulation_s: float
+    mode: str = "affine"  # quantization mode of W
 
     @property
     def holds(self) -> bool:
@@ -122,7 +123,7 @@ def measure(cfg: Config, transpose: bool = True, scale: int = 1, mode: str = "af
                                   tg_footprint=st.tg_footprint, loaded=st.bytes_loaded, stored=st.bytes_stored,
                                   bound=limit.get(name))
     return Traffic(cfg, scale, transpose, launch.kernel, launch.route, tuple(launch.tile),
-                   tuple(launch.threadgroups), per, seconds)
+                   tuple(launch.threadgroups), per, seconds, mode)
 
 
 def shapes(args: argparse.Namespace, seed_shapes: list[str], quick: dict) -> list[tuple[int, int, int]]:
@@ -142,6 +143,7 @@ def record(t: Traffic) -> dict:
     """The JSON record of one cell."""
     return {
         **dataclasses.asdict(t.config),
+        "mode": t.mode,
         "scale": t.scale,
         "shape_named": f"{t.config.n * t.scale}x{t.config.k * t.scale}",
         "transpose": t.transpose,
@@ -203,17 +205,20 @@ def run(args: argparse.Namespace, seed_shapes: list[str], seed_ms: list[int], qu
     ms = args.m or quick.get("m") or seed_ms
     bits = args.bits or [4]
     dtypes = args.dtype or ["float16"]
+    modes = getattr(args, "mode", None) or ["affine"]  # bench --mode: the fp modes take their own bits
     info = {**machine_info("metalsim", None), "metalsim": emulator_info()}
     results = []
     for n, k, scale in shapes(args, seed_shapes, quick):
-        for b in bits:
-            for d in dtypes:
-                for m in ms:
-                    t = measure(Config(n, k, m, b, d, args.group_size, "metalsim"), scale=scale)
-                    results.append(t)
-                    print(f"  {n}x{k} M={m} {b}-bit {d}: {t.kernel} tile {t.tile[0]}x{t.tile[1]}, "
-                          f"wq {t.buffers['wq'].tg_ratio:.3f}x, x {t.buffers['x'].tg_ratio:.2f}x "
-                          f"({t.emulation_s:.1f} s emulated)", flush=True)
+        for mode in modes:
+            for b in bits if mode == "affine" else [0]:
+                for d in dtypes:
+                    for m in ms:
+                        t = measure(Config(n, k, m, b, d, args.group_size, "metalsim"), scale=scale, mode=mode)
+                        results.append(t)
+                        print(f"  {n}x{k} M={m} {mode} {b or ''}{'-bit ' if b else ''}{d}: {t.kernel} tile "
+                              f"{t.tile[0]}x{t.tile[1]}, wq {t.buffers['wq'].tg_ratio:.3f}x, "
+                              f"scales {t.buffers['scales'].tg_ratio:.3f}x, x {t.buffers['x'].tg_ratio:.2f}x "
+                              f"({t.emulation_s:.1f} s emulated)", flush=True)
     print()
     print(text_table(table_rows(results), table_note(results)))
     failures = [f for t in results for f in t.failures()]
