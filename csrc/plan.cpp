@@ -15,6 +15,15 @@ namespace {
 
 constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
 
+// Format's first values are the modes (format_of), and the kernels' QuantMode (metal/qmm_params.h)
+// names them with the same numbers.
+static_assert(int(Format::kAffine) == int(Mode::kAffine) && int(Format::kMxfp4) == int(Mode::kMxfp4) &&
+                  int(Format::kNvfp4) == int(Mode::kNvfp4),
+              "plan::Format must list the modes first, in Mode order");
+static_assert(int(Format::kAffine) == MODE_AFFINE && int(Format::kMxfp4) == MODE_MXFP4 &&
+                  int(Format::kNvfp4) == MODE_NVFP4 && int(Format::kMxfp8) == MODE_MXFP8,
+              "metal/qmm_params.h QuantMode must number the modes as plan::Format does");
+
 // ---- The routing table -----------------------------------------------------------------------
 // One row per route; for an op the first row whose condition holds wins. Thresholds on M are
 // written here and nowhere else. None of them has been measured on Apple hardware yet: they
