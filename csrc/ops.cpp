@@ -41,8 +41,12 @@ TORCH_LIBRARY(torch_qmm, m) {
   // The format table (csrc/format_spec.h) as JSON, read once by torch_qmm/formats.py.
   m.def("_formats() -> str");
   // The Metal planner (csrc/plan*.cpp), for executors and tests: JSON launch lists, routing table.
-  m.def("_plan(str op, int M, int N, int K, int bits, int group_size, ScalarType dtype, bool transpose) -> str");
-  m.def("_plan_for(str op, Tensor[] args, int bits, int group_size, bool transpose) -> str");
+  m.def(
+      "_plan(str op, int M, int N, int K, int bits, int group_size, ScalarType dtype, bool transpose, "
+      "str mode='affine') -> str");
+  m.def(
+      "_plan_for(str op, Tensor?[] args, int bits, int group_size, bool transpose, str mode='affine', "
+      "ScalarType? dtype=None) -> str");
   m.def("_plan_gguf(int M, int N, int K, int ggml_type, ScalarType dtype) -> str");
   m.def("_plan_for_gguf(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> str");
   m.def("_routes() -> str");

@@ -2,7 +2,9 @@
 // metal/qmm_params.h and metal/gguf_params.h, the headers the kernels include: each is written once.
 #include "plan.h"
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -13,65 +15,76 @@ namespace {
 
 constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
 
+// Format's first values are the modes (format_of), and the kernels' QuantMode (metal/qmm_params.h)
+// names them with the same numbers.
+static_assert(int(Format::kAffine) == int(Mode::kAffine) && int(Format::kMxfp4) == int(Mode::kMxfp4) &&
+                  int(Format::kNvfp4) == int(Mode::kNvfp4),
+              "plan::Format must list the modes first, in Mode order");
+static_assert(int(Format::kAffine) == MODE_AFFINE && int(Format::kMxfp4) == MODE_MXFP4 &&
+                  int(Format::kNvfp4) == MODE_NVFP4 && int(Format::kMxfp8) == MODE_MXFP8,
+              "metal/qmm_params.h QuantMode must number the modes as plan::Format does");
+
 // ---- The routing table -----------------------------------------------------------------------
 // One row per route; for an op the first row whose condition holds wins. Thresholds on M are
 // written here and nowhere else. None of them has been measured on Apple hardware yet: they
-// follow the seed's selector (mt_qmm_for) and MLX's dispatch, adjusted so that every M works.
-enum class Cond { kAny, kQmvAligned };
-struct Route {
-  const char* route;
-  Op op;
-  int transpose;  // 1 / 0, or -1 when the op has no transpose
-  int64_t m_min, m_max;
-  Cond cond;
-  const char* family;
-  const char* variant;
-  const char* when;
-  const char* why;
-};
+// follow MLX's dispatch, adjusted so that every M works. Geometry constants: metal/qmm_params.h
+// (quantized modes) and metal/gguf_params.h (GGUF), the headers the kernels include.
+constexpr Geometry kQmv = Geometry::tiled(1, QMV_ROWS_PER_TG, QMV_SIMDGROUPS * SIMD_WIDTH);  // affine_qmv.h
+constexpr Geometry bm(uint32_t rows) {  // affine_qmm_small.h
+  return Geometry::tiled(rows, BM_COLS_PER_TG, BM_SIMDGROUPS * SIMD_WIDTH);
+}
+constexpr Geometry mma(uint32_t rows) {  // mma_tile.h
+  return Geometry::tiled(rows, MMA_BN, uint32_t(mma_threads(int(rows))));
+}
+constexpr Geometry kQvm = Geometry::tiled(1, QVM_COLS_PER_TG, QVM_SIMDGROUPS * SIMD_WIDTH);  // affine_qvm.h
+constexpr Geometry gguf_rows(uint32_t rows) {  // gguf_qmm.h
+  return Geometry::tiled(rows, GGUF_COLS_PER_TG, GGUF_SIMDGROUPS * SIMD_WIDTH);
+}
 
 // clang-format off
-const Route kRoutes[] = {
-  {"qmv_fast", Op::kQmm, 1, 1, 1, Cond::kQmvAligned, "affine_qmv", "fast",
+const RouteRow kRoutes[] = {
+  {"qmv_fast", Op::kQmm, kQuantModes, 1, 1, 1, Cond::kQmvAligned, "qmv_fast", kQmv,
    "M == 1, N % 8 == 0, K % qmv_block_k(bits) == 0",
    "decode (M = 1) is bound by weight bandwidth: 8 rows per threadgroup, x slice in registers, "
    "no bounds tests in the loop (MLX qmv_fast geometry)"},
-  {"qmv_bounded", Op::kQmm, 1, 1, 1, Cond::kAny, "affine_qmv", "bounded",
+  {"qmv_bounded", Op::kQmm, kQuantModes, 1, 1, 1, Cond::kAny, "qmv_bounded", kQmv,
    "M == 1, any N, any K % group_size == 0",
    "same geometry with row and K-tail checks, for shapes the fast path cannot take"},
-  {"qmm_t_bm2", Op::kQmm, 1, 2, 2, Cond::kAny, "affine_qmm_t", "bm2", "M == 2",
+  {"qmm_t_bm2", Op::kQmm, kQuantModes, 1, 2, 2, Cond::kAny, "qmm_t_bm2", bm(2), "M == 2",
    "weights decoded once per K-block, reused for 2 rows of x: W read once, no wasted rows"},
-  {"qmm_t_bm4", Op::kQmm, 1, 3, 4, Cond::kAny, "affine_qmm_t", "bm4", "3 <= M <= 4",
-   "one pass over W for up to 4 rows of x (seed: bm4 beats MLX 1.5-2.6x at small M)"},
-  {"qmm_t_bm8", Op::kQmm, 1, 5, 8, Cond::kAny, "affine_qmm_t", "bm8", "5 <= M <= 8",
+  {"qmm_t_bm4", Op::kQmm, kQuantModes, 1, 3, 4, Cond::kAny, "qmm_t_bm4", bm(4), "3 <= M <= 4",
+   "one pass over W for up to 4 rows of x"},
+  {"qmm_t_bm8", Op::kQmm, kQuantModes, 1, 5, 8, Cond::kAny, "qmm_t_bm8", bm(8), "5 <= M <= 8",
    "one pass over W for up to 8 rows; below 9 rows an 8x8 MMA tile would idle most lanes"},
-  {"qmm_t_mma16", Op::kQmm, 1, 9, 16, Cond::kAny, "affine_qmm_t", "mma16", "9 <= M <= 16",
-   "half-height simdgroup-matrix tile: W dequantized once into threadgroup memory for 16 rows "
-   "(seed: mma_m16 beats bm4 at M = 16), half the threads of the 32x32 tile"},
-  {"qmm_t_mma32", Op::kQmm, 1, 17, kNoLimit, Cond::kAny, "affine_qmm_t", "mma32", "M >= 17",
+  {"qmm_t_mma16", Op::kQmm, kQuantModes, 1, 9, 16, Cond::kAny, "qmm_t_mma16", mma(16), "9 <= M <= 16",
+   "half-height simdgroup-matrix tile: W dequantized once into threadgroup memory for 16 rows, "
+   "half the threads of the 32x32 tile"},
+  {"qmm_t_mma32", Op::kQmm, kQuantModes, 1, 17, kNoLimit, Cond::kAny, "qmm_t_mma32", mma(32), "M >= 17",
    "full 32x32 simdgroup-matrix tile: W read ceil(M/32) times, x ceil(N/32) times"},
-  {"qvm_bounded", Op::kQmm, 0, 1, 3, Cond::kAny, "affine_qvm", "bounded", "transpose=False, M <= 3",
+  {"qvm_bounded", Op::kQmm, kQuantModes, 0, 1, 3, Cond::kAny, "qvm_bounded", kQvm, "transpose=False, M <= 3",
    "W [K, N] is streamed row by row per row of x; for 1-3 rows a tile's setup and idle rows "
    "cost more than re-reading W from cache"},
-  {"qmm_n_mma32", Op::kQmm, 0, 4, kNoLimit, Cond::kAny, "affine_qmm_n", "mma32", "transpose=False, M >= 4",
+  {"qmm_n_mma32", Op::kQmm, kQuantModes, 0, 4, kNoLimit, Cond::kAny, "qmm_n_mma32", mma(32), "transpose=False, M >= 4",
    "32x32 simdgroup-matrix tile over W [K, N]: W read ceil(M/32) times"},
-  {"dequantize", Op::kDequantize, -1, 0, kNoLimit, Cond::kAny, "affine_dequantize", "rows", "always",
+  {"dequantize", Op::kDequantize, kQuantModes, -1, 0, kNoLimit, Cond::kAny, "dequantize_rows",
+   Geometry::elementwise(DEQ_VALUES_PER_THREAD, DEQ_THREADS_PER_TG), "always",
    "elementwise: one decode unit (8 values) per thread"},
-  {"quantize", Op::kQuantize, -1, 0, kNoLimit, Cond::kAny, "affine_quantize", "rows", "always",
+  {"quantize", Op::kQuantize, kQuantModes, -1, 0, kNoLimit, Cond::kAny, "quantize_rows",
+   Geometry::elementwise(0, QUANT_THREADS_PER_TG), "always",
    "one thread per group: a group's words belong to one thread, so packing needs no atomics"},
-  // GGUF K-quants (Q4_K, Q6_K; the type is part of the kernel name, not of the route). W is
-  // always [N, K]; K % 256 == 0 is checked before planning, so no K-tail variant is needed.
-  {"gguf_qmv", Op::kGgufQmm, -1, 1, 1, Cond::kAny, "gguf_qmv", "", "gguf_qmm, M == 1, any N",
+  // GGUF K-quants (the type is part of the kernel name, not of the route). W is always [N, K];
+  // K % 256 == 0 is checked before planning, so no K-tail variant is needed.
+  {"gguf_qmv", Op::kGgufQmm, kGgufTypes, -1, 1, 1, Cond::kAny, "qmv", gguf_rows(1), "gguf_qmm, M == 1, any N",
    "decode is bound by the block bytes: 4 W rows per SIMD-group share the lane's x values, "
    "each super-block's bytes fetched once (llama.cpp kernel_mul_mv_q4_K/q6_K interleaving)"},
-  {"gguf_qmm_bm2", Op::kGgufQmm, -1, 2, 2, Cond::kAny, "gguf_qmm", "bm2", "gguf_qmm, M == 2",
+  {"gguf_qmm_bm2", Op::kGgufQmm, kGgufTypes, -1, 2, 2, Cond::kAny, "qmm_bm2", gguf_rows(2), "gguf_qmm, M == 2",
    "a super-block slice decoded once per lane, reused for 2 rows of x: W read once"},
-  {"gguf_qmm_bm4", Op::kGgufQmm, -1, 3, 4, Cond::kAny, "gguf_qmm", "bm4", "gguf_qmm, 3 <= M <= 4",
+  {"gguf_qmm_bm4", Op::kGgufQmm, kGgufTypes, -1, 3, 4, Cond::kAny, "qmm_bm4", gguf_rows(4), "gguf_qmm, 3 <= M <= 4",
    "one pass over W for up to 4 rows of x"},
-  {"gguf_qmm_bm8", Op::kGgufQmm, -1, 5, 16, Cond::kAny, "gguf_qmm", "bm8", "gguf_qmm, 5 <= M <= 16",
+  {"gguf_qmm_bm8", Op::kGgufQmm, kGgufTypes, -1, 5, 16, Cond::kAny, "qmm_bm8", gguf_rows(8), "gguf_qmm, 5 <= M <= 16",
    "one pass over W per 8 rows of x (9..16: two row blocks; below 17 rows a 32-row MMA tile "
    "would idle most of its rows, as for the affine bm8 / mma16 split)"},
-  {"gguf_qmm_mma32", Op::kGgufQmm, -1, 17, kNoLimit, Cond::kAny, "gguf_qmm", "mma32", "gguf_qmm, M >= 17",
+  {"gguf_qmm_mma32", Op::kGgufQmm, kGgufTypes, -1, 17, kNoLimit, Cond::kAny, "qmm_mma32", mma(32), "gguf_qmm, M >= 17",
    "32x32 simdgroup-matrix tile with W dequantized into threadgroup memory (the affine mma32 "
    "tile with a K-quant loader): W read ceil(M/32) times, x ceil(N/32) times"},
 };
@@ -103,76 +116,50 @@ void check_u32_indices(const Problem& p) {
   }
 }
 
-bool holds(const Route& r, const Problem& p) {
-  if (r.op != p.op) return false;
+bool holds(const RouteRow& r, const Problem& p, Format f) {
+  if (r.op != p.op || !(r.formats & bit(f))) return false;
   if (r.transpose >= 0 && r.transpose != int(p.transpose)) return false;
   if ((p.op == Op::kQmm || p.op == Op::kGgufQmm) && (p.M < r.m_min || p.M > r.m_max)) return false;
   if (r.cond == Cond::kQmvAligned)
-    // Must match the K step and rows per threadgroup of affine_qmv_fast (metal/affine_qmv.h).
+    // Must match the K step and rows per threadgroup of qmv_fast (metal/affine_qmv.h).
     return p.N % QMV_ROWS_PER_TG == 0 && p.K % qmv_block_k(p.bits) == 0;
   return true;
 }
 
-std::vector<Binding> bindings(Op op) {
-  switch (op) {
+// Formats without biases bind no biases buffer (the kernels never read it).
+bool has_biases(Mode m) { return m == Mode::kAffine; }
+
+std::vector<Binding> bindings(const Problem& p) {
+  std::vector<Binding> b;
+  switch (p.op) {
     case Op::kQmm:
-      return {{BUF_WQ, Operand::kWq, 0}, {BUF_SCALES, Operand::kScales, 0}, {BUF_BIASES, Operand::kBiases, 0},
-              {BUF_DENSE, Operand::kX, 0}, {BUF_Y, Operand::kY, 0}};
     case Op::kDequantize:
     case Op::kQuantize:
-      return {{BUF_WQ, Operand::kWq, 0}, {BUF_SCALES, Operand::kScales, 0}, {BUF_BIASES, Operand::kBiases, 0},
-              {BUF_DENSE, Operand::kW, 0}};
+      b = {{BUF_WQ, Operand::kWq, 0}, {BUF_SCALES, Operand::kScales, 0}};
+      if (has_biases(p.mode)) b.push_back({BUF_BIASES, Operand::kBiases, 0});
+      if (p.op == Op::kQmm) {
+        b.push_back({BUF_DENSE, Operand::kX, 0});
+        b.push_back({BUF_Y, Operand::kY, 0});
+      } else {
+        b.push_back({BUF_DENSE, Operand::kW, 0});
+      }
+      return b;
     case Op::kGgufQmm:
       return {{GGUF_BUF_BLOCKS, Operand::kBlocks, 0}, {GGUF_BUF_X, Operand::kX, 0}, {GGUF_BUF_Y, Operand::kY, 0}};
   }
-  return {};
+  return b;
 }
 
-// Geometry of each route. Must match the thread mapping in the kernel's header.
-void geometry(const std::string& route, const Problem& p, Launch& l) {
-  const int64_t M = p.M, N = p.N, K = p.K;
-  if (route == "qmv_fast" || route == "qmv_bounded") {  // metal/affine_qmv.h
-    l.threadgroups = {ceil_div(N, QMV_ROWS_PER_TG), 1, 1};
-    l.threads_per_threadgroup = {QMV_SIMDGROUPS * SIMD_WIDTH, 1, 1};
-    l.tile_rows = 1;
-    l.tile_cols = QMV_ROWS_PER_TG;
-  } else if (route == "qmm_t_bm2" || route == "qmm_t_bm4" || route == "qmm_t_bm8") {  // affine_qmm_small.h
-    const int rows = route == "qmm_t_bm2" ? 2 : route == "qmm_t_bm4" ? 4 : 8;
-    l.threadgroups = {ceil_div(N, BM_COLS_PER_TG), ceil_div(M, rows), 1};
-    l.threads_per_threadgroup = {BM_SIMDGROUPS * SIMD_WIDTH, 1, 1};
-    l.tile_rows = uint32_t(rows);
-    l.tile_cols = BM_COLS_PER_TG;
-  } else if (route == "qmm_t_mma16" || route == "qmm_t_mma32" || route == "qmm_n_mma32") {  // affine_mma.h
-    const int bm = route == "qmm_t_mma16" ? 16 : 32;
-    l.threadgroups = {ceil_div(N, MMA_BN), ceil_div(M, bm), 1};
-    l.threads_per_threadgroup = {uint32_t(mma_threads(bm)), 1, 1};
-    l.tile_rows = uint32_t(bm);
-    l.tile_cols = MMA_BN;
-  } else if (route == "qvm_bounded") {  // affine_qvm.h
-    l.threadgroups = {ceil_div(N, QVM_COLS_PER_TG), ceil_div(M, 1), 1};
-    l.threads_per_threadgroup = {QVM_SIMDGROUPS * SIMD_WIDTH, 1, 1};
-    l.tile_rows = 1;
-    l.tile_cols = QVM_COLS_PER_TG;
-  } else if (route == "dequantize") {  // affine_quant.h
-    l.threadgroups = {ceil_div(N * (K / DEQ_VALUES_PER_THREAD), DEQ_THREADS_PER_TG), 1, 1};
-    l.threads_per_threadgroup = {DEQ_THREADS_PER_TG, 1, 1};
-  } else if (route == "quantize") {
-    l.threadgroups = {ceil_div(N * (K / p.group_size), QUANT_THREADS_PER_TG), 1, 1};
-    l.threads_per_threadgroup = {QUANT_THREADS_PER_TG, 1, 1};
-  } else if (route == "gguf_qmm_mma32") {  // metal/gguf_mma.h: the affine tile's geometry
-    l.threadgroups = {ceil_div(N, MMA_BN), ceil_div(M, 32), 1};
-    l.threads_per_threadgroup = {uint32_t(mma_threads(32)), 1, 1};
-    l.tile_rows = 32;
-    l.tile_cols = MMA_BN;
-  } else if (route == "gguf_qmv" || route == "gguf_qmm_bm2" || route == "gguf_qmm_bm4" ||
-             route == "gguf_qmm_bm8") {  // metal/gguf_qmm.h
-    const int rows = route == "gguf_qmv" ? 1 : route == "gguf_qmm_bm2" ? 2 : route == "gguf_qmm_bm4" ? 4 : 8;
-    l.threadgroups = {ceil_div(N, GGUF_COLS_PER_TG), ceil_div(M, rows), 1};
-    l.threads_per_threadgroup = {GGUF_SIMDGROUPS * SIMD_WIDTH, 1, 1};
-    l.tile_rows = uint32_t(rows);
-    l.tile_cols = GGUF_COLS_PER_TG;
+// The grid of a row's geometry for problem p (Geometry in plan.h).
+void apply(const Geometry& g, const Problem& p, Launch& l) {
+  l.threads_per_threadgroup = {g.threads, 1, 1};
+  if (g.kind == Geometry::Kind::kTiled) {
+    l.threadgroups = {ceil_div(p.N, g.cols), ceil_div(std::max<int64_t>(p.M, 1), g.rows), 1};
+    l.tile_rows = g.rows;
+    l.tile_cols = g.cols;
   } else {
-    throw std::logic_error("torch_qmm plan: route without geometry: " + route);
+    const int64_t values = g.cols ? g.cols : p.group_size;
+    l.threadgroups = {ceil_div(p.N * (p.K / values), g.threads), 1, 1};
   }
 }
 
@@ -222,26 +209,42 @@ const char* dtype_name(DType dtype) {
   return "?";
 }
 
-std::string kernel_name(const char* family, const char* variant, DType dtype, int group_size, int bits) {
-  return std::string(family) + "_" + variant + "_" + dtype_name(dtype) + "_gs_" + std::to_string(group_size) +
-         "_b_" + std::to_string(bits);
+const char* format_name(Format f) {
+  switch (f) {
+    case Format::kAffine:
+      return "affine";
+    case Format::kMxfp4:
+      return "mxfp4";
+    case Format::kNvfp4:
+      return "nvfp4";
+    case Format::kMxfp8:
+      return "mxfp8";
+    case Format::kQ4_K:
+      return "q4_K";
+    case Format::kQ6_K:
+      return "q6_K";
+  }
+  return "?";
 }
 
-const char* ggml_type_name(int ggml_type) {
-  switch (ggml_type) {
+Format format_of(const Problem& p) {
+  if (p.op != Op::kGgufQmm) return Format(int(p.mode));  // Format's first values are the modes
+  switch (p.ggml_type) {
     case gguf::kTypeQ4_K:
-      return "q4_K";
+      return Format::kQ4_K;
     case gguf::kTypeQ6_K:
-      return "q6_K";
+      return Format::kQ6_K;
     default:
-      throw std::invalid_argument("torch_qmm plan: no GGUF kernels for ggml_type " + std::to_string(ggml_type));
+      throw std::invalid_argument("torch_qmm plan: no GGUF kernels for ggml_type " + std::to_string(p.ggml_type));
   }
 }
 
-std::string gguf_kernel_name(const char* family, const char* variant, int ggml_type, DType dtype) {
-  std::string name = std::string(family) + "_" + ggml_type_name(ggml_type);
-  if (*variant) name += std::string("_") + variant;
-  return name + "_" + dtype_name(dtype);
+std::string kernel_name(const char* kernel, const Problem& p) {
+  const Format f = format_of(p);
+  const bool gguf_type = (bit(f) & kGgufTypes) != 0;
+  const std::string cell = gguf_type ? std::string(format_name(f))
+                                     : "gs_" + std::to_string(p.group_size) + "_b_" + std::to_string(p.bits);
+  return std::string(gguf_type ? "gguf" : format_name(f)) + "_" + kernel + "_" + dtype_name(p.dtype) + "_" + cell;
 }
 
 const char* operand_name(Operand operand) {
@@ -264,12 +267,8 @@ const char* operand_name(Operand operand) {
   return "?";
 }
 
-const std::vector<RouteInfo>& routes() {
-  static const std::vector<RouteInfo> table = [] {
-    std::vector<RouteInfo> t;
-    for (const Route& r : kRoutes) t.push_back({r.route, op_name(r.op), r.family, r.variant, r.when, r.why});
-    return t;
-  }();
+const std::vector<RouteRow>& routes() {
+  static const std::vector<RouteRow> table(std::begin(kRoutes), std::end(kRoutes));
   return table;
 }
 
@@ -278,23 +277,23 @@ std::vector<Launch> make_plan(const Problem& p) {
   const bool empty = has_m ? (p.M == 0 || p.N == 0 || p.K == 0) : (p.N == 0 || p.K == 0);
   if (empty) return {};
   check_u32_indices(p);
-  for (const Route& r : kRoutes) {
-    if (!holds(r, p)) continue;
+  const Format f = format_of(p);
+  for (const RouteRow& r : kRoutes) {
+    if (!holds(r, p, f)) continue;
     Launch l;
     l.route = r.route;
-    l.buffers = bindings(p.op);
+    l.kernel = kernel_name(r.kernel, p);
+    l.buffers = bindings(p);
     if (p.op == Op::kGgufQmm) {
-      l.kernel = gguf_kernel_name(r.family, r.variant, p.ggml_type, p.dtype);
-      l.params_index = GGUF_BUF_PARAMS;
       // Must match metal/gguf_qmm.h: whole super-blocks only (K % 256 == 0, checked before).
       if (p.K % gguf::kQK_K != 0) throw std::invalid_argument("torch_qmm plan: gguf_qmm needs K % 256 == 0");
+      l.params_index = GGUF_BUF_PARAMS;
       l.params = param_words(GGUFParams{u32(p.M), u32(p.N), u32(p.K), u32(p.K / gguf::kQK_K)});
     } else {
-      l.kernel = kernel_name(r.family, r.variant, p.dtype, p.group_size, p.bits);
       l.params_index = BUF_PARAMS;
       l.params = param_words(AffineParams{p.op == Op::kQmm ? u32(p.M) : 0u, u32(p.N), u32(p.K), 0u});
     }
-    geometry(l.route, p, l);
+    apply(r.geometry, p, l);
     return {l};
   }
   throw std::logic_error("torch_qmm plan: no route for this problem (the routing table has a gap)");
@@ -329,16 +328,25 @@ std::string routes_json() {
   std::ostringstream o;
   o << "[";
   bool first = true;
-  for (const RouteInfo& r : routes()) {
+  for (const RouteRow& r : routes()) {
     o << (first ? "" : ", ") << "{\"route\": ";
     append_json_string(o, r.route);
     o << ", \"op\": ";
-    append_json_string(o, r.op);
-    o << ", \"family\": ";
-    append_json_string(o, r.family);
-    o << ", \"variant\": ";
-    append_json_string(o, r.variant);
-    o << ", \"when\": ";
+    append_json_string(o, op_name(r.op));
+    o << ", \"formats\": [";
+    bool first_format = true;
+    for (int f = 0; f < kFormatCount; ++f) {
+      if (!(r.formats & bit(Format(f)))) continue;
+      o << (first_format ? "" : ", ");
+      append_json_string(o, format_name(Format(f)));
+      first_format = false;
+    }
+    o << "], \"transpose\": " << r.transpose << ", \"m_min\": " << r.m_min << ", \"m_max\": "
+      << (r.m_max == kNoLimit ? -1 : r.m_max) << ", \"kernel\": ";
+    append_json_string(o, r.kernel);
+    o << ", \"geometry\": {\"kind\": \"" << (r.geometry.kind == Geometry::Kind::kTiled ? "tiled" : "elementwise")
+      << "\", \"rows\": " << r.geometry.rows << ", \"cols\": " << r.geometry.cols
+      << ", \"threads\": " << r.geometry.threads << "}, \"when\": ";
     append_json_string(o, r.when);
     o << ", \"why\": ";
     append_json_string(o, r.why);

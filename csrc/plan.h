@@ -1,8 +1,14 @@
-// The planner: (op, M, N, K, bits, group_size, dtype, transpose; ggml_type for GGUF) -> the Metal
-// launches that compute it. Portable C++17 (no torch, no Apple headers), so CI runs it everywhere: the MPS
-// executor (csrc/mps/) and metalsim's executor (torch_qmm/metalsim/backend.py) both execute
+// The planner: (op, format, M, N, K, bits, group_size, dtype, transpose) -> the Metal launches that
+// compute it. Portable C++17 (no torch, no Apple headers), so CI runs it everywhere: the MPS
+// executor (csrc/mps/) and metalsim's executor (torch_qmm/metalsim_backend.py) both execute
 // exactly these launches. Arguments are validated before planning (csrc/validate.*,
 // csrc/gguf_validate.*; see plan_torch.h).
+//
+// The routing table (plan.cpp) is data: each RouteRow names the formats it serves, the M range
+// and transpose it takes, the kernel (its part of the host name) and the launch geometry. A row
+// cannot be written without a Geometry (it has no default), so a route without a grid does not
+// compile. Adding a route: one row; adding a format: its bit in FormatSet and its host-name
+// prefix/cell (format_prefix, format_cell below), then the kernels' instantiations (metal/).
 #pragma once
 
 #include <array>
@@ -12,17 +18,20 @@
 
 #include "../metal/gguf_params.h"
 #include "../metal/qmm_params.h"
+#include "format_spec.h"
 
 namespace torch_qmm {
 namespace plan {
 
-// kQmm: affine_qmm; kGgufQmm: gguf_qmm (W as GGUF K-quant blocks, always [N, K]).
+// kQmm / kQuantize / kDequantize: the quantized modes (Mode: affine, mxfp4, nvfp4, mxfp8).
+// kGgufQmm: W as GGUF K-quant blocks (always [N, K]), the type in Problem::ggml_type.
 enum class Op { kQuantize, kDequantize, kQmm, kGgufQmm };
 enum class DType { kFloat32, kFloat16, kBFloat16 };
 
 // Which tensor of the op a buffer index is bound to.
 //   qmm: x, wq, scales, biases -> y      dequantize: wq, scales, biases -> w
 //   quantize: w -> wq, scales, biases                gguf_qmm: x, blocks -> y
+// Formats without biases (the fp modes) bind no biases buffer.
 enum class Operand { kX, kWq, kScales, kBiases, kY, kW, kBlocks };
 constexpr int kOperandCount = 7;
 
@@ -31,12 +40,69 @@ struct Problem {
   int64_t M;  // rows of x (qmm, gguf_qmm); unused otherwise
   int64_t N;  // qmm: columns of y; (de)quantize: rows of W
   int64_t K;  // qmm: inner dimension; (de)quantize: columns of W (the quantized axis)
-  int bits;        // affine only
-  int group_size;  // affine only
-  DType dtype;     // of x and y (qmm, gguf_qmm), of w / scales ((de)quantize)
+  int bits;        // quantized modes only
+  int group_size;  // quantized modes only
+  DType dtype;     // of x and y (qmm, gguf_qmm), of w ((de)quantize)
   bool transpose;  // qmm only
-  int ggml_type = 0;  // gguf_qmm only: gguf::kTypeQ4_K or kTypeQ6_K (metal/gguf_format.h)
+  int ggml_type = 0;          // gguf_qmm only: gguf::kTypeQ4_K or kTypeQ6_K (metal/gguf_format.h)
+  Mode mode = Mode::kAffine;  // quantized modes (csrc/format_spec.h)
 };
+
+// The formats a route row serves: the quantized modes (bit = Mode) and the GGUF types after them.
+enum class Format : int { kAffine, kMxfp4, kNvfp4, kMxfp8, kQ4_K, kQ6_K };
+constexpr int kFormatCount = 6;
+using FormatSet = uint32_t;
+constexpr FormatSet bit(Format f) { return FormatSet(1) << int(f); }
+// The quantized modes with Metal kernels (metal/affine.metal instantiates each).
+constexpr FormatSet kQuantModes =
+    bit(Format::kAffine) | bit(Format::kMxfp4) | bit(Format::kNvfp4) | bit(Format::kMxfp8);
+// Whether the planner has kernels for mode m.
+constexpr bool serves(Mode m) { return (kQuantModes & bit(Format(int(m)))) != 0; }
+constexpr FormatSet kGgufTypes = bit(Format::kQ4_K) | bit(Format::kQ6_K);
+
+// How a route's launch grid follows from the problem. Only the two factories make one (no
+// default constructor): every RouteRow states its geometry, checked by the compiler.
+class Geometry {
+ public:
+  enum class Kind { kTiled, kElementwise };
+  // Threadgroups of `rows` rows of x by `cols` columns of y: grid (ceil(N/cols), ceil(M/rows)),
+  // `threads` threads each. The kernel reads W about ceil(M/rows) times and x ceil(N/cols) times.
+  static constexpr Geometry tiled(uint32_t rows, uint32_t cols, uint32_t threads) {
+    return Geometry(Kind::kTiled, rows, cols, threads);
+  }
+  // One thread per `values` consecutive values of W [N, K] (0: per quantization group), 1-D grid
+  // of `threads`-thread threadgroups.
+  static constexpr Geometry elementwise(uint32_t values, uint32_t threads) {
+    return Geometry(Kind::kElementwise, 0, values, threads);
+  }
+  Geometry() = delete;
+
+  Kind kind;
+  uint32_t rows;     // kTiled: rows of x per threadgroup
+  uint32_t cols;     // kTiled: columns of y per threadgroup; kElementwise: values per thread (0: a group)
+  uint32_t threads;  // threads per threadgroup
+
+ private:
+  constexpr Geometry(Kind k, uint32_t r, uint32_t c, uint32_t t) : kind(k), rows(r), cols(c), threads(t) {}
+};
+
+// Extra conditions of a row beyond op, format, transpose and M.
+enum class Cond { kAny, kQmvAligned };
+
+// One row of the routing table: for an op the first row whose conditions hold wins.
+struct RouteRow {
+  const char* route;   // the row's name (tests, selftest, Launch::route)
+  Op op;
+  FormatSet formats;   // the formats it serves
+  int transpose;       // 1 / 0, or -1 when the op has no transpose (or W is always [N, K])
+  int64_t m_min, m_max;
+  Cond cond;
+  const char* kernel;  // host name = {format prefix}_{kernel}_{dtype}_{format cell} (kernel_name)
+  Geometry geometry;
+  const char* when;    // human-readable condition
+  const char* why;
+};
+const std::vector<RouteRow>& routes();
 
 struct Binding {
   int index;            // setBuffer index (AffineBuffer in metal/qmm_params.h, GGUFBuffer in gguf_params.h)
@@ -60,27 +126,16 @@ struct Launch {
   uint32_t tile_cols = 0;
 };
 
-// Kernel host name {family}_{variant}_{dtype}_gs_{G}_b_{B}, e.g.
-// affine_qmv_fast_float16_t_gs_64_b_4. Must match AFFINE_NAME in metal/affine_common.h.
-std::string kernel_name(const char* family, const char* variant, DType dtype, int group_size, int bits);
+// The format of a problem: its mode, or its GGUF type for gguf_qmm (std::invalid_argument for a
+// type without kernels).
+Format format_of(const Problem& p);
+// Host name of the kernel `kernel` (a RouteRow's) for problem p, the one spelling of every
+// name: {prefix}_{kernel}_{dtype}_{cell} with prefix = the mode's name ("affine", "mxfp4", ...) or
+// "gguf", cell = "gs_{G}_b_{B}" or the GGUF type ("q4_K"); e.g. affine_qmv_fast_float16_t_gs_64_b_4,
+// gguf_qmm_bm8_float16_t_q6_K. Metal side: KERNEL_NAME in metal/kernel_names.h.
+std::string kernel_name(const char* kernel, const Problem& p);
 const char* dtype_name(DType dtype);  // "float", "float16_t", "bfloat16_t"
-
-// GGUF kernel host name gguf_{qmv|qmm}_{type}[_{variant}]_{dtype}, e.g. gguf_qmv_q4_K_float,
-// gguf_qmm_q6_K_bm8_float16_t (variant may be empty). Must match GGUF_NAME in metal/gguf_qmm.h.
-std::string gguf_kernel_name(const char* family, const char* variant, int ggml_type, DType dtype);
-const char* ggml_type_name(int ggml_type);  // "q4_K", "q6_K"
-
-// One row of the routing table (csrc/plan.cpp): exposed so that tests can check that every
-// route is exercised and every kernel a plan can name exists.
-struct RouteInfo {
-  const char* route;
-  const char* op;  // "qmm", "dequantize", "quantize", "gguf_qmm"
-  const char* family;
-  const char* variant;
-  const char* when;  // human-readable condition
-  const char* why;
-};
-const std::vector<RouteInfo>& routes();
+const char* format_name(Format f);    // "affine", "mxfp4", "nvfp4", "mxfp8", "q4_K", "q6_K"
 
 // The launches of one op. Problems with an empty output plan no launch; a qmm with K == 0
 // plans none either (the executor returns zeros). gguf_qmm problems must have a native

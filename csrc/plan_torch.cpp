@@ -1,8 +1,8 @@
 // Validated problems (plan_torch.h) and the Python-visible planner ops, whose schemas are in
 // csrc/ops.cpp:
-//   _plan(op, M, N, K, bits, group_size, dtype, transpose) -> JSON launches   (tests, tools)
-//   _plan_for(op, tensors, bits, group_size, transpose)   -> JSON launches   (validates first;
-//                                                            metalsim's executor)
+//   _plan(op, M, N, K, bits, group_size, dtype, transpose, mode) -> JSON launches   (tests, tools)
+//   _plan_for(op, tensors, bits, group_size, transpose, mode, dtype) -> JSON launches (validates
+//                                                            first; metalsim's executor)
 //   _plan_gguf(M, N, K, ggml_type, dtype)                  -> JSON launches   (tests, tools)
 //   _plan_for_gguf(x, blocks, ggml_type, N, K)             -> JSON launches   (gguf_qmm's checks
 //                                                            first; same arguments as gguf_qmm)
@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "format_spec.h"
 #include "gguf_format.h"
 #include "gguf_validate.h"
 #include "validate.h"
@@ -36,12 +37,14 @@ plan::DType plan_dtype(at::ScalarType t) {
 }
 
 namespace {
-// The format of `mode`, which the Metal planner must serve (affine only so far).
+
+// The format of `mode` (validated), which the Metal planner must serve.
 const FormatSpec& metal_format(const char* op, std::string_view mode) {
   const FormatSpec& f = check_mode(op, mode);
-  TORCH_CHECK_VALUE(f.mode == Mode::kAffine, op, ": mode '", f.name, "' has no Metal kernels yet (supported: 'affine')");
+  TORCH_CHECK_VALUE(plan::serves(f.mode), op, ": mode '", f.name, "' has no Metal kernels");
   return f;
 }
+
 }  // namespace
 
 plan::Problem qmm_problem(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
@@ -52,16 +55,25 @@ plan::Problem qmm_problem(const at::Tensor& x, const at::Tensor& wq, const at::T
   metal_format("qmm", mode);
   int64_t M = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
-  return {plan::Op::kQmm, M, N, K, int(bits), int(group_size), plan_dtype(x.scalar_type()), transpose};
+  plan::Problem p{plan::Op::kQmm, M, N, K, int(bits), int(group_size), plan_dtype(x.scalar_type()), transpose};
+  p.mode = f.mode;
+  return p;
 }
 
 plan::Problem dequantize_problem(const at::Tensor& wq, const at::Tensor& scales, const std::optional<at::Tensor>& biases,
-                                 std::string_view mode, int64_t bits, int64_t group_size) {
+                                 std::string_view mode, int64_t bits, int64_t group_size,
+                                 std::optional<at::ScalarType> dtype) {
   const FormatSpec& f = check_mode("dequantize", mode);
   const PackedShape s = check_packed("dequantize", f, wq, scales, biases, bits, group_size);
+  const at::ScalarType out = check_dequantize_dtype("dequantize", f, scales, dtype);
   metal_format("dequantize", mode);
-  return {plan::Op::kDequantize, 0, s.rows, s.cols, int(bits), int(group_size), plan_dtype(scales.scalar_type()),
-          true};
+  // The affine kernels compute in the scales' dtype (the CPU op's rounding); fp kernels write any.
+  TORCH_CHECK_VALUE(f.scale != ScaleKind::kFloat || out == scales.scalar_type(),
+                    "dequantize: argument 'dtype' must be the scales' dtype (", scales.scalar_type(),
+                    ") for mode '", f.name, "' on Metal, got ", out);
+  plan::Problem p{plan::Op::kDequantize, 0, s.rows, s.cols, int(bits), int(group_size), plan_dtype(out), true};
+  p.mode = f.mode;
+  return p;
 }
 
 plan::Problem quantize_problem(const at::Tensor& w, std::string_view mode, int64_t bits, int64_t group_size) {
@@ -69,16 +81,19 @@ plan::Problem quantize_problem(const at::Tensor& w, std::string_view mode, int64
   const auto [N, K] = check_quantize(f, w, bits, group_size);
   metal_format("quantize", mode);
   // A kernel cannot raise: the data-dependent checks run here, before any launch (synchronizes).
-  // Every group's range max - min in float32 is finite iff w is finite and no range overflows.
+  // Every group's range max - min in float32 is finite iff w is finite and no range overflows
+  // (the range matters only where the format has biases: affine).
   if (w.numel() != 0) {
     const at::Tensor groups = w.reshape({-1, group_size});
     const at::Tensor range = at::sub(groups.amax(-1).to(at::kFloat), groups.amin(-1).to(at::kFloat));
     if (!at::isfinite(range).all().item<bool>()) {
       check_quantize_finite(at::isfinite(w).all().item<bool>());
-      check_quantize_range(false);
+      check_quantize_range(!f.has_biases);
     }
   }
-  return {plan::Op::kQuantize, 0, N, K, int(bits), int(group_size), plan_dtype(w.scalar_type()), true};
+  plan::Problem p{plan::Op::kQuantize, 0, N, K, int(bits), int(group_size), plan_dtype(w.scalar_type()), true};
+  p.mode = f.mode;
+  return p;
 }
 
 plan::Problem gguf_qmm_problem(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N,
@@ -99,11 +114,7 @@ plan::Op parse_op(const std::string& op) {
   TORCH_CHECK_VALUE(false, "_plan: argument 'op' must be one of 'qmm', 'dequantize', 'quantize', got '", op, "'");
 }
 
-std::string plan_op(const std::string& op, int64_t M, int64_t N, int64_t K, int64_t bits, int64_t group_size,
-                    at::ScalarType dtype, bool transpose) {
-  check_bits_and_group_size("_plan", format_spec(Mode::kAffine), bits, group_size);
-  TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0, "_plan: M, N, K must be >= 0, got ", M, ", ", N, ", ", K);
-  const plan::Problem p{parse_op(op), M, N, K, int(bits), int(group_size), plan_dtype(dtype), transpose};
+std::string planned(const plan::Problem& p) {
   try {
     return plan::to_json(plan::make_plan(p));
   } catch (const std::exception& e) {
@@ -111,20 +122,32 @@ std::string plan_op(const std::string& op, int64_t M, int64_t N, int64_t K, int6
   }
 }
 
-std::string plan_for_op(const std::string& op, const std::vector<at::Tensor>& args, int64_t bits,
-                        int64_t group_size, bool transpose) {
+std::string plan_op(const std::string& op, int64_t M, int64_t N, int64_t K, int64_t bits, int64_t group_size,
+                    at::ScalarType dtype, bool transpose, const std::string& mode) {
+  const FormatSpec& f = metal_format("_plan", mode);
+  check_bits_and_group_size("_plan", f, bits, group_size);
+  TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0, "_plan: M, N, K must be >= 0, got ", M, ", ", N, ", ", K);
+  plan::Problem p{parse_op(op), M, N, K, int(bits), int(group_size), plan_dtype(dtype), transpose};
+  p.mode = f.mode;
+  return planned(p);
+}
+
+std::string plan_for_op(const std::string& op, const std::vector<std::optional<at::Tensor>>& args, int64_t bits,
+                        int64_t group_size, bool transpose, const std::string& mode,
+                        std::optional<at::ScalarType> dtype) {
   const plan::Op o = parse_op(op);
   const size_t want = o == plan::Op::kQmm ? 4 : o == plan::Op::kDequantize ? 3 : 1;
   TORCH_CHECK_VALUE(args.size() == want, "_plan_for: op '", op, "' takes ", want, " tensors, got ", args.size());
-  plan::Problem p = o == plan::Op::kQmm
-                        ? qmm_problem(args[0], args[1], args[2], args[3], "affine", bits, group_size, transpose)
-                    : o == plan::Op::kDequantize ? dequantize_problem(args[0], args[1], args[2], "affine", bits, group_size)
-                                                 : quantize_problem(args[0], "affine", bits, group_size);
-  try {
-    return plan::to_json(plan::make_plan(p));
-  } catch (const std::exception& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
+  // Every tensor but the biases (the last of qmm and dequantize) must be given.
+  auto tensor = [&](size_t i) -> const at::Tensor& {
+    TORCH_CHECK_VALUE(args[i].has_value(), "_plan_for: tensor ", i, " of op '", op, "' must not be None");
+    return *args[i];
+  };
+  const plan::Problem p =
+      o == plan::Op::kQmm ? qmm_problem(tensor(0), tensor(1), tensor(2), args[3], mode, bits, group_size, transpose)
+      : o == plan::Op::kDequantize ? dequantize_problem(tensor(0), tensor(1), args[2], mode, bits, group_size, dtype)
+                                   : quantize_problem(tensor(0), mode, bits, group_size);
+  return planned(p);
 }
 
 std::string plan_gguf_op(int64_t M, int64_t N, int64_t K, int64_t ggml_type, at::ScalarType dtype) {
@@ -134,21 +157,12 @@ std::string plan_gguf_op(int64_t M, int64_t N, int64_t K, int64_t ggml_type, at:
                     "_plan_gguf: M, N, K must be >= 0 and K a multiple of 256, got ", M, ", ", N, ", ", K);
   plan::Problem p{plan::Op::kGgufQmm, M, N, K, 0, 0, plan_dtype(dtype), true};
   p.ggml_type = int(ggml_type);
-  try {
-    return plan::to_json(plan::make_plan(p));
-  } catch (const std::exception& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
+  return planned(p);
 }
 
 std::string plan_for_gguf_op(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N,
                              int64_t K) {
-  const plan::Problem p = gguf_qmm_problem(x, blocks, ggml_type, N, K);
-  try {
-    return plan::to_json(plan::make_plan(p));
-  } catch (const std::exception& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
+  return planned(gguf_qmm_problem(x, blocks, ggml_type, N, K));
 }
 
 std::string routes_op() { return plan::routes_json(); }

@@ -1,6 +1,8 @@
 // From torch tensors to a validated planner Problem: the one place where every Metal
-// executor (csrc/mps/*.mm, torch_qmm/metalsim/backend.py through `_plan_for`) runs the argument
-// checks of csrc/validate.* (csrc/gguf_validate.* for gguf_qmm) before planning, so bad input raises the CPU ops' errors everywhere.
+// executor (csrc/mps/*.mm, torch_qmm/metalsim_backend.py through `_plan_for`) runs the argument
+// checks of csrc/validate.* (csrc/gguf_validate.* for gguf_qmm) before planning, so bad input
+// raises the CPU ops' errors everywhere. `mode` is a format of csrc/format_spec.h; a mode the
+// planner has no kernels for (plan::serves) is refused with ValueError.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,12 +16,14 @@ namespace torch_qmm {
 
 plan::DType plan_dtype(at::ScalarType t);
 
-// mode: a format of csrc/format_spec.h; the planner serves "affine" (other modes are refused).
 plan::Problem qmm_problem(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                           const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits,
                           int64_t group_size, bool transpose);
+// dtype: of the result (None: the mode's default, csrc/validate.h check_dequantize_dtype); affine
+// kernels write the scales' dtype only.
 plan::Problem dequantize_problem(const at::Tensor& wq, const at::Tensor& scales, const std::optional<at::Tensor>& biases,
-                                 std::string_view mode, int64_t bits, int64_t group_size);
+                                 std::string_view mode, int64_t bits, int64_t group_size,
+                                 std::optional<at::ScalarType> dtype);
 // Includes the NaN/Inf check of w (reads the data).
 plan::Problem quantize_problem(const at::Tensor& w, std::string_view mode, int64_t bits, int64_t group_size);
 // gguf_qmm: the checks of csrc/gguf_validate.* (the CPU op's), then M = rows of x.

@@ -1,5 +1,6 @@
-// Instantiations only (kernel bodies: metal/affine_*.h; names: metal/affine_kernels.h),
-// nested bits -> group size -> dtype.
+// Instantiations only of the quantized modes (kernel bodies: metal/affine_*.h with the format
+// policies of metal/quant_format.h; cells: metal/affine_kernels.h): affine nested bits -> group
+// size -> dtype, then the fp modes.
 #include "affine_kernels.h"
 
 #if AFFINE_WANT_BITS(2)
@@ -36,4 +37,13 @@ AFFINE_INSTANTIATE_DTYPES(128, 6)
 AFFINE_INSTANTIATE_DTYPES(32, 8)
 AFFINE_INSTANTIATE_DTYPES(64, 8)
 AFFINE_INSTANTIATE_DTYPES(128, 8)
+#endif
+
+// The fp modes (MLX's): one group size and bit width each.
+#if AFFINE_WANT_BITS(4)
+QUANT_INSTANTIATE_DTYPES(mxfp4, MODE_MXFP4, 32, 4)
+QUANT_INSTANTIATE_DTYPES(nvfp4, MODE_NVFP4, 16, 4)
+#endif
+#if AFFINE_WANT_BITS(8)
+QUANT_INSTANTIATE_DTYPES(mxfp8, MODE_MXFP8, 32, 8)
 #endif

@@ -1,17 +1,23 @@
-// Every affine kernel family, and the macros that instantiate one (dtype, group size, bits)
-// cell of all of them. metal/affine.metal lists the cells; nothing else instantiates kernels.
+// Every quantized-mode kernel family, and the macros that instantiate one (mode, dtype, group
+// size, bits) cell of all of them. metal/affine.metal lists the cells; nothing else instantiates
+// kernels.
 //
-// Kernel names: {family}_{variant}_{dtype}_gs_{G}_b_{B}, dtype in {float, float16_t, bfloat16_t}.
-// Must match the route table and kernel_name() in csrc/plan.cpp.
+// Kernel names (metal/kernel_names.h): {mode}_{kernel}_{dtype}_gs_{G}_b_{B}, mode the name of a
+// QuantMode (the cells of metal/affine.metal), dtype in {float, float16_t, bfloat16_t}. {kernel} is a routing-table row's kernel
+// (csrc/plan.cpp), which plan::kernel_name spells the same way.
 //
-//   family          variant          header               used for
-//   affine_qmv      fast, bounded    affine_qmv.h         M = 1, transpose=True
-//   affine_qmm_t    bm2, bm4, bm8    affine_qmm_small.h   small M, transpose=True
-//   affine_qmm_t    mma16, mma32     affine_mma.h         larger M, transpose=True
-//   affine_qvm      bounded          affine_qvm.h         small M, transpose=False
-//   affine_qmm_n    mma32            affine_mma.h         larger M, transpose=False
-//   affine_dequantize rows           affine_quant.h       affine_dequantize
-//   affine_quantize rows             affine_quant.h       affine_quantize
+//   kernel          function       header               used for
+//   qmv_fast        qmv_fast       affine_qmv.h         M = 1, transpose=True, aligned shapes
+//   qmv_bounded     qmv_bounded    affine_qmv.h         M = 1, transpose=True
+//   qmm_t_bm{2,4,8} qmm_t_small    affine_qmm_small.h   small M, transpose=True
+//   qmm_t_mma{16,32} qmm_mma       affine_mma.h         larger M, transpose=True
+//   qvm_bounded     qvm_bounded    affine_qvm.h         small M, transpose=False
+//   qmm_n_mma32     qmm_mma        affine_mma.h         larger M, transpose=False
+//   dequantize_rows dequantize_rows affine_quant.h      dequantize
+//   quantize_rows   quantize_rows  affine_quant.h       quantize
+//
+// Each kernel is templated on T and the format policy F = QuantFormat<mode, T, G, bits>
+// (metal/quant_format.h): one body per kernel, every mode.
 #pragma once
 
 #include "affine_common.h"
@@ -28,25 +34,34 @@
 #endif
 #define AFFINE_WANT_BITS(b) (TORCH_QMM_ONLY_BITS == 0 || TORCH_QMM_ONLY_BITS == (b))
 
-#define AFFINE_INSTANTIATE_CELL(type, tname, gs, bits)                                                      \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_qmv, fast, tname, gs, bits), affine_qmv_fast, type, gs, bits)        \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_qmv, bounded, tname, gs, bits), affine_qmv_bounded, type, gs, bits)  \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_qmm_t, bm2, tname, gs, bits), affine_qmm_t_small, type, gs, bits, 2)  \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_qmm_t, bm4, tname, gs, bits), affine_qmm_t_small, type, gs, bits, 4)  \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_qmm_t, bm8, tname, gs, bits), affine_qmm_t_small, type, gs, bits, 8)  \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_qmm_t, mma16, tname, gs, bits), affine_qmm_mma, type, gs, bits, 16,   \
-                     true)                                                                                   \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_qmm_t, mma32, tname, gs, bits), affine_qmm_mma, type, gs, bits, 32,   \
-                     true)                                                                                   \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_qvm, bounded, tname, gs, bits), affine_qvm_bounded, type, gs, bits)  \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_qmm_n, mma32, tname, gs, bits), affine_qmm_mma, type, gs, bits, 32,   \
-                     false)                                                                                  \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_dequantize, rows, tname, gs, bits), affine_dequantize_rows, type, gs, \
-                     bits)                                                                                   \
-  AFFINE_INSTANTIATE(AFFINE_NAME(affine_quantize, rows, tname, gs, bits), affine_quantize_rows, type, gs, bits)
+// One cell: prefix (the mode's name), its QuantMode, the element type and its name, G, bits.
+#define QUANT_INSTANTIATE_CELL(prefix, mode, type, tname, gs, bits)                                         \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, qmv_fast, tname, KERNEL_CELL(gs, bits)), qmv_fast, type,             \
+                     QuantFormat<mode, type, gs, bits>)                                                      \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, qmv_bounded, tname, KERNEL_CELL(gs, bits)), qmv_bounded, type,       \
+                     QuantFormat<mode, type, gs, bits>)                                                      \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, qmm_t_bm2, tname, KERNEL_CELL(gs, bits)), qmm_t_small, type,         \
+                     QuantFormat<mode, type, gs, bits>, 2)                                                   \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, qmm_t_bm4, tname, KERNEL_CELL(gs, bits)), qmm_t_small, type,         \
+                     QuantFormat<mode, type, gs, bits>, 4)                                                   \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, qmm_t_bm8, tname, KERNEL_CELL(gs, bits)), qmm_t_small, type,         \
+                     QuantFormat<mode, type, gs, bits>, 8)                                                   \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, qmm_t_mma16, tname, KERNEL_CELL(gs, bits)), qmm_mma, type,           \
+                     QuantFormat<mode, type, gs, bits>, 16, true)                                            \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, qmm_t_mma32, tname, KERNEL_CELL(gs, bits)), qmm_mma, type,           \
+                     QuantFormat<mode, type, gs, bits>, 32, true)                                            \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, qvm_bounded, tname, KERNEL_CELL(gs, bits)), qvm_bounded, type,       \
+                     QuantFormat<mode, type, gs, bits>)                                                      \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, qmm_n_mma32, tname, KERNEL_CELL(gs, bits)), qmm_mma, type,           \
+                     QuantFormat<mode, type, gs, bits>, 32, false)                                           \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, dequantize_rows, tname, KERNEL_CELL(gs, bits)), dequantize_rows,     \
+                     type, QuantFormat<mode, type, gs, bits>)                                                \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, quantize_rows, tname, KERNEL_CELL(gs, bits)), quantize_rows, type,   \
+                     QuantFormat<mode, type, gs, bits>)
 
-// dtype level of the nesting bits -> group size -> dtype.
-#define AFFINE_INSTANTIATE_DTYPES(gs, bits)          \
-  AFFINE_INSTANTIATE_CELL(float, float, gs, bits)    \
-  AFFINE_INSTANTIATE_CELL(half, float16_t, gs, bits) \
-  AFFINE_INSTANTIATE_CELL(bfloat, bfloat16_t, gs, bits)
+// dtype level of the nesting mode -> bits -> group size -> dtype.
+#define QUANT_INSTANTIATE_DTYPES(prefix, mode, gs, bits)          \
+  QUANT_INSTANTIATE_CELL(prefix, mode, float, float, gs, bits)    \
+  QUANT_INSTANTIATE_CELL(prefix, mode, half, float16_t, gs, bits) \
+  QUANT_INSTANTIATE_CELL(prefix, mode, bfloat, bfloat16_t, gs, bits)
+#define AFFINE_INSTANTIATE_DTYPES(gs, bits) QUANT_INSTANTIATE_DTYPES(affine, MODE_AFFINE, gs, bits)

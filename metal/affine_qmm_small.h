@@ -1,15 +1,16 @@
-// affine_qmm_t_bm{2,4,8}: y = x @ W.T for small M (2 .. 8), transpose=True (W [N, K]).
+// qmm_t_small (routes qmm_t_bm{2,4,8}): y = x @ W.T for small M (2 .. 8), transpose=True (W [N, K]),
+// every quantized mode (format policy F, metal/quant_format.h).
 // Weights are decoded once per K-block and reused for R = 2, 4 or 8 rows of x (the seed's
 // mt_qmm_bm2 / bm4 design, extended to 8): W traffic is ceil(M / R) x its size, not M x.
 //
-//   wq [N, K*bits/8 bytes]   scales, biases [N, K/G]   x [M, K]   y [M, N]
+//   wq [N, K*bits/8 bytes]   scales (, biases) [N, K/G]   x [M, K]   y [M, N]
 //
 //   grid (ceil(N/8), ceil(M/R)); threadgroup (tx, ty) = 2 SIMD-groups x 32 lanes
 //   simdgroup s -> W rows n0 = 8*tx + 4*s .. +3 ; x rows m0 = R*ty .. +R-1
 //   K-block of 256 = 32 lanes x 8 values:
 //     lane l decodes q[4 rows][8] at k = k0 + 8l once (one unit of `bits` bytes per row),
-//     then for each of the R rows of x: loads x[m, k .. k+8), acc[m][r] += s*dot(q, x) + b*sum(x)
-//     (weight by weight where that is not finite: affine_dot8)
+//     then for each of the R rows of x: loads x[m, k .. k+8), acc[m][r] += s*dot(q, x) (+ b*sum(x))
+//     (weight by weight where that is not finite: group_dot8)
 //   end: simd_sum of each acc[m][r] -> y[m0+m, n0+r]
 // Bounds: rows of x past M and rows of W past N are skipped (uniform per SIMD-group); lanes whose
 // 8 values start at or past K stop (K % G == 0, so a unit never straddles K).
@@ -17,10 +18,11 @@
 
 #include "affine_common.h"
 
-template <typename T, int G, int bits, int R>
-inline void affine_qmm_small_impl(const device uint8_t* wq, const device T* scales, const device T* biases,
-                                  const device T* x, device T* y, constant AffineParams& p, uint2 tg,
-                                  uint simd_gid, uint lane) {
+template <typename T, typename F, int R>
+inline void qmm_small_impl(const device uint8_t* wq, const device typename F::scale_t* scales, const device T* biases,
+                           const device T* x, device T* y, constant AffineParams& p, uint2 tg, uint simd_gid,
+                           uint lane) {
+  constexpr int G = F::G, bits = F::BITS;
   constexpr int ROWS = BM_ROWS_PER_SIMDGROUP;
   const uint M = p.M, N = p.N, K = p.K;
   const uint row_bytes = K * bits / 8;
@@ -40,9 +42,9 @@ inline void affine_qmm_small_impl(const device uint8_t* wq, const device T* scal
     for (int r = 0; r < ROWS; ++r) {
       const uint n = n0 + r;
       if (n < N) {
-        decode8<bits>(wq + n * row_bytes + k * bits / 8, q[r]);
-        s[r] = float(scales[n * groups + k / G]);
-        b[r] = float(biases[n * groups + k / G]);
+        F::decode8(wq + n * row_bytes + k * bits / 8, q[r]);
+        s[r] = F::scale(scales, n * groups + k / G);
+        b[r] = F::bias(biases, n * groups + k / G);
       } else {
         for (int i = 0; i < 8; ++i) q[r][i] = 0.0f;
         s[r] = 0.0f;
@@ -58,7 +60,7 @@ inline void affine_qmm_small_impl(const device uint8_t* wq, const device T* scal
         xv[i] = float(xr[i]);
         xsum += xv[i];
       }
-      for (int r = 0; r < ROWS; ++r) acc[m][r] += affine_dot8(q[r], xv, s[r], b[r], xsum);
+      for (int r = 0; r < ROWS; ++r) acc[m][r] += group_dot8<F>(q[r], xv, s[r], b[r], xsum);
     }
   }
   for (int m = 0; m < R; ++m) {
@@ -69,7 +71,7 @@ inline void affine_qmm_small_impl(const device uint8_t* wq, const device T* scal
   }
 }
 
-template <typename T, int G, int bits, int R>
-[[kernel]] void affine_qmm_t_small(AFFINE_QMM_ARGS) {
-  affine_qmm_small_impl<T, G, bits, R>(wq, scales, biases, x, y, p, tgid.xy, simd_gid, lane);
+template <typename T, typename F, int R>
+[[kernel]] void qmm_t_small(QMM_ARGS) {
+  qmm_small_impl<T, F, R>(wq, scales, biases, x, y, p, tgid.xy, simd_gid, lane);
 }

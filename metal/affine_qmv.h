@@ -1,13 +1,14 @@
-// affine_qmv: y[0, n] = sum_k x[0, k] * W[n, k] for M = 1, transpose=True (W [N, K]).
+// qmv_fast / qmv_bounded: y[0, n] = sum_k x[0, k] * W[n, k] for M = 1, transpose=True (W [N, K]),
+// every quantized mode (the format policy F, metal/quant_format.h, decodes codes and scales).
 // Geometry after MLX qmv_fast (and the seed's mt_qmv): 2 SIMD-groups x 4 W rows = 8 outputs per
 // threadgroup; each lane holds a slice of x in registers and reuses it for its SIMD-group's 4 rows.
 //
-//   wq [N, K*bits/8 bytes]   scales, biases [N, K/G]   x [K]   y [N]
+//   wq [N, K*bits/8 bytes]   scales (, biases) [N, K/G]   x [K]   y [N]
 //
 //   threadgroup t (64 threads)            one K-block = 32 lanes x V values (V = 16 or 8)
 //   simdgroup 0 -> W rows 8t+0 .. 8t+3    lane l: x[k0 + l*V .. +V) in registers (pre-scaled),
 //   simdgroup 1 -> W rows 8t+4 .. 8t+7        W[row, same K range] for each of its 4 rows
-//   per row: acc += s * sum(q*x) + b * sum(x) (weight by weight where that is not finite: qdot);
+//   per row: acc += s * sum(q*x) (+ b * sum(x)) (weight by weight where that is not finite: qdot);
 //   at the end simd_sum(acc) -> y[row]
 //
 // Variants (template flag `bounded`):
@@ -19,10 +20,10 @@
 
 #include "affine_common.h"
 
-template <typename T, int G, int bits, bool bounded>
-inline void affine_qmv_impl(const device uint8_t* wq, const device T* scales, const device T* biases,
-                            const device T* x, device T* y, constant AffineParams& p, uint tg, uint simd_gid,
-                            uint lane) {
+template <typename T, typename F, bool bounded>
+inline void qmv_impl(const device uint8_t* wq, const device typename F::scale_t* scales, const device T* biases,
+                     const device T* x, device T* y, constant AffineParams& p, uint tg, uint simd_gid, uint lane) {
+  constexpr int G = F::G, bits = F::BITS;
   constexpr int V = qmv_values_per_thread(bits);
   constexpr int BLOCK = V * SIMD_WIDTH;
   const uint N = p.N, K = p.K;
@@ -35,13 +36,13 @@ inline void affine_qmv_impl(const device uint8_t* wq, const device T* scales, co
   for (uint k0 = 0; k0 < K; k0 += BLOCK) {
     const uint k = k0 + lane * V;
     if (bounded && k >= K) break;
-    const float xsum = load_x_prescaled<T, bits, V>(x + k, xt);
+    const float xsum = load_x_prescaled<T, F::X_PRESCALE, V>(x + k, xt);
     for (int r = 0; r < QMV_ROWS_PER_SIMDGROUP; ++r) {
       const uint n = row0 + r;
       if (bounded && n >= N) break;
       const uint g = n * groups + k / G;
-      acc[r] += qdot<T, bits, V>(wq + n * row_bytes + k * bits / 8, xt, x + k, float(scales[g]), float(biases[g]),
-                                 xsum);
+      acc[r] += qdot<F, T, V>(wq + n * row_bytes + k * bits / 8, xt, x + k, F::scale(scales, g), F::bias(biases, g),
+                              xsum);
     }
   }
   // Every lane reaches the reductions (rows past N reduce zeros and are not written).
@@ -52,12 +53,12 @@ inline void affine_qmv_impl(const device uint8_t* wq, const device T* scales, co
   }
 }
 
-template <typename T, int G, int bits>
-[[kernel]] void affine_qmv_fast(AFFINE_QMM_ARGS) {
-  affine_qmv_impl<T, G, bits, false>(wq, scales, biases, x, y, p, tgid.x, simd_gid, lane);
+template <typename T, typename F>
+[[kernel]] void qmv_fast(QMM_ARGS) {
+  qmv_impl<T, F, false>(wq, scales, biases, x, y, p, tgid.x, simd_gid, lane);
 }
 
-template <typename T, int G, int bits>
-[[kernel]] void affine_qmv_bounded(AFFINE_QMM_ARGS) {
-  affine_qmv_impl<T, G, bits, true>(wq, scales, biases, x, y, p, tgid.x, simd_gid, lane);
+template <typename T, typename F>
+[[kernel]] void qmv_bounded(QMM_ARGS) {
+  qmv_impl<T, F, true>(wq, scales, biases, x, y, p, tgid.x, simd_gid, lane);
 }

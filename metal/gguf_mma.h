@@ -1,4 +1,4 @@
-// gguf_qmm_{type}_mma32: y = x @ W.T for large M on the shared simdgroup-matrix tile
+// gguf_qmm_mma32_{dtype}_{type}: y = x @ W.T for large M on the shared simdgroup-matrix tile
 // (metal/mma_tile.h: x staging, 8x8 multiply-accumulate, bounded store; after MLX's
 // QuantizedBlockLoader + BlockMMA), W given as GGUF K-quant blocks (metal/gguf_format.h). This file
 // holds only the K-quant W loader: a unit is 8 consecutive weights of one super-block, which always

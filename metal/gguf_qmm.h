@@ -31,18 +31,9 @@
 
 #define TORCH_QMM_METAL 1
 #include "gguf_params.h"
+#include "kernel_names.h"
 
 using namespace metal;
-
-// ---- Kernel names: gguf_{qmv|qmm}_{type}[_{variant}]_{dtype} ----------------------------------
-// e.g. gguf_qmv_q4_K_float, gguf_qmm_q6_K_bm8_float16_t. Must match gguf_kernel_name() in
-// csrc/plan.cpp (the one host spelling); `variant` is empty or `_bm2` / `_bm4` / `_bm8` / `_mma32`.
-#define GGUF_STR_(x) #x
-#define GGUF_STR(x) GGUF_STR_(x)
-#define GGUF_NAME(family, type, variant, tname) GGUF_STR(family##_##type##variant##_##tname)
-
-#define GGUF_INSTANTIATE(name, func, ...) \
-  template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
 
 // The arguments of every gguf [[kernel]] (templated on T), written once: the buffers at their
 // GGUFBuffer indices (gguf_params.h), then the thread positions. The mma tile adds
@@ -220,14 +211,14 @@ inline void gguf_qmm_impl(const device uint8_t* blocks, const device T* x, devic
   }
 }
 
-// M = 1 (decode): gguf_qmv_{type}_{dtype}.
+// M = 1 (decode): gguf_qmv_{dtype}_{type}.
 template <typename T, int type>
 [[kernel]] void gguf_qmv(GGUF_QMM_ARGS) {
   gguf_qmm_impl<T, type, 1>(blocks, x, y, p, tgid.xy, simd_gid, lane);
 }
 
-// Small M (up to 16: the grid's y dimension covers M in R-row blocks): gguf_qmm_{type}_bm{R}_{dtype}.
-// Larger M: gguf_qmm_{type}_mma32_{dtype} (metal/gguf_mma.h).
+// Small M (up to 16: the grid's y dimension covers M in R-row blocks): gguf_qmm_bm{R}_{dtype}_{type}.
+// Larger M: gguf_qmm_mma32_{dtype}_{type} (metal/gguf_mma.h).
 template <typename T, int type, int R>
 [[kernel]] void gguf_qmm_small(GGUF_QMM_ARGS) {
   gguf_qmm_impl<T, type, R>(blocks, x, y, p, tgid.xy, simd_gid, lane);

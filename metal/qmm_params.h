@@ -17,10 +17,15 @@
 namespace torch_qmm {
 #endif
 
+// ---- Quantization modes: the values of Mode in csrc/format_spec.h (MLX's mode strings) ------
+// Template argument of the kernels' format policy (metal/quant_format.h).
+enum QuantMode : int { MODE_AFFINE = 0, MODE_MXFP4 = 1, MODE_NVFP4 = 2, MODE_MXFP8 = 3 };
+
 // ---- Buffer indices (setBuffer / setBytes index), the same for every affine kernel ----------
 //   qmm       : wq, scales, biases, x (in),  y (out)
 //   dequantize: wq, scales, biases, out w (DENSE)
 //   quantize  : wq, scales, biases (all out), w (DENSE, in)
+// The fp modes have no biases: BUF_BIASES is left unbound and never read.
 enum AffineBuffer : int {
   BUF_WQ = 0,
   BUF_SCALES = 1,
@@ -30,7 +35,7 @@ enum AffineBuffer : int {
   BUF_PARAMS = 5  // AffineParams via setBytes
 };
 
-// The small constant arguments of every affine kernel (setBytes at BUF_PARAMS).
+// The small constant arguments of every quantized-mode kernel (setBytes at BUF_PARAMS).
 // qmm: x [M, K], y [M, N]; W [N, K] or [K, N]. (De)quantize: W [N, K] quantized along K, M unused.
 struct AffineParams {
   uint32_t M;

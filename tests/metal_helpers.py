@@ -38,8 +38,32 @@ def routes() -> list[dict]:
     return json.loads(torch.ops.torch_qmm._routes())
 
 
-def plan(op: str, M: int, N: int, K: int, bits: int, group_size: int, dtype, transpose: bool = True) -> list[dict]:
-    return json.loads(torch.ops.torch_qmm._plan(op, M, N, K, bits, group_size, dtype, transpose))
+def plan(op: str, M: int, N: int, K: int, bits: int, group_size: int, dtype, transpose: bool = True,
+         mode: str = "affine") -> list[dict]:
+    from torch_qmm.formats import FORMATS
+
+    if mode not in FORMATS:  # the planner serves it, the op layer (csrc/format_spec.cpp) not yet
+        pytest.skip(f"mode {mode!r} is not in the format table (torch_qmm.formats.FORMATS) yet")
+    return json.loads(torch.ops.torch_qmm._plan(op, M, N, K, bits, group_size, dtype, transpose, mode))
+
+
+# MLX's fp modes with Metal kernels, and their (bits, group size) (torch_qmm/reference_fp.py).
+FP_MODES = ("mxfp4", "nvfp4", "mxfp8")
+
+
+def fp_mode_params(mode: str) -> tuple[int, int]:
+    from torch_qmm import reference_fp
+
+    spec = reference_fp.MODES[mode]
+    return spec.bits, spec.group_size
+
+
+def metal_run(launches: list[dict], operands: dict, check=None, count=False):
+    """Runs planned launches on metalsim (the executor's path after planning); returns the runs."""
+    from torch_qmm import metalsim_backend
+
+    metalsim_backend._execute(launches, operands, check, count)
+    return metalsim_backend.last_launches()
 
 
 def require_clang():

@@ -36,6 +36,24 @@ def test_traffic_within_the_tile_bounds(M, transpose, bits):
         assert t.holds, t.failures()
 
 
+@pytest.mark.parametrize("M,transpose", [(1, True), (3, True), (12, True), (33, True), (2, False), (40, False)])
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
+def test_fp_traffic_within_the_tile_bounds(M, transpose, mode):
+    """The fp modes bind wq, scales (uint8 codes), x and y; at M = 1 each weight and scale byte is
+    fetched once (tg_footprint within 1.02x of the buffer), at M >= 2 the tile bounds hold."""
+    require_clang()
+    from torch_qmm.formats import FORMATS
+
+    if mode not in FORMATS:
+        pytest.skip(f"mode {mode!r} is not in the format table yet")
+    for N, K in ((64, 1024), (40, 320)) if transpose else ((384, 96), (160, 45)):
+        t = measure(Config(N, K, M, 0, "float16", 0, "metalsim"), transpose=transpose, mode=mode)
+        assert set(t.buffers) == {"wq", "scales", "x", "y"}
+        checked = [name for name, b in t.buffers.items() if b.bound is not None]
+        assert checked == (["wq", "scales"] if M == 1 else ["wq", "x"])
+        assert t.holds, t.failures()
+
+
 def test_bound_violation_is_reported():
     """The bound check can fail: a tg_footprint above the bound is flagged, not averaged away."""
     from torch_qmm.bench.metalsim_traffic import BufferTraffic

@@ -85,19 +85,19 @@ def test_gguf_routing_by_m_matches_the_table():
 
 def test_gguf_kernel_names_geometry_and_bindings():
     (l,) = plan_gguf(1, 4096, 4096, Q4_K, torch.float32)
-    assert l["kernel"] == "gguf_qmv_q4_K_float"
+    assert l["kernel"] == "gguf_qmv_float_q4_K"
     assert l["threadgroups"] == [512, 1, 1] and l["threads_per_threadgroup"] == [64, 1, 1]
     assert {b["operand"]: b["index"] for b in l["buffers"]} == BUF
     assert l["bytes"] == [{"index": 3, "u32": [1, 4096, 4096, 16]}]
     assert l["tile"] == [1, 8]
     (l,) = plan_gguf(9, 37, 512, Q6_K, torch.float16)
-    assert l["kernel"] == "gguf_qmm_q6_K_bm8_float16_t"
+    assert l["kernel"] == "gguf_qmm_bm8_float16_t_q6_K"
     assert l["threadgroups"] == [5, 2, 1] and l["tile"] == [8, 8]
     (l,) = plan_gguf(33, 37, 512, Q4_K, torch.float32)
-    assert l["kernel"] == "gguf_qmm_q4_K_mma32_float"
+    assert l["kernel"] == "gguf_qmm_mma32_float_q4_K"
     assert l["threadgroups"] == [2, 2, 1] and l["threads_per_threadgroup"] == [128, 1, 1] and l["tile"] == [32, 32]
     (l,) = plan_gguf(2, 37, 512, Q4_K, torch.bfloat16)
-    assert l["kernel"] == "gguf_qmm_q4_K_bm2_bfloat16_t" and l["threadgroups"] == [5, 1, 1]
+    assert l["kernel"] == "gguf_qmm_bm2_bfloat16_t_q4_K" and l["threadgroups"] == [5, 1, 1]
     assert plan_gguf(0, 37, 512, Q4_K, torch.float32) == [] and plan_gguf(3, 0, 512, Q4_K, torch.float32) == []
 
 

@@ -117,7 +117,7 @@ def test_a_dispatch_compiles_only_the_kernel_it_launches():
         "first = [l.kernel, compiled_kernels(), kernel_library(l.kernel).kernels]\n"
         # four threads' first use of another kernel: one compile, one library for all
         "import threading\n"
-        "name = 'gguf_qmv_q6_K_float'; got = []\n"
+        "name = 'gguf_qmv_float_q6_K'; got = []\n"
         "ts = [threading.Thread(target=lambda: got.append(kernel_library(name))) for _ in range(4)]\n"
         "[t.start() for t in ts]; [t.join() for t in ts]\n"
         "print(json.dumps(first + [compiled_kernels(), len({id(g) for g in got}), len(got)]))\n"
@@ -129,4 +129,4 @@ def test_a_dispatch_compiles_only_the_kernel_it_launches():
     kernel, compiled, in_library, compiled_after, libraries, calls = json.loads(result.stdout.strip().splitlines()[-1])
     assert kernel == "affine_qmm_t_bm4_float_gs_64_b_5"
     assert compiled == [kernel] and in_library == [kernel]
-    assert compiled_after == [kernel, "gguf_qmv_q6_K_float"] and (libraries, calls) == (1, 4)
+    assert compiled_after == [kernel, "gguf_qmv_float_q6_K"] and (libraries, calls) == (1, 4)

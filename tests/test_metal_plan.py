@@ -101,3 +101,35 @@ def test_every_kernel_a_plan_can_name_exists_in_the_library():
         assert len(named) == len(ROUTE_PROBLEMS) * len(GROUPS) * len(DTYPES)
         missing = named - kernels
         assert not missing, f"bits={bits}: planned kernels missing from metal/affine.metal: {sorted(missing)[:5]}"
+
+
+def test_fp_modes_plan_their_kernels_without_biases():
+    for mode, gs in (("mxfp4", 32), ("nvfp4", 16)):
+        for op, M in (("qmm", 1), ("qmm", 7), ("qmm", 40), ("quantize", 0), ("dequantize", 0)):
+            (l,) = plan(op, M, 40, 4 * gs, 4, gs, torch.float16, True, mode)
+            assert l["kernel"].startswith(mode + "_") and l["kernel"].endswith(f"_float16_t_gs_{gs}_b_4")
+            assert "biases" not in {b["operand"] for b in l["buffers"]}
+    (l,) = plan("qmm", 1, 40, 128, 4, 64, torch.float16)
+    assert "biases" in {b["operand"] for b in l["buffers"]}
+    with pytest.raises(ValueError, match="mode"):
+        torch.ops.torch_qmm._plan("qmm", 1, 40, 128, 4, 32, torch.float16, True, "mxfp5")
+
+
+def test_a_route_row_without_geometry_does_not_compile(tmp_path):
+    """RouteRow's Geometry has no default: leaving it out of a row is a compile error, not a
+    run-time gap (csrc/plan.h)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    row = ('{"r", Op::kQmm, kQuantModes, 1, 1, 1, Cond::kAny, "qmv_fast", %s "when", "why"}')
+    for geometry, compiles in (("Geometry::tiled(1, 8, 64),", True), ("", False)):
+        src = tmp_path / "row.cpp"
+        src.write_text('#include "plan.h"\nusing namespace torch_qmm::plan;\n'
+                       f"const RouteRow kRow = {row % geometry};\n")
+        r = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", f"-I{csrc}", str(src)], capture_output=True, text=True)
+        assert (r.returncode == 0) == compiles, r.stderr[-2000:]

@@ -1,9 +1,9 @@
 """The Metal source of one kernel, as both executors compile it on first use.
 
 A library file of metal/ (affine.metal, gguf.metal) is `#include`s of headers plus instantiation
-macros: a cell macro (AFFINE_INSTANTIATE_CELL in affine_kernels.h, GGUF_INSTANTIATE_CELL in
-gguf.metal) writes one `*_INSTANTIATE(name, func, ...)` line per kernel. Compiling a whole library
-compiles every instantiation (624 kernels); a call needs one. So a kernel's source is
+macros: a cell macro (QUANT_INSTANTIATE_CELL in affine_kernels.h, GGUF_INSTANTIATE_CELL in
+gguf.metal) writes one `KERNEL_INSTANTIATE(name, func, ...)` line per kernel. Compiling a whole
+library compiles every instantiation (hundreds of kernels); a call needs one. So a kernel's source is
 
     prelude(library)  +  "\\n"  +  its one instantiation line  +  "\\n"
 
@@ -11,9 +11,9 @@ where the prelude is the library's headers flattened into one text (newLibraryWi
 open our headers; each header once, `#pragma once` dropped) and the line is read from the
 library's own macros: this module expands them (function-like macros, `#`, `##`) down to the
 calls whose body instantiates a `[[kernel]]`, so the kernel table exists only in metal/. The
-kernel names come out of the same macros (AFFINE_NAME / GGUF_NAME, the spelling plan.cpp's
-kernel_name() follows; tests check the planner's names against these and the macros' expansion
-against clang's).
+kernel names come out of the same macros (KERNEL_NAME in metal/kernel_names.h, the spelling
+plan.cpp's kernel_name() follows; tests check the planner's names against these and the macros'
+expansion against clang's).
 
 csrc/mps/embed_metal.py writes the preludes and lines into the MPS build (metal_executor.mm
 concatenates them the same way); torch_qmm/metalsim_backend.py compiles kernel_source(name) with

@@ -3,10 +3,12 @@
     from torch_qmm.metalsim import backend, last_launches   # re-exported from this module
     with backend():                       # or backend(check=True) for checked mode
         y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)   # CPU tensors
+        y = torch_qmm.quantized_matmul(x, wq, scales, mode="mxfp4")                     # any mode
     last_launches()                       # [Launch(kernel, route, threadgroups, ..., stats)]
 
-Inside the context, calls of torch.ops.torch_qmm.{qmm, dequantize, quantize, gguf_qmm} (and of the
-affine_* aliases, which decompose into the first three) on CPU tensors are executed exactly as the MPS executor (csrc/mps/) executes them on a Mac:
+Inside the context, calls of torch.ops.torch_qmm.{qmm, dequantize, quantize, gguf_qmm} (the
+affine_* aliases decompose into the first three) on CPU tensors are executed exactly as the MPS
+executor (csrc/mps/) executes them on a Mac:
   1. `_plan_for` / `_plan_for_gguf` run the C++ argument checks (csrc/validate.*,
      csrc/gguf_validate.*: the same errors as the CPU ops) and the planner (csrc/plan.cpp)
      -> launches {kernel, grid, buffer bindings, constant bytes};
@@ -34,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import metal_source
+from .formats import format_of
 from .metalsim import _api as metalsim
 
 __all__ = ["backend", "last_launches", "library", "gguf_library", "kernel_library", "compiled_kernels",
@@ -127,10 +130,10 @@ def _storage_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return storage, t.storage_offset() * t.element_size()
 
 
-def _run(op: str, tensors: list, operands: dict, bits: int, group_size: int, transpose: bool,
-         check: Optional[bool], count: bool) -> None:
-    plan = json.loads(_ops._plan_for(op, tensors, bits, group_size, transpose))
-    _execute(plan, operands, check, count)
+def _plan_for(op: str, tensors: list, mode: str, bits: int, group_size: int, transpose: bool = True,
+              dtype=None) -> list:
+    """The C++ argument checks of the op (the CPU ops' errors), then the planner's launches."""
+    return json.loads(_ops._plan_for(op, tensors, bits, group_size, transpose, mode, dtype))
 
 
 def _execute(plan: list, operands: dict, check: Optional[bool], count: bool) -> None:
@@ -165,23 +168,27 @@ def _execute(plan: list, operands: dict, check: Optional[bool], count: bool) -> 
     _local.last = done
 
 
-def _qmm(x, wq, scales, biases, bits, group_size, transpose=True, *, check=None, count=False):
-    # Validation first (same C++ checks as every backend), then shapes.
-    _ops._plan_for("qmm", [x, wq, scales, biases], bits, group_size, transpose)
+def _qmm(x, wq, scales, biases, mode, bits, group_size, transpose=True, *, check=None, count=False):
+    plan = _plan_for("qmm", [x, wq, scales, biases], mode, bits, group_size, transpose)  # validates first
     K = x.shape[-1]
     N = wq.shape[0] if transpose else wq.shape[1] * 32 // bits
     x2 = x.reshape(-1, K).contiguous()
     y = torch.zeros(x2.shape[0], N, dtype=x.dtype)
-    operands = {"x": x2, "wq": wq.contiguous(), "scales": scales.contiguous(), "biases": biases.contiguous(), "y": y}
-    _run("qmm", [x2, wq, scales, biases], operands, bits, group_size, transpose, check, count)
+    operands = {"x": x2, "wq": wq.contiguous(), "scales": scales.contiguous(), "y": y}
+    if biases is not None:  # the fp modes have none (the plan binds none)
+        operands["biases"] = biases.contiguous()
+    _execute(plan, operands, check, count)
     return y.reshape(*x.shape[:-1], N)
 
 
-def _dequantize(wq, scales, biases, bits, group_size, *, check=None, count=False):
-    _ops._plan_for("dequantize", [wq, scales, biases], bits, group_size, True)
-    out = torch.zeros(wq.shape[0], wq.shape[1] * 32 // bits, dtype=scales.dtype)
-    operands = {"wq": wq.contiguous(), "scales": scales.contiguous(), "biases": biases.contiguous(), "w": out}
-    _run("dequantize", [wq, scales, biases], operands, bits, group_size, True, check, count)
+def _dequantize(wq, scales, biases, mode, bits, group_size, dtype=None, *, check=None, count=False):
+    plan = _plan_for("dequantize", [wq, scales, biases], mode, bits, group_size, True, dtype)
+    out_dtype = dtype if dtype is not None else (scales.dtype if format_of(mode).has_biases else torch.bfloat16)
+    out = torch.zeros(wq.shape[:-1] + (wq.shape[-1] * 32 // bits,), dtype=out_dtype)
+    operands = {"wq": wq.contiguous(), "scales": scales.contiguous(), "w": out}
+    if biases is not None:
+        operands["biases"] = biases.contiguous()
+    _execute(plan, operands, check, count)
     return out
 
 
@@ -203,42 +210,25 @@ def _gguf_qmm(x, blocks, ggml_type, N, K, *, check=None, count=False):
     return y.reshape(*x.shape[:-1], N)
 
 
-def _quantize(w, bits, group_size, *, check=None, count=False):
-    _ops._plan_for("quantize", [w], bits, group_size, True)  # validates, incl. NaN/Inf
+def _quantize(w, mode, bits, group_size, *, check=None, count=False):
+    plan = _plan_for("quantize", [w], mode, bits, group_size)  # validates, incl. NaN/Inf
     K = w.shape[-1]
     w2 = w.reshape(-1, K).contiguous()
-    rows = w2.shape[0]
+    rows, lead = w2.shape[0], tuple(w.shape[:-1])
+    # The layout of the outputs is the format's (csrc/format_spec.h, read by torch_qmm/formats.py):
+    # scales in w's dtype and biases for affine, uint8 scale codes and no biases for the fp modes.
+    f = format_of(mode)
+    has_biases = f.has_biases
     wq = torch.zeros(rows, K * bits // 32, dtype=torch.uint32)
-    scales = torch.zeros(rows, K // group_size, dtype=w.dtype)
-    biases = torch.zeros(rows, K // group_size, dtype=w.dtype)
-    operands = {"w": w2, "wq": wq, "scales": scales, "biases": biases}
-    _run("quantize", [w2], operands, bits, group_size, True, check, count)
-    lead = tuple(w.shape[:-1])
-    return wq.reshape(lead + (K * bits // 32,)), scales.reshape(lead + (K // group_size,)), biases.reshape(
-        lead + (K // group_size,)
-    )
-
-
-def _affine_only(mode: str, op: str) -> None:
-    if mode != "affine":
-        raise ValueError(f"{op}: mode {mode!r} has no Metal kernels yet (supported: 'affine')")
-
-
-def _qmm_op(x, wq, scales, biases, mode, bits, group_size, transpose=True, *, check=None, count=False):
-    _affine_only(mode, "qmm")
-    return _qmm(x, wq, scales, biases, bits, group_size, transpose, check=check, count=count)
-
-
-def _dequantize_op(wq, scales, biases, mode, bits, group_size, dtype=None, *, check=None, count=False):
-    _affine_only(mode, "dequantize")
-    if dtype is not None and dtype != scales.dtype:
-        raise ValueError(f"dequantize: argument 'dtype' other than the scales' dtype has no Metal kernel yet, got {dtype}")
-    return _dequantize(wq, scales, biases, bits, group_size, check=check, count=count)
-
-
-def _quantize_op(w, mode, bits, group_size, *, check=None, count=False):
-    _affine_only(mode, "quantize")
-    return list(_quantize(w, bits, group_size, check=check, count=count))
+    scales = torch.zeros(rows, K // group_size, dtype=f.scale_dtype or w.dtype)
+    operands = {"w": w2, "wq": wq, "scales": scales}
+    if has_biases:
+        operands["biases"] = torch.zeros(rows, K // group_size, dtype=w.dtype)
+    _execute(plan, operands, check, count)
+    outs = [wq.reshape(lead + (K * bits // 32,)), scales.reshape(lead + (K // group_size,))]
+    if has_biases:
+        outs.append(operands["biases"].reshape(lead + (K // group_size,)))
+    return outs
 
 
 class _MetalsimMode(TorchDispatchMode):
@@ -249,9 +239,9 @@ class _MetalsimMode(TorchDispatchMode):
         self.check = check
         self.count = count
         self.handlers = {
-            _ops.qmm.default: _qmm_op,
-            _ops.dequantize.default: _dequantize_op,
-            _ops.quantize.default: _quantize_op,
+            _ops.qmm.default: _qmm,
+            _ops.dequantize.default: _dequantize,
+            _ops.quantize.default: _quantize,
             _ops.gguf_qmm.default: _gguf_qmm,
         }
 
@@ -267,7 +257,8 @@ class _MetalsimMode(TorchDispatchMode):
 
 @contextlib.contextmanager
 def backend(check: Optional[bool] = None, count: bool = False) -> Iterator[None]:
-    """Run torch_qmm's ops (affine and GGUF) on CPU tensors through the Metal kernels on metalsim.
+    """Run torch_qmm's ops (every quantized mode, and GGUF) on CPU tensors through the Metal kernels on
+    metalsim.
 
     Args:
         check: metalsim checked mode (out-of-bounds, races, uninitialized threadgroup reads,

@@ -10,13 +10,15 @@ The full set is every combination below: minutes on cpu and longer on metalsim (
 every GPU thread); --bits / --group-sizes / --dtypes / --routes narrow it.
 
 Cases: each row of the planner's routing table (torch.ops.torch_qmm._routes, csrc/plan.cpp) x
-bits x group size x dtype (affine qmm, quantize, dequantize), and each GGUF route x native type
+each mode it serves (affine: x bits x group size; the fp modes mxfp4, nvfp4, ...: their one cell)
+x dtype (qmm, quantize, dequantize), and each GGUF route x native type
 x dtype, on an aligned shape (dimensions multiples of every tile and K-block) and an unaligned
 one (odd N or K, partial tiles) where the route takes it; M for a route is found by asking the
 planner, so a new route gets cases without editing this file, and a route no probe shape
-reaches is reported as a failed case. Weights are made by the float64 oracle
-(torch_qmm/reference.py), GGUF blocks decoded by the gguf package; qmm results must meet
-torch_qmm/tolerance.py's rule, quantize must equal reference.quantize bit for bit.
+reaches is reported as a failed case. Weights are made by the float64 oracles
+(torch_qmm/reference.py, reference_fp.py for the fp modes), GGUF blocks decoded by the gguf
+package; qmm results must meet torch_qmm/tolerance.py's rule, quantize must equal the reference
+bit for bit (fp dequantize too).
 
 Prints one row per case, writes a JSON report (--json: `cases` with route, kernel, shapes, ok,
 error, max error and bound; `environment`), exits 1 if any case failed, 2 if the device is
@@ -69,6 +71,7 @@ class Case:
     group_size: Optional[int] = None
     transpose: Optional[bool] = None
     ggml_type: Optional[str] = None
+    mode: str = "affine"  # quantization mode (MLX's name) of qmm / quantize / dequantize
     planned_kernel: str = ""  # what the planner names for this problem
     kernel: str = ""  # what ran (see module doc)
     ok: bool = False
@@ -82,13 +85,15 @@ class Case:
         if self.op == "gguf_qmm":
             return f"{self.ggml_type} {self.dtype}"
         t = "" if self.transpose is None else (" T" if self.transpose else " N")
-        return f"b{self.bits} gs{self.group_size} {self.dtype}{t}"
+        mode = "" if self.mode == "affine" else f"{self.mode} "
+        return f"{mode}b{self.bits} gs{self.group_size} {self.dtype}{t}"
 
 
 # ---- which cases ----------------------------------------------------------------------------------
 
-def _plan_route(op: str, M: int, N: int, K: int, bits: int, gs: int, dtype, transpose: bool) -> tuple[str, str]:
-    (launch,) = json.loads(_ops._plan(op, M, N, K, bits, gs, dtype, transpose))
+def _plan_route(op: str, M: int, N: int, K: int, bits: int, gs: int, dtype, transpose: bool,
+                mode: str = "affine") -> tuple[str, str]:
+    (launch,) = json.loads(_ops._plan(op, M, N, K, bits, gs, dtype, transpose, mode))
     return launch["route"], launch["kernel"]
 
 
@@ -122,8 +127,18 @@ def native_gguf_types() -> dict[str, int]:
     return found
 
 
+def _mode_cells(mode: str, bits, group_sizes) -> list[tuple[int, int]]:
+    """(bits, group size) cells of a mode: the requested ones for affine; the fp modes have one."""
+    if mode == "affine":
+        return [(b, gs) for b in bits for gs in group_sizes]
+    from .reference_fp import MODES
+
+    return [(MODES[mode].bits, MODES[mode].group_size)]
+
+
 def cases(bits=BITS, group_sizes=GROUP_SIZES, dtypes=tuple(DTYPES), routes: Optional[set] = None,
-          gguf_types: Optional[set] = None) -> list[Case]:
+          gguf_types: Optional[set] = None, modes: Optional[set] = None) -> list[Case]:
+    """Every route x format it serves (the routing table's `formats`) x cell x dtype."""
     table = json.loads(_ops._routes())
     out: list[Case] = []
     for r in table:
@@ -141,15 +156,20 @@ def cases(bits=BITS, group_sizes=GROUP_SIZES, dtypes=tuple(DTYPES), routes: Opti
                         for v, (N, K), Ms in (("aligned", ALIGNED_NK, ALIGNED_MS),
                                                ("unaligned", GGUF_UNALIGNED_NK, UNALIGNED_MS))])
             continue
-        for b in bits:
-            for gs in group_sizes:
+        from .formats import FORMATS
+
+        for mode in r["formats"]:
+            # A mode the planner serves but the op layer's format table does not list yet has no op.
+            if (modes is not None and mode not in modes) or mode not in FORMATS:
+                continue
+            for b, gs in _mode_cells(mode, bits, group_sizes):
                 for dname in dtypes:
                     probes = []
                     for v, transpose, N, K, Ms in _affine_probes(op, gs):
-                        plan = (lambda M, N, K, t=transpose, d=DTYPES[dname]:
-                                _plan_route(op, M, N, K, b, gs, d, t))
+                        plan = (lambda M, N, K, t=transpose, d=DTYPES[dname], b=b, gs=gs, mode=mode:
+                                _plan_route(op, M, N, K, b, gs, d, t, mode))
                         probes.append((v, N, K, Ms if op == "qmm" else (0,), plan,
-                                       dict(op=op, dtype=dname, bits=b, group_size=gs,
+                                       dict(op=op, dtype=dname, bits=b, group_size=gs, mode=mode,
                                             transpose=transpose if op == "qmm" else None)))
                     out += _reach(route, probes)
     return out
@@ -252,6 +272,8 @@ def run_case(case: Case, runner: _Runner, seed: int) -> Case:
             return case
         if case.op == "gguf_qmm":
             _run_gguf(case, runner, gen, dtype, gguf_matmul)
+        elif case.mode != "affine":
+            _run_fp(case, runner, gen, dtype)
         elif case.op == "quantize":
             w = _weights(case.N, case.K, dtype, gen)
             want = reference.quantize(w, case.bits, case.group_size)
@@ -293,6 +315,39 @@ def run_case(case: Case, runner: _Runner, seed: int) -> Case:
     finally:
         case.seconds = round(time.perf_counter() - t0, 4)
     return case
+
+
+def _run_fp(case: Case, runner: _Runner, gen, dtype) -> None:
+    """An fp-mode case (mxfp4, nvfp4, ...) against torch_qmm/reference_fp.py: quantize and
+    dequantize bit for bit, qmm within the tolerance rule."""
+    from . import reference_fp
+    from .ops import dequantize, quantize, quantized_matmul
+
+    mode = case.mode
+    rows, cols = (case.N, case.K) if case.transpose in (None, True) else (case.K, case.N)
+    w = _weights(rows, cols, dtype, gen)
+    wq, s = reference_fp.quantize_fp(w, mode)
+    if case.op == "quantize":
+        (wd,) = runner.to(w)
+        got = [t.cpu() for t in runner.run(case, lambda: quantize(wd, mode=mode), lambda: "cpu quantize")]
+        case.ok = len(got) == 2 and torch.equal(got[0].view(torch.int32), wq.view(torch.int32)) and torch.equal(got[1], s)
+        if not case.ok:
+            case.error = "quantize differs from reference_fp.quantize_fp (must be bit-exact)"
+    elif case.op == "dequantize":
+        want = reference_fp.dequantize_fp(wq, s, mode, dtype=dtype)
+        dev = runner.to(wq, s)
+        got = runner.run(case, lambda: dequantize(*dev, mode=mode, dtype=dtype), lambda: "cpu dequantize").cpu()
+        case.ok = got.dtype == dtype and torch.equal(got, want)
+        if not case.ok:
+            case.error = "dequantize differs from reference_fp.dequantize_fp (must be bit-exact)"
+    else:
+        x = torch.randn(case.M, case.K, generator=gen).to(dtype)
+        y_ref = reference_fp.qmm_fp(x, wq, s, mode, transpose=case.transpose)
+        magnitude = reference_fp.qmm_fp_magnitude(x, wq, s, mode, transpose=case.transpose)
+        dev = runner.to(x, wq, s)
+        y = runner.run(case, lambda: quantized_matmul(dev[0], dev[1], dev[2], None, transpose=case.transpose, mode=mode),
+                       lambda: "cpu qmm")
+        _compare(case, y.cpu(), y_ref, magnitude, dtype)
 
 
 def _run_gguf(case: Case, runner: _Runner, gen, dtype, gguf_matmul) -> None:
@@ -400,6 +455,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bits", type=_csv(int, BITS), default=BITS, help="e.g. 4,8 (default: all)")
     p.add_argument("--group-sizes", type=_csv(int, GROUP_SIZES), default=GROUP_SIZES, help="e.g. 64 (default: all)")
     p.add_argument("--dtypes", type=_csv(str, tuple(DTYPES)), default=tuple(DTYPES), help="e.g. float16,bfloat16 (default: all)")
+    p.add_argument("--modes", type=lambda t: set(t.split(",")), default=None,
+                   help="quantization modes to run, e.g. affine,mxfp4 (default: every mode a route serves)")
     p.add_argument("--routes", type=lambda t: set(t.split(",")), default=None,
                    help="routing-table rows to run (default: all; names: torch.ops.torch_qmm._routes())")
     p.add_argument("--check", action="store_true", help="metalsim only: checked mode (out-of-bounds, races, ...)")
@@ -421,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     t0 = time.perf_counter()
-    todo = cases(args.bits, args.group_sizes, args.dtypes, args.routes)
+    todo = cases(args.bits, args.group_sizes, args.dtypes, args.routes, modes=args.modes)
     runner = _Runner(args.device, check=args.check)
     rows = [["route", "shape", "cell", "MxNxK", "kernel", "max err", "err/bound", ""]]
     done = []

@@ -83,20 +83,30 @@ void decode_q6_K(const uint8_t* raw, float* y) {
   }
 }
 
-// The decoder of a type as a functor (inlined into the loops below; a function pointer was not).
-struct DecodeQ4K {
+// The decoder of a ggml type as a functor (inlined into the loops below; a function pointer was
+// not). Only the declared specializations exist: a type without a decoder does not compile.
+template <int ggml_type>
+struct Decoder;
+template <>
+struct Decoder<gguf::kTypeQ4_K> {
   void operator()(const uint8_t* raw, float* y) const { decode_q4_K(raw, y); }
 };
-struct DecodeQ6K {
+template <>
+struct Decoder<gguf::kTypeQ6_K> {
   void operator()(const uint8_t* raw, float* y) const { decode_q6_K(raw, y); }
 };
 
+// f(Decoder<t>{}) for the native type t == ggml_type (gguf_validate refuses the others first).
 template <typename F>
 void with_decoder(int64_t ggml_type, F&& f) {
-  if (ggml_type == gguf::kTypeQ4_K)
-    f(DecodeQ4K{});
-  else
-    f(DecodeQ6K{});
+  switch (ggml_type) {
+    case gguf::kTypeQ4_K:
+      return f(Decoder<gguf::kTypeQ4_K>{});
+    case gguf::kTypeQ6_K:
+      return f(Decoder<gguf::kTypeQ6_K>{});
+    default:
+      TORCH_CHECK_VALUE(false, "gguf_qmm: no CPU kernel for ggml_type ", ggml_type);
+  }
 }
 
 // sum_j w[j] * x[j] over one super-block, 16 lanes at a time (a scalar `s += w * x` loop stays

@@ -45,7 +45,7 @@ MUTANTS: list[Mutant] = [
            "    if (bounded && k >= K) break;", "    if (bounded && k > K) break;", METAL,
            "a lane whose slice starts exactly at K still reads x[K..K+V) and the next row's weights: "
            "wrong y (and out-of-bounds reads) whenever K % (32*V) != 0"),
-    Mutant("f-decode8-odd-bits-absolute-byte-shift", "metal/affine_common.h",
+    Mutant("f-decode8-odd-bits-absolute-byte-shift", "metal/quant_format.h",
            "v |= uint32_t(p[j]) << (8 * (j - first));", "v |= uint32_t(p[j]) << (8 * j);", METAL,
            "bits 3/5/6: the second half-unit's bytes are shifted by their absolute byte index, so "
            "codes 4..7 of every unit decode wrong"),
@@ -55,7 +55,7 @@ MUTANTS: list[Mutant] = [
     Mutant("f-qvm-reduction-drops-last-simdgroup", "metal/affine_qvm.h",
            "for (int s = 1; s < QVM_SIMDGROUPS; ++s)", "for (int s = 1; s < QVM_SIMDGROUPS - 1; ++s)", METAL,
            "transpose=False small M: rows k = 3, 7, 11, ... of W are left out of y (any K >= 4)"),
-    Mutant("f-quantize-pack-carry-shift", "metal/affine_quant.h",
+    Mutant("f-quantize-pack-carry-shift", "metal/quant_format.h",
            "      cur = used > 0 ? q >> (bits - used) : 0u;", "      cur = used > 0 ? q >> used : 0u;", METAL,
            "Metal quantize, bits 3/5/6: the high bits of a code that straddles two words go to the next "
            "word shifted wrong"),
@@ -65,8 +65,8 @@ MUTANTS: list[Mutant] = [
            "transposed W tile: the second element of each B fragment is read along k instead of n "
            "(every mma route with transpose=True and gguf mma32)"),
     Mutant("f-affine-mma-loader-local-group", "metal/affine_mma.h",
-           "    const float s = live ? float(scales[ga * groups + gc / G]) : 0.0f;",
-           "    const float s = live ? float(scales[ga * groups + c / G]) : 0.0f;", METAL,
+           "    const float s = F::scale(scales, ga * groups + gc / G);",
+           "    const float s = F::scale(scales, ga * groups + c / G);", METAL,
            "the mma W loader takes the scale group of the tile-local column: wrong for every K-step past "
            "the first group"),
     Mutant("f-q4k-scale-min-copy-paste", "metal/gguf_format.h",
@@ -90,7 +90,7 @@ MUTANTS: list[Mutant] = [
            "    return p.K % qmv_block_k(p.bits) == 0;", PLAN,
            "M = 1 with N % 8 != 0 takes qmv_fast, which has no row bounds: writes past y"),
     Mutant("f-plan-mma16-m-min-off-by-one", "csrc/plan.cpp",
-           '{"qmm_t_mma16", Op::kQmm, 1, 9, 16,', '{"qmm_t_mma16", Op::kQmm, 1, 10, 16,', PLAN,
+           '{"qmm_t_mma16", Op::kQmm, kQuantModes, 1, 9, 16,', '{"qmm_t_mma16", Op::kQmm, kQuantModes, 1, 10, 16,', PLAN,
            "M = 9 with transpose=True has no route (logic_error: the table has a gap)"),
     Mutant("f-plan-ceil-div-off-by-one", "csrc/plan.cpp",
            "  const int64_t q = (a + b - 1) / b;", "  const int64_t q = a / b + 1;", PLAN,

@@ -65,6 +65,7 @@ class Traffic:
     threadgroups: tuple
     buffers: dict[str, BufferTraffic]
     emulation_s: float
+    mode: str = "affine"  # quantization mode of W
 
     @property
     def holds(self) -> bool:
@@ -77,17 +78,19 @@ class Traffic:
 
 
 def bounds(m: int, n: int, tile: tuple) -> dict[str, float]:
-    """The stated bound on tg_footprint / compulsory per buffer (buffers without one are absent)."""
+    """The stated bound on tg_footprint / compulsory per buffer (buffers without one are absent;
+    the fp modes bind no biases)."""
     if m == 1:
         return {"wq": M1_BOUND, "scales": M1_BOUND, "biases": M1_BOUND}
     rows, cols = tile
     return {"wq": math.ceil(m / rows), "x": math.ceil(n / cols)}
 
 
-def measure(cfg: Config, transpose: bool = True, scale: int = 1) -> Traffic:
+def measure(cfg: Config, transpose: bool = True, scale: int = 1, mode: str = "affine") -> Traffic:
     """Runs quantized_matmul for cfg once on metalsim with byte counters.
 
-    x is [M, K] in cfg.dtype; W is [N, K] (transpose=True) or [K, N]; one launch is expected.
+    x is [M, K] in cfg.dtype; W is [N, K] (transpose=True) or [K, N], quantized in `mode` (the fp
+    modes take their own bits and group size); one launch is expected.
     """
     import torch_qmm
     from torch_qmm.metalsim import backend, last_launches
@@ -95,12 +98,14 @@ def measure(cfg: Config, transpose: bool = True, scale: int = 1) -> Traffic:
     dtype = getattr(torch, cfg.dtype)
     rows, cols = (cfg.n, cfg.k) if transpose else (cfg.k, cfg.n)
     g = torch.Generator().manual_seed(cfg.m + cfg.n + cfg.k)
-    wq, s, b = torch_qmm.quantize(torch.randn(rows, cols, generator=g).to(dtype), group_size=cfg.group_size,
-                                  bits=cfg.bits)
+    gs, bits = (cfg.group_size, cfg.bits) if mode == "affine" else (None, None)
+    wq, s, *rest = torch_qmm.quantize(torch.randn(rows, cols, generator=g).to(dtype), group_size=gs, bits=bits,
+                                      mode=mode)
+    b = rest[0] if rest else None
     x = torch.randn(cfg.m, cfg.k, generator=g).to(dtype)
     t0 = time.perf_counter()
     with backend(count=True):
-        y = torch_qmm.quantized_matmul(x, wq, s, b, transpose=transpose, group_size=cfg.group_size, bits=cfg.bits)
+        y = torch_qmm.quantized_matmul(x, wq, s, b, transpose=transpose, group_size=gs, bits=bits, mode=mode)
     seconds = time.perf_counter() - t0
     launches = last_launches()
     if len(launches) != 1:
@@ -111,14 +116,14 @@ def measure(cfg: Config, transpose: bool = True, scale: int = 1) -> Traffic:
     limit = bounds(cfg.m, cfg.n, launch.tile)
     per = {}
     for name in BUFFERS:
-        if name not in stats:
+        if name not in stats:  # biases: not bound in the fp modes
             continue
         st = stats[name]
         per[name] = BufferTraffic(compulsory=tensors[name].numel() * tensors[name].element_size(),
                                   tg_footprint=st.tg_footprint, loaded=st.bytes_loaded, stored=st.bytes_stored,
                                   bound=limit.get(name))
     return Traffic(cfg, scale, transpose, launch.kernel, launch.route, tuple(launch.tile),
-                   tuple(launch.threadgroups), per, seconds)
+                   tuple(launch.threadgroups), per, seconds, mode)
 
 
 def shapes(args: argparse.Namespace, seed_shapes: list[str], quick: dict) -> list[tuple[int, int, int]]:
@@ -138,6 +143,7 @@ def record(t: Traffic) -> dict:
     """The JSON record of one cell."""
     return {
         **dataclasses.asdict(t.config),
+        "mode": t.mode,
         "scale": t.scale,
         "shape_named": f"{t.config.n * t.scale}x{t.config.k * t.scale}",
         "transpose": t.transpose,
@@ -199,17 +205,20 @@ def run(args: argparse.Namespace, seed_shapes: list[str], seed_ms: list[int], qu
     ms = args.m or quick.get("m") or seed_ms
     bits = args.bits or [4]
     dtypes = args.dtype or ["float16"]
+    modes = getattr(args, "mode", None) or ["affine"]  # bench --mode: the fp modes take their own bits
     info = {**machine_info("metalsim", None), "metalsim": emulator_info()}
     results = []
     for n, k, scale in shapes(args, seed_shapes, quick):
-        for b in bits:
-            for d in dtypes:
-                for m in ms:
-                    t = measure(Config(n, k, m, b, d, args.group_size, "metalsim"), scale=scale)
-                    results.append(t)
-                    print(f"  {n}x{k} M={m} {b}-bit {d}: {t.kernel} tile {t.tile[0]}x{t.tile[1]}, "
-                          f"wq {t.buffers['wq'].tg_ratio:.3f}x, x {t.buffers['x'].tg_ratio:.2f}x "
-                          f"({t.emulation_s:.1f} s emulated)", flush=True)
+        for mode in modes:
+            for b in bits if mode == "affine" else [0]:
+                for d in dtypes:
+                    for m in ms:
+                        t = measure(Config(n, k, m, b, d, args.group_size, "metalsim"), scale=scale, mode=mode)
+                        results.append(t)
+                        print(f"  {n}x{k} M={m} {mode} {b or ''}{'-bit ' if b else ''}{d}: {t.kernel} tile "
+                              f"{t.tile[0]}x{t.tile[1]}, wq {t.buffers['wq'].tg_ratio:.3f}x, "
+                              f"scales {t.buffers['scales'].tg_ratio:.3f}x, x {t.buffers['x'].tg_ratio:.2f}x "
+                              f"({t.emulation_s:.1f} s emulated)", flush=True)
     print()
     print(text_table(table_rows(results), table_note(results)))
     failures = [f for t in results for f in t.failures()]

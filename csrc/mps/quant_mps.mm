@@ -1,5 +1,7 @@
-// MPS executor of the affine ops: validated problem (csrc/plan_torch.h) -> plan (csrc/plan.cpp)
-// -> operands -> encode (csrc/mps/metal_executor.mm, shared with gguf_mps.mm).
+// MPS executor of quantize / dequantize / qmm (every quantized mode): validated problem
+// (csrc/plan_torch.h) -> plan (csrc/plan.cpp) -> operands -> encode (csrc/mps/metal_executor.mm,
+// shared with gguf_mps.mm). The format's layout (uint8 scale codes, biases or none) comes from
+// csrc/format_spec.h; the plan binds only the buffers the format has.
 //
 // NOT RUN ON APPLE HARDWARE: syntax-checked on Linux by tests/test_metal_mps_syntax.py.
 #include <ATen/core/Tensor.h>
@@ -11,8 +13,10 @@
 #include <string_view>
 #include <vector>
 
+#include "../format_spec.h"
 #include "../plan.h"
 #include "../plan_torch.h"
+#include "../validate.h"
 #include "metal_executor.h"
 
 namespace torch_qmm {
@@ -32,7 +36,7 @@ at::Tensor qmm_mps(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
   ops[Operand::kX] = x.reshape({p.M, p.K}).contiguous();
   ops[Operand::kWq] = wq.contiguous();
   ops[Operand::kScales] = scales.contiguous();
-  ops[Operand::kBiases] = biases->contiguous();
+  if (biases) ops[Operand::kBiases] = biases->contiguous();
   ops[Operand::kY] = launches.empty() ? at::zeros({p.M, p.N}, x.options()) : at::empty({p.M, p.N}, x.options());
   encode(launches, ops);
   std::vector<int64_t> shape = x.sizes().vec();
@@ -42,32 +46,37 @@ at::Tensor qmm_mps(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
 
 at::Tensor dequantize_mps(const at::Tensor& wq, const at::Tensor& scales, const std::optional<at::Tensor>& biases,
                           std::string_view mode, int64_t bits, int64_t group_size, std::optional<at::ScalarType> dtype) {
-  const plan::Problem p = dequantize_problem(wq, scales, biases, mode, bits, group_size);
-  TORCH_CHECK_VALUE(!dtype || *dtype == scales.scalar_type(), "dequantize: argument 'dtype' other than the scales' ",
-                    "dtype has no Metal kernel yet, got ", *dtype);
+  const plan::Problem p = dequantize_problem(wq, scales, biases, mode, bits, group_size, dtype);  // validates
   const std::vector<plan::Launch> launches = make_plan_checked(p);
   Operands ops;
   ops[Operand::kWq] = wq.contiguous();
   ops[Operand::kScales] = scales.contiguous();
-  ops[Operand::kBiases] = biases->contiguous();
-  ops[Operand::kW] = at::empty({p.N, p.K}, scales.options());
+  if (biases) ops[Operand::kBiases] = biases->contiguous();
+  const at::ScalarType out = check_dequantize_dtype("dequantize", format_spec(p.mode), scales, dtype);
+  ops[Operand::kW] = at::empty({p.N, p.K}, scales.options().dtype(out));
   encode(launches, ops);
-  return ops[Operand::kW];
+  std::vector<int64_t> shape = wq.sizes().vec();
+  shape.back() = p.K;
+  return ops[Operand::kW].view(shape);
 }
 
 std::vector<at::Tensor> quantize_mps(const at::Tensor& w, std::string_view mode, int64_t bits, int64_t group_size) {
   const plan::Problem p = quantize_problem(w, mode, bits, group_size);  // validates, incl. NaN/Inf
+  const FormatSpec& f = format_spec(p.mode);
   const std::vector<plan::Launch> launches = make_plan_checked(p);
   Operands ops;
   ops[Operand::kW] = w.reshape({p.N, p.K}).contiguous();
   ops[Operand::kWq] = at::empty({p.N, p.K * bits / 32}, w.options().dtype(at::kUInt32));
-  ops[Operand::kScales] = at::empty({p.N, p.K / group_size}, w.options());
-  ops[Operand::kBiases] = at::empty({p.N, p.K / group_size}, w.options());
+  const at::ScalarType scale_dtype = f.scale == ScaleKind::kFloat ? w.scalar_type() : at::kByte;
+  ops[Operand::kScales] = at::empty({p.N, p.K / group_size}, w.options().dtype(scale_dtype));
+  if (f.has_biases) ops[Operand::kBiases] = at::empty({p.N, p.K / group_size}, w.options());
   encode(launches, ops);
   std::vector<int64_t> packed = w.sizes().vec(), groups = w.sizes().vec();
   packed.back() = p.K * bits / 32;
   groups.back() = p.K / group_size;
-  return {ops[Operand::kWq].view(packed), ops[Operand::kScales].view(groups), ops[Operand::kBiases].view(groups)};
+  std::vector<at::Tensor> out{ops[Operand::kWq].view(packed), ops[Operand::kScales].view(groups)};
+  if (f.has_biases) out.push_back(ops[Operand::kBiases].view(groups));
+  return out;
 }
 
 }  // namespace
