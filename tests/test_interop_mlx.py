@@ -319,6 +319,25 @@ def test_saving_again_into_a_folder_leaves_no_stale_weight_files(tmp_path, first
     assert torch.equal(loaded(ids), new(ids))
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_save_mlx_files_get_the_umask_modes_of_new_files(tmp_path, umask):
+    import os
+    import stat
+
+    model = TorchToy(False)
+    quantize_model(model, progress=False)
+    old = os.umask(umask)
+    try:
+        save_mlx(model, tmp_path / "one", config={"model_type": "toy"})
+        save_mlx(model, tmp_path / "sharded", config={"model_type": "toy"}, max_shard_bytes=40_000)
+    finally:
+        os.umask(old)
+    files = sorted((tmp_path / "one").iterdir()) + sorted((tmp_path / "sharded").iterdir())
+    assert len(files) > 4
+    for f in files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -487,8 +487,10 @@ def test_gguf_without_tokenizer_metadata_warns_and_writes_no_tokenizer(tmp_path)
     from test_interop_gguf_llama import write_llama_gguf as write_plain_gguf
 
     write_plain_gguf(hf_model(tied=True), tmp_path / "m.gguf", {}, np.random.default_rng(0))
-    with pytest.warns(UserWarning, match=r"m.gguf: no tokenizer.ggml.model metadata, so no tokenizer files were written"):
+    with pytest.warns(UserWarning, match=r"m.gguf: no tokenizer.ggml.model metadata, so no tokenizer files were written") as w:
         assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--format", "mlx"]) == 0
+    # it names the folder the user asked for, not the temporary one it was written to
+    assert f"were written to {tmp_path / 'out'};" in str(w[0].message) and ".partial" not in str(w[0].message)
     assert not (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "config.json").is_file()
 
 

@@ -179,7 +179,7 @@ def _gguf_types(f: GGUFFile) -> dict[str, str]:
     return out
 
 
-def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
+def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool):
     """The GGUF model as a transformers model. keep_affine (MLX output): affine layers stay, Q4_K
     layers become exact affine ones; everything else becomes float.
     Returns (model, {Q4_K module: exact}, {module: GGUF type})."""
@@ -187,7 +187,6 @@ def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
 
     from .gguf_llama import llama_config_from_gguf, load_gguf_llama
 
-    f = GGUFFile(src)
     config = llama_config_from_gguf(f)  # checked against the tensors before anything is built
     model = _uninitialized(LlamaForCausalLM, config)
     print(load_gguf_llama(model, f, dtype=dtype, progress=True))  # strict: every parameter comes from the file
@@ -378,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
                       if (f.is_file() or f.is_symlink()) and f.name != "config.json"
                       and not f.name.endswith(_WEIGHT_SUFFIXES)]
 
+    gguf = GGUFFile(src) if is_gguf else None  # read once: the weights, config and tokenizer come from it
     with staged_output(args.dst) as out:
         origin: dict[str, str] = {}
         q4_k_exact: dict[str, bool] = {}
@@ -386,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
             from .mlx import save_mlx
 
             if is_gguf:
-                model, q4_k_exact, origin = _load_gguf(src, dtype or torch.float32,
+                model, q4_k_exact, origin = _load_gguf(gguf, dtype or torch.float32,
                                                        keep_affine=args.requantize != "all")
             else:
                 model = from_pretrained(src, dtype=dtype or "auto")
@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = TorchQmmConfig(bits=bits, group_size=group_size, method=args.method, calibration=calibration,
                                  mode=args.mode)
             if is_gguf:
-                model, _, origin = _load_gguf(src, dtype or torch.float32, keep_affine=False)
+                model, _, origin = _load_gguf(gguf, dtype or torch.float32, keep_affine=False)
                 model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
                 staging = out / ".float"  # inside this run's temporary folder; removed below
                 model.save_pretrained(staging)
@@ -410,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
         if is_gguf:
             from .gguf_tokenizer import save_gguf_tokenizer
 
-            written = save_gguf_tokenizer(src, out)
+            written = save_gguf_tokenizer(gguf, out, shown_as=args.dst)
             if written:
                 print(f"tokenizer from the GGUF metadata: {', '.join(written)}")
         else:
