@@ -224,6 +224,7 @@ void run_bf16(const QmmArgs& a, float* y) {
 }  // namespace
 
 const char* qmm_t_chunked_tile(const QmmArgs& a) {
+  if (a.mode != Mode::kAffine) return nullptr;
   if (a.bits < 2 || a.bits > 8 || a.bits == 7) return nullptr;
   const bool stream = a.bits == 3 || a.bits == 5 || a.bits == 6;
   if (stream && !kHaveStreamChunks) return nullptr;
