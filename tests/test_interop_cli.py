@@ -231,7 +231,7 @@ def test_convert_with_a_mode_to_mlx_and_to_transformers(hf_folder, tmp_path, cap
 
 def test_convert_mode_arguments_are_checked(hf_folder, tmp_path, capsys):
     assert main(["convert", str(hf_folder), str(tmp_path / "o"), "--mode", "mxfp4", "--bits", "8"]) == 2
-    assert "--bits must be one of (4,) for --mode 'mxfp4', got 8" in capsys.readouterr().err
+    assert "--bits must be 4, got 8 (--mode 'mxfp4')" in capsys.readouterr().err
     assert main(["convert", str(hf_folder), str(tmp_path / "o"), "--mode", "nvfp4", "--method", "mse"]) == 2
     assert "--method mse writes the affine format; --mode nvfp4 is quantized with --method rtn" in capsys.readouterr().err
 

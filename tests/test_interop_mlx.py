@@ -401,7 +401,7 @@ def test_unknown_mode_is_a_clear_error(mlx_folder):
                                          r"reads the modes 'affine', 'mxfp4', 'nvfp4'"):
         load_mlx(TorchToy(False), mlx_folder)
     _rewrite_config(mlx_folder, quantization={"group_size": 32, "bits": 8, "mode": "mxfp4"})
-    with pytest.raises(ValueError, match=r"'quantization': argument 'bits' must be one of \(4,\) for mode 'mxfp4'"):
+    with pytest.raises(ValueError, match=r"'quantization': argument 'bits' must be 4, got 8 \(mode 'mxfp4'\)"):
         load_mlx(TorchToy(False), mlx_folder)
 
 

@@ -7,21 +7,18 @@ import torch
 from torch import nn
 
 from .format_state import QuantFormatState
-from .formats import FORMATS, SUPPORTED_DTYPES, packed_words
+from .formats import FORMATS, SUPPORTED_DTYPES, check_format, packed_words, resolve
 from .ops import quantize, quantized_matmul
 
 
 def resolve_format(mode: str, bits: int | None, group_size: int | None) -> tuple[int, int]:
     """(bits, group_size) of `mode`, None meaning the mode's default (MLX's); ValueError naming
-    the argument when the mode is unknown or does not allow the value."""
-    fmt = FORMATS.get(mode) if isinstance(mode, str) else None
-    if fmt is None:
-        raise ValueError(f"argument 'mode' must be one of {tuple(FORMATS)}, got {mode!r}")
-    bits = fmt.default_bits if bits is None else bits
-    group_size = fmt.default_group_size if group_size is None else group_size
-    for name, value, allowed in (("bits", bits, fmt.bits), ("group_size", group_size, fmt.group_sizes)):
-        if type(value) is not int or value not in allowed:
-            raise ValueError(f"argument '{name}' must be one of {tuple(allowed)} for mode '{mode}', got {value!r}")
+    the argument when the mode is unknown or does not allow the value (formats.check_format)."""
+    bits, group_size = resolve(mode, bits, group_size)
+    for name, value in (("bits", bits), ("group_size", group_size)):
+        if type(value) is not int:
+            raise ValueError(f"argument '{name}' must be an int, got {value!r}")
+    check_format(bits, group_size, mode)
     return bits, group_size
 
 

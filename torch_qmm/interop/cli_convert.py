@@ -312,7 +312,7 @@ def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
         resolve_format(args.mode, args.bits, args.group_size)
     except ValueError as e:
         raise UsageError(str(e).replace("argument 'bits'", "--bits").replace("argument 'group_size'", "--group-size")
-                         .replace("for mode", "for --mode")) from None
+                         .replace("(mode ", "(--mode ")) from None
     if args.mode != "affine" and args.method != "rtn":
         raise UsageError(f"--method {args.method} writes the affine format; --mode {args.mode} is quantized with "
                          "--method rtn")
