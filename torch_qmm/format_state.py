@@ -86,10 +86,13 @@ def parse_quant_state(values: Sequence[int]) -> tuple[int, int, str | None]:
     bits, group_size, *codes = (int(v) for v in values)
     if not codes:
         return bits, group_size, AFFINE
-    name = "".join(chr(c) for c in codes).rstrip("\0") if all(0 <= c < 128 for c in codes) else ""
-    ok = name.isprintable() and name != AFFINE and len(codes) == _MODE_CHARS and name and \
-        quant_state_values(bits, group_size, name) == (bits, group_size, *codes)
-    return bits, group_size, name if ok else None
+    if not all(0 <= c < 128 for c in codes):
+        return bits, group_size, None
+    name = "".join(map(chr, codes)).rstrip("\0")
+    # a name written by quant_state_values: printable, zero-padded to its length, not "affine"
+    valid = (name.isprintable() and name not in ("", AFFINE)
+             and quant_state_values(bits, group_size, name)[2:] == tuple(codes))
+    return bits, group_size, name if valid else None
 
 
 class QuantFormatState(FormatState):
