@@ -10,6 +10,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from torch_qmm.__main__ import main
+from torch_qmm.formats import FORMATS
 from torch_qmm.interop import QuantEmbedding, load_mlx, parse_quantization
 from torch_qmm.interop.gguf import GGUFFile
 from torch_qmm.interop.gguf_llama import load_gguf_llama
@@ -199,14 +200,14 @@ def test_inspect_refuses_an_unsupported_saved_format(tmp_path, capsys):
     assert "holds an unsupported format: argument 'mode' must be one of" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("mode", [m for m, f in FORMATS.items() if not f.has_biases])
 def test_convert_with_a_mode_to_mlx_and_to_transformers(hf_folder, tmp_path, capsys, mode):
-    group_size = {"mxfp4": 32, "nvfp4": 16}[mode]
+    bits, group_size = FORMATS[mode].default_bits, FORMATS[mode].default_group_size
     out = tmp_path / "mlx"
     assert main(["convert", str(hf_folder), str(out), "--format", "mlx", "--mode", mode]) == 0
-    assert f"{mode} b4 gs{group_size}" in capsys.readouterr().out
+    assert f"{mode} b{bits} gs{group_size}" in capsys.readouterr().out
     q = json.loads((out / "config.json").read_text())["quantization"]
-    assert (q["mode"], q["bits"], q["group_size"]) == (mode, 4, group_size)
+    assert (q["mode"], q["bits"], q["group_size"]) == (mode, bits, group_size)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(out))
     load_mlx(model, out)
     assert model.model.embed_tokens.mode == model.model.layers[0].mlp.up_proj.mode == mode
@@ -215,7 +216,7 @@ def test_convert_with_a_mode_to_mlx_and_to_transformers(hf_folder, tmp_path, cap
     assert_same_tensors(model, mx.load(str(out / "model.safetensors")))
     assert main(["inspect", str(out), "--json"]) == 0
     rows = {r["layer"]: r["format"] for r in json.loads(capsys.readouterr().out)["layers"]}
-    assert rows["model.layers.0.mlp.up_proj"] == f"{mode} b4 gs{group_size} (U8)"
+    assert rows["model.layers.0.mlp.up_proj"] == f"{mode} b{bits} gs{group_size} (U8)"
 
     hf_out = tmp_path / "hf"
     assert main(["convert", str(hf_folder), str(hf_out), "--mode", mode]) == 0
@@ -226,7 +227,7 @@ def test_convert_with_a_mode_to_mlx_and_to_transformers(hf_folder, tmp_path, cap
     assert torch.equal(_logits(reloaded), _logits(expected))
     assert main(["inspect", str(hf_out), "--json"]) == 0
     rows = {r["layer"]: r["format"] for r in json.loads(capsys.readouterr().out)["layers"]}
-    assert rows["model.layers.0.mlp.up_proj"] == f"{mode} b4 gs{group_size} (U8)"
+    assert rows["model.layers.0.mlp.up_proj"] == f"{mode} b{bits} gs{group_size} (U8)"
 
 
 def test_convert_mode_arguments_are_checked(hf_folder, tmp_path, capsys):

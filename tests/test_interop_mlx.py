@@ -15,6 +15,7 @@ from torch import nn
 from torch_qmm import reference, reference_fp
 from torch_qmm.tolerance import OUT_ATOL, OUT_RTOL
 from torch_qmm.convert import quantize_model
+from torch_qmm.formats import FORMATS
 from torch_qmm.interop import QuantEmbedding, TiedQuantLinear, load_mlx, save_mlx
 from torch_qmm.nn import QuantLinear
 
@@ -182,17 +183,25 @@ QUANT = {
 }
 # Checkpoints in the fp modes, as mlx_lm writes them (every per-layer entry names its mode): the
 # other fp mode and affine layers (an entry without "mode" is affine) in the same model.
+FP_MODES = [m for m, f in FORMATS.items() if not f.has_biases]
+
+
+def _defaults(mode: str) -> dict:
+    return {"group_size": FORMATS[mode].default_group_size, "bits": FORMATS[mode].default_bits, "mode": mode}
+
+
+def _other_fp_mode(mode: str) -> str:
+    return FP_MODES[(FP_MODES.index(mode) + 1) % len(FP_MODES)]
+
+
 FP_QUANT = {
     mode: {
-        "group_size": gs,
-        "bits": 4,
-        "mode": mode,
+        **_defaults(mode),
         "layers.0.down": {"group_size": 32, "bits": 8},
         "layers.1.up": False,
-        "layers.1.down": {"group_size": 16 if mode == "mxfp4" else 32, "bits": 4,
-                          "mode": "nvfp4" if mode == "mxfp4" else "mxfp4"},
+        "layers.1.down": _defaults(_other_fp_mode(mode)),
     }
-    for mode, gs in (("mxfp4", 32), ("nvfp4", 16))
+    for mode in FP_MODES
 }
 CHECKPOINTS = {"affine": QUANT, **FP_QUANT}
 
@@ -218,7 +227,7 @@ def test_mlx_checkpoint_loads_and_matches_mlx(tmp_path, dtype, tied, shards, mod
     down = quant["layers.1.down"]
     assert _format(model.layers[1]["down"]) == (down.get("mode", "affine"), down["bits"], down["group_size"])
     assert isinstance(model.head, TiedQuantLinear if tied else QuantLinear)
-    assert report.quantized["layers.0.up"] == f"{mode} b4 gs{quant['group_size']}"
+    assert report.quantized["layers.0.up"] == f"{mode} b{quant['bits']} gs{quant['group_size']}"
     if mode != "affine":
         assert model.layers[0]["up"].biases is None and model.layers[0]["up"].scales.dtype == torch.uint8
     # Every tensor is MLX's, bit for bit.
@@ -229,7 +238,7 @@ def test_mlx_checkpoint_loads_and_matches_mlx(tmp_path, dtype, tied, shards, mod
     assert_close_to_mlx(got, expected, float64_reference(model, torch.tensor(IDS)), dtype)
 
 
-@pytest.mark.parametrize("mode", ["affine", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("mode", ["affine", *FP_MODES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tied", [True, False])
 def test_saved_model_loads_in_mlx_and_matches(tmp_path, dtype, tied, mode):
@@ -237,8 +246,7 @@ def test_saved_model_loads_in_mlx_and_matches(tmp_path, dtype, tied, mode):
     model = TorchToy(tied).to(dtype)
     # the embedding in another format than the default: affine 6-bit, or the other fp mode
     emb_format = ({"group_size": 64, "bits": 6, "mode": "affine"} if mode == "affine" else
-                  {"group_size": 16, "bits": 4, "mode": "nvfp4"} if mode == "mxfp4" else
-                  {"group_size": 32, "bits": 4, "mode": "mxfp4"})
+                  _defaults(_other_fp_mode(mode)))
     model.embed = QuantEmbedding.from_embedding(model.embed, **emb_format)
     if tied:
         model.head = TiedQuantLinear(model.embed)
@@ -249,8 +257,7 @@ def test_saved_model_loads_in_mlx_and_matches(tmp_path, dtype, tied, mode):
 
     config = json.loads((tmp_path / "config.json").read_text())
     q = config["quantization"]
-    group_size = {"affine": 64, "mxfp4": 32, "nvfp4": 16}[mode]
-    assert (q["bits"], q["group_size"], q["mode"], q["layers.1.up"]) == (4, group_size, mode, False)
+    assert {k: q[k] for k in ("group_size", "bits", "mode")} == _defaults(mode) and q["layers.1.up"] is False
     assert q["embed"] == emb_format and q["layers.0.down"] == {"group_size": 32, "bits": 2, "mode": "affine"}
     assert config["quantization_config"] == q
     assert (tmp_path / "model.safetensors.index.json").is_file()

@@ -24,6 +24,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 from gguf.constants import GGMLQuantizationType as T
 
 from torch_qmm.__main__ import main
+from torch_qmm.formats import FORMATS
 from torch_qmm.interop import load_mlx, save_mlx
 from torch_qmm.interop.gguf import GGUFFile
 from torch_qmm.interop.gguf_llama import llama_config_from_gguf
@@ -263,7 +264,7 @@ def hf_mlx(tmp_path_factory, hf_folder):
     return hf_folder, out
 
 
-FP_MODES = ["mxfp4", "nvfp4"]
+FP_MODES = [m for m, f in FORMATS.items() if not f.has_biases]
 
 
 @pytest.fixture(scope="module", params=FP_MODES)

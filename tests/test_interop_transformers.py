@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from torch_qmm.convert import quantize_model
+from torch_qmm.formats import FORMATS
 from torch_qmm.nn import QuantLinear
 
 transformers = pytest.importorskip("transformers")
@@ -89,7 +90,7 @@ def _assert_same_state(a, b) -> None:
         assert t.dtype == state_b[name].dtype and torch.equal(t, state_b[name]), name
 
 
-@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("mode", [m for m, f in FORMATS.items() if not f.has_biases])
 def test_fp_mode_quantizes_on_load_saves_and_reloads(float_folder, tmp_path, mode):
     model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, quantization_config=TorchQmmConfig(mode=mode))
     expected = transformers.AutoModelForCausalLM.from_pretrained(float_folder)
@@ -99,8 +100,8 @@ def test_fp_mode_quantizes_on_load_saves_and_reloads(float_folder, tmp_path, mod
     _assert_same_state(model, expected)
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    group_size = {"mxfp4": 32, "nvfp4": 16}[mode]
-    assert (saved["mode"], saved["bits"], saved["group_size"]) == (mode, 4, group_size)
+    assert (saved["mode"], saved["bits"], saved["group_size"]) == (mode, FORMATS[mode].default_bits,
+                                                                  FORMATS[mode].default_group_size)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert _formats(reloaded) == _formats(model)
     _assert_same_state(reloaded, model)

@@ -12,6 +12,7 @@ from torch import nn
 
 import torch_qmm
 from torch_qmm import reference
+from torch_qmm.formats import FORMATS
 from torch_qmm.nn import QuantLinear
 
 from tolerance import assert_matches_reference
@@ -128,7 +129,11 @@ def test_quantize_model_respects_filter():
 
 # ---- the fp modes (MLX's mxfp4, nvfp4, ...): buffers as mlx.core.quantize writes them ----------
 
-FP_MODES = ["mxfp4", "nvfp4"]
+FP_MODES = [m for m, f in FORMATS.items() if not f.has_biases]
+
+
+def _other_fp_mode(mode: str) -> str:
+    return FP_MODES[(FP_MODES.index(mode) + 1) % len(FP_MODES)]
 
 
 def _mx_quantize(w: torch.Tensor, mode: str):
@@ -181,15 +186,15 @@ def test_fp_state_round_trips_and_other_modes_are_refused(mode):
     # Another format: refused before anything is copied, naming both modes.
     affine = QuantLinear(128, 16, bits=4, group_size=32)
     before = {k: v.clone() for k, v in affine.state_dict().items()}
-    with pytest.raises(ValueError, match=rf"holds bits=4, group_size={q.group_size}, mode={mode}, this layer has "
-                                         rf"bits=4, group_size=32, mode=affine"):
+    with pytest.raises(ValueError, match=rf"holds bits={q.bits}, group_size={q.group_size}, mode={mode}, this layer "
+                                         rf"has bits=4, group_size=32, mode=affine"):
         affine.load_state_dict({**state, "biases": affine.biases}, strict=False)
     assert all(torch.equal(before[k], v) for k, v in affine.state_dict().items())
-    other = "nvfp4" if mode == "mxfp4" else "mxfp4"
+    other = _other_fp_mode(mode)
     with pytest.raises(ValueError, match=rf"mode={mode}, this layer has .*mode={other}"):
         QuantLinear(128, 16, mode=other).load_state_dict(state)
-    with pytest.raises(ValueError, match=r"holds bits=4, group_size=\d+, mode=\[1, 2, 3"):
-        fresh.load_state_dict({**state, "_extra_state": torch.tensor([4, q.group_size, 1, 2, 3, 4, 5, 6, 7, 8])})
+    with pytest.raises(ValueError, match=rf"holds bits={q.bits}, group_size=\d+, mode=\[1, 2, 3"):
+        fresh.load_state_dict({**state, "_extra_state": torch.tensor([q.bits, q.group_size, 1, 2, 3, 4, 5, 6, 7, 8])})
 
 
 def test_affine_state_keeps_its_two_values():
@@ -218,12 +223,14 @@ def test_quantize_model_in_an_fp_mode(mode):
         summary = torch_qmm.quantize_model(model, mode=mode)
     assert summary.converted == ["inp", "body.0", "body.2"]
     assert all(m.mode == mode and m.biases is None for m in (model.inp, model.body[0], model.body[2]))
-    assert summary.bytes_after < summary.bytes_before / 5  # 4-bit codes and one byte per group
+    q = model.inp
+    # codes and one byte per group instead of 32 bits (the float biases come on top)
+    assert summary.bytes_after < summary.bytes_before * ((q.bits + 8 / q.group_size) / 32 + 0.02)
     rel = ((model(x) - y_float).norm() / y_float.norm()).item()
     assert rel < 0.2, f"{mode}: relative error {rel:.3f}"
     again = torch_qmm.quantize_model(model, mode=mode, filter_fn=lambda n, _: n != "odd")
     assert again.already_quantized == ["inp", "body.0", "body.2"] and not again.converted
-    with pytest.raises(ValueError, match=rf"mode='affine'\): the model already holds .*inp \(bits=4, "
+    with pytest.raises(ValueError, match=rf"mode='affine'\): the model already holds .*inp \(bits={q.bits}, "
                                          rf"group_size=\d+, mode={mode}\)"):
         torch_qmm.quantize_model(model, bits=4, group_size=32, filter_fn=lambda n, _: n != "odd")
     with pytest.raises(ValueError, match=rf"mode='{mode}' is quantized by rtn"):
