@@ -124,8 +124,8 @@ def quantize_model(
 
     Args:
         model: any module; its nn.Linear children (at any depth) are candidates.
-        bits, group_size, mode: the format (torch_qmm.formats.FORMATS; bits / group_size None:
-            the mode's defaults, MLX's: affine 4 / 64, mxfp4 4 / 32, nvfp4 4 / 16, ...).
+        bits, group_size, mode: the format, mode a key of torch_qmm.formats.FORMATS; bits /
+            group_size None: the mode's defaults (MLX's; affine 4 / 64).
         filter_fn: (qualified name, layer) -> bool; only layers it accepts are converted. It is
             also asked about the layers that are already quantized (QuantLinear, GGUFLinear).
         dtype: compute dtype of the quantized layers (default: each layer's weight dtype).

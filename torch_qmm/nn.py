@@ -7,14 +7,17 @@ import torch
 from torch import nn
 
 from .format_state import QuantFormatState
-from .formats import FORMATS, SUPPORTED_DTYPES, check_format, packed_words, resolve
+from .formats import FORMATS, SUPPORTED_DTYPES, check_format, format_of, packed_words
 from .ops import quantize, quantized_matmul
 
 
 def resolve_format(mode: str, bits: int | None, group_size: int | None) -> tuple[int, int]:
     """(bits, group_size) of `mode`, None meaning the mode's default (MLX's); ValueError naming
-    the argument when the mode is unknown or does not allow the value (formats.check_format)."""
-    bits, group_size = resolve(mode, bits, group_size)
+    the argument when the mode is unknown or does not allow the value (formats.format_of,
+    check_format)."""
+    fmt = format_of(mode)
+    bits = fmt.default_bits if bits is None else bits
+    group_size = fmt.default_group_size if group_size is None else group_size
     for name, value in (("bits", bits), ("group_size", group_size)):
         if type(value) is not int:
             raise ValueError(f"argument '{name}' must be an int, got {value!r}")

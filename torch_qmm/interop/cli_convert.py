@@ -29,7 +29,7 @@ Convert a model to a torch_qmm or MLX folder.
     python -m torch_qmm convert ./Llama-3.2-1B ./out-mxfp4 --format mlx --mode mxfp4
 
 A transformers folder (float weights) is quantized with --mode / --bits / --group-size (bits and
-group size default to the mode's, as MLX's: affine 4 / 64, mxfp4 4 / 32, nvfp4 4 / 16): every linear layer
+group size default to the mode's, as MLX's; see --help): every linear layer
 except the output head (--format transformers, reloadable with from_pretrained after importing
 torch_qmm.interop.transformers), or the linear layers and the embedding (--format mlx, as
 mlx.nn.quantize does; a tied output head reuses the quantized embedding).
@@ -57,8 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["transformers", "mlx"], default="transformers",
                         help="output: a transformers folder with torch_qmm layers, or an MLX folder for mlx / "
                              "mlx_lm (default: %(default)s)")
+    defaults = ", ".join(f"{m} {f.default_bits} / {f.default_group_size}" for m, f in FORMATS.items())
     parser.add_argument("--mode", choices=list(FORMATS), default="affine",
-                        help="MLX's quantization mode of the layers quantized by this run (default: %(default)s)")
+                        help="MLX's quantization mode of the layers quantized by this run (default: %(default)s); "
+                             f"the modes' default bits / group size: {defaults}")
     parser.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=None,
                         help="bits per weight of the layers quantized by this run (default: the mode's, 4 for "
                              "affine; for GGUF only with --requantize)")
