@@ -286,7 +286,7 @@ def test_state_of_another_format_is_refused_even_when_the_shapes_agree():
     dst = QuantLinear(128, 16, bits=4, group_size=64)
     assert all(src.state_dict()[k].shape == v.shape for k, v in dst.state_dict().items())
     before = {k: v.clone() for k, v in dst.state_dict().items()}
-    with pytest.raises(ValueError, match="holds bits=8, group_size=32, this layer has bits=4, group_size=64"):
+    with pytest.raises(ValueError, match="holds bits=8, group_size=32, mode=affine, this layer has bits=4, group_size=64, mode=affine"):
         dst.load_state_dict(src.state_dict())
     assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items())  # left unchanged
     emb = QuantEmbedding(16, 128, bits=4, group_size=64)
@@ -418,10 +418,10 @@ def test_quantize_model_again_with_another_format_is_refused_and_with_the_same_i
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
     torch_qmm.quantize_model(model, bits=8, group_size=32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"quantize_model\(bits=4, group_size=64\).*another format: "
-                                         r"0 \(bits=8, group_size=32\), 2 \(bits=8, group_size=32\)"):
+    with pytest.raises(ValueError, match=r"quantize_model\(bits=4, group_size=64, mode='affine'\).*another format: "
+                                         r"0 \(bits=8, group_size=32, mode=affine\), 2 \(bits=8, group_size=32, mode=affine\)"):
         torch_qmm.quantize_model(model, bits=4, group_size=64)
-    with pytest.raises(ValueError, match=r"2 \(bits=8, group_size=32\)"):  # the same bits, another group size
+    with pytest.raises(ValueError, match=r"2 \(bits=8, group_size=32, mode=affine\)"):  # the same bits, another group size
         torch_qmm.quantize_model(model, bits=8, group_size=64)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # left unchanged
     with warnings.catch_warnings():
@@ -509,5 +509,5 @@ def test_transformers_reload_checks_the_saved_format(tmp_path):
         assert torch.equal(back(ids).logits, model(ids).logits)
     state["model.layers.0.mlp.up_proj._extra_state"] = torch.tensor([4, 32], dtype=torch.int32)
     save_file(state, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="holds bits=4, group_size=32, this layer has bits=8, group_size=32"):
+    with pytest.raises(ValueError, match="holds bits=4, group_size=32, mode=affine, this layer has bits=8, group_size=32, mode=affine"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "q")

@@ -10,6 +10,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from torch_qmm.__main__ import main
+from torch_qmm.formats import FORMATS
 from torch_qmm.interop import QuantEmbedding, load_mlx, parse_quantization
 from torch_qmm.interop.gguf import GGUFFile
 from torch_qmm.interop.gguf_llama import load_gguf_llama
@@ -139,6 +140,7 @@ def _saved_state_folder(folder):
     model = torch.nn.ModuleDict({
         "a": QuantLinear(64, 32, bits=8, group_size=32), "b": QuantLinear(128, 16, bits=3, group_size=64),
         "k": GGUFLinear(512, 4, int(T.Q6_K)), "e": QuantEmbedding(10, 64, bits=4, group_size=32),
+        "m": QuantLinear(64, 8, mode="mxfp4"), "n": QuantEmbedding(10, 32, mode="nvfp4"),
         "f": torch.nn.Linear(8, 2)})
     folder.mkdir()
     save_file(model.state_dict(), folder / "model.safetensors")
@@ -149,8 +151,10 @@ def test_inspect_shows_the_format_each_layer_saved(tmp_path, capsys):
     folder = _saved_state_folder(tmp_path / "state")
     assert main(["inspect", str(folder), "--json"]) == 0
     rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)["layers"]}
-    assert sorted(rows) == ["a", "b", "e", "f.bias", "f.weight", "k"]
+    assert sorted(rows) == ["a", "b", "e", "f.bias", "f.weight", "k", "m", "n"]
     assert (rows["a"]["format"], rows["a"]["shape"]) == ("affine b8 gs32 (F32)", [32, 64])
+    assert (rows["m"]["format"], rows["m"]["shape"]) == ("mxfp4 b4 gs32 (U8)", [8, 64])
+    assert (rows["n"]["format"], rows["n"]["shape"]) == ("nvfp4 b4 gs16 (U8)", [10, 32])
     assert (rows["b"]["format"], rows["b"]["shape"]) == ("affine b3 gs64 (F32)", [16, 128])
     assert (rows["e"]["format"], rows["e"]["shape"]) == ("affine b4 gs32 (F32)", [10, 64])
     assert (rows["k"]["format"], rows["k"]["shape"]) == ("GGUF Q6_K", [4, 512])
@@ -164,7 +168,8 @@ def test_inspect_shows_a_saved_format_that_config_json_contradicts(tmp_path, cap
     assert main(["inspect", str(folder), "--json"]) == 0
     rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)["layers"]}
     assert rows["a"]["format"] == "affine b8 gs32 (F32)"
-    assert rows["b"]["format"] == "affine b3 gs64 (F32; config.json says b8 gs32)"
+    assert rows["b"]["format"] == "affine b3 gs64 (F32; config.json says affine b8 gs32)"
+    assert rows["m"]["format"] == "mxfp4 b4 gs32 (U8; config.json says affine b8 gs32)"
 
 
 @pytest.mark.parametrize("bad", [torch.tensor([8.0, 32.0]), torch.zeros(2, 2, dtype=torch.int32),
@@ -189,6 +194,47 @@ def test_inspect_refuses_an_unsupported_saved_format(tmp_path, capsys):
     assert main(["inspect", str(folder)]) == 1
     err = capsys.readouterr().err
     assert "model.safetensors: tensor 'a._extra_state' holds an unsupported format" in err and "bits" in err
+    mode_codes = torch.tensor([4, 32, 120, 120, 0, 0, 0, 0, 0, 0], dtype=torch.int32)  # "xx"
+    save_file({**state, "a._extra_state": mode_codes}, folder / "model.safetensors")
+    assert main(["inspect", str(folder)]) == 1
+    assert "holds an unsupported format: argument 'mode' must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [m for m, f in FORMATS.items() if not f.has_biases])
+def test_convert_with_a_mode_to_mlx_and_to_transformers(hf_folder, tmp_path, capsys, mode):
+    bits, group_size = FORMATS[mode].default_bits, FORMATS[mode].default_group_size
+    out = tmp_path / "mlx"
+    assert main(["convert", str(hf_folder), str(out), "--format", "mlx", "--mode", mode]) == 0
+    assert f"{mode} b{bits} gs{group_size}" in capsys.readouterr().out
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert (q["mode"], q["bits"], q["group_size"]) == (mode, bits, group_size)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(out))
+    load_mlx(model, out)
+    assert model.model.embed_tokens.mode == model.model.layers[0].mlp.up_proj.mode == mode
+    from test_interop_mlx import assert_same_tensors
+
+    assert_same_tensors(model, mx.load(str(out / "model.safetensors")))
+    assert main(["inspect", str(out), "--json"]) == 0
+    rows = {r["layer"]: r["format"] for r in json.loads(capsys.readouterr().out)["layers"]}
+    assert rows["model.layers.0.mlp.up_proj"] == f"{mode} b{bits} gs{group_size} (U8)"
+
+    hf_out = tmp_path / "hf"
+    assert main(["convert", str(hf_folder), str(hf_out), "--mode", mode]) == 0
+    capsys.readouterr()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(hf_out)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, quantization_config=TorchQmmConfig(mode=mode))
+    assert reloaded.model.layers[0].mlp.up_proj.mode == mode
+    assert torch.equal(_logits(reloaded), _logits(expected))
+    assert main(["inspect", str(hf_out), "--json"]) == 0
+    rows = {r["layer"]: r["format"] for r in json.loads(capsys.readouterr().out)["layers"]}
+    assert rows["model.layers.0.mlp.up_proj"] == f"{mode} b{bits} gs{group_size} (U8)"
+
+
+def test_convert_mode_arguments_are_checked(hf_folder, tmp_path, capsys):
+    assert main(["convert", str(hf_folder), str(tmp_path / "o"), "--mode", "mxfp4", "--bits", "8"]) == 2
+    assert "--bits must be 4, got 8 (--mode 'mxfp4')" in capsys.readouterr().err
+    assert main(["convert", str(hf_folder), str(tmp_path / "o"), "--mode", "nvfp4", "--method", "mse"]) == 2
+    assert "--method mse writes the affine format; --mode nvfp4 is quantized with --method rtn" in capsys.readouterr().err
 
 
 def test_inspect_and_convert_bad_input(tmp_path, capsys):

@@ -160,5 +160,5 @@ def test_gguf_linear_state_carries_its_type_and_another_type_is_refused(tmp_path
     assert torch.equal(same(x), q4(x))
     with pytest.raises(ValueError, match=r"format state must be an integer tensor \[1\] \(ggml_type\)"):
         same.load_state_dict({**state, "_extra_state": torch.tensor([12, 32], dtype=torch.int32)})
-    with pytest.raises(ValueError, match=r"integer tensor \[2\] \(bits, group_size\), got torch.int32 \[1\]"):
+    with pytest.raises(ValueError, match=r"integer tensor \[2\] \(bits, group_size\) or \[10\] \(bits, group_size, mode name\), got torch.int32 \[1\]"):
         QuantLinear(256, 2, bits=4, group_size=64).load_state_dict(state, strict=False)

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from torch_qmm import reference
+from torch_qmm import reference, reference_fp
 from torch_qmm.tolerance import OUT_ATOL, OUT_RTOL
 from torch_qmm.convert import quantize_model
+from torch_qmm.formats import FORMATS
 from torch_qmm.interop import QuantEmbedding, TiedQuantLinear, load_mlx, save_mlx
 from torch_qmm.nn import QuantLinear
 
@@ -71,12 +72,19 @@ class MlxToy(mnn.Module):
 MLX_DTYPES = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}
 
 
+def exact_weight(m) -> torch.Tensor:
+    """float64 W of a QuantLinear / QuantEmbedding, decoded by the float64 references."""
+    if m.mode == "affine":
+        return reference.dequantize(m.qweight, m.scales, m.biases, m.bits, m.group_size)
+    return reference_fp.dequantize_fp(m.qweight, m.scales, m.mode, m.group_size, m.bits, dtype=torch.float64)
+
+
 def float64_reference(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The model run in float64 with its quantized layers replaced by their dequantized weights."""
     ref = copy.deepcopy(model)
     for name, m in list(ref.named_modules()):
         if isinstance(m, (QuantLinear, QuantEmbedding)):
-            w = reference.dequantize(m.qweight, m.scales, m.biases, m.bits, m.group_size)
+            w = exact_weight(m)
             if isinstance(m, QuantEmbedding):
                 new = nn.Embedding(*w.shape)
             else:
@@ -157,7 +165,8 @@ def _mlx_quantized_toy(tied: bool, dtype, quantization: dict):
             return quantization[path]
         return hasattr(module, "to_quantized")
 
-    mnn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"], class_predicate=predicate)
+    mnn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                 mode=quantization.get("mode", "affine"), class_predicate=predicate)
     mx.eval(model.parameters())
     return model
 
@@ -172,23 +181,55 @@ QUANT = {
     "layers.1.up": False,
     "layers.1.down": {"group_size": 128, "bits": 3},
 }
+# Checkpoints in the fp modes, as mlx_lm writes them (every per-layer entry names its mode): the
+# other fp mode and affine layers (an entry without "mode" is affine) in the same model.
+FP_MODES = [m for m, f in FORMATS.items() if not f.has_biases]
 
 
+def _defaults(mode: str) -> dict:
+    return {"group_size": FORMATS[mode].default_group_size, "bits": FORMATS[mode].default_bits, "mode": mode}
+
+
+def _other_fp_mode(mode: str) -> str:
+    return FP_MODES[(FP_MODES.index(mode) + 1) % len(FP_MODES)]
+
+
+FP_QUANT = {
+    mode: {
+        **_defaults(mode),
+        "layers.0.down": {"group_size": 32, "bits": 8},
+        "layers.1.up": False,
+        "layers.1.down": _defaults(_other_fp_mode(mode)),
+    }
+    for mode in FP_MODES
+}
+CHECKPOINTS = {"affine": QUANT, **FP_QUANT}
+
+
+def _format(m) -> tuple:
+    return (m.mode, m.bits, m.group_size)
+
+
+@pytest.mark.parametrize("mode", list(CHECKPOINTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tied,shards", [(True, 1), (False, 3)])
-def test_mlx_checkpoint_loads_and_matches_mlx(tmp_path, dtype, tied, shards):
-    mlx_model = _mlx_quantized_toy(tied, dtype, QUANT)
-    _save_mlx_checkpoint(mlx_model, tmp_path, QUANT, shards)
+def test_mlx_checkpoint_loads_and_matches_mlx(tmp_path, dtype, tied, shards, mode):
+    quant = CHECKPOINTS[mode]
+    mlx_model = _mlx_quantized_toy(tied, dtype, quant)
+    _save_mlx_checkpoint(mlx_model, tmp_path, quant, shards)
     expected = _to_torch(mlx_model(mx.array(IDS)))
 
     model = TorchToy(tied)
     report = load_mlx(model, tmp_path)
-    assert isinstance(model.embed, QuantEmbedding)
-    assert isinstance(model.layers[0]["down"], QuantLinear) and model.layers[0]["down"].bits == 8
+    assert isinstance(model.embed, QuantEmbedding) and _format(model.embed) == (mode, quant["bits"], quant["group_size"])
+    assert isinstance(model.layers[0]["down"], QuantLinear) and _format(model.layers[0]["down"]) == ("affine", 8, 32)
     assert isinstance(model.layers[1]["up"], nn.Linear)  # `false` in the config: stays float
-    assert model.layers[1]["down"].bits == 3 and model.layers[1]["down"].group_size == 128
+    down = quant["layers.1.down"]
+    assert _format(model.layers[1]["down"]) == (down.get("mode", "affine"), down["bits"], down["group_size"])
     assert isinstance(model.head, TiedQuantLinear if tied else QuantLinear)
-    assert report.quantized["layers.0.up"] == "affine b4 gs64"
+    assert report.quantized["layers.0.up"] == f"{mode} b{quant['bits']} gs{quant['group_size']}"
+    if mode != "affine":
+        assert model.layers[0]["up"].biases is None and model.layers[0]["up"].scales.dtype == torch.uint8
     # Every tensor is MLX's, bit for bit.
     assert_same_tensors(model, dict(tree_flatten(mlx_model.parameters())))
 
@@ -197,23 +238,28 @@ def test_mlx_checkpoint_loads_and_matches_mlx(tmp_path, dtype, tied, shards):
     assert_close_to_mlx(got, expected, float64_reference(model, torch.tensor(IDS)), dtype)
 
 
+@pytest.mark.parametrize("mode", ["affine", *FP_MODES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tied", [True, False])
-def test_saved_model_loads_in_mlx_and_matches(tmp_path, dtype, tied):
+def test_saved_model_loads_in_mlx_and_matches(tmp_path, dtype, tied, mode):
     torch.manual_seed(0)
     model = TorchToy(tied).to(dtype)
-    model.embed = QuantEmbedding.from_embedding(model.embed, bits=6, group_size=64)
+    # the embedding in another format than the default: affine 6-bit, or the other fp mode
+    emb_format = ({"group_size": 64, "bits": 6, "mode": "affine"} if mode == "affine" else
+                  _defaults(_other_fp_mode(mode)))
+    model.embed = QuantEmbedding.from_embedding(model.embed, **emb_format)
     if tied:
         model.head = TiedQuantLinear(model.embed)
-    quantize_model(model, bits=4, group_size=64, filter_fn=lambda name, _: name != "layers.1.up")
+    quantize_model(model, mode=mode, filter_fn=lambda name, _: name != "layers.1.up")
     model.layers[0]["down"] = QuantLinear.from_linear(nn.Linear(HIDDEN, DIM, bias=False).to(dtype), bits=2, group_size=32)
     ours = model(torch.tensor(IDS))
     save_mlx(model, tmp_path, config={"model_type": "toy"}, max_shard_bytes=40_000)
 
     config = json.loads((tmp_path / "config.json").read_text())
     q = config["quantization"]
-    assert (q["bits"], q["group_size"], q["layers.1.up"]) == (4, 64, False)
-    assert q["embed"] == {"group_size": 64, "bits": 6} and q["layers.0.down"] == {"group_size": 32, "bits": 2}
+    assert {k: q[k] for k in ("group_size", "bits", "mode")} == _defaults(mode) and q["layers.1.up"] is False
+    assert q["embed"] == emb_format and q["layers.0.down"] == {"group_size": 32, "bits": 2, "mode": "affine"}
+    assert config["quantization_config"] == q
     assert (tmp_path / "model.safetensors.index.json").is_file()
 
     # MLX side, as mlx_lm loads a folder: quantize where scales are stored, config gives the format.
@@ -234,16 +280,25 @@ def test_saved_model_loads_in_mlx_and_matches(tmp_path, dtype, tied):
     # the float64 reference of our tensors, within MLX's own rounding of s * q + b (half an ulp
     # of each product and of the sum; swapped scales and biases, or a wrong bits / group size,
     # are off by whole weights).
+    # An fp mode's weights are exact in float32 (a 4-bit significand times a power of two or a
+    # 4-bit one), so MLX's float32 decoding must equal the float64 reference.
     for name, module in model.named_modules():
         if hasattr(module, "qweight") and not isinstance(module, TiedQuantLinear):
             fmt = q.get(name, q)
+            assert (fmt["mode"], fmt["bits"], fmt["group_size"]) == _format(module), name
+            if fmt["mode"] != "affine":
+                assert f"{name}.biases" not in weights
+                got = mx.dequantize(weights[f"{name}.weight"], weights[f"{name}.scales"], group_size=fmt["group_size"],
+                                    bits=fmt["bits"], mode=fmt["mode"], dtype=mx.float32)
+                assert torch.equal(mx_bits(got).double(), exact_weight(module)), f"{name}: MLX decodes other weights"
+                continue
             got = mx.dequantize(weights[f"{name}.weight"], weights[f"{name}.scales"], weights[f"{name}.biases"],
                                 group_size=fmt["group_size"], bits=fmt["bits"])
             want = reference.dequantize(module.qweight, module.scales, module.biases, fmt["bits"], fmt["group_size"])
             terms = reference.dequantize(module.qweight, module.scales.abs(), module.biases.abs(), fmt["bits"], fmt["group_size"])
             err = (mx_bits(got).double() - want).abs()
             assert bool((err <= 2 * OUT_RTOL[dtype] * terms + OUT_ATOL[dtype]).all()), f"{name}: MLX decodes other weights"
-    mnn.quantize(mlx_model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
+    mnn.quantize(mlx_model, group_size=q["group_size"], bits=q["bits"], mode=q["mode"], class_predicate=predicate)
     mlx_model.load_weights(list(weights.items()), strict=True)
     theirs = _to_torch(mlx_model(mx.array(IDS)))
     assert_close_to_mlx(ours, theirs, float64_reference(model, torch.tensor(IDS)), dtype)
@@ -269,6 +324,25 @@ def test_saving_again_into_a_folder_leaves_no_stale_weight_files(tmp_path, first
     assert loaded.layers[0]["up"].bits == 8
     ids = torch.tensor(IDS)
     assert torch.equal(loaded(ids), new(ids))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_save_mlx_files_get_the_umask_modes_of_new_files(tmp_path, umask):
+    import os
+    import stat
+
+    model = TorchToy(False)
+    quantize_model(model, progress=False)
+    old = os.umask(umask)
+    try:
+        save_mlx(model, tmp_path / "one", config={"model_type": "toy"})
+        save_mlx(model, tmp_path / "sharded", config={"model_type": "toy"}, max_shard_bytes=40_000)
+    finally:
+        os.umask(old)
+    files = sorted((tmp_path / "one").iterdir()) + sorted((tmp_path / "sharded").iterdir())
+    assert len(files) > 4
+    for f in files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
 
 
 # ---- bad input -------------------------------------------------------------------------------
@@ -328,11 +402,45 @@ def test_missing_quantization_config_is_a_clear_error(mlx_folder):
         load_mlx(TorchToy(False), mlx_folder)
 
 
-@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
-def test_unsupported_mode_is_a_clear_error(mlx_folder, mode):
-    _rewrite_config(mlx_folder, quantization={"group_size": 32, "bits": 4, "mode": mode})
-    with pytest.raises(ValueError, match=f"mode '{mode}' is not supported"):
+def test_unknown_mode_is_a_clear_error(mlx_folder):
+    _rewrite_config(mlx_folder, quantization={"group_size": 32, "bits": 4, "mode": "mxfp6"})
+    with pytest.raises(ValueError, match=r"'quantization': quantization mode 'mxfp6' is not supported \(torch_qmm "
+                                         r"reads the modes 'affine', 'mxfp4', 'nvfp4'"):
         load_mlx(TorchToy(False), mlx_folder)
+    _rewrite_config(mlx_folder, quantization={"group_size": 32, "bits": 8, "mode": "mxfp4"})
+    with pytest.raises(ValueError, match=r"'quantization': argument 'bits' must be 4, got 8 \(mode 'mxfp4'\)"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+
+def test_config_mode_disagreeing_with_tensors_is_a_clear_error(mlx_folder, tmp_path_factory):
+    # affine tensors (float scales, biases) with a config saying mxfp4
+    _rewrite_config(mlx_folder, quantization={"group_size": 32, "bits": 4, "mode": "mxfp4"})
+    with pytest.raises(ValueError, match=r"quantized layer '(\w+)' stores \1.biases, but its mode 'mxfp4' has none"):
+        load_mlx(TorchToy(False), mlx_folder)
+    # mxfp4 tensors (uint8 scales, no biases) with a config that gives no mode (affine)
+    quant = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    fp = tmp_path_factory.mktemp("mxfp4")
+    _save_mlx_checkpoint(_mlx_quantized_toy(False, torch.float32, quant), fp, quant)
+    _rewrite_config(fp, quantization={"group_size": 32, "bits": 4})
+    with pytest.raises(ValueError, match=r"quantized layer '(\w+)' has scales but no \1.biases"):
+        load_mlx(TorchToy(False), fp)
+    _rewrite_config(fp, quantization={"group_size": 16, "bits": 4, "mode": "nvfp4"})
+    with pytest.raises(ValueError, match=r"config says bits=4, group_size=16, mode='nvfp4' for a \[(\d+), 128\] weight, "
+                                         r"so weight must be \[\1, 16\] and scales \[\1, 8\]; the checkpoint has "
+                                         r"weight \[\1, 16\], scales \[\1, 4\]"):
+        load_mlx(TorchToy(False), fp)
+
+
+def test_fp_scales_of_the_wrong_dtype_are_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    quant = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    _save_mlx_checkpoint(_mlx_quantized_toy(False, torch.float32, quant), tmp_path, quant)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["layers.0.up.scales"] = tensors["layers.0.up.scales"].float()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'layers.0.up': scales of mode 'mxfp4' must be U8 \(scale codes\), got F32"):
+        load_mlx(TorchToy(False), tmp_path)
 
 
 def test_architecture_mismatch_is_a_clear_error(mlx_folder):

@@ -24,6 +24,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 from gguf.constants import GGMLQuantizationType as T
 
 from torch_qmm.__main__ import main
+from torch_qmm.formats import FORMATS
 from torch_qmm.interop import load_mlx, save_mlx
 from torch_qmm.interop.gguf import GGUFFile
 from torch_qmm.interop.gguf_llama import llama_config_from_gguf
@@ -247,14 +248,31 @@ def test_mlx_lm_honors_the_rope_theta_we_wrote(gguf_model, gguf_mlx, reference_t
 
 
 @pytest.fixture(scope="module")
-def hf_mlx(tmp_path_factory, reference_tokenizer):
-    """(transformers folder with the real tokenizer, its `convert --format mlx` output)."""
+def hf_folder(tmp_path_factory, reference_tokenizer):
+    """A transformers folder with the real tokenizer."""
     folder = tmp_path_factory.mktemp("hf")
     random_llama(len(reference_tokenizer), tied=False, seed=1).save_pretrained(folder)
     reference_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_mlx(tmp_path_factory, hf_folder):
+    """(transformers folder with the real tokenizer, its `convert --format mlx` output)."""
     out = tmp_path_factory.mktemp("hf_mlx") / "out"
-    assert main(["convert", str(folder), str(out), "--format", "mlx", "--bits", "4", "--group-size", "32"]) == 0
-    return folder, out
+    assert main(["convert", str(hf_folder), str(out), "--format", "mlx", "--bits", "4", "--group-size", "32"]) == 0
+    return hf_folder, out
+
+
+FP_MODES = [m for m, f in FORMATS.items() if not f.has_biases]
+
+
+@pytest.fixture(scope="module", params=FP_MODES)
+def hf_mlx_fp(request, tmp_path_factory, hf_folder):
+    """(mode, `convert --format mlx --mode <fp mode>` output of hf_folder)."""
+    out = tmp_path_factory.mktemp(f"hf_mlx_{request.param}") / "out"
+    assert main(["convert", str(hf_folder), str(out), "--format", "mlx", "--mode", request.param]) == 0
+    return request.param, out
 
 
 def torch_from_mlx_folder(folder: Path):
@@ -272,6 +290,32 @@ def test_transformers_folder_to_mlx_loads_in_mlx_lm_and_matches_torch(hf_mlx, re
     err = assert_logits_close(mlx_logits(model, ids), torch_logits(reference, ids))
     print(f"transformers -> mlx: max |mlx_lm - torch| / max |logit| = {err:.2e}")
     assert mlx_greedy(model, ids, N_NEW) == torch_greedy(reference, ids, N_NEW)
+
+
+def test_fp_mode_folder_loads_in_mlx_lm_and_matches_torch(hf_mlx_fp, reference_tokenizer):
+    mode, out = hf_mlx_fp
+    model, tokenizer = mlx_lm_utils.load(str(out))
+    # mlx_lm built every linear layer and the embedding in the mode (its own reading of config.json)
+    quantized = {n: m for n, m in model.named_modules() if hasattr(m, "mode")}
+    assert len(quantized) == 2 * 7 + 2 and {m.mode for m in quantized.values()} == {mode}, quantized
+    ids = tokenizer.encode(PROMPT)
+    reference = torch_from_mlx_folder(out)
+    assert {m.mode for m in reference.modules() if hasattr(m, "qweight")} == {mode}
+    # The fp embedding decodes exactly in MLX's bfloat16 lookup output (a 2- or 4-bit significand
+    # times the scale), so both sides compute the same float32 model.
+    err = assert_logits_close(mlx_logits(model, ids), torch_logits(reference, ids))
+    print(f"transformers -> mlx {mode}: max |mlx_lm - torch| / max |logit| = {err:.2e}")
+    assert mlx_greedy(model, ids, N_NEW) == torch_greedy(reference, ids, N_NEW)
+
+
+def test_mlx_lm_holds_bit_for_bit_what_our_fp_loader_reads(hf_mlx_fp):
+    mode, out = hf_mlx_fp
+    ours = mlx_state_dict(torch_from_mlx_folder(out))
+    model, _ = mlx_lm_utils.load_model(out)
+    theirs = dict(tree_flatten(model.parameters()))
+    assert set(theirs) == set(ours) and not any(k.endswith(".biases") for k in theirs)
+    for name, t in ours.items():
+        assert_same_bits(name, theirs[name], t)
 
 
 def expected_model_args(hf) -> dict:
@@ -329,7 +373,8 @@ def test_rope_scaling_reaches_mlx_lm(tmp_path, rope):
     assert (mlx_logits(unscaled, ids) - want).abs().max().item() / want.abs().max().item() > 100 * RTOL_LOGITS
 
 
-_MLX_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.uint32: "uint32"}
+_MLX_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.uint32: "uint32",
+               torch.uint8: "uint8"}
 
 
 def assert_same_bits(name: str, theirs, ours: torch.Tensor) -> None:
@@ -352,12 +397,14 @@ def test_mlx_lm_holds_bit_for_bit_what_our_loader_reads(which, gguf_mlx, hf_mlx)
         assert_same_bits(name, theirs[name], t)
 
 
+@pytest.mark.parametrize("mode", ["affine", *FP_MODES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_save_mlx_tensors_read_by_mlx_bit_for_bit(tmp_path, dtype):
+def test_save_mlx_tensors_read_by_mlx_bit_for_bit(tmp_path, dtype, mode):
     from torch_qmm.convert import quantize_model
 
     model = random_llama(vocab=256, tied=False, seed=3).to(dtype)
-    quantize_model(model, bits=4, group_size=32, filter_fn=lambda name, _: "mlp" in name)
+    quantize_model(model, group_size=32 if mode == "affine" else None, mode=mode,
+                   filter_fn=lambda name, _: "mlp" in name)
     written = mlx_state_dict(model)
     save_mlx(model, tmp_path, max_shard_bytes=2**14)  # several shards
     read = {}
@@ -441,8 +488,10 @@ def test_gguf_without_tokenizer_metadata_warns_and_writes_no_tokenizer(tmp_path)
     from test_interop_gguf_llama import write_llama_gguf as write_plain_gguf
 
     write_plain_gguf(hf_model(tied=True), tmp_path / "m.gguf", {}, np.random.default_rng(0))
-    with pytest.warns(UserWarning, match=r"m.gguf: no tokenizer.ggml.model metadata, so no tokenizer files were written"):
+    with pytest.warns(UserWarning, match=r"m.gguf: no tokenizer.ggml.model metadata, so no tokenizer files were written") as w:
         assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--format", "mlx"]) == 0
+    # it names the folder the user asked for, not the temporary one it was written to
+    assert f"were written to {tmp_path / 'out'};" in str(w[0].message) and ".partial" not in str(w[0].message)
     assert not (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "config.json").is_file()
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from torch_qmm.convert import quantize_model
+from torch_qmm.formats import FORMATS
 from torch_qmm.nn import QuantLinear
 
 transformers = pytest.importorskip("transformers")
@@ -76,3 +77,73 @@ def test_bad_config_is_a_clear_error():
         TorchQmmConfig(bits=7)
     with pytest.raises(ValueError, match="argument 'group_size'"):
         TorchQmmConfig(group_size=100)
+
+
+def _formats(model) -> dict[str, tuple]:
+    return {n: (m.mode, m.bits, m.group_size) for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def _assert_same_state(a, b) -> None:
+    state_a, state_b = a.state_dict(), b.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for name, t in state_a.items():
+        assert t.dtype == state_b[name].dtype and torch.equal(t, state_b[name]), name
+
+
+@pytest.mark.parametrize("mode", [m for m, f in FORMATS.items() if not f.has_biases])
+def test_fp_mode_quantizes_on_load_saves_and_reloads(float_folder, tmp_path, mode):
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, quantization_config=TorchQmmConfig(mode=mode))
+    expected = transformers.AutoModelForCausalLM.from_pretrained(float_folder)
+    quantize_model(expected, mode=mode, filter_fn=lambda name, _: name != "lm_head")
+    assert _formats(model) == _formats(expected) and len(_formats(model)) == 14  # down_proj too (192 = 6 * 32)
+    assert {f[0] for f in _formats(model).values()} == {mode}
+    _assert_same_state(model, expected)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert (saved["mode"], saved["bits"], saved["group_size"]) == (mode, FORMATS[mode].default_bits,
+                                                                  FORMATS[mode].default_group_size)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert _formats(reloaded) == _formats(model)
+    _assert_same_state(reloaded, model)
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, model(IDS).logits)
+
+
+def test_fp_mode_config_is_checked():
+    with pytest.raises(ValueError, match=r"argument 'bits' must be 4, got 8 \(mode 'mxfp4'\)"):
+        TorchQmmConfig(bits=8, mode="mxfp4")
+    with pytest.raises(ValueError, match=r"per-layer bits are for mode 'affine', got mode='nvfp4'"):
+        TorchQmmConfig(bits={"*": 4}, mode="nvfp4")
+
+
+MIXED = {
+    "mapping": {"*": 4, "model.layers.0.mlp.up_proj": 8, "model.layers.1.self_attn.q_proj": 2},
+    "budget": "MixedBits",
+}
+
+
+@pytest.mark.parametrize("which", list(MIXED))
+def test_mixed_bits_round_trip_through_save_pretrained(float_folder, tmp_path, which):
+    from torch_qmm.quantizers import MixedBits
+
+    bits = MIXED[which] if which == "mapping" else MixedBits(5.0, low=4, high=8)
+    config = TorchQmmConfig(bits=bits, group_size=64)
+    assert TorchQmmConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()  # also before loading
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, quantization_config=config)
+    got = {n: b for n, (_, b, _) in _formats(model).items()}
+    assert len(set(got.values())) > 1, got  # really mixed
+    if which == "mapping":
+        assert got == {n: MIXED["mapping"].get(n, 4) for n in got}
+    expected = transformers.AutoModelForCausalLM.from_pretrained(float_folder)
+    quantize_model(expected, bits=bits, group_size=64, filter_fn=lambda name, m: name in got)
+    assert _formats(expected) == _formats(model)
+    _assert_same_state(model, expected)
+
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved["bits"] == got  # the bits every layer got, whatever asked for them
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert _formats(reloaded) == _formats(model)
+    _assert_same_state(reloaded, model)
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, model(IDS).logits)

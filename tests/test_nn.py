@@ -12,6 +12,7 @@ from torch import nn
 
 import torch_qmm
 from torch_qmm import reference
+from torch_qmm.formats import FORMATS
 from torch_qmm.nn import QuantLinear
 
 from tolerance import assert_matches_reference
@@ -124,3 +125,113 @@ def test_quantize_model_respects_filter():
         summary = torch_qmm.quantize_model(model, bits=4, group_size=64, filter_fn=lambda name, m: name.startswith("body"))
     assert summary.converted == ["body.0", "body.2"]
     assert type(model.inp) is nn.Linear
+
+
+# ---- the fp modes (MLX's mxfp4, nvfp4, ...): buffers as mlx.core.quantize writes them ----------
+
+FP_MODES = [m for m, f in FORMATS.items() if not f.has_biases]
+
+
+def _other_fp_mode(mode: str) -> str:
+    return FP_MODES[(FP_MODES.index(mode) + 1) % len(FP_MODES)]
+
+
+def _mx_quantize(w: torch.Tensor, mode: str):
+    """mlx.core.quantize of w (same dtype, bits for bits) as torch tensors."""
+    mx = pytest.importorskip("mlx.core")
+    import numpy as np
+
+    dtypes = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}
+    a = mx.array(w.float().numpy()).astype(dtypes[w.dtype])  # exact: w holds values of its dtype
+    return [torch.from_numpy(np.array(t)) for t in mx.quantize(a, mode=mode)]
+
+
+@pytest.mark.parametrize("mode", FP_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fp_quant_linear_holds_mlx_buffers_and_matches_reference(mode, dtype):
+    from torch_qmm import reference_fp
+
+    torch.manual_seed(3)
+    linear = nn.Linear(256, 48).to(dtype)
+    q = QuantLinear.from_linear(linear, mode=mode)
+    spec = reference_fp.MODES[mode]
+    assert (q.mode, q.bits, q.group_size) == (mode, spec.bits, spec.group_size)  # MLX's defaults
+    assert q.biases is None and set(q.state_dict()) == {"qweight", "scales", "bias", "_extra_state"}
+    wq, scales = _mx_quantize(linear.weight.detach(), mode)
+    assert q.scales.dtype == torch.uint8 and torch.equal(q.scales, scales)
+    assert torch.equal(q.qweight.view(torch.int32), wq.view(torch.int32))
+    x = torch.randn(3, 256).to(dtype)
+    y = q(x)
+    assert y.dtype == dtype
+    args = (q.qweight, q.scales, mode)
+    y_ref = reference_fp.qmm_fp(x, *args)
+    magnitude = reference_fp.qmm_fp_magnitude(x, *args)
+    # bias added after the product, one more rounding (as in test_quant_linear_matches_reference)
+    y_sum = y_ref + linear.bias.double()
+    u = OUT_RTOL[dtype]
+    bound = (1 + u) * error_bound(y_ref, magnitude, dtype) + u * y_sum.abs() + OUT_ATOL[dtype]
+    ratio = ((y.double() - y_sum).abs() / bound).max().item()
+    assert ratio <= 1.0, f"{mode} QuantLinear: worst ratio {ratio:.2f} to the two-rounding bound"
+
+
+@pytest.mark.parametrize("mode", FP_MODES)
+def test_fp_state_round_trips_and_other_modes_are_refused(mode):
+    torch.manual_seed(4)
+    q = QuantLinear.from_linear(nn.Linear(128, 16), mode=mode)
+    state = load(save(q.state_dict()))
+    fresh = QuantLinear(128, 16, mode=mode)
+    fresh.load_state_dict(state)
+    x = torch.randn(2, 128)
+    assert torch.equal(fresh(x), q(x))
+    # Another format: refused before anything is copied, naming both modes.
+    affine = QuantLinear(128, 16, bits=4, group_size=32)
+    before = {k: v.clone() for k, v in affine.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"holds bits={q.bits}, group_size={q.group_size}, mode={mode}, this layer "
+                                         rf"has bits=4, group_size=32, mode=affine"):
+        affine.load_state_dict({**state, "biases": affine.biases}, strict=False)
+    assert all(torch.equal(before[k], v) for k, v in affine.state_dict().items())
+    other = _other_fp_mode(mode)
+    with pytest.raises(ValueError, match=rf"mode={mode}, this layer has .*mode={other}"):
+        QuantLinear(128, 16, mode=other).load_state_dict(state)
+    with pytest.raises(ValueError, match=rf"holds bits={q.bits}, group_size=\d+, mode=\[1, 2, 3"):
+        fresh.load_state_dict({**state, "_extra_state": torch.tensor([q.bits, q.group_size, 1, 2, 3, 4, 5, 6, 7, 8])})
+
+
+def test_affine_state_keeps_its_two_values():
+    # What torch_qmm has always written for the affine format: files of older versions still load.
+    assert QuantLinear(64, 8, bits=3, group_size=32).state_dict()["_extra_state"].tolist() == [3, 32]
+
+
+def test_format_arguments_are_checked_per_mode():
+    with pytest.raises(ValueError, match=r"argument 'bits' must be 4, got 8 \(mode 'mxfp4'\)"):
+        QuantLinear(64, 8, bits=8, mode="mxfp4")
+    with pytest.raises(ValueError, match=r"argument 'group_size' must be 16, got 32 \(mode 'nvfp4'\)"):
+        QuantLinear(64, 8, group_size=32, mode="nvfp4")
+    with pytest.raises(ValueError, match=r"argument 'mode' must be one of 'affine', 'mxfp4', 'nvfp4'.*got 'int4'"):
+        QuantLinear(64, 8, mode="int4")
+    with pytest.raises(ValueError, match=r"argument 'in_features' must be a multiple of group_size=32, got 48"):
+        QuantLinear(48, 8, mode="mxfp4")
+
+
+@pytest.mark.parametrize("mode", FP_MODES)
+def test_quantize_model_in_an_fp_mode(mode):
+    torch.manual_seed(5)
+    model = _Tiny()
+    x = torch.randn(3, 128)
+    y_float = model(x)
+    with pytest.warns(UserWarning, match=r"skipped odd \(in_features=100 is not a multiple of group_size="):
+        summary = torch_qmm.quantize_model(model, mode=mode)
+    assert summary.converted == ["inp", "body.0", "body.2"]
+    assert all(m.mode == mode and m.biases is None for m in (model.inp, model.body[0], model.body[2]))
+    q = model.inp
+    # codes and one byte per group instead of 32 bits (the float biases come on top)
+    assert summary.bytes_after < summary.bytes_before * ((q.bits + 8 / q.group_size) / 32 + 0.02)
+    rel = ((model(x) - y_float).norm() / y_float.norm()).item()
+    assert rel < 0.2, f"{mode}: relative error {rel:.3f}"
+    again = torch_qmm.quantize_model(model, mode=mode, filter_fn=lambda n, _: n != "odd")
+    assert again.already_quantized == ["inp", "body.0", "body.2"] and not again.converted
+    with pytest.raises(ValueError, match=rf"mode='affine'\): the model already holds .*inp \(bits={q.bits}, "
+                                         rf"group_size=\d+, mode={mode}\)"):
+        torch_qmm.quantize_model(model, bits=4, group_size=32, filter_fn=lambda n, _: n != "odd")
+    with pytest.raises(ValueError, match=rf"mode='{mode}' is quantized by rtn"):
+        torch_qmm.quantize_model(_Tiny(), mode=mode, method="mse")

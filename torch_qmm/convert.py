@@ -1,4 +1,4 @@
-"""Model conversion: build the model, swap its nn.Linear layers for QuantLinear."""
+"""Model conversion: swap a model's nn.Linear layers for QuantLinear."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .formats import SUPPORTED_BITS, check_format
-from .nn import QuantLinear
+from .format_state import quant_state_values
+from .nn import QuantLinear, resolve_format
 
 # Show a progress bar when at least this many layers are converted.
 _PROGRESS_MIN_LAYERS = 32
@@ -84,7 +84,7 @@ def _why_not_convertible(model: nn.Module, name: str, linear: nn.Linear, owners:
     return None
 
 
-def _already_quantized(model: nn.Module, filter_fn, bits: int, group_size: int) -> list[str]:
+def _already_quantized(model: nn.Module, filter_fn, bits, group_size: int, mode: str) -> list[str]:
     """Names of the quantized linear layers (accepted by filter_fn) already in the asked format;
     raises ValueError naming those in another format, which quantize_model does not re-quantize."""
     # Imported when called, so that `import torch_qmm` does not load the interop stack.
@@ -94,13 +94,14 @@ def _already_quantized(model: nn.Module, filter_fn, bits: int, group_size: int) 
     for name, module in model.named_modules(remove_duplicate=False):
         if not isinstance(module, (QuantLinear, GGUFLinear)) or (filter_fn is not None and not filter_fn(name, module)):
             continue
-        if isinstance(module, QuantLinear) and type(bits) is int and module.format_values() == (bits, group_size):
+        if (isinstance(module, QuantLinear) and type(bits) is int
+                and module.format_values() == quant_state_values(bits, group_size, mode)):
             same.append(name)
         else:
             other.append(f"{name} ({module.describe_format(module.format_values())})")
     if other:
         raise ValueError(
-            f"quantize_model(bits={bits}, group_size={group_size}): the model already holds quantized layers "
+            f"quantize_model(bits={bits}, group_size={group_size}, mode={mode!r}): the model already holds quantized layers "
             f"in another format: {', '.join(other)}; they are not re-quantized (that would compound the "
             "rounding). Quantize the float model, or pass a filter_fn that leaves these layers out to quantize "
             "only the others"
@@ -110,26 +111,29 @@ def _already_quantized(model: nn.Module, filter_fn, bits: int, group_size: int) 
 
 def quantize_model(
     model: nn.Module,
-    bits: int = 4,
-    group_size: int = 64,
+    bits=None,
+    group_size: int | None = None,
     filter_fn: Callable[[str, nn.Linear], bool] | None = None,
     dtype: torch.dtype | None = None,
     progress: bool | None = None,
     method: str = "rtn",
     calibration: Iterable | None = None,
+    mode: str = "affine",
 ) -> QuantizeSummary:
     """Swaps eligible nn.Linear layers of `model` for QuantLinear, in place.
 
     Args:
         model: any module; its nn.Linear children (at any depth) are candidates.
-        bits, group_size: the affine format.
+        bits, group_size, mode: the format, mode a key of torch_qmm.formats.FORMATS; bits /
+            group_size None: the mode's defaults (MLX's; affine 4 / 64).
         filter_fn: (qualified name, layer) -> bool; only layers it accepts are converted. It is
             also asked about the layers that are already quantized (QuantLinear, GGUFLinear).
         dtype: compute dtype of the quantized layers (default: each layer's weight dtype).
         progress: show a tqdm bar (default: when there are many layers).
         method: "rtn" (MLX's round-to-nearest, bit for bit), "mse", "awq" or "gptq" (or a
-            torch_qmm.quantizers.GPTQ with options); all write the same affine format. See
-            torch_qmm.quantizers. `bits` may also be a mapping name -> bits or a MixedBits budget.
+            torch_qmm.quantizers.GPTQ with options); all write the same affine format (the fp modes
+            take rtn only). See torch_qmm.quantizers. `bits` may also be a mapping name -> bits or
+            a MixedBits budget (affine).
         calibration: model inputs (token-id tensors [1, T] or dicts of model kwargs) for awq/gptq
             (and for measuring sensitivity with a MixedBits budget).
 
@@ -143,10 +147,15 @@ def quantize_model(
     other format (or with per-layer bits) ValueError names each of them and both formats, before
     anything is changed.
     """
-    per_layer = method != "rtn" or type(bits) is not int or calibration is not None
+    per_layer = method != "rtn" or (bits is not None and type(bits) is not int) or calibration is not None
     # Per-layer bits (a mapping or a budget) are checked by the quantizers.
-    check_format(bits if type(bits) is int else SUPPORTED_BITS[0], group_size)
-    already = _already_quantized(model, filter_fn, bits, group_size)
+    uniform_bits, group_size = resolve_format(mode, bits if bits is None or type(bits) is int else None, group_size)
+    if bits is None or type(bits) is int:
+        bits = uniform_bits
+    if per_layer and mode != "affine":
+        raise ValueError(f"mode={mode!r} is quantized by rtn with one bit width (the format allows only "
+                         f"bits={uniform_bits}); method={method!r}, per-layer bits and calibration are for mode 'affine'")
+    already = _already_quantized(model, filter_fn, bits, group_size, mode)
     owners: dict[int, set[int]] = {}  # id(parameter) -> ids of the modules holding it
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -180,7 +189,7 @@ def quantize_model(
         quantized = done.get(id(linear))
         if quantized is None:
             quantized = (plan.build(name, linear) if plan is not None
-                         else QuantLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype))
+                         else QuantLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype, mode=mode))
             done[id(linear)] = quantized
             summary.bytes_before += _module_bytes(linear)
             summary.bytes_after += _module_bytes(quantized)

@@ -11,9 +11,10 @@ FORMAT_STATE_KEY = "_extra_state"
 
 
 class FormatState:
-    """Mixin for modules whose buffer shapes do not tell their format: the integer attributes named
-    by FORMAT_FIELDS go into state_dict (``_extra_state``, int32 [len(FORMAT_FIELDS)]), and loading
-    a state that holds other values raises ValueError before any buffer is copied.
+    """Mixin for modules whose buffer shapes do not tell their format: the format as integers
+    (format_values(); by default the integer attributes named by FORMAT_FIELDS) goes into state_dict
+    (``_extra_state``, an int32 vector), and loading a state that holds other values raises
+    ValueError before any buffer is copied.
     """
 
     FORMAT_FIELDS: tuple[str, ...] = ()
@@ -25,6 +26,14 @@ class FormatState:
         """`values` as a message shows them ("bits=4, group_size=64")."""
         return ", ".join(f"{field}={v}" for field, v in zip(self.FORMAT_FIELDS, values))
 
+    def describe_state_shape(self) -> str:
+        """The accepted state tensors, for the error message ("[1] (ggml_type)")."""
+        return f"[{len(self.FORMAT_FIELDS)}] ({', '.join(self.FORMAT_FIELDS)})"
+
+    def state_lengths(self) -> tuple[int, ...]:
+        """The lengths a state of this class may have (any of its formats)."""
+        return (len(self.FORMAT_FIELDS),)
+
     def get_extra_state(self) -> torch.Tensor:
         return torch.tensor(self.format_values(), dtype=torch.int32)
 
@@ -32,13 +41,11 @@ class FormatState:
         self._check_format_state(state, type(self).__name__)
 
     def _check_format_state(self, state, where: str) -> None:
-        n = len(self.FORMAT_FIELDS)
-        if not (isinstance(state, torch.Tensor) and state.shape == (n,) and not state.is_floating_point()
-                and not state.is_complex() and state.dtype != torch.bool):
+        if not (isinstance(state, torch.Tensor) and state.dim() == 1 and state.shape[0] in self.state_lengths()
+                and not state.is_floating_point() and not state.is_complex() and state.dtype != torch.bool):
             got = f"{state.dtype} {list(state.shape)}" if isinstance(state, torch.Tensor) else type(state).__name__
             raise ValueError(
-                f"{where}: the format state must be an integer tensor [{n}] ({', '.join(self.FORMAT_FIELDS)}), "
-                f"got {got}"
+                f"{where}: the format state must be an integer tensor {self.describe_state_shape()}, got {got}"
             )
         values = tuple(int(v) for v in state.tolist())
         if values != self.format_values():
@@ -53,3 +60,60 @@ class FormatState:
         if key in state_dict:
             self._check_format_state(state_dict[key], f"{type(self).__name__} {key!r}")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+# ---- The quantized formats of QuantLinear / QuantEmbedding ---------------------------------------
+# State [bits, group_size] for the affine mode (the state torch_qmm has always written), and
+# [bits, group_size, c0, ..., c7] for the other modes: c the ASCII codes of the mode's name (MLX's
+# mode string, as config.json files name it), zero-padded. The name, not a table index, so that a
+# file means the same whatever formats a later version adds.
+AFFINE = "affine"
+_MODE_CHARS = 8
+QUANT_STATE_LENGTHS = (2, 2 + _MODE_CHARS)
+
+
+def quant_state_values(bits: int, group_size: int, mode: str) -> tuple[int, ...]:
+    if mode == AFFINE:
+        return (int(bits), int(group_size))
+    codes = list(mode.encode("ascii"))
+    if len(codes) > _MODE_CHARS:
+        raise ValueError(f"mode name {mode!r} is longer than {_MODE_CHARS} characters")
+    return (int(bits), int(group_size), *codes, *([0] * (_MODE_CHARS - len(codes))))
+
+
+def parse_quant_state(values: Sequence[int]) -> tuple[int, int, str | None]:
+    """(bits, group_size, mode) of a state's values; mode None when the codes spell no name."""
+    bits, group_size, *codes = (int(v) for v in values)
+    if not codes:
+        return bits, group_size, AFFINE
+    if not all(0 <= c < 128 for c in codes):
+        return bits, group_size, None
+    name = "".join(map(chr, codes)).rstrip("\0")
+    # a name written by quant_state_values: printable, zero-padded to its length, not "affine"
+    valid = (name.isprintable() and name not in ("", AFFINE)
+             and quant_state_values(bits, group_size, name)[2:] == tuple(codes))
+    return bits, group_size, name if valid else None
+
+
+class QuantFormatState(FormatState):
+    """The format (bits, group_size, mode) of a QuantLinear / QuantEmbedding in state_dict: the
+    buffer shapes cannot tell (qweight and scales of an 8-bit group_size=32 layer with K columns
+    have the shapes of a 4-bit group_size=64 one with 2K)."""
+
+    FORMAT_FIELDS = ("bits", "group_size", "mode")
+    bits: int
+    group_size: int
+    mode: str
+
+    def format_values(self) -> tuple[int, ...]:
+        return quant_state_values(self.bits, self.group_size, self.mode)
+
+    def state_lengths(self) -> tuple[int, ...]:
+        return QUANT_STATE_LENGTHS
+
+    def describe_state_shape(self) -> str:
+        return f"[2] (bits, group_size) or [{QUANT_STATE_LENGTHS[1]}] (bits, group_size, mode name)"
+
+    def describe_format(self, values: Sequence[int]) -> str:
+        bits, group_size, mode = parse_quant_state(values)
+        return f"bits={bits}, group_size={group_size}, mode={mode if mode is not None else list(values[2:])}"

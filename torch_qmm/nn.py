@@ -1,71 +1,84 @@
-"""QuantLinear: a drop-in replacement for nn.Linear holding affine-quantized weights."""
+"""QuantLinear: a drop-in replacement for nn.Linear holding weights in one of MLX's quantized
+formats (the modes of torch_qmm.formats.FORMATS: affine, mxfp4, nvfp4, ...)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .format_state import FormatState
-from .formats import SUPPORTED_DTYPES, check_format, packed_words
-from .ops import quantize
+from .format_state import QuantFormatState
+from .formats import FORMATS, SUPPORTED_DTYPES, check_format, format_of, packed_words
+from .ops import quantize, quantized_matmul
 
 
-def register_affine_weight(
+def resolve_format(mode: str, bits: int | None, group_size: int | None) -> tuple[int, int]:
+    """(bits, group_size) of `mode`, None meaning the mode's default (MLX's); ValueError naming
+    the argument when the mode is unknown or does not allow the value (formats.format_of,
+    check_format)."""
+    fmt = format_of(mode)
+    bits = fmt.default_bits if bits is None else bits
+    group_size = fmt.default_group_size if group_size is None else group_size
+    for name, value in (("bits", bits), ("group_size", group_size)):
+        if type(value) is not int:
+            raise ValueError(f"argument '{name}' must be an int, got {value!r}")
+    check_format(bits, group_size, mode)
+    return bits, group_size
+
+
+def register_quantized_weight(
     module: nn.Module,
     rows: int,
     cols: int,
-    bits: int,
-    group_size: int,
+    bits: int | None,
+    group_size: int | None,
+    mode: str,
     device: torch.device | str | None,
     dtype: torch.dtype,
     cols_name: str,
 ) -> None:
     """Checks the format and registers a [rows, cols] weight quantized along cols on `module`:
-    buffers ``qweight`` uint32 [rows, cols*bits/32], ``scales`` and ``biases`` [rows, cols/group_size]
-    in `dtype`, and the attributes ``bits`` and ``group_size``. `cols_name` names cols in errors."""
-    check_format(bits, group_size)
+    buffers ``qweight`` uint32 [rows, cols*bits/32] and ``scales`` [rows, cols/group_size] (in
+    `dtype` for affine, uint8 codes for the fp modes), ``biases`` like scales for affine and None
+    (no buffer) otherwise, and the attributes ``bits``, ``group_size`` and ``mode``. `cols_name`
+    names cols in errors."""
+    bits, group_size = resolve_format(mode, bits, group_size)
     if cols % group_size != 0:
         raise ValueError(f"argument '{cols_name}' must be a multiple of group_size={group_size}, got {cols}")
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"argument 'dtype' must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    module.bits = bits
-    module.group_size = group_size
+    fmt = FORMATS[mode]
+    module.bits, module.group_size, module.mode = bits, group_size, mode
     groups = cols // group_size
     module.register_buffer("qweight", torch.zeros(rows, packed_words(cols, bits), dtype=torch.uint32, device=device))
-    module.register_buffer("scales", torch.zeros(rows, groups, dtype=dtype, device=device))
-    module.register_buffer("biases", torch.zeros(rows, groups, dtype=dtype, device=device))
+    scale_dtype = dtype if fmt.has_biases else torch.uint8
+    module.register_buffer("scales", torch.zeros(rows, groups, dtype=scale_dtype, device=device))
+    biases = torch.zeros(rows, groups, dtype=dtype, device=device) if fmt.has_biases else None
+    module.register_buffer("biases", biases)
 
 
-def load_affine_weight(module: nn.Module, weight: torch.Tensor) -> None:
-    """Quantizes a float [rows, cols] weight into the buffers made by register_affine_weight."""
+def load_quantized_weight(module: nn.Module, weight: torch.Tensor, dtype: torch.dtype) -> None:
+    """Quantizes a float [rows, cols] weight (cast to `dtype` first) into the buffers made by
+    register_quantized_weight."""
     with torch.no_grad():
-        wq, scales, biases = quantize(
-            weight.detach().to(module.scales.dtype), group_size=module.group_size, bits=module.bits
+        wq, scales, *biases = quantize(
+            weight.detach().to(dtype), group_size=module.group_size, bits=module.bits, mode=module.mode
         )
         module.qweight.copy_(wq)
         module.scales.copy_(scales)
-        module.biases.copy_(biases)
+        if biases:
+            module.biases.copy_(biases[0])
 
 
-class AffineFormatState(FormatState):
-    """The affine format (bits, group_size) in state_dict (FormatState). The buffer shapes cannot
-    tell: qweight and scales of an 8-bit group_size=32 layer with K columns have the shapes of a
-    4-bit group_size=64 one with 2K.
-    """
+class QuantLinear(QuantFormatState, nn.Module):
+    """y = x @ W.T + bias with W [out_features, in_features] stored in one of MLX's formats.
 
-    FORMAT_FIELDS = ("bits", "group_size")
-    bits: int
-    group_size: int
-
-
-class QuantLinear(AffineFormatState, nn.Module):
-    """y = x @ W.T + bias with W [out_features, in_features] stored in MLX's affine format.
-
-    Buffers (all in state_dict): ``qweight`` uint32 [out, in*bits/32], ``scales`` and ``biases``
-    [out, in/group_size] in the compute dtype; optional ``bias`` [out]; the format (bits,
-    group_size) as ``_extra_state`` (AffineFormatState). ``.to(dtype)`` converts the
-    float buffers (the compute dtype) and leaves the packed words alone; inputs must have the
-    compute dtype, as with nn.Linear.
+    Buffers (all in state_dict): ``qweight`` uint32 [out, in*bits/32]; ``scales`` [out,
+    in/group_size], in the compute dtype for mode "affine" (then also ``biases``, the same shape)
+    and uint8 codes for the fp modes (no biases); optional ``bias`` [out]; the format (bits,
+    group_size, mode) as ``_extra_state`` (QuantFormatState). bits / group_size None: the mode's
+    defaults (as mlx.nn.QuantizedLinear). ``.to(dtype)`` converts the float buffers (the compute
+    dtype) and leaves the packed words and uint8 scales alone; inputs must have the compute dtype,
+    as with nn.Linear (fp modes: any float dtype, the output has x's).
     """
 
     def __init__(
@@ -73,15 +86,17 @@ class QuantLinear(AffineFormatState, nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        bits: int = 4,
-        group_size: int = 64,
+        bits: int | None = None,
+        group_size: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        mode: str = "affine",
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        register_affine_weight(self, out_features, in_features, bits, group_size, device, dtype, "in_features")
+        register_quantized_weight(self, out_features, in_features, bits, group_size, mode, device, dtype,
+                                  "in_features")
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
@@ -89,9 +104,11 @@ class QuantLinear(AffineFormatState, nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, bits: int = 4, group_size: int = 64, dtype: torch.dtype | None = None
+        cls, linear: nn.Linear, bits: int | None = None, group_size: int | None = None,
+        dtype: torch.dtype | None = None, mode: str = "affine",
     ) -> "QuantLinear":
-        """Quantizes an nn.Linear (on its device). dtype: compute dtype, default the weight's."""
+        """Quantizes an nn.Linear (on its device). dtype: compute dtype, default the weight's (the
+        weight is cast to it before quantization)."""
         dtype = dtype or linear.weight.dtype
         module = cls(
             linear.in_features,
@@ -101,15 +118,17 @@ class QuantLinear(AffineFormatState, nn.Module):
             group_size=group_size,
             device=linear.weight.device,
             dtype=dtype,
+            mode=mode,
         )
-        load_affine_weight(module, linear.weight)
+        load_quantized_weight(module, linear.weight, dtype)
         with torch.no_grad():
             if linear.bias is not None:
                 module.bias.copy_(linear.bias.detach().to(dtype))
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.torch_qmm.affine_qmm(x, self.qweight, self.scales, self.biases, self.bits, self.group_size, True)
+        y = quantized_matmul(x, self.qweight, self.scales, self.biases, transpose=True,
+                             group_size=self.group_size, bits=self.bits, mode=self.mode)
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -117,5 +136,11 @@ class QuantLinear(AffineFormatState, nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"group_size={self.group_size}, bits={self.bits}, dtype={self.scales.dtype}"
+            f"group_size={self.group_size}, bits={self.bits}, mode={self.mode}{compute_dtype_repr(self)}"
         )
+
+
+def compute_dtype_repr(module: nn.Module) -> str:
+    """", dtype=..." of a quantized module's float tensors (the affine scales, else the bias)."""
+    floats = [t for t in (module.scales, getattr(module, "bias", None)) if t is not None and t.is_floating_point()]
+    return f", dtype={floats[0].dtype}" if floats else ""

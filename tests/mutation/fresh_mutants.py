@@ -126,10 +126,10 @@ MUTANTS: list[Mutant] = [
            "    if any(ctx.needs_input_grad[1:4]):", "    if any(ctx.needs_input_grad[1:3]):", OPS,
            "biases that require grad get None silently instead of the clear error"),
     Mutant("f-nn-forward-swapped-format-args", "torch_qmm/nn.py",
-           "self.scales, self.biases, self.bits, self.group_size, True)",
-           "self.scales, self.biases, self.group_size, self.bits, True)", NN,
+           "group_size=self.group_size, bits=self.bits, mode=self.mode)",
+           "group_size=self.bits, bits=self.group_size, mode=self.mode)", NN,
            "QuantLinear.forward passes bits and group_size swapped"),
-    Mutant("f-nn-state-precheck-dropped", "torch_qmm/nn.py",
+    Mutant("f-nn-state-precheck-dropped", "torch_qmm/format_state.py",
            '            self._check_format_state(state_dict[key], f"{type(self).__name__} {key!r}")',
            "            pass", NN,
            "a state_dict of another format is refused only after torch copied its buffers: the layer is "

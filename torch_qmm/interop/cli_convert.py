@@ -13,8 +13,8 @@ from torch import nn
 from .. import reference
 from ..cli_errors import UsageError
 from ..convert import quantize_model
-from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
-from ..nn import QuantLinear
+from ..formats import FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from ..nn import QuantLinear, resolve_format
 from .gguf import GGUFFile, dequantize, q4_k_to_affine
 from .gguf_types import Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
@@ -26,8 +26,10 @@ Convert a model to a torch_qmm or MLX folder.
     python -m torch_qmm convert ./Llama-3.2-1B ./out --bits 4 --group-size 64   # transformers folder
     python -m torch_qmm convert ./Llama-3.2-1B ./out-mlx --format mlx           # MLX folder (mlx_lm)
     python -m torch_qmm convert ./model.Q8_0.gguf ./out-mlx --format mlx        # GGUF, lossless
+    python -m torch_qmm convert ./Llama-3.2-1B ./out-mxfp4 --format mlx --mode mxfp4
 
-A transformers folder (float weights) is quantized with --bits / --group-size: every linear layer
+A transformers folder (float weights) is quantized with --mode / --bits / --group-size (bits and
+group size default to the mode's, as MLX's; see --help): every linear layer
 except the output head (--format transformers, reloadable with from_pretrained after importing
 torch_qmm.interop.transformers), or the linear layers and the embedding (--format mlx, as
 mlx.nn.quantize does; a tied output head reuses the quantized embedding).
@@ -45,7 +47,6 @@ DST must not exist or be empty (or pass --overwrite); it is written to a tempora
 it and moved into place when complete, and never inside the source."""
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DEFAULT_BITS, _DEFAULT_GROUP_SIZE = 4, 64
 # Files of a transformers folder that are not weights or config: copied to DST (tokenizer, ...).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
@@ -56,12 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["transformers", "mlx"], default="transformers",
                         help="output: a transformers folder with torch_qmm layers, or an MLX folder for mlx / "
                              "mlx_lm (default: %(default)s)")
+    defaults = ", ".join(f"{m} {f.default_bits} / {f.default_group_size}" for m, f in FORMATS.items())
+    parser.add_argument("--mode", choices=list(FORMATS), default="affine",
+                        help="MLX's quantization mode of the layers quantized by this run (default: %(default)s); "
+                             f"the modes' default bits / group size: {defaults}")
     parser.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=None,
-                        help=f"bits per weight of the layers quantized by this run (default: {_DEFAULT_BITS}; for "
-                             "GGUF only with --requantize)")
+                        help="bits per weight of the layers quantized by this run (default: the mode's, 4 for "
+                             "affine; for GGUF only with --requantize)")
     parser.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=None,
-                        help=f"weights per scale/bias of the layers quantized by this run (default: "
-                             f"{_DEFAULT_GROUP_SIZE}; for GGUF only with --requantize)")
+                        help="weights per scale/bias of the layers quantized by this run (default: the mode's, "
+                             "64 for affine; for GGUF only with --requantize)")
     parser.add_argument("--requantize", choices=["rest", "all"], default=None,
                         help="GGUF only. rest: quantize the layers without an exact affine form (Q6_K, float) "
                              "to --bits/--group-size, keep the others exact; all: re-quantize every layer from "
@@ -176,7 +181,7 @@ def _gguf_types(f: GGUFFile) -> dict[str, str]:
     return out
 
 
-def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
+def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool):
     """The GGUF model as a transformers model. keep_affine (MLX output): affine layers stay, Q4_K
     layers become exact affine ones; everything else becomes float.
     Returns (model, {Q4_K module: exact}, {module: GGUF type})."""
@@ -184,7 +189,6 @@ def _load_gguf(src: Path, dtype: torch.dtype, keep_affine: bool):
 
     from .gguf_llama import llama_config_from_gguf, load_gguf_llama
 
-    f = GGUFFile(src)
     config = llama_config_from_gguf(f)  # checked against the tensors before anything is built
     model = _uninitialized(LlamaForCausalLM, config)
     print(load_gguf_llama(model, f, dtype=dtype, progress=True))  # strict: every parameter comes from the file
@@ -230,7 +234,7 @@ def _calibration(args: argparse.Namespace, is_gguf: bool):
 
 
 def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str = "rtn",
-                     calibration=None) -> set[str]:
+                     calibration=None, mode: str = "affine") -> set[str]:
     """Quantizes the float linear layers and embeddings of `model` (MLX's rule; the linear layers
     with `method`); returns the names quantized by this call."""
     config = getattr(model, "config", None)
@@ -243,7 +247,7 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str 
     done = set()
     for name, emb in embeddings.items():
         if emb.embedding_dim % group_size == 0:
-            _replace(model, name, QuantEmbedding.from_embedding(emb, bits=bits, group_size=group_size))
+            _replace(model, name, QuantEmbedding.from_embedding(emb, bits=bits, group_size=group_size, mode=mode))
             done.add(name)
     for out_name, emb_name in tied_outputs.items():
         emb = model.get_submodule(emb_name)
@@ -252,7 +256,7 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str 
             done.add(out_name)
     # The layers kept exact (QuantLinear, GGUFLinear) are left out: only float ones are quantized.
     summary = quantize_model(model, bits=bits, group_size=group_size, progress=True, method=method,
-                             calibration=calibration, filter_fn=lambda _, m: type(m) is nn.Linear)
+                             calibration=calibration, filter_fn=lambda _, m: type(m) is nn.Linear, mode=mode)
     return done | set(summary.converted)
 
 
@@ -271,9 +275,9 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
     for name, m in model.named_modules():
         src = origin.get(name, "float")
         if isinstance(m, TiedQuantLinear):
-            fmt = f"tied to the embedding (affine b{m._embedding.bits} gs{m._embedding.group_size})"
+            fmt = f"tied to the embedding ({m._embedding.mode} b{m._embedding.bits} gs{m._embedding.group_size})"
         elif isinstance(m, (QuantLinear, QuantEmbedding)):
-            fmt = f"affine b{m.bits} gs{m.group_size}"
+            fmt = f"{m.mode} b{m.bits} gs{m.group_size}"
         elif isinstance(m, (nn.Linear, nn.Embedding)):
             fmt = f"float {str(m.weight.dtype)[6:]}"
         else:
@@ -306,7 +310,16 @@ def _print_report(rows: list[tuple[str, str]]) -> None:
 
 
 def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
-    flags = [f for f, v in (("--bits", args.bits), ("--group-size", args.group_size)) if v is not None]
+    try:
+        resolve_format(args.mode, args.bits, args.group_size)
+    except ValueError as e:
+        raise UsageError(str(e).replace("argument 'bits'", "--bits").replace("argument 'group_size'", "--group-size")
+                         .replace("(mode ", "(--mode ")) from None
+    if args.mode != "affine" and args.method != "rtn":
+        raise UsageError(f"--method {args.method} writes the affine format; --mode {args.mode} is quantized with "
+                         "--method rtn")
+    flags = [f for f, v in (("--mode", args.mode if args.mode != "affine" else None), ("--bits", args.bits),
+                            ("--group-size", args.group_size)) if v is not None]
     if not is_gguf:
         if args.requantize:
             raise UsageError(f"--requantize applies to GGUF sources only; {args.src} is a float transformers folder, "
@@ -358,8 +371,7 @@ def run(args: argparse.Namespace) -> int:
     _check_arguments(args, is_gguf)
     calibration = _calibration(args, is_gguf)
     check_destination(src, args.dst, args.overwrite)
-    bits = args.bits or _DEFAULT_BITS
-    group_size = args.group_size or _DEFAULT_GROUP_SIZE
+    bits, group_size = resolve_format(args.mode, args.bits, args.group_size)
     dtype = _DTYPES[args.dtype] if args.dtype else None
     if not is_gguf:
         _check_transformers_folder(src)
@@ -367,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
                       if (f.is_file() or f.is_symlink()) and f.name != "config.json"
                       and not f.name.endswith(_WEIGHT_SUFFIXES)]
 
+    gguf = GGUFFile(src) if is_gguf else None  # read once: the weights, config and tokenizer come from it
     with staged_output(args.dst) as out:
         origin: dict[str, str] = {}
         q4_k_exact: dict[str, bool] = {}
@@ -375,17 +388,18 @@ def run(args: argparse.Namespace) -> int:
             from .mlx import save_mlx
 
             if is_gguf:
-                model, q4_k_exact, origin = _load_gguf(src, dtype or torch.float32,
+                model, q4_k_exact, origin = _load_gguf(gguf, dtype or torch.float32,
                                                        keep_affine=args.requantize != "all")
             else:
                 model = from_pretrained(src, dtype=dtype or "auto")
             if not is_gguf or args.requantize:
-                quantized_now = _quantize_for_mlx(model, bits, group_size, args.method, calibration)
+                quantized_now = _quantize_for_mlx(model, bits, group_size, args.method, calibration, args.mode)
             save_mlx(model, out, config=model.config.to_dict())
         else:
-            cfg = TorchQmmConfig(bits=bits, group_size=group_size, method=args.method, calibration=calibration)
+            cfg = TorchQmmConfig(bits=bits, group_size=group_size, method=args.method, calibration=calibration,
+                                 mode=args.mode)
             if is_gguf:
-                model, _, origin = _load_gguf(src, dtype or torch.float32, keep_affine=False)
+                model, _, origin = _load_gguf(gguf, dtype or torch.float32, keep_affine=False)
                 model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
                 staging = out / ".float"  # inside this run's temporary folder; removed below
                 model.save_pretrained(staging)
@@ -398,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         if is_gguf:
             from .gguf_tokenizer import save_gguf_tokenizer
 
-            written = save_gguf_tokenizer(src, out)
+            written = save_gguf_tokenizer(gguf, out, shown_as=args.dst)
             if written:
                 print(f"tokenizer from the GGUF metadata: {', '.join(written)}")
         else:

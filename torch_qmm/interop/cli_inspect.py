@@ -9,8 +9,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..cli_errors import UsageError
-from ..format_state import FORMAT_STATE_KEY
-from ..formats import check_format
+from ..format_state import FORMAT_STATE_KEY, QUANT_STATE_LENGTHS, parse_quant_state
+from ..nn import resolve_format
 from .gguf_types import NATIVE_TYPES, block_info, type_name
 from .json_files import read_json_object
 from .mlx import parse_quantization
@@ -51,20 +51,27 @@ def _rows_gguf(path: Path) -> tuple[list[dict], dict]:
     return rows, {"container": "gguf", "architecture": f.architecture}
 
 
-def _saved_format(ckpt, key: str) -> tuple[int, ...]:
-    """The values of a module's format tensor (FormatState): [2] bits, group_size for the affine
-    format, [1] the GGML type for GGUFLinear. Its header is checked before it is read."""
+def _saved_format(ckpt, key: str) -> tuple:
+    """A module's format tensor (FormatState): (bits, group_size, mode) of a QuantLinear /
+    QuantEmbedding ([2] or [10], format_state.py), (GGML type,) of a GGUFLinear ([1]). Its header
+    is checked before it is read."""
     shape, dtype = ckpt.shape(key), ckpt.dtype_name(key)
-    if dtype not in _INTEGER_DTYPES or len(shape) != 1 or shape[0] not in (1, 2):
-        raise ValueError(f"{ckpt.where[key]}: tensor {key!r} must be an integer tensor [2] (bits, group_size) "
-                         f"or [1] (GGUF type), got {dtype} {list(shape)}")
+    lengths = (1, *QUANT_STATE_LENGTHS)
+    if dtype not in _INTEGER_DTYPES or len(shape) != 1 or shape[0] not in lengths:
+        raise ValueError(f"{ckpt.where[key]}: tensor {key!r} must be an integer tensor [2] (bits, group_size), "
+                         f"[{QUANT_STATE_LENGTHS[1]}] (bits, group_size, mode name) or [1] (GGUF type), got "
+                         f"{dtype} {list(shape)}")
     values = tuple(int(v) for v in ckpt.get(key).tolist())
-    if len(values) == 2:
-        try:
-            check_format(*values)
-        except ValueError as e:
-            raise ValueError(f"{ckpt.where[key]}: tensor {key!r} holds an unsupported format: {e}") from None
-    return values
+    if len(values) == 1:
+        return values
+    bits, group_size, mode = parse_quant_state(values)
+    try:
+        if mode is None:
+            raise ValueError(f"the mode codes {list(values[2:])} spell no mode name")
+        resolve_format(mode, bits, group_size)
+    except ValueError as e:
+        raise ValueError(f"{ckpt.where[key]}: tensor {key!r} holds an unsupported format: {e}") from None
+    return bits, group_size, mode
 
 
 def _gguf_row(ckpt, layer: str, ggml_type: int) -> tuple[str, list[int]]:
@@ -80,6 +87,18 @@ def _gguf_row(ckpt, layer: str, ggml_type: int) -> tuple[str, list[int]]:
     return f"GGUF {type_name(ggml_type)}", [shape[0], shape[1] // block_bytes * per_block]
 
 
+def _torch_qmm_quantization(qc: dict, where: str):
+    """(default spec or None, {layer: spec}) of a torch_qmm quantization_config (TorchQmmConfig):
+    bits an int, or a mapping layer -> bits ("*": the others)."""
+    bits, mode = qc.get("bits"), qc.get("mode", "affine")
+    entry = {"group_size": qc.get("group_size"), "mode": mode}
+    if not isinstance(bits, dict):
+        return parse_quantization({"quantization": {**entry, "bits": bits}}, where)
+    layers = {name: {**entry, "bits": b} for name, b in bits.items() if name != "*"}
+    top = {**entry, "bits": bits["*"]} if "*" in bits else {}
+    return parse_quantization({"quantization": {**top, **layers}}, where)
+
+
 def _rows_safetensors(path: Path) -> tuple[list[dict], dict]:
     from .safetensors_io import Checkpoint
 
@@ -92,8 +111,7 @@ def _rows_safetensors(path: Path) -> tuple[list[dict], dict]:
     info = {"container": "safetensors", "files": len(ckpt.headers)}
     if qc.get("quant_method") == "torch_qmm":
         info["quantization"] = "torch_qmm (transformers)"
-        default, overrides = parse_quantization({"quantization": {k: qc.get(k) for k in ("bits", "group_size")}},
-                                                str(folder / "config.json"))
+        default, overrides = _torch_qmm_quantization(qc, str(folder / "config.json"))
         weight_key = "qweight"
     else:
         default, overrides = parse_quantization(config, str(folder / "config.json"))
@@ -108,18 +126,20 @@ def _rows_safetensors(path: Path) -> tuple[list[dict], dict]:
         nbytes = sum(ckpt.nbytes(_join(layer, leaf)) for leaf in leaves)
         saved = _saved_format(ckpt, _join(layer, FORMAT_STATE_KEY)) if FORMAT_STATE_KEY in leaves else None
         words_key = "qweight" if "qweight" in leaves else weight_key
-        if "scales" in leaves and words_key in leaves and (saved is None or len(saved) == 2):
+        if "scales" in leaves and words_key in leaves and (saved is None or len(saved) == 3):
             spec = overrides.get(layer, default)
-            configured = (spec.bits, spec.group_size) if spec else None
-            bits_gs = saved or configured
+            configured = (spec.bits, spec.group_size, spec.mode) if spec else None
+            known = saved or configured
             words = ckpt.shape(_join(layer, words_key))
             groups = ckpt.shape(_join(layer, "scales"))
-            if bits_gs and len(words) == 2 and len(groups) == 2:
-                note = f"; config.json says b{configured[0]} gs{configured[1]}" if configured not in (None, bits_gs) else ""
-                fmt = f"affine b{bits_gs[0]} gs{bits_gs[1]} ({ckpt.dtype_name(_join(layer, 'scales'))}{note})"
-                shape = [words[0], groups[-1] * bits_gs[1]]
+            if known and len(words) == 2 and len(groups) == 2:
+                note = (f"; config.json says {configured[2]} b{configured[0]} gs{configured[1]}"
+                        if configured not in (None, known) else "")
+                fmt = f"{known[2]} b{known[0]} gs{known[1]} ({ckpt.dtype_name(_join(layer, 'scales'))}{note})"
+                shape = [words[0], groups[-1] * known[1]]
             else:
-                fmt, shape = "affine (no config)", list(words)
+                kind = "affine" if "biases" in leaves else "quantized"
+                fmt, shape = f"{kind} (no config)", list(words)
             rows.append({"layer": layer, "format": fmt, "shape": shape, "bytes": nbytes})
         elif "blocks" in leaves and saved is not None and len(saved) == 1:
             fmt, shape = _gguf_row(ckpt, layer, saved[0])

@@ -19,18 +19,21 @@ from .gguf import GGUFFile
 _MODEL_KEY = "tokenizer.ggml.model"
 
 
-def save_gguf_tokenizer(gguf: str | os.PathLike | GGUFFile, folder: str | os.PathLike) -> list[str]:
+def save_gguf_tokenizer(gguf: str | os.PathLike | GGUFFile, folder: str | os.PathLike,
+                        shown_as: str | os.PathLike | None = None) -> list[str]:
     """Writes the tokenizer of `gguf` into `folder` (which must exist); returns the file names written.
 
     A file without tokenizer metadata, or with a tokenizer transformers cannot build, gets a
     warning and no files (the weights are still usable, but AutoTokenizer and mlx_lm.load need
-    tokenizer files: copy the original model's).
+    tokenizer files: copy the original model's). shown_as: the folder the warnings name (default
+    `folder`; e.g. the destination that a temporary output folder becomes).
     """
     f = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
     folder = Path(folder)
+    shown = Path(shown_as) if shown_as is not None else folder
     kind = f.get_metadata(_MODEL_KEY)
     if kind is None:
-        warnings.warn(f"{f.path}: no {_MODEL_KEY} metadata, so no tokenizer files were written to {folder}; "
+        warnings.warn(f"{f.path}: no {_MODEL_KEY} metadata, so no tokenizer files were written to {shown}; "
                       "AutoTokenizer and mlx_lm.load need them (copy the original model's)", stacklevel=2)
         return []
     from transformers import AutoTokenizer
@@ -44,7 +47,7 @@ def save_gguf_tokenizer(gguf: str | os.PathLike | GGUFFile, folder: str | os.Pat
             tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=link.name, local_files_only=True)
         except (ValueError, KeyError, IndexError, TypeError, OSError) as e:
             warnings.warn(f"{f.path}: transformers cannot build its {kind!r} tokenizer ({type(e).__name__}: {e}), "
-                          f"so no tokenizer files were written to {folder}; AutoTokenizer and mlx_lm.load need them "
+                          f"so no tokenizer files were written to {shown}; AutoTokenizer and mlx_lm.load need them "
                           "(copy the original model's)", stacklevel=2)
             return []
     return sorted(Path(p).name for p in tokenizer.save_pretrained(folder))

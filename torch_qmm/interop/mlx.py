@@ -3,11 +3,14 @@
 An MLX folder (as mlx.nn / mlx_lm write it):
   config.json       "quantization" (and the same under "quantization_config"):
                     {"group_size": 64, "bits": 4, "mode": "affine",
-                     "<module path>": {"group_size": .., "bits": ..} | false, ...}
-                    A per-layer entry overrides the default; `false` means "not quantized".
+                     "<module path>": {"group_size": .., "bits": .., "mode": ..} | false, ...}
+                    A per-layer entry overrides the default; `false` means "not quantized". A
+                    missing "mode" is "affine", in a per-layer entry too (mlx.nn's to_quantized
+                    default, which mlx_lm passes the entry to).
   model.safetensors or model-0000i-of-0000n.safetensors + model.safetensors.index.json
-                    a quantized layer `p` stores p.weight (uint32 [out, in*bits/32]), p.scales and
-                    p.biases ([out, in/group_size]) and optionally p.bias; everything else is float.
+                    a quantized layer `p` stores p.weight (uint32 [out, in*bits/32]), p.scales
+                    ([out, in/group_size]: float for affine, uint8 for the fp modes), p.biases
+                    (affine only, like scales) and optionally p.bias; everything else is float.
 Which layers are quantized follows mlx_lm's rule: a layer is quantized when `p.scales` is stored;
 the config gives its bits and group size. Layer names are the torch model's (mlx_lm keeps the
 Hugging Face names), so a transformers model of the same architecture loads by name.
@@ -29,9 +32,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..formats import check_format, packed_words
+from ..formats import FORMATS, packed_words
 from ..format_state import FORMAT_STATE_KEY
-from ..nn import QuantLinear
+from ..nn import QuantLinear, resolve_format
 from .modules import QuantEmbedding, TiedQuantLinear
 from .json_files import read_json_object
 from .safetensors_io import Checkpoint, save_sharded
@@ -48,9 +51,17 @@ _STORED_DTYPES = {"U32": torch.uint32, "I32": torch.int32, "I64": torch.int64, "
 class QuantSpec:
     bits: int
     group_size: int
+    mode: str = "affine"
 
     def as_dict(self) -> dict:
-        return {"group_size": self.group_size, "bits": self.bits}
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+    @property
+    def has_biases(self) -> bool:
+        return FORMATS[self.mode].has_biases
+
+    def __str__(self) -> str:
+        return f"{self.mode} b{self.bits} gs{self.group_size}"
 
 
 @dataclasses.dataclass
@@ -71,8 +82,9 @@ class LoadReport:
 
 def _spec_from(entry: dict, where: str) -> QuantSpec:
     mode = entry.get("mode", "affine")
-    if mode != "affine":
-        raise ValueError(f"{where}: quantization mode {mode!r} is not supported (torch_qmm reads mode 'affine')")
+    if mode not in FORMATS:
+        raise ValueError(f"{where}: quantization mode {mode!r} is not supported (torch_qmm reads the modes "
+                         f"{', '.join(map(repr, FORMATS))})")
     if "bits" not in entry or "group_size" not in entry:
         raise ValueError(f"{where}: quantization entry must give 'bits' and 'group_size', got {entry!r}")
     for field in ("bits", "group_size"):
@@ -80,10 +92,10 @@ def _spec_from(entry: dict, where: str) -> QuantSpec:
         if not isinstance(v, int) or isinstance(v, bool):  # 4.7 or "4" is a corrupt config, not 4
             raise ValueError(f"{where}: field {field!r} must be a JSON integer, got {v!r}")
     try:
-        check_format(entry["bits"], entry["group_size"])
+        resolve_format(mode, entry["bits"], entry["group_size"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    return QuantSpec(entry["bits"], entry["group_size"])
+    return QuantSpec(entry["bits"], entry["group_size"], mode)
 
 
 def parse_quantization(config: dict, where: str = "config.json") -> tuple[QuantSpec | None, dict[str, QuantSpec | bool]]:
@@ -93,7 +105,7 @@ def parse_quantization(config: dict, where: str = "config.json") -> tuple[QuantS
         return None, {}
     method = q.get("quant_method")
     if method not in (None, "mlx", "affine", "torch_qmm"):
-        raise ValueError(f"{where}: quantization method {method!r} is not MLX's affine format")
+        raise ValueError(f"{where}: quantization method {method!r} is not one of MLX's formats")
     default = _spec_from(q, f"{where} 'quantization'") if "bits" in q or "group_size" in q else None
     overrides: dict[str, QuantSpec | bool] = {}
     for key, value in q.items():
@@ -119,23 +131,30 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
 def _check_quantized_shapes(ckpt: Checkpoint, path: str, spec: QuantSpec, rows: int, cols: int) -> None:
     want_w = (rows, packed_words(cols, spec.bits))
     want_s = (rows, cols // spec.group_size)
-    got_w, got_s = ckpt.shape(f"{path}.weight"), ckpt.shape(f"{path}.scales")
-    if got_w != want_w or got_s != want_s or ckpt.shape(f"{path}.biases") != want_s:
+    parts = ("scales", "biases") if spec.has_biases else ("scales",)
+    got_w = ckpt.shape(f"{path}.weight")
+    got = {part: ckpt.shape(f"{path}.{part}") for part in parts}
+    if got_w != want_w or any(shape != want_s for shape in got.values()):
         hint = ""
         if len(got_w) == 2 and got_w[0] == rows and got_w[1] * 32 % cols == 0:
             hint = f" (the stored weight fits bits={got_w[1] * 32 // cols})"
         raise ValueError(
-            f"{ckpt.path}: layer {path!r}: config says bits={spec.bits}, group_size={spec.group_size} for a "
-            f"[{rows}, {cols}] weight, so weight must be {list(want_w)} and scales/biases {list(want_s)}; "
-            f"the checkpoint has weight {list(got_w)}, scales {list(got_s)}, biases "
-            f"{list(ckpt.shape(f'{path}.biases'))}{hint}"
+            f"{ckpt.path}: layer {path!r}: config says bits={spec.bits}, group_size={spec.group_size}, "
+            f"mode={spec.mode!r} for a [{rows}, {cols}] weight, so weight must be {list(want_w)} and "
+            f"{'/'.join(parts)} {list(want_s)}; the checkpoint has weight {list(got_w)}, "
+            + ", ".join(f"{part} {list(shape)}" for part, shape in got.items()) + hint
         )
     if ckpt.dtype_name(f"{path}.weight") != "U32":
         raise ValueError(f"{ckpt.path}: layer {path!r}: quantized weight must be U32, got {ckpt.dtype_name(f'{path}.weight')}")
-    for part in ("scales", "biases"):
-        if ckpt.dtype_name(f"{path}.{part}") not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"{ckpt.path}: layer {path!r}: {part} must be a float dtype ({', '.join(_SAFETENSORS_DTYPES)}), "
-                             f"got {ckpt.dtype_name(f'{path}.{part}')}")
+    for part in parts:
+        stored = ckpt.dtype_name(f"{path}.{part}")
+        if spec.has_biases and stored not in _SAFETENSORS_DTYPES:
+            fp = " (uint8 scales are those of an fp mode: does the config give the mode?)" if stored == "U8" else ""
+            raise ValueError(f"{ckpt.path}: layer {path!r}: {part} of mode {spec.mode!r} must be a float dtype "
+                             f"({', '.join(_SAFETENSORS_DTYPES)}), got {stored}{fp}")
+        if not spec.has_biases and stored != "U8":
+            raise ValueError(f"{ckpt.path}: layer {path!r}: scales of mode {spec.mode!r} must be U8 (scale codes), "
+                             f"got {stored}")
 
 
 def _check_dtype(ckpt: Checkpoint, key: str, dst: torch.Tensor) -> None:
@@ -198,8 +217,8 @@ def load_mlx(
     for p, spec in overrides.items():
         if isinstance(spec, QuantSpec) and p not in quantized_paths and f"{p}.weight" in ckpt:
             raise ValueError(
-                f"{config_path}: 'quantization.{p}' gives bits={spec.bits}, group_size={spec.group_size} "
-                f"but the checkpoint stores {p}.weight unquantized (no {p}.scales)"
+                f"{config_path}: 'quantization.{p}' gives {spec} but the checkpoint stores {p}.weight "
+                f"unquantized (no {p}.scales)"
             )
     report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
     renamed: dict[str, str] = {}  # checkpoint key -> model state_dict key
@@ -212,9 +231,12 @@ def load_mlx(
                 f"{ckpt.path}: the checkpoint stores quantized layer {p!r} ({p}.scales) but {config_path} "
                 "has no 'quantization' with bits and group_size"
             )
-        for part in ("weight", "biases"):
+        for part in ("weight", "biases") if spec.has_biases else ("weight",):
             if f"{p}.{part}" not in ckpt:
                 raise ValueError(f"{ckpt.path}: quantized layer {p!r} has scales but no {p}.{part}")
+        if not spec.has_biases and f"{p}.biases" in ckpt:
+            raise ValueError(f"{ckpt.path}: quantized layer {p!r} stores {p}.biases, but its mode {spec.mode!r} "
+                             "has none (config.json's 'quantization' gives the mode)")
         try:
             module = model.get_submodule(p)
         except AttributeError:
@@ -222,15 +244,16 @@ def load_mlx(
         if isinstance(module, nn.Linear):
             _check_quantized_shapes(ckpt, p, spec, module.out_features, module.in_features)
             new = QuantLinear(module.in_features, module.out_features, bias=f"{p}.bias" in ckpt,
-                              bits=spec.bits, group_size=spec.group_size, dtype=dtype)
+                              bits=spec.bits, group_size=spec.group_size, dtype=dtype, mode=spec.mode)
         elif isinstance(module, nn.Embedding):
             _check_quantized_shapes(ckpt, p, spec, module.num_embeddings, module.embedding_dim)
-            new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size, dtype=dtype)
+            new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size, dtype=dtype,
+                                 mode=spec.mode)
         else:
             raise ValueError(f"{ckpt.path}: quantized layer {p!r} is a {type(module).__name__}, expected nn.Linear or nn.Embedding")
         _replace(model, p, new.to(module.weight.device))
         renamed[f"{p}.weight"] = f"{p}.qweight"
-        report.quantized[p] = f"affine b{spec.bits} gs{spec.group_size}"
+        report.quantized[p] = str(spec)
 
     for out_name, emb_name in tied_to.items():
         emb = model.get_submodule(emb_name)
@@ -288,14 +311,14 @@ def quantization_config(model: nn.Module) -> dict:
     specs: dict[str, QuantSpec | bool] = {}
     for name, m in model.named_modules():
         if isinstance(m, (QuantLinear, QuantEmbedding)):
-            specs[name] = QuantSpec(m.bits, m.group_size)
+            specs[name] = QuantSpec(m.bits, m.group_size, m.mode)
         elif isinstance(m, (nn.Linear, nn.Embedding)):
             specs[name] = False
     counts = Counter(s for s in specs.values() if isinstance(s, QuantSpec))
     if not counts:
         return {}
     default = counts.most_common(1)[0][0]
-    q: dict = {"group_size": default.group_size, "bits": default.bits, "mode": "affine"}
+    q: dict = default.as_dict()
     for name, s in specs.items():
         if s is False:
             q[name] = False

@@ -6,39 +6,53 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..format_state import FormatState
-from ..nn import AffineFormatState, load_affine_weight, register_affine_weight
+from ..format_state import FormatState, QuantFormatState
+from ..nn import load_quantized_weight, register_quantized_weight
+from ..ops import dequantize, quantized_matmul
 from .gguf_types import NATIVE_TYPES, block_info, type_name
 
 
-class QuantEmbedding(AffineFormatState, nn.Module):
-    """nn.Embedding with its table [num_embeddings, dim] in the affine format (after MLX's
+class QuantEmbedding(QuantFormatState, nn.Module):
+    """nn.Embedding with its table [num_embeddings, dim] in one of MLX's formats (after MLX's
     QuantizedEmbedding): a lookup dequantizes only the rows it reads.
 
-    Buffers: ``qweight`` uint32 [num, dim*bits/32], ``scales`` / ``biases`` [num, dim/group_size] in
-    the compute dtype (the dtype of the output); the format as ``_extra_state`` (AffineFormatState).
+    Buffers: ``qweight`` uint32 [num, dim*bits/32], ``scales`` [num, dim/group_size] (in the
+    compute dtype for mode "affine", then also ``biases``; uint8 codes for the fp modes); the
+    format as ``_extra_state`` (QuantFormatState). Lookups return the compute dtype (`dtype`; it
+    follows ``.to(dtype)``), as_linear returns x's dtype.
     """
 
     def __init__(
         self,
         num_embeddings: int,
         embedding_dim: int,
-        bits: int = 4,
-        group_size: int = 64,
+        bits: int | None = None,
+        group_size: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        mode: str = "affine",
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        register_affine_weight(self, num_embeddings, embedding_dim, bits, group_size, device, dtype, "embedding_dim")
+        register_quantized_weight(self, num_embeddings, embedding_dim, bits, group_size, mode, device, dtype,
+                                  "embedding_dim")
+        # Empty and not saved: carries the compute dtype through .to() (fp modes have no float buffer).
+        self.register_buffer("_compute_dtype", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the lookups."""
+        return self._compute_dtype.dtype
 
     @classmethod
     def from_embedding(
-        cls, embedding: nn.Embedding, bits: int = 4, group_size: int = 64, dtype: torch.dtype | None = None
+        cls, embedding: nn.Embedding, bits: int | None = None, group_size: int | None = None,
+        dtype: torch.dtype | None = None, mode: str = "affine",
     ) -> "QuantEmbedding":
         dtype = dtype or embedding.weight.dtype
-        module = cls(embedding.num_embeddings, embedding.embedding_dim, bits, group_size, embedding.weight.device, dtype)
-        load_affine_weight(module, embedding.weight)
+        module = cls(embedding.num_embeddings, embedding.embedding_dim, bits, group_size, embedding.weight.device,
+                     dtype, mode=mode)
+        load_quantized_weight(module, embedding.weight, dtype)
         return module
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -58,21 +72,20 @@ class QuantEmbedding(AffineFormatState, nn.Module):
                 raise IndexError(
                     f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings}), got {bad}"
                 )
-        rows = torch.ops.torch_qmm.affine_dequantize(
-            self.qweight[flat], self.scales[flat], self.biases[flat], self.bits, self.group_size
-        )
+        biases = None if self.biases is None else self.biases[flat]
+        rows = dequantize(self.qweight[flat], self.scales[flat], biases, group_size=self.group_size, bits=self.bits,
+                          mode=self.mode, dtype=self.compute_dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] @ table.T -> [..., num_embeddings]: the tied output projection."""
-        return torch.ops.torch_qmm.affine_qmm(
-            x, self.qweight, self.scales, self.biases, self.bits, self.group_size, True
-        )
+        return quantized_matmul(x, self.qweight, self.scales, self.biases, transpose=True,
+                                group_size=self.group_size, bits=self.bits, mode=self.mode)
 
     def extra_repr(self) -> str:
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.group_size}, bits={self.bits}, "
-            f"dtype={self.scales.dtype}"
+            f"mode={self.mode}, dtype={self.compute_dtype}"
         )
 
 

@@ -46,8 +46,7 @@ def staged_output(dst: Path) -> Iterator[Path]:
     created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask()
     tmp.chmod(0o777 & ~umask)
     try:
         yield tmp
@@ -65,6 +64,13 @@ def staged_output(dst: Path) -> Iterator[Path]:
             with contextlib.suppress(OSError):
                 p.rmdir()
         raise
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def _umask_modes(folder: Path, umask: int) -> None:

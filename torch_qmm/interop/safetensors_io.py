@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .json_files import read_json_object
+from .output_folder import current_umask
 
 INDEX_NAME = "model.safetensors.index.json"
 _OWN_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
@@ -217,8 +218,12 @@ def save_sharded(
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
+    # safetensors >= 0.8 writes 0600 (it renames a private temporary file into place): give the
+    # shards the mode of any new file, as the config and index get.
+    mode = 0o666 & ~current_umask()
     for shard, name in zip(shards, names):
         save_file(shard, str(folder / name), metadata=metadata)
+        (folder / name).chmod(mode)
         weight_map.update({k: name for k in shard})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -4,6 +4,7 @@ registry (`register_quantization_config` / `register_quantizer`; tested with tra
     from transformers import AutoModelForCausalLM
     from torch_qmm.interop.transformers import TorchQmmConfig
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=TorchQmmConfig(bits=4, group_size=64))
+    # or TorchQmmConfig(mode="mxfp4"), TorchQmmConfig(bits=MixedBits(4.5)), TorchQmmConfig(bits={"*": 4, ...})
     model.save_pretrained(out)                      # config.json records quant_method "torch_qmm"
     AutoModelForCausalLM.from_pretrained(out)       # reloads the QuantLinear layers (import this module first)
 
@@ -16,8 +17,9 @@ reload builds exactly the saved layers.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -25,8 +27,8 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..convert import quantize_model
-from ..formats import check_format
-from ..nn import QuantLinear
+from ..nn import QuantLinear, resolve_format
+from ..quantizers.mixed import MixedBits
 
 QUANT_METHOD = "torch_qmm"
 
@@ -34,11 +36,15 @@ QUANT_METHOD = "torch_qmm"
 @register_quantization_config(QUANT_METHOD)
 @dataclass
 class TorchQmmConfig(QuantizationConfigMixin):
-    """MLX's affine format for the linear layers of a transformers model.
+    """One of MLX's formats for the linear layers of a transformers model.
 
     Args:
-        bits: 2, 3, 4, 5, 6 or 8.
-        group_size: 32, 64 or 128.
+        bits: the bit width (None: the mode's default; affine 2, 3, 4, 5, 6 or 8); for mode
+            "affine" also per layer: a mapping name -> bits ("*": the others) or a MixedBits budget
+            (torch_qmm.quantizers). The saved config holds the bits each layer got (an int when
+            they are all equal, else the mapping), so a reload builds exactly the saved layers.
+        group_size: None: the mode's default; affine 32, 64 or 128.
+        mode: "affine" (default), or an fp mode of torch_qmm.formats.FORMATS ("mxfp4", "nvfp4", ...).
         modules_to_not_convert: module names (or name suffixes) kept in float; None: transformers'
             default (the output head, tied weights, keep-in-fp32 modules).
         method: the quantizer, "rtn" (MLX's, default), "mse", "awq" or "gptq" (torch_qmm.quantizers);
@@ -46,23 +52,58 @@ class TorchQmmConfig(QuantizationConfigMixin):
         calibration: model inputs for awq/gptq (token-id tensors [1, T]); not saved.
     """
 
-    def __init__(self, bits: int = 4, group_size: int = 64, modules_to_not_convert: list[str] | None = None,
-                 method: str = "rtn", calibration: Any = None, **kwargs: Any) -> None:
+    def __init__(self, bits: int | Mapping[str, int] | MixedBits | None = None, group_size: int | None = None,
+                 modules_to_not_convert: list[str] | None = None, method: str = "rtn", calibration: Any = None,
+                 mode: str = "affine", mixed_bits: dict | None = None, **kwargs: Any) -> None:
         from ..quantizers import METHODS
 
-        check_format(bits, group_size)
+        if mixed_bits is not None:  # a MixedBits budget as to_dict writes it
+            if bits is not None or not isinstance(mixed_bits, dict):
+                raise ValueError(f"argument 'mixed_bits' must be a dict (average, low, high) and comes without "
+                                 f"'bits', got mixed_bits={mixed_bits!r}, bits={bits!r}")
+            bits = MixedBits(**mixed_bits)
+        uniform = bits is None or (type(bits) is int)
+        default_bits, group_size = resolve_format(mode, bits if uniform else None, group_size)
+        if not uniform:
+            if mode != "affine":
+                raise ValueError(f"argument 'bits': per-layer bits are for mode 'affine', got mode={mode!r}")
+            if isinstance(bits, Mapping):
+                for name, b in bits.items():
+                    if not isinstance(name, str):
+                        raise ValueError(f"argument 'bits' must map layer names to bits, got the key {name!r}")
+                    resolve_format(mode, b, group_size)
+                bits = dict(bits)
+            elif isinstance(bits, MixedBits):
+                bits.widths()
+            else:
+                raise TypeError(f"argument 'bits' must be an int, a mapping name -> bits or MixedBits, "
+                                f"got {type(bits).__name__}")
         if method not in METHODS:
             raise ValueError(f"argument 'method' must be one of {METHODS}, got {method!r}")
         self.quant_method = QUANT_METHOD
-        self.bits = bits
+        self.bits = default_bits if uniform else bits
         self.group_size = group_size
+        self.mode = mode
         self.modules_to_not_convert = modules_to_not_convert
         self.method = method
         self.calibration = calibration
 
+    def layer_bits(self, name: str) -> int:
+        """The bits of a saved layer (reloading)."""
+        if type(self.bits) is int:
+            return self.bits
+        b = self.bits.get(name, self.bits.get("*")) if isinstance(self.bits, dict) else None
+        if b is None:
+            raise ValueError(f"the torch_qmm quantization_config gives no bits for layer {name!r} (bits: "
+                             f"{self.bits!r}); a saved config maps every quantized layer to its bits")
+        return b
+
     def to_dict(self) -> dict[str, Any]:
-        return {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size,
-                "modules_to_not_convert": self.modules_to_not_convert, "method": self.method}
+        out = {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size, "mode": self.mode,
+               "modules_to_not_convert": self.modules_to_not_convert, "method": self.method}
+        if isinstance(self.bits, MixedBits):
+            out["bits"], out["mixed_bits"] = None, dataclasses.asdict(self.bits)
+        return out
 
 
 def _skipped(name: str, skip: list[str]) -> bool:
@@ -102,8 +143,9 @@ class TorchQmmHfQuantizer(HfQuantizer):
         cfg = self.quantization_config
         for name in self._eligible(model):
             linear = model.get_submodule(name)
-            q = QuantLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, bits=cfg.bits,
-                            group_size=cfg.group_size, device=linear.weight.device, dtype=linear.weight.dtype)
+            q = QuantLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                            bits=cfg.layer_bits(name), group_size=cfg.group_size, device=linear.weight.device,
+                            dtype=linear.weight.dtype, mode=cfg.mode)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, q)
         return model
@@ -114,7 +156,11 @@ class TorchQmmHfQuantizer(HfQuantizer):
         cfg = self.quantization_config
         eligible = set(self._eligible(model))
         quantize_model(model, bits=cfg.bits, group_size=cfg.group_size, filter_fn=lambda n, _: n in eligible,
-                       method=cfg.method, calibration=cfg.calibration)
+                       method=cfg.method, calibration=cfg.calibration, mode=cfg.mode)
+        # Record the bits every layer got (a budget or a "*" default resolves per layer).
+        got = {n: m.bits for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+        if type(cfg.bits) is not int:
+            cfg.bits = next(iter(got.values())) if len(set(got.values())) == 1 else got
         # Record every float layer so that a reload rebuilds exactly these QuantLinears.
         cfg.modules_to_not_convert = sorted(
             set(self.modules_to_not_convert)
