@@ -81,7 +81,7 @@ def shim_hash() -> str:
     return _SHIM_HASH
 
 
-COMMON = ["-std=c++17", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux-triple", "-Xclang",
+COMMON = ["-std=c++2b", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux-triple", "-Xclang",
           "x86_64-pc-linux-gnu", "-mf16c", "-Xclang", "-ffloat16-excess-precision=none", "-Xclang",
           "-fbfloat16-excess-precision=none", "-ffp-contract=off", "-fno-fast-math", "-fconvergent-functions",
           "-fvisibility=hidden", "-fno-exceptions", "-fno-rtti", "-Wno-unknown-attributes",
