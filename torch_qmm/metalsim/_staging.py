@@ -54,6 +54,11 @@ VEC_NAMES = {f"{s}{n}" for s in SCALARS for n in (2, 3, 4, 8, 16)}
 VEC_NAMES |= {f"packed_{s}{n}" for s in SCALARS for n in (2, 3, 4)}
 # static_cast<bfloat>(x) of a half x is legal MSL; clang allows half <-> bfloat only through float
 BFLOAT_NAMES = {"bfloat", "bfloat16_t", "metal::bfloat"}
+# static_cast<T>(x) with T a single (possibly qualified) name: resolved by the shim's __msim_cast
+_NAMED_TYPE = re.compile(r"(?:\w+::)*[A-Za-z_]\w*")
+_BUILTIN_TYPES = {"void", "bool", "char", "short", "int", "long", "float", "unsigned", "signed", "size_t",
+                  "uint", "ushort", "uchar", "ulong", "ptrdiff_t"} | {f"{p}int{b}_t" for p in ("", "u")
+                                                                       for b in (8, 16, 32, 64)}
 COLLECTIVE_RE = re.compile(
     r"\b(threadgroup_barrier|simdgroup_barrier|simd_\w+|quad_\w+|simdgroup_multiply\w*)\s*[(<]")
 
@@ -463,6 +468,9 @@ def stage(text: str) -> Staged:
                 if (inner in VEC_NAMES or inner.startswith("vec<") or inner.startswith("metal::vec<")
                         or inner.removeprefix("metal::") in VEC_NAMES or inner in BFLOAT_NAMES):
                     ed.replace(t.start, toks[k].end, f"__msim_make<{inner}>")
+                elif _NAMED_TYPE.fullmatch(inner) and inner not in _BUILTIN_TYPES:
+                    # a template parameter or type alias that may be bfloat, half or a vector
+                    ed.replace(t.start, toks[k].end, f"__msim_cast<{inner}>")
         elif t.kind == "p" and t.text == "(" and i + 2 < n and toks[i + 2].text == ")" \
                 and toks[i + 1].kind == "id" and toks[i + 1].text in VEC_NAMES:
             # C-style cast (float4)x -> __msim_make<float4>(x), unless it is a call "f(float4)" etc.

@@ -9,6 +9,8 @@ Two mechanisms, each used where it can tell exactly:
   -Wimplicit-int-float-conversion warnings, and those whose destination is bfloat in user
   code become errors (MSL: bfloat converts implicitly only to a type of greater rank).
   Implicit float -> half stays legal, as in MSL.
+* a bfloat declared with a float constant as initialiser (`bfloat b = 0.5f;`), on the same
+  tokens: clang does not warn for constants bfloat represents exactly.
 * keywords of C++ that MSL removes (`goto`, `virtual`, `new`, `delete` expressions,
   `double`, `try`, `catch`, `throw`): checked on the tokens of the preprocessed user source. They are keywords, so a
   token match is exact (no identifier can be spelled like them).
@@ -71,7 +73,7 @@ def check_tokens(pre: str) -> None:
     from ._build import CompileError
 
     toks = _staging.tokenize(pre)
-    bad = []
+    bad = [f"{_location(pre, toks[i].start)}: error: {BFLOAT_CONSTANT}" for i in _bfloat_constant_inits(toks)]
     for i, t in enumerate(toks):
         if t.kind != "id" or t.text not in KEYWORD_RULES:
             continue
@@ -83,6 +85,32 @@ def check_tokens(pre: str) -> None:
         bad.append(f"{_location(pre, t.start)}: error: {KEYWORD_RULES[t.text]}")
     if bad:
         raise CompileError("metalsim strictness: Apple's compiler rejects this:\n" + "\n".join(bad[:20]))
+
+
+BFLOAT_CONSTANT = ("implicit conversion of a float constant to bfloat: Metal converts float to bfloat only "
+                   "explicitly (write bfloat(...) or static_cast<bfloat>(...))")
+_FLOAT_LITERAL = re.compile(r"(?i)(?:\d+\.\d*|\.\d+|\d+(?=e))(?:e[+-]?\d+)?f?|\d+f|0x[0-9a-f.]*p[+-]?\d+f?")
+_DECL_BEFORE = {";", "{", "}", "(", ",", "const", "constexpr", "static", "thread", "volatile"}
+
+
+def _bfloat_constant_inits(toks):
+    """Token indices of `bfloat name = <float literal>` (`;`, `,` or `)` after it): a
+    copy-initialisation of a bfloat from a float constant. clang's conversion warnings skip
+    constants that bfloat represents exactly, so this exact form is matched on tokens; other
+    float constants converted implicitly to bfloat (`b = 0.5f;` to a declared variable,
+    `return 0.5f;`, `f(0.5f)`) pass."""
+    n = len(toks)
+    for i in range(n - 3):
+        if toks[i].text != "bfloat" or (i and toks[i - 1].text not in _DECL_BEFORE and toks[i - 1].kind != "pp"):
+            continue
+        if toks[i + 1].kind != "id" or toks[i + 2].text != "=":
+            continue
+        k = i + 3
+        if toks[k].text in ("-", "+") and k + 1 < n:
+            k += 1
+        if toks[k].kind == "num" and _FLOAT_LITERAL.fullmatch(toks[k].text) and k + 1 < n \
+                and toks[k + 1].text in (";", ",", ")"):
+            yield k
 
 
 _LINEMARK = re.compile(r'^#\s*(\d+)\s+"([^"]*)"', re.M)
