@@ -26,8 +26,9 @@ RUNTIME_C = HERE / "runtime.c"
 # Bump when the staging rules or compile flags change in a way the file hashes do not show.
 SHIM_VERSION = "1"
 
-INSTALL_HINT = ("metalsim needs clang (version 17 or newer; CI uses clang-19). Install it with "
-                "`apt-get install -y clang-19`, or point TORCH_QMM_CLANG at a clang binary.")
+INSTALL_HINT = ("metalsim needs clang (version 18 or newer, for C++23 explicit object parameters; CI uses "
+                "clang-19). Install it with `apt-get install -y clang-19`, or point TORCH_QMM_CLANG at a "
+                "clang binary.")
 
 
 class CompileError(RuntimeError):
