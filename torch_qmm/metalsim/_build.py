@@ -157,9 +157,9 @@ def preprocess(clang: str, source: str, filename: str, defines, include_dirs) ->
         src.write_text(source)
         args += ["-I", str(Path(filename).parent) if filename else td, str(src)]
         out = _run(args, "preprocessing the Metal source")
-    if filename:
-        out = out.replace(str(src), str(filename))
-    return out
+    # line markers name the file: the caller's path, or for source text a fixed name (not the
+    # temporary directory, which would make every process's cache key different)
+    return out.replace(str(src), str(filename) if filename else src.name)
 
 
 def _resolve_indices(so: Path, meta: dict, wanted) -> None:
