@@ -23,6 +23,8 @@ REJECTED = [
     ("bfloat_from_float_constant", _body("bfloat b = 0.5f; y[i] = float(b);"), "float constant to bfloat"),
     ("bfloat_from_unsuffixed_constant", _body("bfloat b = -2.0, c = bfloat(1); y[i] = float(b) + float(c);"),
      "float constant to bfloat"),
+    ("bfloat_returned_float_constant", HEAD + "METAL_FUNC bfloat half_of(float x) { if (x > 0) return 0.5f; "
+     "return bfloat(x); }\n" + _body("y[i] = float(half_of(y[i]));"), "float constant to bfloat"),
     ("implicit_half_to_bfloat", _body("half h = half(y[i]); bfloat b = h; y[i] = float(b);"),
      "type 'bfloat'.* with an lvalue of type 'half'"),
     ("implicit_bfloat_to_half", _body("bfloat b = bfloat(y[i]); half h = b; y[i] = float(h);"),
@@ -69,6 +71,11 @@ def test_what_metal_allows_stays_allowed(metalsim):
                   + _body("float f = y[i]; bfloat b = static_cast<bfloat>(f); bfloat c = bfloat(f); "
                           "bfloat d = bfloat(0.5f); bfloat e = static_cast<bfloat>(2.0); half k = 0.25f; "
                           "half h = f; float g = b; y[i] = g + float(c) + float(h) + float(d) + float(e) + float(k);"))
+    # a float constant returned where the return type is float, or from a class or lambda
+    # inside a bfloat function, and an explicit conversion of a returned constant
+    src += ("METAL_FUNC bfloat pick(float x) { struct P { float f() { return 0.5f; } }; "
+            "if (x > 0) return bfloat(0.5f); return static_cast<bfloat>(P().f()); }\n"
+            "METAL_FUNC float other() { return 0.5f; }\n")
     lib = metalsim.compile(src)
     assert lib.kernels == ["k"]
 
