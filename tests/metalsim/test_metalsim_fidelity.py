@@ -168,3 +168,102 @@ kernel void k(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]])
     with pytest.raises(metalsim.CompileError, match="not a constant expression"):
         metalsim.compile(src).dispatch("k", buffers={0: np.zeros(1, np.float32)}, threadgroups=1,
                                        function_constants={0: 4})
+
+
+AS_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+struct Cell {
+  float v;
+  // one variant per address space of *this, each with its own result
+  float get() const thread { return v + 1000; }
+  float get() const device { return v + 2000; }
+  float get() const threadgroup { return v + 3000; }
+  float get() const constant { return v + 4000; }
+  float scaled(float k) const device { return v * k; }
+  float scaled(float k) const thread { return -v * k; }
+  // unqualified is the thread variant; a return type in the object's address space
+  float bump() { return v + 7; }
+  device float& at() device { return v; }
+  thread float& at() { return v; }
+  // operators and conversions overloaded the same way (MLX's gemv_masked.h _NoMask)
+  float operator[](int i) const thread { return v + float(i); }
+  float operator[](int i) const device { return v - float(i); }
+  operator bool() const thread { return false; }
+  operator bool() const device { return true; }
+};
+constant Cell kcell = {5.0f};
+kernel void as_overloads(device float* out [[buffer(0)]], device Cell* d [[buffer(1)]],
+                         constant Cell* c [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  threadgroup Cell t[1];
+  t[0].v = 3;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  Cell a;
+  a.v = 1;
+  out[0] = a.get();
+  out[1] = d->get();
+  out[2] = t[0].get();
+  out[3] = c->get();
+  out[4] = kcell.get();
+  out[5] = a.scaled(3.0f);
+  out[6] = d->scaled(3.0f);
+  out[7] = a.bump();
+  device float& r = d->at();
+  r += 10;                     // writes d[0].v through a device reference
+  a.at() = 9;
+  out[8] = a.v;
+  out[9] = a[2] + (*d)[2];
+  out[10] = float(bool(a)) + 10 * float(bool(*d));
+}
+"""
+
+
+def test_member_functions_overloaded_on_the_address_space_of_this(metalsim):  # G4
+    # MSL calls the variant whose address-space qualifier matches the object's address space
+    # (a member function without one is the thread variant)
+    lib = metalsim.compile(AS_SRC)
+    out = np.zeros(11, np.float32)
+    dev = np.array([2], np.float32)
+    lib.dispatch("as_overloads", buffers={0: out, 1: dev, 2: np.array([4], np.float32)}, threadgroups=1,
+                 threads_per_threadgroup=1)
+    np.testing.assert_array_equal(out[:5], [1001, 2002, 3003, 4004, 4005])  # thread, device, threadgroup, constant x2
+    np.testing.assert_array_equal(out[5:8], [-3, 6, 8])
+    assert dev[0] == 12                          # the device variant of at() returned d[0].v
+    assert out[8] == 9
+    assert out[9] == (9 + 2) + (12 - 2)
+    assert out[10] == 10
+
+
+CAST_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+template <typename T, typename U> METAL_FUNC T convert(U x) { return static_cast<T>(x); }
+typedef bfloat bf16_alias;
+kernel void casts(device float* out [[buffer(0)]], device const half* h [[buffer(1)]],
+                  device const bfloat* b [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  out[i * 4 + 0] = float(convert<bfloat>(h[i]));        // half -> bfloat, T a template parameter
+  out[i * 4 + 1] = float(convert<half>(b[i]));          // bfloat -> half
+  out[i * 4 + 2] = float(static_cast<bf16_alias>(h[i])); // through an alias
+  int4 n = int4(int(i), 2, 3, 4);
+  float4 f = convert<float4>(n);                        // a vector conversion converts values
+  out[i * 4 + 3] = f.x + f.y + f.z + f.w;
+}
+"""
+
+
+def test_static_cast_half_bfloat_through_a_template_parameter(metalsim):  # G11
+    # MSL allows explicit conversions between half and bfloat whatever names the type
+    # (static_cast<T>(h) with T = bfloat); the value is rounded once to the target (half and
+    # bfloat values are exact in float, so through float is the same rounding)
+    import torch
+    lib = metalsim.compile(CAST_SRC)
+    h = np.array([1.5, 0.1, -3.0e4, 6.1e-5], np.float16)
+    b = torch.tensor([0.3, -2.5, 70000.0, 1e-6], dtype=torch.bfloat16)
+    bbits = b.view(torch.int16).numpy().view(np.uint16)
+    out = np.zeros((4, 4), np.float32)
+    lib.dispatch("casts", buffers={0: out, 1: h, 2: bbits}, threadgroups=1, threads_per_threadgroup=4)
+    h_to_b = torch.from_numpy(h).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(out[:, 0], h_to_b)
+    np.testing.assert_array_equal(out[:, 1], b.to(torch.float16).float().numpy())
+    np.testing.assert_array_equal(out[:, 2], h_to_b)
+    np.testing.assert_array_equal(out[:, 3], np.arange(4) + 9)

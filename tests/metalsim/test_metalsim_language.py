@@ -395,3 +395,14 @@ def test_source_from_file_with_includes_defines_and_namespaces(metalsim, tmp_pat
     x = np.arange(1, 9, dtype=np.float32)
     lib.dispatch("apply_f", buffers={0: x}, threadgroups=1, threads_per_threadgroup=8)
     np.testing.assert_array_equal(x, np.arange(1, 9) * 3 + 1)
+
+
+def test_source_text_builds_are_keyed_by_content(metalsim):
+    # the same source text staged twice (as by two processes) has one cache key, so the disk
+    # cache serves it; a different text has another
+    import importlib
+    build = importlib.import_module(metalsim.__name__ + "._build")
+    src = "#include <metal_stdlib>\nusing namespace metal;\nkernel void k(device float* y [[buffer(0)]]) { y[0] = 1; }\n"
+    a, b = build.stage(src, None, {}, ()), build.stage(src, None, {}, ())
+    assert a.key == b.key
+    assert build.stage(src.replace("= 1", "= 2"), None, {}, ()).key != a.key

@@ -26,8 +26,9 @@ RUNTIME_C = HERE / "runtime.c"
 # Bump when the staging rules or compile flags change in a way the file hashes do not show.
 SHIM_VERSION = "1"
 
-INSTALL_HINT = ("metalsim needs clang (version 17 or newer; CI uses clang-19). Install it with "
-                "`apt-get install -y clang-19`, or point TORCH_QMM_CLANG at a clang binary.")
+INSTALL_HINT = ("metalsim needs clang (version 18 or newer, for C++23 explicit object parameters; CI uses "
+                "clang-19). Install it with `apt-get install -y clang-19`, or point TORCH_QMM_CLANG at a "
+                "clang binary.")
 
 
 class CompileError(RuntimeError):
@@ -81,7 +82,7 @@ def shim_hash() -> str:
     return _SHIM_HASH
 
 
-COMMON = ["-std=c++17", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux-triple", "-Xclang",
+COMMON = ["-std=c++2b", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux-triple", "-Xclang",
           "x86_64-pc-linux-gnu", "-mf16c", "-Xclang", "-ffloat16-excess-precision=none", "-Xclang",
           "-fbfloat16-excess-precision=none", "-ffp-contract=off", "-fno-fast-math", "-fconvergent-functions",
           "-fvisibility=hidden", "-fno-exceptions", "-fno-rtti", "-Wno-unknown-attributes",
@@ -156,9 +157,9 @@ def preprocess(clang: str, source: str, filename: str, defines, include_dirs) ->
         src.write_text(source)
         args += ["-I", str(Path(filename).parent) if filename else td, str(src)]
         out = _run(args, "preprocessing the Metal source")
-    if filename:
-        out = out.replace(str(src), str(filename))
-    return out
+    # line markers name the file: the caller's path, or for source text a fixed name (not the
+    # temporary directory, which would make every process's cache key different)
+    return out.replace(str(src), str(filename) if filename else src.name)
 
 
 def _resolve_indices(so: Path, meta: dict, wanted) -> None:

@@ -54,6 +54,11 @@ VEC_NAMES = {f"{s}{n}" for s in SCALARS for n in (2, 3, 4, 8, 16)}
 VEC_NAMES |= {f"packed_{s}{n}" for s in SCALARS for n in (2, 3, 4)}
 # static_cast<bfloat>(x) of a half x is legal MSL; clang allows half <-> bfloat only through float
 BFLOAT_NAMES = {"bfloat", "bfloat16_t", "metal::bfloat"}
+# static_cast<T>(x) with T a single (possibly qualified) name: resolved by the shim's __msim_cast
+_NAMED_TYPE = re.compile(r"(?:\w+::)*[A-Za-z_]\w*")
+_BUILTIN_TYPES = {"void", "bool", "char", "short", "int", "long", "float", "unsigned", "signed", "size_t",
+                  "uint", "ushort", "uchar", "ulong", "ptrdiff_t"} | {f"{p}int{b}_t" for p in ("", "u")
+                                                                       for b in (8, 16, 32, 64)}
 COLLECTIVE_RE = re.compile(
     r"\b(threadgroup_barrier|simdgroup_barrier|simd_\w+|quad_\w+|simdgroup_multiply\w*)\s*[(<]")
 
@@ -463,6 +468,9 @@ def stage(text: str) -> Staged:
                 if (inner in VEC_NAMES or inner.startswith("vec<") or inner.startswith("metal::vec<")
                         or inner.removeprefix("metal::") in VEC_NAMES or inner in BFLOAT_NAMES):
                     ed.replace(t.start, toks[k].end, f"__msim_make<{inner}>")
+                elif _NAMED_TYPE.fullmatch(inner) and inner not in _BUILTIN_TYPES:
+                    # a template parameter or type alias that may be bfloat, half or a vector
+                    ed.replace(t.start, toks[k].end, f"__msim_cast<{inner}>")
         elif t.kind == "p" and t.text == "(" and i + 2 < n and toks[i + 2].text == ")" \
                 and toks[i + 1].kind == "id" and toks[i + 1].text in VEC_NAMES:
             # C-style cast (float4)x -> __msim_make<float4>(x), unless it is a call "f(float4)" etc.
@@ -558,13 +566,45 @@ def stage(text: str) -> Staged:
 
 ADDRSPACES = ("device", "constant", "threadgroup", "thread")
 _AS_PREFERENCE = {"thread": 0, "device": 1, "constant": 2, "threadgroup": 3}
+_CLASS_KEYS = ("struct", "class", "union")
+_SPECIFIERS = {"constexpr", "METAL_FUNC", "inline", "static", "explicit", "friend"}
+
+
+def _class_name(toks, brace):
+    """Name of the class whose body opens at toks[brace] (`struct S ... {`), or None."""
+    k = brace - 1
+    while k >= 0 and toks[k].text not in (";", "{", "}"):
+        if toks[k].text in _CLASS_KEYS and (k == 0 or toks[k - 1].text != "enum"):
+            m = k + 1
+            while m < brace and (toks[m].kind != "id" or toks[m].text in ("alignas", "final")):
+                m = _match(toks, m, "(", ")") + 1 if toks[m].text == "(" else m + 1
+            return toks[m].text if m < brace and toks[m].kind == "id" else None
+        k -= 1
+    return None
+
+
+def _member_name(toks, start, po):
+    """(kind, name tokens start) of the member function whose parameter list opens at toks[po]:
+    kind "id" (a named function), "op" (an operator symbol: `operator[]`, `operator+=`) or
+    "conv" (a conversion function `operator T`); None when it is none of these."""
+    k = next((m for m in range(start, po) if toks[m].text == "operator"), None)
+    if k is None:
+        return ("id", po - 1) if toks[po - 1].kind == "id" else None
+    if k + 1 < po and toks[k + 1].kind == "id" and toks[k + 1].text not in ("new", "delete"):
+        return "conv", k
+    return "op", k
 
 
 def _merge_addrspace_methods(toks, ed, text):
-    """Member functions overloaded on the address space of `*this` (`S() threadgroup`,
-    `float get() const device`): clang has no such qualifier outside OpenCL C++, and every
-    address space converts to the generic one here, so one variant per signature is kept
-    (thread first) with the qualifier removed, and the others are dropped."""
+    """Member functions overloaded on the address space of `*this` (`float get() const device`).
+
+    clang has no address-space qualifier on member functions outside OpenCL C++, so each
+    variant becomes an ordinary member under its own name (`__msim_device_get`), and a
+    forwarding member with a C++23 explicit object parameter in that address space
+    (`get(this const device S& self, args...)`) takes its place in overload resolution: a call
+    resolves on the address space of the object as in MSL (a member with no qualifier is the
+    `thread` variant). Constructors, templates, declarations without a body and out-of-class
+    definitions keep one variant per signature (thread first) with the qualifier removed."""
     n = len(toks)
     enclosing, stack = [0] * n, [-1]
     for k, t in enumerate(toks):
@@ -573,7 +613,7 @@ def _merge_addrspace_methods(toks, ed, text):
             stack.append(k)
         elif t.kind == "p" and t.text == "}" and len(stack) > 1:
             stack.pop()
-    groups = {}
+    groups, members = {}, {}
     for k, t in enumerate(toks):
         if t.kind != "p" or t.text != ")":
             continue
@@ -583,7 +623,9 @@ def _merge_addrspace_methods(toks, ed, text):
                 space = j
             quals.append(toks[j].text)
             j += 1
-        if space is None or j >= n or toks[j].text not in ("{", ";", ":", "=", "->"):
+        if j >= n or toks[j].text not in ("{", ";", ":", "=", "->"):
+            continue
+        if space is None and (toks[j].text not in ("{", "->") or enclosing[k] < 0):
             continue
         try:
             po = next(m for m in range(k, -1, -1) if toks[m].text == "(" and _match(toks, m, "(", ")") == k)
@@ -599,8 +641,35 @@ def _merge_addrspace_methods(toks, ed, text):
         end = _member_end(toks, j)
         if end is None:
             continue
-        key = (enclosing[k], text[toks[start].start:toks[k].end], "const" in quals)
-        groups.setdefault(key, []).append((toks[space].text, start, end, space))
+        name = _member_name(toks, start, po) if po >= 1 else None
+        cls = _class_name(toks, enclosing[k]) if enclosing[k] >= 0 else None
+        if name is None or cls is None:
+            if space is not None:
+                groups.setdefault((enclosing[k], text[toks[start].start:toks[k].end], "const" in quals),
+                                  []).append((toks[space].text, start, end, space))
+            continue
+        kind, ns = name
+        key = text[toks[ns].start:toks[po].start].strip() if kind != "id" else toks[ns].text
+        v = dict(space=toks[space].text if space is not None else "thread", space_tok=space, start=start, end=end,
+                 po=po, close=k, name_kind=kind, name_tok=ns, quals=[q for q in quals if q not in ADDRSPACES],
+                 cls=cls, body=toks[j].text in ("{", "->"),
+                 template=any(toks[m].text == "template" for m in range(start, po)),
+                 ctor=kind == "id" and key in (cls, "~"))
+        members.setdefault((enclosing[k], key), []).append(v)
+    for (_, key), vs in members.items():
+        if not any(v["space_tok"] is not None and v["space"] != "thread" for v in vs):
+            vs = [v for v in vs if v["space_tok"] is not None]
+            for v in vs:
+                ed.replace(toks[v["space_tok"]].start, toks[v["space_tok"]].end, " " * len(v["space"]))
+            continue
+        if any(v["ctor"] or v["template"] or not v["body"] for v in vs):
+            for v in vs:
+                if v["space_tok"] is not None:
+                    sig = text[toks[v["start"]].start:toks[v["close"]].end]
+                    groups.setdefault((enclosing[v["close"]], sig, "const" in v["quals"]), []).append(
+                        (v["space"], v["start"], v["end"], v["space_tok"]))
+            continue
+        _split_addrspace_variants(toks, ed, text, key, vs)
     for variants in groups.values():
         variants.sort(key=lambda v: _AS_PREFERENCE[v[0]])
         for rank, (_, start, end, space) in enumerate(variants):
@@ -609,6 +678,65 @@ def _merge_addrspace_methods(toks, ed, text):
             else:
                 seg = text[toks[start].start:toks[end].end]
                 ed.replace_span(toks[start].start, toks[end].end, re.sub(r"[^\n]", " ", seg))
+
+
+def _split_addrspace_variants(toks, ed, text, key, vs):
+    """Rename each variant of member `key` to `__msim_<space>_<stem>` and add one forwarding
+    member per (address space, cv, kind of call) with an explicit object parameter."""
+    stem = key if vs[0]["name_kind"] == "id" else "op_" + "".join(
+        c if c.isalnum() else f"{ord(c):x}" for c in key.replace("operator", "", 1).replace(" ", ""))
+    made = set()
+    for v in vs:
+        new = f"__msim_{v['space']}_{stem}"
+        nt, po = v["name_tok"], v["po"]
+        specs = [m for m in range(v["start"], nt) if toks[m].text in ("explicit", "constexpr", "static")]
+        for m in specs:
+            if toks[m].text == "explicit":
+                ed.replace(toks[m].start, toks[m].end, " " * 8)
+        if v["name_kind"] == "conv":
+            conv = text[toks[nt + 1].start:toks[po - 1].end]
+            ed.replace(toks[nt].start, toks[po - 1].end, f"{conv} {new}")
+        else:
+            ed.replace(toks[nt].start, toks[po - 1].end, new)
+        if v["space_tok"] is not None:
+            ed.replace(toks[v["space_tok"]].start, toks[v["space_tok"]].end, " " * len(v["space"]))
+        # a return type in an address space: generic in the renamed variant, cast back by the forwarder
+        ret = [m for m in range(v["start"], nt) if toks[m].kind == "id" and toks[m].text not in _SPECIFIERS]
+        ret_as = [m for m in ret if toks[m].text in ADDRSPACES]
+        for m in ret_as:
+            ed.replace(toks[m].start, toks[m].end, " " * len(toks[m].text))
+        rtype = text[toks[ret[0]].start:toks[nt - 1].end] if ret_as else None
+        nparams = len(_split_top(toks, po + 1, v["close"]))
+        cv = " ".join(v["quals"])
+        space = "" if v["space"] == "thread" else v["space"]
+        self_t = f"this {cv} {space} {v['cls']}& __msim_self".replace("  ", " ")
+        lead = ("constexpr " if any(toks[m].text == "constexpr" for m in specs) else "") + \
+            ("explicit " if any(toks[m].text == "explicit" for m in specs) else "")
+        res = rtype or "decltype(auto)"
+
+        def wrap(call, rtype=rtype):
+            return f"__msim_as_result<{rtype}>({call})" if rtype else call
+
+        if v["name_kind"] == "conv":
+            sig = (v["space"], cv, "conv", key)
+            fwd = (f"{lead}__attribute__((always_inline)) {key}({self_t}) {{ return __msim_self.{new}(); }}")
+        elif v["name_kind"] == "id" or key.replace(" ", "") in ("operator()", "operator[]"):
+            sig = (v["space"], cv, "call")
+            fwd = (f"template <class... __msim_A> {lead}__attribute__((always_inline)) {res} "
+                   f"{key}({self_t}, __msim_A&&... __msim_a) "
+                   f"{{ return {wrap(f'__msim_self.{new}(static_cast<__msim_A&&>(__msim_a)...)')}; }}")
+        elif nparams == 0:
+            sig = (v["space"], cv, "unary")
+            fwd = (f"{lead}__attribute__((always_inline)) {res} {key}({self_t}) "
+                   f"{{ return {wrap(f'__msim_self.{new}()')}; }}")
+        else:
+            sig = (v["space"], cv, "binary")
+            fwd = (f"template <class __msim_A> {lead}__attribute__((always_inline)) {res} "
+                   f"{key}({self_t}, __msim_A&& __msim_a) "
+                   f"{{ return {wrap(f'__msim_self.{new}(static_cast<__msim_A&&>(__msim_a))')}; }}")
+        if sig not in made:
+            made.add(sig)
+            ed.insert(toks[v["end"]].end, " " + fwd)
 
 
 def _decay_array_params(toks, ed):

@@ -9,6 +9,9 @@ Two mechanisms, each used where it can tell exactly:
   -Wimplicit-int-float-conversion warnings, and those whose destination is bfloat in user
   code become errors (MSL: bfloat converts implicitly only to a type of greater rank).
   Implicit float -> half stays legal, as in MSL.
+* a bfloat declared with a float constant as initialiser (`bfloat b = 0.5f;`) or a float
+  constant returned from a function returning bfloat (`return 0.5f;`), on the same tokens:
+  clang does not warn for constants bfloat represents exactly.
 * keywords of C++ that MSL removes (`goto`, `virtual`, `new`, `delete` expressions,
   `double`, `try`, `catch`, `throw`): checked on the tokens of the preprocessed user source. They are keywords, so a
   token match is exact (no identifier can be spelled like them).
@@ -71,7 +74,8 @@ def check_tokens(pre: str) -> None:
     from ._build import CompileError
 
     toks = _staging.tokenize(pre)
-    bad = []
+    bad = [f"{_location(pre, toks[i].start)}: error: {BFLOAT_CONSTANT}"
+           for i in sorted(set(_bfloat_constant_inits(toks)) | set(_bfloat_constant_returns(toks)))]
     for i, t in enumerate(toks):
         if t.kind != "id" or t.text not in KEYWORD_RULES:
             continue
@@ -83,6 +87,94 @@ def check_tokens(pre: str) -> None:
         bad.append(f"{_location(pre, t.start)}: error: {KEYWORD_RULES[t.text]}")
     if bad:
         raise CompileError("metalsim strictness: Apple's compiler rejects this:\n" + "\n".join(bad[:20]))
+
+
+BFLOAT_CONSTANT = ("implicit conversion of a float constant to bfloat: Metal converts float to bfloat only "
+                   "explicitly (write bfloat(...) or static_cast<bfloat>(...))")
+_FLOAT_LITERAL = re.compile(r"(?i)(?:\d+\.\d*|\.\d+|\d+(?=e))(?:e[+-]?\d+)?f?|\d+f|0x[0-9a-f.]*p[+-]?\d+f?")
+_DECL_BEFORE = {";", "{", "}", "(", ",", "const", "constexpr", "static", "thread", "volatile"}
+
+
+def _bfloat_constant_inits(toks):
+    """Token indices of `bfloat name = <float literal>` (`;`, `,` or `)` after it): a
+    copy-initialisation of a bfloat from a float constant. clang's conversion warnings skip
+    constants that bfloat represents exactly, so this exact form is matched on tokens; other
+    float constants converted implicitly to bfloat (`b = 0.5f;` to a declared variable,
+    `f(0.5f)`) pass."""
+    n = len(toks)
+    for i in range(n - 3):
+        if toks[i].text != "bfloat" or (i and toks[i - 1].text not in _DECL_BEFORE and toks[i - 1].kind != "pp"):
+            continue
+        if toks[i + 1].kind != "id" or toks[i + 2].text != "=":
+            continue
+        k = i + 3
+        if toks[k].text in ("-", "+") and k + 1 < n:
+            k += 1
+        if toks[k].kind == "num" and _FLOAT_LITERAL.fullmatch(toks[k].text) and k + 1 < n \
+                and toks[k + 1].text in (";", ",", ")"):
+            yield k
+
+
+def _is_float_constant(toks, k):
+    """toks[k:] starts with a float literal, optionally signed, then `;`: its index, else None."""
+    if k < len(toks) and toks[k].text in ("-", "+"):
+        k += 1
+    if k + 1 < len(toks) and toks[k].kind == "num" and _FLOAT_LITERAL.fullmatch(toks[k].text) \
+            and toks[k + 1].text == ";":
+        return k
+    return None
+
+
+def _bfloat_constant_returns(toks):
+    """Token indices of `return <float literal>;` in the body of a function whose return type is
+    `bfloat` (`bfloat f(...) {`): the returned float converts implicitly to bfloat. Braces of a
+    class or lambda inside the body are skipped (their returns are not the function's)."""
+    n = len(toks)
+    for i in range(n - 3):
+        if toks[i].text != "bfloat" or toks[i + 1].kind != "id" or toks[i + 2].text != "(":
+            continue
+        if i and toks[i - 1].text in ("::", ".", "->", "<", ",", "(") or toks[i - 1].text == "operator":
+            continue
+        try:
+            j = _staging._match(toks, i + 2, "(", ")") + 1
+        except _staging.StageError:
+            continue
+        while j < n and toks[j].text in ("const", "noexcept") + _staging.ADDRSPACES:
+            j += 1
+        if j >= n or toks[j].text != "{":
+            continue
+        end = _staging._match(toks, j, "{", "}")
+        k = j + 1
+        while k < end:
+            t = toks[k].text
+            if t == "{" and _foreign_brace(toks, k):
+                k = _staging._match(toks, k, "{", "}") + 1
+                continue
+            if t == "return":
+                lit = _is_float_constant(toks, k + 1)
+                if lit is not None:
+                    yield lit
+            k += 1
+
+
+def _foreign_brace(toks, k):
+    """The `{` at toks[k] opens a class body or a lambda body (not a block of the function)."""
+    prev = toks[k - 1].text
+    if prev == "]":
+        return True
+    if prev == ")":
+        try:
+            o = next(m for m in range(k - 1, -1, -1)
+                     if toks[m].text == "(" and _staging._match(toks, m, "(", ")") == k - 1)
+        except (StopIteration, _staging.StageError):
+            return False
+        return o > 0 and toks[o - 1].text == "]"
+    m = k - 1
+    while m > 0 and toks[m].text not in (";", "{", "}"):
+        if toks[m].text in ("struct", "class", "union", "->"):
+            return True
+        m -= 1
+    return False
 
 
 _LINEMARK = re.compile(r'^#\s*(\d+)\s+"([^"]*)"', re.M)

@@ -91,3 +91,14 @@ template <class T, int I> MSIM_INLINE bool is_function_constant_defined(const __
 template <class A> MSIM_INLINE threadgroup A &__msim_tg(int id, const char *name) {
   return *(threadgroup A *)msim_tg_var(id, sizeof(A), alignof(A), name);
 }
+
+// The result of a member function variant for an address space of `*this` whose return type
+// names an address space (`device T& operator[](int) device`): the variant's body sees a
+// generic `this` (see _staging._split_addrspace_variants), so its generic result is cast back
+// to the declared type
+template <class R, class G> MSIM_INLINE R __msim_as_result(G &&g) {
+  if constexpr (std::is_reference_v<R>)
+    return static_cast<R>(*(std::remove_reference_t<R> *)&g);
+  else
+    return (R)g;
+}
