@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="use the second independent audit list (tests/mutation/fresh2_mutants.py)")
     ap.add_argument("-k", action="append", default=[], help="run mutants whose name contains this (repeatable)")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant's tests (default 900)")
+    ap.add_argument("--timeout", type=float, default=900,
+                    help="CPU seconds per mutant's tests, descendants included (default 900; the wall-clock cap is "
+                         "8 times that)")
     ap.add_argument("--list", action="store_true", help="list the selected mutants and exit")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies (paths on stderr)")
     args = ap.parse_args(argv)
