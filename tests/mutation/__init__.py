@@ -189,7 +189,11 @@ def _classify(mutant: Mutant, returncode: int | None, limit: str, out: str, star
     if p.returncode == 0:
         return Result(mutant, "survived", seconds=time.monotonic() - start)
     if p.returncode == 1:
-        broken = _BROKEN.search(out)
+        # only what the tests raised ("E   NameError: ..."), not an expected exception a test names
+        # ("Failed: DID NOT RAISE <class '...CompileError'>")
+        raised = "\n".join(line for line in out.splitlines()
+                           if line.startswith("E ") and "DID NOT RAISE" not in line)
+        broken = _BROKEN.search(raised)
         if broken:  # the patch made code that does not build or run at all: not a kill
             return Result(mutant, "error", detail=f"the mutant does not compile or import ({broken.group(1)}):\n"
                           + out[-3000:], seconds=time.monotonic() - start)
