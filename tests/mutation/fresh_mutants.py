@@ -130,7 +130,7 @@ MUTANTS: list[Mutant] = [
            "self.scales, self.biases, self.bits, self.group_size, True)",
            "self.scales, self.biases, self.group_size, self.bits, True)", NN,
            "QuantLinear.forward passes bits and group_size swapped"),
-    Mutant("f-nn-state-precheck-dropped", "torch_qmm/nn.py",
+    Mutant("f-nn-state-precheck-dropped", "torch_qmm/format_state.py",
            '            self._check_format_state(state_dict[key], f"{type(self).__name__} {key!r}")',
            "            pass", NN,
            "a state_dict of another format is refused only after torch copied its buffers: the layer is "
