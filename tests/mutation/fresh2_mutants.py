@@ -21,7 +21,7 @@ CLI = _files("tests/test_cli_convert.py", "tests/test_interop_cli.py", "tests/te
 TOKENIZER = _files("tests/test_interop_gguf_llama.py", "tests/test_interop_mlx_lm.py", "tests/test_cli_convert.py",
                    "tests/test_interop_cli.py")
 QUANT = _files("tests/test_quantizers.py", "tests/test_quantize.py", "tests/test_regressions.py")
-REFERENCE = _files("tests/test_quantize.py", "tests/test_qmm.py", "tests/test_routes_cpu.py", "tests/test_cpu_*.py",
+REFERENCE = _files("tests/test_tolerance.py", "tests/test_quantize.py", "tests/test_qmm.py", "tests/test_routes_cpu.py", "tests/test_cpu_*.py",
                    "tests/test_interop_mlx.py")
 METALSIM = _files("tests/metalsim/test_metalsim_*.py")
 BENCH = _files("tests/test_bench.py")
