@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from torch_qmm.__main__ import main
@@ -28,6 +29,24 @@ def test_bench_writes_json_with_finite_peer_ratios(tmp_path):
         assert r["times_ms"]["torch_qmm"] > 0 and math.isfinite(r["gbps"])
         assert {"linear_float32", "linear_bfloat16", "linear_float16"} <= set(r["speedup_vs"])
         assert all(math.isfinite(v) and v > 0 for v in r["speedup_vs"].values())
+        # > 1: torch_qmm is faster (peer time / ours); the JSON rounds times to 1e-4 ms, ratios to 1e-3
+        for peer, ratio in r["speedup_vs"].items():
+            want = r["times_ms"][peer] / r["times_ms"]["torch_qmm"]
+            assert math.isclose(ratio, want, rel_tol=0.02, abs_tol=1e-3), (peer, ratio, want)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 1.0])
+def test_bench_refuses_to_time_a_kernel_whose_output_is_wrong(monkeypatch, bad):
+    """The output check before timing: NaN (which compares false with any bound), Inf and an
+    offset output all stop the config."""
+    from torch_qmm.bench import kernels
+
+    real = kernels.quantized_matmul
+    monkeypatch.setattr(kernels, "quantized_matmul",
+                        lambda *a, **kw: real(*a, **kw) + bad if bad == 1.0 else torch.full_like(real(*a, **kw), bad))
+    with pytest.raises(AssertionError, match="torch_qmm output differs from the reference"):
+        kernels.run_config(kernels.Config(64, 256, 1, 4, "float32"), repeats=1, cache_bytes=0,
+                           peer_filter=lambda p: False)
 
 
 def test_bench_float32_precision_is_set_for_the_run_and_recorded(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from torch_qmm.__main__ import main
@@ -125,6 +126,62 @@ def test_symlinks_in_the_source_are_followed_only_inside_it(hf_folder, tmp_path,
     assert (tmp_path / "out" / "notes.txt").read_text() == '{"tok": 1}'
 
 
+def test_a_link_into_a_sibling_folder_whose_name_extends_the_source_is_refused(hf_folder, tmp_path, capsys):
+    """hf-private/ is not inside hf/, though its path starts with hf's: compared by path parts."""
+    import shutil
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_folder, src)
+    (tmp_path / "hf-private").mkdir()
+    secret = tmp_path / "hf-private" / "secret.txt"
+    secret.write_text("private")
+    (src / "notes.txt").symlink_to(secret)
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 1
+    assert "outside the source folder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_empty_destination_is_used_without_overwrite(hf_folder, tmp_path, capsys):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    assert main(["convert", str(hf_folder), str(dst)]) == 0
+    assert (dst / "config.json").is_file() and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_error_while_writing_removes_the_partial_output(tmp_path, existing):
+    """The conversion's own failures (after the destination checks) go through staged_output."""
+    from torch_qmm.interop.output_folder import staged_output
+
+    dst = tmp_path / "a" / "b" / "out"
+    if existing:
+        dst.mkdir(parents=True)
+        (dst / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError, match="failed half way"):
+        with staged_output(dst) as partial:
+            (partial / "model.safetensors").write_bytes(b"half")
+            (partial / "sub").mkdir()
+            raise RuntimeError("failed half way")
+    if existing:
+        assert _tree(tmp_path) == {"a/b/out/old.txt": b"old"}
+        assert [p.name for p in dst.parent.iterdir()] == ["out"]
+    else:
+        assert list(tmp_path.iterdir()) == []  # the parents this run created are gone too
+
+
+def test_saving_keeps_files_that_only_start_like_weight_files(tmp_path):
+    """Stale weight files of an earlier save are removed; the user's look-alikes are not."""
+    from torch_qmm.interop.safetensors_io import save_sharded
+
+    mine = ["model.safetensors.bak", "model-00001-of-00002.safetensors.orig", "model.safetensors.index.json.old",
+            "model.safetensorsx"]
+    for name in mine:
+        (tmp_path / name).write_text("mine")
+    (tmp_path / "model-00001-of-00002.safetensors").write_text("stale shard")
+    save_sharded({"w": torch.zeros(4)}, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(mine + ["model.safetensors"])
+
+
 def test_a_hugging_face_cache_snapshot_converts_with_its_links_into_blobs(hf_folder, tmp_path, capsys):
     """<repo>/snapshots/<rev>/* are links into <repo>/blobs: followed, and copied as files."""
     repo = tmp_path / "models--org--tiny"
@@ -198,6 +255,46 @@ def test_gguf_to_transformers_reports_why_the_embedding_is_float(gguf_path, tmp_
     assert report["model.embed_tokens"] == (
         "decoded Q4_0 -> float float32 (as gguf decodes it; the transformers format keeps the embedding and the "
         "output head float; --format mlx keeps them quantized)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_q4_k_layers_are_reported_lossless_only_when_biases_survive_the_dtype_too(dtype):
+    """Blocks whose scales d*sc are exact in the dtype (d = 1, sc = 1) but whose biases -dmin*m are
+    not (dmin = 1 + 2^-10 has 11 significant bits, m = 63): the layer is not lossless."""
+    from torch_qmm.interop.cli_convert import _q4_k_affine
+
+    block = np.zeros(144, dtype=np.uint8)
+    block[0:2] = np.array([1.0], dtype="<f2").view(np.uint8)  # d
+    block[2:4] = np.array([1 + 2**-10], dtype="<f2").view(np.uint8)  # dmin
+    block[4:8] = 0x01  # sc of sub-blocks 0-3
+    block[8:12] = 0x3F  # m of sub-blocks 0-3
+    block[12:16] = 0xF1  # sc (low nibble) and m (high nibble) of sub-blocks 4-7
+    block[16:] = np.arange(128, dtype=np.uint8)
+    blocks = torch.from_numpy(np.tile(block, (2, 1)))
+    _, scales, biases, exact = _q4_k_affine(blocks, 2, 256, dtype, "layer")
+    assert torch.equal(scales.float(), torch.ones(2, 8))
+    assert biases.float()[0, 0] != -(1 + 2**-10) * 63  # rounded: the premise of the test
+    assert exact is False
+    assert _q4_k_affine(blocks, 2, 256, torch.float32, "layer")[3] is True
+
+
+def test_gguf_to_transformers_of_a_tied_model_keeps_the_head_tied_to_the_file_embedding(tmp_path, capsys):
+    import transformers
+
+    import torch_qmm.interop.transformers  # noqa: F401  (registers the quantizer for from_pretrained)
+    from torch_qmm.interop.gguf import GGUFFile, dequantize
+
+    path = tmp_path / "tied.gguf"
+    write_llama_gguf(hf_model(tied=True), path, {"proj": T.Q8_0, "embed": T.Q8_0}, np.random.default_rng(1))
+    out = tmp_path / "hf"
+    assert main(["convert", str(path), str(out), "--requantize", "all", "--bits", "8", "--group-size", "32"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    embedding = dequantize(GGUFFile(path).tensors["token_embd.weight"])  # gguf's decoder, float32
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    assert torch.equal(model.lm_head.weight, embedding)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    hidden = model.model(ids).last_hidden_state
+    torch.testing.assert_close(model(ids).logits, hidden @ embedding.T)
 
 
 @pytest.mark.parametrize("argv, message", [

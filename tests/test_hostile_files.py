@@ -404,6 +404,17 @@ def test_index_shard_outside_the_folder_is_refused(mlx_folder, tmp_path):
         load_mlx(_fresh_model(mlx_folder), folder)
 
 
+def test_index_listing_a_tensor_in_another_shard_than_it_is_stored_in_is_refused(mlx_folder, tmp_path):
+    folder = _copy(mlx_folder, tmp_path / "m")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(k for k, v in index["weight_map"].items() if v == shards[0])
+    index["weight_map"][name] = shards[1]  # the tensor is stored in shards[0]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"tensor '{name}' is listed in {shards[1]} but not stored there"):
+        load_mlx(_fresh_model(mlx_folder), folder)
+
+
 @pytest.mark.parametrize("text, message", [
     ("{", "config.json: not valid JSON"),
     ("[" * 100_000 + "]" * 100_000, "config.json: JSON nested too deeply"),

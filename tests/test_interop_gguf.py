@@ -118,6 +118,15 @@ def test_truncated_gguf_is_a_clear_error(gguf_file, tmp_path):
             GGUFFile(tmp_path / "cut.gguf")
 
 
+def test_a_tensor_name_of_63_bytes_is_read(tmp_path):
+    # llama.cpp's GGML_MAX_NAME is 64 bytes with the terminating zero: 63-byte names are valid.
+    name = "blk.0." + "n" * 50 + ".weight"
+    assert len(name.encode()) == 63
+    w = (np.arange(64, dtype=np.float32) / 7).reshape(2, 32)
+    write_gguf(tmp_path / "long.gguf", {name: (w, None)})
+    assert torch.equal(dequantize(GGUFFile(tmp_path / "long.gguf").tensors[name]), torch.from_numpy(w))
+
+
 def test_not_a_gguf_file(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(ValueError, match=r"not a GGUF file \(starts with b'PK\\x03\\x04'"):

@@ -148,3 +148,13 @@ def test_non_llama_architecture_is_an_error(tmp_path):
     write_gguf(tmp_path / "g.gguf", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)}, arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2' is not in the llama family"):
         llama_config_from_gguf(GGUFFile(tmp_path / "g.gguf"))
+
+
+@pytest.mark.parametrize("key", ["block_count", "attention.head_count", "embedding_length"])
+def test_a_bool_where_an_integer_belongs_is_an_error(tmp_path, key):
+    # GGUF has a BOOL type; True is an int in Python but no layer or head count.
+    write_gguf(tmp_path / "b.gguf", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)},
+               metadata={f"llama.{key}": True})
+    with pytest.raises(ValueError, match=rf"metadata 'llama\.{key.replace('.', '[.]')}' must be a positive integer, "
+                                         r"got True"):
+        llama_config_from_gguf(GGUFFile(tmp_path / "b.gguf"))

@@ -438,6 +438,26 @@ def test_gguf_special_tokens_reach_both_folders_and_mlx_lm(gguf_model, gguf_mlx,
     assert (hf_tokenizer.unk_token, hf_tokenizer.eos_token) == (tokens[unk], tokens[eos])
 
 
+def test_gguf_tokenizer_ignores_another_model_s_tokenizer_next_to_the_file(tmp_path, reference_tokenizer):
+    """A GGUF downloaded into a folder that holds another model's tokenizer.json: the files written
+    are the GGUF's tokenizer (transformers reads a tokenizer.json from the folder it is given)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from torch_qmm.interop.gguf_tokenizer import save_gguf_tokenizer
+
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    (downloads / "model.gguf").symlink_to(smollm2_gguf())
+    Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(downloads / "tokenizer.json"))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert "tokenizer.json" in save_gguf_tokenizer(downloads / "model.gguf", out)
+    written = transformers.AutoTokenizer.from_pretrained(out)
+    assert len(written) == len(reference_tokenizer)
+    assert written(PROMPT).input_ids == reference_tokenizer(PROMPT).input_ids
+
+
 def _add_llama_tensors(writer, vocab: int, hidden: int = 32, ffn: int = 64) -> None:
     """The tensors of a one-block llama whose shapes agree with the metadata of _config_gguf
     (llama_config_from_gguf checks the metadata against them)."""

@@ -105,6 +105,23 @@ def test_mse_weight_error_is_below_rtn(bits, dtype):
     assert e_mse < 0.9 * e_rtn, (e_mse, e_rtn)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_mse_scale_and_bias_are_the_least_squares_fit_of_its_codes(bits):
+    """After the alternating steps each group's (scale, bias) is the least-squares fit of w ~ s q + b
+    for the codes it returns (float64 lstsq as the independent solver): the error it reaches is the
+    fit's, up to float32 storage of s and b, and groups still moving when the steps end."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 256)
+    q, s, b = mse.search(w, bits, 64, torch.float32)
+    g, codes = w.double().reshape(32, -1, 64), q.double().reshape(32, -1, 64)
+    a = torch.stack([codes, torch.ones_like(codes)], -1)
+    fit = torch.linalg.lstsq(a, g.unsqueeze(-1)).solution
+    err_fit = ((a @ fit).squeeze(-1) - g).pow(2).sum(-1)
+    err = (codes * s.double().unsqueeze(-1) + b.double().unsqueeze(-1) - g).pow(2).sum(-1)
+    ratio = err / err_fit
+    assert ratio.median() < 1 + 1e-4 and ratio.max() < 1.05, (ratio.median(), ratio.max())
+
+
 @pytest.mark.parametrize("bits", [3, 4])
 def test_gptq_output_error_is_below_rtn(bits):
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))

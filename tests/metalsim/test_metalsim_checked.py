@@ -26,6 +26,22 @@ kernel void scale_write(device const float* x [[buffer(0)]], device float* y [[b
   y[i] = 2.0f * x[min(i, n - 1)];
 }
 
+// an access that starts inside the buffer and ends past it: a uint read at byte 4 of a 6-byte buffer (bug)
+kernel void straddle_read(device const uint* x [[buffer(0)]], device uint* y [[buffer(1)]],
+                          constant uint& fixed [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  y[i] = (fixed && i == 1) ? 0u : x[i];
+}
+
+// the same in threadgroup memory: a uint read at byte 4 of a 6-byte array (bug) / a ushort (fixed)
+kernel void tg_straddle(device uint* y [[buffer(0)]], constant uint& fixed [[buffer(1)]],
+                        uint i [[thread_index_in_threadgroup]]) {
+  threadgroup uchar buf[6];
+  if (i < 6) buf[i] = uchar(i);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup const uchar* p = buf + 4;
+  y[i] = fixed ? uint(*(threadgroup const ushort*)p) : *(threadgroup const uint*)p;
+}
+
 // uninitialised threadgroup read: thread i reads slot i+1, which only 63 threads write (bug)
 kernel void tg_uninit(device float* y [[buffer(0)]], constant uint& fixed [[buffer(1)]],
                       uint i [[thread_index_in_threadgroup]]) {
@@ -122,6 +138,9 @@ def _run(lib, name, fixed, check=True):
         y = np.zeros(N, np.float32)
         return lib.dispatch(name, buffers={0: x, 1: y}, bytes={2: u(N), 3: u(fixed)}, threadgroups=4,
                             threads_per_threadgroup=32, check=check)
+    if name == "straddle_read":
+        return lib.dispatch(name, buffers={0: np.zeros(6, np.uint8), 1: np.zeros(2, np.uint32)}, bytes={2: u(fixed)},
+                            threadgroups=1, threads_per_threadgroup=2, check=check)
     if name in ("shuffle_inactive", "partial_mma"):
         a = np.ones(64, np.float32)
         return lib.dispatch(name, buffers={0: a, 1: y if name == "shuffle_inactive" else np.zeros(64, np.float32)},
@@ -133,6 +152,9 @@ def _run(lib, name, fixed, check=True):
 FAULTS = [
     ("shift_read", [r"out-of-bounds device read", r"buffer\(0\)", r"byte offset 400", r"thread_position_in_grid=\(99,0,0\)"]),
     ("scale_write", [r"out-of-bounds device write", r"buffer\(1\)", r"byte offset 400", r"thread_position_in_grid=\(100,0,0\)"]),
+    ("straddle_read", [r"out-of-bounds device read of 4 bytes", r"buffer\(0\) byte offset 4 ", r"so 6 valid bytes",
+                       r"thread_position_in_grid=\(1,0,0\)"]),
+    ("tg_straddle", [r"out-of-bounds threadgroup read of 4 bytes", r"in/after 'buf'"]),
     ("tg_uninit", [r"uninitialised threadgroup memory 'buf' byte 256", r"thread_index_in_threadgroup=63"]),
     ("tg_race", [r"threadgroup memory race on 'buf' byte 0", r"thread_index_in_threadgroup=31 .*reads it after "
                  r"thread_index_in_threadgroup=0 wrote it", r"no threadgroup_barrier"]),

@@ -4,6 +4,7 @@ checkout, runs the tests meant to catch it, and reports which were killed and by
     python -m tests.mutation                 # the fast mutants (Metal, Python): no C++ rebuild
     python -m tests.mutation --cpp           # the C++ ones too (each rebuilds its scratch copy)
     python -m tests.mutation -k mma -j 2     # a selection, two at a time
+    python -m tests.mutation --fresh2        # the second audit list (tests/mutation/fresh2_mutants.py)
 
 A scratch copy holds the tracked files of the checkout (git ls-files) plus its built extension
 (torch_qmm/_C*.so), so the real checkout is never touched. The C++ mutants share one scratch copy
@@ -14,6 +15,12 @@ make the test run the call in a subprocess); an error when the patch no longer a
 or not unique) or pytest could not run, which the harness reports as a failure too, so the list
 cannot go stale silently. The killing tests are output assertions (numeric, bitwise, route, error
 message or metalsim's checked mode), never timing or traffic bounds.
+
+The time limit per mutant is a CPU-time budget (the pytest process and all its descendants, from
+/proc), not a wall-clock one: on a shared machine the wall time of the same tests grows with the
+load while their CPU time does not, so a limit in CPU seconds holds under load. A wall-clock cap
+of WALL_FACTOR times the budget still stops tests that hang without using the CPU. Where /proc is
+missing the budget is applied to wall time.
 """
 
 from __future__ import annotations
@@ -60,8 +67,9 @@ class Result:
     status: str  # killed | survived | crashed | error
     killed_by: str = ""
     how: str = ""  # the exception the killing test raised (AssertionError, ValueError, KernelFault, ...)
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall clock, the scratch copy included
     detail: str = ""
+    cpu_seconds: float | None = None  # of the tests (pytest and its descendants; None without /proc)
 
 
 def _tracked_files(root: Path) -> list[str]:
@@ -101,18 +109,92 @@ _BROKEN = re.compile(r"\b(NameError|SyntaxError|IndentationError|ImportError|Mod
                      r"StageError|UnsupportedIR)\b")
 
 
+# The wall-clock cap is this many times the CPU budget (for tests that hang without using the CPU).
+WALL_FACTOR = 8
+_PROC = Path("/proc")
+
+
+def _cpu_seconds(root_pid: int) -> float | None:
+    """CPU seconds used so far by process root_pid and its descendants: user + system time of the
+    live ones plus what their finished children used (the c* fields). None without /proc."""
+    if not (_PROC / "self" / "stat").is_file():
+        return None
+    parent, ticks = {}, {}
+    for d in _PROC.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        # after the command: state, ppid, ... utime stime cutime cstime are fields 14-17 of stat(5)
+        parent[int(d.name)] = int(fields[1])
+        ticks[int(d.name)] = sum(int(f) for f in fields[11:15])
+    total, todo, seen = 0, [root_pid], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in ticks:
+            continue
+        seen.add(pid)
+        total += ticks[pid]
+        todo.extend(c for c, pp in parent.items() if pp == pid)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _run_limited(cmd: list[str], tree: Path, env: dict, budget: float) -> tuple[int | None, str, str, float | None]:
+    """Runs cmd; (exit status, or None when it used more than `budget` CPU seconds or ran past
+    WALL_FACTOR * budget wall seconds; the limit's description; output; CPU seconds used)."""
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        t0 = time.monotonic()
+        limit, cpu, status = "", None, None
+        while status is None:
+            for _ in range(10):  # reaped here (wait4), so that its own resource usage is known
+                pid, wstatus, usage = os.wait4(p.pid, os.WNOHANG)
+                if pid:
+                    status = os.waitstatus_to_exitcode(wstatus)
+                    cpu = usage.ru_utime + usage.ru_stime
+                    p.returncode = status  # Popen must not wait for it again
+                    break
+                time.sleep(0.5)
+            if status is not None:
+                break
+            cpu = _cpu_seconds(p.pid)
+            wall = time.monotonic() - t0
+            if cpu is not None and cpu > budget:
+                limit = f"used more than {budget:.0f} CPU seconds ({wall:.0f} s wall)"
+            elif wall > (budget if cpu is None else WALL_FACTOR * budget):
+                limit = f"did not finish in {wall:.0f} s wall" + ("" if cpu is None else f" ({cpu:.0f} CPU s)")
+            if limit:
+                os.killpg(p.pid, 9)  # its own session: pytest and what it started
+                p.wait()
+                break
+        out.seek(0)
+        return (None if limit else status), limit, out.read(), cpu
+
+
 def _pytest(mutant: Mutant, tree: Path, env: dict, timeout: float, start: float) -> Result:
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly",
            *mutant.tests]
-    try:
-        p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return Result(mutant, "error", detail=f"tests did not finish in {timeout:.0f} s", seconds=time.monotonic() - start)
-    out = p.stdout + p.stderr
+    returncode, limit, out, cpu = _run_limited(cmd, tree, env, timeout)
+    r = _classify(mutant, returncode, limit, out, start)
+    r.cpu_seconds = cpu
+    return r
+
+
+def _classify(mutant: Mutant, returncode: int | None, limit: str, out: str, start: float) -> Result:
+    if returncode is None:
+        return Result(mutant, "error", detail=f"the tests {limit}", seconds=time.monotonic() - start)
+    p = subprocess.CompletedProcess([], returncode)
     if p.returncode == 0:
         return Result(mutant, "survived", seconds=time.monotonic() - start)
     if p.returncode == 1:
-        broken = _BROKEN.search(out)
+        # only what the tests raised ("E   NameError: ..."), not an expected exception a test names
+        # ("Failed: DID NOT RAISE <class '...CompileError'>")
+        raised = "\n".join(line for line in out.splitlines()
+                           if line.startswith("E ") and "DID NOT RAISE" not in line)
+        broken = _BROKEN.search(raised)
         if broken:  # the patch made code that does not build or run at all: not a kill
             return Result(mutant, "error", detail=f"the mutant does not compile or import ({broken.group(1)}):\n"
                           + out[-3000:], seconds=time.monotonic() - start)
@@ -219,10 +301,11 @@ def run(mutants: list[Mutant], jobs: int = 1, root: Path = ROOT, timeout: float 
 
 
 def table(results: list[Result]) -> str:
-    rows = ["| mutant | area | file | result | killed by | raised | s |", "|---|---|---|---|---|---|---|"]
+    rows = ["| mutant | area | file | result | killed by | raised | s | CPU s |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
+        cpu = "" if r.cpu_seconds is None else f"{r.cpu_seconds:.0f}"
         rows.append(f"| {r.mutant.name} | {r.mutant.area} | {r.mutant.file} | {r.status} | {r.killed_by} | {r.how} "
-                    f"| {r.seconds:.0f} |")
+                    f"| {r.seconds:.0f} | {cpu} |")
     killed = sum(r.status == "killed" for r in results)
     rows.append(f"\n{killed} of {len(results)} killed")
     return "\n".join(rows)

@@ -1,4 +1,4 @@
-"""python -m tests.mutation [--cpp | --only-cpp] [--fresh] [-k SUBSTRING] [-j JOBS] [--list] [--keep]
+"""python -m tests.mutation [--cpp | --only-cpp] [--fresh | --fresh2] [-k SUBSTRING] [-j JOBS] [--list] [--keep]
 
 Exit status 0 only when every selected mutant is killed (see tests/mutation/__init__.py)."""
 
@@ -17,16 +17,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only-cpp", action="store_true", help="run only the C++ mutants")
     ap.add_argument("--fresh", action="store_true",
                     help="use the independent audit list (tests/mutation/fresh_mutants.py) instead of the curated one")
+    ap.add_argument("--fresh2", action="store_true",
+                    help="use the second independent audit list (tests/mutation/fresh2_mutants.py)")
     ap.add_argument("-k", action="append", default=[], help="run mutants whose name contains this (repeatable)")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant's tests (default 900)")
+    ap.add_argument("--timeout", type=float, default=900,
+                    help="CPU seconds per mutant's tests, descendants included (default 900; the wall-clock cap is "
+                         "8 times that)")
     ap.add_argument("--list", action="store_true", help="list the selected mutants and exit")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies (paths on stderr)")
     args = ap.parse_args(argv)
 
     mutants = MUTANTS
+    if args.fresh and args.fresh2:
+        ap.error("give one of --fresh and --fresh2")
     if args.fresh:
         from .fresh_mutants import MUTANTS as mutants
+    if args.fresh2:
+        from .fresh2_mutants import MUTANTS as mutants
     chosen = [m for m in mutants if (m.area == "cpp") == args.only_cpp or (args.cpp and m.area == "cpp")]
     if args.k:
         chosen = [m for m in chosen if any(s in m.name for s in args.k)]

@@ -25,8 +25,9 @@ PLAN = _files("tests/test_metal_plan.py", "tests/test_routes_metal.py", "tests/t
               "tests/test_metal_gguf.py")
 VALIDATE = _files("tests/test_errors.py", "tests/test_hardening_ops.py", "tests/test_fakes.py",
                   "tests/test_hostile_files.py", "tests/test_gguf_qmm.py", "tests/test_qmm.py")
-CPU = _files("tests/test_qmm.py", "tests/test_quantize.py", "tests/test_cpu_*.py", "tests/test_gguf_qmm.py",
-             "tests/test_routes_cpu.py", "tests/test_errors.py")
+# (order only sets how soon -x stops: the faster files first)
+CPU = _files("tests/test_quantize.py", "tests/test_hardening_ops.py", "tests/test_errors.py", "tests/test_qmm.py",
+             "tests/test_gguf_qmm.py", "tests/test_cpu_*.py", "tests/test_routes_cpu.py")
 OPS = _files("tests/test_regressions.py", "tests/test_qmm.py", "tests/test_nn.py", "tests/test_compile.py", "tests/test_errors.py",
              "tests/test_hardening_ops.py", "tests/test_fakes.py")
 NN = _files("tests/test_nn.py", "tests/test_regressions.py", "tests/test_hardening_ops.py", "tests/test_interop_transformers.py")
