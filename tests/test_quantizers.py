@@ -363,6 +363,27 @@ def test_statistics_are_held_one_block_at_a_time(monkeypatch):
         assert all(len(b) <= 1 for _, b in seen), method
 
 
+def test_block_inputs_past_the_memory_budget_go_to_disk_and_give_the_same_result(monkeypatch, tmp_path):
+    import tempfile
+
+    torch_qmm.quantize_model(model := _llama(), bits=3, group_size=32, method="gptq", calibration=CALIB)
+    in_memory = {n: b.clone() for n, b in model.named_buffers()}
+    monkeypatch.setattr(cal, "IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spilled = []
+    original = cal.BlockInputs.append
+
+    def tracking_append(self, x):
+        original(self, x)
+        spilled.append(self.on_disk == len(self))
+
+    monkeypatch.setattr(cal.BlockInputs, "append", tracking_append)
+    torch_qmm.quantize_model(model := _llama(), bits=3, group_size=32, method="gptq", calibration=CALIB)
+    assert spilled and all(spilled), "with no memory budget every block input is kept on disk"
+    assert all(torch.equal(b, in_memory[n]) for n, b in model.named_buffers())
+    assert list(tmp_path.iterdir()) == [], "the temporary folders are removed"
+
+
 # ---- per-layer bits ---------------------------------------------------------------------------------
 
 def test_bits_mapping_sets_each_layer():
