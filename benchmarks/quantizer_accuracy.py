@@ -182,7 +182,7 @@ def one(args) -> dict:
         t0 = time.perf_counter()
         summary = torch_qmm.quantize_model(
             model, bits=bits, group_size=args.one_group, method=method_of(args.one_method), calibration=calib,
-            filter_fn=lambda name, _: name != "lm_head", progress=False)
+            filter_fn=lambda name, _: name != "lm_head", progress=True)  # per-layer bar on stderr
         row["quantize_s"] = round(time.perf_counter() - t0, 2)
         row["quantize_peak_rss_mib"] = round(_status_mib("VmHWM"), 1)
         row["quantize_extra_mib"] = round(row["quantize_peak_rss_mib"] - row["rss_before_quantize_mib"], 1)
