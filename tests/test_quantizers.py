@@ -17,7 +17,7 @@ import torch
 import torch_qmm
 from torch_qmm import reference
 from torch_qmm.nn import QuantLinear
-from torch_qmm.quantizers import GPTQ, MixedBits, awq, calibration as cal, gptq, mse
+from torch_qmm.quantizers import AWQ, GPTQ, MixedBits, awq, calibration as cal, generate_calibration, gptq, mse
 from torch_qmm.quantizers.affine import decode, output_error, rtn, weight_error
 
 mx = pytest.importorskip("mlx.core", reason="mlx is a test dependency: pip install -e '.[test]'")
@@ -85,6 +85,7 @@ def test_every_method_writes_a_triple_mlx_decodes_identically(bits, group_size, 
         "mse-weighted": mse.quantize(w, bits, group_size, dtype, importance=torch.diagonal(h)),
         "gptq": gptq.quantize(w, h, bits, group_size, dtype),
         "gptq-act-order": gptq.quantize(w, h, bits, group_size, dtype, act_order=True),
+        "gptq-clip": gptq.quantize(w, h, bits, group_size, dtype, act_order=True, clip=True),
     }
     for name, (wq, s, b) in triples.items():
         assert torch.isfinite(s.float()).all() and torch.isfinite(b.float()).all(), name
@@ -122,6 +123,22 @@ def test_mse_scale_and_bias_are_the_least_squares_fit_of_its_codes(bits):
     assert ratio.median() < 1 + 1e-4 and ratio.max() < 1.05, (ratio.median(), ratio.max())
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_gptq_with_clipped_groups_output_error_is_below_rtn_and_minmax_gptq(bits):
+    # Heavy-tailed weights: the min/max range wastes levels on a few large weights per group.
+    w = _heavy_tailed(64, 256, seed=20 + bits)
+    x = _correlated_inputs(1024, 256, seed=21)
+    h = x.T @ x
+    e_rtn = output_error(w, decode(*rtn(w, bits, 64, torch.float32), 64), h)
+    for act_order in (False, True):
+        minmax = gptq.search(w, h, bits, 64, gptq.rtn_params(bits, 64, torch.float32), act_order=act_order)
+        clipped = gptq.search(w, h, bits, 64, gptq.mse_params(bits, 64, torch.float32, torch.diagonal(h)),
+                              act_order=act_order)
+        e_minmax = output_error(w, decode(*minmax, 64), h)
+        e_clip = output_error(w, decode(*clipped, 64), h)
+        assert e_clip < 0.8 * e_rtn and e_clip < e_minmax, (act_order, e_clip, e_minmax, e_rtn)
+
+
 @pytest.mark.parametrize("bits", [3, 4])
 def test_gptq_output_error_is_below_rtn(bits):
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
@@ -149,7 +166,7 @@ def test_awq_scales_lower_the_output_error_with_outlier_channels():
 # ---- gptq against a float64 reference ---------------------------------------------------------------
 
 def _minmax_params(bits):
-    def params(wg):  # [rows, k*gs] -> per-group min/max affine params; here one group per call
+    def params(wg, _first):  # [rows, k*gs] -> per-group min/max affine params; here one group per call
         lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
         return (hi - lo) / (2**bits - 1), lo
     return params
@@ -228,7 +245,10 @@ CALIB = [torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(i
 NOT_HEAD = staticmethod(lambda name, _: name != "lm_head")
 
 
-@pytest.mark.parametrize("method", ["mse", "awq", "gptq", GPTQ(act_order=True)])
+AWQ_GPTQ = AWQ(gptq=GPTQ(act_order=True, clip=True))
+
+
+@pytest.mark.parametrize("method", ["mse", "awq", "gptq", GPTQ(act_order=True), AWQ_GPTQ])
 def test_quantize_model_methods_write_mlx_triples(method):
     model = _llama()
     ids = CALIB[0]
@@ -246,14 +266,47 @@ def test_quantize_model_methods_write_mlx_triples(method):
     assert float((out - ref).pow(2).mean()) < 0.1 * float(ref.pow(2).mean())
 
 
-def test_calibrated_methods_are_deterministic():
+@pytest.mark.parametrize("method", ["gptq", AWQ_GPTQ])
+def test_calibrated_methods_are_deterministic(method):
     results = []
     for _ in range(2):
         model = _llama()
-        torch_qmm.quantize_model(model, bits=3, group_size=32, method="gptq", calibration=CALIB)
+        torch_qmm.quantize_model(model, bits=3, group_size=32, method=method, calibration=CALIB)
         results.append({n: b.clone() for n, b in model.named_buffers()})
     assert results[0].keys() == results[1].keys()
     assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
+
+
+# ---- calibration sampled from the model -------------------------------------------------------------
+
+def test_generated_calibration_is_reproducible_and_follows_the_model():
+    model = _llama()
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = generate_calibration(model, samples=3, seq_len=12, seed=5, batch=2)
+    assert torch.equal(torch.rand(1), before), "the global RNG was moved"
+    b = generate_calibration(model, samples=3, seq_len=12, seed=5, batch=2)
+    c = generate_calibration(model, samples=3, seq_len=12, seed=6, batch=2)
+    assert len(a) == 3 and all(t.shape == (1, 12) and t.dtype == torch.int64 for t in a)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+    assert [int(t[0, 0]) for t in generate_calibration(model, samples=3, seq_len=4, start=[7, 9])] == [7, 9, 7]
+    # Samples of the model, not uniform noise: a model whose next token is always 3 gives only 3s.
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[3] = 1.0  # logit 128 for token 3, 0 for the others
+    model.model.norm.register_forward_hook(lambda _m, _a, out: torch.ones_like(out))
+    ids = generate_calibration(model, samples=2, seq_len=10, seed=0)
+    assert all(bool((t[0, 1:] == 3).all()) for t in ids), ids
+    # The result is calibration data quantize_model accepts.
+    torch_qmm.quantize_model(_llama(), bits=4, group_size=32, method="gptq", calibration=a)
+    with pytest.raises(ValueError, match="argument 'seq_len' must be at least 2"):
+        generate_calibration(model, samples=1, seq_len=1)
+    with pytest.raises(ValueError, match="argument 'samples' must be a positive int"):
+        generate_calibration(model, samples=0)
+    with pytest.raises(TypeError, match="must be a causal LM with a generate method"):
+        generate_calibration(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
@@ -288,13 +341,13 @@ def test_awq_and_gptq_beat_rtn_on_the_calibration_outputs():
     with torch.no_grad():
         ref = torch.cat([model(ids).logits for ids in CALIB], 1)
     errs = {}
-    for method in ("rtn", "awq", "gptq"):
+    for name, method in (("rtn", "rtn"), ("awq", "awq"), ("gptq", "gptq"), ("awq-gptq", AWQ_GPTQ)):
         m = copy.deepcopy(model)
         torch_qmm.quantize_model(m, bits=3, group_size=32, method=method,
                                  calibration=None if method == "rtn" else CALIB, filter_fn=NOT_HEAD)
         with torch.no_grad():
-            errs[method] = float((torch.cat([m(ids).logits for ids in CALIB], 1) - ref).pow(2).mean())
-    assert errs["awq"] < errs["rtn"] and errs["gptq"] < errs["rtn"], errs
+            errs[name] = float((torch.cat([m(ids).logits for ids in CALIB], 1) - ref).pow(2).mean())
+    assert all(errs[n] < errs["rtn"] for n in ("awq", "gptq", "awq-gptq")), errs
 
 
 def test_statistics_are_held_one_block_at_a_time(monkeypatch):
@@ -317,7 +370,7 @@ def test_statistics_are_held_one_block_at_a_time(monkeypatch):
         store(self, name, layer, result, write_back)
 
     monkeypatch.setattr(torch_qmm.quantizers.Plan, "store", checking_store)
-    for method in ("gptq", "awq"):
+    for method in ("gptq", "awq", AWQ_GPTQ):
         seen.clear()
         torch_qmm.quantize_model(copy.deepcopy(model), bits=4, group_size=32, method=method, calibration=CALIB)
         assert len(seen) == 15
@@ -325,6 +378,27 @@ def test_statistics_are_held_one_block_at_a_time(monkeypatch):
         bound = 3 * 128 * 128 + 256 * 256
         assert max(h for h, _ in seen) <= bound, method
         assert all(len(b) <= 1 for _, b in seen), method
+
+
+def test_block_inputs_past_the_memory_budget_go_to_disk_and_give_the_same_result(monkeypatch, tmp_path):
+    import tempfile
+
+    torch_qmm.quantize_model(model := _llama(), bits=3, group_size=32, method="gptq", calibration=CALIB)
+    in_memory = {n: b.clone() for n, b in model.named_buffers()}
+    monkeypatch.setattr(cal, "IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spilled = []
+    original = cal.BlockInputs.append
+
+    def tracking_append(self, x):
+        original(self, x)
+        spilled.append(self.on_disk == len(self))
+
+    monkeypatch.setattr(cal.BlockInputs, "append", tracking_append)
+    torch_qmm.quantize_model(model := _llama(), bits=3, group_size=32, method="gptq", calibration=CALIB)
+    assert spilled and all(spilled), "with no memory budget every block input is kept on disk"
+    assert all(torch.equal(b, in_memory[n]) for n, b in model.named_buffers())
+    assert list(tmp_path.iterdir()) == [], "the temporary folders are removed"
 
 
 # ---- per-layer bits ---------------------------------------------------------------------------------
@@ -386,6 +460,8 @@ def test_bad_arguments_are_clear_errors():
         torch_qmm.quantize_model(model, method="gptq", calibration=[])
     with pytest.raises(ValueError, match="argument 'damp' must be in"):
         GPTQ(damp=0)
+    with pytest.raises(TypeError, match="argument 'gptq' must be a GPTQ or None"):
+        AWQ(gptq="yes")
     with pytest.raises(ValueError, match="argument 'group_size' must be one of"):
         torch_qmm.quantize_model(model, bits={"*": 4}, group_size=48)
     # Nothing was converted by the failed calls.

@@ -5,7 +5,8 @@
     torch_qmm.quantize_model(model, bits=MixedBits(4.5, low=4, high=6), method="mse")
 """
 
+from .generated import generate_calibration
 from .mixed import MixedBits
-from .plan import CALIBRATED, DATA_FREE, GPTQ, METHODS, Plan, prepare
+from .plan import AWQ, CALIBRATED, DATA_FREE, GPTQ, METHODS, Plan, prepare
 
-__all__ = ["CALIBRATED", "DATA_FREE", "GPTQ", "METHODS", "MixedBits", "Plan", "prepare"]
+__all__ = ["AWQ", "CALIBRATED", "DATA_FREE", "GPTQ", "METHODS", "MixedBits", "Plan", "generate_calibration", "prepare"]

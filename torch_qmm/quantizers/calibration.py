@@ -5,19 +5,29 @@ The inputs of the first block (the largest nn.ModuleList of the model, e.g. a de
 are captured once by running the model up to it; afterwards every block is run on the outputs of
 the previous, already quantized, block (the sequential scheme of GPTQ), so each layer's statistics
 see the quantization error of everything before it. Only the statistics of the layers being
-quantized are held at a time.
+quantized are held at a time (sums such as X^T X, never the activations inside a block), and the
+hidden states passed from block to block are held in memory up to IN_MEMORY_BYTES per block
+boundary, beyond that in a temporary folder (one file per sample, read back one at a time), so
+that the calibration's memory does not grow with the number of calibration tokens.
 """
 
 from __future__ import annotations
 
 import inspect
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 Sample = dict[str, Any]
+
+# Block inputs (hidden states and the block's other arguments) held in memory per block boundary;
+# the samples past it are kept on disk.
+IN_MEMORY_BYTES = 256 * 2**20
 
 
 def samples(calibration: Iterable) -> list[Sample]:
@@ -77,6 +87,63 @@ class BlockInput:
         return BlockInput((), {**self.kwargs, "hidden_states": h})
 
 
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(o) for o in obj.values())
+    return 0
+
+
+class BlockInputs:
+    """The block inputs of every calibration sample, in order: in memory while they fit in
+    `budget` bytes, the rest saved in a temporary folder and loaded back one at a time while
+    iterating. close() (or the end of the walk) removes the folder."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = IN_MEMORY_BYTES if budget is None else budget
+        self._items: list[BlockInput | Path] = []
+        self._bytes = 0
+        self._dir: Path | None = None
+
+    def append(self, x: BlockInput) -> None:
+        size = _tensor_bytes((x.args, x.kwargs))
+        if self._bytes + size <= self.budget:
+            self._items.append(x)
+            self._bytes += size
+            return
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="torch_qmm_calibration_"))
+        path = self._dir / f"{len(self._items)}.pt"
+        torch.save((x.args, x.kwargs), path)
+        self._items.append(path)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        for item in self._items:
+            if isinstance(item, Path):
+                # Our own files, in a folder only this user can read (mkdtemp), of any argument type.
+                args, kwargs = torch.load(item, weights_only=False)
+                yield BlockInput(tuple(args), dict(kwargs))
+            else:
+                yield item
+
+    @property
+    def on_disk(self) -> int:
+        return sum(isinstance(i, Path) for i in self._items)
+
+    def close(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        self._items.clear()
+        self._bytes = 0
+
+
 def _no_cache(model: nn.Module, kwargs: Sample) -> Sample:
     params = inspect.signature(model.forward).parameters
     if "use_cache" in params and "use_cache" not in kwargs:
@@ -85,9 +152,9 @@ def _no_cache(model: nn.Module, kwargs: Sample) -> Sample:
 
 
 @torch.no_grad()
-def capture_block_inputs(model: nn.Module, first_block: nn.Module, data: list[Sample]) -> list[BlockInput]:
+def capture_block_inputs(model: nn.Module, first_block: nn.Module, data: list[Sample]) -> BlockInputs:
     """Runs the model on each sample until `first_block` and returns what it was called with."""
-    captured: list[BlockInput] = []
+    captured = BlockInputs()
 
     def hook(_module, args, kwargs):
         captured.append(BlockInput(tuple(args), dict(kwargs)))
@@ -101,18 +168,25 @@ def capture_block_inputs(model: nn.Module, first_block: nn.Module, data: list[Sa
             except _Stop:
                 continue
             raise ValueError(f"argument 'calibration': sample {i} ran through the model without reaching its blocks")
+    except BaseException:
+        captured.close()
+        raise
     finally:
         handle.remove()
     return captured
 
 
 @torch.no_grad()
-def run_block(block: nn.Module, inputs: list[BlockInput]) -> list[BlockInput]:
+def run_block(block: nn.Module, inputs: BlockInputs) -> BlockInputs:
     """The block's outputs as the next block's inputs."""
-    out = []
-    for x in inputs:
-        y = block(*x.args, **x.kwargs)
-        out.append(x.with_hidden(y[0] if isinstance(y, (tuple, list)) else y))
+    out = BlockInputs(inputs.budget)
+    try:
+        for x in inputs:
+            y = block(*x.args, **x.kwargs)
+            out.append(x.with_hidden(y[0] if isinstance(y, (tuple, list)) else y))
+    except BaseException:
+        out.close()
+        raise
     return out
 
 
@@ -194,7 +268,7 @@ class InputStats:
 
 
 @torch.no_grad()
-def collect(block: nn.Module, inputs: list[BlockInput], layers: dict[str, nn.Linear], hessian: bool = True,
+def collect(block: nn.Module, inputs: BlockInputs, layers: dict[str, nn.Linear], hessian: bool = True,
             producers: dict[str, nn.Module] | None = None) -> InputStats:
     """Runs the block on every input with statistics hooks on `layers` (and output tracking on
     `producers`)."""
@@ -232,18 +306,22 @@ def walk(model: nn.Module, layers: dict[str, nn.Linear], data: list[Sample], on_
     if found is not None:
         list_name, blocks = found
         inputs = capture_block_inputs(model, blocks[0], data)
-        for i, block in enumerate(blocks):
-            prefix = f"{list_name}.{i}." if list_name else f"{i}."
-            later = tuple(f"{list_name}.{j}." if list_name else f"{j}." for j in range(i, len(blocks)))
-            mine = {n: m for n, m in remaining.items() if n.startswith(prefix)}
-            if mine:
-                on_block(block, prefix, inputs, mine)
-                for n in mine:
-                    del remaining[n]
-            if not any(n.startswith(later) for n in remaining):
-                break
-            inputs = run_block(block, inputs)
-        del inputs
+        try:
+            for i, block in enumerate(blocks):
+                prefix = f"{list_name}.{i}." if list_name else f"{i}."
+                later = tuple(f"{list_name}.{j}." if list_name else f"{j}." for j in range(i, len(blocks)))
+                mine = {n: m for n, m in remaining.items() if n.startswith(prefix)}
+                if mine:
+                    on_block(block, prefix, inputs, mine)
+                    for n in mine:
+                        del remaining[n]
+                if not any(n.startswith(later) for n in remaining):
+                    break
+                outputs = run_block(block, inputs)
+                inputs.close()
+                inputs = outputs
+        finally:
+            inputs.close()
     if remaining:
         on_rest(remaining)
 

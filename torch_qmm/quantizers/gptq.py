@@ -7,7 +7,8 @@ Cholesky factor of H^-1 gives every column's update (GPTQ's formulation), proces
 columns with a lazy update of the rest.
 
 Affine groups: each group's scale and bias are chosen (by MLX's min/max rule, as GPTQ's own
-quantizer does, on the group's current, error-updated weights) when its first column is reached. With activation order (columns by
+quantizer does, or with `clip` by the mse search weighted by each input's energy H_ii) on the
+group's current, error-updated weights when its first column is reached. With activation order (columns by
 decreasing H_ii) the groups are still MLX's contiguous groups of the original order: their scale
 and bias are chosen up front from the original weights ("static groups"), the columns are visited
 in the permuted order, and the codes are written back in the original order, so the stored format
@@ -26,21 +27,25 @@ from .affine import codes, pack, rtn
 # Columns per lazy-update block (a multiple of every supported group size).
 BLOCK = 128
 
-GroupParams = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (columns W[:, first:first + k*group_size], first) -> (scale, bias) [rows, k] as stored.
+GroupParams = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def rtn_params(bits: int, group_size: int, dtype: torch.dtype) -> GroupParams:
-    """Group parameters by MLX's rule (torch_qmm.quantize): W [rows, k*group_size] -> (scale, bias)."""
-    def params(w: torch.Tensor):
+    """Group parameters by MLX's rule (torch_qmm.quantize, the min/max range)."""
+    def params(w: torch.Tensor, _first: int):
         _, s, b = rtn(w.float(), bits, group_size, dtype)
         return s.to(w.dtype), b.to(w.dtype)
     return params
 
 
-def mse_params(bits: int, group_size: int, dtype: torch.dtype) -> GroupParams:
-    """Group parameters by the mse search: W [rows, k*group_size] -> (scale, bias) [rows, k] as stored."""
-    def params(w: torch.Tensor):
-        _, s, b = mse.search(w, bits, group_size, dtype)
+def mse_params(bits: int, group_size: int, dtype: torch.dtype,
+               importance: torch.Tensor | None = None) -> GroupParams:
+    """Group parameters by the mse search (clipped range, least squares), weighted per column by
+    `importance` [cols] (e.g. H's diagonal: each input's energy) when given."""
+    def params(w: torch.Tensor, first: int):
+        c = None if importance is None else importance[first:first + w.shape[1]]
+        _, s, b = mse.search(w, bits, group_size, dtype, c)
         return s.to(w.dtype), b.to(w.dtype)
     return params
 
@@ -69,7 +74,7 @@ def search(
     bias = torch.zeros(rows, n_groups, dtype=ct)
     if act_order:
         perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
-        s0, b0 = group_params(W)
+        s0, b0 = group_params(W, 0)
         scale.copy_(s0)
         bias.copy_(b0)
         W = W[:, perm]
@@ -89,7 +94,7 @@ def search(
             col = int(perm[i1 + i])
             grp = col // group_size
             if not act_order and col % group_size == 0:
-                s_new, b_new = group_params(W1[:, i:i + group_size])
+                s_new, b_new = group_params(W1[:, i:i + group_size], col)
                 scale[:, grp] = s_new[:, 0]
                 bias[:, grp] = b_new[:, 0]
             s, b = scale[:, grp:grp + 1], bias[:, grp:grp + 1]
@@ -106,7 +111,11 @@ def search(
 
 
 def quantize(w, hessian, bits: int, group_size: int, dtype: torch.dtype, damp: float = 0.01,
-             act_order: bool = False):
-    """The packed affine triple (wq, scales, biases) in dtype."""
-    q, s, b = search(w, hessian.float(), bits, group_size, rtn_params(bits, group_size, dtype), damp, act_order)
+             act_order: bool = False, clip: bool = False):
+    """The packed affine triple (wq, scales, biases) in dtype. clip: group parameters by the
+    H-diagonal-weighted mse search instead of the min/max range."""
+    h = hessian.float()
+    params = (mse_params(bits, group_size, dtype, torch.diagonal(h)) if clip
+              else rtn_params(bits, group_size, dtype))
+    q, s, b = search(w, h, bits, group_size, params, damp, act_order)
     return pack(q, s, b, bits, dtype)

@@ -30,14 +30,30 @@ METHODS = DATA_FREE + CALIBRATED
 @dataclass(frozen=True)
 class GPTQ:
     """gptq options: damp, the fraction of the mean Hessian diagonal added to it; act_order, visit
-    columns by decreasing activation energy (the stored format is the same either way)."""
+    columns by decreasing activation energy (the stored format is the same either way); clip,
+    choose each group's scale and bias by the mse search weighted by the inputs' energy instead of
+    the min/max range."""
 
     damp: float = 0.01
     act_order: bool = False
+    clip: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.damp, (int, float)) and 0 < self.damp < 1):
             raise ValueError(f"argument 'damp' must be in (0, 1), got {self.damp!r}")
+
+
+@dataclass(frozen=True)
+class AWQ:
+    """awq options: gptq, GPTQ options to quantize each scaled layer with GPTQ's error feedback
+    (on the Hessian of its scaled inputs) instead of the activation-weighted mse search; None
+    (default) for the mse search."""
+
+    gptq: GPTQ | None = None
+
+    def __post_init__(self):
+        if self.gptq is not None and not isinstance(self.gptq, GPTQ):
+            raise TypeError(f"argument 'gptq' must be a GPTQ or None, got {type(self.gptq).__name__}")
 
 
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -89,12 +105,16 @@ class Plan:
             layer.weight.copy_(dequantize(*result, group_size=self.group_size, bits=self.bits[name]).to(layer.weight.dtype))
 
 
-def _method(method) -> tuple[str, GPTQ]:
+def _method(method) -> tuple[str, GPTQ | AWQ | None]:
+    """(name, options): options are GPTQ for gptq, AWQ for awq, None for the data-free methods."""
     if isinstance(method, GPTQ):
         return "gptq", method
+    if isinstance(method, AWQ):
+        return "awq", method
     if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"argument 'method' must be one of {METHODS} (or torch_qmm.quantizers.GPTQ(...)), got {method!r}")
-    return method, GPTQ()
+        raise ValueError(f"argument 'method' must be one of {METHODS} (or torch_qmm.quantizers.GPTQ(...) / "
+                         f"AWQ(...)), got {method!r}")
+    return method, {"gptq": GPTQ(), "awq": AWQ()}.get(method)
 
 
 def _bits(bits, group_size: int, layers: dict[str, nn.Linear]) -> dict[str, int] | mixed.MixedBits:
@@ -139,7 +159,7 @@ def prepare(model: nn.Module, layers: list[tuple[str, nn.Linear]], bits, group_s
             if method == "gptq":
                 _gptq_pass(model, unique, data, plan, options, bar)
             else:
-                _awq_pass(model, unique, data, plan, bar)
+                _awq_pass(model, unique, data, plan, options, bar)
     return plan
 
 
@@ -151,7 +171,7 @@ def _gptq_pass(model, layers, data, plan: Plan, options: GPTQ, bar) -> None:
             layer = mine[n]
             h = stats.of(n)[0]
             plan.store(n, layer, gptq.quantize(layer.weight, h, plan.bits[n], gs, plan.dtype_of(layer),
-                                               options.damp, options.act_order), write_back)
+                                               options.damp, options.act_order, options.clip), write_back)
             bar.update(1)
 
     def on_block(block, _prefix, inputs, mine) -> None:
@@ -169,15 +189,22 @@ def _gptq_pass(model, layers, data, plan: Plan, options: GPTQ, bar) -> None:
     cal.walk(model, layers, data, on_block, on_rest)
 
 
-def _awq_pass(model, layers, data, plan: Plan, bar) -> None:
+def _awq_pass(model, layers, data, plan: Plan, options: AWQ, bar) -> None:
     gs = plan.group_size
+    g = options.gptq
 
     def quantize(members, mine, h, s, write_back: bool = True) -> None:
-        importance = torch.diagonal(h) / (s * s)
+        # The layers' columns are scaled by s and their inputs divided by it: H of the scaled inputs.
+        inv = 1 / s
+        h_scaled = h * inv.unsqueeze(1) * inv.unsqueeze(0)
         for n in members:
             layer = mine[n]
-            plan.store(n, layer, mse.quantize(layer.weight, plan.bits[n], gs, plan.dtype_of(layer), importance),
-                       write_back)
+            bits, dtype = plan.bits[n], plan.dtype_of(layer)
+            if g is None:
+                result = mse.quantize(layer.weight, bits, gs, dtype, torch.diagonal(h_scaled))
+            else:
+                result = gptq.quantize(layer.weight, h_scaled, bits, gs, dtype, g.damp, g.act_order, g.clip)
+            plan.store(n, layer, result, write_back)
             bar.update(1)
 
     def on_block(block, prefix, inputs, mine) -> None:
