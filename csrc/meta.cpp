@@ -1,16 +1,16 @@
 // Meta kernels of the torch_qmm ops: output shapes and dtypes without computing anything, for
 // meta tensors, FakeTensor and torch.compile (which calls them with symbolic shapes). Each runs
 // the same argument checks as the real kernels (validate.h, gguf_validate.h), so a shape-only run
-// raises exactly the errors a real call would; only the data-dependent check (non-finite weights
-// in affine_quantize) is left to the real kernels.
+// raises exactly the errors a real call would; only the data-dependent checks (non-finite weights
+// in quantize) are left to the real kernels. The affine_* aliases (csrc/ops.cpp) need none.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <tuple>
+#include <optional>
+#include <string_view>
 #include <vector>
 
-#include "format.h"
 #include "gguf_validate.h"
 #include "validate.h"
 
@@ -24,24 +24,32 @@ std::vector<c10::SymInt> with_last(const at::Tensor& t, const c10::SymInt& n) {
   return shape;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> affine_quantize_meta(const at::Tensor& w, int64_t bits,
-                                                                   int64_t group_size) {
-  const auto [rows, K] = check_quantize_sym(w, bits, group_size);
+std::vector<at::Tensor> quantize_meta(const at::Tensor& w, std::string_view mode, int64_t bits, int64_t group_size) {
+  const FormatSpec& f = check_mode("quantize", mode);
+  const auto [rows, K] = check_quantize_sym(f, w, bits, group_size);
   (void)rows;
   const auto groups = with_last(w, K / group_size);
-  return {at::empty_symint(with_last(w, K * bits / 32), w.options().dtype(at::kUInt32)),
-          at::empty_symint(groups, w.options()), at::empty_symint(groups, w.options())};
+  const auto scale_options = f.scale == ScaleKind::kFloat ? w.options() : w.options().dtype(at::kByte);
+  std::vector<at::Tensor> out{at::empty_symint(with_last(w, K * bits / 32), w.options().dtype(at::kUInt32)),
+                              at::empty_symint(groups, scale_options)};
+  if (f.has_biases) out.push_back(at::empty_symint(groups, w.options()));
+  return out;
 }
 
-at::Tensor affine_dequantize_meta(const at::Tensor& wq, const at::Tensor& scales, const at::Tensor& biases,
-                                  int64_t bits, int64_t group_size) {
-  const SymPackedShape s = check_packed_sym("affine_dequantize", wq, scales, biases, bits, group_size);
-  return at::empty_symint({s.rows, s.cols}, scales.options());
+at::Tensor dequantize_meta(const at::Tensor& wq, const at::Tensor& scales, const std::optional<at::Tensor>& biases,
+                           std::string_view mode, int64_t bits, int64_t group_size, std::optional<at::ScalarType> dtype) {
+  const char* op = "dequantize";
+  const FormatSpec& f = check_mode(op, mode);
+  const SymPackedShape s = check_packed_sym(op, f, wq, scales, biases, bits, group_size);
+  const at::ScalarType out_dtype = check_dequantize_dtype(op, f, scales, dtype);
+  return at::empty_symint({s.rows, s.cols}, scales.options().dtype(out_dtype));
 }
 
-at::Tensor affine_qmm_meta(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                           const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
-  const auto [N, K] = check_qmm_sym(x, wq, scales, biases, bits, group_size, transpose);
+at::Tensor qmm_meta(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits, int64_t group_size,
+                    bool transpose) {
+  const FormatSpec& f = check_mode("qmm", mode);
+  const auto [N, K] = check_qmm_sym(x, wq, scales, biases, f, bits, group_size, transpose);
   (void)K;
   return at::empty_symint(with_last(x, N), x.options());
 }
@@ -54,9 +62,9 @@ at::Tensor gguf_qmm_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_qmm, Meta, m) {
-  m.impl("affine_quantize", &affine_quantize_meta);
-  m.impl("affine_dequantize", &affine_dequantize_meta);
-  m.impl("affine_qmm", &affine_qmm_meta);
+  m.impl("quantize", &quantize_meta);
+  m.impl("dequantize", &dequantize_meta);
+  m.impl("qmm", &qmm_meta);
   m.impl("gguf_qmm", &gguf_qmm_meta);
 }
 

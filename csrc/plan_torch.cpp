@@ -35,23 +35,39 @@ plan::DType plan_dtype(at::ScalarType t) {
   }
 }
 
+namespace {
+// The format of `mode`, which the Metal planner must serve (affine only so far).
+const FormatSpec& metal_format(const char* op, std::string_view mode) {
+  const FormatSpec& f = check_mode(op, mode);
+  TORCH_CHECK_VALUE(f.mode == Mode::kAffine, op, ": mode '", f.name, "' has no Metal kernels yet (supported: 'affine')");
+  return f;
+}
+}  // namespace
+
 plan::Problem qmm_problem(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                          const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
-  const auto [N, K] = check_qmm(x, wq, scales, biases, bits, group_size, transpose);
+                          const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits,
+                          int64_t group_size, bool transpose) {
+  const FormatSpec& f = check_mode("qmm", mode);
+  const auto [N, K] = check_qmm(x, wq, scales, biases, f, bits, group_size, transpose);
+  metal_format("qmm", mode);
   int64_t M = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
   return {plan::Op::kQmm, M, N, K, int(bits), int(group_size), plan_dtype(x.scalar_type()), transpose};
 }
 
-plan::Problem dequantize_problem(const at::Tensor& wq, const at::Tensor& scales, const at::Tensor& biases,
-                                 int64_t bits, int64_t group_size) {
-  const PackedShape s = check_packed("affine_dequantize", wq, scales, biases, bits, group_size);
+plan::Problem dequantize_problem(const at::Tensor& wq, const at::Tensor& scales, const std::optional<at::Tensor>& biases,
+                                 std::string_view mode, int64_t bits, int64_t group_size) {
+  const FormatSpec& f = check_mode("dequantize", mode);
+  const PackedShape s = check_packed("dequantize", f, wq, scales, biases, bits, group_size);
+  metal_format("dequantize", mode);
   return {plan::Op::kDequantize, 0, s.rows, s.cols, int(bits), int(group_size), plan_dtype(scales.scalar_type()),
           true};
 }
 
-plan::Problem quantize_problem(const at::Tensor& w, int64_t bits, int64_t group_size) {
-  const auto [N, K] = check_quantize(w, bits, group_size);
+plan::Problem quantize_problem(const at::Tensor& w, std::string_view mode, int64_t bits, int64_t group_size) {
+  const FormatSpec& f = check_mode("quantize", mode);
+  const auto [N, K] = check_quantize(f, w, bits, group_size);
+  metal_format("quantize", mode);
   // A kernel cannot raise: the data-dependent checks run here, before any launch (synchronizes).
   // Every group's range max - min in float32 is finite iff w is finite and no range overflows.
   if (w.numel() != 0) {
@@ -85,7 +101,7 @@ plan::Op parse_op(const std::string& op) {
 
 std::string plan_op(const std::string& op, int64_t M, int64_t N, int64_t K, int64_t bits, int64_t group_size,
                     at::ScalarType dtype, bool transpose) {
-  check_bits_and_group_size("_plan", bits, group_size);
+  check_bits_and_group_size("_plan", format_spec(Mode::kAffine), bits, group_size);
   TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0, "_plan: M, N, K must be >= 0, got ", M, ", ", N, ", ", K);
   const plan::Problem p{parse_op(op), M, N, K, int(bits), int(group_size), plan_dtype(dtype), transpose};
   try {
@@ -100,9 +116,10 @@ std::string plan_for_op(const std::string& op, const std::vector<at::Tensor>& ar
   const plan::Op o = parse_op(op);
   const size_t want = o == plan::Op::kQmm ? 4 : o == plan::Op::kDequantize ? 3 : 1;
   TORCH_CHECK_VALUE(args.size() == want, "_plan_for: op '", op, "' takes ", want, " tensors, got ", args.size());
-  plan::Problem p = o == plan::Op::kQmm ? qmm_problem(args[0], args[1], args[2], args[3], bits, group_size, transpose)
-                    : o == plan::Op::kDequantize ? dequantize_problem(args[0], args[1], args[2], bits, group_size)
-                                                 : quantize_problem(args[0], bits, group_size);
+  plan::Problem p = o == plan::Op::kQmm
+                        ? qmm_problem(args[0], args[1], args[2], args[3], "affine", bits, group_size, transpose)
+                    : o == plan::Op::kDequantize ? dequantize_problem(args[0], args[1], args[2], "affine", bits, group_size)
+                                                 : quantize_problem(args[0], "affine", bits, group_size);
   try {
     return plan::to_json(plan::make_plan(p));
   } catch (const std::exception& e) {

@@ -2,9 +2,8 @@
 
 #include <c10/util/Exception.h>
 
-#include "format.h"
-
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace torch_qmm {
@@ -12,13 +11,44 @@ namespace torch_qmm {
 namespace {
 // The largest element count or index an int64 holds.
 constexpr int64_t kMaxIndex = std::numeric_limits<int64_t>::max();
+
+// "one of 2, 3, 4" or, for a single choice, "4".
+std::string choices(const IntChoices& c) { return c.size == 1 ? c.join() : "one of " + c.join(); }
+
+const char* scale_code_name(ScaleKind s) { return s == ScaleKind::kE8M0 ? "e8m0" : "e4m3"; }
+
+// Scales: the float dtype of the weights (affine) or uint8 codes (fp modes).
+void check_scales_dtype(const char* op, const FormatSpec& f, const at::Tensor& scales) {
+  if (f.scale == ScaleKind::kFloat) {
+    check_float_dtype(op, "scales", scales);
+    return;
+  }
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kByte, op, ": argument 'scales' must be uint8 (", scale_code_name(f.scale),
+                   " scale codes) for mode '", f.name, "', got ", scales.scalar_type());
+}
+
+void check_biases_presence(const char* op, const FormatSpec& f, const std::optional<at::Tensor>& biases) {
+  if (f.has_biases) {
+    TORCH_CHECK_VALUE(biases.has_value(), op, ": argument 'biases' is required for mode '", f.name, "', got None");
+  } else {
+    TORCH_CHECK_VALUE(!biases.has_value(), op, ": argument 'biases' must be None for mode '", f.name,
+                      "' (it has no biases), got a tensor of shape ", biases->sym_sizes());
+  }
+}
 }  // namespace
 
-void check_bits_and_group_size(const char* op, int64_t bits, int64_t group_size) {
-  TORCH_CHECK_VALUE(is_supported_bits(bits), op, ": argument 'bits' must be one of 2, 3, 4, 5, 6, 8, got ",
-                    bits);
-  TORCH_CHECK_VALUE(is_supported_group_size(group_size), op,
-                    ": argument 'group_size' must be one of 32, 64, 128, got ", group_size);
+const FormatSpec& check_mode(const char* op, std::string_view mode) {
+  const FormatSpec* f = find_format(mode);
+  TORCH_CHECK_VALUE(f != nullptr, op, ": argument 'mode' must be one of ", format_names(), ", got '",
+                    std::string(mode), "'");
+  return *f;
+}
+
+void check_bits_and_group_size(const char* op, const FormatSpec& f, int64_t bits, int64_t group_size) {
+  TORCH_CHECK_VALUE(f.bits.contains(bits), op, ": argument 'bits' must be ", choices(f.bits), ", got ", bits,
+                    " (mode '", f.name, "')");
+  TORCH_CHECK_VALUE(f.group_sizes.contains(group_size), op, ": argument 'group_size' must be ",
+                    choices(f.group_sizes), ", got ", group_size, " (mode '", f.name, "')");
 }
 
 void check_float_dtype(const char* op, const char* arg, const at::Tensor& t) {
@@ -27,18 +57,21 @@ void check_float_dtype(const char* op, const char* arg, const at::Tensor& t) {
                    "' must be float32, float16 or bfloat16, got ", d);
 }
 
-SymPackedShape check_packed_sym(const char* op, const at::Tensor& wq, const at::Tensor& scales,
-                                const at::Tensor& biases, int64_t bits, int64_t group_size) {
-  check_bits_and_group_size(op, bits, group_size);
+SymPackedShape check_packed_sym(const char* op, const FormatSpec& f, const at::Tensor& wq, const at::Tensor& scales,
+                                const std::optional<at::Tensor>& biases, int64_t bits, int64_t group_size) {
+  check_bits_and_group_size(op, f, bits, group_size);
+  check_biases_presence(op, f, biases);
   TORCH_CHECK_TYPE(wq.scalar_type() == at::kUInt32, op,
                    ": argument 'wq' must be uint32 (packed weights), got ", wq.scalar_type(),
                    " (an int32 tensor holding the same bits can be passed as wq.view(torch.uint32))");
   TORCH_CHECK_VALUE(wq.dim() == 2, op, ": argument 'wq' must be 2-D [rows, cols*bits/32], got shape ",
                     wq.sym_sizes());
-  check_float_dtype(op, "scales", scales);
-  TORCH_CHECK_TYPE(biases.scalar_type() == scales.scalar_type(), op,
-                   ": argument 'biases' must have the dtype of 'scales' (", scales.scalar_type(),
-                   "), got ", biases.scalar_type());
+  check_scales_dtype(op, f, scales);
+  if (biases) {
+    TORCH_CHECK_TYPE(biases->scalar_type() == scales.scalar_type(), op,
+                     ": argument 'biases' must have the dtype of 'scales' (", scales.scalar_type(), "), got ",
+                     biases->scalar_type());
+  }
   const c10::SymInt rows = wq.sym_size(0);
   const c10::SymInt words = wq.sym_size(1);
   // cols = words * 32 / bits must be a number of weights int64 can index (a stride-0 expanded wq
@@ -53,23 +86,38 @@ SymPackedShape check_packed_sym(const char* op, const at::Tensor& wq, const at::
   TORCH_CHECK_VALUE(scales.sym_sizes() == c10::SymIntArrayRef(expected), op, ": argument 'scales' must have shape ",
                     c10::SymIntArrayRef(expected), " for wq of shape ", wq.sym_sizes(), " with bits=", bits,
                     " and group_size=", group_size, ", got ", scales.sym_sizes());
-  TORCH_CHECK_VALUE(biases.sym_sizes() == scales.sym_sizes(), op, ": argument 'biases' must have shape ",
-                    scales.sym_sizes(), " (the shape of 'scales'), got ", biases.sym_sizes());
-  TORCH_CHECK_VALUE(wq.device() == scales.device() && wq.device() == biases.device(), op,
-                    ": 'wq', 'scales' and 'biases' must be on one device, got ", wq.device(), ", ",
-                    scales.device(), ", ", biases.device());
+  if (biases) {
+    TORCH_CHECK_VALUE(biases->sym_sizes() == scales.sym_sizes(), op, ": argument 'biases' must have shape ",
+                      scales.sym_sizes(), " (the shape of 'scales'), got ", biases->sym_sizes());
+    TORCH_CHECK_VALUE(wq.device() == scales.device() && wq.device() == biases->device(), op,
+                      ": 'wq', 'scales' and 'biases' must be on one device, got ", wq.device(), ", ", scales.device(),
+                      ", ", biases->device());
+  } else {
+    TORCH_CHECK_VALUE(wq.device() == scales.device(), op, ": 'wq' and 'scales' must be on one device, got ",
+                      wq.device(), ", ", scales.device());
+  }
   return {rows, cols};
 }
 
-PackedShape check_packed(const char* op, const at::Tensor& wq, const at::Tensor& scales,
-                         const at::Tensor& biases, int64_t bits, int64_t group_size) {
-  const SymPackedShape s = check_packed_sym(op, wq, scales, biases, bits, group_size);
+PackedShape check_packed(const char* op, const FormatSpec& f, const at::Tensor& wq, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& biases, int64_t bits, int64_t group_size) {
+  const SymPackedShape s = check_packed_sym(op, f, wq, scales, biases, bits, group_size);
   return {s.rows.expect_int(), s.cols.expect_int()};
 }
 
-std::pair<c10::SymInt, c10::SymInt> check_quantize_sym(const at::Tensor& w, int64_t bits, int64_t group_size) {
-  const char* op = "affine_quantize";
-  check_bits_and_group_size(op, bits, group_size);
+at::ScalarType check_dequantize_dtype(const char* op, const FormatSpec& f, const at::Tensor& scales,
+                                      std::optional<at::ScalarType> dtype) {
+  if (!dtype) return f.scale == ScaleKind::kFloat ? scales.scalar_type() : at::kBFloat16;
+  const auto d = *dtype;
+  TORCH_CHECK_TYPE(d == at::kFloat || d == at::kHalf || d == at::kBFloat16, op,
+                   ": argument 'dtype' must be float32, float16 or bfloat16, got ", d);
+  return d;
+}
+
+std::pair<c10::SymInt, c10::SymInt> check_quantize_sym(const FormatSpec& f, const at::Tensor& w, int64_t bits,
+                                                       int64_t group_size) {
+  const char* op = "quantize";
+  check_bits_and_group_size(op, f, bits, group_size);
   check_float_dtype(op, "w", w);
   TORCH_CHECK_VALUE(w.dim() >= 1, op, ": argument 'w' must have at least 1 dimension [..., K], got a scalar");
   const c10::SymInt K = w.sym_size(-1);
@@ -80,29 +128,32 @@ std::pair<c10::SymInt, c10::SymInt> check_quantize_sym(const at::Tensor& w, int6
   return {K == 0 ? c10::SymInt(0) : w.sym_numel() / K, K};
 }
 
-std::pair<int64_t, int64_t> check_quantize(const at::Tensor& w, int64_t bits, int64_t group_size) {
-  const auto [rows, K] = check_quantize_sym(w, bits, group_size);
+std::pair<int64_t, int64_t> check_quantize(const FormatSpec& f, const at::Tensor& w, int64_t bits,
+                                           int64_t group_size) {
+  const auto [rows, K] = check_quantize_sym(f, w, bits, group_size);
   return {rows.expect_int(), K.expect_int()};
 }
 
 void check_quantize_finite(bool all_finite) {
-  TORCH_CHECK_VALUE(all_finite, "affine_quantize: argument 'w' contains NaN or Inf; quantization needs finite ",
+  TORCH_CHECK_VALUE(all_finite, "quantize: argument 'w' contains NaN or Inf; quantization needs finite ",
                     "weights (replace or clamp them first, e.g. torch.nan_to_num)");
 }
 
 void check_quantize_range(bool ranges_finite) {
-  TORCH_CHECK_VALUE(ranges_finite, "affine_quantize: argument 'w' has a group whose range max - min exceeds ",
-                    "the float32 maximum 3.4028235e+38 (its scale would be Inf); scale or clamp the weights first");
+  TORCH_CHECK_VALUE(ranges_finite, "quantize: argument 'w' has a group whose range max - min exceeds ",
+                    "the float32 maximum 3.4028235e+38 (its affine scale would be Inf); scale or clamp the weights first");
 }
 
-std::pair<c10::SymInt, c10::SymInt> check_qmm_sym(const at::Tensor& x, const at::Tensor& wq,
-                                                  const at::Tensor& scales, const at::Tensor& biases,
+std::pair<c10::SymInt, c10::SymInt> check_qmm_sym(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                                                  const std::optional<at::Tensor>& biases, const FormatSpec& f,
                                                   int64_t bits, int64_t group_size, bool transpose) {
-  const char* op = "affine_qmm";
-  const SymPackedShape w = check_packed_sym(op, wq, scales, biases, bits, group_size);
+  const char* op = "qmm";
+  const SymPackedShape w = check_packed_sym(op, f, wq, scales, biases, bits, group_size);
   check_float_dtype(op, "x", x);
-  TORCH_CHECK_TYPE(x.scalar_type() == scales.scalar_type(), op, ": argument 'x' must have the dtype of ",
-                   "'scales' and 'biases' (", scales.scalar_type(), "), got ", x.scalar_type());
+  if (f.scale == ScaleKind::kFloat) {
+    TORCH_CHECK_TYPE(x.scalar_type() == scales.scalar_type(), op, ": argument 'x' must have the dtype of ",
+                     "'scales' and 'biases' (", scales.scalar_type(), "), got ", x.scalar_type());
+  }
   TORCH_CHECK_VALUE(x.dim() >= 1, op, ": argument 'x' must have at least 1 dimension [..., K], got a scalar");
   TORCH_CHECK_VALUE(x.device() == wq.device(), op, ": argument 'x' is on ", x.device(),
                     " but the packed weights are on ", wq.device());
@@ -116,10 +167,10 @@ std::pair<c10::SymInt, c10::SymInt> check_qmm_sym(const at::Tensor& x, const at:
   return {N, K};
 }
 
-std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq,
-                                      const at::Tensor& scales, const at::Tensor& biases,
-                                      int64_t bits, int64_t group_size, bool transpose) {
-  const auto [N, K] = check_qmm_sym(x, wq, scales, biases, bits, group_size, transpose);
+std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                                      const std::optional<at::Tensor>& biases, const FormatSpec& f, int64_t bits,
+                                      int64_t group_size, bool transpose) {
+  const auto [N, K] = check_qmm_sym(x, wq, scales, biases, f, bits, group_size, transpose);
   return {N.expect_int(), K.expect_int()};
 }
 

@@ -5,8 +5,8 @@
         y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)   # CPU tensors
     last_launches()                       # [Launch(kernel, route, threadgroups, ..., stats)]
 
-Inside the context, calls of torch.ops.torch_qmm.{affine_qmm, affine_dequantize, affine_quantize,
-gguf_qmm} on CPU tensors are executed exactly as the MPS executor (csrc/mps/) executes them on a Mac:
+Inside the context, calls of torch.ops.torch_qmm.{qmm, dequantize, quantize, gguf_qmm} (and of the
+affine_* aliases, which decompose into the first three) on CPU tensors are executed exactly as the MPS executor (csrc/mps/) executes them on a Mac:
   1. `_plan_for` / `_plan_for_gguf` run the C++ argument checks (csrc/validate.*,
      csrc/gguf_validate.*: the same errors as the CPU ops) and the planner (csrc/plan.cpp)
      -> launches {kernel, grid, buffer bindings, constant bytes};
@@ -219,6 +219,28 @@ def _quantize(w, bits, group_size, *, check=None, count=False):
     )
 
 
+def _affine_only(mode: str, op: str) -> None:
+    if mode != "affine":
+        raise ValueError(f"{op}: mode {mode!r} has no Metal kernels yet (supported: 'affine')")
+
+
+def _qmm_op(x, wq, scales, biases, mode, bits, group_size, transpose=True, *, check=None, count=False):
+    _affine_only(mode, "qmm")
+    return _qmm(x, wq, scales, biases, bits, group_size, transpose, check=check, count=count)
+
+
+def _dequantize_op(wq, scales, biases, mode, bits, group_size, dtype=None, *, check=None, count=False):
+    _affine_only(mode, "dequantize")
+    if dtype is not None and dtype != scales.dtype:
+        raise ValueError(f"dequantize: argument 'dtype' other than the scales' dtype has no Metal kernel yet, got {dtype}")
+    return _dequantize(wq, scales, biases, bits, group_size, check=check, count=count)
+
+
+def _quantize_op(w, mode, bits, group_size, *, check=None, count=False):
+    _affine_only(mode, "quantize")
+    return list(_quantize(w, bits, group_size, check=check, count=count))
+
+
 class _MetalsimMode(TorchDispatchMode):
     """Routes the torch_qmm ops on CPU tensors to the Metal kernels on metalsim."""
 
@@ -227,9 +249,9 @@ class _MetalsimMode(TorchDispatchMode):
         self.check = check
         self.count = count
         self.handlers = {
-            _ops.affine_qmm.default: _qmm,
-            _ops.affine_dequantize.default: _dequantize,
-            _ops.affine_quantize.default: _quantize,
+            _ops.qmm.default: _qmm_op,
+            _ops.dequantize.default: _dequantize_op,
+            _ops.quantize.default: _quantize_op,
             _ops.gguf_qmm.default: _gguf_qmm,
         }
 

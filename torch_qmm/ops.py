@@ -1,8 +1,13 @@
-"""Typed Python wrappers of the torch_qmm ops and their autograd rules.
+"""Typed Python wrappers of the torch_qmm ops and their autograd rules, mirroring MLX's API.
 
-The schemas are defined once in csrc/ops.cpp. The fake (meta) kernels are C++ (csrc/meta.cpp):
-they give output shapes and dtypes without computing anything, so the ops trace under
-torch.compile(fullgraph=True, dynamic=True) and pass torch.library.opcheck, and they run the
+    wq, scales, biases = quantize(w)                      # affine: 3 tensors (as mx.quantize)
+    wq, scales = quantize(w, mode="mxfp4")                # fp modes: 2 tensors, uint8 scales
+    y = quantized_matmul(x, wq, scales, mode="mxfp4")     # group_size / bits: the mode's defaults
+
+The schemas are defined once in csrc/ops.cpp; the formats (allowed and default bits and group
+sizes) in csrc/format_spec.h, read by torch_qmm/formats.py. The fake (meta) kernels are C++
+(csrc/meta.cpp): they give output shapes and dtypes without computing anything, so the ops trace
+under torch.compile(fullgraph=True, dynamic=True) and pass torch.library.opcheck, and they run the
 same argument checks as the real kernels (csrc/validate.h), so meta and fake tensors are refused
 exactly as real ones.
 """
@@ -12,58 +17,84 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (loads the library that defines and implements the ops)
+from .formats import FORMATS
 
 _ops = torch.ops.torch_qmm
 
 
-def quantize(w: torch.Tensor, group_size: int = 64, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantizes W exactly as ``mlx.core.quantize`` (affine mode) does.
+def _params(mode: str, bits: int | None, group_size: int | None) -> tuple[int, int]:
+    """bits / group_size with None as the mode's default. An unknown mode is left to the op,
+    whose error names the known modes (csrc/validate.cpp)."""
+    f = FORMATS.get(mode) if isinstance(mode, str) else None
+    if f is None:
+        return (0 if bits is None else bits, 0 if group_size is None else group_size)
+    return (f.default_bits if bits is None else bits, f.default_group_size if group_size is None else group_size)
+
+
+def quantize(w: torch.Tensor, group_size: int | None = None, bits: int | None = None, mode: str = "affine"):
+    """Quantizes W exactly as ``mlx.core.quantize(w, group_size, bits, mode=mode)`` (its CPU path) does.
 
     Args:
         w: float32/float16/bfloat16 [..., K], K a multiple of group_size; finite values only
             (NaN or Inf raise ValueError).
-        group_size: 32, 64 or 128 weights share one scale and bias.
-        bits: 2, 3, 4, 5, 6 or 8.
+        group_size, bits: None for the mode's default (MLX's: affine 64 / 4, mxfp4 32 / 4, ...);
+            affine allows bits 2, 3, 4, 5, 6, 8 and group sizes 32, 64, 128, the fp modes only
+            their defaults (torch_qmm.formats.FORMATS lists every mode's).
+        mode: a key of torch_qmm.formats.FORMATS: "affine" or an fp mode such as "mxfp4"
+            (docs/formats.md).
 
     Returns:
-        (wq uint32 [..., K*bits/32], scales [..., K/group_size], biases [..., K/group_size]),
-        scales and biases in w's dtype.
+        affine: (wq uint32 [..., K*bits/32], scales [..., K/group_size], biases [..., K/group_size]),
+        scales and biases in w's dtype; fp modes: (wq, scales uint8 [..., K/group_size]).
     """
-    return _ops.affine_quantize(w, bits, group_size)
+    bits, group_size = _params(mode, bits, group_size)
+    return tuple(_ops.quantize(w, mode, bits, group_size))
 
 
 def dequantize(
-    wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int = 64, bits: int = 4
+    wq: torch.Tensor,
+    scales: torch.Tensor,
+    biases: torch.Tensor | None = None,
+    group_size: int | None = None,
+    bits: int | None = None,
+    mode: str = "affine",
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Unpacks W [rows, cols] = scales * q + biases in the dtype of scales.
+    """W [rows, cols] as ``mlx.core.dequantize``: scales * q + biases (affine) or scales * element(q).
 
     Args:
         wq: uint32 [rows, cols*bits/32].
-        scales, biases: [rows, cols/group_size], float32/float16/bfloat16.
+        scales: [rows, cols/group_size]: float32/float16/bfloat16 (affine) or uint8 codes (fp modes).
+        biases: as scales for affine; None for the fp modes.
+        dtype: of the result; None: the scales' dtype (affine) or bfloat16 (fp modes), as MLX.
     """
-    return _ops.affine_dequantize(wq, scales, biases, bits, group_size)
+    bits, group_size = _params(mode, bits, group_size)
+    return _ops.dequantize(wq, scales, biases, mode, bits, group_size, dtype)
 
 
 def quantized_matmul(
     x: torch.Tensor,
     wq: torch.Tensor,
     scales: torch.Tensor,
-    biases: torch.Tensor,
+    biases: torch.Tensor | None = None,
     transpose: bool = True,
-    group_size: int = 64,
-    bits: int = 4,
+    group_size: int | None = None,
+    bits: int | None = None,
+    mode: str = "affine",
 ) -> torch.Tensor:
     """y = x @ W.T (transpose=True, W [N, K]) or x @ W (transpose=False, W [K, N] quantized along N).
 
     Args:
-        x: [..., K] in the dtype of scales (float32/float16/bfloat16); any strides.
+        x: [..., K] float32/float16/bfloat16 (affine: the dtype of scales); any strides.
         wq: uint32 [N, K*bits/32] (transpose) or [K, N*bits/32].
-        scales, biases: [N, K/group_size] (transpose) or [K, N/group_size].
+        scales, biases: [N, K/group_size] (transpose) or [K, N/group_size]; biases None for the
+            fp modes, whose scales are uint8 codes.
 
     Returns:
         y [..., N] in x's dtype, accumulated in float32.
     """
-    return _ops.affine_qmm(x, wq, scales, biases, bits, group_size, transpose)
+    bits, group_size = _params(mode, bits, group_size)
+    return _ops.qmm(x, wq, scales, biases, mode, bits, group_size, transpose)
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int) -> torch.Tensor:
@@ -82,37 +113,38 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K
 
 # ---- Autograd ---------------------------------------------------------------------------------
 # Without a registration PyTorch's fallback marks the outputs as requiring grad and backward then
-# silently returns no gradient (only a deprecation warning). affine_qmm is linear in x, so its
-# gradient with respect to x is the same product with the other transpose (as MLX's vjp):
+# silently returns no gradient (only a deprecation warning). qmm is linear in x, so its gradient
+# with respect to x is the same product with the other transpose (as MLX's vjp):
 #   y = x @ W.T  ->  dx = dy @ W        y = x @ W  ->  dx = dy @ W.T
-# Every other gradient (packed weights, scales, biases; the other ops) raises a clear error.
+# Every other gradient (packed weights, scales, biases; the other ops) raises a clear error. The
+# affine_* aliases decompose into these ops (csrc/ops.cpp) and so share their rules.
 
 
 def _no_grad_error(op: str, what: str) -> RuntimeError:
     return RuntimeError(
         f"torch_qmm.{op}: no gradient with respect to {what} (quantized weights are frozen; only "
-        "affine_qmm's input x is differentiable)"
+        "qmm's input x is differentiable)"
     )
 
 
-def _affine_qmm_setup(ctx, inputs, output):
-    x, wq, scales, biases, bits, group_size, transpose = inputs
+def _qmm_setup(ctx, inputs, output):
+    x, wq, scales, biases, mode, bits, group_size, transpose = inputs
     ctx.save_for_backward(wq, scales, biases)
-    ctx.args = (bits, group_size, transpose)
+    ctx.args = (mode, bits, group_size, transpose)
 
 
-def _affine_qmm_backward(ctx, grad):
+def _qmm_backward(ctx, grad):
     if any(ctx.needs_input_grad[1:4]):
-        raise _no_grad_error("affine_qmm", "'wq', 'scales' or 'biases'")
+        raise _no_grad_error("qmm", "'wq', 'scales' or 'biases'")
     grad_x = None
     if ctx.needs_input_grad[0]:
         wq, scales, biases = ctx.saved_tensors
-        bits, group_size, transpose = ctx.args
-        grad_x = _ops.affine_qmm(grad, wq, scales, biases, bits, group_size, not transpose)
-    return grad_x, None, None, None, None, None, None
+        mode, bits, group_size, transpose = ctx.args
+        grad_x = _ops.qmm(grad, wq, scales, biases, mode, bits, group_size, not transpose)
+    return grad_x, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd("torch_qmm::affine_qmm", _affine_qmm_backward, setup_context=_affine_qmm_setup)
+torch.library.register_autograd("torch_qmm::qmm", _qmm_backward, setup_context=_qmm_setup)
 
 
 def _refuse_backward(op: str, what: str):
@@ -123,9 +155,7 @@ def _refuse_backward(op: str, what: str):
 
 
 torch.library.register_autograd(
-    "torch_qmm::affine_quantize", _refuse_backward("affine_quantize", "'w' (rounding has no useful gradient)")
+    "torch_qmm::quantize", _refuse_backward("quantize", "'w' (rounding has no useful gradient)")
 )
-torch.library.register_autograd(
-    "torch_qmm::affine_dequantize", _refuse_backward("affine_dequantize", "'scales' or 'biases'")
-)
+torch.library.register_autograd("torch_qmm::dequantize", _refuse_backward("dequantize", "'scales' or 'biases'"))
 torch.library.register_autograd("torch_qmm::gguf_qmm", _refuse_backward("gguf_qmm", "its input x"))

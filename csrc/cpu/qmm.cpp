@@ -1,9 +1,11 @@
-// CPU affine_qmm: y[..., N] = x[..., K] @ W, W given in the affine format.
+// CPU qmm: y[..., N] = x[..., K] @ W, W given in any format of csrc/format_spec.h.
 //
-// This file is the op: validation, x to float32 (and to codec order, decode.h), routing by M,
-// and y back to x's dtype. The kernels are in qmm_fused.cpp (small M, W never materialized) and
-// qmm_gemm.cpp (large M, float32 tiles + BLAS); qmm_kernels.h holds the routing threshold.
-// Accumulation is float32 throughout.
+// This file is the op: validation, x to float32 (and, for affine, to codec order: decode.h),
+// routing, and y back to x's dtype. Every mode is offered to the chunk kernels first
+// (qmm_chunked.cpp: qmm_t_chunked_multiplier says whether they serve the call); affine then takes the
+// fused kernels (qmm_fused.cpp, small M, W never materialized) or the GEMM kernels (qmm_gemm.cpp,
+// large M, float32 tiles + BLAS); the fp modes take the GEMM kernels at every M.
+// qmm_kernels.h holds the routing threshold. Accumulation is float32 throughout.
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -13,7 +15,9 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "../validate.h"
@@ -49,9 +53,11 @@ struct Call {
   bool empty;
 };
 
-Call prepare(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales, const at::Tensor& biases,
-             int64_t bits, int64_t group_size, bool transpose) {
-  const auto [N, K] = check_qmm(x, wq, scales, biases, bits, group_size, transpose);
+Call prepare(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+             const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits, int64_t group_size,
+             bool transpose) {
+  const FormatSpec& f = check_mode("qmm", mode);
+  const auto [N, K] = check_qmm(x, wq, scales, biases, f, bits, group_size, transpose);
   Call c;
   c.out_shape = x.sizes().vec();
   c.out_shape.back() = N;
@@ -60,13 +66,14 @@ Call prepare(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales
   if (c.empty) return c;
   c.wq = wq.contiguous();
   c.scales = scales.contiguous();
-  c.biases = biases.contiguous();
+  if (biases) c.biases = biases->contiguous();
   c.xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   cpu::QmmArgs& a = c.a;
+  a.mode = f.mode;
   a.x = c.xf.data_ptr<float>();
   a.wq = reinterpret_cast<const uint8_t*>(c.wq.data_ptr());
   a.scales = c.scales.data_ptr();
-  a.biases = c.biases.data_ptr();
+  a.biases = biases ? c.biases.data_ptr() : nullptr;
   a.dtype = c.scales.scalar_type();
   a.M = M;
   a.N = N;
@@ -82,13 +89,15 @@ enum class Route { kChunked, kFused, kGemm };
 
 // The one routing decision, for the op and for _cpu_route.
 Route route_for(const cpu::QmmArgs& a, bool transpose) {
-  if (transpose && cpu::qmm_t_chunked_tile(a) != nullptr) return Route::kChunked;
+  if (transpose && cpu::qmm_t_chunked_multiplier(a) != nullptr) return Route::kChunked;
+  if (a.mode != Mode::kAffine) return Route::kGemm;
   return a.M < cpu::kGemmMinRows ? Route::kFused : Route::kGemm;
 }
 
-at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                          const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
-  Call c = prepare(x, wq, scales, biases, bits, group_size, transpose);
+at::Tensor qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits, int64_t group_size,
+                   bool transpose) {
+  Call c = prepare(x, wq, scales, biases, mode, bits, group_size, transpose);
   if (c.empty) return at::zeros(c.out_shape, x.options());
   cpu::QmmArgs& a = c.a;
   const Route route = route_for(a, transpose);
@@ -103,7 +112,7 @@ at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::T
     cpu::qmm_t_chunked(a, yf.data_ptr<float>());
     if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return done(yf);
   }
-  if (transpose) {
+  if (transpose && a.mode == Mode::kAffine) {
     c.xf = to_codec_order(c.xf, int(bits));
     a.x = c.xf.data_ptr<float>();
   }
@@ -119,15 +128,16 @@ at::Tensor affine_qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::T
   return done(transpose ? cpu::qmm_t_gemm(a) : cpu::qmm_n_gemm(a));
 }
 
-// Which CPU kernel affine_qmm would run: "chunked/<multiplier>" (qmm_kernels.h), "fused", "gemm", or
+// Which CPU kernel qmm would run: "chunked/<multiplier>" (qmm_kernels.h), "fused", "gemm", or
 // "empty" (for a finite result; a call whose chunked or transposed fused result is not finite is
 // redone by "gemm").
-std::string affine_qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                                 const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
-  const Call c = prepare(x, wq, scales, biases, bits, group_size, transpose);
+std::string qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& biases, int64_t bits, int64_t group_size, bool transpose,
+                          std::string_view mode) {
+  const Call c = prepare(x, wq, scales, biases, mode, bits, group_size, transpose);
   if (c.empty) return "empty";
   switch (route_for(c.a, transpose)) {
-    case Route::kChunked: return std::string("chunked/") + cpu::qmm_t_chunked_tile(c.a);
+    case Route::kChunked: return std::string("chunked/") + cpu::qmm_t_chunked_multiplier(c.a);
     case Route::kFused: return "fused";
     default: return "gemm";
   }
@@ -166,8 +176,8 @@ int x_bf16_terms_for(at::ScalarType x_dtype) {
 }  // namespace cpu
 
 TORCH_LIBRARY_IMPL(torch_qmm, CPU, m) {
-  m.impl("affine_qmm", &affine_qmm_cpu);
-  m.impl("_cpu_route", &affine_qmm_cpu_route);
+  m.impl("qmm", &qmm_cpu);
+  m.impl("_cpu_route", &qmm_cpu_route);
 }
 
 }  // namespace torch_qmm

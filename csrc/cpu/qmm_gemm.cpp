@@ -1,4 +1,4 @@
-// Large-M affine_qmm: decode W tiles to float32 and multiply them with BLAS. See qmm_kernels.h.
+// Large-M qmm (every fp mode at any M): decode W tiles to float32 and multiply them with BLAS. See qmm_kernels.h.
 //
 // Each thread owns whole output tiles (rows of yT = y^T [N, M]) and, for each, walks K in steps
 // of kTileK: decodes the W tile [kTileN, kTileK] into its own scratch (L2-sized, 256 KB) and
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "decode.h"
+#include "fp_tile.h"
 #include "qmm_dispatch.h"
 #include "qmm_kernels.h"
 
@@ -63,8 +64,10 @@ void decode_tile(const QmmArgs& a, int64_t cols, int64_t r0, int64_t nr, int64_t
 // multiplies it into its rows of y.T with a single-threaded GEMM, so decode needs no barrier.
 // TRANSPOSE: W [N, K] quantized along K; else W [K, N] quantized along N, whose decoded rows of
 // y.T come out in codec order (see n_gemm).
-template <int BITS, typename T, bool TRANSPOSE>
-at::Tensor gemm_transposed_y(const QmmArgs& a) {
+// decode(cols, r0, nr, c0, nc, dst) writes rows [r0, r0+nr) x columns [c0, c0+nc) of the packed
+// matrix (`cols` columns) to dst [nr, nc] float32.
+template <bool TRANSPOSE, typename Decode>
+at::Tensor gemm_transposed_y(const QmmArgs& a, Decode decode) {
   const auto opts = at::TensorOptions().dtype(at::kFloat);
   at::Tensor yT = at::empty({a.N, a.M}, opts);
   const at::Tensor x = at::from_blob(const_cast<float*>(a.x), {a.M, a.K}, opts);
@@ -80,10 +83,10 @@ at::Tensor gemm_transposed_y(const QmmArgs& a) {
         const int64_t kk = std::min(kTileK, a.K - k0);
         at::Tensor w;  // [nn, kk]
         if constexpr (TRANSPOSE) {
-          decode_tile<BITS, T>(a, a.K, n0, nn, k0, kk, scratch.data());
+          decode(a.K, n0, nn, k0, kk, scratch.data());
           w = at::from_blob(scratch.data(), {nn, kk}, opts);
         } else {
-          decode_tile<BITS, T>(a, a.N, k0, kk, n0, nn, scratch.data());
+          decode(a.N, k0, kk, n0, nn, scratch.data());
           w = at::from_blob(scratch.data(), {kk, nn}, opts).t();
         }
         const at::Tensor xs = x.narrow(1, k0, kk).t();
@@ -97,15 +100,30 @@ at::Tensor gemm_transposed_y(const QmmArgs& a) {
   return yT;
 }
 
+// The affine tile decoder of gemm_transposed_y.
+template <int BITS, typename T>
+auto affine_decoder(const QmmArgs& a) {
+  return [&a](int64_t cols, int64_t r0, int64_t nr, int64_t c0, int64_t nc, float* dst) {
+    decode_tile<BITS, T>(a, cols, r0, nr, c0, nc, dst);
+  };
+}
+
+// The fp-mode tile decoder (fp_tile.h): natural column order.
+auto fp_decoder(const QmmArgs& a) {
+  return [&a](int64_t cols, int64_t r0, int64_t nr, int64_t c0, int64_t nc, float* dst) {
+    decode_fp_tile(a, cols, r0, nr, c0, nc, dst);
+  };
+}
+
 template <int BITS, typename T>
 at::Tensor t_gemm(const QmmArgs& a) {
-  return gemm_transposed_y<BITS, T, true>(a).t();
+  return gemm_transposed_y<true>(a, affine_decoder<BITS, T>(a)).t();
 }
 
 template <int BITS, typename T>
 at::Tensor n_gemm(const QmmArgs& a) {
   const auto opts = at::TensorOptions().dtype(at::kFloat);
-  const at::Tensor yT = gemm_transposed_y<BITS, T, false>(a);  // rows in codec order
+  const at::Tensor yT = gemm_transposed_y<false>(a, affine_decoder<BITS, T>(a));  // rows in codec order
   if (codec_is_identity(a.bits)) return yT.t();
   // Row p of yT holds column codec_to_natural(p) of y.
   at::Tensor y = at::empty({a.M, a.N}, opts);
@@ -123,12 +141,14 @@ at::Tensor n_gemm(const QmmArgs& a) {
 }  // namespace
 
 at::Tensor qmm_t_gemm(const QmmArgs& a) {
+  if (a.mode != Mode::kAffine) return gemm_transposed_y<true>(a, fp_decoder(a)).t();
   at::Tensor y;
   dispatch_bits_dtype(a.bits, a.dtype, [&](auto bits_c, auto t) { y = t_gemm<decltype(bits_c)::value, decltype(t)>(a); });
   return y;
 }
 
 at::Tensor qmm_n_gemm(const QmmArgs& a) {
+  if (a.mode != Mode::kAffine) return gemm_transposed_y<false>(a, fp_decoder(a)).t();
   at::Tensor y;
   dispatch_bits_dtype(a.bits, a.dtype, [&](auto bits_c, auto t) { y = n_gemm<decltype(bits_c)::value, decltype(t)>(a); });
   return y;

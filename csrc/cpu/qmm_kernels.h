@@ -22,15 +22,18 @@
 #include <cstdint>
 #include <limits>
 
+#include "../format_spec.h"
+
 namespace torch_qmm {
 namespace cpu {
 
 struct QmmArgs {
-  const float* x;        // [M, K] float32, row stride K; codec-ordered columns when transpose
+  Mode mode = Mode::kAffine;  // the format (csrc/format_spec.h)
+  const float* x;        // [M, K] float32, row stride K; codec-ordered columns when transpose (affine)
   const uint8_t* wq;     // packed rows (N rows of K codes, or K rows of N codes)
-  const void* scales;    // [rows, cols / group_size] in `dtype`
-  const void* biases;
-  at::ScalarType dtype;  // of scales / biases
+  const void* scales;    // [rows, cols / group_size] in `dtype`; uint8 codes for the fp modes
+  const void* biases;    // as scales (affine); nullptr for the fp modes
+  at::ScalarType dtype;  // of scales / biases (kByte for the fp modes)
   int64_t M, N, K;
   int bits, group_size;
   // How many bfloat16 terms a kernel that multiplies in bfloat16 may split each x into
@@ -86,7 +89,8 @@ inline int64_t chunked_max_rows(int bits, int x_bf16_terms) {
 void qmm_t_fused(const QmmArgs& a, float* y);
 void qmm_n_fused(const QmmArgs& a, float* y);
 
-// Returns y [M, N] float32 (may be a transposed view).
+// Returns y [M, N] float32 (may be a transposed view). Every mode; for the fp modes x and y
+// are in natural order (no codec order).
 at::Tensor qmm_t_gemm(const QmmArgs& a);
 at::Tensor qmm_n_gemm(const QmmArgs& a);
 

@@ -7,7 +7,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include <tuple>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 #include "../plan.h"
@@ -22,15 +23,16 @@ using mps::make_plan_checked;
 using mps::Operands;
 using plan::Operand;
 
-at::Tensor affine_qmm_mps(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                          const at::Tensor& biases, int64_t bits, int64_t group_size, bool transpose) {
-  const plan::Problem p = qmm_problem(x, wq, scales, biases, bits, group_size, transpose);  // validates
+at::Tensor qmm_mps(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits, int64_t group_size,
+                   bool transpose) {
+  const plan::Problem p = qmm_problem(x, wq, scales, biases, mode, bits, group_size, transpose);  // validates
   const std::vector<plan::Launch> launches = make_plan_checked(p);
   Operands ops;
   ops[Operand::kX] = x.reshape({p.M, p.K}).contiguous();
   ops[Operand::kWq] = wq.contiguous();
   ops[Operand::kScales] = scales.contiguous();
-  ops[Operand::kBiases] = biases.contiguous();
+  ops[Operand::kBiases] = biases->contiguous();
   ops[Operand::kY] = launches.empty() ? at::zeros({p.M, p.N}, x.options()) : at::empty({p.M, p.N}, x.options());
   encode(launches, ops);
   std::vector<int64_t> shape = x.sizes().vec();
@@ -38,22 +40,23 @@ at::Tensor affine_qmm_mps(const at::Tensor& x, const at::Tensor& wq, const at::T
   return ops[Operand::kY].view(shape);
 }
 
-at::Tensor affine_dequantize_mps(const at::Tensor& wq, const at::Tensor& scales, const at::Tensor& biases,
-                                 int64_t bits, int64_t group_size) {
-  const plan::Problem p = dequantize_problem(wq, scales, biases, bits, group_size);
+at::Tensor dequantize_mps(const at::Tensor& wq, const at::Tensor& scales, const std::optional<at::Tensor>& biases,
+                          std::string_view mode, int64_t bits, int64_t group_size, std::optional<at::ScalarType> dtype) {
+  const plan::Problem p = dequantize_problem(wq, scales, biases, mode, bits, group_size);
+  TORCH_CHECK_VALUE(!dtype || *dtype == scales.scalar_type(), "dequantize: argument 'dtype' other than the scales' ",
+                    "dtype has no Metal kernel yet, got ", *dtype);
   const std::vector<plan::Launch> launches = make_plan_checked(p);
   Operands ops;
   ops[Operand::kWq] = wq.contiguous();
   ops[Operand::kScales] = scales.contiguous();
-  ops[Operand::kBiases] = biases.contiguous();
+  ops[Operand::kBiases] = biases->contiguous();
   ops[Operand::kW] = at::empty({p.N, p.K}, scales.options());
   encode(launches, ops);
   return ops[Operand::kW];
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> affine_quantize_mps(const at::Tensor& w, int64_t bits,
-                                                                  int64_t group_size) {
-  const plan::Problem p = quantize_problem(w, bits, group_size);  // validates, incl. NaN/Inf
+std::vector<at::Tensor> quantize_mps(const at::Tensor& w, std::string_view mode, int64_t bits, int64_t group_size) {
+  const plan::Problem p = quantize_problem(w, mode, bits, group_size);  // validates, incl. NaN/Inf
   const std::vector<plan::Launch> launches = make_plan_checked(p);
   Operands ops;
   ops[Operand::kW] = w.reshape({p.N, p.K}).contiguous();
@@ -70,9 +73,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> affine_quantize_mps(const at::Ten
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_qmm, MPS, m) {
-  m.impl("affine_qmm", &affine_qmm_mps);
-  m.impl("affine_dequantize", &affine_dequantize_mps);
-  m.impl("affine_quantize", &affine_quantize_mps);
+  m.impl("qmm", &qmm_mps);
+  m.impl("dequantize", &dequantize_mps);
+  m.impl("quantize", &quantize_mps);
 }
 
 }  // namespace torch_qmm

@@ -98,8 +98,8 @@ MUTANTS: list[Mutant] = [
            "past y; plan JSON grids change)"),
     # ---- Validation (csrc/) ------------------------------------------------------------------
     Mutant("f-validate-biases-shape-dropped", "csrc/validate.cpp",
-           "  TORCH_CHECK_VALUE(biases.sym_sizes() == scales.sym_sizes(), op,",
-           "  TORCH_CHECK_VALUE(true, op,", VALIDATE,
+           "    TORCH_CHECK_VALUE(biases->sym_sizes() == scales.sym_sizes(), op,",
+           "    TORCH_CHECK_VALUE(true, op,", VALIDATE,
            "biases of another shape than scales are accepted: out-of-bounds reads or a wrong answer "
            "instead of a ValueError"),
     Mutant("f-validate-x-dtype-dropped", "csrc/validate.cpp",
@@ -119,8 +119,8 @@ MUTANTS: list[Mutant] = [
            "CPU Q6_K decode (GEMM path, M >= 16): the last run of 32 weights of each half uses run 3's scale"),
     # ---- Python ops and modules ----------------------------------------------------------------
     Mutant("f-ops-backward-same-transpose", "torch_qmm/ops.py",
-           "grad_x = _ops.affine_qmm(grad, wq, scales, biases, bits, group_size, not transpose)",
-           "grad_x = _ops.affine_qmm(grad, wq, scales, biases, bits, group_size, transpose)", OPS,
+           "grad_x = _ops.qmm(grad, wq, scales, biases, mode, bits, group_size, not transpose)",
+           "grad_x = _ops.qmm(grad, wq, scales, biases, mode, bits, group_size, transpose)", OPS,
            "dx = dy @ W.T instead of dy @ W: a shape error, or a wrong gradient for square W"),
     Mutant("f-ops-backward-biases-grad-not-refused", "torch_qmm/ops.py",
            "    if any(ctx.needs_input_grad[1:4]):", "    if any(ctx.needs_input_grad[1:3]):", OPS,

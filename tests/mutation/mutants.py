@@ -92,8 +92,8 @@ MUTANTS: list[Mutant] = [
            ("tests/test_metal_gguf.py", "-k", "matches_gguf_dequantize and Q4_K"), "Q4_K sub-block min read from the scale bits"),
     # ---- Python: ops, modules, metalsim executor ------------------------------------------------
     Mutant("backward-same-transpose", "torch_qmm/ops.py",
-           "grad_x = _ops.affine_qmm(grad, wq, scales, biases, bits, group_size, not transpose)",
-           "grad_x = _ops.affine_qmm(grad, wq, scales, biases, bits, group_size, transpose)",
+           "grad_x = _ops.qmm(grad, wq, scales, biases, mode, bits, group_size, not transpose)",
+           "grad_x = _ops.qmm(grad, wq, scales, biases, mode, bits, group_size, transpose)",
            ("tests/test_regressions.py", "-k", "gradient"), "dx uses the forward's transpose"),
     Mutant("quantlinear-bias-sign", "torch_qmm/nn.py",
            "            y = y + self.bias\n", "            y = y - self.bias\n",
@@ -137,8 +137,9 @@ MUTANTS: list[Mutant] = [
            "scales.sym_sizes() == c10::SymIntArrayRef(expected)", "scales.dim() == 2",
            (FAKES, "-k", "scales"), "scales of the wrong shape accepted"),
     Mutant("x-dtype-check-dropped", "csrc/validate.cpp",
-           "  check_float_dtype(op, \"x\", x);\n  TORCH_CHECK_TYPE(x.scalar_type() == scales.scalar_type()",
-           "  TORCH_CHECK_TYPE(true || x.scalar_type() == scales.scalar_type()",
+           "  check_float_dtype(op, \"x\", x);\n  if (f.scale == ScaleKind::kFloat) {\n"
+           "    TORCH_CHECK_TYPE(x.scalar_type() == scales.scalar_type()",
+           "  if (f.scale == ScaleKind::kFloat) {\n    TORCH_CHECK_TYPE(true || x.scalar_type() == scales.scalar_type()",
            (FAKES, "-k", "int32 or float16"), "x of another dtype than scales accepted"),
     # ---- C++: CPU kernels (--cpp) ---------------------------------------------------------------
     Mutant("fused-tile-overwrites-k-chunks", "csrc/cpu/qmm_fused.cpp",
