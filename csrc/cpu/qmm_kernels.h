@@ -64,9 +64,10 @@ constexpr int64_t kGemmMinRows = 16;
 //   affine on AVX-512, bits 2/3/4/5/6/8 (qmm_chunked.cpp): "bf16x3", "bf16x2", "bf16x1" (x as
 //     that many bfloat16 terms, up to chunked_max_rows rows), "f32" (4-bit, M = 1, without
 //     AVX512_BF16); K of at least one chunk, x in range (chunk::x_in_range);
-//   then, on AVX2 + FMA (avx2_chunked.cpp), K of at least one chunk (64 codes): "avx2-u4" (affine
-//     4-bit, up to avx2_affine_max_rows rows, x in range), "avx2-e2m1" (mxfp4, nvfp4, up to
-//     fp_chunked_max_rows rows).
+//   then, on AVX2 + FMA (avx2_chunked.cpp), K of at least one chunk of the multiplier
+//     (chunk_avx2.h): "avx2-u4" (affine 4-bit, up to avx2_affine_max_rows rows, x in range), and
+//     for the fp modes one multiplier per element encoding ("avx2-e2m1": mxfp4, nvfp4), up to
+//     fp_chunked_max_rows rows.
 const char* qmm_t_chunked_multiplier(const QmmArgs& a);
 void qmm_t_chunked(const QmmArgs& a, float* y);
 
