@@ -1,7 +1,7 @@
 // The AVX2 chunk kernels, transpose=True, small M, on any x86 CPU with AVX2 and FMA (AVX-512 ones
 // included): the multipliers of chunk_avx2.h on the driver of chunk_driver.h, for affine 4-bit
-// (U4Multiplier) and the fp modes of csrc/format_spec.h with e2m1 elements (E2m1Multiplier:
-// mxfp4, nvfp4). This file defines the one AVX2 kernel they share: x rearranged into the
+// (U4Multiplier) and the fp modes of csrc/format_spec.h: e2m1 elements (E2m1Multiplier: mxfp4,
+// nvfp4) and e4m3 elements (E4m3Multiplier: mxfp8). This file defines the one AVX2 kernel they share: x rearranged into the
 // multiplier's vector order, the per-lane scales of each chunk (fp: uint8 codes through a
 // 256-entry table, the multiplier's unit folded in; affine: the scales' float dtype), the affine
 // bias hoisted out of the chunk loop, and the K tail past the last whole chunk, code by code.
@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <type_traits>
 
 #include "../format.h"
@@ -64,7 +65,13 @@ struct AffineScales {
 template <int G, typename C, typename S>
 struct Avx2Kernel {
   using X = float;
-  using Acc = __m256;
+  // C::kNanCodes: codes that decode to NaN are not decoded as such; the accumulator also ORs the
+  // chunks' NaN-code masks, and a row that met one sums to NaN (as any product with it would).
+  struct NanAcc {
+    __m256 sum;
+    __m256i nan;
+  };
+  using Acc = std::conditional_t<C::kNanCodes, NanAcc, __m256>;
   static constexpr int kCodes = C::kCodes, kHalves = C::kHalves;
   static constexpr int64_t kXPerChunk = C::kXPerChunk, kSidePerChunk = 0;
   static constexpr int kMaxXBlock = 4;
@@ -102,7 +109,7 @@ struct Avx2Kernel {
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t n, const uint8_t* const (&row)[R], int64_t c,
                                                    const X* const (&xc)[MB], const float* const (&)[MB],
-                                                   __m256 (&acc)[R][MB]) const {
+                                                   Acc (&acc)[R][MB]) const {
     const uint8_t* w[R];
     for (int r = 0; r < R; ++r) {
       w[r] = row[r] + c * C::kBytes;
@@ -118,12 +125,30 @@ struct Avx2Kernel {
       __m256 sv[kHalves];
       C::template scale_lanes<G>([&](int i) __attribute__((always_inline)) { return sc.scale(g0 + i); }, sv);
       for (int m = 0; m < MB; ++m)
-        for (int h = 0; h < kHalves; ++h) acc[r][m] = _mm256_fmadd_ps(p[r][m][h], sv[h], acc[r][m]);
+        for (int h = 0; h < kHalves; ++h) sum_of(acc[r][m]) = _mm256_fmadd_ps(p[r][m][h], sv[h], sum_of(acc[r][m]));
+      if constexpr (C::kNanCodes) {
+        const __m256i nan = C::nan_codes(w[r]);
+        for (int m = 0; m < MB; ++m) acc[r][m].nan = _mm256_or_si256(acc[r][m].nan, nan);
+      }
     }
   }
 
-  static __m256 zero() { return _mm256_setzero_ps(); }
-  static float reduce(__m256 v) {
+  __attribute__((always_inline)) static inline __m256& sum_of(Acc& acc) {
+    if constexpr (C::kNanCodes)
+      return acc.sum;
+    else
+      return acc;
+  }
+  static Acc zero() {
+    if constexpr (C::kNanCodes)
+      return NanAcc{_mm256_setzero_ps(), _mm256_setzero_si256()};
+    else
+      return _mm256_setzero_ps();
+  }
+  static float reduce(Acc acc) {
+    if constexpr (C::kNanCodes)
+      if (!_mm256_testz_si256(acc.nan, acc.nan)) return std::numeric_limits<float>::quiet_NaN();
+    const __m256 v = sum_of(acc);
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
@@ -155,8 +180,8 @@ const float* element_table(Element e) {
       for (uint32_t c = 0; c < 256; ++c) v[c] = fp::element_value(e, c);
     }
   };
-  static const Table e2m1(Element::kE2M1);
-  return e2m1.v;
+  static const Table e2m1(Element::kE2M1), e4m3(Element::kE4M3);
+  return e == Element::kE4M3 ? e4m3.v : e2m1.v;
 }
 
 // Scale values by code over a multiplier's unit.
@@ -186,6 +211,7 @@ bool with_multiplier(const QmmArgs& a, F&& f) {
   }
   if (spec.element == Element::kE2M1 && a.bits == 4 && a.group_size == 32) return f(Group<32>{}, E2m1Multiplier{}), true;
   if (spec.element == Element::kE2M1 && a.bits == 4 && a.group_size == 16) return f(Group<16>{}, E2m1Multiplier{}), true;
+  if (spec.element == Element::kE4M3 && a.bits == 8 && a.group_size == 32) return f(Group<32>{}, E4m3Multiplier{}), true;
   return false;
 }
 

@@ -39,6 +39,7 @@ namespace chunk {
 struct U4Multiplier {
   static constexpr const char* kName = "avx2-u4";
   static constexpr int kBits = 4, kCodes = 64, kBytes = 32, kVectors = 8, kHalves = 2;
+  static constexpr bool kNanCodes = false;
   static constexpr int64_t kXPerChunk = 64;
   static constexpr float kUnit = 1.0f;
   static constexpr int code(int j, int l) { return 8 * l + j; }
@@ -72,6 +73,7 @@ struct U4Multiplier {
 struct E2m1Multiplier {
   static constexpr const char* kName = "avx2-e2m1";
   static constexpr int kBits = 4, kCodes = 64, kBytes = 32;
+  static constexpr bool kNanCodes = false;
   static constexpr int64_t kXPerChunk = 64;  // floats per chunk per x row
 
   // The code (0..63) in vector j (0..7), lane l (0..7) of a decoded chunk: nibble j / 4 (low,
@@ -133,6 +135,55 @@ struct E2m1Multiplier {
       for (int j = 0; j < 8; ++j)
         for (int m = 0; m < MB; ++m)
           p[r][m][half(j)] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xc[m] + 8 * j), p[r][m][half(j)]);
+    }
+  }
+};
+
+// E4m3Multiplier (mxfp8): a chunk is 32 e4m3 bytes. Each byte b goes to the top of a u16 word
+// (vpunpck*bw with zero); an arithmetic shift right by 1 and a mask leave sign | (b & 0x7F) << 7,
+// the float16 of the e4m3 value times 2^-8 (exponent field e, 3 mantissa bits; e4m3 subnormals
+// become float16 subnormals: all exact), which vcvtph2ps widens to float32; kUnit = 2^-8 goes into
+// the scales. Vector j holds 8 consecutive codes (code(j, l)), all of one group of 32: one scale
+// per chunk. The NaN codes (0x7F, 0xFF) would decode as +-480: nan_codes() marks them, and the
+// kernel makes a row that holds one sum to NaN.
+struct E4m3Multiplier {
+  static constexpr const char* kName = "avx2-e4m3";
+  static constexpr int kBits = 8, kCodes = 32, kBytes = 32, kVectors = 4, kHalves = 2;
+  static constexpr int64_t kXPerChunk = 32;
+  static constexpr float kUnit = 0x1p-8f;
+  static constexpr bool kNanCodes = true;
+  // Vector j: bytes 0-7, 16-23 (vpunpcklbw), 8-15, 24-31 (vpunpckhbw).
+  static constexpr int code(int j, int l) { return 8 * (j == 0 ? 0 : j == 1 ? 2 : j == 2 ? 1 : 3) + l; }
+  static constexpr float x_factor(int) { return 1.0f; }
+
+  template <int G, typename Scale>
+  __attribute__((always_inline)) static inline void scale_lanes(Scale scale, __m256 (&sv)[kHalves]) {
+    static_assert(G == 32, "e4m3 chunks: groups of 32");
+    sv[0] = sv[1] = _mm256_set1_ps(scale(0));
+  }
+
+  // 0xFF in the bytes of the chunk at p that hold a NaN code.
+  __attribute__((always_inline)) static inline __m256i nan_codes(const uint8_t* p) {
+    const __m256i low7 = _mm256_set1_epi8(0x7F);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), low7), low7);
+  }
+
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void dot(const uint8_t* const (&w)[R], const float* const (&xc)[MB],
+                                                        __m256 (&p)[R][MB][kHalves]) {
+    const __m256i zero = _mm256_setzero_si256(), keep = _mm256_set1_epi16(int16_t(0xBF80));
+    for (int r = 0; r < R; ++r) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r]));
+      const __m256i h[2] = {_mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(zero, b), 1), keep),
+                            _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(zero, b), 1), keep)};
+      for (int i = 0; i < 2; ++i) {
+        const __m256 v[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(h[i])),
+                             _mm256_cvtph_ps(_mm256_extracti128_si256(h[i], 1))};
+        for (int m = 0; m < MB; ++m) {  // two chains: vectors 2i, 2i + 1
+          p[r][m][0] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xc[m] + 16 * i), p[r][m][0]);
+          p[r][m][1] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xc[m] + 16 * i + 8), p[r][m][1]);
+        }
+      }
     }
   }
 };
