@@ -15,6 +15,7 @@ constexpr FormatSpec kFormats[] = {
   {Mode::kAffine, "affine", Element::kUint,  ScaleKind::kFloat, true,  {{2, 3, 4, 5, 6, 8}, 6}, {{32, 64, 128}, 3}, 4,  64, 0.0f},
   {Mode::kMxfp4,  "mxfp4",  Element::kE2M1,  ScaleKind::kE8M0,  false, {{4}, 1},               {{32}, 1},          4,  32, 6.0f},
   {Mode::kNvfp4,  "nvfp4",  Element::kE2M1,  ScaleKind::kE4M3,  false, {{4}, 1},               {{16}, 1},          4,  16, 6.0f},
+  {Mode::kMxfp8,  "mxfp8",  Element::kE4M3,  ScaleKind::kE8M0,  false, {{8}, 1},               {{32}, 1},          8,  32, 448.0f},
 };
 // clang-format on
 

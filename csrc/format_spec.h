@@ -19,7 +19,7 @@
 namespace torch_qmm {
 
 // The value is the format's index in the table and is part of no file format.
-enum class Mode : int { kAffine = 0, kMxfp4 = 1, kNvfp4 = 2 };
+enum class Mode : int { kAffine = 0, kMxfp4 = 1, kNvfp4 = 2, kMxfp8 = 3 };
 // How a code decodes: an unsigned integer (affine), or a small float (fp_codec.h).
 enum class Element { kUint, kE2M1, kE4M3 };
 // How a scale is stored: in the weights' float dtype, or as a uint8 code (fp_codec.h).

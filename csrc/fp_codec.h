@@ -72,6 +72,7 @@ inline uint32_t e8m0_encode(int n) { return uint32_t(n + 127) & 0xFFu; }
 inline float element_value(Element e, uint32_t code) {
   switch (e) {
     case Element::kE2M1: return e2m1_value(code);
+    case Element::kE4M3: return e4m3_value(code);
     default: return NAN;
   }
 }
@@ -82,6 +83,7 @@ template <typename Round>
 uint32_t element_encode(Element e, float q, Round round) {
   switch (e) {
     case Element::kE2M1: return e2m1_encode(q, round);
+    case Element::kE4M3: return e4m3_encode(q);
     default: return 0;
   }
 }

@@ -70,12 +70,6 @@ def format_of(mode: str) -> Format:
     return f
 
 
-def resolve(mode: str, bits: int | None, group_size: int | None) -> tuple[int, int]:
-    """(bits, group_size) with None replaced by the mode's defaults (MLX's); mode is checked."""
-    f = format_of(mode)
-    return (f.default_bits if bits is None else bits, f.default_group_size if group_size is None else group_size)
-
-
 def packed_words(cols: int, bits: int) -> int:
     """uint32 words per packed row of `cols` values of `bits` bits."""
     return cols * bits // 32
