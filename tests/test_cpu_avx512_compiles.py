@@ -24,10 +24,10 @@ FEATURES = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx512-bf16-vbmi": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi"],
 }
-# (unit, features): the GGUF chunks need AVX512_BF16; fp_chunked.cpp is AVX2 code, checked here to
+# (unit, features): the GGUF chunks need AVX512_BF16; avx2_chunked.cpp is AVX2 code, checked here to
 # compile alongside the others on an AVX-512 build.
 CASES = [("csrc/cpu/qmm_chunked.cpp", "avx512"), ("csrc/cpu/qmm_chunked.cpp", "avx512-bf16-vbmi"),
-         ("csrc/cpu/gguf_chunked.cpp", "avx512-bf16-vbmi"), ("csrc/cpu/fp_chunked.cpp", "avx512-bf16-vbmi")]
+         ("csrc/cpu/gguf_chunked.cpp", "avx512-bf16-vbmi"), ("csrc/cpu/avx2_chunked.cpp", "avx512-bf16-vbmi")]
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None,
                                 reason="needs g++ targeting x86-64")
