@@ -28,6 +28,7 @@ from gguf import quants as gguf_quants
 
 from .. import reference, reference_fp
 from ..devices import synchronize
+from ..formats import FORMATS
 from ..ops import gguf_matmul, quantized_matmul
 from ..tolerance import worst_ratio
 
@@ -114,16 +115,21 @@ def _ours_gguf(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Genera
     return (lambda i: gguf_matmul(x, sets[i % len(sets)], ggml_type, cfg.n, cfg.k)), nbytes
 
 
-# MLX's fp modes: group size and bits (MLX accepts only these).
-FP_MODES = {"mxfp4": (32, 4), "nvfp4": (16, 4)}
+# The fp modes of the format table: mode -> (group size, bits), MLX's defaults (its only ones).
+FP_MODES = {m: (f.default_group_size, f.default_bits) for m, f in FORMATS.items() if not f.has_biases}
 
 
 def _rand_fp(n: int, k: int, mode: str, device: str, gen: torch.Generator):
-    """(wq, scales) of random codes and small scale bytes: e8m0 2^-8 .. 2^-5, e4m3 2^-6 .. 0.03."""
+    """(wq, scales) of random codes (e4m3: the NaN codes 0x7F / 0xFF replaced by 0x7E / 0xFE) and
+    small scale bytes: e8m0 2^-8 .. 2^-5, e4m3 2^-6 .. 0.03."""
     gs, bits = FP_MODES[mode]
     words = torch.randint(0, 2**32, (n, k * bits // 32), generator=gen, dtype=torch.int64)
-    wq = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(torch.uint32)
-    lo, hi = (127 - 8, 127 - 4) if mode.startswith("mx") else (8, 3 * 8)
+    wq = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    if FORMATS[mode].element == "e4m3":
+        b = wq.view(torch.uint8)
+        b[(b & 0x7F) == 0x7F] -= 1
+    wq = wq.view(torch.uint32)
+    lo, hi = (127 - 8, 127 - 4) if FORMATS[mode].scale == "e8m0" else (8, 3 * 8)
     scales = torch.randint(lo, hi, (n, k // gs), generator=gen, dtype=torch.int64).to(torch.uint8)
     return wq.to(device), scales.to(device)
 
