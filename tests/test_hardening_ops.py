@@ -24,7 +24,7 @@ from torch_qmm.interop import QuantEmbedding
 from torch_qmm.nn import QuantLinear
 
 from gguf_helpers import Q4_K, Q6_K, random_k_blocks
-from test_cpu_chunked import HAS_AVX512, HAS_BF16
+from test_cpu_chunked import HAS_AVX2, HAS_AVX512, HAS_BF16
 from tolerance import assert_matches_reference
 
 MODES = {
@@ -48,7 +48,7 @@ def num_threads(n: int):
 
 # ---- thread-local state (autograd modes, autocast) and the CPU workers: every route ----
 
-# (M, N, K, transpose): one call per CPU route of affine_qmm (the chunk kernels need AVX-512).
+# (M, N, K, transpose): one call per CPU route of affine_qmm (the chunk kernels need AVX-512 or AVX2).
 AFFINE_CASES = [(1, 256, 512, True), (3, 256, 96, True), (3, 96, 256, False), (64, 256, 512, True),
                 (64, 128, 256, False)]
 
@@ -68,7 +68,7 @@ def test_every_affine_cpu_route_runs_under_every_thread_local_mode(mode, threads
         ref = reference.qmm(x, wq, scales, biases, 4, 32, transpose)
         mag = reference.qmm_magnitude(x, wq, scales, biases, 4, 32, transpose)
         assert_matches_reference(y, ref, mag, torch.float32, f"M={m} transpose={transpose} {mode} {threads}t")
-    assert routes == ({"chunked", "fused", "gemm"} if HAS_AVX512 else {"fused", "gemm"})
+    assert routes == ({"chunked", "fused", "gemm"} if HAS_AVX512 or HAS_AVX2 else {"fused", "gemm"})
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -1,14 +1,15 @@
 """Every CPU affine_qmm route, reached on purpose at and around its boundaries, checked bit for bit.
 
 Each case first asserts the route torch.ops.torch_qmm._cpu_route names (the table below restates
-csrc/cpu/qmm_kernels.h: chunk kernels up to chunked_max_rows rows and from one chunk of K, fused
-below 16 rows, GEMM from 16), then runs two exact problems (tests/exact_cases.py): one whose
-float32 accumulation is exact (y must be the exact product rounded to nearest even: truncation
-or double rounding fails), one that selects single x values (float32 x must be used with all 24
-bits: the third bfloat16 term; float16 x with all 11). Shapes sit on both sides of every
-boundary: M at each threshold and row block (4), K one group below, at and above each chunk
-(512/bits codes for bits 2/4/8, 32 for 3/5/6; the fused tile's 1024-code K chunk for M >= 3;
-the GEMM tile's 512), N not a multiple of any tile (37, 129; transpose=False spans of 64 + 32).
+csrc/cpu/qmm_kernels.h: AVX-512 chunk kernels up to chunked_max_rows rows and from one chunk of K,
+then the AVX2 4-bit chunk kernel up to 15 rows from K = 64, fused below 16 rows, GEMM from 16),
+then runs two exact problems (tests/exact_cases.py): one whose float32 accumulation is exact (y
+must be the exact product rounded to nearest even: truncation or double rounding fails), one
+that selects single x values (float32 x must be used with all 24 bits: the third bfloat16 term;
+float16 x with all 11). Shapes sit on both sides of every boundary: M at each threshold and row
+block (4), K one group below, at and above each chunk (512/bits codes for bits 2/4/8, 32 for
+3/5/6, 64 for the AVX2 4-bit chunk; the fused tile's 1024-code K chunk for M >= 3; the GEMM
+tile's 512), N not a multiple of any tile (37, 129; transpose=False spans of 64 + 32).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 import torch_qmm
 from exact_cases import assert_bitwise, rounding_case, selection_case
-from test_cpu_chunked import HAS_AVX512, HAS_BF16, HAS_VBMI, MAX_ROWS
+from test_cpu_chunked import AVX2_AFFINE_MAX_ROWS, AVX2_CHUNK, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI, MAX_ROWS
 
 BITS = (2, 3, 4, 5, 6, 8)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -42,6 +43,8 @@ def expected_route(bits, dtype, M, K, transpose, no_bf16) -> str:
                 return f"chunked/bf16x{TERMS[dtype]}"
         elif M == 1 and bits == 4:
             return "chunked/f32"
+    if transpose and HAS_AVX2 and bits == 4 and K >= AVX2_CHUNK and M <= AVX2_AFFINE_MAX_ROWS:
+        return "chunked/avx2-u4"
     return "fused" if M < GEMM_MIN_ROWS else "gemm"
 
 
@@ -60,6 +63,9 @@ def _cases():
             cases.append((bits, gs, dtype, True, M, 37, k_main, False))
         for K in sorted({chunk - 32, chunk, chunk + 32} - {0}):
             cases.append((bits, 32, dtype, True, 1, 37, K, False))
+        if bits == 4:  # the AVX2 chunk: 64 codes
+            for M, K in itertools.product((1, 5), (AVX2_CHUNK - 32, AVX2_CHUNK, AVX2_CHUNK + 32)):
+                cases.append((bits, 32, dtype, True, M, 37, K, False))
         # The fused tile: float32-only kernels (TORCH_QMM_CPU_NO_BF16=1), M >= 3 walks K in
         # 1024-code chunks: K at and across one chunk, 4-row blocks and their tails.
         for M, K in ((3, 1056), (5, 1024), (7, 2080)):
@@ -103,6 +109,8 @@ def test_every_cpu_route_is_reached():
     want = {"fused", "gemm"}
     if HAS_AVX512:
         want |= {"chunked/f32"} if not HAS_BF16 else {"chunked/bf16x1", "chunked/bf16x2", "chunked/bf16x3"}
+    if HAS_AVX2:
+        want |= {"chunked/avx2-u4"}
     assert want <= routes, f"not reached: {want - routes}"
 
 

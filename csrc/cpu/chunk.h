@@ -1,10 +1,11 @@
-// The chunk kernels for transpose=True, small M (qmm_chunked.cpp drives them). A load of a packed
-// row is one *chunk*: 64 bytes (512/BITS codes) for bits 2/4/8, one 32-code block (4*BITS bytes,
-// masked load) for the bit streams of bits 3/5/6; x is rearranged once per call so that every
-// code meets its x in-lane, with no shuffle of W. Two ways to multiply:
+// The AVX-512 multipliers of the chunk kernels for transpose=True, small M (the driver is
+// chunk_driver.h; qmm_chunked.cpp and gguf_chunked.cpp define the kernels that use these). A
+// load of a packed row is one *chunk*: 64 bytes (512/BITS codes) for bits 2/4/8, one 32-code
+// block (4*BITS bytes, masked load) for the bit streams of bits 3/5/6; x is rearranged once per
+// call so that every code meets its x in-lane, with no shuffle of W. Two multipliers:
 //
-// bfloat16 (AVX512_BF16: vdpbf16ps, 32 products per instruction summed in float32). The chunk is
-// 32 u16 words, each cut into *planes* of F = 4 bits (2 for BITS=2): plane j holds bits
+// Bf16Multiplier (AVX512_BF16: vdpbf16ps, 32 products per instruction summed in float32). The
+// chunk is 32 u16 words, each cut into *planes* of F = 4 bits (2 for BITS=2): plane j holds bits
 // [F*j, F*j + F) of every word. One vpermw per plane maps each word's low 5 bits, after an F*j
 // shift, through a 32-entry table to the bfloat16 of the field (exact: <= 4 significant bits):
 //   4-bit: plane j (0..3), u16 lane i = q[4i + j]
@@ -21,7 +22,7 @@
 // its own float32 matmuls at those settings (QmmArgs::x_bf16_terms).
 // A W chunk is decoded once for all the x rows of a tile.
 //
-// float32 (4-bit only; AVX-512 without BF16, M = 1). The chunk is 16 dwords of 8 nibbles:
+// F32Multiplier (4-bit only; AVX-512 without BF16, M = 1). The chunk is 16 dwords of 8 nibbles:
 //   vector j (0..7), lane l:  w & (15 << 4j)  =  q[8l + j] * 16^j     (no shift)
 //   converted unsigned (exact: 4 significant bits), times xw[c][j][l] = x[128c + 8l + j] * 2^-4j
 // so every 16 codes cost one and, one convert and one FMA; the powers of two cancel exactly (for
@@ -45,6 +46,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "chunk_driver.h"
 #include "qmm_kernels.h"
 
 namespace torch_qmm {
@@ -88,19 +90,6 @@ __attribute__((always_inline)) inline void for_each_index(F&& f, std::integer_se
   (f(std::integral_constant<int, J>{}), ...);
 }
 
-// Whether the chunk kernels may take x: finite, and every nonzero |x| in [2^-98, 2^100]. Below, the
-// float32 chunk's x * 2^-28 and the bfloat16 terms (flushed by vdpbf16ps under 2^-126) would
-// lose bits; above, the unscaled sums of q * x (up to 128 * 255 * |x| per group) could overflow
-// where s * q * x does not. Other x take the fused kernel, which scales before multiplying.
-inline bool x_in_range(const float* x, int64_t n) {
-  bool ok = true;
-  for (int64_t k = 0; k < n; ++k) {
-    const float v = std::fabs(x[k]);
-    ok &= (v >= 0x1p-98f && v <= 0x1p100f) || v == 0.0f;  // false for NaN
-  }
-  return ok;
-}
-
 // Per-lane scales of a chunk: lane l gets float(s[(32/BITS) * l / G]), s pointing at the group
 // of the chunk's first code. Reads exactly the groups the chunk touches (one if G > its codes).
 template <typename T, int G, int BITS>
@@ -127,7 +116,7 @@ inline __m512 chunk_lanes(const T* s) {
 }
 
 // The next tile's scales and biases (rows [n+R, n+2R)): 2*R more streams than the hardware
-// prefetcher follows well (float32 scales: ~10-15% faster with this, 2 threads).
+// prefetcher follows well.
 template <typename T, int R>
 inline void prefetch_params(const QmmArgs& a, int64_t n, int64_t groups) {
   const int64_t next = (n + R) * groups * int64_t(sizeof(T));  // byte offset of the next tile's rows
@@ -139,10 +128,12 @@ inline void prefetch_params(const QmmArgs& a, int64_t n, int64_t groups) {
 
 // How the codes of one chunk meet x, for R rows of W and MB rows of x at once:
 // p[r][m] += (q of W row r) * (x row m), lane l holding the products of codes (32/BITS) * l ..
-// + 32/BITS - 1, all in one group (chunk_lanes). Always inlined: a call would send w and p through memory
-// (GCC did not inline it: ~50% slower).
-struct F32Chunk {
+// + 32/BITS - 1, all in one group (chunk_lanes). Always inlined: a call would send w and p through
+// memory.
+struct F32Multiplier {
+  static constexpr const char* kName = "f32";
   static constexpr int kBits = 4;
+  static constexpr int kMaxXBlock = 1;  // routed at M = 1 only
   using X = float;
   static constexpr int64_t kXPerChunk = 128;  // xw floats per chunk per x row
   template <int R, int MB>
@@ -230,8 +221,10 @@ struct Planes {
 };
 
 template <int P, int BITS>
-struct Bf16Chunk {
+struct Bf16Multiplier {
+  static constexpr const char* kName = P == 1 ? "bf16x1" : P == 2 ? "bf16x2" : "bf16x3";
   static constexpr int kBits = BITS;
+  static constexpr int kMaxXBlock = 4;
   using X = uint16_t;
   using Geometry = Planes<BITS>;
   static constexpr int64_t kXPerChunk = 32 * Geometry::kCount * P;  // bfloat16 terms per chunk per x row
@@ -265,44 +258,6 @@ struct Bf16Chunk {
   }
 };
 #endif
-
-// W rows [n, n+R) times MB rows of x (xr[m]: that row's prepared x, C::kXPerChunk per chunk):
-// out[r][m] = sum over whole chunks of s*q*x.
-template <typename T, int R, int MB, int G, typename C>
-void tile(const QmmArgs& a, int64_t n, const typename C::X* const (&xr)[MB], float (&out)[R][MB]) {
-  constexpr int kCodes = kCodesPerChunk<C::kBits>;
-  const int64_t chunks = a.K / kCodes, row_bytes = a.K * C::kBits / 8, groups = a.K / G;
-  const uint8_t* row[R];
-  const T* s[R];
-  for (int r = 0; r < R; ++r) {
-    row[r] = a.wq + (n + r) * row_bytes;
-    s[r] = static_cast<const T*>(a.scales) + (n + r) * groups;
-  }
-  prefetch_params<T, R>(a, n, groups);
-  __m512 acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m512i w[R];
-    for (int r = 0; r < R; ++r) {
-      // The same chunk of the next tile's row r: the rows are contiguous.
-      prefetch_l2(row[r], R * row_bytes + c * kChunkBytes<C::kBits>);
-      w[r] = load_chunk<C::kBits>(row[r] + c * kChunkBytes<C::kBits>);
-    }
-    __m512 p[R][MB];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) p[r][m] = _mm512_setzero_ps();
-    const typename C::X* xc[MB];
-    for (int m = 0; m < MB; ++m) xc[m] = xr[m] + c * C::kXPerChunk;
-    C::template dot<R, MB>(w, xc, p);
-    for (int r = 0; r < R; ++r) {
-      const __m512 sl = chunk_lanes<T, G, C::kBits>(s[r] + c * kCodes / G);
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(p[r][m], sl, acc[r][m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
-}
 
 }  // namespace chunk
 }  // namespace cpu

@@ -6,15 +6,11 @@
 // against sums of x. The block layouts are described at Q4K and Q6K below.
 #include "gguf_chunked.h"
 
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
-
-#include <algorithm>
-#include <atomic>
-#include <vector>
 
 #include "../gguf_format.h"
 #include "chunk.h"
+#include "chunk_driver.h"
 #include "qmm_kernels.h"
 
 namespace torch_qmm {
@@ -24,8 +20,6 @@ namespace cpu {
 namespace {
 
 using namespace chunk;
-
-constexpr int64_t kSpanRows = 128;  // W rows per work item
 
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
@@ -107,9 +101,7 @@ struct Q4K {
   static constexpr int64_t kXPerBlock = 2 * 4 * P * 32;
   static constexpr int tile_rows(int mb) { return mb == 1 ? 4 : mb == 2 ? 2 : 1; }
   // Rows of x up to which this beats the fused / GEMM routes of gguf_qmm.cpp, by bfloat16 terms
-  // of x. Measured on 14336x5120 (2-core Zen 4, chunked against TORCH_QMM_CPU_NO_BF16=1, ms):
-  // 3 terms (float32) 34.6 / 45.6 at M=16, 74 / 55 at 32; 2 (float16) 54 / 54 at 32, 105 / 80
-  // at 64; 1 (bfloat16) 110 / 125 at 128. M=1: 2.0 / 1.7 / 1.4 against 8.3 for all three.
+  // of x (measured against TORCH_QMM_CPU_NO_BF16=1: benchmarks/README.md, "GGUF row limits").
   static constexpr int64_t max_rows(int terms) { return terms >= 3 ? 16 : terms == 2 ? 32 : 128; }
 
   // x of one super-block -> xb (planes of chunk k = 0, 1) and xs (lanes 8-15: sub-block sums).
@@ -190,9 +182,7 @@ struct Q6K {
   template <int P>
   static constexpr int64_t kXPerBlock = (2 * 4 + 8) * P * 32;
   static constexpr int tile_rows(int mb) { return mb == 1 ? 2 : 1; }
-  // Measured like Q4K::max_rows (14336x5120, ms, chunked against fused/GEMM): 3 terms 10.0 /
-  // 12.6 at M=2, 18.9 / 16.8 at 4; 2 terms 14.0 / 16.1 at 4, 25.6 / 21.5 at 8; 1 term 50.9 / 53.6
-  // at 32. M=1: 4.1 / 3.2 / 2.7 against 11.1.
+  // Measured like Q4K::max_rows (benchmarks/README.md).
   static constexpr int64_t max_rows(int terms) { return terms >= 3 ? 2 : terms == 2 ? 4 : 32; }
 
   template <int P>
@@ -270,90 +260,49 @@ struct Q6K {
   }
 };
 
-inline int x_block_rows(int64_t left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
-
+// The GGUF kernel (chunk_driver.h): a chunk is one super-block of 256 weights, which holds its
+// own scales and offsets (Fmt::block applies both); side data: Fmt::prepare's 16 floats of
+// sub-block sums of x per super-block. Nothing is left for rest(): K is whole super-blocks.
 template <typename Fmt, int P>
-struct PreparedX {
-  std::vector<uint16_t> xb;
-  std::vector<float> xs;  // 16 floats per super-block (Fmt::prepare)
-  int64_t xb_stride, xs_stride;
-};
+struct GgufKernel {
+  using X = uint16_t;
+  using Acc = __m512;
+  static constexpr int64_t kXPerChunk = Fmt::template kXPerBlock<P>, kSidePerChunk = 16;
+  static constexpr int kMaxXBlock = 4;
+  static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
 
-template <typename Fmt, int R, int MB, int P>
-void tile(const GgufArgs& a, int64_t n, const uint16_t* const (&xb)[MB], const float* const (&xs)[MB],
-          float (&out)[R][MB]) {
-  const int64_t nb = a.K / 256, row_bytes = nb * Fmt::kBlockBytes;
-  __m512 acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  const GgufArgs& a;
+  int64_t chunks, row_bytes, rest_floats = 0;
+  explicit GgufKernel(const GgufArgs& args) : a(args), chunks(a.K / 256), row_bytes(chunks * Fmt::kBlockBytes) {}
+
+  const uint8_t* row(int64_t n) const { return a.blocks + n * row_bytes; }
+  void prepare_row(const float* x, X* xb, float* xs, float*) const {
+    for (int64_t b = 0; b < chunks; ++b) Fmt::template prepare<P>(x + 256 * b, xb + b * kXPerChunk, xs + 16 * b);
+  }
+  template <int R>
+  void start_tile(int64_t) const {}
+
+  template <int R, int MB>
+  __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t b,
+                                                   const X* const (&xb)[MB], const float* const (&xs)[MB],
+                                                   __m512 (&acc)[R][MB]) const {
     const uint8_t* blk[R];
     for (int r = 0; r < R; ++r) {
-      blk[r] = a.blocks + (n + r) * row_bytes + b * Fmt::kBlockBytes;
+      blk[r] = row[r] + b * Fmt::kBlockBytes;
       for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)  // the next tile's block
         prefetch_l2(blk[r], R * row_bytes + off);
     }
-    const uint16_t* xbb[MB];
-    const float* xsb[MB];
-    for (int m = 0; m < MB; ++m) {
-      xbb[m] = xb[m] + b * Fmt::template kXPerBlock<P>;
-      xsb[m] = xs[m] + b * 16;
-    }
-    Fmt::template block<R, MB, P>(blk, xbb, xsb, acc);
+    Fmt::template block<R, MB, P>(blk, xb, xs, acc);
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
-}
 
-template <typename Fmt, int MB, int P>
-void run_block(const GgufArgs& a, int64_t n0, int64_t n1, int64_t m0, const PreparedX<Fmt, P>& px, float* y) {
-  constexpr int R = Fmt::tile_rows(MB);
-  const uint16_t* xb[MB];
-  const float* xs[MB];
-  for (int m = 0; m < MB; ++m) {
-    xb[m] = px.xb.data() + (m0 + m) * px.xb_stride;
-    xs[m] = px.xs.data() + (m0 + m) * px.xs_stride;
-  }
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    float out[R][MB];
-    tile<Fmt, R, MB, P>(a, n, xb, xs, out);
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) y[(m0 + m) * a.N + n + r] = out[r][m];
-  }
-  for (; n < n1; ++n) {
-    float out[1][MB];
-    tile<Fmt, 1, MB, P>(a, n, xb, xs, out);
-    for (int m = 0; m < MB; ++m) y[(m0 + m) * a.N + n] = out[0][m];
-  }
-}
+  static __m512 zero() { return _mm512_setzero_ps(); }
+  static float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+  float rest(int64_t, const float*) const { return 0.0f; }
+};
 
 template <typename Fmt, int P>
 void run(const GgufArgs& a, float* y) {
-  const int64_t nb = a.K / 256;
-  PreparedX<Fmt, P> px;
-  px.xb_stride = nb * Fmt::template kXPerBlock<P>;
-  px.xs_stride = nb * 16;
-  px.xb.resize(a.M * px.xb_stride);
-  px.xs.resize(a.M * px.xs_stride);
-  for (int64_t m = 0; m < a.M; ++m)
-    for (int64_t b = 0; b < nb; ++b)
-      Fmt::template prepare<P>(a.x + m * a.K + 256 * b, px.xb.data() + m * px.xb_stride + b * Fmt::template kXPerBlock<P>,
-                               px.xs.data() + m * px.xs_stride + 16 * b);
-  const int64_t spans = (a.N + kSpanRows - 1) / kSpanRows;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), spans), 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < spans;) {
-      const int64_t n0 = i * kSpanRows, n1 = std::min(a.N, n0 + kSpanRows);
-      for (int64_t m0 = 0; m0 < a.M;) {
-        const int mb = x_block_rows(a.M - m0);
-        if (mb == 4) run_block<Fmt, 4, P>(a, n0, n1, m0, px, y);
-        else if (mb == 2) run_block<Fmt, 2, P>(a, n0, n1, m0, px, y);
-        else run_block<Fmt, 1, P>(a, n0, n1, m0, px, y);
-        m0 += mb;
-      }
-    }
-  });
+  chunk::run(GgufKernel<Fmt, P>(a), a.x, a.M, a.N, a.K, y);
 }
 
 template <typename Fmt>
@@ -367,7 +316,7 @@ void run_terms(const GgufArgs& a, float* y) {
 
 }  // namespace
 
-const char* gguf_chunked_tile(const GgufArgs& a, int64_t ggml_type) {
+const char* gguf_chunked_multiplier(const GgufArgs& a, int64_t ggml_type) {
   if (a.avoid_bf16 || a.M < 1) return nullptr;
   const int64_t limit = ggml_type == Q4K::kType ? Q4K::max_rows(a.x_bf16_terms)
                         : ggml_type == Q6K::kType ? Q6K::max_rows(a.x_bf16_terms) : 0;
@@ -378,12 +327,12 @@ const char* gguf_chunked_tile(const GgufArgs& a, int64_t ggml_type) {
 void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y) {
   if (ggml_type == Q4K::kType) return run_terms<Q4K>(a, y);
   if (ggml_type == Q6K::kType) return run_terms<Q6K>(a, y);
-  TORCH_CHECK(false, "gguf_qmm: no chunk kernel for ggml type ", ggml_type, " (gguf_chunked_tile)");
+  TORCH_CHECK(false, "gguf_qmm: no chunk kernel for ggml type ", ggml_type, " (gguf_chunked_multiplier)");
 }
 
 #else  // the fused decode-and-dot of gguf_qmm.cpp serves every CPU without AVX512_BF16
 
-const char* gguf_chunked_tile(const GgufArgs&, int64_t) { return nullptr; }
+const char* gguf_chunked_multiplier(const GgufArgs&, int64_t) { return nullptr; }
 void gguf_chunked(const GgufArgs&, int64_t, float*) { TORCH_CHECK(false, "gguf_qmm: the chunk kernels need AVX512_BF16"); }
 
 #endif

@@ -17,7 +17,7 @@ struct GgufArgs {
 
 // "bf16x1/2/3" when a chunk kernel takes these operands (Q4_K or Q6_K, M up to the type's
 // max_rows for the bfloat16 terms of x, AVX512_BF16 built and not avoided, x in range), else null.
-const char* gguf_chunked_tile(const GgufArgs& a, int64_t ggml_type);
+const char* gguf_chunked_multiplier(const GgufArgs& a, int64_t ggml_type);
 void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y);
 
 }  // namespace cpu

@@ -30,8 +30,7 @@ using gguf::BlockQ4K;
 using gguf::BlockQ6K;
 using gguf::kQK_K;
 
-// Same crossover as affine_qmm (csrc/cpu/qmm.cpp): from 16 rows of x a GEMM on decoded tiles wins.
-constexpr int64_t kGemmMinRows = 16;
+using cpu::kGemmMinRows;  // qmm_kernels.h
 constexpr int64_t kGemmBlockRows = 256;
 
 inline float half_to_float(uint16_t bits) { return float(c10::Half(bits, c10::Half::from_bits())); }
@@ -177,7 +176,7 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
   // The chunk kernels hoist the Q4_K mins (and Q6_K's -32) out of the dot products; where that
   // gives a non-finite value it need not be the one IEEE arithmetic on the decoded weights gives,
   // so such calls are redone by the fused / GEMM kernels below, which multiply decoded weights.
-  if (cpu::gguf_chunked_tile(a, ggml_type) != nullptr) {
+  if (cpu::gguf_chunked_multiplier(a, ggml_type) != nullptr) {
     cpu::gguf_chunked(a, ggml_type, yf.data_ptr<float>());
     if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return yf.to(x.scalar_type()).reshape(out_shape);
   }
@@ -209,7 +208,7 @@ std::string gguf_qmm_cpu_route(const at::Tensor& x, const at::Tensor& blocks_in,
   if (M == 0 || N == 0) return "empty";
   const at::Tensor blocks = blocks_in.contiguous();
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  if (const char* t = cpu::gguf_chunked_tile(args_for(xf, blocks, N, K, x.scalar_type()), ggml_type))
+  if (const char* t = cpu::gguf_chunked_multiplier(args_for(xf, blocks, N, K, x.scalar_type()), ggml_type))
     return std::string("chunked/") + t;
   return M < kGemmMinRows ? "fused" : "gemm";
 }

@@ -2,7 +2,7 @@
 //
 // This file is the op: validation, x to float32 (and, for affine, to codec order: decode.h),
 // routing, and y back to x's dtype. Every mode is offered to the chunk kernels first
-// (qmm_chunked.cpp: qmm_t_chunked_tile says whether they serve the call); affine then takes the
+// (qmm_chunked.cpp: qmm_t_chunked_multiplier says whether they serve the call); affine then takes the
 // fused kernels (qmm_fused.cpp, small M, W never materialized) or the GEMM kernels (qmm_gemm.cpp,
 // large M, float32 tiles + BLAS); the fp modes take the GEMM kernels at every M.
 // qmm_kernels.h holds the routing threshold. Accumulation is float32 throughout.
@@ -89,7 +89,7 @@ enum class Route { kChunked, kFused, kGemm };
 
 // The one routing decision, for the op and for _cpu_route.
 Route route_for(const cpu::QmmArgs& a, bool transpose) {
-  if (transpose && cpu::qmm_t_chunked_tile(a) != nullptr) return Route::kChunked;
+  if (transpose && cpu::qmm_t_chunked_multiplier(a) != nullptr) return Route::kChunked;
   if (a.mode != Mode::kAffine) return Route::kGemm;
   return a.M < cpu::kGemmMinRows ? Route::kFused : Route::kGemm;
 }
@@ -137,7 +137,7 @@ std::string qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::T
   const Call c = prepare(x, wq, scales, biases, mode, bits, group_size, transpose);
   if (c.empty) return "empty";
   switch (route_for(c.a, transpose)) {
-    case Route::kChunked: return std::string("chunked/") + cpu::qmm_t_chunked_tile(c.a);
+    case Route::kChunked: return std::string("chunked/") + cpu::qmm_t_chunked_multiplier(c.a);
     case Route::kFused: return "fused";
     default: return "gemm";
   }

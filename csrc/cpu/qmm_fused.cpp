@@ -136,7 +136,7 @@ template <int BITS, typename T, int MB>
 void t_rows(const QmmArgs& a, int64_t n0, int64_t n1, int64_t m0, int64_t kb0, int64_t kb1, const float* xsum,
             float* y) {
   int64_t n = n0;
-  if constexpr (MB == 1) {  // hoisted bias: ~1.6x faster than TTile<.., 1, ..> (benchmarks/)
+  if constexpr (MB == 1) {  // hoisted bias: one FMA per 16 codes instead of two (TTileHoisted)
     auto rows = [&](auto bpg) {
       constexpr int G = decltype(bpg)::value;
       for (; n + 2 <= n1; n += 2) TTileHoisted<BITS, T, 2, G>::run(a, n, m0, kb0, kb1, xsum, y);

@@ -1,11 +1,13 @@
-// CPU affine_qmm kernels: the interface between the op (qmm.cpp) and the two kernel families.
+// CPU qmm kernels: the interface between the op (qmm.cpp) and the three kernel families.
 //
-//   fused (qmm_fused.cpp)  small M: each 32-code block of W is decoded in registers, dequantized
-//                          (w = s*q + b) and multiplied into up to 4 rows of x at once;
-//                          W is never written to memory.
-//   chunked (qmm_chunked.cpp, chunk.h) any bits on AVX-512 up to chunked_max_rows: 64-byte
-//                          (or 32-code) chunks, shuffle-free decode, bfloat16 dot products where the CPU has
-//                          them; each W chunk decoded once per 4 rows of x.
+//   fused (qmm_fused.cpp)  affine, small M: each 32-code block of W is decoded in registers,
+//                          dequantized (w = s*q + b) and multiplied into up to 4 rows of x at
+//                          once; W is never written to memory.
+//   chunked (chunk_driver.h; multipliers in chunk.h, chunk_avx2.h) small M: chunks of 64 or
+//                          32 bytes decoded without shuffles of W, each decoded once per 4 rows
+//                          of x: affine on AVX-512 (qmm_chunked.cpp; bfloat16 dot products where
+//                          the CPU has them), affine 4-bit and the fp modes on AVX2
+//                          (avx2_chunked.cpp).
 //   gemm  (qmm_gemm.cpp)   large M: W is decoded in cache-sized float32 tiles by each thread,
 //                          which multiplies its own tiles with a single-threaded BLAS GEMM
 //                          (no barrier between decode and GEMM, bounded scratch).
@@ -51,32 +53,34 @@ bool avoid_bf16();
 // Whether y[0 .. n) holds no Inf or NaN.
 bool all_finite(const float* y, int64_t n);
 
-// Rows of x from which the GEMM family is used (both transpose modes). Measured on a 2-core
-// AVX-512 machine (benchmarks/): the fused kernels reach ~80% of the FMA peak for a few rows,
-// but re-decode W for every 4 rows; past ~16 rows a BLAS GEMM on decoded tiles wins.
+// Rows of x from which the GEMM family is used (affine_qmm both transpose modes, and gguf_qmm):
+// the fused kernels re-decode W for every 4 rows; past ~16 rows a BLAS GEMM on decoded tiles
+// wins (benchmarks/README.md).
 constexpr int64_t kGemmMinRows = 16;
 
-// y [M, N] float32 row-major.
-// Bits 2/3/4/5/6/8, small to medium M (qmm_chunked.cpp, AVX-512), x in natural order.
-// qmm_t_chunked_tile names the chunk multiplier it would use ("bf16x3", "bf16x2", "bf16x1": x
-// as that many bfloat16 terms; "f32": 4-bit, M = 1, without AVX512_BF16), or is null where it
-// does not apply (M above chunked_max_rows, K below one chunk, no AVX-512, x out of range): then
-// qmm_t_chunked must not be called.
-const char* qmm_t_chunked_tile(const QmmArgs& a);
+// The chunk kernels (driver: chunk_driver.h), transpose=True, small M, x in natural order;
+// y [M, N] float32 row-major. qmm_t_chunked_multiplier names the multiplier they would use, or
+// is null where none applies (then qmm_t_chunked must not be called):
+//   affine on AVX-512, bits 2/3/4/5/6/8 (qmm_chunked.cpp): "bf16x3", "bf16x2", "bf16x1" (x as
+//     that many bfloat16 terms, up to chunked_max_rows rows), "f32" (4-bit, M = 1, without
+//     AVX512_BF16); K of at least one chunk, x in range (chunk::x_in_range);
+//   then, on AVX2 + FMA (avx2_chunked.cpp), K of at least one chunk of the multiplier
+//     (chunk_avx2.h): "avx2-u4" (affine 4-bit, up to avx2_affine_max_rows rows, x in range), and
+//     for the fp modes one multiplier per element encoding ("avx2-e2m1": mxfp4, nvfp4), up to
+//     fp_chunked_max_rows rows.
+const char* qmm_t_chunked_multiplier(const QmmArgs& a);
 void qmm_t_chunked(const QmmArgs& a, float* y);
 
-// Rows of x up to which the chunk kernels beat the fused / GEMM routes, by bits and bfloat16
-// terms of x. Measured on 14336x5120 (2-core Zen 4; python -m torch_qmm bench, with and without
-// TORCH_QMM_CPU_NO_BF16=1; benchmarks/README.md), chunked against fused/GEMM ms:
-//   bits 2, 4: 3 terms (float32 x) up to M=32 (4-bit: 38 / 36 at 32, 74 / 62 at 64); 2
-//     (float16) up to 128 (106 / 110; equal at 256); 1 (bfloat16) at every M measured (4-bit:
-//     127 / 222 at 256).
-//   bits 8 (4 planes per 64 codes: twice the work per code): 3 terms at M=1 only (3.2 / 3.4;
-//     5.1 / 4.8 at 2); 2 up to M=2 (4.0 / 6.5; 7.5 / 6.7 at 4); 1 up to 32 (35 / 37; 69 / 61
-//     at 64).
-//   bits 3, 5, 6 (bit streams, 32-code chunks): 3 and 2 terms up to M=16 (3-bit float32 24.5 /
-//     26.2, 5-bit 24.0 / 23.9; 47.8 / 36.7 at 32); 1 up to 32 (38 / 66, 38 / 44, 40 / 43), not
-//     measured beyond. M=1: 2.6-3.8 against 4.0-5.5.
+// Rows of x up to which the AVX2 chunk kernels serve a call (benchmarks/README.md).
+constexpr int64_t avx2_affine_max_rows = kGemmMinRows - 1;
+constexpr int64_t fp_chunked_max_rows = 16;
+const char* avx2_chunked_multiplier(const QmmArgs& a);
+void avx2_chunked(const QmmArgs& a, float* y);
+
+// Rows of x up to which the AVX-512 affine chunk kernels beat the fused / GEMM routes, by bits
+// and bfloat16 terms of x (measured against TORCH_QMM_CPU_NO_BF16=1 on 14336x5120:
+// benchmarks/README.md, "Where the chunk kernels stop"). Bits 8 decode 4 planes per 64 codes
+// (twice the work per code of 4-bit), so they stop earlier.
 inline int64_t chunked_max_rows(int bits, int x_bf16_terms) {
   if (bits == 8) return x_bf16_terms >= 3 ? 1 : x_bf16_terms == 2 ? 2 : 32;
   if (bits == 3 || bits == 5 || bits == 6) return x_bf16_terms >= 2 ? 16 : 32;

@@ -26,7 +26,7 @@ from ..cli_errors import UsageError
 from ..devices import best_device
 from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from . import metalsim_traffic, mlx_peer
-from .kernels import Config, run_config
+from .kernels import FP_MODES, Config, run_config
 from .model import format_model, run_model
 from .report import (copy_bandwidth_gbps, default_result_path, format_table, last_level_cache_bytes, machine_info,
                      save_json, save_model_plot, save_plot, write_json)
@@ -84,7 +84,9 @@ def _positive(text: str) -> int:
     return value[0]
 
 
-PEERS = ["linear_float32", "linear_float16", "linear_bfloat16", "int8pack", "int4pack", "mlx"]
+PEERS = ["linear_float32", "linear_float16", "linear_bfloat16", "int8pack", "int4pack", "mlx", "no_avx2_chunks"]
+# Run only when named in --peers: torch_qmm with its AVX2 chunk kernels set aside (an A/B).
+EXPLICIT_PEERS = {"no_avx2_chunks"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--model: float32)")
     parser.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=64,
                         help="weights per scale/bias (default: %(default)s)")
+    parser.add_argument("--mode", type=_choices(["affine", *FP_MODES]), default=None,
+                        help="quantization modes, comma-separated, of affine, " + ", ".join(FP_MODES) + " (default: "
+                             "affine; the fp modes use MLX's group size and bits, --bits and --group-size "
+                             "apply to affine)")
     parser.add_argument("--gguf", type=_choices(["Q4_K", "Q6_K"]), default=None,
                         help="native GGUF types (Q4_K, Q6_K): time gguf_qmm on random blocks instead of "
                              "affine_qmm (--bits ignored)")
@@ -135,13 +141,19 @@ def configs(args: argparse.Namespace, device: str) -> list[Config]:
     ms = args.m or quick.get("m") or MS
     bits = args.bits or quick.get("bits") or BITS
     dtypes = args.dtype or quick.get("dtype") or DTYPES
-    formats = [("affine", b) for b in bits] if not args.gguf else [(f, 4) for f in args.gguf]
+    modes = args.mode or ["affine"]
+    formats = [(m, FP_MODES[m][1]) for m in modes if m in FP_MODES]
+    if "affine" in modes:
+        formats = [("affine", b) for b in bits] + formats
+    if args.gguf:
+        formats = [(f, 4) for f in args.gguf]
     out = []
     for shape in shapes:
         n, k = (int(v) for v in shape.lower().split("x"))
         for fmt, b in formats:
             for d in dtypes:
-                out += [Config(n, k, m, b, d, args.group_size, device, fmt) for m in ms]
+                gs = FP_MODES[fmt][0] if fmt in FP_MODES else args.group_size
+                out += [Config(n, k, m, b, d, gs, device, fmt) for m in ms]
     return out
 
 
@@ -173,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
     peer_cache: dict = {}
     results = []
     for cfg in configs(args, device):
-        r = run_config(cfg, args.repeats, cache, peer_ok, peer_cache)
+        r = run_config(cfg, args.repeats, cache, peer_ok, peer_cache,
+                       explicit=lambda p: bool(args.peers) and p in args.peers and p in EXPLICIT_PEERS)
         results.append(r)
         print(f"  {cfg.n}x{cfg.k} M={cfg.m} {cfg.label} {cfg.dtype}: {r.times_ms['torch_qmm']:.3f} ms "
               f"({r.gbps():.1f} GB/s); {_speedups(r)}", flush=True)

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from .. import reference
+from .. import reference, reference_fp
 from ..devices import synchronize
+from ..formats import FORMATS
 from ..ops import gguf_matmul, quantized_matmul
 from ..tolerance import worst_ratio
 
@@ -43,7 +44,7 @@ class Config:
     dtype: str  # of x, scales, biases
     group_size: int = 64
     device: str = "cpu"
-    fmt: str = "affine"  # or a native GGUF type ("Q4_K", "Q6_K"): gguf_qmm instead of affine_qmm
+    fmt: str = "affine"  # an fp mode ("mxfp4", "nvfp4": FP_MODES), or a native GGUF type ("Q4_K", "Q6_K")
 
     @property
     def label(self) -> str:
@@ -114,7 +115,46 @@ def _ours_gguf(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Genera
     return (lambda i: gguf_matmul(x, sets[i % len(sets)], ggml_type, cfg.n, cfg.k)), nbytes
 
 
+# The fp modes of the format table: mode -> (group size, bits), MLX's defaults (its only ones).
+FP_MODES = {m: (f.default_group_size, f.default_bits) for m, f in FORMATS.items() if not f.has_biases}
+
+
+def _rand_fp(n: int, k: int, mode: str, device: str, gen: torch.Generator):
+    """(wq, scales) of random codes (e4m3: the NaN codes 0x7F / 0xFF replaced by 0x7E / 0xFE) and
+    small scale bytes: e8m0 2^-8 .. 2^-5, e4m3 2^-6 .. 0.03."""
+    gs, bits = FP_MODES[mode]
+    words = torch.randint(0, 2**32, (n, k * bits // 32), generator=gen, dtype=torch.int64)
+    wq = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    if FORMATS[mode].element == "e4m3":
+        b = wq.view(torch.uint8)
+        b[(b & 0x7F) == 0x7F] -= 1
+    wq = wq.view(torch.uint32)
+    lo, hi = (127 - 8, 127 - 4) if FORMATS[mode].scale == "e8m0" else (8, 3 * 8)
+    scales = torch.randint(lo, hi, (n, k // gs), generator=gen, dtype=torch.int64).to(torch.uint8)
+    return wq.to(device), scales.to(device)
+
+
+def _ours_fp(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) -> Impl:
+    gs, bits = FP_MODES[cfg.fmt]
+    first = _rand_fp(cfg.n, cfg.k, cfg.fmt, cfg.device, gen)
+    nbytes = sum(t.numel() * t.element_size() for t in first)
+    sets = [first] + [_rand_fp(cfg.n, cfg.k, cfg.fmt, cfg.device, gen)
+                      for _ in range(copies_for(nbytes, cache_bytes) - 1)]
+    cols = min(64, cfg.n)
+    wq, scales = first[0][:cols].cpu(), first[1][:cols].cpu()
+    y = quantized_matmul(x, wq.to(x.device), scales.to(x.device), None, group_size=gs, bits=bits, mode=cfg.fmt).cpu()
+    y_ref = reference_fp.qmm_fp(x.cpu(), wq, scales, cfg.fmt, gs, bits)
+    mag = reference_fp.qmm_fp_magnitude(x.cpu(), wq, scales, cfg.fmt, gs, bits)
+    worst = worst_ratio(y, y_ref, mag, getattr(torch, cfg.dtype), torch.get_float32_matmul_precision())
+    if not worst <= 1.0:
+        raise AssertionError(f"torch_qmm output differs from the reference for {cfg} (worst error/bound {worst:.2f})")
+    mode = cfg.fmt
+    return (lambda i: quantized_matmul(x, *sets[i % len(sets)], None, group_size=gs, bits=bits, mode=mode)), nbytes
+
+
 def _ours(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) -> Impl:
+    if cfg.fmt in FP_MODES:
+        return _ours_fp(cfg, x, cache_bytes, gen)
     if cfg.fmt != "affine":
         return _ours_gguf(cfg, x, cache_bytes, gen)
     dtype = getattr(torch, cfg.dtype)
@@ -182,10 +222,29 @@ def _int4pack(cfg: Config, dtype: torch.dtype, cache_bytes: int, gen: torch.Gene
     return (lambda i: mm(x, sets[i % len(sets)][0], gs, sets[i % len(sets)][1])), nbytes
 
 
-def peers(cfg: Config) -> dict[str, Callable[[int, torch.Generator], Impl]]:
+def _without_avx2_chunks(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) -> Impl:
+    """torch_qmm itself with its AVX2 chunk kernels set aside (TORCH_QMM_CPU_NO_AVX2_CHUNKS=1 around
+    each call): the fused / generic routes they replace, for an A/B in the same run."""
+    if cfg.device != "cpu":
+        raise RuntimeError("CPU only")
+    call, nbytes = _ours(cfg, x, cache_bytes, gen)
+
+    def without(i: int):
+        os.environ["TORCH_QMM_CPU_NO_AVX2_CHUNKS"] = "1"
+        try:
+            return call(i)
+        finally:
+            del os.environ["TORCH_QMM_CPU_NO_AVX2_CHUNKS"]
+
+    return without, nbytes
+
+
+def peers(cfg: Config, x: torch.Tensor | None = None) -> dict[str, Callable[[int, torch.Generator], Impl]]:
     """Peer name -> builder(cache_bytes, generator). Builders raise when the peer is unavailable."""
     dtype = getattr(torch, cfg.dtype)
     out: dict[str, Callable[[int, torch.Generator], Impl]] = {}
+    if x is not None and cfg.fmt in ("affine", *FP_MODES):
+        out["no_avx2_chunks"] = lambda c, g: _without_avx2_chunks(cfg, x, c, g)
     for d in (torch.float32, torch.float16, torch.bfloat16):
         out[f"linear_{str(d)[6:]}"] = lambda c, g, d=d: _linear(cfg, d, c, g)
     if cfg.fmt != "affine":  # the other peers are affine-format counterparts
@@ -224,7 +283,7 @@ def time_impls(impls: dict[str, Impl], device: str, repeats: int, budget_s: floa
 
 
 def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callable[[str], bool] = lambda p: True,
-               peer_cache: dict | None = None, seed: int = 0) -> Result:
+               peer_cache: dict | None = None, seed: int = 0, explicit: Callable[[str], bool] = lambda p: False) -> Result:
     """Times torch_qmm and its in-process peers for one config (MLX: mlx_peer.py). `peer_cache`
     reuses peer times that do not depend on bits (F.linear, int8/int4 packs) across configs of the
     same run."""
@@ -234,10 +293,12 @@ def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callabl
     impls: dict[str, Impl] = {OURS: _ours(cfg, x, cache_bytes, gen)}
     skipped: dict[str, str] = {}
     cached: dict[str, tuple[float, int]] = {}
-    for name, build in peers(cfg).items():
-        if not peer_filter(name):
+    for name, build in peers(cfg, x).items():
+        if not peer_filter(name) or (name == "no_avx2_chunks" and not explicit(name)):
             continue
         key = (name, cfg.n, cfg.k, cfg.m, cfg.device) + ((cfg.dtype,) if name in ("int8pack", "int4pack") else ())
+        if name == "no_avx2_chunks":
+            key = None  # depends on every field of the config
         if peer_cache is not None and key in peer_cache:
             cached[name] = peer_cache[key]
             continue
@@ -253,7 +314,7 @@ def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callabl
         stats[name], nbytes[name] = st, b
     if peer_cache is not None:
         for name in impls:
-            if name != OURS:
+            if name not in (OURS, "no_avx2_chunks"):
                 key = (name, cfg.n, cfg.k, cfg.m, cfg.device) + ((cfg.dtype,) if name in ("int8pack", "int4pack") else ())
                 peer_cache[key] = (stats[name], nbytes[name])
     return Result(cfg, {k: v["median"] for k, v in stats.items()}, {k: v["min"] for k, v in stats.items()},

@@ -1,0 +1,177 @@
+// The chunk driver: how every CPU chunk kernel (affine, GGUF, the fp modes; any ISA) walks W and x.
+// Glossary (csrc/cpu/):
+//   block     32 codes of one packed row (decode.h), or a GGUF super-block of 256 weights
+//   chunk     what one load of a packed row brings into a register: 64 bytes on AVX-512 (32
+//             bytes on AVX2), or a GGUF super-block; the unit a multiplier decodes and multiplies
+//   plane     a field of every lane of a chunk (chunk.h: bits [F*j, F*j + F) of each u16 word)
+//   tile      R rows of W x MB rows of x, accumulated in registers over all whole chunks of K
+//   span      kSpanRows rows of W: one work item, taken by threads from a shared counter
+//   multiplier how the codes of a chunk meet x (chunk.h: F32Multiplier, Bf16Multiplier;
+//             chunk_avx2.h): the name a route reports ("chunked/<multiplier>")
+//   kernel    a format's policy for this driver (`Kern` below): a multiplier, the format's
+//             scales and its offset terms
+//
+// A kernel `Kern` (an object built per call, holding the operands) provides:
+//   using X, Acc;                  prepared-x element type; accumulator (a SIMD vector)
+//   kXPerChunk, kSidePerChunk      per x row and chunk: X values, and floats of side data (e.g.
+//                                  GGUF sub-block sums of x that the chunk's own offsets need)
+//   kMaxXBlock                     the largest block of x rows (4, 2 or 1) a tile takes
+//   tile_rows(mb)                  W rows per tile for mb x rows (registers)
+//   chunks, rest_floats            whole chunks per W row; floats per x row kept for rest()
+//   row(n)                         the packed bytes of W row n
+//   prepare_row(x, xc, side, rest) one row of x (natural order, K floats) into its prepared forms
+//   start_tile<R>(n)               before tile n (prefetches)
+//   chunk<R, MB>(n, row, c, xc, side, acc)   acc[r][m] += chunk c of W rows n+r times x row m,
+//                                  scaled (always inlined: a call sends registers through memory)
+//   zero(), reduce(acc)            a zero accumulator; its lanes summed
+//   rest(n, rest)                  what the whole chunks leave out of y[m, n] for x row m: the K
+//                                  tail past the last whole chunk and hoisted offset terms
+//                                  (affine biases: sum_g b[g] * sum of x over g); 0 where none
+// so that y[m, n] = reduce(sum over chunks) + rest(n, ...). Accumulation is float32 everywhere.
+//
+// Work: W rows go out in spans of kSpanRows from a shared counter, so a thread that loses its
+// core to another process mid-call leaves its share to the others (the OpenMP barrier at the end
+// still waits for it to get a core back). Within a span, the rows of x go in blocks of 4/2/1; each
+// block runs over the whole span, which is still in L2 for the next block, so W comes from memory
+// once and each chunk is decoded once per block of x rows.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace torch_qmm {
+namespace cpu {
+namespace chunk {
+
+// Whether the affine chunk kernels may take x: finite, and every nonzero |x| in [2^-98, 2^100].
+// Below, the float32 multipliers' x * 2^-28 (chunk.h; 2^-24 in chunk_avx2.h) and the bfloat16
+// terms (flushed by vdpbf16ps under 2^-126) would lose bits; above, the unscaled sums of q * x (up to 128 * 255 * |x| per group) could overflow
+// where s * q * x does not. Other x take the fused kernel, which scales before multiplying.
+inline bool x_in_range(const float* x, int64_t n) {
+  bool ok = true;
+  for (int64_t k = 0; k < n; ++k) {
+    const float v = std::fabs(x[k]);
+    ok &= (v >= 0x1p-98f && v <= 0x1p100f) || v == 0.0f;  // false for NaN
+  }
+  return ok;
+}
+
+constexpr int64_t kSpanRows = 128;  // W rows per work item (320 KB of 4-bit W at K=5120)
+
+// Rows of x (and what rest() needs), prepared once per call.
+template <typename Kern>
+struct PreparedX {
+  std::vector<typename Kern::X> x;  // per row: chunks * kXPerChunk
+  std::vector<float> side;         // per row: chunks * kSidePerChunk
+  std::vector<float> rest;         // per row: rest_floats
+  int64_t x_stride = 0, side_stride = 0, rest_stride = 0;
+};
+
+template <typename Kern>
+PreparedX<Kern> prepare_x(const Kern& kern, const float* x, int64_t M, int64_t K) {
+  PreparedX<Kern> px;
+  px.x_stride = kern.chunks * Kern::kXPerChunk;
+  px.side_stride = kern.chunks * Kern::kSidePerChunk;
+  px.rest_stride = kern.rest_floats;
+  px.x.resize(M * px.x_stride);
+  px.side.resize(M * px.side_stride);
+  px.rest.resize(M * px.rest_stride);
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      kern.prepare_row(x + m * K, px.x.data() + m * px.x_stride, px.side.data() + m * px.side_stride,
+                      px.rest.data() + m * px.rest_stride);
+  });
+  return px;
+}
+
+// W rows [n, n+R) times MB rows of x (xr[m], sr[m]: that row's prepared x and side data):
+// out[r][m] = the sum over whole chunks.
+template <typename Kern, int R, int MB>
+void tile(const Kern& kern, int64_t n, const typename Kern::X* const (&xr)[MB], const float* const (&sr)[MB],
+          float (&out)[R][MB]) {
+  kern.template start_tile<R>(n);
+  const uint8_t* row[R];
+  for (int r = 0; r < R; ++r) row[r] = kern.row(n + r);
+  typename Kern::Acc acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = Kern::zero();
+  for (int64_t c = 0; c < kern.chunks; ++c) {
+    const typename Kern::X* xc[MB];
+    const float* sc[MB];
+    for (int m = 0; m < MB; ++m) {
+      xc[m] = xr[m] + c * Kern::kXPerChunk;
+      sc[m] = sr[m] + c * Kern::kSidePerChunk;
+    }
+    kern.template chunk<R, MB>(n, row, c, xc, sc, acc);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) out[r][m] = Kern::reduce(acc[r][m]);
+}
+
+// W rows [n0, n1) times x rows [m0, m0 + MB) into y [M, N].
+template <typename Kern, int MB>
+void run_block(const Kern& kern, const PreparedX<Kern>& px, int64_t N, int64_t n0, int64_t n1, int64_t m0, float* y) {
+  constexpr int R = Kern::tile_rows(MB);
+  const typename Kern::X* xr[MB];
+  const float* sr[MB];
+  for (int m = 0; m < MB; ++m) {
+    xr[m] = px.x.data() + (m0 + m) * px.x_stride;
+    sr[m] = px.side.data() + (m0 + m) * px.side_stride;
+  }
+  auto finish = [&](int64_t n, int m, float part) {
+    y[(m0 + m) * N + n] = part + kern.rest(n, px.rest.data() + (m0 + m) * px.rest_stride);
+  };
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    float out[R][MB];
+    tile<Kern, R, MB>(kern, n, xr, sr, out);
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) finish(n + r, m, out[r][m]);
+  }
+  for (; n < n1; ++n) {
+    float out[1][MB];
+    tile<Kern, 1, MB>(kern, n, xr, sr, out);
+    for (int m = 0; m < MB; ++m) finish(n, m, out[0][m]);
+  }
+}
+
+// The largest block of x rows (4, 2, 1; at most max_rows) that fits in `left`.
+inline int x_block_rows(int64_t left, int max_rows) {
+  const int b = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+  return std::min(b, max_rows);
+}
+
+// Span i of W rows times every row of x.
+template <typename Kern>
+void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N, int64_t i, float* y) {
+  const int64_t n0 = i * kSpanRows, n1 = std::min(N, n0 + kSpanRows);
+  for (int64_t m0 = 0; m0 < M;) {
+    const int mb = x_block_rows(M - m0, Kern::kMaxXBlock);
+    if constexpr (Kern::kMaxXBlock >= 4)
+      if (mb == 4) run_block<Kern, 4>(kern, px, N, n0, n1, m0, y);
+    if constexpr (Kern::kMaxXBlock >= 2)
+      if (mb == 2) run_block<Kern, 2>(kern, px, N, n0, n1, m0, y);
+    if (mb == 1) run_block<Kern, 1>(kern, px, N, n0, n1, m0, y);
+    m0 += mb;
+  }
+}
+
+// y [M, N] float32 = x [M, K] (float32, natural order) times W, by the kernel `kern`.
+template <typename Kern>
+void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  const PreparedX<Kern> px = prepare_x(kern, x, M, K);
+  const int64_t spans = (N + kSpanRows - 1) / kSpanRows;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), spans), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < spans;) run_span(kern, px, M, N, i, y);
+  });
+}
+
+}  // namespace chunk
+}  // namespace cpu
+}  // namespace torch_qmm
