@@ -121,7 +121,7 @@ MUTANTS: list[Mutant] = [
            '(0, int(part), "") if part.isdigit()', "(0, 0, part) if part.isdigit()", CLI,
            "layers listed blk.1, blk.10, blk.2 instead of in natural order"),
     Mutant("g2-inspect-config-over-saved-format", "torch_qmm/interop/cli_inspect.py",
-           "            bits_gs = saved or configured", "            bits_gs = configured or saved", CLI,
+           "            known = saved or configured", "            known = configured or saved", CLI,
            "inspect shows config.json's format instead of the one the layer's _extra_state holds"),
     Mutant("g2-inspect-gguf-row-k-swapped", "torch_qmm/interop/cli_inspect.py",
            "shape[1] // block_bytes * per_block]", "shape[1] // per_block * block_bytes]", CLI,
