@@ -29,7 +29,7 @@ def test_convert_help_says_what_it_does_with_gguf(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "A llama-family GGUF file keeps its quantization" in text and "--requantize" in text
-    assert "(default: 4; for GGUF only with --requantize)" in " ".join(text.split())
+    assert "(default: the mode's, 4 for affine; for GGUF only with --requantize)" in " ".join(text.split())
 
 
 def test_selftest_help_shows_how_to_run_a_smaller_set(capsys):

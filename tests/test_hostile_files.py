@@ -367,7 +367,7 @@ def test_mlx_scales_stored_as_integers_are_refused(mlx_folder, tmp_path):
     assert header[key]["dtype"] == "F32"
     header[key]["dtype"] = "I32"  # same size: the byte ranges still tile the file
     _rewrite_header(shard, header)
-    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj': scales must be a float dtype .* got I32"):
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj': scales of mode 'affine' must be a float dtype .* got I32"):
         load_mlx(_fresh_model(mlx_folder), folder)
 
 

@@ -331,14 +331,18 @@ def _run_fp(case: Case, runner: _Runner, gen, dtype) -> None:
         (wd,) = runner.to(w)
         got = [t.cpu() for t in runner.run(case, lambda: quantize(wd, mode=mode), lambda: "cpu quantize")]
         case.ok = len(got) == 2 and torch.equal(got[0].view(torch.int32), wq.view(torch.int32)) and torch.equal(got[1], s)
-        if not case.ok:
+        if case.ok:
+            case.max_error, case.bound = 0.0, 0.0
+        else:
             case.error = "quantize differs from reference_fp.quantize_fp (must be bit-exact)"
     elif case.op == "dequantize":
         want = reference_fp.dequantize_fp(wq, s, mode, dtype=dtype)
         dev = runner.to(wq, s)
         got = runner.run(case, lambda: dequantize(*dev, mode=mode, dtype=dtype), lambda: "cpu dequantize").cpu()
         case.ok = got.dtype == dtype and torch.equal(got, want)
-        if not case.ok:
+        if case.ok:
+            case.max_error, case.bound = 0.0, 0.0  # bit-exact is the requirement: no tolerance
+        else:
             case.error = "dequantize differs from reference_fp.dequantize_fp (must be bit-exact)"
     else:
         x = torch.randn(case.M, case.K, generator=gen).to(dtype)
