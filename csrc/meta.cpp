@@ -54,6 +54,16 @@ at::Tensor qmm_meta(const at::Tensor& x, const at::Tensor& wq, const at::Tensor&
   return at::empty_symint(with_last(x, N), x.options());
 }
 
+// qmm_int8_activations: qmm's checks and shape (transpose=True) for the affine format only.
+at::Tensor qmm_int8_activations_meta(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                                     const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits,
+                                     int64_t group_size) {
+  const char* op = "qmm_int8_activations";
+  TORCH_CHECK_VALUE(check_mode(op, mode).mode == Mode::kAffine, op, ": argument 'mode' must be 'affine' (int8 ",
+                    "activations are implemented for the affine format), got '", mode, "'");
+  return qmm_meta(x, wq, scales, biases, mode, bits, group_size, true);
+}
+
 at::Tensor gguf_qmm_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N, int64_t K) {
   check_gguf_qmm(x, blocks, ggml_type, N, K);
   return at::empty_symint(with_last(x, c10::SymInt(N)), x.options());
@@ -66,6 +76,7 @@ TORCH_LIBRARY_IMPL(torch_qmm, Meta, m) {
   m.impl("dequantize", &dequantize_meta);
   m.impl("qmm", &qmm_meta);
   m.impl("gguf_qmm", &gguf_qmm_meta);
+  m.impl("qmm_int8_activations", &qmm_int8_activations_meta);
 }
 
 }  // namespace torch_qmm

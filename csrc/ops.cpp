@@ -38,6 +38,11 @@ TORCH_LIBRARY(torch_qmm, m) {
       "affine_qmm(Tensor x, Tensor wq, Tensor scales, Tensor biases, int bits, int group_size, "
       "bool transpose=True) -> Tensor");
   m.def("gguf_qmm(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> Tensor");
+  // qmm (transpose=True) with x quantized to int8 per block of 32: an opt-in approximation
+  // (csrc/cpu/actq_qmm.cpp, docs/activation-quantization.md).
+  m.def(
+      "qmm_int8_activations(Tensor x, Tensor wq, Tensor scales, Tensor? biases, str mode, int bits, "
+      "int group_size) -> Tensor");
   // The format table (csrc/format_spec.h) as JSON, read once by torch_qmm/formats.py.
   m.def("_formats() -> str");
   // The Metal planner (csrc/plan*.cpp), for executors and tests: JSON launch lists, routing table.
@@ -55,6 +60,9 @@ TORCH_LIBRARY(torch_qmm, m) {
       "_cpu_route(Tensor x, Tensor wq, Tensor scales, Tensor? biases, int bits, int group_size, "
       "bool transpose=True, str mode=\"affine\") -> str");
   m.def("_gguf_cpu_route(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> str");
+  m.def(
+      "_cpu_route_int8_activations(Tensor x, Tensor wq, Tensor scales, Tensor? biases, str mode, int bits, "
+      "int group_size) -> str");
 }
 
 namespace torch_qmm {

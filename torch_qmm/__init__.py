@@ -12,6 +12,7 @@ torch_qmm.formats.FORMATS describes every mode (allowed and default bits and gro
 
 from .formats import FORMATS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES
 from .ops import dequantize, quantize, quantized_matmul
+from .activations import activation_quantization
 from . import formats, nn, reference
 from .convert import QuantizeSummary, quantize_model
 
@@ -21,6 +22,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_GROUP_SIZES",
     "QuantizeSummary",
+    "activation_quantization",
     "dequantize",
     "formats",
     "nn",

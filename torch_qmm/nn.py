@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .activations import check_activations
 from .format_state import QuantFormatState
 from .formats import FORMATS, SUPPORTED_DTYPES, check_format, format_of, packed_words
 from .ops import quantize, quantized_matmul
@@ -78,7 +79,9 @@ class QuantLinear(QuantFormatState, nn.Module):
     group_size, mode) as ``_extra_state`` (QuantFormatState). bits / group_size None: the mode's
     defaults (as mlx.nn.QuantizedLinear). ``.to(dtype)`` converts the float buffers (the compute
     dtype) and leaves the packed words and uint8 scales alone; inputs must have the compute dtype,
-    as with nn.Linear (fp modes: any float dtype, the output has x's).
+    as with nn.Linear (fp modes: any float dtype, the output has x's). ``activations="int8"``
+    (affine only): x quantized to int8 per block of 32 on every call (torch_qmm.activations; CPU,
+    approximate); None: exact unless inside torch_qmm.activation_quantization.
     """
 
     def __init__(
@@ -91,8 +94,14 @@ class QuantLinear(QuantFormatState, nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         mode: str = "affine",
+        activations: str | None = None,
     ) -> None:
         super().__init__()
+        check_activations(activations)
+        if activations is not None and mode != "affine":
+            raise ValueError(f"argument 'activations' must be None for mode {mode!r} (int8 activations are "
+                             f"implemented for mode 'affine'), got {activations!r}")
+        self.activations = activations
         self.in_features = in_features
         self.out_features = out_features
         register_quantized_weight(self, out_features, in_features, bits, group_size, mode, device, dtype,
@@ -105,7 +114,7 @@ class QuantLinear(QuantFormatState, nn.Module):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, bits: int | None = None, group_size: int | None = None,
-        dtype: torch.dtype | None = None, mode: str = "affine",
+        dtype: torch.dtype | None = None, mode: str = "affine", activations: str | None = None,
     ) -> "QuantLinear":
         """Quantizes an nn.Linear (on its device). dtype: compute dtype, default the weight's (the
         weight is cast to it before quantization)."""
@@ -119,6 +128,7 @@ class QuantLinear(QuantFormatState, nn.Module):
             device=linear.weight.device,
             dtype=dtype,
             mode=mode,
+            activations=activations,
         )
         load_quantized_weight(module, linear.weight, dtype)
         with torch.no_grad():
@@ -128,7 +138,8 @@ class QuantLinear(QuantFormatState, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quantized_matmul(x, self.qweight, self.scales, self.biases, transpose=True,
-                             group_size=self.group_size, bits=self.bits, mode=self.mode)
+                             group_size=self.group_size, bits=self.bits, mode=self.mode,
+                             activations=self.activations)
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -137,6 +148,7 @@ class QuantLinear(QuantFormatState, nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"group_size={self.group_size}, bits={self.bits}, mode={self.mode}{compute_dtype_repr(self)}"
+            + (f", activations={self.activations}" if self.activations is not None else "")
         )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (loads the library that defines and implements the ops)
+from . import activations as _activations
 from .formats import FORMATS
 
 _ops = torch.ops.torch_qmm
@@ -81,6 +82,7 @@ def quantized_matmul(
     group_size: int | None = None,
     bits: int | None = None,
     mode: str = "affine",
+    activations: str | None = None,
 ) -> torch.Tensor:
     """y = x @ W.T (transpose=True, W [N, K]) or x @ W (transpose=False, W [K, N] quantized along N).
 
@@ -89,11 +91,23 @@ def quantized_matmul(
         wq: uint32 [N, K*bits/32] (transpose) or [K, N*bits/32].
         scales, biases: [N, K/group_size] (transpose) or [K, N/group_size]; biases None for the
             fp modes, whose scales are uint8 codes.
+        activations: "int8": x quantized to int8 per block of 32 (torch_qmm.activations; affine,
+            transpose=True, CPU only; approximate). None: torch_qmm.activation_quantization's
+            setting for the calls it applies to, else exact.
 
     Returns:
         y [..., N] in x's dtype, accumulated in float32.
     """
     bits, group_size = _params(mode, bits, group_size)
+    _activations.check_activations(activations)
+    kind = activations
+    if kind is None and _activations._current is not None:
+        applies = mode == "affine" and transpose and x.device.type == "cpu"
+        kind = _activations._current if applies else None
+    if kind == "int8":
+        if not transpose:
+            raise ValueError("argument 'transpose' must be True with activations='int8', got False")
+        return _ops.qmm_int8_activations(x, wq, scales, biases, mode, bits, group_size)
     return _ops.qmm(x, wq, scales, biases, mode, bits, group_size, transpose)
 
 
@@ -159,3 +173,7 @@ torch.library.register_autograd(
 )
 torch.library.register_autograd("torch_qmm::dequantize", _refuse_backward("dequantize", "'scales' or 'biases'"))
 torch.library.register_autograd("torch_qmm::gguf_qmm", _refuse_backward("gguf_qmm", "its input x"))
+torch.library.register_autograd(
+    "torch_qmm::qmm_int8_activations",
+    _refuse_backward("qmm_int8_activations", "its input x (int8 rounding; train with the exact path)"),
+)

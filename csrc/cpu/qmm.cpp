@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../validate.h"
+#include "bf16_gemm.h"
 #include "decode.h"
 #include "qmm_kernels.h"
 
@@ -85,10 +86,11 @@ Call prepare(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales
   return c;
 }
 
-enum class Route { kChunked, kFused, kGemm };
+enum class Route { kBf16Gemm, kChunked, kFused, kGemm };
 
 // The one routing decision, for the op and for _cpu_route.
 Route route_for(const cpu::QmmArgs& a, bool transpose) {
+  if (cpu::bf16_gemm_taken(a, transpose)) return Route::kBf16Gemm;  // bf16_gemm.h: opt-in precision
   if (transpose && cpu::qmm_t_chunked_multiplier(a) != nullptr) return Route::kChunked;
   if (a.mode != Mode::kAffine) return Route::kGemm;
   return a.M < cpu::kGemmMinRows ? Route::kFused : Route::kGemm;
@@ -102,6 +104,7 @@ at::Tensor qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
   cpu::QmmArgs& a = c.a;
   const Route route = route_for(a, transpose);
   auto done = [&](const at::Tensor& yf) { return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape); };
+  if (route == Route::kBf16Gemm) return done(cpu::qmm_t_bf16_gemm(a, c.wq, c.scales, c.biases, mode));
   // The chunk kernels and the transpose=True fused kernel hoist the bias (s*sum(q*x) + b*sum(x));
   // where that gives a non-finite value (Inf/NaN in x, scales or biases, or an overflow) it need
   // not be the one IEEE arithmetic on the dequantized weights gives (F.linear's: e.g. +Inf in x
@@ -128,7 +131,8 @@ at::Tensor qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
   return done(transpose ? cpu::qmm_t_gemm(a) : cpu::qmm_n_gemm(a));
 }
 
-// Which CPU kernel qmm would run: "chunked/<multiplier>" (qmm_kernels.h), "fused", "gemm", or
+// Which CPU kernel qmm would run: "gemm-bf16" (bf16_gemm.h), "chunked/<multiplier>"
+// (qmm_kernels.h), "fused", "gemm", or
 // "empty" (for a finite result; a call whose chunked or transposed fused result is not finite is
 // redone by "gemm").
 std::string qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
@@ -139,6 +143,7 @@ std::string qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::T
   switch (route_for(c.a, transpose)) {
     case Route::kChunked: return std::string("chunked/") + cpu::qmm_t_chunked_multiplier(c.a);
     case Route::kFused: return "fused";
+    case Route::kBf16Gemm: return "gemm-bf16";
     default: return "gemm";
   }
 }

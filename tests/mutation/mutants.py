@@ -13,6 +13,7 @@ RC = "tests/test_routes_cpu.py"
 FAKES = "tests/test_fakes.py"
 MLX = "tests/test_interop_mlx.py"
 METAL_OPS = "tests/test_metal_ops.py"
+ACTQ = "tests/test_cpu_actq.py"
 
 _STORE0 = "      if (gn < N) y[gm * N + gn] = static_cast<T>(C[i][j].thread_elements()[0]);"
 
@@ -213,4 +214,24 @@ MUTANTS: list[Mutant] = [
     Mutant("plan-mma16-up-to-17", "csrc/plan.cpp",
            '{"qmm_t_mma16", Op::kQmm, kQuantModes, 1, 9, 16,', '{"qmm_t_mma16", Op::kQmm, kQuantModes, 1, 9, 17,',
            (RM, "-k", "rounds_exactly and M17"), "the mma16 tile planned for 17 rows (one row lost)"),
+    # ---- C++: the int8-activation qmm and the bfloat16 GEMM route (--cpp) -----------------------
+    Mutant("int8x-rounds-toward-zero", "csrc/cpu/actq_x.h",
+           "    const float v = d > 0.0f ? std::nearbyint(x[i] / d) : 0.0f;",
+           "    const float v = d > 0.0f ? std::trunc(x[i] / d) : 0.0f;",
+           (ACTQ, "-k", "int8_step and M1"), "x codes truncated instead of rounded to nearest even"),
+    Mutant("int8x-u4-high-nibble-shift", "csrc/cpu/actq_qmm.cpp",
+           "hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble);",
+           "hi = _mm256_and_si256(_mm256_srli_epi16(wv, 3), nibble);",
+           (ACTQ, "-k", "int8_step and 4-32-256"), "the AVX2 4-bit kernel reads the high nibbles one bit off"),
+    Mutant("int8x-u8-offset-dropped", "csrc/cpu/actq_qmm.cpp",
+           "t += (w.bias(n * groups + g) - C::kOffset * w.scale(n * groups + g)) * rest[g];",
+           "t += w.bias(n * groups + g) * rest[g];",
+           (ACTQ, "-k", "int8_step and 8-64-256"), "the 8-bit kernel forgets the 128 * s * sum(x) its centred codes leave out"),
+    Mutant("int8x-scalar-group-of-32", "csrc/cpu/actq_qmm.cpp",
+           "const float s = w.scale((n + r) * groups + c * kBlock / G);",
+           "const float s = w.scale((n + r) * groups + c);",
+           (ACTQ, "-k", "int8_step and 2-64-256"), "the portable kernel takes a scale per 32 codes for any group size"),
+    Mutant("bf16-gemm-at-high-precision", "csrc/cpu/bf16_gemm.cpp",
+           "a.x_bf16_terms == 1 && !a.avoid_bf16", "a.x_bf16_terms <= 2 && !a.avoid_bf16",
+           ("tests/test_cpu_bf16_gemm.py", "-k", "conditions"), "the bfloat16 GEMM taken for float32 x at 'high'"),
 ]

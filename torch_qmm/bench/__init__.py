@@ -84,9 +84,11 @@ def _positive(text: str) -> int:
     return value[0]
 
 
-PEERS = ["linear_float32", "linear_float16", "linear_bfloat16", "int8pack", "int4pack", "mlx", "no_avx2_chunks"]
-# Run only when named in --peers: torch_qmm with its AVX2 chunk kernels set aside (an A/B).
-EXPLICIT_PEERS = {"no_avx2_chunks"}
+PEERS = ["linear_float32", "linear_float16", "linear_bfloat16", "int8pack", "int4pack", "mlx", "no_avx2_chunks",
+         "int8_activations"]
+# Run only when named in --peers: torch_qmm with its AVX2 chunk kernels set aside (an A/B), and
+# torch_qmm with x quantized to int8 (torch_qmm.activation_quantization, affine only).
+EXPLICIT_PEERS = {"no_avx2_chunks", "int8_activations"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from .. import reference, reference_fp
+from ..activations import activation_quantization
 from ..devices import synchronize
 from ..formats import FORMATS
 from ..ops import gguf_matmul, quantized_matmul
@@ -239,12 +240,32 @@ def _without_avx2_chunks(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: to
     return without, nbytes
 
 
+def _with_int8_activations(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) -> Impl:
+    """torch_qmm itself with x quantized to int8 (torch_qmm.activation_quantization("int8") around
+    each call): the opt-in approximate path against the exact one, in the same run."""
+    if cfg.device != "cpu" or cfg.fmt != "affine":
+        raise RuntimeError("CPU, affine only")
+    call, nbytes = _ours(cfg, x, cache_bytes, gen)
+
+    def with_int8(i: int):
+        with activation_quantization("int8"):
+            return call(i)
+
+    return with_int8, nbytes
+
+
+# Peers that are torch_qmm itself under another setting: timed for every config (never cached).
+OURS_VARIANTS = ("no_avx2_chunks", "int8_activations")
+
+
 def peers(cfg: Config, x: torch.Tensor | None = None) -> dict[str, Callable[[int, torch.Generator], Impl]]:
     """Peer name -> builder(cache_bytes, generator). Builders raise when the peer is unavailable."""
     dtype = getattr(torch, cfg.dtype)
     out: dict[str, Callable[[int, torch.Generator], Impl]] = {}
     if x is not None and cfg.fmt in ("affine", *FP_MODES):
         out["no_avx2_chunks"] = lambda c, g: _without_avx2_chunks(cfg, x, c, g)
+    if x is not None and cfg.fmt == "affine":
+        out["int8_activations"] = lambda c, g: _with_int8_activations(cfg, x, c, g)
     for d in (torch.float32, torch.float16, torch.bfloat16):
         out[f"linear_{str(d)[6:]}"] = lambda c, g, d=d: _linear(cfg, d, c, g)
     if cfg.fmt != "affine":  # the other peers are affine-format counterparts
@@ -294,10 +315,10 @@ def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callabl
     skipped: dict[str, str] = {}
     cached: dict[str, tuple[float, int]] = {}
     for name, build in peers(cfg, x).items():
-        if not peer_filter(name) or (name == "no_avx2_chunks" and not explicit(name)):
+        if not peer_filter(name) or (name in OURS_VARIANTS and not explicit(name)):
             continue
         key = (name, cfg.n, cfg.k, cfg.m, cfg.device) + ((cfg.dtype,) if name in ("int8pack", "int4pack") else ())
-        if name == "no_avx2_chunks":
+        if name in OURS_VARIANTS:
             key = None  # depends on every field of the config
         if peer_cache is not None and key in peer_cache:
             cached[name] = peer_cache[key]
@@ -314,7 +335,7 @@ def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callabl
         stats[name], nbytes[name] = st, b
     if peer_cache is not None:
         for name in impls:
-            if name not in (OURS, "no_avx2_chunks"):
+            if name != OURS and name not in OURS_VARIANTS:
                 key = (name, cfg.n, cfg.k, cfg.m, cfg.device) + ((cfg.dtype,) if name in ("int8pack", "int4pack") else ())
                 peer_cache[key] = (stats[name], nbytes[name])
     return Result(cfg, {k: v["median"] for k, v in stats.items()}, {k: v["min"] for k, v in stats.items()},

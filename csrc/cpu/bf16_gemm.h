@@ -1,0 +1,32 @@
+// Large-M qmm on bfloat16 matrix units (bf16_gemm.cpp): W decoded to bfloat16 tiles and
+// multiplied by torch's GEMM (oneDNN: AMX or AVX512_BF16 kernels), taken only where the caller
+// allows bfloat16 products (bfloat16 x, or float32 x under
+// torch.set_float32_matmul_precision("medium")) and the CPU has such units.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string_view>
+
+#include "qmm_kernels.h"
+
+namespace torch_qmm {
+namespace cpu {
+
+// Rows of x from which the route is taken (as the float32 GEMM route: kGemmMinRows; the point
+// where AMX tiles overtake the chunk kernels is unmeasured, the machines here have none).
+constexpr int64_t kBf16GemmMinRows = kGemmMinRows;
+
+// Whether the CPU has bfloat16 matrix units (AMX-BF16 or AVX512_BF16, as torch reports them).
+bool bf16_matrix_units();
+// Whether qmm takes the route for `a` (transpose=True only): M >= kBf16GemmMinRows, x allowed in
+// bfloat16 (QmmArgs::x_bf16_terms == 1), not TORCH_QMM_CPU_NO_BF16, and bf16_matrix_units() or
+// TORCH_QMM_CPU_FORCE_BF16_GEMM=1 (tests reach the route on any CPU that way).
+bool bf16_gemm_taken(const QmmArgs& a, bool transpose);
+// y [M, N] bfloat16 (float32 accumulation, rounded once) = bfloat16(x) @ bfloat16(W).T, W [N, K]
+// given by the op's checked, contiguous operands (biases undefined for the fp modes).
+at::Tensor qmm_t_bf16_gemm(const QmmArgs& a, const at::Tensor& wq, const at::Tensor& scales, const at::Tensor& biases,
+                           std::string_view mode);
+
+}  // namespace cpu
+}  // namespace torch_qmm

@@ -1,0 +1,180 @@
+"""The opt-in int8-activation qmm (csrc/cpu/actq_qmm.cpp, torch_qmm/activations.py).
+
+Oracles (float64, independent of the kernels): torch_qmm.reference.dequantize for W, and x's int8
+quantization written here from its definition (d = max|x| / 127 per block of 32, q = x / d rounded
+half to even, both in float32).
+
+Bounds checked:
+- against the exact product W x: |y - W x| <= sum over blocks b of (d_b / 2) * sum_{i in b} |w_i|
+  (the int8 step), plus float32 slack 2^-20 * sum |w| (|x| + d) (rounding of x / d, of the
+  float32 scale products and of the accumulation over at most K / 32 blocks: far below the step);
+- against W times the dequantized x (the same codes as the kernel's): float32 accumulation only,
+  2^-20 * sum |w| |x_deq|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_qmm
+from torch_qmm import reference
+from torch_qmm.nn import QuantLinear
+
+ops = torch.ops.torch_qmm
+SLACK = 2.0**-20
+
+
+def quantize_x(x: torch.Tensor):
+    """(x_deq float64, d per element float64): x [M, K] float32 in blocks of 32."""
+    M, K = x.shape
+    xb = x.to(torch.float32).reshape(M, K // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0  # float32, as the definition
+    q = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, 1.0)), 0.0).clamp(-127, 127)
+    x_deq = (q.double() * d.double()).reshape(M, K)
+    return x_deq, d.double().expand(M, K // 32, 32).reshape(M, K)
+
+
+def make(N, K, bits, group_size, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    wq, s, b = torch_qmm.quantize(w, group_size=group_size, bits=bits)
+    return wq, s, b, reference.dequantize(wq, s, b, bits, group_size)
+
+
+CASES = [  # (bits, group_size, K): K = 96 leaves a 32-code tail past the 64-code chunks of 4-bit
+    (4, 32, 256), (4, 64, 512), (4, 128, 512), (4, 32, 96), (8, 32, 256), (8, 64, 256), (8, 128, 512),
+    (2, 64, 256), (3, 32, 256), (5, 128, 256), (6, 64, 256),
+]
+
+
+@pytest.mark.parametrize("bits, group_size, K", CASES)
+@pytest.mark.parametrize("M", [1, 3, 7])
+def test_error_within_the_int8_step(bits, group_size, K, M):
+    N = 37
+    wq, s, b, w = make(N, K, bits, group_size)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 3.0, K)
+    y = ops.qmm_int8_activations(x, wq, s, b, "affine", bits, group_size).double()
+    exact = x.double() @ w.T
+    x_deq, d = quantize_x(x)
+    step = (d / 2) @ w.abs().T
+    slack = SLACK * ((x.double().abs() + d) @ w.abs().T)
+    err = (y - exact).abs()
+    assert (err <= step + slack).all(), f"worst excess {(err - step - slack).max().item():.3g}"
+    # The same codes as the definition: only float32 accumulation apart from W x_deq.
+    tight = (y - x_deq @ w.T).abs()
+    assert (tight <= SLACK * (x_deq.abs() @ w.abs().T)).all(), f"max {tight.max().item():.3g}"
+    # Not the exact product: the int8 rounding shows.
+    assert (err > 0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes_round_once(dtype):
+    # Scales and biases in dtype, y rounded once to dtype: the bound plus half an ulp of y.
+    wq, s, b, w = make(29, 256, 4, 64, dtype=dtype)
+    x = torch.randn(2, 256).to(dtype)
+    y = ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 64)
+    assert y.dtype == dtype
+    x_deq, d = quantize_x(x.float())
+    ref = x_deq @ w.T
+    eps = torch.finfo(dtype).eps
+    tol = SLACK * (x_deq.abs() @ w.abs().T) + eps / 2 * ref.abs() + 1e-30
+    assert ((y.double() - ref).abs() <= tol * (1 + 1e-9)).all()
+
+
+def test_routes_differ_from_the_exact_path(monkeypatch):
+    for bits, kernel in ((4, "int8x/avx2-u4"), (8, "int8x/avx2-u8"), (3, "int8x/scalar")):
+        wq, s, b, _ = make(64, 256, bits, 64)
+        x = torch.randn(1, 256)
+        exact = ops._cpu_route(x, wq, s, b, bits, 64, True, "affine")
+        route = ops._cpu_route_int8_activations(x, wq, s, b, "affine", bits, 64)
+        assert not exact.startswith("int8x")
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or bits == 3:
+            assert route == kernel, (bits, route)
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
+    wq, s, b, w = make(16, 256, 4, 64)
+    x = torch.randn(2, 256)
+    assert ops._cpu_route_int8_activations(x, wq, s, b, "affine", 4, 64) == "int8x/scalar"
+    y_scalar = ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 64).double()
+    x_deq, _ = quantize_x(x)
+    assert ((y_scalar - x_deq @ w.T).abs() <= SLACK * (x_deq.abs() @ w.abs().T)).all()
+
+
+def test_nonfinite_x_takes_the_exact_kernels():
+    wq, s, b, _ = make(8, 128, 4, 64)
+    x = torch.randn(2, 128)
+    x[1, 5] = float("inf")
+    assert ops._cpu_route_int8_activations(x, wq, s, b, "affine", 4, 64) == "exact"
+    torch.testing.assert_close(ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 64),
+                               ops.qmm(x, wq, s, b, "affine", 4, 64, True), rtol=0, atol=0, equal_nan=True)
+
+
+def test_context_manager_and_quantlinear():
+    wq, s, b, _ = make(32, 256, 4, 64)
+    x = torch.randn(3, 256)
+    exact = torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=4)
+    int8 = ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 64)
+    assert not torch.equal(exact, int8)
+    with torch_qmm.activation_quantization("int8"):
+        assert torch.equal(torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=4), int8)
+        with torch_qmm.activation_quantization(None):
+            assert torch.equal(torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=4), exact)
+        # Calls it does not apply to stay exact: fp modes, transpose=False.
+        wf, sf = torch_qmm.quantize(torch.randn(32, 256), mode="mxfp4")
+        assert torch.equal(torch_qmm.quantized_matmul(x, wf, sf, mode="mxfp4"),
+                           ops.qmm(x, wf, sf, None, "mxfp4", 4, 32, True))
+    assert torch.equal(torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=4), exact)
+    lin = torch.nn.Linear(256, 32)
+    q8 = QuantLinear.from_linear(lin, bits=4, group_size=64, activations="int8")
+    qe = QuantLinear.from_linear(lin, bits=4, group_size=64)
+    assert torch.equal(q8(x), ops.qmm_int8_activations(x, q8.qweight, q8.scales, q8.biases, "affine", 4, 64) + q8.bias)
+    assert not torch.equal(q8(x), qe(x))
+    assert "activations=int8" in repr(q8)
+
+
+def test_bad_arguments_are_named():
+    wq, s, b, _ = make(8, 128, 4, 64)
+    x = torch.randn(1, 128)
+    with pytest.raises(ValueError, match="argument 'activations'.*'int4'"):
+        torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=4, activations="int4")
+    with pytest.raises(ValueError, match="argument 'kind'"):
+        with torch_qmm.activation_quantization("fp8"):
+            pass
+    with pytest.raises(ValueError, match="argument 'transpose'"):
+        torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=4, transpose=False, activations="int8")
+    with pytest.raises(ValueError, match="argument 'activations' must be None for mode 'mxfp4'"):
+        QuantLinear(128, 8, mode="mxfp4", activations="int8")
+    wf, sf = torch_qmm.quantize(torch.randn(8, 128), mode="mxfp4")
+    with pytest.raises(ValueError, match="argument 'mode' must be 'affine'"):
+        ops.qmm_int8_activations(x, wf, sf, None, "mxfp4", 4, 32)
+    with pytest.raises(ValueError, match="argument 'mode' must be 'affine'"):
+        ops.qmm_int8_activations(x.to("meta"), wf.to("meta"), sf.to("meta"), None, "mxfp4", 4, 32)
+    xg = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="no gradient"):
+        ops.qmm_int8_activations(xg, wq, s, b, "affine", 4, 64).sum().backward()
+
+
+def test_opcheck():
+    wq, s, b, _ = make(16, 128, 4, 64)
+    torch.library.opcheck(ops.qmm_int8_activations.default, (torch.randn(2, 128), wq, s, b, "affine", 4, 64),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiles_fullgraph_and_follows_the_setting():
+    torch._dynamo.reset()
+    wq, s, b, _ = make(32, 256, 4, 64)
+    x = torch.randn(2, 256)
+
+    def f(x):
+        return torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=4) * 2
+
+    cf = torch.compile(f, fullgraph=True)
+    exact = ops.qmm(x, wq, s, b, "affine", 4, 64, True) * 2
+    int8 = ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 64) * 2
+    assert torch.equal(cf(x), exact)
+    with torch_qmm.activation_quantization("int8"):
+        assert torch.equal(cf(x), int8)
+    assert torch.equal(cf(x), exact)
+    layer = QuantLinear.from_linear(torch.nn.Linear(256, 32), bits=4, group_size=64, activations="int8")
+    cl = torch.compile(layer, fullgraph=True)
+    assert torch.equal(cl(x), layer(x))

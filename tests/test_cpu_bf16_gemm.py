@@ -1,0 +1,96 @@
+"""The large-M bfloat16 GEMM route of CPU qmm (csrc/cpu/bf16_gemm.{h,cpp}).
+
+Taken only where bfloat16 products are allowed (bfloat16 x, or float32 x under
+torch.set_float32_matmul_precision("medium")), from kBf16GemmMinRows (16) rows, on CPUs whose
+torch reports bfloat16 matrix units (amx_bf16 / avx512_bf16); TORCH_QMM_CPU_FORCE_BF16_GEMM=1
+forces it on any CPU for these tests. Oracle: float64 x @ W.T with W from torch_qmm.reference /
+reference_fp (float64 dequantization). Bound: x and w rounded to bfloat16 (each off by <= 2^-9
+relative; bfloat16 x: exact), float32 accumulation (K * 2^-24), y rounded to bfloat16 (2^-9 |y|):
+|y - x W| <= (2^-8 + 2^-18 + K 2^-24) sum |x| |w| + 2^-9 |x W|.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import torch_qmm
+from torch_qmm import reference, reference_fp
+
+ops = torch.ops.torch_qmm
+CAPS = torch._C._cpu._get_cpu_capability()
+HAS_UNITS = bool(CAPS.get("amx_bf16") or CAPS.get("avx512_bf16"))
+
+
+@contextlib.contextmanager
+def float32_precision(p):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(p)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def affine(N, K, dtype):
+    w = torch.randn(N, K).to(dtype)
+    wq, s, b = torch_qmm.quantize(w, group_size=64, bits=4)
+    return (wq, s, b, 4, 64, "affine"), reference.dequantize(wq, s, b, 4, 64)
+
+
+def mxfp4(N, K):
+    wq, s = torch_qmm.quantize(torch.randn(N, K), mode="mxfp4")
+    return (wq, s, None, 4, 32, "mxfp4"), reference_fp.dequantize_fp(wq, s, "mxfp4", dtype=torch.float64)
+
+
+def route(x, packed):
+    wq, s, b, bits, gs, mode = packed
+    return ops._cpu_route(x, wq, s, b, bits, gs, True, mode)
+
+
+def test_not_taken_by_default():
+    packed, _ = affine(64, 256, torch.bfloat16)
+    x = torch.randn(32, 256).to(torch.bfloat16)
+    assert (route(x, packed) == "gemm-bf16") == HAS_UNITS
+    packed32, _ = affine(64, 256, torch.float32)
+    assert route(torch.randn(32, 256), packed32) != "gemm-bf16"  # float32, precision "highest"
+
+
+def test_forced_route_conditions(monkeypatch):
+    monkeypatch.setenv("TORCH_QMM_CPU_FORCE_BF16_GEMM", "1")
+    packed, _ = affine(64, 256, torch.bfloat16)
+    assert route(torch.randn(32, 256).to(torch.bfloat16), packed) == "gemm-bf16"
+    assert route(torch.randn(8, 256).to(torch.bfloat16), packed) != "gemm-bf16"  # small M
+    packed32, _ = affine(64, 256, torch.float32)
+    x32 = torch.randn(32, 256)
+    for precision, taken in (("highest", False), ("high", False), ("medium", True)):
+        with float32_precision(precision):
+            assert (route(x32, packed32) == "gemm-bf16") == taken, precision
+    packed16, _ = affine(64, 256, torch.float16)
+    assert route(torch.randn(32, 256).to(torch.float16), packed16) != "gemm-bf16"
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
+    assert route(torch.randn(32, 256).to(torch.bfloat16), packed) != "gemm-bf16"
+
+
+@pytest.mark.parametrize("fmt", ["affine-bf16", "affine-f32-medium", "mxfp4-bf16"])
+def test_forced_route_within_the_bf16_bound(monkeypatch, fmt):
+    monkeypatch.setenv("TORCH_QMM_CPU_FORCE_BF16_GEMM", "1")
+    N, K, M = 300, 512, 33  # N past one 256-row tile
+    xdtype = torch.float32 if "f32" in fmt else torch.bfloat16
+    packed, w = mxfp4(N, K) if fmt.startswith("mxfp4") else affine(N, K, xdtype)
+    x = torch.randn(M, K).to(xdtype)
+    wq, s, b, bits, gs, mode = packed
+    with float32_precision("medium" if xdtype == torch.float32 else "highest"):
+        assert route(x, packed) == "gemm-bf16"
+        y = torch_qmm.quantized_matmul(x, wq, s, b, group_size=gs, bits=bits, mode=mode)
+    assert y.dtype == xdtype
+    exact = x.double() @ w.T
+    mag = x.double().abs() @ w.abs().T
+    bound = (2.0**-8 + 2.0**-18 + K * 2.0**-24) * mag + 2.0**-9 * exact.abs()
+    err = (y.double() - exact).abs()
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g}"
+    # bfloat16 rounding really happened (float32 x: the exact route would be ~2^-20 off).
+    if xdtype == torch.float32:
+        assert (err > 2.0**-14 * mag).any()

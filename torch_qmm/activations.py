@@ -1,0 +1,46 @@
+"""Opt-in activation quantization of quantized_matmul, after llama.cpp: x quantized to int8 per
+block of 32 along K (one float32 scale per block, round to nearest even), multiplied with the
+weight codes in integer arithmetic. Faster on CPUs at small M, approximate: the bound and the
+measured error are in docs/activation-quantization.md. Never the default.
+
+    with torch_qmm.activation_quantization("int8"):
+        y = model(x)                                   # every affine CPU qmm of the block
+    layer = QuantLinear(..., activations="int8")       # this layer, always
+
+The setting is a module global read when quantized_matmul runs (so torch.compile guards on it and
+recompiles when it changes), shared by all threads. It applies to affine-mode, transpose=True
+calls on CPU tensors; other calls stay exact (an explicit ``activations="int8"`` argument raises
+for them instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+KINDS = ("int8",)
+
+_current: str | None = None
+
+
+def check_activations(kind, name: str = "activations") -> None:
+    """ValueError naming `name` unless kind is None (exact) or one of KINDS."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"argument '{name}' must be None (exact) or one of {KINDS}, got {kind!r}")
+
+
+def current_activations() -> str | None:
+    """The activation quantization in effect: None (exact) or a kind of KINDS."""
+    return _current
+
+
+@contextlib.contextmanager
+def activation_quantization(kind: str | None = "int8"):
+    """Within the block, affine CPU quantized_matmul calls quantize x to `kind` ("int8"); None:
+    exact (e.g. to exempt a region inside an outer block)."""
+    global _current
+    check_activations(kind, "kind")
+    previous, _current = _current, kind
+    try:
+        yield
+    finally:
+        _current = previous
