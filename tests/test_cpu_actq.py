@@ -78,8 +78,8 @@ def test_half_dtypes_round_once(dtype):
     x_deq, d = quantize_x(x.float())
     ref = x_deq @ w.T
     eps = torch.finfo(dtype).eps
-    tol = SLACK * (x_deq.abs() @ w.abs().T) + eps / 2 * ref.abs() + 1e-30
-    assert ((y.double() - ref).abs() <= tol * (1 + 1e-9)).all()
+    tol = 2 * SLACK * (x_deq.abs() @ w.abs().T) + eps / 2 * ref.abs()  # float32 slack, then one rounding
+    assert ((y.double() - ref).abs() <= tol).all()
 
 
 def test_routes_differ_from_the_exact_path(monkeypatch):
