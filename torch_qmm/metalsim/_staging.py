@@ -12,9 +12,14 @@ on a copy (the user's source stays valid MSL):
 * ``threadgroup T x[N];`` inside a function body becomes a reference into the threadgroup arena.
 * ``constant T x [[function_constant(i)]];`` becomes a runtime-read constant; namespace-scope
   constants initialised from function constants are evaluated lazily.
-* Unsuffixed floating literals get an ``f`` (MSL has no double); ``1.0h`` becomes a half.
+* Unsuffixed floating literals get an ``f`` (MSL has no double); ``1.0h`` becomes a half,
+  ``1.0bf`` the bfloat of that value.
 * Vector constructors and casts (``float4(h4)``, ``(float4)u``, ``static_cast<float4>(x)``)
-  become value conversions (a clang vector cast would be a bitcast).
+  become value conversions (a clang vector cast would be a bitcast); casts whose type is a
+  name (``T(h)``, ``(T)h``, ``static_cast<T>(h)``, ``bfloat(h)``) go through the shim, which
+  converts half <-> bfloat as MSL does explicitly.
+* Member functions overloaded on the address space of ``*this`` get renamed variants and
+  forwarders with C++23 explicit object parameters.
 """
 from __future__ import annotations
 
