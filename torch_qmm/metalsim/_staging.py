@@ -717,8 +717,9 @@ def _merge_addrspace_methods(toks, ed, text):
     resolves on the address space of the object as in MSL (a member with no qualifier is the
     `thread` variant). Member templates forward their explicit template arguments; a
     declaration in the class and its definition outside it (`float S::get() const device {}`)
-    are renamed alike. Constructors, member templates mixing type and non-type parameters or
-    returning a type in an address space, and conversion operators defined outside the class
+    are renamed alike. Constructors, member templates mixing type and non-type parameters,
+    returning a type in an address space or being operators other than `()` and `[]` (template
+    conversion operators: MLX's complex_t), and conversion operators defined outside the class
     keep one variant per signature (thread first) with the qualifier removed."""
     n = len(toks)
     enclosing, stack = [0] * n, [-1]
@@ -787,7 +788,8 @@ def _merge_addrspace_methods(toks, ed, text):
             for v in vs:
                 ed.replace(toks[v["space_tok"]].start, toks[v["space_tok"]].end, " " * len(v["space"]))
             continue
-        if any(v["ctor"] or v["template"] == "mixed" or (v["template"] and _return_spaces(toks, v)) for v in vs):
+        if any(v["ctor"] or v["template"] == "mixed" or (v["template"] and (_return_spaces(toks, v) or not (
+                v["name_kind"] == "id" or key.replace(" ", "") in ("operator()", "operator[]")))) for v in vs):
             for v in vs:
                 if v["space_tok"] is not None:
                     sig = text[toks[v["start"]].start:toks[v["close"]].end]
