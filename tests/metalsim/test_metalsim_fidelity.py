@@ -299,6 +299,54 @@ def test_member_templates_and_out_of_class_definitions_resolve_on_the_address_sp
     assert out[11] == 5 + 100 * (7 * 2)                                        # Box<T>::get outside Box<T>
 
 
+AS_CTOR_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+struct Tagged {
+  float v;
+  Tagged(float x) thread : v(x + 1) {}
+  constexpr Tagged(float x) constant : v(x + 2) {}
+  Tagged(float x) threadgroup : v(x + 3) {}
+  Tagged(const constant Tagged&) constant = default;
+  float get() const thread { return v; }
+  float get() const constant { return v + 1000; }
+};
+struct Outside {
+  float v;
+  Outside(float x) thread;
+  constexpr Outside(float x) constant;
+};
+Outside::Outside(float x) thread : v(x * 2) {}
+constexpr Outside::Outside(float x) constant : v(x * 3) {}
+constant Tagged kt = Tagged(10.0f);
+constant Tagged kt2(20.0f);
+constant Outside ko = Outside(4.0f);
+kernel void k(device float* out [[buffer(0)]]) {
+  Tagged a(5.0f);
+  Tagged b = Tagged(6.0f);
+  Outside o(4.0f);
+  out[0] = a.get();
+  out[1] = b.get();
+  out[2] = kt.get();
+  out[3] = kt2.get();
+  out[4] = o.v;
+  out[5] = ko.v;
+}
+"""
+
+
+def test_constructors_resolve_on_the_address_space_of_the_object(metalsim):  # G4
+    # an object in constant memory is built by the constructor's constant variant (also one
+    # defined outside the class); a thread object by the thread variant (MLX's complex_t has
+    # one per address space; `constant complex64_t v = complex64_t(...)` in its sort.h)
+    lib = metalsim.compile(AS_CTOR_SRC)
+    out = np.zeros(6, np.float32)
+    lib.dispatch("k", buffers={0: out}, threadgroups=1, threads_per_threadgroup=1)
+    np.testing.assert_array_equal(out[:2], [5 + 1, 6 + 1])                   # thread variant
+    np.testing.assert_array_equal(out[2:4], [10 + 2 + 1000, 20 + 2 + 1000])  # constant variant, get() constant
+    np.testing.assert_array_equal(out[4:], [4 * 2, 4 * 3])                   # defined outside: thread, constant
+
+
 CAST_SRC = r"""
 #include <metal_stdlib>
 using namespace metal;

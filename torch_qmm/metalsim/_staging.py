@@ -717,7 +717,8 @@ def _merge_addrspace_methods(toks, ed, text):
     resolves on the address space of the object as in MSL (a member with no qualifier is the
     `thread` variant). Member templates forward their explicit template arguments; a
     declaration in the class and its definition outside it (`float S::get() const device {}`)
-    are renamed alike. Constructors, member templates mixing type and non-type parameters,
+    are renamed alike. Constructors take a tag per address space (_tag_constructors).
+    Destructors, member templates mixing type and non-type parameters,
     returning a type in an address space or being operators other than `()` and `[]` (template
     conversion operators: MLX's complex_t), and conversion operators defined outside the class
     keep one variant per signature (thread first) with the qualifier removed."""
@@ -779,10 +780,17 @@ def _merge_addrspace_methods(toks, ed, text):
                  po=po, close=k, name_kind=kind, name_tok=ns, quals=[q for q in quals if q not in ADDRSPACES],
                  cls=cls, body=toks[j].text in ("{", "->"),
                  template=_template_pack(toks, start, po),
-                 ctor=kind == "id" and key in (cls, "~"))
+                 ctor=kind == "id" and key in (cls, "~"), dtor=toks[ns - 1].text == "~",
+                 defaulted=toks[j].text == "=")
         members.setdefault((enclosing[k], key), []).append(v)
     split = {}  # (class name, member key) -> stem of the renamed variants
+    tagged = set()  # classes whose constructors have variants for other address spaces
     for (_, key), vs in members.items():
+        if vs[0]["ctor"] and not any(v["dtor"] for v in vs) and \
+                any(v["space_tok"] is not None and v["space"] != "thread" for v in vs):
+            _tag_constructors(toks, ed, text, vs)
+            tagged.add(vs[0]["cls"])
+            continue
         if not any(v["space_tok"] is not None and v["space"] != "thread" for v in vs):
             vs = [v for v in vs if v["space_tok"] is not None]
             for v in vs:
@@ -798,6 +806,9 @@ def _merge_addrspace_methods(toks, ed, text):
             continue
         split[(vs[0]["cls"], key)] = _split_addrspace_variants(toks, ed, text, key, vs)
     for o in outside:
+        if o["key"] == o["cls"] and o["cls"] in tagged:
+            _tag_constructors(toks, ed, text, [dict(o, defaulted=False)])
+            continue
         stem = split.get((o["cls"], o["key"]))
         if stem is None or o["name_kind"] == "conv":
             groups.setdefault((o["enclosing"], text[toks[o["start"]].start:toks[o["close"]].end], "const" in o["quals"]),
@@ -808,6 +819,8 @@ def _merge_addrspace_methods(toks, ed, text):
         ed.replace(toks[o["space_tok"]].start, toks[o["space_tok"]].end, " " * len(o["space"]))
         for m in _return_spaces(toks, o):
             ed.replace(toks[m].start, toks[m].end, " " * len(toks[m].text))
+    if tagged:
+        _construct_in_spaces(toks, ed, text)
     for variants in groups.values():
         variants.sort(key=lambda v: _AS_PREFERENCE[v[0]])
         for rank, (_, start, end, space) in enumerate(variants):
@@ -816,6 +829,64 @@ def _merge_addrspace_methods(toks, ed, text):
             else:
                 seg = text[toks[start].start:toks[end].end]
                 ed.replace_span(toks[start].start, toks[end].end, re.sub(r"[^\n]", " ", seg))
+
+
+def _tag_constructors(toks, ed, text, vs):
+    """Constructors overloaded on the address space of the object they construct (`S(float)
+    constant`): C++ has no explicit object parameter for a constructor, so a variant for device,
+    constant or threadgroup memory takes a leading tag argument instead (`S(__msim_in_constant,
+    float)`), which _construct_in_spaces passes where such an object is initialised; the thread
+    variant stays the plain constructor. A defaulted or deleted variant for another address
+    space is dropped (a tag cannot be defaulted)."""
+    for v in vs:
+        st = v["space_tok"]
+        if st is None:
+            continue
+        ed.replace(toks[st].start, toks[st].end, " " * len(v["space"]))
+        if v["space"] == "thread":
+            continue
+        if v.get("defaulted"):
+            seg = text[toks[v["start"]].start:toks[v["end"]].end]
+            ed.replace_span(toks[v["start"]].start, toks[v["end"]].end, re.sub(r"[^\n]", " ", seg))
+            continue
+        po = v["po"]
+        ed.insert(toks[po].end, f"__msim_in_{v['space']}" + ("" if v["close"] == po + 1 else ", "))
+
+
+def _construct_in_spaces(toks, ed, text):
+    """`constant T x = T(args);` and `constant T x(args);` (the object in constant memory)
+    construct with T's constant variant when it has one (__msim_construct_in in the shim)."""
+    n = len(toks)
+    for k, t in enumerate(toks):
+        if t.kind != "id" or t.text != "constant" or (k and toks[k - 1].text in ("(", ",", "<")):
+            continue
+        semi = next((m for m in range(k, n) if toks[m].text in (";", "{", "}")), None)
+        if semi is None or toks[semi].text != ";":
+            continue
+        a = k + 1
+        while a < semi and toks[a].text in ("static", "constexpr", "inline", "const"):
+            a += 1
+        eq = next((m for m in range(a, semi) if toks[m].text == "="), None)
+        if eq is not None:
+            name, init = eq - 1, eq + 1
+            typ = text[toks[a].start:toks[name - 1].end] if name > a else ""
+            m = init
+            got = []
+            while m < semi and toks[m].text != "(":
+                got.append(toks[m].text)
+                m += 1
+            if not typ or m >= semi or "".join(got) != re.sub(r"\s+", "", typ) \
+                    or _match(toks, m, "(", ")") != semi - 1:
+                continue
+            ed.replace_span(toks[init].start, toks[m - 1].end, f"__msim_construct_in<__msim_in_constant, {typ}>")
+        else:
+            po = next((m for m in range(a, semi) if toks[m].text == "("), None)
+            if po is None or po - 1 <= a or toks[po - 1].kind != "id" or _match(toks, po, "(", ")") != semi - 1:
+                continue
+            typ = text[toks[a].start:toks[po - 2].end]
+            if typ in VEC_NAMES or typ in SCALARS:
+                continue
+            ed.insert(toks[po - 1].end, f" = __msim_construct_in<__msim_in_constant, {typ}>")
 
 
 def _qualifying_class(toks, name_tok, start):
