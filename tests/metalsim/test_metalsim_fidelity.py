@@ -319,6 +319,9 @@ struct Outside {
 Outside::Outside(float x) thread : v(x * 2) {}
 constexpr Outside::Outside(float x) constant : v(x * 3) {}
 constant Tagged kt = Tagged(10.0f);
+constant bfloat kb = bfloat(1.5h);      // scalars and vectors in constant memory as before
+constant float4 kf = float4(1, 2, 3, 4);
+constant half kh(2.0f);
 constant Tagged kt2(20.0f);
 constant Outside ko = Outside(4.0f);
 kernel void k(device float* out [[buffer(0)]]) {
@@ -330,7 +333,7 @@ kernel void k(device float* out [[buffer(0)]]) {
   out[2] = kt.get();
   out[3] = kt2.get();
   out[4] = o.v;
-  out[5] = ko.v;
+  out[5] = ko.v + float(kb) + kf.w + float(kh);
 }
 """
 
@@ -344,7 +347,7 @@ def test_constructors_resolve_on_the_address_space_of_the_object(metalsim):  # G
     lib.dispatch("k", buffers={0: out}, threadgroups=1, threads_per_threadgroup=1)
     np.testing.assert_array_equal(out[:2], [5 + 1, 6 + 1])                   # thread variant
     np.testing.assert_array_equal(out[2:4], [10 + 2 + 1000, 20 + 2 + 1000])  # constant variant, get() constant
-    np.testing.assert_array_equal(out[4:], [4 * 2, 4 * 3])                   # defined outside: thread, constant
+    np.testing.assert_array_equal(out[4:], [4 * 2, 4 * 3 + 1.5 + 4 + 2])     # defined outside: thread, constant
 
 
 CAST_SRC = r"""

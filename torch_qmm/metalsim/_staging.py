@@ -876,7 +876,7 @@ def _construct_in_spaces(toks, ed, text):
                 got.append(toks[m].text)
                 m += 1
             if not typ or m >= semi or "".join(got) != re.sub(r"\s+", "", typ) \
-                    or _match(toks, m, "(", ")") != semi - 1:
+                    or _match(toks, m, "(", ")") != semi - 1 or _value_type(typ):
                 continue
             ed.replace_span(toks[init].start, toks[m - 1].end, f"__msim_construct_in<__msim_in_constant, {typ}>")
         else:
@@ -884,9 +884,15 @@ def _construct_in_spaces(toks, ed, text):
             if po is None or po - 1 <= a or toks[po - 1].kind != "id" or _match(toks, po, "(", ")") != semi - 1:
                 continue
             typ = text[toks[a].start:toks[po - 2].end]
-            if typ in VEC_NAMES or typ in SCALARS:
+            if _value_type(typ):
                 continue
             ed.insert(toks[po - 1].end, f" = __msim_construct_in<__msim_in_constant, {typ}>")
+
+
+def _value_type(typ):
+    """A scalar or vector type (converted by value, never a class with constructors)."""
+    t = typ.strip().removeprefix("metal::")
+    return t in VEC_NAMES or t in SCALARS or t in _BUILTIN_TYPES or t.startswith("vec<")
 
 
 def _qualifying_class(toks, name_tok, start):
