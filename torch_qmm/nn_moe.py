@@ -204,15 +204,18 @@ class QuantFusedExperts(nn.Module):
 class GateOfExperts(nn.Module):
     """[..., 2I] -> [..., I]: the gating of a transformers experts module (its class's _apply_gate:
     act_fn(gate) * up, or gpt-oss's clamped SwiGLU), run on that module with its weights removed,
-    so that act_fn, alpha, limit and the row order are the model's own."""
+    so that act_fn, alpha, limit and the row order are the model's own. The emptied module is held
+    as a plain attribute, not a child: it has no state, and transformers' weight initialization
+    must not visit an experts module without its weights."""
 
     def __init__(self, experts: nn.Module, weight_names: tuple[str, ...]) -> None:
         super().__init__()
         for name in weight_names:
-            if name in experts._parameters:
-                del experts._parameters[name]
-        self.experts = experts
+            experts._parameters.pop(name, None)
+        object.__setattr__(self, "experts", experts)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.experts._apply_gate(gate_up)
 
+    def extra_repr(self) -> str:
+        return f"{type(self.experts).__name__}._apply_gate"
