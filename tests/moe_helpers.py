@@ -15,7 +15,7 @@ HIDDEN, INTER, EXPERTS, TOP_K, LAYERS, VOCAB = 64, 64, 4, 2, 2, 128
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
              rms_norm_eps=1e-5)
 
-# family -> (config class, model class, config fields, mlx_lm model_type)
+# family (the model_type) -> (config class, model class, config fields)
 FAMILIES = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
                 dict(intermediate_size=INTER, num_local_experts=EXPERTS)),
@@ -28,7 +28,9 @@ FAMILIES = {
               dict(intermediate_size=INTER, num_experts=EXPERTS)),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
                 dict(intermediate_size=INTER, num_local_experts=EXPERTS, sliding_window=8,
-                     layer_types=["sliding_attention", "full_attention"])),
+                     layer_types=["sliding_attention", "full_attention"],
+                     # gpt-oss' yarn scaling presumes a long context (its original 4096 > 128 here)
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 

@@ -189,16 +189,26 @@ class QuantFusedExperts(nn.Module):
     def gate_and_up_rows(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate rows and the up rows of a [E, 2I, ...] tensor of gate_up_proj (MLX-LM keeps them
         as two layers)."""
-        if self.interleaved:
-            return t[:, 0::2], t[:, 1::2]
-        half = t.shape[1] // 2
-        return t[:, :half], t[:, half:]
+        return split_gate_up(t, self.interleaved)
 
     def join_gate_and_up(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The inverse of gate_and_up_rows."""
-        if self.interleaved:
-            return torch.stack((gate, up), dim=2).flatten(1, 2)
-        return torch.cat((gate, up), dim=1)
+        return join_gate_up(gate, up, self.interleaved)
+
+
+def split_gate_up(t: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate rows, up rows) of a [E, 2I, ...] tensor: alternating rows, or the first I and the last I."""
+    if interleaved:
+        return t[:, 0::2], t[:, 1::2]
+    half = t.shape[1] // 2
+    return t[:, :half], t[:, half:]
+
+
+def join_gate_up(gate: torch.Tensor, up: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The inverse of split_gate_up."""
+    if interleaved:
+        return torch.stack((gate, up), dim=2).flatten(1, 2)
+    return torch.cat((gate, up), dim=1)
 
 
 class GateOfExperts(nn.Module):

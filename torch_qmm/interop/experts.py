@@ -99,14 +99,19 @@ def quantize_experts(module: nn.Module, bits: int | None = None, group_size: int
 
 
 def empty_quant_experts(module: nn.Module, bits: int, group_size: int, mode: str, dtype: torch.dtype,
-                        device: torch.device | str | None = None) -> QuantFusedExperts:
-    """A QuantFusedExperts of `module`'s shape with zero buffers, for a checkpoint to fill."""
+                        device: torch.device | str | None = None,
+                        down: tuple[int, int, str] | None = None) -> QuantFusedExperts:
+    """A QuantFusedExperts of `module`'s shape with zero buffers, for a checkpoint to fill; down:
+    (bits, group_size, mode) of down_proj when it differs from gate_up_proj's."""
     layout = _layout_or_raise(module)
     e, hidden, inter = expert_shapes(module, layout)
     device = device if device is not None else module.get_parameter(layout.gate_up).device
-    kw = dict(bias=layout.has_bias, bits=bits, group_size=group_size, device=device, dtype=dtype, mode=mode)
-    return QuantFusedExperts(QuantSwitchLinear(e, hidden, 2 * inter, **kw), QuantSwitchLinear(e, inter, hidden, **kw),
-                             GateOfExperts(module, layout.weight_names), interleaved=layout.interleaved)
+    kw = dict(bias=layout.has_bias, device=device, dtype=dtype)
+    d_bits, d_group, d_mode = down or (bits, group_size, mode)
+    return QuantFusedExperts(
+        QuantSwitchLinear(e, hidden, 2 * inter, bits=bits, group_size=group_size, mode=mode, **kw),
+        QuantSwitchLinear(e, inter, hidden, bits=d_bits, group_size=d_group, mode=d_mode, **kw),
+        GateOfExperts(module, layout.weight_names), interleaved=layout.interleaved)
 
 
 def experts_not_quantizable(module: nn.Module, group_size: int) -> str | None:
