@@ -302,6 +302,7 @@ def load_mlx(
             k for k in state
             if k not in targets and not _is_tied_duplicate(model, k, tied_to, keys) and not _is_format_state(k)
             and not any(k.startswith(n + ".") for n in experts_done)
+            and k not in {f"{n}.weight" for n in report.dequantized}
         )
         unexpected = sorted(k for k, _ in targets.items() if k not in state)
         if missing or unexpected:
