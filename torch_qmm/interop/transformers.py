@@ -9,7 +9,8 @@ registry (`register_quantization_config` / `register_quantizer`; tested with tra
     AutoModelForCausalLM.from_pretrained(out)       # reloads the QuantLinear layers (import this module first)
 
 Quantize-on-load: the float weights are loaded as usual, then every eligible nn.Linear is swapped
-for a QuantLinear (peak memory is that of the float model). A layer is eligible unless it is in
+for a QuantLinear and the fused experts of MoE blocks for a QuantFusedExperts (routers and MoE
+gates stay float; docs/moe.md) (peak memory is that of the float model). A layer is eligible unless it is in
 `modules_to_not_convert` (default: the output head and transformers' keep-in-fp32 modules) or its
 in_features is not a multiple of group_size; the saved config lists every skipped layer, so a
 reload builds exactly the saved layers.
