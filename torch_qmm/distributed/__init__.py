@@ -1,0 +1,9 @@
+"""Tensor parallelism for torch_qmm's layers on torch.distributed (DeviceMesh, DTensor,
+parallelize_module): the styles QuantColwiseParallel / QuantRowwiseParallel, a tensor-parallel
+plan for transformers models, and loading an MLX checkpoint straight into each rank's slices.
+docs/distributed.md describes the design and how to run a model across machines."""
+
+from .styles import QuantColwiseParallel, QuantRowwiseParallel, parallelize, shard_locally
+from .plan import tp_plan
+
+__all__ = ["QuantColwiseParallel", "QuantRowwiseParallel", "parallelize", "shard_locally", "tp_plan"]
