@@ -55,6 +55,7 @@ def worst(y, y_ref, bound) -> float:
 
 def check_layers(rank: int, world: int, mesh) -> dict:
     """Each mode: one QuantLinear colwise and one rowwise (with bias), output and dx against float64."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch_qmm.distributed import QuantColwiseParallel, QuantRowwiseParallel, parallelize
 
     out = {}
@@ -68,9 +69,16 @@ def check_layers(rank: int, world: int, mesh) -> dict:
             x = torch.randn(3, k, generator=g).to(dtype)
             dy = torch.randn(3, n, generator=g).to(dtype)
             tp = parallelize(nn.Sequential(layer), mesh, {"0": style(use_local_output=False)})[0]
+            float_linear = nn.Linear(k, n, dtype=dtype)
+            with torch.no_grad():
+                float_linear.weight.copy_(full(torch.eye(k, dtype=dtype)).T - full.bias)  # W = layer(I) - bias
+                float_linear.bias.copy_(full.bias)
+            torch_style = ColwiseParallel if style_name == "colwise" else RowwiseParallel
+            theirs = parallelize_module(nn.Sequential(float_linear), mesh, {"0": torch_style(use_local_output=False)})[0]
             xs = x.clone().requires_grad_()
             x_in = xs if style_name == "colwise" else xs.chunk(world, -1)[rank]
             y = tp(x_in)
+            y_theirs = theirs(x_in.detach())
             dy_local = dy.chunk(world, -1)[rank] if style_name == "colwise" else dy
             y.to_local().backward(dy_local)
             y_ref, mag = layer_reference(full, x)
@@ -88,7 +96,8 @@ def check_layers(rank: int, world: int, mesh) -> dict:
             out[f"{mode}/{dtype}/{style_name}"] = {
                 "y_ratio": worst(y, y_ref + b, bound),
                 "dx_ratio": worst(dx_full, dx_ref, dx_bound),
-                "placement": str(y.placements[0]),
+                "placement": [str(y.placements), str(y_theirs.placements)],
+                "local_shape": [list(y.to_local().shape), list(y_theirs.to_local().shape)],
                 "local": local,
                 "expected_local": ({"qweight": [n // world, words], "scales": [n // world, groups]}
                                    if style_name == "colwise" else
@@ -203,6 +212,8 @@ def check_refusals(rank: int, world: int, mesh) -> dict:
 
 
 def check_embedding(rank: int, world: int, mesh) -> dict:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch_qmm.distributed import QuantColwiseParallel, QuantRowwiseParallel, parallelize
     from torch_qmm.interop.modules import QuantEmbedding
 
@@ -213,13 +224,20 @@ def check_embedding(rank: int, world: int, mesh) -> dict:
                                             mode=mode)
         ids = torch.randint(0, 8 * world, (2, 5), generator=torch.Generator().manual_seed(4))
         want = emb(ids)
-        for name, style in (("colwise", QuantColwiseParallel), ("rowwise", QuantRowwiseParallel)):
-            tp = parallelize(nn.ModuleDict({"e": copy.deepcopy(emb)}), mesh, {"e": style(output_layouts=
-                                                                                      torch.distributed.tensor.Replicate())})
-            got = tp["e"](ids)
-            out[f"{mode}/{name}"] = {"equal": bool(torch.equal(got, want)),
-                                     "local": list(tp["e"].qweight.to_local().shape),
-                                     "full": list(emb.qweight.shape)}
+        float_emb = nn.Embedding.from_pretrained(emb(torch.arange(8 * world)))  # the dequantized table
+        styles = (("colwise", QuantColwiseParallel, ColwiseParallel, {}),
+                  ("rowwise", QuantRowwiseParallel, RowwiseParallel, {"input_layouts": Replicate()}))
+        for name, style, torch_style, kwargs in styles:
+            for layout in (Replicate(), None):  # None: the style's default (colwise Shard(-1), rowwise Replicate)
+                kw = dict(kwargs, output_layouts=layout, use_local_output=False)
+                tp = parallelize(nn.ModuleDict({"e": copy.deepcopy(emb)}), mesh, {"e": style(**kw)})
+                theirs = parallelize_module(nn.ModuleDict({"e": copy.deepcopy(float_emb)}), mesh, {"e": torch_style(**kw)})
+                got, want_tp = tp["e"](ids), theirs["e"](ids)
+                out[f"{mode}/{name}/{layout}"] = {
+                    "equal": bool(torch.equal(got.full_tensor(), want)),
+                    "equal_torch": bool(torch.equal(got.to_local(), want_tp.to_local())),
+                    "placements": [str(got.placements), str(want_tp.placements)],
+                    "local": list(tp["e"].qweight.to_local().shape), "full": list(emb.qweight.shape)}
     return out
 
 
