@@ -71,7 +71,7 @@ def check_layers(rank: int, world: int, mesh) -> dict:
             tp = parallelize(nn.Sequential(layer), mesh, {"0": style(use_local_output=False)})[0]
             float_linear = nn.Linear(k, n, dtype=dtype)
             with torch.no_grad():
-                float_linear.weight.copy_(full(torch.eye(k, dtype=dtype)).T - full.bias)  # W = layer(I) - bias
+                float_linear.weight.copy_((full(torch.eye(k, dtype=dtype)) - full.bias).T)  # W = layer(I) - bias
                 float_linear.bias.copy_(full.bias)
             torch_style = ColwiseParallel if style_name == "colwise" else RowwiseParallel
             theirs = parallelize_module(nn.Sequential(float_linear), mesh, {"0": torch_style(use_local_output=False)})[0]
@@ -176,9 +176,8 @@ def check_mlp(rank: int, world: int, mesh, stage: bool | None = None) -> dict:
             "full_bytes": sum(t.numel() * t.element_size() for m in single.modules() if isinstance(m, QuantLinear)
                               for t in (m.qweight, m.scales)),
         }
-        if stage is not None:
-            out[mode]["y"] = y_tp.tolist()
-            out[mode]["dx"] = x2.grad.tolist()
+        out[mode]["y"] = y_tp.tolist()
+        out[mode]["dx"] = x2.grad.tolist()
     return out
 
 
