@@ -281,6 +281,43 @@ def check_llama(rank: int, world: int, mesh) -> dict:
     }
 
 
+def check_load_mlx(rank: int, world: int, mesh) -> dict:
+    """An MLX folder (save_mlx of a quantized tiny llama) loaded into each rank's slices, against
+    load_mlx of the same folder in one process."""
+    import torch_qmm
+    from torch_qmm.distributed import empty_parameters, load_mlx_sharded, tp_plan
+    from torch_qmm.interop import load_mlx, save_mlx
+
+    folder = os.path.join(SCRATCH, "mlx-llama")
+    if rank == 0:
+        model = tiny_llama(world)
+        torch_qmm.quantize_model(model, bits=4, group_size=32)
+        model.model.embed_tokens = torch_qmm.interop.QuantEmbedding.from_embedding(model.model.embed_tokens,
+                                                                                   group_size=32)
+        save_mlx(model, folder)
+    dist.barrier()
+    config = tiny_llama(world).config
+    from transformers import LlamaForCausalLM
+
+    single = LlamaForCausalLM(config).eval()
+    load_mlx(single, folder)
+    with empty_parameters():
+        model = LlamaForCausalLM(config).eval()
+    report = load_mlx_sharded(model, folder, mesh, tp_plan(model))
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        want, got = single(ids).logits, model(ids).logits
+    from torch.distributed.tensor import DTensor
+    replicated = sum(t.numel() * t.element_size() for k, t in model.state_dict().items()
+                     if not isinstance(t, DTensor) and not k.endswith("_extra_state"))
+    meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    return {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+            "bytes_read": report.bytes_read, "bytes_total": report.bytes_total, "quantized": len(report.quantized),
+            "replicated_bytes": replicated, "meta_left": meta,
+            "embed_local": list(model.model.embed_tokens.qweight.to_local().shape),
+            "embed_full": list(model.model.embed_tokens.qweight.shape)}
+
+
 CHECKS = {
     "layers": check_layers,
     "mlp": check_mlp,
@@ -288,10 +325,14 @@ CHECKS = {
     "refusals": check_refusals,
     "embedding": check_embedding,
     "llama": check_llama,
+    "load_mlx": check_load_mlx,
 }
+SCRATCH = ""  # a folder all ranks share (the worker's out_dir)
 
 
 def worker(rank: int, world: int, store: str, out_dir: str, names: list[str]) -> None:
+    global SCRATCH
+    SCRATCH = out_dir
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh

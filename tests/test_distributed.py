@@ -135,3 +135,15 @@ def test_tiny_llama_with_its_tp_plan(ranks):
         assert v["argmax_equal"]
         assert v["q_local"] == [v["q_full"][0] // world, v["q_full"][1]]
         assert v["o_local"] == [v["o_full"][0], v["o_full"][1] // world]
+
+
+def test_mlx_checkpoint_loads_into_each_ranks_slices(ranks):
+    world, values = _values(ranks, "load_mlx")
+    for v in values:
+        assert v["max_diff"] <= STACK_RTOL * v["scale"], v
+        assert v["quantized"] == 16  # 15 linear layers and the embedding
+        assert v["meta_left"] == []
+        # each rank read its share of every sharded tensor and the replicated ones (norms) whole
+        sharded = v["bytes_total"] - v["replicated_bytes"]
+        assert v["bytes_read"] == sharded // world + v["replicated_bytes"], v
+        assert v["embed_local"] == [v["embed_full"][0] // world, v["embed_full"][1]]

@@ -5,5 +5,9 @@ docs/distributed.md describes the design and how to run a model across machines.
 
 from .styles import QuantColwiseParallel, QuantRowwiseParallel, parallelize, shard_locally
 from .plan import tp_plan
+from .loading import ShardedLoadReport, empty_parameters, load_mlx_sharded
 
-__all__ = ["QuantColwiseParallel", "QuantRowwiseParallel", "parallelize", "shard_locally", "tp_plan"]
+__all__ = [
+    "QuantColwiseParallel", "QuantRowwiseParallel", "ShardedLoadReport", "empty_parameters", "load_mlx_sharded",
+    "parallelize", "shard_locally", "tp_plan",
+]
