@@ -281,6 +281,38 @@ def check_llama(rank: int, world: int, mesh) -> dict:
     }
 
 
+def check_gguf(rank: int, world: int, mesh) -> dict:
+    """GGUFLinear (Q4_K, Q6_K blocks) colwise and rowwise against gguf.quants.dequantize in float64."""
+    import numpy as np
+    from gguf import quants
+    from gguf_helpers import Q4_K, Q6_K, random_k_blocks
+    from torch_qmm.distributed import QuantColwiseParallel, QuantRowwiseParallel, parallelize
+    from torch_qmm.interop.modules import GGUFLinear
+
+    out = {}
+    n, k = 4 * world, 256 * world
+    for ggml_type in (Q4_K, Q6_K):
+        blocks = random_k_blocks(ggml_type, n, k, np.random.default_rng(0))
+        w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
+        layer = GGUFLinear(k, n, int(ggml_type), bias=True)
+        with torch.no_grad():
+            layer.blocks.copy_(torch.from_numpy(blocks))
+            layer.bias.copy_(torch.randn(n, generator=torch.Generator().manual_seed(2)))
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+        b = layer.bias.double()
+        for name, style in (("colwise", QuantColwiseParallel), ("rowwise", QuantRowwiseParallel)):
+            tp = parallelize(nn.Sequential(copy.deepcopy(layer)), mesh, {"0": style(output_layouts=
+                                                                                  torch.distributed.tensor.Replicate())})
+            y = tp(x if name == "colwise" else x.chunk(world, -1)[rank])
+            mag = x.double().abs() @ w.abs().T + b.abs()
+            roundings = 1 if name == "colwise" else 2 * world
+            bound = tolerance.sharded_error_bound(x.double() @ w.T + b, mag, torch.float32, roundings)
+            out[f"{ggml_type.name}/{name}"] = {"ratio": worst(y, x.double() @ w.T + b, bound),
+                                               "local": list(tp[0].blocks.to_local().shape),
+                                               "full": list(layer.blocks.shape)}
+    return out
+
+
 def check_load_mlx(rank: int, world: int, mesh) -> dict:
     """An MLX folder (save_mlx of a quantized tiny llama) loaded into each rank's slices, against
     load_mlx of the same folder in one process."""
@@ -326,6 +358,7 @@ CHECKS = {
     "embedding": check_embedding,
     "llama": check_llama,
     "load_mlx": check_load_mlx,
+    "gguf": check_gguf,
 }
 SCRATCH = ""  # a folder all ranks share (the worker's out_dir)
 

@@ -147,3 +147,12 @@ def test_mlx_checkpoint_loads_into_each_ranks_slices(ranks):
         sharded = v["bytes_total"] - v["replicated_bytes"]
         assert v["bytes_read"] == sharded // world + v["replicated_bytes"], v
         assert v["embed_local"] == [v["embed_full"][0] // world, v["embed_full"][1]]
+
+
+def test_gguf_layers_against_gguf_dequantize(ranks):
+    world, values = _values(ranks, "gguf")
+    for v in values:
+        for case, c in v.items():
+            assert c["ratio"] <= 1, (case, c)
+            rows, nbytes = c["full"]
+            assert c["local"] == ([rows // world, nbytes] if case.endswith("colwise") else [rows, nbytes // world]), case
