@@ -165,7 +165,8 @@ def check_mlp(rank: int, world: int, mesh, stage: bool | None = None) -> dict:
         bound = tolerance.sharded_error_bound(ref_tp + b, mag_tp + b.abs(), dtype, 2 * world)
         out[mode] = {
             "y_type": type(y_tp).__name__,
-            "down_input_ratio": (seen["tp"] - seen["single"]).abs().max().item(),
+            "down_input_max_diff": (seen["tp"] - seen["single"]).abs().max().item(),
+            "down_input_scale": seen["single"].abs().max().item(),
             "y_ratio_vs_reference": worst(y_tp, ref_tp + b, bound),
             "y_max_diff": (y_tp - y_single).abs().max().item(),
             "y_scale": y_single.abs().max().item(),
@@ -179,6 +180,29 @@ def check_mlp(rank: int, world: int, mesh, stage: bool | None = None) -> dict:
         out[mode]["y"] = y_tp.tolist()
         out[mode]["dx"] = x2.grad.tolist()
     return out
+
+
+def check_sequence_parallel(rank: int, world: int, mesh) -> dict:
+    """A norm under PyTorch's SequenceParallel before a llama MLP: colwise layers take the sequence
+    shards (input_layouts=Shard(1)), the rowwise layer reduce-scatters back to them."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+    from torch_qmm.distributed import QuantColwiseParallel, QuantRowwiseParallel, parallelize
+
+    hidden, inter, seq = 64, 64 * world, 2 * world
+    model = nn.Sequential(nn.RMSNorm(hidden), MLP(hidden, inter, "affine", torch.float32))
+    single = copy.deepcopy(model)
+    tp = parallelize(model, mesh, {
+        "0": SequenceParallel(),
+        "1.gate_proj": QuantColwiseParallel(input_layouts=Shard(1)),
+        "1.up_proj": QuantColwiseParallel(input_layouts=Shard(1)),
+        "1.down_proj": QuantRowwiseParallel(output_layouts=Shard(1)),
+    })
+    x = torch.randn(2, seq, hidden, generator=torch.Generator().manual_seed(11))
+    want = single(x).chunk(world, 1)[rank]
+    got = tp(x.chunk(world, 1)[rank])
+    return {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+            "shape": [list(got.shape), list(want.shape)]}
 
 
 def check_refusals(rank: int, world: int, mesh) -> dict:
@@ -355,6 +379,7 @@ CHECKS = {
     "mlp": check_mlp,
     "mlp_staged": lambda r, w, m: check_mlp(r, w, m, stage=True),
     "refusals": check_refusals,
+    "sequence_parallel": check_sequence_parallel,
     "embedding": check_embedding,
     "llama": check_llama,
     "load_mlx": check_load_mlx,

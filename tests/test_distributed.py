@@ -88,6 +88,7 @@ def test_mlp_stack_matches_one_process(ranks):
     world, values = _values(ranks, "mlp")
     for v in values:
         for mode, c in v.items():
+            assert c["down_input_max_diff"] <= STACK_RTOL * c["down_input_scale"], (mode, c)
             assert c["y_ratio_vs_reference"] <= 1, (mode, c)
             assert c["y_max_diff"] <= STACK_RTOL * c["y_scale"], (mode, c)
             assert c["dx_max_diff"] <= STACK_RTOL * c["dx_scale"], (mode, c)
@@ -102,6 +103,13 @@ def test_collectives_staged_through_cpu_give_the_same_numbers(ranks):
         for mode in d:
             assert s[mode]["y"] == d[mode]["y"], mode
             assert s[mode]["dx"] == d[mode]["dx"], mode
+
+
+def test_sequence_parallel_norm_and_mlp(ranks):
+    _, values = _values(ranks, "sequence_parallel")
+    for v in values:
+        assert v["shape"][0] == v["shape"][1]
+        assert v["max_diff"] <= STACK_RTOL * v["scale"], v
 
 
 def test_splits_that_cut_groups_are_refused(ranks):
