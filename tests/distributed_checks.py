@@ -305,6 +305,35 @@ def check_llama(rank: int, world: int, mesh) -> dict:
     }
 
 
+def check_load_pretrained(rank: int, world: int, mesh) -> dict:
+    """transformers' save_pretrained of a torch_qmm-quantized tiny llama, loaded into each rank's
+    slices, against from_pretrained of the same folder in one process."""
+    from transformers import LlamaForCausalLM
+    from torch_qmm.distributed import empty_parameters, load_pretrained_sharded, tp_plan
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    folder = os.path.join(SCRATCH, "hf-llama")
+    if rank == 0:
+        tiny_llama(world).save_pretrained(folder + "-float")
+        LlamaForCausalLM.from_pretrained(folder + "-float", quantization_config=TorchQmmConfig(
+            bits=4, group_size=32)).save_pretrained(folder)
+    dist.barrier()
+    single = LlamaForCausalLM.from_pretrained(folder).eval()
+    with empty_parameters():
+        model = LlamaForCausalLM(single.config).eval()
+    report = load_pretrained_sharded(model, folder, mesh, tp_plan(model))
+    ids = torch.randint(0, single.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        want, got = single(ids).logits, model(ids).logits
+    from torch.distributed.tensor import DTensor
+    replicated = sum(t.numel() * t.element_size() for k, t in model.state_dict().items()
+                     if not isinstance(t, DTensor) and not k.endswith("_extra_state"))
+    return {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+            "quantized": len(report.quantized), "bytes_read": report.bytes_read, "bytes_total": report.bytes_total,
+            "replicated_bytes": replicated,
+            "single_quantized": sum(isinstance(m, QuantLinear) for m in single.modules())}
+
+
 def check_gguf(rank: int, world: int, mesh) -> dict:
     """GGUFLinear (Q4_K, Q6_K blocks) colwise and rowwise against gguf.quants.dequantize in float64."""
     import numpy as np
@@ -384,6 +413,7 @@ CHECKS = {
     "llama": check_llama,
     "load_mlx": check_load_mlx,
     "gguf": check_gguf,
+    "load_pretrained": check_load_pretrained,
 }
 SCRATCH = ""  # a folder all ranks share (the worker's out_dir)
 

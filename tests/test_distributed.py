@@ -164,3 +164,12 @@ def test_gguf_layers_against_gguf_dequantize(ranks):
             assert c["ratio"] <= 1, (case, c)
             rows, nbytes = c["full"]
             assert c["local"] == ([rows // world, nbytes] if case.endswith("colwise") else [rows, nbytes // world]), case
+
+
+def test_transformers_save_loads_into_each_ranks_slices(ranks):
+    world, values = _values(ranks, "load_pretrained")
+    for v in values:
+        assert v["max_diff"] <= STACK_RTOL * v["scale"], v
+        assert v["quantized"] == v["single_quantized"] == 14  # lm_head stays float (transformers' default)
+        sharded = v["bytes_total"] - v["replicated_bytes"]
+        assert v["bytes_read"] == sharded // world + v["replicated_bytes"], v

@@ -1,4 +1,4 @@
-"""An MLX checkpoint loaded straight into each rank's slices: the model is built with its
+"""A checkpoint (an MLX folder, or transformers' save of a torch_qmm model) loaded straight into each rank's slices: the model is built with its
 parameters on the meta device, its quantized layers are swapped in and partitioned by the plan,
 and every rank then reads from the safetensors files only the slice its DTensors hold
 (`safe_open(...).get_slice`); no rank ever holds a whole sharded tensor.
@@ -6,6 +6,7 @@ and every rank then reads from the safetensors files only the slice its DTensors
     with empty_parameters():
         model = LlamaForCausalLM(config)            # parameters on meta, buffers real
     report = load_mlx_sharded(model, "mlx-model", mesh, tp_plan(model))
+    # or load_pretrained_sharded(model, folder, ...) for transformers' save of a torch_qmm model
 """
 
 from __future__ import annotations
@@ -120,31 +121,16 @@ def _slices(t: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for n, o in zip(shape, offset))
 
 
-def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh, plan,
-                     dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> ShardedLoadReport:
-    """Loads an MLX model folder into `model` (parameters on meta, see empty_parameters),
-    partitioned by `plan` (parallelize_module's plan, e.g. tp_plan(model)) over `mesh`; each rank
-    reads only its slices. Every model tensor must be in the checkpoint and every checkpoint tensor
-    used (the format state of a quantized layer comes from config.json). dtype: the compute dtype
-    (default: the checkpoint's most common float dtype); device: where the slices go.
-    """
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    ckpt = Checkpoint(path)
-    if dtype is None:
-        floats = Counter(_SAFETENSORS_DTYPES[ckpt.dtype_name(k)] for k in ckpt.keys()
-                         if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES)
-        dtype = floats.most_common(1)[0][0] if floats else torch.float32
-    model.to(dtype)
-    quantized = _quantized_layers(model, ckpt, folder / "config.json", dtype)
+def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, device, quantized: dict[str, str],
+                 renamed: dict[str, str]) -> ShardedLoadReport:
+    """Partitions `model` by `plan`, allocates each rank's slices and reads them. renamed: model
+    key -> checkpoint key where they differ."""
     parallelize(model, mesh, plan)
     _materialize(model, torch.device(device))
-
     state = {k: v for k, v in model.state_dict(keep_vars=True).items() if k.rpartition(".")[2] != FORMAT_STATE_KEY}
-    quantized_weights = {f"{p}.qweight": f"{p}.weight" for p in quantized}
-    keys = {k: quantized_weights.get(k, k) for k in state}  # model key -> checkpoint key
+    keys = {k: renamed.get(k, k) for k in state}  # model key -> checkpoint key
     missing = sorted(k for k, key in keys.items() if key not in ckpt)
-    unexpected = sorted(set(ckpt.keys()) - set(keys.values()))
+    unexpected = sorted(k for k in set(ckpt.keys()) - set(keys.values()) if k.rpartition(".")[2] != FORMAT_STATE_KEY)
     if missing or unexpected:
         raise ValueError(f"{ckpt.path}: checkpoint does not match the model: missing {missing[:8]}, "
                          f"unexpected {unexpected[:8]}")
@@ -167,3 +153,60 @@ def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh
                     report.bytes_read += part.numel() * part.element_size()
                     report.bytes_total += ckpt.nbytes(key)
     return report
+
+
+def _checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
+    floats = Counter(_SAFETENSORS_DTYPES[ckpt.dtype_name(k)] for k in ckpt.keys()
+                     if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES)
+    return floats.most_common(1)[0][0] if floats else torch.float32
+
+
+def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh, plan,
+                     dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> ShardedLoadReport:
+    """Loads an MLX model folder into `model` (parameters on meta, see empty_parameters),
+    partitioned by `plan` (parallelize_module's plan, e.g. tp_plan(model)) over `mesh`; each rank
+    reads only its slices. Every model tensor must be in the checkpoint and every checkpoint tensor
+    used (the format of a quantized layer comes from config.json). dtype: the compute dtype
+    (default: the checkpoint's most common float dtype); device: where the slices go.
+    """
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    ckpt = Checkpoint(path)
+    dtype = dtype or _checkpoint_dtype(ckpt)
+    model.to(dtype)
+    quantized = _quantized_layers(model, ckpt, folder / "config.json", dtype)
+    renamed = {f"{p}.qweight": f"{p}.weight" for p in quantized}
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, renamed)
+
+
+def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: DeviceMesh, plan,
+                            dtype: torch.dtype | None = None,
+                            device: str | torch.device = "cpu") -> ShardedLoadReport:
+    """As load_mlx_sharded, for a folder saved by transformers' save_pretrained with torch_qmm's
+    quantization_config (quant_method "torch_qmm"): the layers it stores as QuantLinear
+    (`<layer>.qweight`) become QuantLinear in the saved format, checked against each layer's saved
+    format state (`_extra_state`)."""
+    folder = Path(folder)
+    config = read_json_object(folder / "config.json")
+    q = config.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "torch_qmm":
+        raise ValueError(f"{folder / 'config.json'}: 'quantization_config' must have quant_method 'torch_qmm', "
+                         f"got {q!r}")
+    ckpt = Checkpoint(folder)
+    dtype = dtype or _checkpoint_dtype(ckpt)
+    model.to(dtype)
+    bits = q.get("bits")
+    quantized = {}
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or f"{name}.qweight" not in ckpt:
+            continue
+        layer_bits = bits if isinstance(bits, int) else (bits or {}).get(name, (bits or {}).get("*"))
+        new = QuantLinear(module.in_features, module.out_features, bias=f"{name}.bias" in ckpt, bits=layer_bits,
+                          group_size=q.get("group_size"), device="meta", dtype=dtype, mode=q.get("mode", "affine"))
+        state_key = f"{name}.{FORMAT_STATE_KEY}"
+        if state_key in ckpt:
+            new._check_format_state(ckpt.get(state_key), f"{ckpt.path}: {state_key!r}")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        quantized[name] = f"{new.mode} b{new.bits} gs{new.group_size}"
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, {})
