@@ -62,11 +62,12 @@ def save_model(args, folder: str) -> dict:
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(config_of(args)).eval()
+    params = sum(p.numel() for p in model.parameters())
     torch_qmm.quantize_model(model, bits=args.bits, group_size=args.group_size, mode=args.mode)
     model.model.embed_tokens = QuantEmbedding.from_embedding(model.model.embed_tokens, bits=args.bits,
                                                              group_size=args.group_size, mode=args.mode)
     save_mlx(model, folder)
-    return {"params": sum(p.numel() for p in model.parameters()),
+    return {"float_params": params,
             "file_bytes": sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))}
 
 
