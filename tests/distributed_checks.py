@@ -302,6 +302,9 @@ def check_llama(rank: int, world: int, mesh) -> dict:
         "q_local": list(q.qweight.to_local().shape), "q_full": list(q.qweight.shape),
         "o_local": list(o.qweight.to_local().shape), "o_full": list(o.qweight.shape),
         "ids_logits_max_diff": (tp(ids).logits - single(ids).logits).abs().max().item(),
+        "generate_equal": bool(torch.equal(  # greedy, through the KV cache
+            tp.generate(ids[:1, :5], max_new_tokens=6, do_sample=False),
+            single.generate(ids[:1, :5], max_new_tokens=6, do_sample=False))),
     }
 
 

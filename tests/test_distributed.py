@@ -141,6 +141,7 @@ def test_tiny_llama_with_its_tp_plan(ranks):
         assert v["ids_logits_max_diff"] <= STACK_RTOL * v["logits_scale"], v
         assert v["dx_max_diff"] <= STACK_RTOL * v["dx_scale"], v
         assert v["argmax_equal"]
+        assert v["generate_equal"]
         assert v["q_local"] == [v["q_full"][0] // world, v["q_full"][1]]
         assert v["o_local"] == [v["o_full"][0], v["o_full"][1] // world]
 
