@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from ..cli_errors import UsageError
 from ..devices import best_device
 from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
-from . import metalsim_traffic, mlx_peer
+from . import llamacpp_peer, metalsim_traffic, mlx_peer
 from .kernels import FP_MODES, Config, run_config
 from .model import format_model, run_model
 from .report import (copy_bandwidth_gbps, default_result_path, format_table, last_level_cache_bytes, machine_info,
@@ -84,9 +85,11 @@ def _positive(text: str) -> int:
     return value[0]
 
 
-PEERS = ["linear_float32", "linear_float16", "linear_bfloat16", "int8pack", "int4pack", "mlx", "no_avx2_chunks"]
-# Run only when named in --peers: torch_qmm with its AVX2 chunk kernels set aside (an A/B).
-EXPLICIT_PEERS = {"no_avx2_chunks"}
+PEERS = ["linear_float32", "linear_float16", "linear_bfloat16", "int8pack", "int4pack", "mlx", "no_avx2_chunks",
+         "llamacpp"]
+# Run only when named in --peers: torch_qmm with its AVX2 chunk kernels set aside (an A/B), and
+# llama.cpp's ggml (built from source on first use: llamacpp_peer.py).
+EXPLICIT_PEERS = {"no_avx2_chunks", "llamacpp"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="quantization modes, comma-separated, of affine, " + ", ".join(FP_MODES) + " (default: "
                              "affine; the fp modes use MLX's group size and bits, --bits and --group-size "
                              "apply to affine)")
+    parser.add_argument("--hot", action="store_true",
+                        help="one weight copy per implementation, reused call after call (as ggml's perf mode "
+                             "does: use it with --peers llamacpp); default: copies cycled past the last-level cache")
+    parser.add_argument("--threads", type=_positive, default=None,
+                        help="torch.set_num_threads for the run; the llamacpp peer uses as many (default: as is)")
     parser.add_argument("--gguf", type=_choices(["Q4_K", "Q6_K"]), default=None,
                         help="native GGUF types (Q4_K, Q6_K): time gguf_qmm on random blocks instead of "
                              "affine_qmm (--bits ignored)")
@@ -159,6 +167,8 @@ def configs(args: argparse.Namespace, device: str) -> list[Config]:
 
 def run(args: argparse.Namespace) -> int:
     device = args.device or best_device()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.float32_precision:
         torch.set_float32_matmul_precision(args.float32_precision)
     if device == "metalsim":  # byte counts instead of time: metalsim_traffic.py
@@ -180,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None:
         return _run_model(args, device, info)
 
-    cache = last_level_cache_bytes()
+    cache = 0 if args.hot else last_level_cache_bytes()  # 0: one weight copy (kernels.copies_for)
+    info["hot"] = bool(args.hot)
     peer_ok = (lambda p: p in args.peers) if args.peers else (lambda p: True)
     peer_cache: dict = {}
     results = []
@@ -192,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
               f"({r.gbps():.1f} GB/s); {_speedups(r)}", flush=True)
     if peer_ok("mlx"):
         _add_mlx(results, args, cache)
+    llamacpp = _add_llamacpp(results) if args.peers and "llamacpp" in args.peers else None
     skipped = {p: why for r in results for p, why in r.skipped.items()}
     print()
     print(format_table(results, copy_gbps))
@@ -199,9 +211,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"  peer {p} not run: {why}")
     path = Path(args.output) if args.output else default_result_path(device, "quick" if args.quick else "kernels")
     info["load_average_end"] = machine_info(device, copy_gbps)["load_average"]
-    save_json(path, info, results, extra={"isolation": {"in_process": "torch_qmm and the F.linear / int8pack / "
-                                                                      "int4pack peers, interleaved round by round",
-                                                        "mlx": mlx_peer.ISOLATION}})
+    isolation = {"in_process": "torch_qmm and the F.linear / int8pack / int4pack peers, interleaved round by round",
+                 "mlx": mlx_peer.ISOLATION}
+    extra = {"isolation": isolation}
+    if llamacpp is not None:
+        isolation["llamacpp"] = llamacpp_peer.ISOLATION
+        extra["llamacpp"] = llamacpp
+    save_json(path, info, results, extra=extra)
     print(f"saved {path}")
     if not args.no_plot:
         print(save_plot(path.with_suffix(".png"), results, info))
@@ -234,6 +250,45 @@ def _add_mlx(results: list, args: argparse.Namespace, cache: int) -> None:
         r.samples["mlx"], r.weight_bytes["mlx"] = out["stats"]["samples"], out["bytes"]
         print(f"  {r.config.n}x{r.config.k} M={r.config.m} {r.config.label} {r.config.dtype}: mlx "
               f"{r.times_ms['mlx']:.3f} ms ({r.speedups()['mlx']:.2f}x)", flush=True)
+
+
+def _add_llamacpp(results: list) -> dict:
+    """Times ggml's MUL_MAT for each config that has a ggml counterpart (llamacpp_peer.py) at
+    torch's thread count and merges the times; returns what the JSON records about the peer."""
+    try:
+        binary = llamacpp_peer.ensure_binary(log=lambda m: print(m, flush=True))
+    except llamacpp_peer.LlamaCppUnavailable as e:
+        for r in results:
+            r.skipped["llamacpp"] = str(e).splitlines()[0]
+        print(f"peer llamacpp not run: {e}")
+        return {"error": str(e)}
+    threads = torch.get_num_threads()
+    done: dict = {}
+    cases = {}
+    for r in results:
+        c = r.config
+        case = llamacpp_peer.case_for(c.fmt, c.bits, c.n, c.k, c.m) if c.device == "cpu" else None
+        if case is None:
+            r.skipped["llamacpp"] = "no ggml counterpart of this format on this device"
+            continue
+        if case not in done:
+            try:
+                done[case] = llamacpp_peer.time_case(binary, case, threads)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                done[case] = {"error": str(e).splitlines()[0][:200]}
+        out = done[case]
+        if "error" in out:
+            r.skipped["llamacpp"] = out["error"]
+            continue
+        r.times_ms["llamacpp"] = r.min_ms["llamacpp"] = out["us_per_run"] / 1e3
+        r.samples["llamacpp"], r.weight_bytes["llamacpp"] = out["runs"], case.weight_bytes()
+        cases[f"{c.n}x{c.k} M={c.m} {c.label}"] = {"ggml_type": case.ggml_type, "how": out["how"],
+                                                   "params": out["params"]}
+        print(f"  {c.n}x{c.k} M={c.m} {c.label} {c.dtype}: llamacpp ({case.ggml_type}) {out['us_per_run'] / 1e3:.3f} ms "
+              f"({r.speedups()['llamacpp']:.2f}x)", flush=True)
+    return {"binary": str(binary), "threads": threads, "cases": cases,
+            "note": "ggml's x is float32 for every torch_qmm x dtype; ggml quantizes it to 8 bits (q8_0 / q8_K) "
+                    "before its dot products; min_ms = the mean ggml reports"}
 
 
 def _run_model(args: argparse.Namespace, device: str, info: dict) -> int:
