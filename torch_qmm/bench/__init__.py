@@ -195,15 +195,17 @@ def run(args: argparse.Namespace) -> int:
     peer_ok = (lambda p: p in args.peers) if args.peers else (lambda p: True)
     peer_cache: dict = {}
     results = []
+    llamacpp = _LlamaCpp() if args.peers and "llamacpp" in args.peers else None
     for cfg in configs(args, device):
         r = run_config(cfg, args.repeats, cache, peer_ok, peer_cache,
                        explicit=lambda p: bool(args.peers) and p in args.peers and p in EXPLICIT_PEERS)
+        if llamacpp is not None:
+            llamacpp.add(r)
         results.append(r)
         print(f"  {cfg.n}x{cfg.k} M={cfg.m} {cfg.label} {cfg.dtype}: {r.times_ms['torch_qmm']:.3f} ms "
               f"({r.gbps():.1f} GB/s); {_speedups(r)}", flush=True)
     if peer_ok("mlx"):
         _add_mlx(results, args, cache)
-    llamacpp = _add_llamacpp(results) if args.peers and "llamacpp" in args.peers else None
     skipped = {p: why for r in results for p, why in r.skipped.items()}
     print()
     print(format_table(results, copy_gbps))
@@ -216,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     extra = {"isolation": isolation}
     if llamacpp is not None:
         isolation["llamacpp"] = llamacpp_peer.ISOLATION
-        extra["llamacpp"] = llamacpp
+        extra["llamacpp"] = llamacpp.record()
     save_json(path, info, results, extra=extra)
     print(f"saved {path}")
     if not args.no_plot:
@@ -252,43 +254,52 @@ def _add_mlx(results: list, args: argparse.Namespace, cache: int) -> None:
               f"{r.times_ms['mlx']:.3f} ms ({r.speedups()['mlx']:.2f}x)", flush=True)
 
 
-def _add_llamacpp(results: list) -> dict:
-    """Times ggml's MUL_MAT for each config that has a ggml counterpart (llamacpp_peer.py) at
-    torch's thread count and merges the times; returns what the JSON records about the peer."""
-    try:
-        binary = llamacpp_peer.ensure_binary(log=lambda m: print(m, flush=True))
-    except llamacpp_peer.LlamaCppUnavailable as e:
-        for r in results:
-            r.skipped["llamacpp"] = str(e).splitlines()[0]
-        print(f"peer llamacpp not run: {e}")
-        return {"error": str(e)}
-    threads = torch.get_num_threads()
-    done: dict = {}
-    cases = {}
-    for r in results:
+class _LlamaCpp:
+    """The llamacpp peer of one run (llamacpp_peer.py): ggml's MUL_MAT for each config with a ggml
+    counterpart, timed right after torch_qmm's config (same load), at torch's thread count."""
+
+    def __init__(self):
+        self.error = None
+        self.binary = None
+        try:
+            self.binary = llamacpp_peer.ensure_binary(log=lambda m: print(m, flush=True))
+        except llamacpp_peer.LlamaCppUnavailable as e:
+            self.error = str(e)
+            print(f"peer llamacpp not run: {e}")
+        self.threads = torch.get_num_threads()
+        self.done: dict = {}
+        self.cases: dict = {}
+
+    def add(self, r) -> None:
         c = r.config
+        if self.error is not None:
+            r.skipped["llamacpp"] = self.error.splitlines()[0]
+            return
         case = llamacpp_peer.case_for(c.fmt, c.bits, c.n, c.k, c.m) if c.device == "cpu" else None
         if case is None:
             r.skipped["llamacpp"] = "no ggml counterpart of this format on this device"
-            continue
-        if case not in done:
+            return
+        if case not in self.done:
             try:
-                done[case] = llamacpp_peer.time_case(binary, case, threads)
+                self.done[case] = llamacpp_peer.time_case(self.binary, case, self.threads)
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-                done[case] = {"error": str(e).splitlines()[0][:200]}
-        out = done[case]
+                self.done[case] = {"error": str(e).splitlines()[0][:200]}
+        out = self.done[case]
         if "error" in out:
             r.skipped["llamacpp"] = out["error"]
-            continue
+            return
         r.times_ms["llamacpp"] = r.min_ms["llamacpp"] = out["us_per_run"] / 1e3
         r.samples["llamacpp"], r.weight_bytes["llamacpp"] = out["runs"], case.weight_bytes()
-        cases[f"{c.n}x{c.k} M={c.m} {c.label}"] = {"ggml_type": case.ggml_type, "how": out["how"],
-                                                   "params": out["params"]}
-        print(f"  {c.n}x{c.k} M={c.m} {c.label} {c.dtype}: llamacpp ({case.ggml_type}) {out['us_per_run'] / 1e3:.3f} ms "
-              f"({r.speedups()['llamacpp']:.2f}x)", flush=True)
-    return {"binary": str(binary), "threads": threads, "cases": cases,
-            "note": "ggml's x is float32 for every torch_qmm x dtype; ggml quantizes it to 8 bits (q8_0 / q8_K) "
-                    "before its dot products; min_ms = the mean ggml reports"}
+        self.cases[f"{c.n}x{c.k} M={c.m} {c.label}"] = {"ggml_type": case.ggml_type, "how": out["how"],
+                                                        "params": out["params"]}
+
+    def record(self) -> dict:
+        if self.error is not None:
+            return {"error": self.error}
+        return {"binary": str(self.binary), "threads": self.threads, "cases": self.cases,
+                "note": "ggml's x is float32 for every torch_qmm x dtype (one ggml time per shape, format and M); "
+                        "ggml quantizes x to 8 bits (q8_0 / q8_K) before its dot products; min_ms = the mean "
+                        "ggml reports"}
 
 
 def _run_model(args: argparse.Namespace, device: str, info: dict) -> int:

@@ -48,8 +48,9 @@ GGML_TYPE_IDS = {"f32": 0, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q4_K": 12, "q6_K": 
 PERF_ALL_TYPES = {(4096, 14336): {1, 2, 3, 4, 5, 8, 512}}
 PERF_Q4_K = {(n, 4096): {1, 2, 3, 4, 8} for n in (4096, 6144, 6272, 14336)}
 
-ISOLATION = ("llamacpp is ggml's test-backend-ops perf mode in a child process, one case per run, after the "
-             "in-process implementations were timed; ggml reuses one weight tensor (hot)")
+ISOLATION = ("llamacpp is ggml's test-backend-ops perf mode in a child process, one case per run, right after "
+             "torch_qmm's first config of that case was timed (same background load); ggml reuses one weight "
+             "tensor (hot)")
 
 
 class LlamaCppUnavailable(RuntimeError):
