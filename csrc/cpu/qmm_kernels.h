@@ -70,7 +70,8 @@ constexpr int64_t kGemmMinRows = 16;
 //     that many bfloat16 terms, up to chunked_max_rows rows), "f32" (4-bit, M = 1, without
 //     AVX512_BF16); K of at least one chunk, x in range (chunk::x_in_range);
 //   then, on AVX2 + FMA (avx2_chunked.cpp), K of at least one chunk of the multiplier
-//     (chunk_avx2.h): "avx2-u4" (affine 4-bit, up to avx2_affine_max_rows rows, x in range), and
+//     (chunk_avx2.h): "avx2-u4" / "avx2-u8" (affine 4-bit / 8-bit, up to avx2_affine_max_rows rows, x in
+//     range), and
 //     for the fp modes one multiplier per element encoding ("avx2-e2m1": mxfp4, nvfp4), up to
 //     fp_chunked_max_rows rows.
 const char* qmm_t_chunked_multiplier(const QmmArgs& a);
@@ -79,6 +80,9 @@ void qmm_t_chunked(const QmmArgs& a, float* y);
 // Rows of x up to which the AVX2 chunk kernels serve a call (benchmarks/README.md).
 constexpr int64_t avx2_affine_max_rows = kGemmMinRows - 1;
 constexpr int64_t fp_chunked_max_rows = 16;
+// TORCH_QMM_CPU_NO_AVX2_CHUNKS=1: the AVX2 chunk kernels (affine, fp, GGUF) step aside (A/B
+// against the fused / generic routes: python -m torch_qmm bench --peers no_avx2_chunks).
+bool avx2_chunks_avoided();
 const char* avx2_chunked_multiplier(const QmmArgs& a);
 void avx2_chunked(const QmmArgs& a, float* y);
 
