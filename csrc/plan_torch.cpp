@@ -6,7 +6,10 @@
 //   _plan_gguf(M, N, K, ggml_type, dtype)                  -> JSON launches   (tests, tools)
 //   _plan_for_gguf(x, blocks, ggml_type, N, K)             -> JSON launches   (gguf_qmm's checks
 //                                                            first; same arguments as gguf_qmm)
+//   _plan_gather(M, N, K, pairs, experts, x_batch, bits, group_size, dtype, transpose, sorted,
+//                mode)                                      -> JSON launches   (tests, tools)
 //   _routes() -> JSON routing table
+// (_plan_gather's schema is defined here, the others' in csrc/ops.cpp.)
 #include "plan_torch.h"
 
 #include <ATen/ops/amax.h>
@@ -165,11 +168,36 @@ std::string plan_for_gguf_op(const at::Tensor& x, const at::Tensor& blocks, int6
   return planned(gguf_qmm_problem(x, blocks, ggml_type, N, K));
 }
 
+std::string plan_gather_op(int64_t M, int64_t N, int64_t K, int64_t pairs, int64_t experts, int64_t x_batch,
+                           int64_t bits, int64_t group_size, at::ScalarType dtype, bool transpose, bool sorted,
+                           const std::string& mode) {
+  const FormatSpec& f = metal_format("_plan_gather", mode);
+  check_bits_and_group_size("_plan_gather", f, bits, group_size);
+  TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0 && pairs >= 0, "_plan_gather: M, N, K, pairs must be >= 0, got ", M,
+                    ", ", N, ", ", K, ", ", pairs);
+  TORCH_CHECK_VALUE(experts >= 1 && x_batch >= 1, "_plan_gather: experts and x_batch must be >= 1, got ", experts,
+                    ", ", x_batch);
+  plan::Problem p{plan::Op::kGatherQmm, M, N, K, int(bits), int(group_size), plan_dtype(dtype), transpose};
+  p.mode = f.mode;
+  p.pairs = pairs;
+  p.experts = experts;
+  p.x_batch = x_batch;
+  p.sorted = sorted;
+  return planned(p);
+}
+
 std::string routes_op() { return plan::routes_json(); }
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(torch_qmm, m) {
+  m.def(
+      "_plan_gather(int M, int N, int K, int pairs, int experts, int x_batch, int bits, int group_size, "
+      "ScalarType dtype, bool transpose, bool sorted, str mode) -> str");
+}
+
 TORCH_LIBRARY_IMPL(torch_qmm, CompositeExplicitAutograd, m) {
+  m.impl("_plan_gather", &plan_gather_op);
   m.impl("_plan", &plan_op);
   m.impl("_plan_for", &plan_for_op);
   m.impl("_plan_gguf", &plan_gguf_op);
