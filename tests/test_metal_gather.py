@@ -94,7 +94,8 @@ PATTERNS = [
     ("gather_qmv", "sorted-few-rows", 4, 1, 6, [0, 1, 1, 5], None, True),
     ("gather_qmm_mma32", "sorted-tiles", 40, 1, 3, _SORTED_TILES, None, True),
     ("gather_qmm_mma32", "sorted-m3", 5, 3, 2, [0] * 6 + [1] * 8, [i % 5 for i in range(14)], True),
-    ("gather_qmm_n_mma32", "unsorted-n", 6, 2, 3, [2, 0, 2, 1, 0, 2, 1, 1, 0, 2, 2, 2, 0, 1, 0, 0, 2], None, False),
+    ("gather_qmm_n_mma32", "unsorted-n", 6, 2, 3, [2, 0, 2, 1, 0, 2, 1, 1, 0, 2, 2, 2, 0, 1, 0, 0, 2],
+     [i % 6 for i in range(17)], False),
 ]
 
 
