@@ -9,7 +9,8 @@ Each call computes y[t, j] = x[t] @ W[experts[t, j]].T for every token t and its
 Implementations, timed in this process round by round (kernels.time_impls):
   torch_qmm            one gather_qmm call (MLX-LM's SwitchGLU call: x [T, 1, 1, K], indices [T, k]);
   loop_qmm             a Python loop over the selected experts, one dense quantized_matmul per expert
-                       on the rows of the tokens that chose it (index_select / index_copy_ around it);
+                       on the rows of the tokens that chose it (index_select / index_copy_ around it;
+                       which pairs use which expert is worked out before the timing);
   loop_linear          the same loop with F.linear over the experts dequantized to bfloat16 beforehand
                        (the unquantized model's cost, only the selected experts read);
 and mlx.core.gather_qmm on the CPU stream, timed afterwards in a child process (as mlx_peer.py;
@@ -97,19 +98,18 @@ def _impls(cfg: MoeConfig, x: torch.Tensor, w, calls: int) -> dict:
     def ours(i):
         return gather_qmm(x4, wq, scales, biases, rhs_indices=routes[i % calls], **kw)
 
+    # The loops' grouping (which pairs use which expert) is computed here, outside the timing, so
+    # the loops pay only for their matmuls and the row copies around them.
+    plans = []
+    for r in routes:
+        idx = r.reshape(-1).long()
+        plans.append([(e, pairs, pairs // k) for e in idx.unique().tolist() for pairs in [(idx == e).nonzero()[:, 0]]])
+
     def loop(matmul):
         def call(i):
-            idx = routes[i % calls].reshape(-1).long()
             y = torch.empty(T * k, cfg.n, dtype=x.dtype)
-            order = idx.argsort()
-            counts = torch.bincount(idx, minlength=E).tolist()
-            start = 0
-            for e, c in enumerate(counts):
-                if c == 0:
-                    continue
-                pairs = order[start:start + c]
-                start += c
-                y.index_copy_(0, pairs, matmul(x.index_select(0, pairs // k), e))
+            for e, pairs, rows in plans[i % calls]:
+                y.index_copy_(0, pairs, matmul(x if T == 1 else x.index_select(0, rows), e))
             return y.reshape(T, k, 1, cfg.n)
         return call
 
