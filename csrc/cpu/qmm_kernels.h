@@ -44,6 +44,11 @@ struct QmmArgs {
   bool avoid_bf16 = false;
 };
 
+// qmm's route (qmm.cpp, route_for: chunked, fused or GEMM by mode, M and transpose) for x
+// float32 [M, K] in natural order, contiguous (a.x is set to xf's data); y [M, N] float32, possibly a
+// transposed view. For callers that prepare their own operands (gather_qmm.cpp).
+at::Tensor qmm_float(QmmArgs a, at::Tensor xf, bool transpose);
+
 // 1 for bfloat16 x and 2 for float16 x (both exact); for float32 x, what
 // torch.set_float32_matmul_precision allows, as for PyTorch's own float32 matmuls: "highest" 3
 // (exact), "high" 2 (16 significant bits), "medium" 1 (8 bits).

@@ -4,6 +4,7 @@
     python -m torch_qmm bench --shapes 14336x5120 --m 1,4,16,64,256 --bits 4,8 --dtype bfloat16
     python -m torch_qmm bench --model [PATH]               # small transformer (or a transformers folder), M=1 and M=128
     python -m torch_qmm bench --device metalsim [--full]   # simulated traffic of the Metal kernels
+    python -m torch_qmm bench --moe [--m 1,8,128]          # gather_qmm on MoE expert layers (moe.py)
 
 Kernel rows: kernels.py (Config -> Result, method); output: report.py; model: model.py;
 metalsim traffic (bytes per buffer vs compulsory, no time): metalsim_traffic.py.
@@ -127,6 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ModelConfig fields, or a transformers model folder; reports forward times at M=1 and "
                              "M=128, weight memory, and the relative error ||y_q - y|| / ||y|| of the quantized "
                              "model's logits against the same model unquantized in the same dtype")
+    parser.add_argument("--moe", action="store_true",
+                        help="mixture-of-experts benchmark instead (moe.py): gather_qmm on the expert matrices of "
+                             "Qwen3-30B-A3B and gpt-oss-20b at 1, 8 and 128 tokens (--m to choose) against loops of "
+                             "dense calls and MLX's gather_qmm; JSON to benchmarks/results/cpu-moe-gather-qmm.json")
     parser.add_argument("--output", default=None,
                         help="JSON path (default: benchmarks/results/<tag>-<device>-<time>.json; the plot is "
                              "written next to it as .png)")
@@ -161,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or best_device()
     if args.float32_precision:
         torch.set_float32_matmul_precision(args.float32_precision)
+    if args.moe:  # gather_qmm on MoE layers: moe.py (CPU)
+        from . import moe
+
+        return moe.run(args)
     if device == "metalsim":  # byte counts instead of time: metalsim_traffic.py
         return metalsim_traffic.run(args, SHAPES, MS, QUICK)
     try:
