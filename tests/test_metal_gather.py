@@ -258,3 +258,35 @@ def test_gather_qmm_mma_reads_each_expert_about_once_per_tile():
     launch, b, distinct, w_bytes, _ = _traffic("gather_qmm_mma32", 16, 4, 8, 64, 256, True)
     tiles = launch.threadgroups[1]
     assert distinct * w_bytes <= b["wq"].tg_footprint <= (distinct + tiles - 1) * w_bytes
+
+
+# ---- the op through the metalsim executor (torch_qmm.gather_qmm under metalsim_backend.backend) ---
+
+def test_gather_qmm_op_runs_the_planned_kernels():
+    """torch_qmm.gather_qmm on CPU tensors inside backend() runs the Metal kernels (the launch is
+    the planned one) and matches the float64 reference; the CPU op agrees within the same bound."""
+    E, N, K, T, k = 4, 37, 128, 3, 2
+    wq, scales, biases = torch_qmm.quantize(_weights((E, N, K), torch.bfloat16, 21), group_size=64, bits=4)
+    x = torch.randn(T, 1, 1, K, generator=torch.Generator().manual_seed(22)).to(torch.bfloat16)
+    rhs = torch.tensor([[2, 0], [0, 3], [2, 2]], dtype=torch.int64)
+    with metalsim_backend.backend():
+        y = torch_qmm.gather_qmm(x, wq, scales, biases, rhs_indices=rhs, group_size=64, bits=4)
+    (launch,) = metalsim_backend.last_launches()
+    assert launch.route == "gather_qmv" and launch.kernel == "affine_gather_qmv_bfloat16_t_gs_64_b_4"
+    y_ref, magnitude = gather_reference(x.reshape(T, 1, K), wq, scales, biases,
+                                        torch.arange(T).reshape(T, 1).expand(T, k), rhs, "affine", 4, 64, True)
+    assert_matches_reference(y, y_ref, magnitude, torch.bfloat16, "gather_qmm op on metalsim")
+    y_cpu = torch_qmm.gather_qmm(x, wq, scales, biases, rhs_indices=rhs, group_size=64, bits=4)
+    assert_matches_reference(y_cpu, y_ref, magnitude, torch.bfloat16, "gather_qmm op on CPU")
+
+
+def test_gather_qmm_op_refuses_bad_indices_before_any_launch():
+    E, N, K = 3, 16, 64
+    wq, scales, biases = torch_qmm.quantize(_weights((E, N, K), torch.float32, 23), group_size=64, bits=4)
+    x = torch.randn(2, 1, K)
+    with metalsim_backend.backend():
+        with pytest.raises(ValueError, match="rhs_indices"):
+            torch_qmm.gather_qmm(x, wq, scales, biases, rhs_indices=torch.tensor([[0], [3]]), group_size=64, bits=4)
+        with pytest.raises(ValueError, match="lhs_indices"):
+            torch_qmm.gather_qmm(x, wq, scales, biases, lhs_indices=torch.tensor([2]), rhs_indices=torch.tensor([0]),
+                                 group_size=64, bits=4)

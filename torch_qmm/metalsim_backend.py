@@ -6,7 +6,7 @@
         y = torch_qmm.quantized_matmul(x, wq, scales, mode="mxfp4")                     # any mode
     last_launches()                       # [Launch(kernel, route, threadgroups, ..., stats)]
 
-Inside the context, calls of torch.ops.torch_qmm.{qmm, dequantize, quantize, gguf_qmm} (the
+Inside the context, calls of torch.ops.torch_qmm.{qmm, dequantize, quantize, gguf_qmm, gather_qmm} (the
 affine_* aliases decompose into the first three) on CPU tensors are executed exactly as the MPS
 executor (csrc/mps/) executes them on a Mac:
   1. `_plan_for` / `_plan_for_gguf` run the C++ argument checks (csrc/validate.*,
@@ -210,44 +210,22 @@ def _gguf_qmm(x, blocks, ggml_type, N, K, *, check=None, count=False):
     return y.reshape(*x.shape[:-1], N)
 
 
-def gather_pairs(x_batch: tuple, w_batch: tuple, lhs_indices, rhs_indices):
-    """(lhs, rhs, batch shape) of gather_qmm's pairs, MLX's rule: absent indices are the batch
-    positions of x (of W) in order, arange(prod(batch)).reshape(batch); the two broadcast together
-    (batch shape) and are flattened to int32 [pairs] (what the kernels bind)."""
-    def indices(given, batch):
-        if given is not None:
-            return given
-        return torch.arange(max(1, int(np.prod(batch, dtype=np.int64))), dtype=torch.int32).reshape(batch)
-
-    lhs, rhs = torch.broadcast_tensors(indices(lhs_indices, x_batch), indices(rhs_indices, w_batch))
-    return (lhs.reshape(-1).to(torch.int32).contiguous(), rhs.reshape(-1).to(torch.int32).contiguous(),
-            tuple(lhs.shape))
-
-
-def pair_order(rhs: torch.Tensor, order: str) -> torch.Tensor:
-    """The `order` operand of a gather_qmm launch (plan::Launch::order): the pairs as given, or a
-    stable argsort of their experts (those of one expert adjacent)."""
-    if order == "as_given":
-        return torch.arange(rhs.numel(), dtype=torch.int32)
-    return torch.sort(rhs, stable=True).indices.to(torch.int32)
-
-
 def _gather_qmm(x, w, scales, biases, lhs_indices, rhs_indices, mode, bits, group_size, transpose=True,
                 sorted_indices=False, *, check=None, count=False):
+    # The op's checks (the CPU op's errors, incl. the indices' range), the plan, and the index
+    # operands as the MPS executor binds them (csrc/plan_torch.h gather_qmm_operands, gather_order).
+    text, lhs, rhs, order = _ops._gather_operands(x, w, scales, biases, lhs_indices, rhs_indices, mode, bits,
+                                                  group_size, transpose, sorted_indices)
+    plan = json.loads(text)
     M, K = x.shape[-2], x.shape[-1]
     N = w.shape[-2] if transpose else w.shape[-1] * 32 // bits
-    lhs, rhs, batch = gather_pairs(tuple(x.shape[:-2]), tuple(w.shape[:-2]), lhs_indices, rhs_indices)
-    experts = max(1, int(np.prod(w.shape[:-2], dtype=np.int64)))
-    x_batch = max(1, int(np.prod(x.shape[:-2], dtype=np.int64)))
-    plan = json.loads(_ops._plan_gather(M, N, K, lhs.numel(), experts, x_batch, bits, group_size, x.dtype,
-                                        transpose, sorted_indices, mode))
+    batch = torch.broadcast_shapes(tuple(lhs_indices.shape) if lhs_indices is not None else tuple(x.shape[:-2]),
+                                   tuple(rhs_indices.shape) if rhs_indices is not None else tuple(w.shape[:-2]))
     y = torch.zeros(lhs.numel() * M, N, dtype=x.dtype)
     operands = {"x": x.reshape(-1, K).contiguous(), "wq": w.contiguous(), "scales": scales.contiguous(), "y": y,
-                "lhs": lhs, "rhs": rhs}
+                "lhs": lhs, "rhs": rhs, "order": order}
     if biases is not None:
         operands["biases"] = biases.contiguous()
-    if plan:
-        operands["order"] = pair_order(rhs, plan[0]["order"])
     _execute(plan, operands, check, count)
     return y.reshape(*batch, M, N)
 
@@ -285,6 +263,7 @@ class _MetalsimMode(TorchDispatchMode):
             _ops.dequantize.default: _dequantize,
             _ops.quantize.default: _quantize,
             _ops.gguf_qmm.default: _gguf_qmm,
+            _ops.gather_qmm.default: _gather_qmm,
         }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
