@@ -10,7 +10,7 @@ Decode: tokens x top-k experts of E, rhs as a router gives them (unsorted, disti
 prefill: the same pairs sorted by expert (sorted_indices, mlx-lm's order for many tokens).
 Only the experts the pairs use hold data; the others are zeros (the kernels never read them).
 
-    python benchmarks/metalsim_gather_traffic.py [--scale 4] [--json benchmarks/results/...json]
+    PYTHONPATH=. python benchmarks/metalsim_gather_traffic.py [--scale 4] [--json benchmarks/results/...json]
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def measure(name, tokens, k, experts, N, K, sorted_indices, bits=4, gs=64, seed=
     wq = torch.zeros(experts, *wq_u.shape[1:], dtype=wq_u.dtype)
     scales = torch.zeros(experts, *s_u.shape[1:], dtype=s_u.dtype)
     biases = torch.zeros_like(scales)
-    wq[used], scales[used], biases[used] = wq_u, s_u, b_u
+    for j, e in enumerate(used):
+        wq[e], scales[e], biases[e] = wq_u[j], s_u[j], b_u[j]
     if sorted_indices:
         rhs = rhs.reshape(-1).sort().values
         x, lhs = torch.randn(rhs.numel(), 1, K, generator=g).to(torch.float16), None
