@@ -83,7 +83,7 @@ MUTANTS: list[Mutant] = [
            "gather_qmm reads expert e's scales at a wrong stride (the codes' bytes, not the groups)"),
     Mutant("gather-mma-run-expert-by-row", "metal/affine_gather.h",
            "const uint e = expert_at(rhs, order, lo / M);", "const uint e = expert_at(rhs, order, lo);",
-           (GATHER, "-k", "sorted-m3"),
+           (GATHER, "-k", "checked_mode and sorted-m3"),
            "gather_qmm_mma32 takes a run's expert at the row number, not the pair (M > 1)"),
     Mutant("quantize-kernel-floor", "metal/quant_format.h",
            "uint32_t(clamp(rint((float(src[j]) - bias) / scale), 0.0f, n_bins))",
