@@ -13,6 +13,7 @@ RC = "tests/test_routes_cpu.py"
 FAKES = "tests/test_fakes.py"
 MLX = "tests/test_interop_mlx.py"
 METAL_OPS = "tests/test_metal_ops.py"
+GATHER = "tests/test_metal_gather.py"
 
 _STORE0 = "      if (gn < N) y[gm * N + gn] = static_cast<T>(C[i][j].thread_elements()[0]);"
 
@@ -34,7 +35,7 @@ MUTANTS: list[Mutant] = [
            "      if (gn + 1 < N) y[gm * N + gn + 1]", "      if (gn + 1 <= N) y[gm * N + gn + 1]",
            (RM, "-k", "mma and (checked_mode or rounds_exactly)"), "stores one column past N"),
     Mutant("mma-x-tile-no-k-bound", "metal/mma_tile.h",
-           "(gm < M && gk + i < K) ? x[gm * K + gk + i] : T(0)", "(gm < M) ? x[gm * K + gk + i] : T(0)",
+           "(live && gk + i < K) ? x[gm * K + gk + i] : T(0)", "(live) ? x[gm * K + gk + i] : T(0)",
            (RM, "-k", "checked_mode and qmm_n_mma32"), "x tile read past K (no zero fill)"),
     Mutant("decode8-stream-shift-dropped", "metal/quant_format.h",
            "      v >>= (bit0 % 8);", "      v >>= 0;",
@@ -73,9 +74,17 @@ MUTANTS: list[Mutant] = [
            "acc[m][r] += group_dot8<F>(q[r], xv, s[r], b[r], xsum);",
            "acc[m][r] += group_dot8<F>(q[r], xv, s[r], b[r], xv[0] * 8.0f);",
            (RM, "-k", "rounds_exactly and bm"), "bm kernels' bias term uses x[0] for the group sum"),
-    Mutant("bm-reads-past-m", "metal/affine_qmm_small.h",
-           "      if (m0 + m >= M) break;", "      if (m0 + m > M) break;",
+    Mutant("bm-reads-past-m", "metal/row_map.h",
+           "  bool live(uint r) const { return r < M; }", "  bool live(uint r) const { return r <= M; }",
            (RM, "-k", "checked_mode and bm"), "bm kernels read one row of x past M"),
+    Mutant("gather-expert-scale-stride", "metal/affine_gather.h",
+           "scales + e * (codes / F::G)", "scales + e * (codes / 8 / F::G)",
+           (GATHER, "-k", "reference and gather_qmv and affine-b4"),
+           "gather_qmm reads expert e's scales at a wrong stride (the codes' bytes, not the groups)"),
+    Mutant("gather-mma-run-expert-by-row", "metal/affine_gather.h",
+           "const uint e = expert_at(rhs, order, lo / M);", "const uint e = expert_at(rhs, order, lo);",
+           (GATHER, "-k", "checked_mode and sorted-m3"),
+           "gather_qmm_mma32 takes a run's expert at the row number, not the pair (M > 1)"),
     Mutant("quantize-kernel-floor", "metal/quant_format.h",
            "uint32_t(clamp(rint((float(src[j]) - bias) / scale), 0.0f, n_bins))",
            "uint32_t(clamp(floor((float(src[j]) - bias) / scale), 0.0f, n_bins))",

@@ -9,7 +9,8 @@ Each call computes y[t, j] = x[t] @ W[experts[t, j]].T for every token t and its
 Implementations, timed in this process round by round (kernels.time_impls):
   torch_qmm            one gather_qmm call (MLX-LM's SwitchGLU call: x [T, 1, 1, K], indices [T, k]);
   loop_qmm             a Python loop over the selected experts, one dense quantized_matmul per expert
-                       on the rows of the tokens that chose it (index_select / index_copy_ around it);
+                       on the rows of the tokens that chose it (index_select / index_copy_ around it;
+                       which pairs use which expert is worked out before the timing);
   loop_linear          the same loop with F.linear over the experts dequantized to bfloat16 beforehand
                        (the unquantized model's cost, only the selected experts read);
 and mlx.core.gather_qmm on the CPU stream, timed afterwards in a child process (as mlx_peer.py;
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import reference, reference_fp
 from ..ops import dequantize, gather_qmm, quantized_matmul
 from ..tolerance import worst_ratio
 from .kernels import FP_MODES, _rand_affine, _rand_fp, time_impls
@@ -96,19 +98,18 @@ def _impls(cfg: MoeConfig, x: torch.Tensor, w, calls: int) -> dict:
     def ours(i):
         return gather_qmm(x4, wq, scales, biases, rhs_indices=routes[i % calls], **kw)
 
+    # The loops' grouping (which pairs use which expert) is computed here, outside the timing, so
+    # the loops pay only for their matmuls and the row copies around them.
+    plans = []
+    for r in routes:
+        idx = r.reshape(-1).long()
+        plans.append([(e, pairs, pairs // k) for e in idx.unique().tolist() for pairs in [(idx == e).nonzero()[:, 0]]])
+
     def loop(matmul):
         def call(i):
-            idx = routes[i % calls].reshape(-1).long()
             y = torch.empty(T * k, cfg.n, dtype=x.dtype)
-            order = idx.argsort()
-            counts = torch.bincount(idx, minlength=E).tolist()
-            start = 0
-            for e, c in enumerate(counts):
-                if c == 0:
-                    continue
-                pairs = order[start:start + c]
-                start += c
-                y.index_copy_(0, pairs, matmul(x.index_select(0, pairs // k), e))
+            for e, pairs, rows in plans[i % calls]:
+                y.index_copy_(0, pairs, matmul(x if T == 1 else x.index_select(0, rows), e))
             return y.reshape(T, k, 1, cfg.n)
         return call
 
@@ -131,15 +132,22 @@ def _impls(cfg: MoeConfig, x: torch.Tensor, w, calls: int) -> dict:
     }, dense
 
 
-def _check(cfg: MoeConfig, impls: dict, dense: torch.Tensor, x: torch.Tensor) -> float:
-    """Worst error / bound of gather_qmm's first call against the float64 product with the
-    dequantized experts (exact in float64: the codes times their scales), over 64 output columns."""
-    route = routing(cfg, 1)[0].reshape(-1).long()
-    y = impls["torch_qmm"][0](0).reshape(cfg.tokens * cfg.top_k, cfg.n)[:, :64]
-    wd = dense[route, :64].double()  # the bfloat16 dequantization is exact for these random codes
-    xd = x.double()[torch.arange(cfg.tokens).repeat_interleave(cfg.top_k)]
-    y_ref = torch.einsum("pk,pnk->pn", xd, wd)
-    mag = torch.einsum("pk,pnk->pn", xd.abs(), wd.abs())
+def _check(cfg: MoeConfig, impls: dict, w, x: torch.Tensor) -> float:
+    """Worst error / bound (torch_qmm/tolerance.py) of gather_qmm's first call against the float64
+    reference (reference.py / reference_fp.py) on the first 64 rows of each selected expert."""
+    wq, scales, biases = w
+    route = routing(cfg, 1)[0]
+    y = impls["torch_qmm"][0](0)[..., :64].reshape(cfg.tokens, cfg.top_k, 64)
+    y_ref, mag = torch.empty(y.shape, dtype=torch.float64), torch.empty(y.shape, dtype=torch.float64)
+    for t in range(cfg.tokens):
+        for j, e in enumerate(route[t].tolist()):
+            xt = x[t:t + 1]
+            if cfg.mode == "affine":
+                args = (wq[e, :64], scales[e, :64], biases[e, :64], cfg.bits, cfg.group_size)
+                y_ref[t, j], mag[t, j] = reference.qmm(xt, *args)[0], reference.qmm_magnitude(xt, *args)[0]
+            else:
+                args = (wq[e, :64], scales[e, :64], cfg.mode, cfg.group_size, cfg.bits)
+                y_ref[t, j], mag[t, j] = reference_fp.qmm_fp(xt, *args)[0], reference_fp.qmm_fp_magnitude(xt, *args)[0]
     return worst_ratio(y, y_ref, mag, x.dtype, torch.get_float32_matmul_precision())
 
 
@@ -148,7 +156,7 @@ def run_config(cfg: MoeConfig, repeats: int, seed: int = 0) -> dict:
     x = torch.randn(cfg.tokens, cfg.k, generator=gen).to(getattr(torch, cfg.dtype))
     w = _experts(cfg, gen)
     impls, dense = _impls(cfg, x, w, calls=repeats + 1)
-    worst = _check(cfg, impls, dense, x)
+    worst = _check(cfg, impls, w, x)
     stats = time_impls(impls, "cpu", repeats)
     return {"config": dataclasses.asdict(cfg), "check_worst_ratio": worst,
             "median_ms": {n: s["median"] for n, s in stats.items()}, "min_ms": {n: s["min"] for n, s in stats.items()},
