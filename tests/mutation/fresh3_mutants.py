@@ -19,20 +19,20 @@ FORMATS = _files("tests/test_spec_ops.py", "tests/test_spec_errors.py", "tests/t
                  "tests/test_nn.py")
 FP_CPU = _files("tests/test_fp_modes.py", "tests/test_reference_fp.py", "tests/test_cpu_fp_chunked.py",
                 "tests/test_cpu_mxfp8_chunked.py", "tests/test_spec_ops.py")
-FP_METAL = _files("tests/test_metal_fp.py", "tests/test_fp_modes.py", "tests/test_routes_metal.py")
+FP_METAL = _files("tests/test_metal_edges.py", "tests/test_metal_fp.py", "tests/test_fp_modes.py", "tests/test_routes_metal.py")
 PLAN = _files("tests/test_metal_plan.py", "tests/test_routes_metal.py", "tests/test_metal_gguf.py",
               "tests/test_metal_ops.py", "tests/test_metal_fp.py")
-METAL = _files("tests/test_metal_ops.py", "tests/test_routes_metal.py", "tests/test_metal_fp.py",
+METAL = _files("tests/test_metal_edges.py", "tests/test_metal_ops.py", "tests/test_routes_metal.py", "tests/test_metal_fp.py",
                "tests/test_metal_gguf.py", "tests/test_metal_plan.py")
 OPS = _files("tests/test_regressions.py", "tests/test_qmm.py", "tests/test_fp_modes.py", "tests/test_spec_ops.py",
              "tests/test_errors.py", "tests/test_hardening_ops.py", "tests/test_compile.py")
-NN = _files("tests/test_nn.py", "tests/test_regressions.py", "tests/test_hardening_ops.py", "tests/test_fp_modes.py",
+NN = _files("tests/test_format_state.py", "tests/test_nn_dtypes.py", "tests/test_nn.py", "tests/test_regressions.py", "tests/test_hardening_ops.py", "tests/test_fp_modes.py",
             "tests/test_interop_transformers.py")
 MLX = _files("tests/test_interop_mlx.py", "tests/test_interop_mlx_lm.py", "tests/test_interop_cli.py",
              "tests/test_cli_convert.py", "tests/test_hostile_files.py")
 QUANT = _files("tests/test_quantizers.py", "tests/test_quantize.py")
-TOLERANCE = _files("tests/test_tolerance.py", "tests/test_qmm.py", "tests/test_routes_cpu.py")
-SELFTEST = _files("tests/test_selftest.py")
+TOLERANCE = _files("tests/test_tolerance_precision.py", "tests/test_tolerance.py", "tests/test_qmm.py", "tests/test_routes_cpu.py")
+SELFTEST = _files("tests/test_selftest_strict.py", "tests/test_selftest.py")
 
 MUTANTS: list[Mutant] = [
     # ---- C++ argument checks (csrc/validate.cpp, --cpp) -----------------------------------------
