@@ -24,7 +24,7 @@ PLAN = _files("tests/test_metal_plan.py", "tests/test_routes_metal.py", "tests/t
               "tests/test_metal_ops.py", "tests/test_metal_fp.py")
 METAL = _files("tests/test_metal_edges.py", "tests/test_metal_ops.py", "tests/test_routes_metal.py", "tests/test_metal_fp.py",
                "tests/test_metal_gguf.py", "tests/test_metal_plan.py")
-OPS = _files("tests/test_regressions.py", "tests/test_qmm.py", "tests/test_fp_modes.py", "tests/test_spec_ops.py",
+OPS = _files("tests/test_mode_defaults.py", "tests/test_regressions.py", "tests/test_qmm.py", "tests/test_fp_modes.py", "tests/test_spec_ops.py",
              "tests/test_errors.py", "tests/test_hardening_ops.py", "tests/test_compile.py")
 NN = _files("tests/test_format_state.py", "tests/test_nn_dtypes.py", "tests/test_nn.py", "tests/test_regressions.py",
             "tests/test_hardening_ops.py", "tests/test_fp_modes.py",
