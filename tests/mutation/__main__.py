@@ -1,10 +1,11 @@
-"""python -m tests.mutation [--cpp | --only-cpp] [--fresh | --fresh2 | --fresh3] [-k SUBSTRING] [-j JOBS] [--list] [--keep]
+"""python -m tests.mutation [--cpp | --only-cpp] [--fresh | --fresh2 | --fresh3] [-k SUBSTRING] [--tests FILE] [-j JOBS] [--list] [--keep]
 
 Exit status 0 only when every selected mutant is killed (see tests/mutation/__init__.py)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900,
                     help="CPU seconds per mutant's tests, descendants included (default 900; the wall-clock cap is "
                          "8 times that)")
+    ap.add_argument("--tests", action="append", default=[], metavar="FILE",
+                    help="run these test files instead of each mutant's selection (repeatable)")
     ap.add_argument("--list", action="store_true", help="list the selected mutants and exit")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies (paths on stderr)")
     args = ap.parse_args(argv)
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [m for m in mutants if (m.area == "cpp") == args.only_cpp or (args.cpp and m.area == "cpp")]
     if args.k:
         chosen = [m for m in chosen if any(s in m.name for s in args.k)]
+    if args.tests:
+        chosen = [dataclasses.replace(m, tests=tuple(args.tests)) for m in chosen]
     if args.list:
         for m in chosen:
             print(f"{m.name:40s} {m.area:6s} {m.file}  -> {' '.join(m.tests)}")
