@@ -129,7 +129,9 @@ MUTANTS: list[Mutant] = [
     Mutant("m3-fp-quotient-unrounded", "metal/quant_format.h",
            "        const float q = float(static_cast<T>(float(src[w * PER_WORD + i]) / divisor));",
            "        const float q = float(src[w * PER_WORD + i]) / divisor;", FP_METAL,
-           "the quotient w / scale is not rounded to T before it is encoded (nvfp4: divisor not a power of two)"),
+           "the quotient w / scale is not rounded to T before it is encoded. Equivalent as far as searched: "
+           "e8m0 divisors are powers of two (exact quotients), and for nvfp4 no float16/bfloat16 weight and "
+           "e4m3 divisor in 0.5625..1.875 gives a different e2m1 code (tests/mutation/README.md)"),
     Mutant("m3-e4m3-nan-code-decodes-finite", "metal/quant_format.h",
            "  if ((c & 0x7fu) == 0x7fu) v = as_type<float>(0x7fc00000u);\n", "", FP_METAL,
            "e4m3 code 0x7F decodes as 480 instead of NaN"),
