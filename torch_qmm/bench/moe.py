@@ -231,6 +231,14 @@ def run(args) -> int:
     print(f"{info['processor']} ({info['cpu_threads']} threads), torch {info['torch']}, commit {info['commit']}; "
           f"load average {info['load_average']}; last-level cache {cache / 2**20:.0f} MB", flush=True)
     rows = []
+    path = Path(args.output) if args.output else RESULT_PATH
+
+    def save():  # after every config, so an interrupted run keeps what it measured
+        info["load_average_end"] = machine_info("cpu", None)["load_average"]
+        write_json(path, {"machine": info, "isolation": "torch_qmm, loop_qmm, loop_linear interleaved round by "
+                                                        "round in one process; mlx in a child process afterwards",
+                          "results": rows})
+
     for cfg in model_configs(tokens):
         r = run_config(cfg, repeats)
         rows.append(r)
@@ -239,6 +247,7 @@ def run(args) -> int:
               f"top-{cfg.top_k}: torch_qmm {t['torch_qmm']:.3f} ms, loop_qmm {t['loop_qmm']:.3f} ms "
               f"({t['loop_qmm'] / t['torch_qmm']:.2f}x), loop_linear {t['loop_linear']:.3f} ms "
               f"({t['loop_linear'] / t['torch_qmm']:.2f}x); check {r['check_worst_ratio']:.2f}", flush=True)
+        save()
     if not args.peers or "mlx" in args.peers:
         print("timing mlx.core.gather_qmm in a separate process ...", flush=True)
         for r, out in zip(rows, _mlx_in_child([MoeConfig(**r["config"]) for r in rows], repeats)):
@@ -248,11 +257,7 @@ def run(args) -> int:
             r["median_ms"]["mlx"], r["min_ms"]["mlx"], r["samples"]["mlx"] = out["median"], out["min"], out["samples"]
             print(f"  {r['config']['model']} {r['config']['matrix']} T={r['config']['tokens']}: mlx "
                   f"{out['median']:.3f} ms ({out['median'] / r['median_ms']['torch_qmm']:.2f}x)", flush=True)
-    info["load_average_end"] = machine_info("cpu", None)["load_average"]
-    path = Path(args.output) if args.output else RESULT_PATH
-    write_json(path, {"machine": info, "last_level_cache_bytes": cache,
-                      "isolation": "torch_qmm, loop_qmm, loop_linear interleaved round by round in one process; "
-                                   "mlx in a child process afterwards", "results": rows})
+    save()
     print(f"saved {path}")
     return 0
 
