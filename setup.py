@@ -8,6 +8,7 @@ Install without build isolation so the extension compiles against the torch you 
 import glob
 import os
 import runpy
+import shutil
 import sys
 
 from setuptools import find_packages, setup
@@ -21,7 +22,12 @@ def sources() -> list[str]:
     if sys.platform == "darwin":
         # The MPS executor (Objective-C++) is only built on macOS. It embeds metal/'s sources, one
         # per kernel: csrc/mps/embed_metal.py writes csrc/mps/metal_source.inc (generated, git-ignored).
-        runpy.run_path(os.path.join(ROOT, "csrc", "mps", "embed_metal.py"))["write_embedded_source"]()
+        embed = runpy.run_path(os.path.join(ROOT, "csrc", "mps", "embed_metal.py"))
+        embed["write_embedded_source"]()
+        # Optional: with Apple's command-line tools (`xcrun`), metal/ compiled once now into a
+        # metallib shipped next to _C, which the executor loads before compiling any source.
+        if shutil.which("xcrun"):
+            embed["build_metallib"](os.path.join(ROOT, "torch_qmm"))
         found += sorted(glob.glob(os.path.join("csrc", "mps", "*.mm")))
     return found
 
@@ -54,6 +60,7 @@ setup(
             "metalsim/include/*",
             "metalsim/include/metalsim/*.h",
             "metalsim/include/stage/*",
+            "*.metallib",  # built on macOS when xcrun exists (csrc/mps/embed_metal.py)
         ]
     },
     ext_modules=[

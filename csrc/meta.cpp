@@ -64,6 +64,19 @@ at::Tensor qmm_int8_activations_meta(const at::Tensor& x, const at::Tensor& wq, 
   return qmm_meta(x, wq, scales, biases, mode, bits, group_size, true);
 }
 
+at::Tensor gather_qmm_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& biases, const std::optional<at::Tensor>& lhs_indices,
+                           const std::optional<at::Tensor>& rhs_indices, std::string_view mode, int64_t bits,
+                           int64_t group_size, bool transpose, bool sorted_indices) {
+  (void)sorted_indices;
+  const FormatSpec& f = check_mode("gather_qmm", mode);
+  SymGatherShape s =
+      check_gather_qmm_sym(x, w, scales, biases, lhs_indices, rhs_indices, f, bits, group_size, transpose);
+  s.batch.push_back(s.M);
+  s.batch.push_back(s.N);
+  return at::empty_symint(s.batch, x.options());
+}
+
 at::Tensor gguf_qmm_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N, int64_t K) {
   check_gguf_qmm(x, blocks, ggml_type, N, K);
   return at::empty_symint(with_last(x, c10::SymInt(N)), x.options());
@@ -75,6 +88,7 @@ TORCH_LIBRARY_IMPL(torch_qmm, Meta, m) {
   m.impl("quantize", &quantize_meta);
   m.impl("dequantize", &dequantize_meta);
   m.impl("qmm", &qmm_meta);
+  m.impl("gather_qmm", &gather_qmm_meta);
   m.impl("gguf_qmm", &gguf_qmm_meta);
   m.impl("qmm_int8_activations", &qmm_int8_activations_meta);
 }

@@ -37,6 +37,11 @@ TORCH_LIBRARY(torch_qmm, m) {
   m.def(
       "affine_qmm(Tensor x, Tensor wq, Tensor scales, Tensor biases, int bits, int group_size, "
       "bool transpose=True) -> Tensor");
+  // mlx.core.gather_qmm: y[*batch, M, N] = x[lhs_indices] @ W[rhs_indices] (csrc/validate.h,
+  // check_gather_qmm; docs/design.md, "gather_qmm").
+  m.def(
+      "gather_qmm(Tensor x, Tensor w, Tensor scales, Tensor? biases, Tensor? lhs_indices, Tensor? rhs_indices, "
+      "str mode, int bits, int group_size, bool transpose, bool sorted_indices) -> Tensor");
   m.def("gguf_qmm(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> Tensor");
   // qmm (transpose=True) with x quantized to int8 per block of 32: an opt-in approximation
   // (csrc/cpu/actq_qmm.cpp, docs/activation-quantization.md).

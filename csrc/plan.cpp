@@ -36,6 +36,8 @@ constexpr Geometry bm(uint32_t rows) {  // affine_qmm_small.h
 constexpr Geometry mma(uint32_t rows) {  // mma_tile.h
   return Geometry::tiled(rows, MMA_BN, uint32_t(mma_threads(int(rows))));
 }
+constexpr Geometry kGatherRuns =  // affine_gather.h: the qmm_t_small threadgroup over runs
+    Geometry::runs(GATHER_ROWS, BM_COLS_PER_TG, BM_SIMDGROUPS * SIMD_WIDTH);
 constexpr Geometry kQvm = Geometry::tiled(1, QVM_COLS_PER_TG, QVM_SIMDGROUPS * SIMD_WIDTH);  // affine_qvm.h
 constexpr Geometry gguf_rows(uint32_t rows) {  // gguf_qmm.h
   return Geometry::tiled(rows, GGUF_COLS_PER_TG, GGUF_SIMDGROUPS * SIMD_WIDTH);
@@ -72,6 +74,19 @@ const RouteRow kRoutes[] = {
   {"quantize", Op::kQuantize, kQuantModes, -1, 0, kNoLimit, Cond::kAny, "quantize_rows",
    Geometry::elementwise(0, QUANT_THREADS_PER_TG), "always",
    "one thread per group: a group's words belong to one thread, so packing needs no atomics"},
+  // gather_qmm (mixture of experts): W is read per expert, not per pair (metal/affine_gather.h).
+  {"gather_qmm_mma32", Op::kGatherQmm, kQuantModes, 1, 1, kNoLimit, Cond::kSortedRuns, "gather_qmm_mma32", mma(32),
+   "gather_qmm, sorted_indices, pairs * M >= 4 * experts",
+   "prefill with rows sorted by expert: 32-row simdgroup-matrix tiles over the sorted rows, one "
+   "pass per expert present in a tile (MLX gather_qmm_rhs): W read about once per tile"},
+  {"gather_qmv", Op::kGatherQmm, kQuantModes, 1, 1, kNoLimit, Cond::kAny, "gather_qmv", kGatherRuns,
+   "gather_qmm, transpose=True, otherwise (decode)",
+   "decode: the pairs of one expert run together (sorted on the device when rhs is not): "
+   "the threadgroups of a run's first pair read the expert's 8 W rows once for all its rows, "
+   "8 rows of x at a time (llama.cpp mul_mv_id's per-expert row lists); the others exit"},
+  {"gather_qmm_n_mma32", Op::kGatherQmm, kQuantModes, 0, 1, kNoLimit, Cond::kAny, "gather_qmm_n_mma32", mma(32),
+   "gather_qmm, transpose=False",
+   "W [K, N] per expert: the 32x32 tile of qmm_n_mma32 over the rows sorted by expert"},
   // GGUF K-quants (the type is part of the kernel name, not of the route). W is always [N, K];
   // K % 256 == 0 is checked before planning, so no K-tail variant is needed.
   {"gguf_qmv", Op::kGgufQmm, kGgufTypes, -1, 1, 1, Cond::kAny, "qmv", gguf_rows(1), "gguf_qmm, M == 1, any N",
@@ -107,8 +122,13 @@ uint32_t u32(int64_t v) {
 void check_u32_indices(const Problem& p) {
   constexpr int64_t kMax = int64_t(std::numeric_limits<uint32_t>::max());
   auto fits = [&](int64_t a, int64_t b) { return a == 0 || b <= kMax / a; };
-  const bool has_m = p.op == Op::kQmm || p.op == Op::kGgufQmm;
-  if (!fits(p.N, p.K) || (has_m && (!fits(p.M, p.K) || !fits(p.M, p.N)))) {
+  const bool has_m = p.op == Op::kQmm || p.op == Op::kGgufQmm || p.op == Op::kGatherQmm;
+  const bool gather = p.op == Op::kGatherQmm;
+  // gather_qmm: x [x_batch * M, K], y [pairs * M, N], W [experts * N, K] (as elements).
+  const int64_t w_rows = gather ? p.experts * p.N : p.N;
+  const int64_t x_rows = gather ? p.x_batch * p.M : p.M, y_rows = gather ? p.pairs * p.M : p.M;
+  const bool rows_fit = !gather || (fits(p.experts, p.N) && fits(p.x_batch, p.M) && fits(p.pairs, p.M));
+  if (!rows_fit || !fits(w_rows, p.K) || (has_m && (!fits(x_rows, p.K) || !fits(y_rows, p.N)))) {
     std::ostringstream o;
     o << "torch_qmm plan: operands too large for the Metal kernels' 32-bit indices (M=" << p.M << ", N=" << p.N
       << ", K=" << p.K << "; M*K, M*N and N*K must each be at most 2^32 - 1): split the problem";
@@ -119,10 +139,13 @@ void check_u32_indices(const Problem& p) {
 bool holds(const RouteRow& r, const Problem& p, Format f) {
   if (r.op != p.op || !(r.formats & bit(f))) return false;
   if (r.transpose >= 0 && r.transpose != int(p.transpose)) return false;
-  if ((p.op == Op::kQmm || p.op == Op::kGgufQmm) && (p.M < r.m_min || p.M > r.m_max)) return false;
+  if ((p.op == Op::kQmm || p.op == Op::kGgufQmm || p.op == Op::kGatherQmm) && (p.M < r.m_min || p.M > r.m_max))
+    return false;
   if (r.cond == Cond::kQmvAligned)
     // Must match the K step and rows per threadgroup of qmv_fast (metal/affine_qmv.h).
     return p.N % QMV_ROWS_PER_TG == 0 && p.K % qmv_block_k(p.bits) == 0;
+  if (r.cond == Cond::kSortedRuns)
+    return p.sorted && p.pairs * p.M >= int64_t(GATHER_MMA_MIN_ROWS_PER_EXPERT) * p.experts;
   return true;
 }
 
@@ -133,13 +156,19 @@ std::vector<Binding> bindings(const Problem& p) {
   std::vector<Binding> b;
   switch (p.op) {
     case Op::kQmm:
+    case Op::kGatherQmm:
     case Op::kDequantize:
     case Op::kQuantize:
       b = {{BUF_WQ, Operand::kWq, 0}, {BUF_SCALES, Operand::kScales, 0}};
       if (has_biases(p.mode)) b.push_back({BUF_BIASES, Operand::kBiases, 0});
-      if (p.op == Op::kQmm) {
+      if (p.op == Op::kQmm || p.op == Op::kGatherQmm) {
         b.push_back({BUF_DENSE, Operand::kX, 0});
         b.push_back({BUF_Y, Operand::kY, 0});
+        if (p.op == Op::kGatherQmm) {
+          b.push_back({BUF_LHS, Operand::kLhs, 0});
+          b.push_back({BUF_RHS, Operand::kRhs, 0});
+          b.push_back({BUF_ORDER, Operand::kOrder, 0});
+        }
       } else {
         b.push_back({BUF_DENSE, Operand::kW, 0});
       }
@@ -154,7 +183,13 @@ std::vector<Binding> bindings(const Problem& p) {
 void apply(const Geometry& g, const Problem& p, Launch& l) {
   l.threads_per_threadgroup = {g.threads, 1, 1};
   if (g.kind == Geometry::Kind::kTiled) {
-    l.threadgroups = {ceil_div(p.N, g.cols), ceil_div(std::max<int64_t>(p.M, 1), g.rows), 1};
+    // gather_qmm tiles the rows of all pairs, taken in the pairs' order.
+    const int64_t rows = p.op == Op::kGatherQmm ? p.pairs * p.M : p.M;
+    l.threadgroups = {ceil_div(p.N, g.cols), ceil_div(std::max<int64_t>(rows, 1), g.rows), 1};
+    l.tile_rows = g.rows;
+    l.tile_cols = g.cols;
+  } else if (g.kind == Geometry::Kind::kRuns) {
+    l.threadgroups = {ceil_div(p.N, g.cols), u32(p.pairs), 1};
     l.tile_rows = g.rows;
     l.tile_cols = g.cols;
   } else {
@@ -182,6 +217,8 @@ const char* op_name(Op op) {
       return "qmm";
     case Op::kGgufQmm:
       return "gguf_qmm";
+    case Op::kGatherQmm:
+      return "gather_qmm";
   }
   return "?";
 }
@@ -263,6 +300,12 @@ const char* operand_name(Operand operand) {
       return "w";
     case Operand::kBlocks:
       return "blocks";
+    case Operand::kLhs:
+      return "lhs";
+    case Operand::kRhs:
+      return "rhs";
+    case Operand::kOrder:
+      return "order";
   }
   return "?";
 }
@@ -273,8 +316,9 @@ const std::vector<RouteRow>& routes() {
 }
 
 std::vector<Launch> make_plan(const Problem& p) {
-  const bool has_m = p.op == Op::kQmm || p.op == Op::kGgufQmm;
-  const bool empty = has_m ? (p.M == 0 || p.N == 0 || p.K == 0) : (p.N == 0 || p.K == 0);
+  const bool has_m = p.op == Op::kQmm || p.op == Op::kGgufQmm || p.op == Op::kGatherQmm;
+  const bool empty = has_m ? (p.M == 0 || p.N == 0 || p.K == 0 || (p.op == Op::kGatherQmm && p.pairs == 0))
+                           : (p.N == 0 || p.K == 0);
   if (empty) return {};
   check_u32_indices(p);
   const Format f = format_of(p);
@@ -289,6 +333,12 @@ std::vector<Launch> make_plan(const Problem& p) {
       if (p.K % gguf::kQK_K != 0) throw std::invalid_argument("torch_qmm plan: gguf_qmm needs K % 256 == 0");
       l.params_index = GGUF_BUF_PARAMS;
       l.params = param_words(GGUFParams{u32(p.M), u32(p.N), u32(p.K), u32(p.K / gguf::kQK_K)});
+    } else if (p.op == Op::kGatherQmm) {
+      if (p.experts <= 0 || p.x_batch <= 0)
+        throw std::invalid_argument("torch_qmm plan: gather_qmm needs at least one expert and one x batch");
+      l.params_index = BUF_PARAMS;
+      l.params = param_words(GatherParams{u32(p.M), u32(p.N), u32(p.K), u32(p.pairs)});
+      l.order = p.sorted ? Launch::Order::kAsGiven : Launch::Order::kByExpert;
     } else {
       l.params_index = BUF_PARAMS;
       l.params = param_words(AffineParams{p.op == Op::kQmm ? u32(p.M) : 0u, u32(p.N), u32(p.K), 0u});
@@ -316,6 +366,8 @@ std::string to_json(const std::vector<Launch>& launches) {
         << operand_name(l.buffers[b].operand) << "\", \"byte_offset\": " << l.buffers[b].byte_offset << "}";
     }
     o << "], \"tile\": [" << l.tile_rows << ", " << l.tile_cols << "]";
+    if (l.order != Launch::Order::kNone)
+      o << ", \"order\": \"" << (l.order == Launch::Order::kAsGiven ? "as_given" : "by_expert") << "\"";
     o << ", \"bytes\": [{\"index\": " << l.params_index << ", \"u32\": [";
     for (size_t w = 0; w < l.params.size(); ++w) o << (w ? ", " : "") << l.params[w];
     o << "]}]}";
@@ -344,7 +396,9 @@ std::string routes_json() {
     o << "], \"transpose\": " << r.transpose << ", \"m_min\": " << r.m_min << ", \"m_max\": "
       << (r.m_max == kNoLimit ? -1 : r.m_max) << ", \"kernel\": ";
     append_json_string(o, r.kernel);
-    o << ", \"geometry\": {\"kind\": \"" << (r.geometry.kind == Geometry::Kind::kTiled ? "tiled" : "elementwise")
+    const Geometry::Kind kind = r.geometry.kind;
+    o << ", \"geometry\": {\"kind\": \""
+      << (kind == Geometry::Kind::kTiled ? "tiled" : kind == Geometry::Kind::kRuns ? "runs" : "elementwise")
       << "\", \"rows\": " << r.geometry.rows << ", \"cols\": " << r.geometry.cols
       << ", \"threads\": " << r.geometry.threads << "}, \"when\": ";
     append_json_string(o, r.when);

@@ -25,15 +25,19 @@ namespace plan {
 
 // kQmm / kQuantize / kDequantize: the quantized modes (Mode: affine, mxfp4, nvfp4, mxfp8).
 // kGgufQmm: W as GGUF K-quant blocks (always [N, K]), the type in Problem::ggml_type.
-enum class Op { kQuantize, kDequantize, kQmm, kGgufQmm };
+// kGatherQmm: gather_qmm, Problem::pairs products x[lhs[i]] @ W[rhs[i]] (.T) of M rows each
+// against Problem::experts stacked W (see metal/affine_gather.h for the pair order).
+enum class Op { kQuantize, kDequantize, kQmm, kGgufQmm, kGatherQmm };
 enum class DType { kFloat32, kFloat16, kBFloat16 };
 
 // Which tensor of the op a buffer index is bound to.
 //   qmm: x, wq, scales, biases -> y      dequantize: wq, scales, biases -> w
 //   quantize: w -> wq, scales, biases                gguf_qmm: x, blocks -> y
+//   gather_qmm: x, wq, scales, biases, lhs, rhs, order -> y   (lhs / rhs: the broadcast indices,
+//     flattened, int32; order: the pairs' order, Launch::order says how the executor makes it)
 // Formats without biases (the fp modes) bind no biases buffer.
-enum class Operand { kX, kWq, kScales, kBiases, kY, kW, kBlocks };
-constexpr int kOperandCount = 7;
+enum class Operand { kX, kWq, kScales, kBiases, kY, kW, kBlocks, kLhs, kRhs, kOrder };
+constexpr int kOperandCount = 10;
 
 struct Problem {
   Op op;
@@ -46,6 +50,12 @@ struct Problem {
   bool transpose;  // qmm only
   int ggml_type = 0;          // gguf_qmm only: gguf::kTypeQ4_K or kTypeQ6_K (metal/gguf_format.h)
   Mode mode = Mode::kAffine;  // quantized modes (csrc/format_spec.h)
+  // gather_qmm only (M is then the rows of x per pair): the pairs (broadcast indices' elements),
+  // the experts (W's batch), x's batch, and whether rhs is sorted (the caller's sorted_indices).
+  int64_t pairs = 0;
+  int64_t experts = 0;
+  int64_t x_batch = 0;
+  bool sorted = false;
 };
 
 // The formats a route row serves: the quantized modes (bit = Mode) and the GGUF types after them.
@@ -64,7 +74,7 @@ constexpr FormatSet kGgufTypes = bit(Format::kQ4_K) | bit(Format::kQ6_K);
 // default constructor): every RouteRow states its geometry, checked by the compiler.
 class Geometry {
  public:
-  enum class Kind { kTiled, kElementwise };
+  enum class Kind { kTiled, kElementwise, kRuns };
   // Threadgroups of `rows` rows of x by `cols` columns of y: grid (ceil(N/cols), ceil(M/rows)),
   // `threads` threads each. The kernel reads W about ceil(M/rows) times and x ceil(N/cols) times.
   static constexpr Geometry tiled(uint32_t rows, uint32_t cols, uint32_t threads) {
@@ -74,6 +84,11 @@ class Geometry {
   // of `threads`-thread threadgroups.
   static constexpr Geometry elementwise(uint32_t values, uint32_t threads) {
     return Geometry(Kind::kElementwise, 0, values, threads);
+  }
+  // gather_qmm over runs of pairs of one expert: grid (ceil(N/cols), pairs), the threadgroups of
+  // the first pair of each run compute the run's rows, `rows` at a time (metal/affine_gather.h).
+  static constexpr Geometry runs(uint32_t rows, uint32_t cols, uint32_t threads) {
+    return Geometry(Kind::kRuns, rows, cols, threads);
   }
   Geometry() = delete;
 
@@ -87,7 +102,9 @@ class Geometry {
 };
 
 // Extra conditions of a row beyond op, format, transpose and M.
-enum class Cond { kAny, kQmvAligned };
+// kSortedRuns (gather_qmm): rhs sorted (sorted_indices) and, on average, a 32-row tile's worth
+// of rows per expert: GATHER_MMA_MIN_ROWS_PER_EXPERT (metal/qmm_params.h).
+enum class Cond { kAny, kQmvAligned, kSortedRuns };
 
 // One row of the routing table: for an op the first row whose conditions hold wins.
 struct RouteRow {
@@ -124,6 +141,11 @@ struct Launch {
   // ceil(M / tile_rows) times and x ceil(N / tile_cols) times (tests/test_metal_cost.py).
   uint32_t tile_rows = 0;
   uint32_t tile_cols = 0;
+  // gather_qmm: how the executor fills the kOrder operand (int32 [pairs], a permutation of the
+  // pairs in which those of one expert are adjacent): kAsGiven = 0, 1, ..., pairs - 1 (rhs is
+  // sorted); kByExpert = a stable argsort of rhs. Other ops: kNone.
+  enum class Order { kNone, kAsGiven, kByExpert };
+  Order order = Order::kNone;
 };
 
 // The format of a problem: its mode, or its GGUF type for gguf_qmm (std::invalid_argument for a

@@ -6,11 +6,22 @@
 //   _plan_gguf(M, N, K, ggml_type, dtype)                  -> JSON launches   (tests, tools)
 //   _plan_for_gguf(x, blocks, ggml_type, N, K)             -> JSON launches   (gguf_qmm's checks
 //                                                            first; same arguments as gguf_qmm)
+//   _plan_gather(M, N, K, pairs, experts, x_batch, bits, group_size, dtype, transpose, sorted,
+//                mode)                                      -> JSON launches   (tests, tools)
+//   _gather_operands(x, w, scales, biases, lhs_indices, rhs_indices, mode, bits, group_size,
+//                    transpose, sorted_indices)             -> (JSON launches, lhs, rhs, order)
+//                                                            (validates first; metalsim's executor
+//                                                            binds what the MPS one binds)
 //   _routes() -> JSON routing table
+// (_plan_gather's and _gather_operands' schemas are defined here, the others' in csrc/ops.cpp.)
 #include "plan_torch.h"
 
 #include <ATen/ops/amax.h>
 #include <ATen/ops/amin.h>
+#include <ATen/ops/aminmax.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/broadcast_to.h>
+#include <ATen/ops/sort.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/sub.h>
 #include <c10/util/Exception.h>
@@ -96,6 +107,49 @@ plan::Problem quantize_problem(const at::Tensor& w, std::string_view mode, int64
   return p;
 }
 
+GatherOperands gather_qmm_operands(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                                   const std::optional<at::Tensor>& biases,
+                                   const std::optional<at::Tensor>& lhs_indices,
+                                   const std::optional<at::Tensor>& rhs_indices, std::string_view mode, int64_t bits,
+                                   int64_t group_size, bool transpose, bool sorted_indices) {
+  const FormatSpec& f = check_mode("gather_qmm", mode);
+  const GatherShape s =
+      check_gather_qmm(x, w, scales, biases, lhs_indices, rhs_indices, f, bits, group_size, transpose);
+  metal_format("gather_qmm", mode);
+  auto flat = [&](const char* arg, const std::optional<at::Tensor>& idx, const at::Tensor& target, const char* name,
+                  int64_t count) {
+    at::Tensor i;
+    if (idx) {
+      i = *idx;
+      if (i.numel() > 0) {  // a kernel cannot raise: out-of-range indices are refused here (synchronizes)
+        const auto [lo, hi] = at::aminmax(i.to(at::kLong));
+        check_gather_index_range(arg, lo.item<int64_t>(), hi.item<int64_t>(), count, name, target.sizes());
+      }
+    } else {
+      i = at::arange(count, target.options().dtype(at::kInt)).reshape(target.sizes().slice(0, target.dim() - 2));
+    }
+    return at::broadcast_to(i, s.batch).reshape({-1}).to(at::kInt).contiguous();
+  };
+  GatherOperands g;
+  g.lhs = flat("lhs_indices", lhs_indices, x, "x", s.x_batch);
+  g.rhs = flat("rhs_indices", rhs_indices, w, "w", s.w_batch);
+  g.batch = s.batch;
+  plan::Problem& p = g.problem;
+  p = plan::Problem{plan::Op::kGatherQmm, s.M, s.N, s.K, int(bits), int(group_size), plan_dtype(x.scalar_type()),
+                    transpose};
+  p.mode = f.mode;
+  p.pairs = g.lhs.numel();
+  p.experts = s.w_batch;
+  p.x_batch = s.x_batch;
+  p.sorted = sorted_indices;
+  return g;
+}
+
+at::Tensor gather_order(const at::Tensor& rhs, plan::Launch::Order order) {
+  if (order == plan::Launch::Order::kAsGiven) return at::arange(rhs.numel(), rhs.options().dtype(at::kInt));
+  return std::get<1>(at::sort(rhs, /*stable=*/true, /*dim=*/0, /*descending=*/false)).to(at::kInt).contiguous();
+}
+
 plan::Problem gguf_qmm_problem(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N,
                                int64_t K) {
   check_gguf_qmm(x, blocks, ggml_type, N, K);
@@ -165,11 +219,57 @@ std::string plan_for_gguf_op(const at::Tensor& x, const at::Tensor& blocks, int6
   return planned(gguf_qmm_problem(x, blocks, ggml_type, N, K));
 }
 
+std::string plan_gather_op(int64_t M, int64_t N, int64_t K, int64_t pairs, int64_t experts, int64_t x_batch,
+                           int64_t bits, int64_t group_size, at::ScalarType dtype, bool transpose, bool sorted,
+                           const std::string& mode) {
+  const FormatSpec& f = metal_format("_plan_gather", mode);
+  check_bits_and_group_size("_plan_gather", f, bits, group_size);
+  TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0 && pairs >= 0, "_plan_gather: M, N, K, pairs must be >= 0, got ", M,
+                    ", ", N, ", ", K, ", ", pairs);
+  TORCH_CHECK_VALUE(experts >= 1 && x_batch >= 1, "_plan_gather: experts and x_batch must be >= 1, got ", experts,
+                    ", ", x_batch);
+  plan::Problem p{plan::Op::kGatherQmm, M, N, K, int(bits), int(group_size), plan_dtype(dtype), transpose};
+  p.mode = f.mode;
+  p.pairs = pairs;
+  p.experts = experts;
+  p.x_batch = x_batch;
+  p.sorted = sorted;
+  return planned(p);
+}
+
+std::tuple<std::string, at::Tensor, at::Tensor, at::Tensor> gather_operands_op(
+    const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const std::optional<at::Tensor>& biases,
+    const std::optional<at::Tensor>& lhs_indices, const std::optional<at::Tensor>& rhs_indices,
+    const std::string& mode, int64_t bits, int64_t group_size, bool transpose, bool sorted_indices) {
+  const GatherOperands g = gather_qmm_operands(x, w, scales, biases, lhs_indices, rhs_indices, mode, bits, group_size,
+                                               transpose, sorted_indices);
+  std::vector<plan::Launch> launches;
+  try {
+    launches = plan::make_plan(g.problem);
+  } catch (const std::exception& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  const plan::Launch::Order order = launches.empty() ? plan::Launch::Order::kAsGiven : launches.front().order;
+  return {plan::to_json(launches), g.lhs, g.rhs, gather_order(g.rhs, order)};
+}
+
 std::string routes_op() { return plan::routes_json(); }
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(torch_qmm, m) {
+  m.def(
+      "_plan_gather(int M, int N, int K, int pairs, int experts, int x_batch, int bits, int group_size, "
+      "ScalarType dtype, bool transpose, bool sorted, str mode) -> str");
+  m.def(
+      "_gather_operands(Tensor x, Tensor w, Tensor scales, Tensor? biases, Tensor? lhs_indices, "
+      "Tensor? rhs_indices, str mode, int bits, int group_size, bool transpose, bool sorted_indices) "
+      "-> (str, Tensor, Tensor, Tensor)");
+}
+
 TORCH_LIBRARY_IMPL(torch_qmm, CompositeExplicitAutograd, m) {
+  m.impl("_plan_gather", &plan_gather_op);
+  m.impl("_gather_operands", &gather_operands_op);
   m.impl("_plan", &plan_op);
   m.impl("_plan_for", &plan_for_op);
   m.impl("_plan_gguf", &plan_gguf_op);

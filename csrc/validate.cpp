@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <vector>
@@ -57,46 +58,66 @@ void check_float_dtype(const char* op, const char* arg, const at::Tensor& t) {
                    "' must be float32, float16 or bfloat16, got ", d);
 }
 
-SymPackedShape check_packed_sym(const char* op, const FormatSpec& f, const at::Tensor& wq, const at::Tensor& scales,
-                                const std::optional<at::Tensor>& biases, int64_t bits, int64_t group_size) {
+namespace {
+// check_packed_sym for wq [rows, words] (batched=false) or [..., rows, words] with scales and
+// biases of the same leading (batch) dimensions (batched=true: gather_qmm's stacked matrices).
+SymPackedShape check_packed_impl(const char* op, const FormatSpec& f, const at::Tensor& wq, const at::Tensor& scales,
+                                 const std::optional<at::Tensor>& biases, int64_t bits, int64_t group_size,
+                                 bool batched) {
+  // The packed weights are argument 'wq' of qmm / dequantize and 'w' of gather_qmm (MLX's names).
+  const char* wn = batched ? "w" : "wq";
   check_bits_and_group_size(op, f, bits, group_size);
   check_biases_presence(op, f, biases);
   TORCH_CHECK_TYPE(wq.scalar_type() == at::kUInt32, op,
-                   ": argument 'wq' must be uint32 (packed weights), got ", wq.scalar_type(),
-                   " (an int32 tensor holding the same bits can be passed as wq.view(torch.uint32))");
-  TORCH_CHECK_VALUE(wq.dim() == 2, op, ": argument 'wq' must be 2-D [rows, cols*bits/32], got shape ",
-                    wq.sym_sizes());
+                   ": argument '", wn, "' must be uint32 (packed weights), got ", wq.scalar_type(),
+                   " (an int32 tensor holding the same bits can be passed as ", wn, ".view(torch.uint32))");
+  if (batched) {
+    TORCH_CHECK_VALUE(wq.dim() >= 2, op,
+                      ": argument 'w' must have at least 2 dimensions [..., rows, cols*bits/32], got shape ",
+                      wq.sym_sizes());
+  } else {
+    TORCH_CHECK_VALUE(wq.dim() == 2, op, ": argument 'wq' must be 2-D [rows, cols*bits/32], got shape ",
+                      wq.sym_sizes());
+  }
   check_scales_dtype(op, f, scales);
   if (biases) {
     TORCH_CHECK_TYPE(biases->scalar_type() == scales.scalar_type(), op,
                      ": argument 'biases' must have the dtype of 'scales' (", scales.scalar_type(), "), got ",
                      biases->scalar_type());
   }
-  const c10::SymInt rows = wq.sym_size(0);
-  const c10::SymInt words = wq.sym_size(1);
+  const c10::SymInt rows = wq.sym_size(-2);
+  const c10::SymInt words = wq.sym_size(-1);
   // cols = words * 32 / bits must be a number of weights int64 can index (a stride-0 expanded wq
   // can claim any size without holding it).
-  TORCH_CHECK_VALUE(words <= kMaxIndex / 32 && wq.sym_numel() <= kMaxIndex / 32, op, ": argument 'wq' of shape ",
+  TORCH_CHECK_VALUE(words <= kMaxIndex / 32 && wq.sym_numel() <= kMaxIndex / 32, op, ": argument '", wn, "' of shape ",
                     wq.sym_sizes(), " holds more weights than int64 can index");
   const c10::SymInt cols = words * 32 / bits;
-  TORCH_CHECK_VALUE(words * 32 % bits == 0 && cols % group_size == 0, op, ": argument 'wq' has ", words,
+  TORCH_CHECK_VALUE(words * 32 % bits == 0 && cols % group_size == 0, op, ": argument '", wn, "' has ", words,
                     " words per row, which is not a whole number of groups of ", group_size, " ", bits,
                     "-bit values");
-  const std::vector<c10::SymInt> expected{rows, cols / group_size};
+  std::vector<c10::SymInt> expected(wq.sym_sizes().begin(), wq.sym_sizes().end() - 2);
+  expected.push_back(rows);
+  expected.push_back(cols / group_size);
   TORCH_CHECK_VALUE(scales.sym_sizes() == c10::SymIntArrayRef(expected), op, ": argument 'scales' must have shape ",
-                    c10::SymIntArrayRef(expected), " for wq of shape ", wq.sym_sizes(), " with bits=", bits,
+                    c10::SymIntArrayRef(expected), " for ", wn, " of shape ", wq.sym_sizes(), " with bits=", bits,
                     " and group_size=", group_size, ", got ", scales.sym_sizes());
   if (biases) {
     TORCH_CHECK_VALUE(biases->sym_sizes() == scales.sym_sizes(), op, ": argument 'biases' must have shape ",
                       scales.sym_sizes(), " (the shape of 'scales'), got ", biases->sym_sizes());
     TORCH_CHECK_VALUE(wq.device() == scales.device() && wq.device() == biases->device(), op,
-                      ": 'wq', 'scales' and 'biases' must be on one device, got ", wq.device(), ", ", scales.device(),
+                      ": '", wn, "', 'scales' and 'biases' must be on one device, got ", wq.device(), ", ", scales.device(),
                       ", ", biases->device());
   } else {
-    TORCH_CHECK_VALUE(wq.device() == scales.device(), op, ": 'wq' and 'scales' must be on one device, got ",
+    TORCH_CHECK_VALUE(wq.device() == scales.device(), op, ": '", wn, "' and 'scales' must be on one device, got ",
                       wq.device(), ", ", scales.device());
   }
   return {rows, cols};
+}
+}  // namespace
+
+SymPackedShape check_packed_sym(const char* op, const FormatSpec& f, const at::Tensor& wq, const at::Tensor& scales,
+                                const std::optional<at::Tensor>& biases, int64_t bits, int64_t group_size) {
+  return check_packed_impl(op, f, wq, scales, biases, bits, group_size, false);
 }
 
 PackedShape check_packed(const char* op, const FormatSpec& f, const at::Tensor& wq, const at::Tensor& scales,
@@ -144,17 +165,24 @@ void check_quantize_range(bool ranges_finite) {
                     "the float32 maximum 3.4028235e+38 (its affine scale would be Inf); scale or clamp the weights first");
 }
 
-std::pair<c10::SymInt, c10::SymInt> check_qmm_sym(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                                                  const std::optional<at::Tensor>& biases, const FormatSpec& f,
-                                                  int64_t bits, int64_t group_size, bool transpose) {
-  const char* op = "qmm";
-  const SymPackedShape w = check_packed_sym(op, f, wq, scales, biases, bits, group_size);
+namespace {
+// x against the checked matrix w: dtype, dimensions ([..., K]; gather_qmm: [..., M, K]), device,
+// last dimension. Returns (N, K).
+std::pair<c10::SymInt, c10::SymInt> check_x_sym(const char* op, const at::Tensor& x, const at::Tensor& wq,
+                                                const at::Tensor& scales, const FormatSpec& f,
+                                                const SymPackedShape& w, int64_t bits, bool transpose,
+                                                bool matrices) {
   check_float_dtype(op, "x", x);
   if (f.scale == ScaleKind::kFloat) {
     TORCH_CHECK_TYPE(x.scalar_type() == scales.scalar_type(), op, ": argument 'x' must have the dtype of ",
                      "'scales' and 'biases' (", scales.scalar_type(), "), got ", x.scalar_type());
   }
-  TORCH_CHECK_VALUE(x.dim() >= 1, op, ": argument 'x' must have at least 1 dimension [..., K], got a scalar");
+  if (matrices) {
+    TORCH_CHECK_VALUE(x.dim() >= 2, op, ": argument 'x' must have at least 2 dimensions [..., M, K], got shape ",
+                      x.sym_sizes());
+  } else {
+    TORCH_CHECK_VALUE(x.dim() >= 1, op, ": argument 'x' must have at least 1 dimension [..., K], got a scalar");
+  }
   TORCH_CHECK_VALUE(x.device() == wq.device(), op, ": argument 'x' is on ", x.device(),
                     " but the packed weights are on ", wq.device());
   // transpose=True: W [N, K] stored row by row, quantized along K.
@@ -162,9 +190,18 @@ std::pair<c10::SymInt, c10::SymInt> check_qmm_sym(const at::Tensor& x, const at:
   const c10::SymInt K = transpose ? w.cols : w.rows;
   const c10::SymInt N = transpose ? w.rows : w.cols;
   TORCH_CHECK_VALUE(x.sym_size(-1) == K, op, ": argument 'x' must have last dimension K=", K,
-                    " (from wq of shape ", wq.sym_sizes(), ", bits=", bits, ", transpose=",
+                    " (from ", matrices ? "w" : "wq", " of shape ", wq.sym_sizes(), ", bits=", bits, ", transpose=",
                     transpose ? "True" : "False", "), got x of shape ", x.sym_sizes());
   return {N, K};
+}
+}  // namespace
+
+std::pair<c10::SymInt, c10::SymInt> check_qmm_sym(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                                                  const std::optional<at::Tensor>& biases, const FormatSpec& f,
+                                                  int64_t bits, int64_t group_size, bool transpose) {
+  const char* op = "qmm";
+  const SymPackedShape w = check_packed_sym(op, f, wq, scales, biases, bits, group_size);
+  return check_x_sym(op, x, wq, scales, f, w, bits, transpose, false);
 }
 
 std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
@@ -172,6 +209,82 @@ std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq,
                                       int64_t group_size, bool transpose) {
   const auto [N, K] = check_qmm_sym(x, wq, scales, biases, f, bits, group_size, transpose);
   return {N.expect_int(), K.expect_int()};
+}
+
+namespace {
+c10::SymInt product(c10::SymIntArrayRef dims) {
+  c10::SymInt n = 1;
+  for (const auto& d : dims) n = n * d;
+  return n;
+}
+
+// The shape of lhs_indices / rhs_indices, or for None the batch shape of x / wq (MLX's default:
+// an arange over those matrices).
+c10::SymIntArrayRef index_shape(const char* op, const char* arg, const std::optional<at::Tensor>& idx,
+                                const at::Tensor& target, const at::Tensor& x) {
+  if (!idx) return target.sym_sizes().slice(0, target.dim() - 2);
+  const auto d = idx->scalar_type();
+  TORCH_CHECK_TYPE(d == at::kInt || d == at::kLong || d == at::kUInt32, op, ": argument '", arg,
+                   "' must be int32, int64 or uint32, got ", d);
+  TORCH_CHECK_VALUE(idx->device() == x.device(), op, ": argument '", arg, "' is on ", idx->device(),
+                    " but 'x' is on ", x.device());
+  return idx->sym_sizes();
+}
+
+std::string index_desc(const char* arg, const std::optional<at::Tensor>& idx, const char* target) {
+  return std::string("'") + arg + "' (" + (idx ? "" : std::string("None: the batch shape of '") + target + "', ");
+}
+}  // namespace
+
+SymGatherShape check_gather_qmm_sym(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& biases,
+                                    const std::optional<at::Tensor>& lhs_indices,
+                                    const std::optional<at::Tensor>& rhs_indices, const FormatSpec& f, int64_t bits,
+                                    int64_t group_size, bool transpose) {
+  const char* op = "gather_qmm";
+  const SymPackedShape w = check_packed_impl(op, f, wq, scales, biases, bits, group_size, true);
+  const auto [N, K] = check_x_sym(op, x, wq, scales, f, w, bits, transpose, true);
+  const c10::SymIntArrayRef a = index_shape(op, "lhs_indices", lhs_indices, x, x);
+  const c10::SymIntArrayRef b = index_shape(op, "rhs_indices", rhs_indices, wq, x);
+  // Broadcasting as torch / numpy: trailing dimensions aligned, size 1 stretched.
+  const size_t n = std::max(a.size(), b.size());
+  std::vector<c10::SymInt> batch(n);
+  for (size_t i = 0; i < n; ++i) {
+    const c10::SymInt da = i + a.size() < n ? c10::SymInt(1) : a[i + a.size() - n];
+    const c10::SymInt db = i + b.size() < n ? c10::SymInt(1) : b[i + b.size() - n];
+    if (TORCH_GUARD_SIZE_OBLIVIOUS(da.sym_eq(1))) {
+      batch[i] = db;
+    } else if (TORCH_GUARD_SIZE_OBLIVIOUS(db.sym_eq(1))) {
+      batch[i] = da;
+    } else {
+      TORCH_CHECK_VALUE(da == db, op, ": the index shapes must broadcast: ",
+                        index_desc("lhs_indices", lhs_indices, "x"), "shape ", a, ") and ",
+                        index_desc("rhs_indices", rhs_indices, "w"), "shape ", b, ") differ in dimension ",
+                        int64_t(i) - int64_t(n), " (", da, " vs ", db, ")");
+      batch[i] = da;
+    }
+  }
+  const c10::SymInt M = x.sym_size(-2);
+  return {M, N, K, product(x.sym_sizes().slice(0, x.dim() - 2)), product(wq.sym_sizes().slice(0, wq.dim() - 2)),
+          std::move(batch)};
+}
+
+GatherShape check_gather_qmm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& biases, const std::optional<at::Tensor>& lhs_indices,
+                             const std::optional<at::Tensor>& rhs_indices, const FormatSpec& f, int64_t bits,
+                             int64_t group_size, bool transpose) {
+  const SymGatherShape s =
+      check_gather_qmm_sym(x, wq, scales, biases, lhs_indices, rhs_indices, f, bits, group_size, transpose);
+  GatherShape g{s.M.expect_int(), s.N.expect_int(), s.K.expect_int(), s.x_batch.expect_int(),
+                s.w_batch.expect_int(), {}};
+  for (const auto& d : s.batch) g.batch.push_back(d.expect_int());
+  return g;
+}
+
+void check_gather_index_range(const char* arg, int64_t lo, int64_t hi, int64_t limit, const char* target,
+                              at::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(lo >= 0 && hi < limit, "gather_qmm: argument '", arg, "' must hold indices in [0, ", limit,
+                    ") (the matrices of '", target, "' of shape ", shape, "), got ", lo < 0 ? lo : hi);
 }
 
 }  // namespace torch_qmm

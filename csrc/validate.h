@@ -17,6 +17,7 @@
 #include <optional>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "format_spec.h"
 
@@ -69,5 +70,33 @@ std::pair<c10::SymInt, c10::SymInt> check_qmm_sym(const at::Tensor& x, const at:
 std::pair<int64_t, int64_t> check_qmm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                                       const std::optional<at::Tensor>& biases, const FormatSpec& f, int64_t bits,
                                       int64_t group_size, bool transpose);
+
+// gather_qmm (mlx.core.gather_qmm): x [..., M, K] and W a stack of matrices [..., rows, cols]
+// (wq, scales and biases with the same leading dimensions). lhs_indices / rhs_indices (int32,
+// int64 or uint32) pick matrices by flat index into x's / W's leading (batch) dimensions; None
+// means every one of them (an arange of that batch shape). The two index shapes broadcast to
+// `batch`; y is [*batch, M, N]. x_batch / w_batch: how many matrices x / W hold.
+template <typename Int>
+struct GatherShapeT {
+  Int M, N, K, x_batch, w_batch;
+  std::vector<Int> batch;
+};
+using SymGatherShape = GatherShapeT<c10::SymInt>;
+using GatherShape = GatherShapeT<int64_t>;
+
+SymGatherShape check_gather_qmm_sym(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& biases,
+                                    const std::optional<at::Tensor>& lhs_indices,
+                                    const std::optional<at::Tensor>& rhs_indices, const FormatSpec& f, int64_t bits,
+                                    int64_t group_size, bool transpose);
+GatherShape check_gather_qmm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& biases, const std::optional<at::Tensor>& lhs_indices,
+                             const std::optional<at::Tensor>& rhs_indices, const FormatSpec& f, int64_t bits,
+                             int64_t group_size, bool transpose);
+
+// The data-dependent check of gather_qmm, made by the real kernels before any read: the indices
+// `arg` (smallest lo, largest hi) index the `limit` matrices of `target` (x or wq) of shape `shape`.
+void check_gather_index_range(const char* arg, int64_t lo, int64_t hi, int64_t limit, const char* target,
+                              at::IntArrayRef shape);
 
 }  // namespace torch_qmm

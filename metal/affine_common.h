@@ -19,6 +19,7 @@
 #include "kernel_names.h"
 #include "qmm_params.h"
 #include "quant_format.h"
+#include "row_map.h"
 
 using namespace metal;
 

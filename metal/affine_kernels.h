@@ -13,6 +13,9 @@
 //   qmm_t_mma{16,32} qmm_mma       affine_mma.h         larger M, transpose=True
 //   qvm_bounded     qvm_bounded    affine_qvm.h         small M, transpose=False
 //   qmm_n_mma32     qmm_mma        affine_mma.h         larger M, transpose=False
+//   gather_qmv      gather_qmv     affine_gather.h      gather_qmm, transpose=True (decode)
+//   gather_qmm_mma32 gather_qmm_mma affine_gather.h     gather_qmm, sorted, many rows per expert
+//   gather_qmm_n_mma32 gather_qmm_mma affine_gather.h   gather_qmm, transpose=False
 //   dequantize_rows dequantize_rows affine_quant.h      dequantize
 //   quantize_rows   quantize_rows  affine_quant.h       quantize
 //
@@ -21,6 +24,7 @@
 #pragma once
 
 #include "affine_common.h"
+#include "affine_gather.h"
 #include "affine_mma.h"
 #include "affine_qmm_small.h"
 #include "affine_qmv.h"
@@ -54,6 +58,12 @@
                      QuantFormat<mode, type, gs, bits>)                                                      \
   KERNEL_INSTANTIATE(KERNEL_NAME(prefix, qmm_n_mma32, tname, KERNEL_CELL(gs, bits)), qmm_mma, type,           \
                      QuantFormat<mode, type, gs, bits>, 32, false)                                           \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, gather_qmv, tname, KERNEL_CELL(gs, bits)), gather_qmv, type,         \
+                     QuantFormat<mode, type, gs, bits>)                                                      \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, gather_qmm_mma32, tname, KERNEL_CELL(gs, bits)), gather_qmm_mma,     \
+                     type, QuantFormat<mode, type, gs, bits>, true)                                          \
+  KERNEL_INSTANTIATE(KERNEL_NAME(prefix, gather_qmm_n_mma32, tname, KERNEL_CELL(gs, bits)), gather_qmm_mma,   \
+                     type, QuantFormat<mode, type, gs, bits>, false)                                         \
   KERNEL_INSTANTIATE(KERNEL_NAME(prefix, dequantize_rows, tname, KERNEL_CELL(gs, bits)), dequantize_rows,     \
                      type, QuantFormat<mode, type, gs, bits>)                                                \
   KERNEL_INSTANTIATE(KERNEL_NAME(prefix, quantize_rows, tname, KERNEL_CELL(gs, bits)), quantize_rows, type,   \

@@ -54,5 +54,5 @@ template <typename T, typename F, int BM, bool transpose>
   threadgroup float ws[MMA_BN * MMA_LDW];
   const uint qlen = transpose ? p.K : p.N;  // length of a packed row
   const QuantWLoader<T, F, transpose> wl{wq, scales, biases, transpose ? p.N : p.K, qlen * F::BITS / 8, qlen / F::G};
-  mma_tile<T, BM>(wl, x, y, p.M, p.N, p.K, xs, ws, tgid.xy, tid, simd_gid, lane);
+  mma_tile<T, BM>(wl, x, y, DenseRows{p.M}, p.N, p.K, xs, ws, tgid.xy, tid, simd_gid, lane);
 }

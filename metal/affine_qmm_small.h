@@ -14,21 +14,22 @@
 //   end: simd_sum of each acc[m][r] -> y[m0+m, n0+r]
 // Bounds: rows of x past M and rows of W past N are skipped (uniform per SIMD-group); lanes whose
 // 8 values start at or past K stop (K % G == 0, so a unit never straddles K).
+// The body takes its rows of x and y through a row map (metal/row_map.h): DenseRows here,
+// GatherRows for gather_qmv (metal/affine_gather.h), which runs it over one expert's rows.
 #pragma once
 
 #include "affine_common.h"
 
-template <typename T, typename F, int R>
+// Rows m0 .. m0 + R - 1 of the row map `rows`, columns of threadgroup column tn.
+template <typename T, typename F, int R, typename Rows>
 inline void qmm_small_impl(const device uint8_t* wq, const device typename F::scale_t* scales, const device T* biases,
-                           const device T* x, device T* y, constant AffineParams& p, uint2 tg, uint simd_gid,
-                           uint lane) {
+                           const device T* x, device T* y, uint N, uint K, Rows rows, uint tn, uint m0,
+                           uint simd_gid, uint lane) {
   constexpr int G = F::G, bits = F::BITS;
   constexpr int ROWS = BM_ROWS_PER_SIMDGROUP;
-  const uint M = p.M, N = p.N, K = p.K;
   const uint row_bytes = K * bits / 8;
   const uint groups = K / G;
-  const uint n0 = tg.x * BM_COLS_PER_TG + simd_gid * ROWS;
-  const uint m0 = tg.y * R;
+  const uint n0 = tn * BM_COLS_PER_TG + simd_gid * ROWS;
 
   float acc[R][ROWS];
   for (int m = 0; m < R; ++m)
@@ -52,8 +53,8 @@ inline void qmm_small_impl(const device uint8_t* wq, const device typename F::sc
       }
     }
     for (int m = 0; m < R; ++m) {
-      if (m0 + m >= M) break;
-      const device T* xr = x + (m0 + m) * K + k;
+      if (!rows.live(m0 + m)) break;
+      const device T* xr = x + rows.x_row(m0 + m) * K + k;
       float xv[8];
       float xsum = 0.0f;
       for (int i = 0; i < 8; ++i) {
@@ -66,12 +67,12 @@ inline void qmm_small_impl(const device uint8_t* wq, const device typename F::sc
   for (int m = 0; m < R; ++m) {
     for (int r = 0; r < ROWS; ++r) {
       const float sum = simd_sum(acc[m][r]);
-      if (lane == 0 && m0 + m < M && n0 + r < N) y[(m0 + m) * N + n0 + r] = static_cast<T>(sum);
+      if (lane == 0 && rows.live(m0 + m) && n0 + r < N) y[rows.y_row(m0 + m) * N + n0 + r] = static_cast<T>(sum);
     }
   }
 }
 
 template <typename T, typename F, int R>
 [[kernel]] void qmm_t_small(QMM_ARGS) {
-  qmm_small_impl<T, F, R>(wq, scales, biases, x, y, p, tgid.xy, simd_gid, lane);
+  qmm_small_impl<T, F, R>(wq, scales, biases, x, y, p.N, p.K, DenseRows{p.M}, tgid.x, tgid.y * R, simd_gid, lane);
 }

@@ -79,5 +79,5 @@ template <typename T, int type>
   threadgroup T xs[BM * mma_tile_ld(sizeof(T))];
   threadgroup float ws[MMA_BN * MMA_LDW];
   const GGUFWLoader<type> wl{blocks, p.N, p.blocks_per_row * GGUFSlice<type>::BYTES};
-  mma_tile<T, BM>(wl, x, y, p.M, p.N, p.K, xs, ws, tgid.xy, tid, simd_gid, lane);
+  mma_tile<T, BM>(wl, x, y, DenseRows{p.M}, p.N, p.K, xs, ws, tgid.xy, tid, simd_gid, lane);
 }

@@ -21,6 +21,9 @@
 // which dequantizes unit u (8 values along W's quantized axis) of the W tile at (n0, k0) into ws,
 // row stride MMA_LDW, writing zeros for elements past N / K.
 //
+// Rows of x and y through a row map (metal/row_map.h): tile rows m0 .. m0 + BM - 1 are rows of the
+// map; rows it does not hold stage zeros and are not stored (DenseRows{M}: the rows past M).
+//
 // Why W is float32 in threadgroup memory (MLX keeps T): rounding each dequantized weight to half
 // would add 2^-11 relative error per term, beyond the tolerance rule (tests/conftest.py).
 // Strides (metal/qmm_params.h mma_tile_ld): BK + 16 bytes -> 36 floats, 40 halfs/bfloats.
@@ -30,6 +33,7 @@
 
 #define TORCH_QMM_METAL 1
 #include "qmm_params.h"
+#include "row_map.h"
 
 using namespace metal;
 
@@ -48,8 +52,8 @@ inline FragCoord frag_coord(uint lane) {
 }
 
 // xs: BM * mma_tile_ld(sizeof(T)) elements; ws: MMA_BN * MMA_LDW floats (threadgroup memory).
-template <typename T, int BM, typename WLoader>
-inline void mma_tile(WLoader wl, const device T* x, device T* y, uint M, uint N, uint K, threadgroup T* xs,
+template <typename T, int BM, typename WLoader, typename Rows>
+inline void mma_tile(WLoader wl, const device T* x, device T* y, Rows rows, uint N, uint K, threadgroup T* xs,
                      threadgroup float* ws, uint2 tg, uint tid, uint simd_gid, uint lane) {
   constexpr int BN = MMA_BN, BK = MMA_BK, U = MMA_UNIT;
   constexpr int LDX = mma_tile_ld(sizeof(T));
@@ -69,8 +73,9 @@ inline void mma_tile(WLoader wl, const device T* x, device T* y, uint M, uint N,
     // x tile, 8 consecutive k per unit.
     for (uint u = tid; u < BM * BK / U; u += NTHREADS) {
       const uint r = u / (BK / U), c = (u % (BK / U)) * U;
-      const uint gm = m0 + r, gk = k0 + c;
-      for (int i = 0; i < U; ++i) xs[r * LDX + c + i] = (gm < M && gk + i < K) ? x[gm * K + gk + i] : T(0);
+      const bool live = rows.live(m0 + r);
+      const uint gm = live ? rows.x_row(m0 + r) : 0, gk = k0 + c;
+      for (int i = 0; i < U; ++i) xs[r * LDX + c + i] = (live && gk + i < K) ? x[gm * K + gk + i] : T(0);
     }
     // W tile, one unit per step.
     for (uint u = tid; u < BN * BK / U; u += NTHREADS) wl.load(ws, u, n0, k0);
@@ -96,8 +101,9 @@ inline void mma_tile(WLoader wl, const device T* x, device T* y, uint M, uint N,
   }
 
   for (int i = 0; i < 2; ++i) {
-    const uint gm = m0 + sm + i * MMA_FRAG + fc.fm;
-    if (gm >= M) continue;
+    const uint tm = m0 + sm + i * MMA_FRAG + fc.fm;
+    if (!rows.live(tm)) continue;
+    const uint gm = rows.y_row(tm);
     for (int j = 0; j < 2; ++j) {
       const uint gn = n0 + sn + j * MMA_FRAG + fc.fn;
       if (gn < N) y[gm * N + gn] = static_cast<T>(C[i][j].thread_elements()[0]);

@@ -25,6 +25,7 @@ enum QuantMode : int { MODE_AFFINE = 0, MODE_MXFP4 = 1, MODE_NVFP4 = 2, MODE_MXF
 //   qmm       : wq, scales, biases, x (in),  y (out)
 //   dequantize: wq, scales, biases, out w (DENSE)
 //   quantize  : wq, scales, biases (all out), w (DENSE, in)
+//   gather_qmm: as qmm (W stacked per expert), + lhs, rhs (int32 [pairs]), order (int32 [pairs])
 // The fp modes have no biases: BUF_BIASES is left unbound and never read.
 enum AffineBuffer : int {
   BUF_WQ = 0,
@@ -32,7 +33,10 @@ enum AffineBuffer : int {
   BUF_BIASES = 2,
   BUF_DENSE = 3,  // x (qmm), w (quantize input), w (dequantize output)
   BUF_Y = 4,      // y (qmm output)
-  BUF_PARAMS = 5  // AffineParams via setBytes
+  BUF_PARAMS = 5,  // AffineParams (GatherParams for gather_qmm) via setBytes
+  BUF_LHS = 6,     // gather_qmm: x batch of each pair
+  BUF_RHS = 7,     // gather_qmm: expert of each pair
+  BUF_ORDER = 8    // gather_qmm: the pairs, those of one expert adjacent (metal/affine_gather.h)
 };
 
 // The small constant arguments of every quantized-mode kernel (setBytes at BUF_PARAMS).
@@ -42,6 +46,15 @@ struct AffineParams {
   uint32_t N;
   uint32_t K;
   uint32_t pad;  // keeps the struct 16 bytes on both sides
+};
+
+// gather_qmm (setBytes at BUF_PARAMS): x [x_batch * M, K], W [experts][N, K] or [experts][K, N],
+// y [pairs * M, N]; pair i computes y rows i*M .. from x rows lhs[i]*M .. and expert rhs[i].
+struct GatherParams {
+  uint32_t M;      // rows of x per pair
+  uint32_t N;
+  uint32_t K;
+  uint32_t pairs;
 };
 
 // ---- Geometry constants -------------------------------------------------------------------
@@ -78,7 +91,14 @@ enum AffineGeometry : int {
   // Elementwise kernels: 8 values (= `bits` bytes, byte aligned) per thread.
   DEQ_VALUES_PER_THREAD = 8,
   DEQ_THREADS_PER_TG = 256,
-  QUANT_THREADS_PER_TG = 64  // one thread per group
+  QUANT_THREADS_PER_TG = 64,  // one thread per group
+
+  // gather_qmv (metal/affine_gather.h): the qmm_t_small threadgroup (8 W rows, 2 SIMD-groups)
+  // over a run of one expert's rows, GATHER_ROWS rows of x at a time.
+  GATHER_ROWS = 8,
+  // gather_qmm_mma32 is taken when rhs is sorted and pairs * M >= this x experts (MLX's
+  // gather_qmm_rhs dispatch: B / E >= 4): fewer rows per expert leave its tile rows mostly idle.
+  GATHER_MMA_MIN_ROWS_PER_EXPERT = 4
 };
 
 // Values of x each lane holds per K-block in qmv (16 for bits <= 5, else 8): one or two

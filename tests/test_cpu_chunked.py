@@ -40,10 +40,11 @@ NATIVE = os.environ.get("TORCH_QMM_PORTABLE", "0") != "1" and platform.machine()
 HAS_AVX512 = NATIVE and {"avx512f", "avx512bw"} <= _cpu_flags()
 HAS_BF16 = HAS_AVX512 and "avx512_bf16" in _cpu_flags()
 HAS_VBMI = HAS_AVX512 and "avx512vbmi" in _cpu_flags()  # bit-stream chunks (bits 3/5/6) gather with vpermb
-# The AVX2 chunk kernels (csrc/cpu/avx2_chunked.cpp): affine 4-bit, 64-code chunks, up to
-# cpu::avx2_affine_max_rows rows, where the AVX-512 ones do not serve the call.
+# The AVX2 chunk kernels (csrc/cpu/avx2_chunked.cpp): affine 4-bit (64-code chunks) and 8-bit
+# (32-code chunks), up to cpu::avx2_affine_max_rows rows, where the AVX-512 ones do not serve the call.
 HAS_AVX2 = NATIVE and {"avx2", "fma"} <= _cpu_flags()
 AVX2_CHUNK = 64
+AVX2_CHUNKS = {4: 64, 8: 32}  # codes per chunk by bits
 AVX2_AFFINE_MAX_ROWS = 15
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TERMS = {torch.bfloat16: 1, torch.float16: 2}  # exact; float32: by precision
@@ -81,8 +82,8 @@ def precision():
 
 def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m: int = 1, bits: int = 4) -> str:
     others = "fused" if m < 16 else "gemm"  # cpu::kGemmMinRows
-    if HAS_AVX2 and bits == 4 and m <= AVX2_AFFINE_MAX_ROWS:  # the calls here have K >= 64
-        others = "chunked/avx2-u4"
+    if HAS_AVX2 and bits in AVX2_CHUNKS and m <= AVX2_AFFINE_MAX_ROWS:  # the calls here have K >= 64
+        others = f"chunked/avx2-u{bits}"
     if tile == "f32":
         return "chunked/f32" if m == 1 and bits == 4 else others
     if bits in (3, 5, 6) and not HAS_VBMI:

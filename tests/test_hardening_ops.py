@@ -76,7 +76,8 @@ def test_every_affine_cpu_route_runs_under_every_thread_local_mode(mode, threads
 def test_every_gguf_cpu_route_runs_under_every_thread_local_mode(mode, threads):
     n, k = 64, 512
     routes = set()
-    for ggml_type, m in [(Q4_K, 1), (Q6_K, 4), (Q4_K, 40)]:  # chunked (AVX512_BF16) / fused, fused, gemm
+    # chunked (AVX512_BF16 or AVX2) / fused, chunked (AVX2) / fused, gemm
+    for ggml_type, m in [(Q4_K, 1), (Q6_K, 4), (Q4_K, 40)]:
         blocks = random_k_blocks(ggml_type, n, k, np.random.default_rng(m))
         w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
         blocks = torch.from_numpy(blocks)
@@ -86,7 +87,8 @@ def test_every_gguf_cpu_route_runs_under_every_thread_local_mode(mode, threads):
             y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(ggml_type), n, k)
         xd = x.double()
         assert_matches_reference(y, xd @ w.T, xd.abs() @ w.abs().T, torch.float32, f"{ggml_type.name} M={m}")
-    assert routes == ({"chunked", "fused", "gemm"} if HAS_BF16 else {"fused", "gemm"})
+    assert routes == ({"chunked", "gemm"} if HAS_AVX2 else {"chunked", "fused", "gemm"} if HAS_BF16
+                      else {"fused", "gemm"})
 
 
 def test_quant_linear_forward_under_inference_mode_with_two_threads():

@@ -12,7 +12,8 @@ from metal_helpers import BITS, DTYPES, GROUPS, ROUTE_PROBLEMS, plan, require_cl
 
 
 def test_every_route_has_a_problem_that_selects_it():
-    table = {r["route"] for r in routes() if r["op"] != "gguf_qmm"}  # GGUF: tests/test_metal_gguf.py
+    # GGUF: tests/test_metal_gguf.py; gather_qmm: tests/test_metal_gather.py
+    table = {r["route"] for r in routes() if r["op"] not in ("gguf_qmm", "gather_qmm")}
     assert table == set(ROUTE_PROBLEMS), "tests/metal_helpers.py ROUTE_PROBLEMS must list every affine route"
     for route, (op, M, N, K, transpose) in ROUTE_PROBLEMS.items():
         launches = plan(op, M, N, K, 4, 64, torch.float16, transpose)

@@ -22,7 +22,7 @@ import torch
 
 import torch_qmm
 from exact_cases import assert_bitwise, rounding_case, selection_case
-from test_cpu_chunked import AVX2_AFFINE_MAX_ROWS, AVX2_CHUNK, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI, MAX_ROWS
+from test_cpu_chunked import AVX2_AFFINE_MAX_ROWS, AVX2_CHUNKS, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI, MAX_ROWS
 
 BITS = (2, 3, 4, 5, 6, 8)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -43,8 +43,8 @@ def expected_route(bits, dtype, M, K, transpose, no_bf16) -> str:
                 return f"chunked/bf16x{TERMS[dtype]}"
         elif M == 1 and bits == 4:
             return "chunked/f32"
-    if transpose and HAS_AVX2 and bits == 4 and K >= AVX2_CHUNK and M <= AVX2_AFFINE_MAX_ROWS:
-        return "chunked/avx2-u4"
+    if transpose and HAS_AVX2 and bits in AVX2_CHUNKS and K >= AVX2_CHUNKS[bits] and M <= AVX2_AFFINE_MAX_ROWS:
+        return f"chunked/avx2-u{bits}"
     return "fused" if M < GEMM_MIN_ROWS else "gemm"
 
 
@@ -63,8 +63,9 @@ def _cases():
             cases.append((bits, gs, dtype, True, M, 37, k_main, False))
         for K in sorted({chunk - 32, chunk, chunk + 32} - {0}):
             cases.append((bits, 32, dtype, True, 1, 37, K, False))
-        if bits == 4:  # the AVX2 chunk: 64 codes
-            for M, K in itertools.product((1, 5), (AVX2_CHUNK - 32, AVX2_CHUNK, AVX2_CHUNK + 32)):
+        if bits in AVX2_CHUNKS:  # the AVX2 chunk: 64 (4-bit) or 32 (8-bit) codes
+            c2 = AVX2_CHUNKS[bits]
+            for M, K in itertools.product((1, 5), sorted({c2 - 32, c2, c2 + 32} - {0})):
                 cases.append((bits, 32, dtype, True, M, 37, K, False))
         # The fused tile: float32-only kernels (TORCH_QMM_CPU_NO_BF16=1), M >= 3 walks K in
         # 1024-code chunks: K at and across one chunk, 4-row blocks and their tails.
@@ -110,7 +111,7 @@ def test_every_cpu_route_is_reached():
     if HAS_AVX512:
         want |= {"chunked/f32"} if not HAS_BF16 else {"chunked/bf16x1", "chunked/bf16x2", "chunked/bf16x3"}
     if HAS_AVX2:
-        want |= {"chunked/avx2-u4"}
+        want |= {"chunked/avx2-u4", "chunked/avx2-u8"}
     assert want <= routes, f"not reached: {want - routes}"
 
 

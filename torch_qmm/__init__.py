@@ -11,7 +11,7 @@ torch_qmm.formats.FORMATS describes every mode (allowed and default bits and gro
 """
 
 from .formats import FORMATS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES
-from .ops import dequantize, quantize, quantized_matmul
+from .ops import dequantize, gather_qmm, quantize, quantized_matmul
 from .activations import activation_quantization
 from . import formats, nn, reference
 from .convert import QuantizeSummary, quantize_model
@@ -25,6 +25,7 @@ __all__ = [
     "activation_quantization",
     "dequantize",
     "formats",
+    "gather_qmm",
     "nn",
     "quantize",
     "quantize_model",

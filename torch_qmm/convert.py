@@ -119,8 +119,11 @@ def quantize_model(
     method: str = "rtn",
     calibration: Iterable | None = None,
     mode: str = "affine",
+    experts: bool = True,
+    quantize_gates: bool = False,
 ) -> QuantizeSummary:
-    """Swaps eligible nn.Linear layers of `model` for QuantLinear, in place.
+    """Swaps eligible nn.Linear layers of `model` for QuantLinear, in place, and the fused experts of
+    MoE blocks (transformers' Mixtral, Qwen-MoE, OLMoE, gpt-oss, ...) for QuantFusedExperts.
 
     Args:
         model: any module; its nn.Linear children (at any depth) are candidates.
@@ -136,6 +139,10 @@ def quantize_model(
             a MixedBits budget (affine).
         calibration: model inputs (token-id tensors [1, T] or dicts of model kwargs) for awq/gptq
             (and for measuring sensitivity with a MixedBits budget).
+        experts: quantize the fused experts modules (torch_qmm.interop.experts) that filter_fn
+            accepts, with rtn and one bit width (per-layer methods skip them, with a warning).
+        quantize_gates: also quantize the nn.Linear gates of MoE blocks (GATE_LINEARS, e.g.
+            shared_expert_gate); by default they stay float, as do the routers (not nn.Linear).
 
     Skipped with a warning: layers whose in_features is not a multiple of group_size, layers whose
     weight (or bias) another module shares (a tied output head stays tied to its float embedding),
@@ -163,12 +170,32 @@ def quantize_model(
     model_before = _model_bytes(model)
     # remove_duplicate=False: a layer registered under several names (shared) is replaced at every
     # one of them by one QuantLinear, quantized once (named_modules() would yield only the first).
+    from .interop.experts import experts_not_quantizable, fused_experts, is_gate_linear, quantize_experts
+
     candidates = [
         (name, module)
         for name, module in model.named_modules(remove_duplicate=False)
         if type(module) is nn.Linear and (filter_fn is None or filter_fn(name, module))
+        and (quantize_gates or not is_gate_linear(name))
     ]
     summary = QuantizeSummary(converted=[], skipped={}, bytes_before=0, bytes_after=0, already_quantized=already)
+    for name, module in fused_experts(model) if experts else []:
+        if filter_fn is not None and not filter_fn(name, module):
+            continue
+        if per_layer:
+            summary.skipped[name] = f"fused experts are quantized by rtn with one bit width, not method={method!r}"
+            continue
+        why_not = experts_not_quantizable(module, group_size)
+        if why_not is not None:
+            summary.skipped[name] = why_not
+            continue
+        before = _module_bytes(module)
+        quantized = quantize_experts(module, bits=bits, group_size=group_size, mode=mode, dtype=dtype)
+        summary.bytes_before += before
+        summary.bytes_after += _module_bytes(quantized)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)
+        summary.converted.append(name)
     show = bool(candidates) and (progress if progress is not None else len(candidates) >= _PROGRESS_MIN_LAYERS)
     plan = None
     if per_layer:

@@ -6,7 +6,7 @@
         y = torch_qmm.quantized_matmul(x, wq, scales, mode="mxfp4")                     # any mode
     last_launches()                       # [Launch(kernel, route, threadgroups, ..., stats)]
 
-Inside the context, calls of torch.ops.torch_qmm.{qmm, dequantize, quantize, gguf_qmm} (the
+Inside the context, calls of torch.ops.torch_qmm.{qmm, dequantize, quantize, gguf_qmm, gather_qmm} (the
 affine_* aliases decompose into the first three) on CPU tensors are executed exactly as the MPS
 executor (csrc/mps/) executes them on a Mac:
   1. `_plan_for` / `_plan_for_gguf` run the C++ argument checks (csrc/validate.*,
@@ -210,6 +210,26 @@ def _gguf_qmm(x, blocks, ggml_type, N, K, *, check=None, count=False):
     return y.reshape(*x.shape[:-1], N)
 
 
+def _gather_qmm(x, w, scales, biases, lhs_indices, rhs_indices, mode, bits, group_size, transpose=True,
+                sorted_indices=False, *, check=None, count=False):
+    # The op's checks (the CPU op's errors, incl. the indices' range), the plan, and the index
+    # operands as the MPS executor binds them (csrc/plan_torch.h gather_qmm_operands, gather_order).
+    text, lhs, rhs, order = _ops._gather_operands(x, w, scales, biases, lhs_indices, rhs_indices, mode, bits,
+                                                  group_size, transpose, sorted_indices)
+    plan = json.loads(text)
+    M, K = x.shape[-2], x.shape[-1]
+    N = w.shape[-2] if transpose else w.shape[-1] * 32 // bits
+    batch = torch.broadcast_shapes(tuple(lhs_indices.shape) if lhs_indices is not None else tuple(x.shape[:-2]),
+                                   tuple(rhs_indices.shape) if rhs_indices is not None else tuple(w.shape[:-2]))
+    y = torch.zeros(lhs.numel() * M, N, dtype=x.dtype)
+    operands = {"x": x.reshape(-1, K).contiguous(), "wq": w.contiguous(), "scales": scales.contiguous(), "y": y,
+                "lhs": lhs, "rhs": rhs, "order": order}
+    if biases is not None:
+        operands["biases"] = biases.contiguous()
+    _execute(plan, operands, check, count)
+    return y.reshape(*batch, M, N)
+
+
 def _quantize(w, mode, bits, group_size, *, check=None, count=False):
     plan = _plan_for("quantize", [w], mode, bits, group_size)  # validates, incl. NaN/Inf
     K = w.shape[-1]
@@ -243,6 +263,7 @@ class _MetalsimMode(TorchDispatchMode):
             _ops.dequantize.default: _dequantize,
             _ops.quantize.default: _quantize,
             _ops.gguf_qmm.default: _gguf_qmm,
+            _ops.gather_qmm.default: _gather_qmm,
         }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

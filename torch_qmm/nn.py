@@ -28,7 +28,7 @@ def resolve_format(mode: str, bits: int | None, group_size: int | None) -> tuple
 
 def register_quantized_weight(
     module: nn.Module,
-    rows: int,
+    rows: int | tuple[int, ...],
     cols: int,
     bits: int | None,
     group_size: int | None,
@@ -40,8 +40,8 @@ def register_quantized_weight(
     """Checks the format and registers a [rows, cols] weight quantized along cols on `module`:
     buffers ``qweight`` uint32 [rows, cols*bits/32] and ``scales`` [rows, cols/group_size] (in
     `dtype` for affine, uint8 codes for the fp modes), ``biases`` like scales for affine and None
-    (no buffer) otherwise, and the attributes ``bits``, ``group_size`` and ``mode``. `cols_name`
-    names cols in errors."""
+    (no buffer) otherwise, and the attributes ``bits``, ``group_size`` and ``mode``. `rows` may be
+    a shape (e.g. (experts, out) for a stack of weights). `cols_name` names cols in errors."""
     bits, group_size = resolve_format(mode, bits, group_size)
     if cols % group_size != 0:
         raise ValueError(f"argument '{cols_name}' must be a multiple of group_size={group_size}, got {cols}")
@@ -50,15 +50,16 @@ def register_quantized_weight(
     fmt = FORMATS[mode]
     module.bits, module.group_size, module.mode = bits, group_size, mode
     groups = cols // group_size
-    module.register_buffer("qweight", torch.zeros(rows, packed_words(cols, bits), dtype=torch.uint32, device=device))
+    lead = tuple(rows) if isinstance(rows, tuple) else (rows,)
+    module.register_buffer("qweight", torch.zeros(*lead, packed_words(cols, bits), dtype=torch.uint32, device=device))
     scale_dtype = dtype if fmt.has_biases else torch.uint8
-    module.register_buffer("scales", torch.zeros(rows, groups, dtype=scale_dtype, device=device))
-    biases = torch.zeros(rows, groups, dtype=dtype, device=device) if fmt.has_biases else None
+    module.register_buffer("scales", torch.zeros(*lead, groups, dtype=scale_dtype, device=device))
+    biases = torch.zeros(*lead, groups, dtype=dtype, device=device) if fmt.has_biases else None
     module.register_buffer("biases", biases)
 
 
 def load_quantized_weight(module: nn.Module, weight: torch.Tensor, dtype: torch.dtype) -> None:
-    """Quantizes a float [rows, cols] weight (cast to `dtype` first) into the buffers made by
+    """Quantizes a float [..., rows, cols] weight (cast to `dtype` first) into the buffers made by
     register_quantized_weight."""
     with torch.no_grad():
         wq, scales, *biases = quantize(

@@ -3,6 +3,7 @@
     wq, scales, biases = quantize(w)                      # affine: 3 tensors (as mx.quantize)
     wq, scales = quantize(w, mode="mxfp4")                # fp modes: 2 tensors, uint8 scales
     y = quantized_matmul(x, wq, scales, mode="mxfp4")     # group_size / bits: the mode's defaults
+    y = gather_qmm(x, wq, scales, biases, rhs_indices=experts)  # wq [E, N, K*bits/32]: per-pair expert
 
 The schemas are defined once in csrc/ops.cpp; the formats (allowed and default bits and group
 sizes) in csrc/format_spec.h, read by torch_qmm/formats.py. The fake (meta) kernels are C++
@@ -111,6 +112,46 @@ def quantized_matmul(
     return _ops.qmm(x, wq, scales, biases, mode, bits, group_size, transpose)
 
 
+def gather_qmm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scales: torch.Tensor,
+    biases: torch.Tensor | None = None,
+    lhs_indices: torch.Tensor | None = None,
+    rhs_indices: torch.Tensor | None = None,
+    transpose: bool = True,
+    group_size: int | None = None,
+    bits: int | None = None,
+    mode: str = "affine",
+    sorted_indices: bool = False,
+) -> torch.Tensor:
+    """Quantized matmul with matrix-level gather, as ``mlx.core.gather_qmm``: y[p] = x[lhs[p]] @ W[rhs[p]].
+
+    Args:
+        x: [..., M, K] float32/float16/bfloat16 (affine: the dtype of scales).
+        w: uint32 [..., N, K*bits/32] (transpose) or [..., K, N*bits/32]: a stack of packed
+            matrices (e.g. [E, N, K*bits/32] for E experts); scales and biases have w's leading
+            dimensions ([..., N, K/group_size]). biases None for the fp modes.
+        lhs_indices, rhs_indices: int32, int64 or uint32 (MLX: uint32) flat indices into x's and
+            w's leading (batch) dimensions; None means all of them (an arange of that batch
+            shape). The two shapes broadcast to the output's batch shape. Indices out of range
+            raise ValueError (CPU) before anything is read.
+        sorted_indices: a hint that rhs_indices is sorted (consecutive pairs of one matrix form a
+            run); the result is the same either way.
+
+    Returns:
+        y [*broadcast(lhs.shape, rhs.shape), M, N] in x's dtype, accumulated in float32.
+
+    With both indices None this is the broadcast batched product; MLX then calls
+    quantized_matmul, which agrees except for a 2-D x with a stacked w (MLX multiplies by the
+    first matrix only; here y has one product per matrix).
+    """
+    bits, group_size = _params(mode, bits, group_size)
+    return _ops.gather_qmm(
+        x, w, scales, biases, lhs_indices, rhs_indices, mode, bits, group_size, transpose, sorted_indices
+    )
+
+
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int) -> torch.Tensor:
     """y = x @ W.T with W [N, K] stored as GGUF blocks (Q4_K = 12, Q6_K = 14), decoded in-kernel.
 
@@ -159,6 +200,39 @@ def _qmm_backward(ctx, grad):
 
 
 torch.library.register_autograd("torch_qmm::qmm", _qmm_backward, setup_context=_qmm_setup)
+
+
+def _gather_qmm_setup(ctx, inputs, output):
+    x, w, scales, biases, lhs, rhs, mode, bits, group_size, transpose, sorted_indices = inputs
+    ctx.save_for_backward(w, scales, biases, lhs, rhs)
+    ctx.x_shape = x.shape
+    ctx.args = (mode, bits, group_size, transpose, sorted_indices)
+
+
+def _gather_qmm_backward(ctx, grad):
+    """y[p] = x[lhs[p]] @ W[rhs[p]] (transposed or not), so dx[b] = sum over p with lhs[p] == b
+    of dy[p] @ W[rhs[p]] with the other transpose: one gather_qmm of dy, scattered by lhs."""
+    if any(ctx.needs_input_grad[1:4]):
+        raise _no_grad_error("gather_qmm", "'w', 'scales' or 'biases'")
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 11
+    w, scales, biases, lhs, rhs = ctx.saved_tensors
+    mode, bits, group_size, transpose, sorted_indices = ctx.args
+    x_shape = ctx.x_shape
+    x_batch, w_batch = x_shape[:-2], w.shape[:-2]
+    dev = grad.device
+    lhs = lhs.long() if lhs is not None else torch.arange(x_batch.numel(), device=dev).reshape(x_batch)
+    rhs = rhs.long() if rhs is not None else torch.arange(w_batch.numel(), device=dev).reshape(w_batch)
+    lhs, rhs = torch.broadcast_tensors(lhs, rhs)
+    M, N = grad.shape[-2:]
+    dz = _ops.gather_qmm(grad.reshape(-1, M, N), w, scales, biases, None, rhs.reshape(-1), mode, bits, group_size,
+                         not transpose, sorted_indices)
+    dx = torch.zeros((x_batch.numel(),) + tuple(dz.shape[1:]), dtype=torch.float32, device=dev)
+    dx.index_add_(0, lhs.reshape(-1), dz.float())
+    return (dx.to(grad.dtype).reshape(x_shape),) + (None,) * 10
+
+
+torch.library.register_autograd("torch_qmm::gather_qmm", _gather_qmm_backward, setup_context=_gather_qmm_setup)
 
 
 def _refuse_backward(op: str, what: str):

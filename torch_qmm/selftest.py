@@ -145,6 +145,8 @@ def cases(bits=BITS, group_sizes=GROUP_SIZES, dtypes=tuple(DTYPES), routes: Opti
         route, op = r["route"], r["op"]
         if routes is not None and route not in routes:
             continue
+        if op == "gather_qmm":  # its problems are index patterns, not shapes: tests/test_metal_gather.py
+            continue
         if op == "gguf_qmm":
             for tname, tid in native_gguf_types().items():
                 if gguf_types is not None and tname not in gguf_types:

@@ -45,3 +45,13 @@ def worst_ratio(y: torch.Tensor, y_ref: torch.Tensor, magnitude: torch.Tensor, d
     """max |y - y_ref| / bound (<= 1 passes; NaN if y has NaN where the reference does not)."""
     err = (y.detach().cpu().to(torch.float64) - y_ref.cpu()).abs()
     return (err / error_bound(y_ref.cpu(), magnitude.cpu(), dtype, precision)).max().item() if err.numel() else 0.0
+
+
+def sharded_error_bound(y_ref: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype, roundings: int,
+                        precision: str = "highest") -> torch.Tensor:
+    """error_bound plus `roundings` further roundings to `dtype` of values no larger than
+    `magnitude`. A product split along K over S ranks (tensor-parallel rowwise) rounds each of its
+    S partial sums once (their magnitudes add up to `magnitude`) and the all-reduce adds them in
+    `dtype` (S - 1 additions, each rounding a running sum <= magnitude): roundings = 2S - 1 covers
+    both; a bias added after the product is one rounding more."""
+    return error_bound(y_ref, magnitude, dtype, precision) + roundings * OUT_RTOL[dtype] * magnitude

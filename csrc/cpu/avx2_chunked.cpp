@@ -1,6 +1,6 @@
 // The AVX2 chunk kernels, transpose=True, small M, on any x86 CPU with AVX2 and FMA (AVX-512 ones
 // included): the multipliers of chunk_avx2.h on the driver of chunk_driver.h, for affine 4-bit
-// (U4Multiplier) and the fp modes of csrc/format_spec.h: e2m1 elements (E2m1Multiplier: mxfp4,
+// and 8-bit (U4Multiplier, U8Multiplier) and the fp modes of csrc/format_spec.h: e2m1 elements (E2m1Multiplier: mxfp4,
 // nvfp4) and e4m3 elements (E4m3Multiplier: mxfp8). This file defines the one AVX2 kernel they share: x rearranged into the
 // multiplier's vector order, the per-lane scales of each chunk (fp: uint8 codes through a
 // 256-entry table, the multiplier's unit folded in; affine: the scales' float dtype), the affine
@@ -23,6 +23,11 @@
 
 namespace torch_qmm {
 namespace cpu {
+
+bool avx2_chunks_avoided() {
+  const char* v = std::getenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 namespace {
@@ -203,10 +208,14 @@ template <typename F>
 bool with_multiplier(const QmmArgs& a, F&& f) {
   const FormatSpec& spec = format_spec(a.mode);
   if (spec.element == Element::kUint) {
-    if (a.bits != 4) return false;
-    if (a.group_size == 32) return f(Group<32>{}, U4Multiplier{}), true;
-    if (a.group_size == 64) return f(Group<64>{}, U4Multiplier{}), true;
-    if (a.group_size == 128) return f(Group<128>{}, U4Multiplier{}), true;
+    auto with_group = [&](auto c) {
+      if (a.group_size == 32) return f(Group<32>{}, c), true;
+      if (a.group_size == 64) return f(Group<64>{}, c), true;
+      if (a.group_size == 128) return f(Group<128>{}, c), true;
+      return false;
+    };
+    if (a.bits == 4) return with_group(U4Multiplier{});
+    if (a.bits == 8) return with_group(U8Multiplier{});
     return false;
   }
   if (spec.element == Element::kE2M1 && a.bits == 4 && a.group_size == 32) return f(Group<32>{}, E2m1Multiplier{}), true;
@@ -218,8 +227,8 @@ bool with_multiplier(const QmmArgs& a, F&& f) {
 template <int G, typename C>
 void run_avx2(const QmmArgs& a, float* y) {
   const FormatSpec& spec = format_spec(a.mode);
-  if constexpr (std::is_same_v<C, U4Multiplier>) {
-    dispatch_bits_dtype(4, a.dtype, [&](auto, auto t) {
+  if constexpr (std::is_same_v<C, U4Multiplier> || std::is_same_v<C, U8Multiplier>) {
+    dispatch_bits_dtype(C::kBits, a.dtype, [&](auto, auto t) {
       using T = decltype(t);
       const AffineScales<T> s{static_cast<const T*>(a.scales), static_cast<const T*>(a.biases)};
       chunk::run(Avx2Kernel<G, C, AffineScales<T>>(a, s), a.x, a.M, a.N, a.K, y);
@@ -229,13 +238,6 @@ void run_avx2(const QmmArgs& a, float* y) {
                      spec.scale};
     chunk::run(Avx2Kernel<G, C, FpScales>(a, s), a.x, a.M, a.N, a.K, y);
   }
-}
-
-// TORCH_QMM_CPU_NO_AVX2_CHUNKS=1: these kernels step aside (A/B against the fused / generic
-// routes in the benchmark: python -m torch_qmm bench --peers no_avx2_chunks).
-bool avx2_chunks_avoided() {
-  const char* v = std::getenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS");
-  return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
 
 }  // namespace

@@ -70,6 +70,39 @@ struct U4Multiplier {
   }
 };
 
+// U8Multiplier (affine 8-bit): the chunk is 8 dwords of 4 bytes, the same trick on byte fields:
+//   vector j (0..2), lane l:  w & (255 << 8j)  =  q[4l + j] * 256^j   (vector 3: w >> 24)
+// converted (exact: 8 significant bits, below 2^31), times x[32c + 4l + j] * 2^-8j (exact for
+// |x| >= 2^-98). A chunk is 32 codes, inside one group of 32, 64 or 128: one scale broadcast.
+struct U8Multiplier {
+  static constexpr const char* kName = "avx2-u8";
+  static constexpr int kBits = 8, kCodes = 32, kBytes = 32, kVectors = 4, kHalves = 2;
+  static constexpr bool kNanCodes = false;
+  static constexpr int64_t kXPerChunk = 32;
+  static constexpr float kUnit = 1.0f;
+  static constexpr int code(int j, int l) { return 4 * l + j; }
+  static constexpr float x_factor(int j) { return j == 3 ? 1.0f : 1.0f / float(1 << (8 * j)); }
+
+  template <int G, typename Scale>
+  __attribute__((always_inline)) static inline void scale_lanes(Scale scale, __m256 (&sv)[kHalves]) {
+    static_assert(G == 32 || G == 64 || G == 128, "affine groups of 32, 64 or 128");
+    sv[0] = sv[1] = _mm256_set1_ps(scale(0));
+  }
+
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void dot(const uint8_t* const (&w)[R], const float* const (&xc)[MB],
+                                                        __m256 (&p)[R][MB][kHalves]) {
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r]));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i q = j == 3 ? _mm256_srli_epi32(wv, 24) : _mm256_and_si256(wv, _mm256_set1_epi32(255 << (8 * j)));
+        const __m256 v = _mm256_cvtepi32_ps(q);
+        for (int m = 0; m < MB; ++m) p[r][m][j % 2] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + 8 * j), p[r][m][j % 2]);
+      }
+    }
+  }
+};
+
 struct E2m1Multiplier {
   static constexpr const char* kName = "avx2-e2m1";
   static constexpr int kBits = 4, kCodes = 64, kBytes = 32;

@@ -5,7 +5,8 @@
 //             bytes on AVX2), or a GGUF super-block; the unit a multiplier decodes and multiplies
 //   plane     a field of every lane of a chunk (chunk.h: bits [F*j, F*j + F) of each u16 word)
 //   tile      R rows of W x MB rows of x, accumulated in registers over all whole chunks of K
-//   span      kSpanRows rows of W: one work item, taken by threads from a shared counter
+//   span      up to kSpanRows rows of W (span_rows_for): one work item, taken by threads from a
+//             shared counter
 //   multiplier how the codes of a chunk meet x (chunk.h: F32Multiplier, Bf16Multiplier;
 //             chunk_avx2.h): the name a route reports ("chunked/<multiplier>")
 //   kernel    a format's policy for this driver (`Kern` below): a multiplier, the format's
@@ -29,7 +30,7 @@
 //                                  (affine biases: sum_g b[g] * sum of x over g); 0 where none
 // so that y[m, n] = reduce(sum over chunks) + rest(n, ...). Accumulation is float32 everywhere.
 //
-// Work: W rows go out in spans of kSpanRows from a shared counter, so a thread that loses its
+// Work: W rows go out in spans (span_rows_for) from a shared counter, so a thread that loses its
 // core to another process mid-call leaves its share to the others (the OpenMP barrier at the end
 // still waits for it to get a core back). Within a span, the rows of x go in blocks of 4/2/1; each
 // block runs over the whole span, which is still in L2 for the next block, so W comes from memory
@@ -61,7 +62,16 @@ inline bool x_in_range(const float* x, int64_t n) {
   return ok;
 }
 
-constexpr int64_t kSpanRows = 128;  // W rows per work item (320 KB of 4-bit W at K=5120)
+constexpr int64_t kSpanRows = 128;  // W rows per work item at most (320 KB of 4-bit W at K=5120)
+constexpr int64_t kMinSpanRows = 16;
+
+// W rows per work item for N rows on `threads` threads: kSpanRows, or fewer so that every thread
+// has at least 4 spans to take (many cores: a thread that starts late still finds work), in
+// multiples of 8 (whole tiles), not below kMinSpanRows.
+inline int64_t span_rows_for(int64_t N, int64_t threads) {
+  const int64_t even = (N / (4 * std::max<int64_t>(threads, 1))) / 8 * 8;
+  return std::clamp<int64_t>(even, kMinSpanRows, kSpanRows);
+}
 
 // Rows of x (and what rest() needs), prepared once per call.
 template <typename Kern>
@@ -146,10 +156,10 @@ inline int x_block_rows(int64_t left, int max_rows) {
   return std::min(b, max_rows);
 }
 
-// Span i of W rows times every row of x.
+// Span i (of `span` W rows) times every row of x.
 template <typename Kern>
-void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N, int64_t i, float* y) {
-  const int64_t n0 = i * kSpanRows, n1 = std::min(N, n0 + kSpanRows);
+void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N, int64_t span, int64_t i, float* y) {
+  const int64_t n0 = i * span, n1 = std::min(N, n0 + span);
   for (int64_t m0 = 0; m0 < M;) {
     const int mb = x_block_rows(M - m0, Kern::kMaxXBlock);
     if constexpr (Kern::kMaxXBlock >= 4)
@@ -165,10 +175,11 @@ void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N,
 template <typename Kern>
 void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   const PreparedX<Kern> px = prepare_x(kern, x, M, K);
-  const int64_t spans = (N + kSpanRows - 1) / kSpanRows;
+  const int64_t threads = at::get_num_threads(), span = span_rows_for(N, threads);
+  const int64_t spans = (N + span - 1) / span;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), spans), 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < spans;) run_span(kern, px, M, N, i, y);
+  at::parallel_for(0, std::min<int64_t>(threads, spans), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < spans;) run_span(kern, px, M, N, span, i, y);
   });
 }
 

@@ -316,7 +316,7 @@ void run_terms(const GgufArgs& a, float* y) {
 
 }  // namespace
 
-const char* gguf_chunked_multiplier(const GgufArgs& a, int64_t ggml_type) {
+static const char* bf16_multiplier(const GgufArgs& a, int64_t ggml_type) {
   if (a.avoid_bf16 || a.M < 1) return nullptr;
   const int64_t limit = ggml_type == Q4K::kType ? Q4K::max_rows(a.x_bf16_terms)
                         : ggml_type == Q6K::kType ? Q6K::max_rows(a.x_bf16_terms) : 0;
@@ -324,18 +324,29 @@ const char* gguf_chunked_multiplier(const GgufArgs& a, int64_t ggml_type) {
   return a.x_bf16_terms == 1 ? "bf16x1" : a.x_bf16_terms == 2 ? "bf16x2" : "bf16x3";
 }
 
-void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y) {
+static void run_bf16(const GgufArgs& a, int64_t ggml_type, float* y) {
   if (ggml_type == Q4K::kType) return run_terms<Q4K>(a, y);
   if (ggml_type == Q6K::kType) return run_terms<Q6K>(a, y);
   TORCH_CHECK(false, "gguf_qmm: no chunk kernel for ggml type ", ggml_type, " (gguf_chunked_multiplier)");
 }
 
-#else  // the fused decode-and-dot of gguf_qmm.cpp serves every CPU without AVX512_BF16
+#else  // without AVX512_BF16: the AVX2 kernels (gguf_avx2.cpp), else the fused decode-and-dot of gguf_qmm.cpp
 
-const char* gguf_chunked_multiplier(const GgufArgs&, int64_t) { return nullptr; }
-void gguf_chunked(const GgufArgs&, int64_t, float*) { TORCH_CHECK(false, "gguf_qmm: the chunk kernels need AVX512_BF16"); }
+static const char* bf16_multiplier(const GgufArgs&, int64_t) { return nullptr; }
+static void run_bf16(const GgufArgs&, int64_t, float*) { TORCH_CHECK(false, "gguf_qmm: the bfloat16 chunk kernels need AVX512_BF16"); }
 
 #endif
+
+// AVX512_BF16 first, then AVX2.
+const char* gguf_chunked_multiplier(const GgufArgs& a, int64_t ggml_type) {
+  if (const char* name = bf16_multiplier(a, ggml_type)) return name;
+  return gguf_avx2_multiplier(a, ggml_type);
+}
+
+void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y) {
+  if (bf16_multiplier(a, ggml_type) != nullptr) return run_bf16(a, ggml_type, y);
+  gguf_avx2(a, ggml_type, y);
+}
 
 }  // namespace cpu
 }  // namespace torch_qmm

@@ -101,34 +101,14 @@ at::Tensor qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
                    bool transpose) {
   Call c = prepare(x, wq, scales, biases, mode, bits, group_size, transpose);
   if (c.empty) return at::zeros(c.out_shape, x.options());
-  cpu::QmmArgs& a = c.a;
-  const Route route = route_for(a, transpose);
-  auto done = [&](const at::Tensor& yf) { return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape); };
-  if (route == Route::kBf16Gemm) return done(cpu::qmm_t_bf16_gemm(a, c.wq, c.scales, c.biases, mode));
-  // The chunk kernels and the transpose=True fused kernel hoist the bias (s*sum(q*x) + b*sum(x));
-  // where that gives a non-finite value (Inf/NaN in x, scales or biases, or an overflow) it need
-  // not be the one IEEE arithmetic on the dequantized weights gives (F.linear's: e.g. +Inf in x
-  // times weights of both signs), so those calls are redone by the GEMM kernels, which multiply
-  // the dequantized weights.
-  if (route == Route::kChunked) {  // x in natural order
-    at::Tensor yf = at::empty({a.M, a.N}, c.xf.options());
-    cpu::qmm_t_chunked(a, yf.data_ptr<float>());
-    if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return done(yf);
+  // The bf16 GEMM route reads the packed tensors themselves (bf16_gemm.h); every other route runs on
+  // the checked arguments through qmm_float.
+  if (route_for(c.a, transpose) == Route::kBf16Gemm) {
+    const at::Tensor yf = cpu::qmm_t_bf16_gemm(c.a, c.wq, c.scales, c.biases, mode);
+    return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape);
   }
-  if (transpose && a.mode == Mode::kAffine) {
-    c.xf = to_codec_order(c.xf, int(bits));
-    a.x = c.xf.data_ptr<float>();
-  }
-  if (route == Route::kFused) {
-    at::Tensor yf = at::empty({a.M, a.N}, c.xf.options());
-    if (!transpose) {
-      cpu::qmm_n_fused(a, yf.data_ptr<float>());
-      return done(yf);
-    }
-    cpu::qmm_t_fused(a, yf.data_ptr<float>());
-    if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return done(yf);
-  }
-  return done(transpose ? cpu::qmm_t_gemm(a) : cpu::qmm_n_gemm(a));
+  const at::Tensor yf = cpu::qmm_float(c.a, c.xf, transpose);
+  return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape);
 }
 
 // Which CPU kernel qmm would run: "gemm-bf16" (bf16_gemm.h), "chunked/<multiplier>"
@@ -151,6 +131,37 @@ std::string qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::T
 }  // namespace
 
 namespace cpu {
+at::Tensor qmm_float(QmmArgs a, at::Tensor xf, bool transpose) {
+  a.x = xf.data_ptr<float>();
+  // kBf16Gemm needs the packed tensors (qmm_cpu takes it before calling here); callers that only
+  // have the arguments, such as gather_qmm's groups, get the exact GEMM below for it.
+  const Route route = route_for(a, transpose);
+  // The chunk kernels and the transpose=True fused kernel hoist the bias (s*sum(q*x) + b*sum(x));
+  // where that gives a non-finite value (Inf/NaN in x, scales or biases, or an overflow) it need
+  // not be the one IEEE arithmetic on the dequantized weights gives (F.linear's: e.g. +Inf in x
+  // times weights of both signs), so those calls are redone by the GEMM kernels, which multiply
+  // the dequantized weights.
+  if (route == Route::kChunked) {  // x in natural order
+    at::Tensor yf = at::empty({a.M, a.N}, xf.options());
+    cpu::qmm_t_chunked(a, yf.data_ptr<float>());
+    if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return yf;
+  }
+  if (transpose && a.mode == Mode::kAffine) {
+    xf = to_codec_order(xf, a.bits);
+    a.x = xf.data_ptr<float>();
+  }
+  if (route == Route::kFused) {
+    at::Tensor yf = at::empty({a.M, a.N}, xf.options());
+    if (!transpose) {
+      cpu::qmm_n_fused(a, yf.data_ptr<float>());
+      return yf;
+    }
+    cpu::qmm_t_fused(a, yf.data_ptr<float>());
+    if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return yf;
+  }
+  return transpose ? cpu::qmm_t_gemm(a) : cpu::qmm_n_gemm(a);
+}
+
 bool all_finite(const float* y, int64_t n) {
   // Exponent bits all ones <=> Inf or NaN; an integer count (vectorizes, unlike float tests).
   const int64_t bad = at::parallel_reduce(

@@ -44,6 +44,11 @@ struct QmmArgs {
   bool avoid_bf16 = false;
 };
 
+// qmm's route (qmm.cpp, route_for: chunked, fused or GEMM by mode, M and transpose) for x
+// float32 [M, K] in natural order, contiguous (a.x is set to xf's data); y [M, N] float32, possibly a
+// transposed view. For callers that prepare their own operands (gather_qmm.cpp).
+at::Tensor qmm_float(QmmArgs a, at::Tensor xf, bool transpose);
+
 // 1 for bfloat16 x and 2 for float16 x (both exact); for float32 x, what
 // torch.set_float32_matmul_precision allows, as for PyTorch's own float32 matmuls: "highest" 3
 // (exact), "high" 2 (16 significant bits), "medium" 1 (8 bits).
@@ -65,7 +70,8 @@ constexpr int64_t kGemmMinRows = 16;
 //     that many bfloat16 terms, up to chunked_max_rows rows), "f32" (4-bit, M = 1, without
 //     AVX512_BF16); K of at least one chunk, x in range (chunk::x_in_range);
 //   then, on AVX2 + FMA (avx2_chunked.cpp), K of at least one chunk of the multiplier
-//     (chunk_avx2.h): "avx2-u4" (affine 4-bit, up to avx2_affine_max_rows rows, x in range), and
+//     (chunk_avx2.h): "avx2-u4" / "avx2-u8" (affine 4-bit / 8-bit, up to avx2_affine_max_rows rows, x in
+//     range), and
 //     for the fp modes one multiplier per element encoding ("avx2-e2m1": mxfp4, nvfp4), up to
 //     fp_chunked_max_rows rows.
 const char* qmm_t_chunked_multiplier(const QmmArgs& a);
@@ -74,6 +80,9 @@ void qmm_t_chunked(const QmmArgs& a, float* y);
 // Rows of x up to which the AVX2 chunk kernels serve a call (benchmarks/README.md).
 constexpr int64_t avx2_affine_max_rows = kGemmMinRows - 1;
 constexpr int64_t fp_chunked_max_rows = 16;
+// TORCH_QMM_CPU_NO_AVX2_CHUNKS=1: the AVX2 chunk kernels (affine, fp, GGUF) step aside (A/B
+// against the fused / generic routes: python -m torch_qmm bench --peers no_avx2_chunks).
+bool avx2_chunks_avoided();
 const char* avx2_chunked_multiplier(const QmmArgs& a);
 void avx2_chunked(const QmmArgs& a, float* y);
 

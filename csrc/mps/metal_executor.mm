@@ -10,10 +10,12 @@
 // storage_offset() * element_size(); compile with fast math off; cache pipelines by name. Works
 // with and without ARC.
 //
-// Kernels are compiled on first use, one at a time: kernel `name` is its library's headers + its
-// one instantiation line (metal_kernel_source.h), the source torch_qmm/metal_source.py's
-// kernel_source(name) gives and that CI compiles with metalsim. A first call therefore compiles
-// the kernel it launches, not every instantiation of metal/.
+// A kernel's function comes from the metallib built at install time when there is one (next to
+// the extension module, loaded once with newLibraryWithURL:error:; metallib_choice.h decides);
+// otherwise it is compiled on first use, one at a time: kernel `name` is its library's headers +
+// its one instantiation line (metal_kernel_source.h), the source torch_qmm/metal_source.py's
+// kernel_source(name) gives and that CI compiles with metalsim. A first call then compiles the
+// kernel it launches, not every instantiation of metal/.
 #include "metal_executor.h"
 
 #include <ATen/mps/MPSStream.h>
@@ -21,14 +23,17 @@
 
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
+#include <dlfcn.h>
 
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
 
-#include "metal_kernel_source.h"  // kernel_source(name)
+#include "metal_kernel_source.h"  // kernel_source(name), kMetallibName
+#include "metallib_choice.h"
 
 namespace torch_qmm {
 namespace mps {
@@ -40,13 +45,54 @@ namespace {
 #define TQMM_RELEASE(x) [(x) release]
 #endif
 
-// Compiles kernel `name` alone and makes its pipeline. Nothing inside @autoreleasepool throws:
-// errors are collected and raised after it.
+// The install-time metallib, loaded once (nil when there is none, it fails to load, or
+// TORCH_QMM_METALLIB=0); kept for the process's lifetime.
+id<MTLLibrary> installed_library(id<MTLDevice> device) {
+  static id<MTLLibrary> library = [&]() -> id<MTLLibrary> {
+    if (!metallib_enabled(std::getenv("TORCH_QMM_METALLIB"))) return nil;
+    Dl_info info;
+    if (dladdr((const void*)&installed_library, &info) == 0 || info.dli_fname == nullptr) return nil;
+    const std::string path = metallib_path(info.dli_fname, kMetallibName);
+    id<MTLLibrary> loaded = nil;
+    @autoreleasepool {
+      NSError* error = nil;  // a missing or unreadable file: compile from source instead
+      loaded = [device newLibraryWithURL:[NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]]
+                                   error:&error];
+    }
+    return loaded;
+  }();
+  return library;
+}
+
+// The pipeline of `fn`; nil with error_text set on failure.
+id<MTLComputePipelineState> make_pipeline(id<MTLDevice> device, id<MTLFunction> fn, std::string& error_text) {
+  NSError* error = nil;
+  id<MTLComputePipelineState> state = [device newComputePipelineStateWithFunction:fn error:&error];
+  if (state == nil) {
+    error_text = "making the pipeline failed: ";
+    if (error != nil) error_text += [[error localizedDescription] UTF8String];
+  }
+  return state;
+}
+
+// Makes kernel `name`'s pipeline from the installed metallib, else from its source compiled
+// alone. Nothing inside @autoreleasepool throws: errors are collected and raised after it.
 id<MTLComputePipelineState> compile_pipeline(id<MTLDevice> device, const std::string& name) {
-  const std::string source = kernel_source(name);
-  TORCH_CHECK(!source.empty(), "torch_qmm: no Metal kernel named '", name, "' in the embedded source");
   std::string error_text;
   id<MTLComputePipelineState> state = nil;
+  id<MTLLibrary> installed = installed_library(device);
+  @autoreleasepool {
+    id<MTLFunction> shipped =
+        installed == nil ? nil : [installed newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
+    if (kernel_origin(true, installed != nil, shipped != nil) == KernelOrigin::kMetallib) {
+      state = make_pipeline(device, shipped, error_text);
+      TQMM_RELEASE(shipped);
+    }
+  }
+  if (state != nil) return state;
+  const std::string source = kernel_source(name);
+  TORCH_CHECK(!source.empty(), "torch_qmm: no Metal kernel named '", name, "' in the embedded source");
+  error_text.clear();
   @autoreleasepool {
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
     // Fast math off: results must match the reference (fast math reassociates and flushes).
@@ -69,12 +115,7 @@ id<MTLComputePipelineState> compile_pipeline(id<MTLDevice> device, const std::st
       if (fn == nil) {
         error_text = "the compiled source has no function of that name";
       } else {
-        error = nil;
-        state = [device newComputePipelineStateWithFunction:fn error:&error];
-        if (state == nil) {
-          error_text = "making the pipeline failed: ";
-          if (error != nil) error_text += [[error localizedDescription] UTF8String];
-        }
+        state = make_pipeline(device, fn, error_text);
         TQMM_RELEASE(fn);
       }
       TQMM_RELEASE(library);  // the pipeline state does not need it

@@ -234,6 +234,122 @@ def test_member_functions_overloaded_on_the_address_space_of_this(metalsim):  # 
     assert out[10] == 10
 
 
+AS_TEMPLATE_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+struct Cell {
+  float v;
+  template <typename U> U as() const thread { return U(v) + U(1000); }
+  template <typename U> U as() const device { return U(v) + U(2000); }
+  template <typename U> float scaled(U k) const thread { return -v * float(k); }
+  template <typename U> float scaled(U k) const device { return v * float(k); }
+  template <int N> float plus() const thread { return v + N; }
+  template <int N> float plus() const threadgroup { return v + 10 * N; }
+  float get() const thread;
+  float get() const device;
+  float operator[](int i) const thread;
+  float operator[](int i) const device;
+};
+float Cell::get() const thread { return v + 1; }
+float Cell::get() const device { return v + 2; }
+float Cell::operator[](int i) const thread { return v + float(i); }
+float Cell::operator[](int i) const device { return v - float(i); }
+template <typename T> struct Box {
+  T v;
+  T get() const thread;
+  T get() const device;
+};
+template <typename T> T Box<T>::get() const thread { return v; }
+template <typename T> T Box<T>::get() const device { return v * T(2); }
+kernel void k(device float* out [[buffer(0)]], device Cell* d [[buffer(1)]], device Box<float>* bx [[buffer(2)]]) {
+  threadgroup Cell t[1];
+  t[0].v = 3;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  Cell a; a.v = 1;
+  Box<float> b; b.v = 5;
+  out[0] = a.as<float>();
+  out[1] = d->as<float>();
+  out[2] = float(d->as<int>());
+  out[3] = a.scaled(2.0f);
+  out[4] = d->scaled(3);
+  out[5] = d->scaled<float>(0.5f);
+  out[6] = a.plus<4>();
+  out[7] = t[0].plus<4>();
+  out[8] = a.get();
+  out[9] = d->get();
+  out[10] = a[3] + (*d)[3] * 100;
+  out[11] = b.get() + 100 * bx->get();
+}
+"""
+
+
+def test_member_templates_and_out_of_class_definitions_resolve_on_the_address_space(metalsim):  # G4
+    # member templates (type and value parameters, explicit and deduced arguments) and members
+    # declared in the class and defined outside it (also of a class template, also operators)
+    # run the variant of the object's address space, as ordinary members do
+    lib = metalsim.compile(AS_TEMPLATE_SRC)
+    out = np.zeros(12, np.float32)
+    lib.dispatch("k", buffers={0: out, 1: np.array([2], np.float32), 2: np.array([7], np.float32)},
+                 threadgroups=1, threads_per_threadgroup=1)
+    np.testing.assert_array_equal(out[:3], [1 + 1000, 2 + 2000, 2 + 2000])     # as<U>(): thread, device
+    np.testing.assert_array_equal(out[3:6], [-1 * 2, 2 * 3, 2 * 0.5])          # deduced U, explicit U
+    np.testing.assert_array_equal(out[6:8], [1 + 4, 3 + 10 * 4])               # template <int N>: thread, threadgroup
+    np.testing.assert_array_equal(out[8:10], [1 + 1, 2 + 2])                   # defined outside the class
+    assert out[10] == (1 + 3) + 100 * (2 - 3)                                  # operator[] outside the class
+    assert out[11] == 5 + 100 * (7 * 2)                                        # Box<T>::get outside Box<T>
+
+
+AS_CTOR_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+struct Tagged {
+  float v;
+  Tagged(float x) thread : v(x + 1) {}
+  constexpr Tagged(float x) constant : v(x + 2) {}
+  Tagged(float x) threadgroup : v(x + 3) {}
+  Tagged(const constant Tagged&) constant = default;
+  float get() const thread { return v; }
+  float get() const constant { return v + 1000; }
+};
+struct Outside {
+  float v;
+  Outside(float x) thread;
+  constexpr Outside(float x) constant;
+};
+Outside::Outside(float x) thread : v(x * 2) {}
+constexpr Outside::Outside(float x) constant : v(x * 3) {}
+constant Tagged kt = Tagged(10.0f);
+constant bfloat kb = bfloat(1.5h);      // scalars and vectors in constant memory as before
+constant float4 kf = float4(1, 2, 3, 4);
+constant half kh(2.0f);
+constant Tagged kt2(20.0f);
+constant Outside ko = Outside(4.0f);
+kernel void k(device float* out [[buffer(0)]]) {
+  Tagged a(5.0f);
+  Tagged b = Tagged(6.0f);
+  Outside o(4.0f);
+  out[0] = a.get();
+  out[1] = b.get();
+  out[2] = kt.get();
+  out[3] = kt2.get();
+  out[4] = o.v;
+  out[5] = ko.v + float(kb) + kf.w + float(kh);
+}
+"""
+
+
+def test_constructors_resolve_on_the_address_space_of_the_object(metalsim):  # G4
+    # an object in constant memory is built by the constructor's constant variant (also one
+    # defined outside the class); a thread object by the thread variant (MLX's complex_t has
+    # one per address space; `constant complex64_t v = complex64_t(...)` in its sort.h)
+    lib = metalsim.compile(AS_CTOR_SRC)
+    out = np.zeros(6, np.float32)
+    lib.dispatch("k", buffers={0: out}, threadgroups=1, threads_per_threadgroup=1)
+    np.testing.assert_array_equal(out[:2], [5 + 1, 6 + 1])                   # thread variant
+    np.testing.assert_array_equal(out[2:4], [10 + 2 + 1000, 20 + 2 + 1000])  # constant variant, get() constant
+    np.testing.assert_array_equal(out[4:], [4 * 2, 4 * 3 + 1.5 + 4 + 2])     # defined outside: thread, constant
+
+
 CAST_SRC = r"""
 #include <metal_stdlib>
 using namespace metal;

@@ -17,7 +17,6 @@ def _body(stmt):
 # type 'bfloat' with an rvalue of type 'float'").
 REJECTED = [
     ("implicit_float_to_bfloat", _body("float f = y[i]; bfloat b = f; y[i] = float(b);"), "to bfloat"),
-    ("implicit_int_to_bfloat", _body("int n = int(i); bfloat b = n; y[i] = float(b);"), "to bfloat"),
     ("bfloat_returned_from_float_math", _body("bfloat b = bfloat(y[i]); bfloat e = exp(b); y[i] = float(e);"),
      "to bfloat"),
     ("bfloat_from_float_constant", _body("bfloat b = 0.5f; y[i] = float(b);"), "float constant to bfloat"),

@@ -5,6 +5,7 @@ checkout, runs the tests meant to catch it, and reports which were killed and by
     python -m tests.mutation --cpp           # the C++ ones too (each rebuilds its scratch copy)
     python -m tests.mutation -k mma -j 2     # a selection, two at a time
     python -m tests.mutation --fresh2        # the second audit list (tests/mutation/fresh2_mutants.py)
+    python -m tests.mutation --fresh3        # the third (tests/mutation/fresh3_mutants.py)
 
 A scratch copy holds the tracked files of the checkout (git ls-files) plus its built extension
 (torch_qmm/_C*.so), so the real checkout is never touched. The C++ mutants share one scratch copy

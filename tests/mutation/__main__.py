@@ -1,10 +1,12 @@
-"""python -m tests.mutation [--cpp | --only-cpp] [--fresh | --fresh2] [-k SUBSTRING] [-j JOBS] [--list] [--keep]
+"""python -m tests.mutation [--cpp | --only-cpp] [--fresh | --fresh2 | --fresh3] [-k SUBSTRING] [--tests FILE] [-j JOBS] [--list] [--keep]
 
 Exit status 0 only when every selected mutant is killed (see tests/mutation/__init__.py)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import sys
 
 from . import run, table
@@ -19,25 +21,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="use the independent audit list (tests/mutation/fresh_mutants.py) instead of the curated one")
     ap.add_argument("--fresh2", action="store_true",
                     help="use the second independent audit list (tests/mutation/fresh2_mutants.py)")
+    ap.add_argument("--fresh3", action="store_true",
+                    help="use the third independent audit list (tests/mutation/fresh3_mutants.py)")
     ap.add_argument("-k", action="append", default=[], help="run mutants whose name contains this (repeatable)")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
     ap.add_argument("--timeout", type=float, default=900,
                     help="CPU seconds per mutant's tests, descendants included (default 900; the wall-clock cap is "
                          "8 times that)")
+    ap.add_argument("--tests", action="append", default=[], metavar="FILE",
+                    help="run these test files instead of each mutant's selection (repeatable)")
     ap.add_argument("--list", action="store_true", help="list the selected mutants and exit")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies (paths on stderr)")
     args = ap.parse_args(argv)
 
-    mutants = MUTANTS
-    if args.fresh and args.fresh2:
-        ap.error("give one of --fresh and --fresh2")
-    if args.fresh:
-        from .fresh_mutants import MUTANTS as mutants
-    if args.fresh2:
-        from .fresh2_mutants import MUTANTS as mutants
+    lists = [name for name in ("fresh", "fresh2", "fresh3") if getattr(args, name)]
+    if len(lists) > 1:
+        ap.error("give one of --fresh, --fresh2 and --fresh3")
+    mutants = importlib.import_module(f".{lists[0]}_mutants", __package__).MUTANTS if lists else MUTANTS
     chosen = [m for m in mutants if (m.area == "cpp") == args.only_cpp or (args.cpp and m.area == "cpp")]
     if args.k:
         chosen = [m for m in chosen if any(s in m.name for s in args.k)]
+    if args.tests:
+        chosen = [dataclasses.replace(m, tests=tuple(args.tests)) for m in chosen]
     if args.list:
         for m in chosen:
             print(f"{m.name:40s} {m.area:6s} {m.file}  -> {' '.join(m.tests)}")

@@ -4,6 +4,7 @@
     python -m torch_qmm bench --shapes 14336x5120 --m 1,4,16,64,256 --bits 4,8 --dtype bfloat16
     python -m torch_qmm bench --model [PATH]               # small transformer (or a transformers folder), M=1 and M=128
     python -m torch_qmm bench --device metalsim [--full]   # simulated traffic of the Metal kernels
+    python -m torch_qmm bench --moe [--m 1,8,128]          # gather_qmm on MoE expert layers (moe.py)
 
 Kernel rows: kernels.py (Config -> Result, method); output: report.py; model: model.py;
 metalsim traffic (bytes per buffer vs compulsory, no time): metalsim_traffic.py.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ import torch
 from ..cli_errors import UsageError
 from ..devices import best_device
 from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
-from . import metalsim_traffic, mlx_peer
+from . import llamacpp_peer, metalsim_traffic, mlx_peer
 from .kernels import FP_MODES, Config, run_config
 from .model import format_model, run_model
 from .report import (copy_bandwidth_gbps, default_result_path, format_table, last_level_cache_bytes, machine_info,
@@ -85,10 +87,11 @@ def _positive(text: str) -> int:
 
 
 PEERS = ["linear_float32", "linear_float16", "linear_bfloat16", "int8pack", "int4pack", "mlx", "no_avx2_chunks",
-         "int8_activations"]
-# Run only when named in --peers: torch_qmm with its AVX2 chunk kernels set aside (an A/B), and
-# torch_qmm with x quantized to int8 (torch_qmm.activation_quantization, affine only).
-EXPLICIT_PEERS = {"no_avx2_chunks", "int8_activations"}
+         "int8_activations", "llamacpp"]
+# Run only when named in --peers: torch_qmm with its AVX2 chunk kernels set aside (an A/B),
+# torch_qmm with x quantized to int8 (torch_qmm.activation_quantization, affine only), and
+# llama.cpp's ggml (built from source on first use: llamacpp_peer.py).
+EXPLICIT_PEERS = {"no_avx2_chunks", "int8_activations", "llamacpp"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +113,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="quantization modes, comma-separated, of affine, " + ", ".join(FP_MODES) + " (default: "
                              "affine; the fp modes use MLX's group size and bits, --bits and --group-size "
                              "apply to affine)")
+    parser.add_argument("--hot", action="store_true",
+                        help="one weight copy per implementation, reused call after call (as ggml's perf mode "
+                             "does: use it with --peers llamacpp); default: copies cycled past the last-level cache")
+    parser.add_argument("--threads", type=_positive, default=None,
+                        help="torch.set_num_threads for the run; the llamacpp peer uses as many (default: as is)")
     parser.add_argument("--gguf", type=_choices(["Q4_K", "Q6_K"]), default=None,
                         help="native GGUF types (Q4_K, Q6_K): time gguf_qmm on random blocks instead of "
                              "affine_qmm (--bits ignored)")
@@ -129,6 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ModelConfig fields, or a transformers model folder; reports forward times at M=1 and "
                              "M=128, weight memory, and the relative error ||y_q - y|| / ||y|| of the quantized "
                              "model's logits against the same model unquantized in the same dtype")
+    parser.add_argument("--moe", action="store_true",
+                        help="mixture-of-experts benchmark instead (moe.py): gather_qmm on the expert matrices of "
+                             "Qwen3-30B-A3B and gpt-oss-20b at 1, 8 and 128 tokens (--m to choose) against loops of "
+                             "dense calls and MLX's gather_qmm; JSON to benchmarks/results/cpu-moe-gather-qmm.json")
     parser.add_argument("--output", default=None,
                         help="JSON path (default: benchmarks/results/<tag>-<device>-<time>.json; the plot is "
                              "written next to it as .png)")
@@ -161,8 +173,14 @@ def configs(args: argparse.Namespace, device: str) -> list[Config]:
 
 def run(args: argparse.Namespace) -> int:
     device = args.device or best_device()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.float32_precision:
         torch.set_float32_matmul_precision(args.float32_precision)
+    if args.moe:  # gather_qmm on MoE layers: moe.py (CPU)
+        from . import moe
+
+        return moe.run(args)
     if device == "metalsim":  # byte counts instead of time: metalsim_traffic.py
         return metalsim_traffic.run(args, SHAPES, MS, QUICK)
     try:
@@ -182,13 +200,17 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None:
         return _run_model(args, device, info)
 
-    cache = last_level_cache_bytes()
+    cache = 0 if args.hot else last_level_cache_bytes()  # 0: one weight copy (kernels.copies_for)
+    info["hot"] = bool(args.hot)
     peer_ok = (lambda p: p in args.peers) if args.peers else (lambda p: True)
     peer_cache: dict = {}
     results = []
+    llamacpp = _LlamaCpp() if args.peers and "llamacpp" in args.peers else None
     for cfg in configs(args, device):
         r = run_config(cfg, args.repeats, cache, peer_ok, peer_cache,
                        explicit=lambda p: bool(args.peers) and p in args.peers and p in EXPLICIT_PEERS)
+        if llamacpp is not None:
+            llamacpp.add(r)
         results.append(r)
         print(f"  {cfg.n}x{cfg.k} M={cfg.m} {cfg.label} {cfg.dtype}: {r.times_ms['torch_qmm']:.3f} ms "
               f"({r.gbps():.1f} GB/s); {_speedups(r)}", flush=True)
@@ -201,9 +223,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"  peer {p} not run: {why}")
     path = Path(args.output) if args.output else default_result_path(device, "quick" if args.quick else "kernels")
     info["load_average_end"] = machine_info(device, copy_gbps)["load_average"]
-    save_json(path, info, results, extra={"isolation": {"in_process": "torch_qmm and the F.linear / int8pack / "
-                                                                      "int4pack peers, interleaved round by round",
-                                                        "mlx": mlx_peer.ISOLATION}})
+    isolation = {"in_process": "torch_qmm and the F.linear / int8pack / int4pack peers, interleaved round by round",
+                 "mlx": mlx_peer.ISOLATION}
+    extra = {"isolation": isolation}
+    if llamacpp is not None:
+        isolation["llamacpp"] = llamacpp_peer.ISOLATION
+        extra["llamacpp"] = llamacpp.record()
+    save_json(path, info, results, extra=extra)
     print(f"saved {path}")
     if not args.no_plot:
         print(save_plot(path.with_suffix(".png"), results, info))
@@ -236,6 +262,54 @@ def _add_mlx(results: list, args: argparse.Namespace, cache: int) -> None:
         r.samples["mlx"], r.weight_bytes["mlx"] = out["stats"]["samples"], out["bytes"]
         print(f"  {r.config.n}x{r.config.k} M={r.config.m} {r.config.label} {r.config.dtype}: mlx "
               f"{r.times_ms['mlx']:.3f} ms ({r.speedups()['mlx']:.2f}x)", flush=True)
+
+
+class _LlamaCpp:
+    """The llamacpp peer of one run (llamacpp_peer.py): ggml's MUL_MAT for each config with a ggml
+    counterpart, timed right after torch_qmm's config (same load), at torch's thread count."""
+
+    def __init__(self):
+        self.error = None
+        self.binary = None
+        try:
+            self.binary = llamacpp_peer.ensure_binary(log=lambda m: print(m, flush=True))
+        except llamacpp_peer.LlamaCppUnavailable as e:
+            self.error = str(e)
+            print(f"peer llamacpp not run: {e}")
+        self.threads = torch.get_num_threads()
+        self.done: dict = {}
+        self.cases: dict = {}
+
+    def add(self, r) -> None:
+        c = r.config
+        if self.error is not None:
+            r.skipped["llamacpp"] = self.error.splitlines()[0]
+            return
+        case = llamacpp_peer.case_for(c.fmt, c.bits, c.n, c.k, c.m) if c.device == "cpu" else None
+        if case is None:
+            r.skipped["llamacpp"] = "no ggml counterpart of this format on this device"
+            return
+        if case not in self.done:
+            try:
+                self.done[case] = llamacpp_peer.time_case(self.binary, case, self.threads)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                self.done[case] = {"error": str(e).splitlines()[0][:200]}
+        out = self.done[case]
+        if "error" in out:
+            r.skipped["llamacpp"] = out["error"]
+            return
+        r.times_ms["llamacpp"] = r.min_ms["llamacpp"] = out["us_per_run"] / 1e3
+        r.samples["llamacpp"], r.weight_bytes["llamacpp"] = out["runs"], case.weight_bytes()
+        self.cases[f"{c.n}x{c.k} M={c.m} {c.label}"] = {"ggml_type": case.ggml_type, "how": out["how"],
+                                                        "params": out["params"]}
+
+    def record(self) -> dict:
+        if self.error is not None:
+            return {"error": self.error}
+        return {"binary": str(self.binary), "threads": self.threads, "cases": self.cases,
+                "note": "ggml's x is float32 for every torch_qmm x dtype (one ggml time per shape, format and M); "
+                        "ggml quantizes x to 8 bits (q8_0 / q8_K) before its dot products; min_ms = the mean "
+                        "ggml reports"}
 
 
 def _run_model(args: argparse.Namespace, device: str, info: dict) -> int:

@@ -262,7 +262,7 @@ def peers(cfg: Config, x: torch.Tensor | None = None) -> dict[str, Callable[[int
     """Peer name -> builder(cache_bytes, generator). Builders raise when the peer is unavailable."""
     dtype = getattr(torch, cfg.dtype)
     out: dict[str, Callable[[int, torch.Generator], Impl]] = {}
-    if x is not None and cfg.fmt in ("affine", *FP_MODES):
+    if x is not None:
         out["no_avx2_chunks"] = lambda c, g: _without_avx2_chunks(cfg, x, c, g)
     if x is not None and cfg.fmt == "affine":
         out["int8_activations"] = lambda c, g: _with_int8_activations(cfg, x, c, g)

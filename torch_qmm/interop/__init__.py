@@ -7,6 +7,7 @@
 
 from .mlx import LoadReport, load_mlx, parse_quantization, quantization_config, save_mlx
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
+from .mxfp4_blocks import load_mxfp4_checkpoint
 
 __all__ = [
     "GGUFLinear",
@@ -14,6 +15,7 @@ __all__ = [
     "QuantEmbedding",
     "TiedQuantLinear",
     "load_mlx",
+    "load_mxfp4_checkpoint",
     "parse_quantization",
     "quantization_config",
     "save_mlx",

@@ -35,6 +35,10 @@ from tqdm.auto import tqdm
 from ..formats import FORMATS, packed_words
 from ..format_state import FORMAT_STATE_KEY
 from ..nn import QuantLinear, resolve_format
+from ..nn_moe import QuantFusedExperts
+from ..ops import dequantize
+from .experts import fused_experts
+from .mlx_experts import experts_specs, float_experts_tensors, from_mlx_key, load_experts, split_experts, to_mlx_key
 from .modules import QuantEmbedding, TiedQuantLinear
 from .json_files import read_json_object
 from .safetensors_io import Checkpoint, save_sharded
@@ -72,11 +76,13 @@ class LoadReport:
     float_tensors: int
     bytes_read: int
     tied: list[str] = dataclasses.field(default_factory=list)
+    dequantized: list[str] = dataclasses.field(default_factory=list)  # stored quantized, kept float (MoE routers)
 
     def __str__(self) -> str:
         return (
             f"{len(self.quantized)} quantized layers, {self.float_tensors} float tensors, "
             f"{self.bytes_read / 2**20:.1f} MiB read" + (f", tied: {', '.join(self.tied)}" if self.tied else "")
+            + (f", dequantized (float in the model): {', '.join(self.dequantized)}" if self.dequantized else "")
         )
 
 
@@ -128,19 +134,21 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _check_quantized_shapes(ckpt: Checkpoint, path: str, spec: QuantSpec, rows: int, cols: int) -> None:
-    want_w = (rows, packed_words(cols, spec.bits))
-    want_s = (rows, cols // spec.group_size)
+def _check_quantized_shapes(ckpt: Checkpoint, path: str, spec: QuantSpec, rows: int, cols: int,
+                            experts: int | None = None) -> None:
+    lead = (rows,) if experts is None else (experts, rows)
+    want_w = (*lead, packed_words(cols, spec.bits))
+    want_s = (*lead, cols // spec.group_size)
     parts = ("scales", "biases") if spec.has_biases else ("scales",)
     got_w = ckpt.shape(f"{path}.weight")
     got = {part: ckpt.shape(f"{path}.{part}") for part in parts}
     if got_w != want_w or any(shape != want_s for shape in got.values()):
         hint = ""
-        if len(got_w) == 2 and got_w[0] == rows and got_w[1] * 32 % cols == 0:
-            hint = f" (the stored weight fits bits={got_w[1] * 32 // cols})"
+        if tuple(got_w[:-1]) == lead and got_w[-1] * 32 % cols == 0:
+            hint = f" (the stored weight fits bits={got_w[-1] * 32 // cols})"
         raise ValueError(
             f"{ckpt.path}: layer {path!r}: config says bits={spec.bits}, group_size={spec.group_size}, "
-            f"mode={spec.mode!r} for a [{rows}, {cols}] weight, so weight must be {list(want_w)} and "
+            f"mode={spec.mode!r} for a {[*lead, cols]} weight, so weight must be {list(want_w)} and "
             f"{'/'.join(parts)} {list(want_s)}; the checkpoint has weight {list(got_w)}, "
             + ", ".join(f"{part} {list(shape)}" for part, shape in got.items()) + hint
         )
@@ -199,6 +207,7 @@ def load_mlx(
     default, overrides = parse_quantization(config, str(config_path))
     ckpt = Checkpoint(path)
     keys = ckpt.keys()
+    model_type = config.get("model_type")
 
     if dtype is None:
         float_dtypes = Counter(_SAFETENSORS_DTYPES[ckpt.dtype_name(k)] for k in keys if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES)
@@ -213,16 +222,7 @@ def load_mlx(
         if isinstance(m, nn.Linear) and id(m.weight) in embedding_of
     }
 
-    quantized_paths = [k[: -len(".scales")] for k in keys if k.endswith(".scales")]
-    for p, spec in overrides.items():
-        if isinstance(spec, QuantSpec) and p not in quantized_paths and f"{p}.weight" in ckpt:
-            raise ValueError(
-                f"{config_path}: 'quantization.{p}' gives {spec} but the checkpoint stores {p}.weight "
-                f"unquantized (no {p}.scales)"
-            )
-    report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
-    renamed: dict[str, str] = {}  # checkpoint key -> model state_dict key
-    for p in quantized_paths:
+    def spec_of(p: str) -> QuantSpec:
         spec = overrides.get(p, default)
         if spec is False:
             raise ValueError(f"{config_path}: 'quantization.{p}' is false but the checkpoint stores {p}.scales")
@@ -231,14 +231,34 @@ def load_mlx(
                 f"{ckpt.path}: the checkpoint stores quantized layer {p!r} ({p}.scales) but {config_path} "
                 "has no 'quantization' with bits and group_size"
             )
+        return spec
+
+    report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
+    # The experts of MoE blocks (mlx_lm's SwitchGLU tensors) first: they fill whole modules.
+    experts_keys, report.quantized, experts_done = load_experts(model, ckpt, model_type, spec_of, dtype,
+                                                                _check_quantized_shapes)
+    keys = [k for k in keys if k not in experts_keys]
+    report.bytes_read += sum(ckpt.nbytes(k) for k in experts_keys)
+    quantized_paths = [k[: -len(".scales")] for k in keys if k.endswith(".scales")]
+    for p, spec in overrides.items():
+        if isinstance(spec, QuantSpec) and p not in quantized_paths and f"{p}.weight" in keys:
+            raise ValueError(
+                f"{config_path}: 'quantization.{p}' gives {spec} but the checkpoint stores {p}.weight "
+                f"unquantized (no {p}.scales)"
+            )
+    renamed: dict[str, str] = {k: from_mlx_key(k, model_type) for k in keys}  # checkpoint key -> model key
+    dequantized: set[str] = set()  # checkpoint keys read as a float weight
+    for p in quantized_paths:
+        spec = spec_of(p)
         for part in ("weight", "biases") if spec.has_biases else ("weight",):
             if f"{p}.{part}" not in ckpt:
                 raise ValueError(f"{ckpt.path}: quantized layer {p!r} has scales but no {p}.{part}")
         if not spec.has_biases and f"{p}.biases" in ckpt:
             raise ValueError(f"{ckpt.path}: quantized layer {p!r} stores {p}.biases, but its mode {spec.mode!r} "
                              "has none (config.json's 'quantization' gives the mode)")
+        mp = from_mlx_key(p + ".", model_type)[:-1]  # the layer's path in the model
         try:
-            module = model.get_submodule(p)
+            module = model.get_submodule(mp)
         except AttributeError:
             raise ValueError(f"{ckpt.path}: quantized layer {p!r} does not exist in the model") from None
         if isinstance(module, nn.Linear):
@@ -249,11 +269,25 @@ def load_mlx(
             _check_quantized_shapes(ckpt, p, spec, module.num_embeddings, module.embedding_dim)
             new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size, dtype=dtype,
                                  mode=spec.mode)
+        elif isinstance(getattr(module, "weight", None), nn.Parameter) and module.weight.dim() == 2:
+            # A router of a MoE block (transformers' own module reading .weight, mlx_lm's nn.Linear):
+            # it stays float, the stored weight dequantized into it (the values MLX multiplies by).
+            rows, cols = module.weight.shape
+            _check_quantized_shapes(ckpt, p, spec, rows, cols)
+            parts = [ckpt.get(f"{p}.{part}") for part in (("weight", "scales", "biases") if spec.has_biases
+                                                          else ("weight", "scales"))]
+            w = dequantize(*parts, group_size=spec.group_size, bits=spec.bits, mode=spec.mode, dtype=torch.float32)
+            with torch.no_grad():
+                module.weight.copy_(w)
+            dequantized.update(f"{p}.{part}" for part in ("weight", "scales", "biases") if f"{p}.{part}" in ckpt)
+            report.dequantized.append(mp)
+            continue
         else:
             raise ValueError(f"{ckpt.path}: quantized layer {p!r} is a {type(module).__name__}, expected nn.Linear or nn.Embedding")
-        _replace(model, p, new.to(module.weight.device))
-        renamed[f"{p}.weight"] = f"{p}.qweight"
-        report.quantized[p] = str(spec)
+        _replace(model, mp, new.to(module.weight.device))
+        renamed[f"{p}.weight"] = f"{mp}.qweight"
+        report.quantized[mp] = str(spec)
+    keys = [k for k in keys if k not in dequantized]
 
     for out_name, emb_name in tied_to.items():
         emb = model.get_submodule(emb_name)
@@ -267,6 +301,8 @@ def load_mlx(
         missing = sorted(
             k for k in state
             if k not in targets and not _is_tied_duplicate(model, k, tied_to, keys) and not _is_format_state(k)
+            and not any(k.startswith(n + ".") for n in experts_done)
+            and k not in {f"{n}.weight" for n in report.dequantized}
         )
         unexpected = sorted(k for k, _ in targets.items() if k not in state)
         if missing or unexpected:
@@ -306,14 +342,17 @@ def _is_tied_duplicate(model: nn.Module, key: str, tied_to: dict[str, str], keys
     return key.endswith(".weight") and module_name in tied_to and f"{tied_to[module_name]}.weight" in keys
 
 
-def quantization_config(model: nn.Module) -> dict:
-    """The MLX "quantization" entry describing `model`'s quantized layers (default = most common)."""
+def quantization_config(model: nn.Module, model_type: str | None = None) -> dict:
+    """The MLX "quantization" entry describing `model`'s quantized layers (default = most common),
+    under mlx_lm's names (the experts of MoE blocks: mlx_experts, by config.json's model_type)."""
     specs: dict[str, QuantSpec | bool] = {}
     for name, m in model.named_modules():
         if isinstance(m, (QuantLinear, QuantEmbedding)):
-            specs[name] = QuantSpec(m.bits, m.group_size, m.mode)
+            specs[to_mlx_key(name + ".", model_type)[:-1]] = QuantSpec(m.bits, m.group_size, m.mode)
         elif isinstance(m, (nn.Linear, nn.Embedding)):
-            specs[name] = False
+            specs[to_mlx_key(name + ".", model_type)[:-1]] = False
+    for path, (bits, group_size, mode) in experts_specs(model, model_type).items():
+        specs[path] = QuantSpec(bits, group_size, mode)
     counts = Counter(s for s in specs.values() if isinstance(s, QuantSpec))
     if not counts:
         return {}
@@ -327,17 +366,26 @@ def quantization_config(model: nn.Module) -> dict:
     return q
 
 
-def mlx_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors under MLX's names (a quantized layer's qweight is its `weight`).
+def mlx_state_dict(model: nn.Module, model_type: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors under MLX's names (a quantized layer's qweight is its `weight`; the
+    experts of MoE blocks as mlx_lm's SwitchGLU layers, named by config.json's model_type).
 
     Tensors shared by two names (tied weights) are stored once, under the first name.
     """
     quantized = {n for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)}
+    float_experts = dict(fused_experts(model))
     out: dict[str, torch.Tensor] = {}
+    for name, m in experts.items():
+        out.update(split_experts(to_mlx_key(name + ".", model_type)[:-1], m))
+    for name, m in float_experts.items():
+        out.update(float_experts_tensors(to_mlx_key(name + ".", model_type)[:-1], m))
     seen: set[tuple[int, tuple[int, ...]]] = set()
     for key, t in model.state_dict().items():
         module_name, _, leaf = key.rpartition(".")
         if leaf == FORMAT_STATE_KEY:  # config.json's "quantization" carries the format
+            continue
+        if any(key.startswith(n + ".") for n in (*experts, *float_experts)):
             continue
         if module_name in quantized and leaf == "qweight":
             key = f"{module_name}.weight" if module_name else "weight"
@@ -345,7 +393,7 @@ def mlx_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if ident in seen:
             continue
         seen.add(ident)
-        out[key] = t
+        out[to_mlx_key(key, model_type)] = t
     return out
 
 
@@ -401,13 +449,19 @@ def save_mlx(
     folder.mkdir(parents=True, exist_ok=True)
     if config is None and callable(getattr(getattr(model, "config", None), "to_dict", None)):
         config = model.config.to_dict()
+        # transformers writes a field under its canonical name only (Qwen3-MoE: num_local_experts),
+        # mlx_lm's model arguments may read an alias (num_experts): both are written.
+        for alias, canonical in getattr(model.config, "attribute_map", {}).items():
+            if canonical in config and alias not in config:
+                config[alias] = config[canonical]
     config = mlx_lm_config(dict(config or {}))
-    q = quantization_config(model)
+    model_type = config.get("model_type")
+    q = quantization_config(model, model_type)
     for k in _QUANT_KEYS:
         config.pop(k, None)
     if q:
         config["quantization"] = q
         config["quantization_config"] = q
-    save_sharded(mlx_state_dict(model), folder, max_shard_bytes, metadata={"format": "mlx"})
+    save_sharded(mlx_state_dict(model, model_type), folder, max_shard_bytes, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
     return folder

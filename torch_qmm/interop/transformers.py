@@ -9,7 +9,8 @@ registry (`register_quantization_config` / `register_quantizer`; tested with tra
     AutoModelForCausalLM.from_pretrained(out)       # reloads the QuantLinear layers (import this module first)
 
 Quantize-on-load: the float weights are loaded as usual, then every eligible nn.Linear is swapped
-for a QuantLinear (peak memory is that of the float model). A layer is eligible unless it is in
+for a QuantLinear and the fused experts of MoE blocks for a QuantFusedExperts (routers and MoE
+gates stay float; docs/moe.md) (peak memory is that of the float model). A layer is eligible unless it is in
 `modules_to_not_convert` (default: the output head and transformers' keep-in-fp32 modules) or its
 in_features is not a multiple of group_size; the saved config lists every skipped layer, so a
 reload builds exactly the saved layers.
@@ -18,6 +19,7 @@ reload builds exactly the saved layers.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -28,6 +30,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..convert import quantize_model
 from ..nn import QuantLinear, resolve_format
+from ..nn_moe import QuantFusedExperts
+from .experts import empty_quant_experts, fused_experts
 from ..quantizers.mixed import MixedBits
 
 QUANT_METHOD = "torch_qmm"
@@ -106,6 +110,22 @@ class TorchQmmConfig(QuantizationConfigMixin):
         return out
 
 
+def _without_expert_converters(conversions: list, model) -> list:
+    """`conversions` without the converters that build a weight of a QuantFusedExperts (the fused
+    gate_up_proj / down_proj tensors that the quantized module replaces by its buffers)."""
+    from transformers.core_model_loading import WeightConverter
+
+    replaced = [f"{n}.{child}" for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)
+                for child in ("gate_up_proj", "down_proj")]
+
+    def builds_expert_weight(c) -> bool:
+        targets = getattr(c, "_original_target_patterns", None) or []
+        return isinstance(c, WeightConverter) and any(
+            re.search(re.escape(t.strip("^$")).replace(r"\*", r"\d+"), name) for t in targets for name in replaced)
+
+    return [c for c in conversions if not builds_expert_weight(c)]
+
+
 def _skipped(name: str, skip: list[str]) -> bool:
     return any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skip)
 
@@ -148,25 +168,44 @@ class TorchQmmHfQuantizer(HfQuantizer):
                             dtype=linear.weight.dtype, mode=cfg.mode)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, q)
+        for name, experts in fused_experts(model):
+            if _skipped(name, self.modules_to_not_convert):
+                continue
+            q = empty_quant_experts(experts, bits=cfg.layer_bits(name), group_size=cfg.group_size, mode=cfg.mode,
+                                    dtype=experts.get_parameter("down_proj").dtype)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, q)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
             return model
         cfg = self.quantization_config
-        eligible = set(self._eligible(model))
+        eligible = set(self._eligible(model)) | {
+            n for n, _ in fused_experts(model) if not _skipped(n, self.modules_to_not_convert)}
         quantize_model(model, bits=cfg.bits, group_size=cfg.group_size, filter_fn=lambda n, _: n in eligible,
                        method=cfg.method, calibration=cfg.calibration, mode=cfg.mode)
         # Record the bits every layer got (a budget or a "*" default resolves per layer).
         got = {n: m.bits for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+        got |= {n: m.down_proj.bits for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)}
         if type(cfg.bits) is not int:
             cfg.bits = next(iter(got.values())) if len(set(got.values())) == 1 else got
+        # Saving writes QuantFusedExperts' buffers as they are: no reverse of the per-expert merge
+        # that read the float checkpoint.
+        if getattr(model, "_weight_conversions", None) is not None:
+            model._weight_conversions = _without_expert_converters(model._weight_conversions, model)
         # Record every float layer so that a reload rebuilds exactly these QuantLinears.
         cfg.modules_to_not_convert = sorted(
             set(self.modules_to_not_convert)
             | {n for n, m in model.named_modules() if type(m) is nn.Linear}
+            | {n for n, _ in fused_experts(model)}
         )
         return model
+
+    def update_weight_conversions(self, weight_conversions, model):
+        # Loading a saved torch_qmm model: its experts are stored as QuantFusedExperts buffers, which
+        # transformers' merges of per-expert checkpoint tensors into gate_up_proj / down_proj must not touch.
+        return _without_expert_converters(super().update_weight_conversions(weight_conversions, model), model)
 
     def is_serializable(self, safe_serialization=None) -> bool:
         return True

@@ -12,9 +12,14 @@ on a copy (the user's source stays valid MSL):
 * ``threadgroup T x[N];`` inside a function body becomes a reference into the threadgroup arena.
 * ``constant T x [[function_constant(i)]];`` becomes a runtime-read constant; namespace-scope
   constants initialised from function constants are evaluated lazily.
-* Unsuffixed floating literals get an ``f`` (MSL has no double); ``1.0h`` becomes a half.
+* Unsuffixed floating literals get an ``f`` (MSL has no double); ``1.0h`` becomes a half,
+  ``1.0bf`` the bfloat of that value.
 * Vector constructors and casts (``float4(h4)``, ``(float4)u``, ``static_cast<float4>(x)``)
-  become value conversions (a clang vector cast would be a bitcast).
+  become value conversions (a clang vector cast would be a bitcast); casts whose type is a
+  name (``T(h)``, ``(T)h``, ``static_cast<T>(h)``, ``bfloat(h)``) go through the shim, which
+  converts half <-> bfloat as MSL does explicitly.
+* Member functions overloaded on the address space of ``*this`` get renamed variants and
+  forwarders with C++23 explicit object parameters.
 """
 from __future__ import annotations
 
@@ -363,6 +368,28 @@ def _const_int(expr: str):
         return None
 
 
+def _bfloat_literal(spelling: str) -> str:
+    """A float literal of exactly the value of the bfloat literal `spelling` (`5.0bf`, `1e-3BF`,
+    `0x1.8p3bf`): the decimal value rounded once to bfloat, to nearest even (8 significant bits,
+    exponents -126..127 with subnormals down to 2**-133, overflow to infinity)."""
+    from fractions import Fraction
+    body = spelling[:-2]
+    if body.lower().startswith("0x"):
+        x = Fraction(float.fromhex(body))  # a hex literal with more than 53 bits is not supported
+    else:
+        x = Fraction(body)
+    if x == 0:
+        return "0.0f"
+    e = x.numerator.bit_length() - x.denominator.bit_length()
+    if Fraction(2) ** e > x:
+        e -= 1
+    q = Fraction(2) ** (max(e, -126) - 7)
+    v = round(x / q) * q  # Fraction rounds half to even
+    if v >= Fraction(2) ** 128:
+        return "__builtin_inff()"
+    return float(v).hex() + "f"
+
+
 def _unary_end(toks, i):
     """Index one past the end of the unary-expression starting at toks[i] (C-style cast operand)."""
     n = len(toks)
@@ -412,6 +439,83 @@ def _looks_like_type(toks, a, b):
     return False
 
 
+# T(x) and (T)x with T one of these, a template type parameter or an alias: resolved by the
+# shim's __msim_ccast (clang refuses half <-> bfloat casts, which Metal allows explicitly)
+SCALAR_CAST_NAMES = {"bfloat", "half"}
+_TYPE_LEAD = {"const", "volatile", "device", "constant", "threadgroup", "thread", "unsigned", "signed",
+              "typename", "struct", "class", "enum"}
+
+
+def _type_names(toks):
+    """Names the source declares as types that may stand for bfloat, half or a vector: template
+    type parameters (`template <typename T, class U>`), `typedef ... name;` and `using name = ...;`."""
+    names = set(SCALAR_CAST_NAMES)
+    n = len(toks)
+    for i, t in enumerate(toks):
+        if t.kind != "id":
+            continue
+        if t.text == "template" and i + 1 < n and toks[i + 1].text == "<":
+            try:
+                close = _match_angle(toks, i + 1)
+            except StageError:
+                continue
+            for a, b in _split_top(toks, i + 2, close):
+                if b - a >= 2 and toks[a].text in ("typename", "class"):
+                    k = a + 1
+                    if toks[k].text == "...":
+                        k += 1
+                    if k < b and toks[k].kind == "id":
+                        names.add(toks[k].text)
+        elif t.text == "using" and i + 2 < n and toks[i + 1].kind == "id" and toks[i + 2].text == "=":
+            names.add(toks[i + 1].text)
+        elif t.text == "typedef":
+            k = i + 1
+            while k < n and toks[k].text not in (";", "{", "("):
+                k += 1
+            if k < n and toks[k].text == ";" and toks[k - 1].kind == "id":
+                names.add(toks[k - 1].text)
+    return names
+
+
+def _names_a_type(toks, a, b, type_names):
+    """toks[a:b] (the inside of `T(...)`) is a type or a parameter declaration (`T(int)`,
+    `T(const device float*)`, `T(U x)`): T(...) is then a function type, not a cast."""
+    first = toks[a]
+    if first.kind != "id":
+        return False
+    if first.text in _TYPE_LEAD:
+        return True
+    if first.text in type_names or first.text in _BUILTIN_TYPES or first.text in VEC_NAMES \
+            or first.text in SCALARS:
+        return b - a == 1 or toks[a + 1].text in ("*", "&", "&&") or toks[a + 1].kind == "id"
+    return False
+
+
+def _functional_cast(toks, i, type_names):
+    """toks[i] names a type from `type_names` and starts a functional cast `T(x)` of one
+    argument (not a declarator `T (*f)(...)`, a function type `T(int)`, a member or a
+    qualified name): the index of the closing parenthesis, else None."""
+    n = len(toks)
+    if i + 2 >= n or toks[i + 1].text != "(" or toks[i + 2].text == ")":
+        return None
+    prev = toks[i - 1] if i else None
+    if prev is not None:
+        if prev.kind == "id" and prev.text not in ("return", "case", "else", "do"):
+            return None
+        if prev.text in (".", "->", "~", "::") and not (prev.text == "::" and i >= 2 and toks[i - 2].text == "metal"):
+            return None
+    try:
+        close = _match(toks, i + 1, "(", ")")
+    except StageError:
+        return None
+    if len(_split_top(toks, i + 2, close)) != 1 or _names_a_type(toks, i + 2, close, type_names):
+        return None
+    if toks[i + 2].text in ("*", "&", "^") and close == i + 4 and toks[i + 3].kind == "id" \
+            and close + 1 < n and toks[close + 1].text in ("(", "["):
+        return None  # T (*name)(...) declares a function pointer
+    return close
+
+
 def stage(text: str) -> Staged:
     toks = tokenize(text)
     ed = _Edits(text)
@@ -420,6 +524,7 @@ def stage(text: str) -> Staged:
     fcs: list = []
     needs_fibers = bool(COLLECTIVE_RE.search(text))
     n = len(toks)
+    type_names = _type_names(toks)
 
     # ---- pass 1: float literals, vector conversions ----
     for gi, gj in _attr_groups(toks, 0, n):
@@ -440,6 +545,8 @@ def stage(text: str) -> Staged:
                 is_float = "." in body or "e" in body
             if suf == "h":
                 ed.replace(t.start, t.end, f"((half){body}{'' if is_float else '.0'}f)")
+            elif suf == "bf":
+                ed.replace(t.start, t.end, f"((bfloat){_bfloat_literal(t.text)})")
             elif is_float and suf == "":
                 ed.replace(t.start, t.end, t.text + "f")
         elif t.kind == "id" and i + 1 < n:
@@ -449,6 +556,9 @@ def stage(text: str) -> Staged:
                 if prev == "::" and i >= 2 and toks[i - 2].text == "metal":
                     start = toks[i - 2].start
                 ed.replace(start, t.end, f"__msim_make<{t.text}>")
+            elif t.text in type_names and _functional_cast(toks, i, type_names) is not None:
+                start = toks[i - 2].start if prev == "::" else t.start
+                ed.replace(start, t.end, f"__msim_ccast<{t.text}>")
             elif t.text == "vec" and toks[i + 1].text == "<" and prev not in ("operator", "using", "struct"):
                 try:
                     k = _match_angle(toks, i + 1)
@@ -472,15 +582,17 @@ def stage(text: str) -> Staged:
                     # a template parameter or type alias that may be bfloat, half or a vector
                     ed.replace(t.start, toks[k].end, f"__msim_cast<{inner}>")
         elif t.kind == "p" and t.text == "(" and i + 2 < n and toks[i + 2].text == ")" \
-                and toks[i + 1].kind == "id" and toks[i + 1].text in VEC_NAMES:
-            # C-style cast (float4)x -> __msim_make<float4>(x), unless it is a call "f(float4)" etc.
+                and toks[i + 1].kind == "id" and (toks[i + 1].text in VEC_NAMES or toks[i + 1].text in type_names):
+            # C-style cast (float4)x -> __msim_make<float4>(x), (T)x -> __msim_ccast<T>(x),
+            # unless it is a call "f(float4)", "sizeof(T)" etc.
             prev = toks[i - 1] if i else None
             if prev is not None and (prev.kind == "id" and prev.text not in ("return", "case") or prev.text in (")", "]")):
                 continue
             if i + 3 >= n or not (toks[i + 3].kind in ("id", "num") or toks[i + 3].text in ("(", "-", "+", "!", "~", "*", "&")):
                 continue
             end = _unary_end(toks, i + 3)
-            ed.replace(t.start, toks[i + 2].end, f"__msim_make<{toks[i + 1].text}>(")
+            conv = "__msim_make" if toks[i + 1].text in VEC_NAMES else "__msim_ccast"
+            ed.replace(t.start, toks[i + 2].end, f"{conv}<{toks[i + 1].text}>(")
             ed.insert(toks[end - 1].end, ")")
 
     _merge_addrspace_methods(toks, ed, text)
@@ -603,8 +715,13 @@ def _merge_addrspace_methods(toks, ed, text):
     forwarding member with a C++23 explicit object parameter in that address space
     (`get(this const device S& self, args...)`) takes its place in overload resolution: a call
     resolves on the address space of the object as in MSL (a member with no qualifier is the
-    `thread` variant). Constructors, templates, declarations without a body and out-of-class
-    definitions keep one variant per signature (thread first) with the qualifier removed."""
+    `thread` variant). Member templates forward their explicit template arguments; a
+    declaration in the class and its definition outside it (`float S::get() const device {}`)
+    are renamed alike. Constructors take a tag per address space (_tag_constructors).
+    Destructors, member templates mixing type and non-type parameters,
+    returning a type in an address space or being operators other than `()` and `[]` (template
+    conversion operators: MLX's complex_t), and conversion operators defined outside the class
+    keep one variant per signature (thread first) with the qualifier removed."""
     n = len(toks)
     enclosing, stack = [0] * n, [-1]
     for k, t in enumerate(toks):
@@ -613,7 +730,7 @@ def _merge_addrspace_methods(toks, ed, text):
             stack.append(k)
         elif t.kind == "p" and t.text == "}" and len(stack) > 1:
             stack.pop()
-    groups, members = {}, {}
+    groups, members, outside = {}, {}, []
     for k, t in enumerate(toks):
         if t.kind != "p" or t.text != ")":
             continue
@@ -625,7 +742,7 @@ def _merge_addrspace_methods(toks, ed, text):
             j += 1
         if j >= n or toks[j].text not in ("{", ";", ":", "=", "->"):
             continue
-        if space is None and (toks[j].text not in ("{", "->") or enclosing[k] < 0):
+        if space is None and (toks[j].text not in ("{", "->", ";") or enclosing[k] < 0):
             continue
         try:
             po = next(m for m in range(k, -1, -1) if toks[m].text == "(" and _match(toks, m, "(", ")") == k)
@@ -643,6 +760,15 @@ def _merge_addrspace_methods(toks, ed, text):
             continue
         name = _member_name(toks, start, po) if po >= 1 else None
         cls = _class_name(toks, enclosing[k]) if enclosing[k] >= 0 else None
+        if name is not None and cls is None and space is not None:
+            qual = _qualifying_class(toks, name[1], start)
+            if qual is not None:
+                kind, ns = name
+                key = text[toks[ns].start:toks[po].start].strip() if kind != "id" else toks[ns].text
+                outside.append(dict(cls=qual, key=key, name_kind=kind, name_tok=ns, po=po, space=toks[space].text,
+                                    space_tok=space, start=start, end=end, close=k, quals=quals,
+                                    enclosing=enclosing[k]))
+                continue
         if name is None or cls is None:
             if space is not None:
                 groups.setdefault((enclosing[k], text[toks[start].start:toks[k].end], "const" in quals),
@@ -653,23 +779,48 @@ def _merge_addrspace_methods(toks, ed, text):
         v = dict(space=toks[space].text if space is not None else "thread", space_tok=space, start=start, end=end,
                  po=po, close=k, name_kind=kind, name_tok=ns, quals=[q for q in quals if q not in ADDRSPACES],
                  cls=cls, body=toks[j].text in ("{", "->"),
-                 template=any(toks[m].text == "template" for m in range(start, po)),
-                 ctor=kind == "id" and key in (cls, "~"))
+                 template=_template_pack(toks, start, po),
+                 ctor=kind == "id" and key in (cls, "~"), dtor=toks[ns - 1].text == "~",
+                 defaulted=toks[j].text == "=")
         members.setdefault((enclosing[k], key), []).append(v)
+    split = {}  # (class name, member key) -> stem of the renamed variants
+    tagged = set()  # classes whose constructors have variants for other address spaces
     for (_, key), vs in members.items():
+        if vs[0]["ctor"] and not any(v["dtor"] for v in vs) and \
+                any(v["space_tok"] is not None and v["space"] != "thread" for v in vs):
+            _tag_constructors(toks, ed, text, vs)
+            tagged.add(vs[0]["cls"])
+            continue
         if not any(v["space_tok"] is not None and v["space"] != "thread" for v in vs):
             vs = [v for v in vs if v["space_tok"] is not None]
             for v in vs:
                 ed.replace(toks[v["space_tok"]].start, toks[v["space_tok"]].end, " " * len(v["space"]))
             continue
-        if any(v["ctor"] or v["template"] or not v["body"] for v in vs):
+        if any(v["ctor"] or v["template"] == "mixed" or (v["template"] and (_return_spaces(toks, v) or not (
+                v["name_kind"] == "id" or key.replace(" ", "") in ("operator()", "operator[]")))) for v in vs):
             for v in vs:
                 if v["space_tok"] is not None:
                     sig = text[toks[v["start"]].start:toks[v["close"]].end]
                     groups.setdefault((enclosing[v["close"]], sig, "const" in v["quals"]), []).append(
                         (v["space"], v["start"], v["end"], v["space_tok"]))
             continue
-        _split_addrspace_variants(toks, ed, text, key, vs)
+        split[(vs[0]["cls"], key)] = _split_addrspace_variants(toks, ed, text, key, vs)
+    for o in outside:
+        if o["key"] == o["cls"] and o["cls"] in tagged:
+            _tag_constructors(toks, ed, text, [dict(o, defaulted=False)])
+            continue
+        stem = split.get((o["cls"], o["key"]))
+        if stem is None or o["name_kind"] == "conv":
+            groups.setdefault((o["enclosing"], text[toks[o["start"]].start:toks[o["close"]].end], "const" in o["quals"]),
+                              []).append((o["space"], o["start"], o["end"], o["space_tok"]))
+            continue
+        # the definition of a renamed variant: the same name, no qualifier, the return type generic
+        ed.replace(toks[o["name_tok"]].start, toks[o["po"] - 1].end, f"__msim_{o['space']}_{stem}")
+        ed.replace(toks[o["space_tok"]].start, toks[o["space_tok"]].end, " " * len(o["space"]))
+        for m in _return_spaces(toks, o):
+            ed.replace(toks[m].start, toks[m].end, " " * len(toks[m].text))
+    if tagged:
+        _construct_in_spaces(toks, ed, text)
     for variants in groups.values():
         variants.sort(key=lambda v: _AS_PREFERENCE[v[0]])
         for rank, (_, start, end, space) in enumerate(variants):
@@ -680,12 +831,120 @@ def _merge_addrspace_methods(toks, ed, text):
                 ed.replace_span(toks[start].start, toks[end].end, re.sub(r"[^\n]", " ", seg))
 
 
+def _tag_constructors(toks, ed, text, vs):
+    """Constructors overloaded on the address space of the object they construct (`S(float)
+    constant`): C++ has no explicit object parameter for a constructor, so a variant for device,
+    constant or threadgroup memory takes a leading tag argument instead (`S(__msim_in_constant,
+    float)`), which _construct_in_spaces passes where such an object is initialised; the thread
+    variant stays the plain constructor. A defaulted or deleted variant for another address
+    space is dropped (a tag cannot be defaulted)."""
+    for v in vs:
+        st = v["space_tok"]
+        if st is None:
+            continue
+        ed.replace(toks[st].start, toks[st].end, " " * len(v["space"]))
+        if v["space"] == "thread":
+            continue
+        if v.get("defaulted"):
+            seg = text[toks[v["start"]].start:toks[v["end"]].end]
+            ed.replace_span(toks[v["start"]].start, toks[v["end"]].end, re.sub(r"[^\n]", " ", seg))
+            continue
+        po = v["po"]
+        ed.insert(toks[po].end, f"__msim_in_{v['space']}" + ("" if v["close"] == po + 1 else ", "))
+
+
+def _construct_in_spaces(toks, ed, text):
+    """`constant T x = T(args);` and `constant T x(args);` (the object in constant memory)
+    construct with T's constant variant when it has one (__msim_construct_in in the shim)."""
+    n = len(toks)
+    for k, t in enumerate(toks):
+        if t.kind != "id" or t.text != "constant" or (k and toks[k - 1].text in ("(", ",", "<")):
+            continue
+        semi = next((m for m in range(k, n) if toks[m].text in (";", "{", "}")), None)
+        if semi is None or toks[semi].text != ";":
+            continue
+        a = k + 1
+        while a < semi and toks[a].text in ("static", "constexpr", "inline", "const"):
+            a += 1
+        eq = next((m for m in range(a, semi) if toks[m].text == "="), None)
+        if eq is not None:
+            name, init = eq - 1, eq + 1
+            typ = text[toks[a].start:toks[name - 1].end] if name > a else ""
+            m = init
+            got = []
+            while m < semi and toks[m].text != "(":
+                got.append(toks[m].text)
+                m += 1
+            if not typ or m >= semi or "".join(got) != re.sub(r"\s+", "", typ) \
+                    or _match(toks, m, "(", ")") != semi - 1 or _value_type(typ):
+                continue
+            ed.replace_span(toks[init].start, toks[m - 1].end, f"__msim_construct_in<__msim_in_constant, {typ}>")
+        else:
+            po = next((m for m in range(a, semi) if toks[m].text == "("), None)
+            if po is None or po - 1 <= a or toks[po - 1].kind != "id" or _match(toks, po, "(", ")") != semi - 1:
+                continue
+            typ = text[toks[a].start:toks[po - 2].end]
+            if _value_type(typ):
+                continue
+            ed.insert(toks[po - 1].end, f" = __msim_construct_in<__msim_in_constant, {typ}>")
+
+
+def _value_type(typ):
+    """A scalar or vector type (converted by value, never a class with constructors)."""
+    t = typ.strip().removeprefix("metal::")
+    return t in VEC_NAMES or t in SCALARS or t in _BUILTIN_TYPES or t.startswith("vec<")
+
+
+def _qualifying_class(toks, name_tok, start):
+    """The class name qualifying a member defined outside its class (`S::get`, `S<T>::get`,
+    `ns::S::operator[]`), or None."""
+    k = name_tok - 1
+    if k <= start or toks[k].text != "::":
+        return None
+    k -= 1
+    if toks[k].text == ">":
+        depth = 0
+        while k > start:
+            if toks[k].text == ">":
+                depth += 1
+            elif toks[k].text == "<":
+                depth -= 1
+                if depth == 0:
+                    break
+            k -= 1
+        k -= 1
+    return toks[k].text if k >= start and toks[k].kind == "id" else None
+
+
+def _template_pack(toks, start, po):
+    """For a member template (`template <...>` before the name): "class" when its parameters are
+    all types, "auto" when all are values, "mixed" otherwise; "" for a plain member."""
+    k = next((m for m in range(start, po) if toks[m].text == "template"), None)
+    if k is None or toks[k + 1].text != "<":
+        return ""
+    close = _match_angle(toks, k + 1)
+    kinds = {"class" if toks[a].text in ("typename", "class") else "auto" for a, b in _split_top(toks, k + 2, close)}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def _return_spaces(toks, v):
+    """Token indices of address-space qualifiers in the return type of member `v`."""
+    return [m for m in range(v["start"], v["name_tok"]) if toks[m].kind == "id" and toks[m].text in ADDRSPACES
+            and not (m > v["start"] and toks[m - 1].text == "::")]
+
+
+def _stem(key, name_kind):
+    return key if name_kind == "id" else "op_" + "".join(
+        c if c.isalnum() else f"{ord(c):x}" for c in key.replace("operator", "", 1).replace(" ", ""))
+
+
 def _split_addrspace_variants(toks, ed, text, key, vs):
     """Rename each variant of member `key` to `__msim_<space>_<stem>` and add one forwarding
-    member per (address space, cv, kind of call) with an explicit object parameter."""
-    stem = key if vs[0]["name_kind"] == "id" else "op_" + "".join(
-        c if c.isalnum() else f"{ord(c):x}" for c in key.replace("operator", "", 1).replace(" ", ""))
+    member per (address space, cv, kind of call) with an explicit object parameter; the stem."""
+    stem = _stem(key, vs[0]["name_kind"])
     made = set()
+    # a member template in an address space: that space's forwarder passes explicit template arguments on
+    templated = {(v["space"], " ".join(v["quals"])): v["template"] for v in vs if v["template"]}
     for v in vs:
         new = f"__msim_{v['space']}_{stem}"
         nt, po = v["name_tok"], v["po"]
@@ -702,7 +961,7 @@ def _split_addrspace_variants(toks, ed, text, key, vs):
             ed.replace(toks[v["space_tok"]].start, toks[v["space_tok"]].end, " " * len(v["space"]))
         # a return type in an address space: generic in the renamed variant, cast back by the forwarder
         ret = [m for m in range(v["start"], nt) if toks[m].kind == "id" and toks[m].text not in _SPECIFIERS]
-        ret_as = [m for m in ret if toks[m].text in ADDRSPACES]
+        ret_as = _return_spaces(toks, v)
         for m in ret_as:
             ed.replace(toks[m].start, toks[m].end, " " * len(toks[m].text))
         rtype = text[toks[ret[0]].start:toks[nt - 1].end] if ret_as else None
@@ -713,18 +972,26 @@ def _split_addrspace_variants(toks, ed, text, key, vs):
         lead = ("constexpr " if any(toks[m].text == "constexpr" for m in specs) else "") + \
             ("explicit " if any(toks[m].text == "explicit" for m in specs) else "")
         res = rtype or "decltype(auto)"
+        fwd_args = "static_cast<__msim_A&&>(__msim_a)..."
 
         def wrap(call, rtype=rtype):
             return f"__msim_as_result<{rtype}>({call})" if rtype else call
 
-        if v["name_kind"] == "conv":
+        pack = templated.get((v["space"], cv))
+        if pack:
+            sig = (v["space"], cv, "call")
+            fwd = (f"template <{pack}... __msim_T, class... __msim_A> {lead}__attribute__((always_inline)) "
+                   f"decltype(auto) {key}({self_t}, __msim_A&&... __msim_a) {{ "
+                   f"if constexpr (sizeof...(__msim_T) == 0) return __msim_self.{new}({fwd_args}); "
+                   f"else return __msim_self.template {new}<__msim_T...>({fwd_args}); }}")
+        elif v["name_kind"] == "conv":
             sig = (v["space"], cv, "conv", key)
             fwd = (f"{lead}__attribute__((always_inline)) {key}({self_t}) {{ return __msim_self.{new}(); }}")
         elif v["name_kind"] == "id" or key.replace(" ", "") in ("operator()", "operator[]"):
             sig = (v["space"], cv, "call")
             fwd = (f"template <class... __msim_A> {lead}__attribute__((always_inline)) {res} "
                    f"{key}({self_t}, __msim_A&&... __msim_a) "
-                   f"{{ return {wrap(f'__msim_self.{new}(static_cast<__msim_A&&>(__msim_a)...)')}; }}")
+                   f"{{ return {wrap(f'__msim_self.{new}({fwd_args})')}; }}")
         elif nparams == 0:
             sig = (v["space"], cv, "unary")
             fwd = (f"{lead}__attribute__((always_inline)) {res} {key}({self_t}) "
@@ -737,6 +1004,7 @@ def _split_addrspace_variants(toks, ed, text, key, vs):
         if sig not in made:
             made.add(sig)
             ed.insert(toks[v["end"]].end, " " + fwd)
+    return stem
 
 
 def _decay_array_params(toks, ed):

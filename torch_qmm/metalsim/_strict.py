@@ -4,11 +4,11 @@ Two mechanisms, each used where it can tell exactly:
 
 * clang diagnostics (compile flags below; the shim builds with -fno-rtti, so `typeid` and
   `dynamic_cast` are clang errors; -fno-exceptions does not reject `try`/`throw` in clang's
-  SYCL device mode, so those are keyword rules below): implicit
-  conversions to bfloat arrive as clang's -Wimplicit-float-conversion /
-  -Wimplicit-int-float-conversion warnings, and those whose destination is bfloat in user
-  code become errors (MSL: bfloat converts implicitly only to a type of greater rank).
-  Implicit float -> half stays legal, as in MSL.
+  SYCL device mode, so those are keyword rules below): implicit float -> bfloat
+  conversions arrive as clang's -Wimplicit-float-conversion warnings, and those whose
+  destination is bfloat in user code become errors (MSL: "neither float nor half can be
+  implicitly converted to bfloat"; half -> bfloat is a clang error already). Implicit
+  float -> half and int -> bfloat stay legal: the rule names float and half only.
 * a bfloat declared with a float constant as initialiser (`bfloat b = 0.5f;`) or a float
   constant returned from a function returning bfloat (`return 0.5f;`), on the same tokens:
   clang does not warn for constants bfloat represents exactly.
@@ -27,12 +27,14 @@ from pathlib import Path
 
 from . import _staging
 
-FLAGS = ["-Wimplicit-float-conversion", "-Wimplicit-int-float-conversion"]
+FLAGS = ["-Wimplicit-float-conversion"]
 INCLUDE = Path(__file__).resolve().parent / "include"
 
 # clang's text for the conversions that MSL forbids; the destination is the quoted type after "to"
 _BFLOAT_CONV = re.compile(r"implicit conversion (?:loses floating-point precision: |from )'([^']+)'"
                           r"(?: \(aka '[^']+'\))? to '(bfloat|__bf16|bfloat16_t)'")
+# an integer source converts implicitly (the specification's rule names float and half only)
+_FLOATING_SOURCE = re.compile(r"float|half|_Float16|bf16|double")
 _DIAG = re.compile(r"^(?P<loc>[^\s:][^:]*:\d+:\d+): (?P<kind>warning|error): (?P<msg>.*)$", re.M)
 
 KEYWORD_RULES = {
@@ -60,7 +62,7 @@ def run(cmd, what):
         if m.group("kind") != "warning" or str(INCLUDE) in m.group("loc"):
             continue
         c = _BFLOAT_CONV.search(m.group("msg"))
-        if c:
+        if c and _FLOATING_SOURCE.search(c.group(1)):
             bad.append(f"{m.group('loc')}: error: implicit conversion from '{c.group(1)}' to bfloat: "
                        f"Metal converts to bfloat only explicitly (write static_cast<bfloat>(...))")
     if bad:

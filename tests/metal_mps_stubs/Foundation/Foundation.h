@@ -33,6 +33,10 @@ __attribute__((objc_root_class))
 @property(readonly) const char* UTF8String;
 @end
 
+@interface NSURL : NSObject
++ (NSURL*)fileURLWithPath:(NSString*)path;
+@end
+
 @interface NSError : NSObject
 @property(readonly, copy) NSString* localizedDescription;
 @end

@@ -47,6 +47,7 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 - (id<MTLLibrary>)newLibraryWithSource:(NSString*)source
                                options:(MTLCompileOptions*)options
                                  error:(NSError**)error;
+- (id<MTLLibrary>)newLibraryWithURL:(NSURL*)url error:(NSError**)error;  // macOS 10.13+
 - (id<MTLComputePipelineState>)newComputePipelineStateWithFunction:(id<MTLFunction>)computeFunction
                                                              error:(NSError**)error;
 @end

@@ -92,6 +92,20 @@ template <class A> MSIM_INLINE threadgroup A &__msim_tg(int id, const char *name
   return *(threadgroup A *)msim_tg_var(id, sizeof(A), alignof(A), name);
 }
 
+// Constructors overloaded on the address space of the object (`S(float) constant`): staging
+// gives the device, constant and threadgroup variants a leading tag argument, and an object
+// declared in constant memory (`constant S x = S(1.0f);`) is initialised through
+// __msim_construct_in, which passes the tag when S has that variant (see _staging._tag_constructors)
+struct __msim_in_device { explicit constexpr __msim_in_device() = default; };
+struct __msim_in_constant { explicit constexpr __msim_in_constant() = default; };
+struct __msim_in_threadgroup { explicit constexpr __msim_in_threadgroup() = default; };
+template <class Tag, class T, class... A> MSIM_INLINE constexpr T __msim_construct_in(A &&...a) {
+  if constexpr (std::is_constructible_v<T, Tag, A &&...>)
+    return T(Tag{}, static_cast<A &&>(a)...);
+  else
+    return T(static_cast<A &&>(a)...);
+}
+
 // The result of a member function variant for an address space of `*this` whose return type
 // names an address space (`device T& operator[](int) device`): the variant's body sees a
 // generic `this` (see _staging._split_addrspace_variants), so its generic result is cast back

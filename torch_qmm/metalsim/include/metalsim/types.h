@@ -118,13 +118,16 @@ template <class V, class... A> MSIM_INLINE V __msim_make(A... a) {
   }
 }
 
-// static_cast<T>(x) where T is a name (a template parameter, an alias): Metal converts half
-// <-> bfloat explicitly and vectors by value, whatever spells the type
+// Casts whose type is a name (a template parameter, an alias) or the scalar `bfloat`/`half`:
+// Metal converts half <-> bfloat explicitly and vectors by value, whatever spells the type.
+// static_cast<T>(x) becomes __msim_cast<T>(x); the functional and C-style casts T(x) and (T)x
+// become __msim_ccast<T>(x), which otherwise keeps the C-style cast's meaning (it may also
+// reinterpret a pointer).
 template <class T> struct __msim_unqual { using type = std::remove_cv_t<T>; };
 template <class T> struct __msim_unqual<device T> : __msim_unqual<T> {};
 template <class T> struct __msim_unqual<constant T> : __msim_unqual<T> {};
 template <class T> struct __msim_unqual<threadgroup T> : __msim_unqual<T> {};
-template <class To, class F> MSIM_INLINE constexpr To __msim_cast_value(F f) {
+template <class To, bool CStyle, class F> MSIM_INLINE constexpr To __msim_cast_value(F f) {
   using T = typename __msim_unqual<To>::type;
   if constexpr (!std::is_reference_v<To> && __msim_vinfo<T>::is_vec &&
                 (__msim_vinfo<F>::is_vec || std::is_arithmetic_v<F> || std::is_same_v<F, half> ||
@@ -133,20 +136,33 @@ template <class To, class F> MSIM_INLINE constexpr To __msim_cast_value(F f) {
   else if constexpr ((std::is_same_v<T, bfloat> && std::is_same_v<F, half>) ||
                      (std::is_same_v<T, half> && std::is_same_v<F, bfloat>))
     return static_cast<To>(static_cast<float>(f));
+  else if constexpr (CStyle)
+    return (To)f;
   else
     return static_cast<To>(f);
 }
 // scalars, vectors (whose elements cannot bind to references), enums and pointers by value;
 // class objects forwarded as they are
+template <class From> inline constexpr bool __msim_is_class_arg =
+    std::is_class_v<typename __msim_unqual<std::remove_reference_t<From>>::type>;
 template <class To, class From>
-MSIM_INLINE constexpr std::enable_if_t<!std::is_class_v<typename __msim_unqual<std::remove_reference_t<From>>::type>, To>
-__msim_cast(From f) {
-  return __msim_cast_value<To, typename __msim_unqual<From>::type>(f);
+MSIM_INLINE constexpr std::enable_if_t<!__msim_is_class_arg<From>, To> __msim_cast(From f) {
+  return __msim_cast_value<To, false, typename __msim_unqual<From>::type>(f);
 }
 template <class To, class From>
-MSIM_INLINE constexpr std::enable_if_t<std::is_class_v<typename __msim_unqual<std::remove_reference_t<From>>::type>, To>
-__msim_cast(From &&f) {
+MSIM_INLINE constexpr std::enable_if_t<__msim_is_class_arg<From>, To> __msim_cast(From &&f) {
   return static_cast<To>(static_cast<From &&>(f));
+}
+// a reference type is cast on the object itself, as the C-style cast does
+template <class To, class From>
+MSIM_INLINE constexpr std::enable_if_t<!__msim_is_class_arg<From> && !std::is_reference_v<To>, To>
+__msim_ccast(From f) {
+  return __msim_cast_value<To, true, typename __msim_unqual<From>::type>(f);
+}
+template <class To, class From>
+MSIM_INLINE constexpr std::enable_if_t<__msim_is_class_arg<From> || std::is_reference_v<To>, To>
+__msim_ccast(From &&f) {
+  return (To)(static_cast<From &&>(f));
 }
 
 // ---- as_type: reinterpret the bits ----

@@ -1,0 +1,260 @@
+// Q4_K and Q6_K x float32/float16/bfloat16 at small M on AVX2 + FMA (the CPUs without
+// AVX512_BF16: gguf_chunked.cpp routes here), on the chunk driver of chunk_driver.h. A chunk is
+// one super-block of 256 weights; its code bytes are read 32 at a time as 8 dwords and cut into
+// fields by masks, as U4Multiplier does (chunk_avx2.h): a field masked in place is q * 2^s, exact
+// in float32, and meets x * 2^-s (prepared once per call, exact for |x| >= 2^-98: x_in_range), so
+// each FMA adds q * x rounded once. Every vector of decoded fields lies in at most two sub-blocks
+// (lanes 0-3 / 4-7, or all 8 in one), so a chain of such vectors is scaled once per chain; the
+// offsets (Q4_K's mins, Q6_K's -32) are hoisted out as FMAs against sub-block sums of x.
+#include "gguf_chunked.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+
+#include "../gguf_format.h"
+#include "chunk_driver.h"
+#include "qmm_kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace torch_qmm {
+namespace cpu {
+
+#if defined(__AVX2__) && defined(__FMA__)
+namespace {
+
+using namespace chunk;
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return float(c10::Half(h, c10::Half::from_bits()));
+}
+
+// Field j (0..7) of the 4-bit nibbles of a 32-byte load, in place: w & (15 << 4j) = q * 16^j
+// (j = 7: shifted down, to stay below 2^31 for the signed convert).
+__attribute__((always_inline)) inline __m256 nibble_field(__m256i w, int j) {
+  const __m256i q = j == 7 ? _mm256_srli_epi32(w, 28) : _mm256_and_si256(w, _mm256_set1_epi32(15 << (4 * j)));
+  return _mm256_cvtepi32_ps(q);
+}
+// Its factor on x: 16^-j (1 for j = 7).
+constexpr float nibble_factor(int j) { return j == 7 ? 1.0f : 1.0f / float(1 << (4 * j)); }
+
+// Lanes 0-3 = a, lanes 4-7 = b.
+__attribute__((always_inline)) inline __m256 pair(float a, float b) {
+  return _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a));
+}
+
+// Q4_K (144 bytes: d, dmin f16; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles):
+// w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. Nibble bytes 32J + b (run J = 0..3): low nibble
+// = weight 64J + b (sub-block 2J), high = 64J + 32 + b (sub-block 2J + 1), llama.cpp's order.
+// In a 32-byte run, byte b = 4l + i sits in dword lane l, so field j holds in lane l the weight
+// 64J + 32 (j % 2) + 4l + j / 2: even fields are all in sub-block 2J, odd ones in 2J + 1. Two
+// chains per (W row, x row) and run, each scaled by one broadcast; the mins are hoisted:
+// y -= sum_s dmin*m[s] * (sum of x over sub-block s).
+struct Q4K {
+  static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kXPerBlock = 256, kSide = 8;
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+
+  static constexpr int weight(int run, int j, int l) { return 64 * run + 32 * (j % 2) + 4 * l + j / 2; }
+  static void prepare(const float* x, float* xc, float* xs) {
+    for (int run = 0; run < 4; ++run)
+      for (int j = 0; j < 8; ++j)
+        for (int l = 0; l < 8; ++l) xc[(8 * run + j) * 8 + l] = x[weight(run, j, l)] * nibble_factor(j);
+    for (int s = 0; s < 8; ++s) {
+      float t = 0.0f;
+      for (int i = 0; i < 32; ++i) t += x[32 * s + i];
+      xs[s] = t;
+    }
+  }
+
+  // d*sc[0..7] into sd, dmin*m[0..7] as the returned vector (gguf::q4k_scale_min, 4 bytes at a time).
+  __attribute__((always_inline)) static inline __m256 scales(const uint8_t* blk, float* sd) {
+    uint32_t s0, s1, s2;
+    std::memcpy(&s0, blk + 4, 4);
+    std::memcpy(&s1, blk + 8, 4);
+    std::memcpy(&s2, blk + 12, 4);
+    const uint32_t sc_lo = s0 & 0x3F3F3F3Fu, m_lo = s1 & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
+    const uint32_t m_hi = ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(sc_hi), int(sc_lo))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(m_hi), int(m_lo))));
+    _mm256_store_ps(sd, _mm256_mul_ps(sc, _mm256_set1_ps(f16_at(blk))));
+    return _mm256_mul_ps(mn, _mm256_set1_ps(f16_at(blk + 2)));
+  }
+
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
+                                                          const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float sd[8];
+      const __m256 mins = scales(blk[r], sd);
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xs[m]), acc[r][m]);
+      for (int run = 0; run < 4; ++run) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQs + 32 * run));
+        __m256 ch[MB][2];
+        for (int m = 0; m < MB; ++m) ch[m][0] = ch[m][1] = _mm256_setzero_ps();
+        for (int j = 0; j < 8; ++j) {
+          const __m256 v = nibble_field(w, j);
+          for (int m = 0; m < MB; ++m)
+            ch[m][j % 2] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + (8 * run + j) * 8), ch[m][j % 2]);
+        }
+        const __m256 se = _mm256_set1_ps(sd[2 * run]), so = _mm256_set1_ps(sd[2 * run + 1]);
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(ch[m][1], so, _mm256_fmadd_ps(ch[m][0], se, acc[r][m]));
+      }
+    }
+  }
+};
+
+// Q6_K (210 bytes: ql[128] low nibbles, qh[64] high 2 bits, 16 int8 scales, d f16):
+// w = d*sc[s]*(q - 32), 16 sub-blocks of 16, q = low nibble + 16 * high field. Half h (128
+// weights): ql bytes 64h + 32t + b: low nibble (p = 0) = weight 128h + 32t + b, high nibble
+// (p = 1) = weight 128h + 64 + 32t + b; qh bytes 32h + b: field f (bits 2f, 2f+1) = high bits of
+// weight 128h + 32f + b (llama.cpp's dequantize_row_q6_K order). With b = 4l + u (dword lane l,
+// byte u), the weight of nibble p of byte u has its high field f = 2p + t in the same dword of
+// qh, byte u, at bit 8u + 4p + 2t; shifted left by 4 - 2t, it sits just above the nibble (bit
+// 8u + 4p). So one AND of ql, one AND of the shifted qh and an OR give the whole 6-bit q at
+// bit 8u + 4p (q * 2^(8u + 4p), exact; the top one, u = 3 and p = 1, is assembled shifted down),
+// which meets x * 2^-(8u + 4p). Every such vector has lanes 0-3 in sub-block 8h + 2k and lanes
+// 4-7 in 8h + 2k + 1, k = t + 2p: per half, 4 chains k of 4 vectors (u = 0..3), each scaled by one
+// pair of scales. The -32 is hoisted: y -= sum_s d*sc[s] * 32 * (sum of x over sub-block s).
+struct Q6K {
+  static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208;
+  static constexpr int64_t kXPerBlock = 256, kSide = 16;
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+
+  static constexpr int pos(int p, int u) { return 8 * u + 4 * p; }  // bit of q in its dword
+  static constexpr float factor(int p, int u) { return p == 1 && u == 3 ? 1.0f : 1.0f / float(1 << pos(p, u)); }
+  static void prepare(const float* x, float* xc, float* xs) {
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k) {
+        const int t = k % 2, p = k / 2;
+        for (int u = 0; u < 4; ++u)
+          for (int l = 0; l < 8; ++l)
+            xc[((h * 4 + k) * 4 + u) * 8 + l] = x[128 * h + 64 * p + 32 * t + 4 * l + u] * factor(p, u);
+      }
+    for (int s = 0; s < 16; ++s) {
+      float t = 0.0f;
+      for (int i = 0; i < 16; ++i) t += x[16 * s + i];
+      xs[s] = 32.0f * t;
+    }
+  }
+
+  // q of nibble p, byte u of ql (run t) with its high field from qh_t = qh << (4 - 2t), in place.
+  __attribute__((always_inline)) static inline __m256 field(__m256i ql, __m256i qh, __m256i qh_t, int t, int p,
+                                                            int u) {
+    if (p == 1 && u == 3)  // bits 28..31 of ql, high field at bit 28 + 2t of qh: both down to bit 0
+      return _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(ql, 28),
+                                                _mm256_and_si256(_mm256_srli_epi32(qh, 24 + 2 * t), _mm256_set1_epi32(0x30))));
+    const __m256i lo = _mm256_and_si256(ql, _mm256_set1_epi32(15 << pos(p, u)));
+    const __m256i hi = _mm256_and_si256(qh_t, _mm256_set1_epi32(0x30 << pos(p, u)));
+    return _mm256_cvtepi32_ps(_mm256_or_si256(lo, hi));
+  }
+
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
+                                                          const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(f16_at(blk[r] + kD));
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + kScales));
+      alignas(32) float sd[16];
+      const __m256 s_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)), d);
+      const __m256 s_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))), d);
+      _mm256_store_ps(sd, s_lo);
+      _mm256_store_ps(sd + 8, s_hi);
+      for (int m = 0; m < MB; ++m)
+        acc[r][m] = _mm256_fnmadd_ps(s_hi, _mm256_loadu_ps(xs[m] + 8), _mm256_fnmadd_ps(s_lo, _mm256_loadu_ps(xs[m]), acc[r][m]));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQh + 32 * h));
+        for (int t = 0; t < 2; ++t) {
+          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + 64 * h + 32 * t));
+          const __m256i qh_t = _mm256_slli_epi32(qh, 4 - 2 * t);
+          for (int p = 0; p < 2; ++p) {
+            const int k = t + 2 * p;
+            __m256 ch[MB];
+            for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
+            for (int u = 0; u < 4; ++u) {
+              const __m256 v = field(ql, qh, qh_t, t, p, u);
+              for (int m = 0; m < MB; ++m)
+                ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((h * 4 + k) * 4 + u) * 8), ch[m]);
+            }
+            const __m256 sp = pair(sd[8 * h + 2 * k], sd[8 * h + 2 * k + 1]);
+            for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(ch[m], sp, acc[r][m]);
+          }
+        }
+      }
+    }
+  }
+};
+
+// The GGUF kernel (chunk_driver.h) on AVX2: a chunk is one super-block; side data: Fmt::kSide
+// floats of sub-block sums of x per super-block. K is whole super-blocks: nothing for rest().
+template <typename Fmt>
+struct GgufAvx2Kernel {
+  using X = float;
+  using Acc = __m256;
+  static constexpr int64_t kXPerChunk = Fmt::kXPerBlock, kSidePerChunk = Fmt::kSide;
+  static constexpr int kMaxXBlock = 4;
+  static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
+
+  const GgufArgs& a;
+  int64_t chunks, row_bytes, rest_floats = 0;
+  explicit GgufAvx2Kernel(const GgufArgs& args) : a(args), chunks(a.K / 256), row_bytes(chunks * Fmt::kBlockBytes) {}
+
+  const uint8_t* row(int64_t n) const { return a.blocks + n * row_bytes; }
+  void prepare_row(const float* x, X* xc, float* xs, float*) const {
+    for (int64_t b = 0; b < chunks; ++b) Fmt::prepare(x + 256 * b, xc + b * kXPerChunk, xs + kSidePerChunk * b);
+  }
+  template <int R>
+  void start_tile(int64_t) const {}
+
+  template <int R, int MB>
+  __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t b,
+                                                   const X* const (&xc)[MB], const float* const (&xs)[MB],
+                                                   __m256 (&acc)[R][MB]) const {
+    const uint8_t* blk[R];
+    for (int r = 0; r < R; ++r) {
+      blk[r] = row[r] + b * Fmt::kBlockBytes;
+      for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)  // a few blocks ahead in the row
+        _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + 4 * Fmt::kBlockBytes + off, _MM_HINT_T0);
+    }
+    Fmt::template block<R, MB>(blk, xc, xs, acc);
+  }
+
+  static __m256 zero() { return _mm256_setzero_ps(); }
+  static float reduce(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+  }
+  float rest(int64_t, const float*) const { return 0.0f; }
+};
+
+}  // namespace
+
+const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type) {
+  if (avx2_chunks_avoided() || a.M < 1 || a.M > kGgufAvx2MaxRows) return nullptr;
+  if (ggml_type != Q4K::kType && ggml_type != Q6K::kType) return nullptr;
+  if (!x_in_range(a.x, a.M * a.K)) return nullptr;
+  return ggml_type == Q4K::kType ? "avx2-q4k" : "avx2-q6k";
+}
+
+void gguf_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
+  if (ggml_type == Q4K::kType) return chunk::run(GgufAvx2Kernel<Q4K>(a), a.x, a.M, a.N, a.K, y);
+  if (ggml_type == Q6K::kType) return chunk::run(GgufAvx2Kernel<Q6K>(a), a.x, a.M, a.N, a.K, y);
+  TORCH_CHECK(false, "gguf_qmm: no AVX2 chunk kernel for ggml type ", ggml_type, " (gguf_avx2_multiplier)");
+}
+
+#else  // no AVX2: the fused decode-and-dot of gguf_qmm.cpp serves these calls.
+
+const char* gguf_avx2_multiplier(const GgufArgs&, int64_t) { return nullptr; }
+void gguf_avx2(const GgufArgs&, int64_t, float*) { TORCH_CHECK(false, "gguf_qmm: the AVX2 chunk kernels need AVX2 and FMA"); }
+
+#endif
+
+}  // namespace cpu
+}  // namespace torch_qmm

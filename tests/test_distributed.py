@@ -1,0 +1,176 @@
+"""Tensor parallelism over gloo on CPU (torch_qmm.distributed): 2 and 4 processes, one spawn per
+world size running every check of tests/distributed_checks.py; the tests assert on what each rank
+reported. Reference: float64 (the tolerance rule) for single layers, the same model in one
+process for stacks.
+
+Tolerances. Single layers: torch_qmm.tolerance.sharded_error_bound against the float64 product:
+the rule of error_bound plus the roundings the split adds (rowwise: each rank's partial sum
+rounded once to the dtype and S - 1 additions in the all-reduce, 2S - 1 roundings; a bias one
+more). Stacks (two llama MLPs, a two-layer llama) compared with the one-process model: no
+per-element bound survives silu, softmax and RMSNorm, so they are held to 1e-4 of the largest
+output (float32: ACC_RTOL = 2e-5 per product, a few products deep), the last product of the MLP
+stack to the rule against float64 of its actual input, and the llama's greedy tokens must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("torch.distributed.tensor.parallel")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from distributed_checks import CHECKS, worker  # noqa: E402
+from torch_qmm.formats import FORMATS  # noqa: E402
+
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+WORLDS = (2, 4)
+# A hang (a rank stuck in a collective) fails the test instead of blocking CI.
+SPAWN_TIMEOUT_S = 600
+STACK_RTOL = 1e-4
+
+
+def _spawn(world: int, tmp: str) -> list[dict]:
+    ctx = mp.start_processes(worker, args=(world, os.path.join(tmp, "store"), tmp, list(CHECKS)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks did not finish within {SPAWN_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:  # only the processes started here
+            if p.is_alive():
+                p.terminate()
+    return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def ranks(request, tmp_path_factory):
+    world = request.param
+    return world, _spawn(world, str(tmp_path_factory.mktemp(f"tp{world}")))
+
+
+def _values(ranks, check):
+    world, results = ranks
+    for r, res in enumerate(results):
+        assert res[check]["ok"], f"rank {r} of {world}: {res[check]['error']}"
+    return world, [res[check]["value"] for res in results]
+
+
+def test_single_layers_every_mode_against_float64(ranks):
+    world, values = _values(ranks, "layers")
+    assert {k.split("/")[0] for k in values[0]} == set(FORMATS)
+    for v in values:
+        for case, c in v.items():
+            assert c["y_ratio"] <= 1, (case, c)
+            assert c["dx_ratio"] <= 1, (case, c)
+            assert c["local"] == c["expected_local"], case  # each rank holds its share of the packed words
+            mine, theirs = c["placement"]
+            assert mine == theirs, case  # the layout PyTorch's style gives nn.Linear
+            assert c["local_shape"][0] == c["local_shape"][1], case
+            split = case.endswith("colwise")
+            if case.split("/")[0] == "affine":
+                assert c["biases_local"] == c["local"]["scales"], case
+            else:
+                assert c["biases_local"] is None, case
+            assert c["bias_placement"] == ("S(0)" if split else "R"), case
+
+
+def test_mlp_stack_matches_one_process(ranks):
+    world, values = _values(ranks, "mlp")
+    for v in values:
+        for mode, c in v.items():
+            assert c["down_input_max_diff"] <= STACK_RTOL * c["down_input_scale"], (mode, c)
+            assert c["y_ratio_vs_reference"] <= 1, (mode, c)
+            assert c["y_max_diff"] <= STACK_RTOL * c["y_scale"], (mode, c)
+            assert c["dx_max_diff"] <= STACK_RTOL * c["dx_scale"], (mode, c)
+            assert c["local_bytes"] * world == c["full_bytes"], mode
+    assert values[0]["affine"]["y"] == values[-1]["affine"]["y"]  # replicated output
+
+
+def test_collectives_staged_through_cpu_give_the_same_numbers(ranks):
+    _, direct = _values(ranks, "mlp")
+    _, staged = _values(ranks, "mlp_staged")
+    for d, s in zip(direct, staged):
+        for mode in d:
+            assert s[mode]["y"] == d[mode]["y"], mode
+            assert s[mode]["dx"] == d[mode]["dx"], mode
+
+
+def test_sequence_parallel_norm_and_mlp(ranks):
+    _, values = _values(ranks, "sequence_parallel")
+    for v in values:
+        assert v["shape"][0] == v["shape"][1]
+        assert v["max_diff"] <= STACK_RTOL * v["scale"], v
+
+
+def test_splits_that_cut_groups_are_refused(ranks):
+    world, values = _values(ranks, "refusals")
+    v = values[0]
+    k = world * 32 + 32
+    assert v["rowwise"] is not None
+    for part in ("QuantRowwiseParallel", "'down_proj'", f"in_features={k}", "group_size=32", f"world_size={world}"):
+        assert part in v["rowwise"], (part, v["rowwise"])
+    assert v["embedding_colwise"] is not None and "'embed'" in v["embedding_colwise"]
+    assert v["tied"] is not None and "'head'" in v["tied"]
+
+
+def test_embedding_styles_as_pytorch_gives_nn_embedding(ranks):
+    world, values = _values(ranks, "embedding")
+    for v in values:
+        for case, c in v.items():
+            assert c["equal"] and c["equal_torch"], (case, c)
+            assert c["placements"][0] == c["placements"][1], case
+            rows, words = c["full"]
+            assert c["local"] == ([rows, words // world] if "/colwise/" in case else [rows // world, words]), case
+
+
+def test_tiny_llama_with_its_tp_plan(ranks):
+    world, values = _values(ranks, "llama")
+    for v in values:
+        assert v["quantized"] == 15  # 7 linear layers per block, 2 blocks, lm_head
+        assert v["logits_max_diff"] <= STACK_RTOL * v["logits_scale"], v
+        assert v["ids_logits_max_diff"] <= STACK_RTOL * v["logits_scale"], v
+        assert v["dx_max_diff"] <= STACK_RTOL * v["dx_scale"], v
+        assert v["argmax_equal"]
+        assert v["generate_equal"]
+        assert v["q_local"] == [v["q_full"][0] // world, v["q_full"][1]]
+        assert v["o_local"] == [v["o_full"][0], v["o_full"][1] // world]
+
+
+def test_mlx_checkpoint_loads_into_each_ranks_slices(ranks):
+    world, values = _values(ranks, "load_mlx")
+    for v in values:
+        assert v["max_diff"] <= STACK_RTOL * v["scale"], v
+        assert v["quantized"] == 16  # 15 linear layers and the embedding
+        assert v["meta_left"] == []
+        # each rank read its share of every sharded tensor and the replicated ones (norms) whole
+        sharded = v["bytes_total"] - v["replicated_bytes"]
+        assert v["bytes_read"] == sharded // world + v["replicated_bytes"], v
+        assert v["embed_local"] == [v["embed_full"][0] // world, v["embed_full"][1]]
+
+
+def test_gguf_layers_against_gguf_dequantize(ranks):
+    world, values = _values(ranks, "gguf")
+    for v in values:
+        for case, c in v.items():
+            assert c["ratio"] <= 1, (case, c)
+            rows, nbytes = c["full"]
+            assert c["local"] == ([rows // world, nbytes] if case.endswith("colwise") else [rows, nbytes // world]), case
+
+
+def test_transformers_save_loads_into_each_ranks_slices(ranks):
+    world, values = _values(ranks, "load_pretrained")
+    for v in values:
+        assert v["max_diff"] <= STACK_RTOL * v["scale"], v
+        assert v["quantized"] == v["single_quantized"] == 14  # lm_head stays float (transformers' default)
+        sharded = v["bytes_total"] - v["replicated_bytes"]
+        assert v["bytes_read"] == sharded // world + v["replicated_bytes"], v

@@ -1,0 +1,140 @@
+"""MLX MoE checkpoints (mlx_lm's SwitchGLU layout: <block>.switch_mlp.{gate,up,down}_proj
+.weight/.scales/.biases [E, ...]): a checkpoint mlx_lm itself quantized and saved loads into our
+modules and computes mlx_lm's logits; a model we quantized and saved loads in mlx_lm and computes
+ours. Nobody here wrote mlx_lm's models, its quantizer or its loader."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_helpers import FAMILIES, VOCAB, logits, tiny_moe
+from torch_qmm.convert import quantize_model
+from torch_qmm.interop import load_mlx, save_mlx
+from torch_qmm.interop.mlx import mlx_state_dict
+from torch_qmm.nn import QuantLinear
+from torch_qmm.nn_moe import QuantFusedExperts
+
+transformers = pytest.importorskip("transformers")
+mx = pytest.importorskip("mlx.core")
+import mlx_lm.utils as mlx_lm_utils  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear  # noqa: E402
+
+from test_interop_mlx_lm import assert_same_bits  # noqa: E402
+
+# float32 on both sides with the same quantized weights, summed in other orders through two
+# layers: relative to the largest logit 1e-4 (~800 float32 ulps; measured about 1e-6).
+RTOL_LOGITS = 1e-4
+IDS = [int(i) for i in np.random.default_rng(0).integers(0, VOCAB, 16)]
+GROUP = {"affine": 32}
+
+
+def mlx_logits(model) -> torch.Tensor:
+    return torch.from_numpy(np.array(model(mx.array(IDS)[None]).astype(mx.float32)))[0]
+
+
+def torch_logits(model) -> torch.Tensor:
+    return logits(model, torch.tensor([IDS]))[0]
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> float:
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < RTOL_LOGITS, f"max |mlx_lm - torch| / max |logit| = {err:.3g}"
+    return err
+
+
+def mlx_lm_quantized_folder(family: str, mode: str, tmp_path: Path) -> Path:
+    """A folder written by mlx_lm: the float transformers checkpoint read by mlx_lm's loader
+    (whose sanitize stacks the experts), quantized by mlx_lm's quantize_model with the family's
+    own predicate (Qwen3-MoE's router 8-bit affine), saved by its save_model / save_config."""
+    hf = tmp_path / "hf"
+    source = tiny_moe(family)
+    source.save_pretrained(hf)
+    # transformers 5 writes rope_theta inside rope_parameters and num_experts under its canonical
+    # name (num_local_experts); mlx_lm's model arguments read the older spellings
+    cfg = source.config
+    spellings = {"rope_theta": cfg.rope_parameters["rope_theta"],
+                 **{alias: getattr(cfg, alias) for alias in cfg.attribute_map}}
+    model, config = mlx_lm_utils.load_model(hf, model_config=spellings)
+    model, config = mlx_lm_utils.quantize_model(model, config, GROUP.get(mode), None, mode=mode)
+    out = tmp_path / "mlx"
+    mlx_lm_utils.save_model(out, model)
+    mlx_lm_utils.save_config(config, out / "config.json")
+    return out
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+def test_mlx_lm_moe_checkpoint_loads_into_our_modules(family, mode, tmp_path):
+    folder = mlx_lm_quantized_folder(family, mode, tmp_path)
+    theirs, _ = mlx_lm_utils.load_model(folder)
+    switch = [m for _, m in theirs.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert len(switch) == 3 * 2 and {m.mode for m in switch} == {mode}
+    ours = FAMILIES[family][1](transformers.AutoConfig.from_pretrained(folder)).eval()
+    report = load_mlx(ours, folder)
+    experts = [m for m in ours.modules() if isinstance(m, QuantFusedExperts)]
+    assert len(experts) == 2 and {m.gate_up_proj.mode for m in experts} == {mode}
+    assert len(report.dequantized) == 2  # the routers, quantized by mlx_lm, float in ours
+    err = assert_close(torch_logits(ours), mlx_logits(theirs))
+    print(f"{family} {mode}: mlx_lm -> ours {err:.2e}")
+    # and our split of the experts is bit for bit what mlx_lm holds
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    held = mlx_state_dict(ours, model_type)
+    params = dict(tree_flatten(theirs.parameters()))
+    switch_keys = [k for k in params if ".switch_mlp." in k or ".experts." in k]
+    assert switch_keys and all(k in held for k in switch_keys)
+    for k in switch_keys:
+        assert_same_bits(k, params[k], held[k])
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_our_moe_save_loads_in_mlx_lm(family, mode, tmp_path):
+    model = tiny_moe(family)
+    quantize_model(model, group_size=GROUP.get(mode), mode=mode)
+    save_mlx(model, tmp_path)
+    theirs, _ = mlx_lm_utils.load_model(tmp_path)
+    switch = [m for _, m in theirs.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert len(switch) == 3 * 2 and {m.mode for m in switch} == {mode}
+    err = assert_close(mlx_logits(theirs), torch_logits(model))
+    print(f"{family} {mode}: ours -> mlx_lm {err:.2e}")
+
+
+def test_float_moe_round_trips_through_mlx_files(tmp_path):
+    model = tiny_moe("qwen3_moe")
+    save_mlx(model, tmp_path)  # float experts as mlx_lm's float SwitchGLU
+    theirs, _ = mlx_lm_utils.load_model(tmp_path)
+    assert_close(mlx_logits(theirs), torch_logits(model))
+    again = FAMILIES["qwen3_moe"][1](transformers.AutoConfig.from_pretrained(tmp_path)).eval()
+    load_mlx(again, tmp_path)
+    assert torch.equal(torch_logits(again), torch_logits(model))
+
+
+def test_our_save_load_keeps_the_experts_bit_for_bit(tmp_path):
+    model = tiny_moe("gpt_oss")
+    quantize_model(model, group_size=32)
+    save_mlx(model, tmp_path)
+    again = FAMILIES["gpt_oss"][1](transformers.AutoConfig.from_pretrained(tmp_path)).eval()
+    load_mlx(again, tmp_path)
+    a, b = model.state_dict(), again.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(isinstance(m, QuantLinear) for m in again.modules())
+
+
+def test_gate_and_up_in_different_formats_are_refused(tmp_path):
+    model = tiny_moe("qwen3_moe")
+    quantize_model(model, group_size=32)
+    save_mlx(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization"]["model.layers.0.mlp.switch_mlp.up_proj"] = {"group_size": 64, "bits": 4}
+    config["quantization_config"] = config["quantization"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fresh = copy.deepcopy(tiny_moe("qwen3_moe"))
+    with pytest.raises(ValueError, match="gate_proj and up_proj in one format"):
+        load_mlx(fresh, tmp_path)

@@ -1,0 +1,153 @@
+"""Quantized MoE models of five transformers families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+gpt-oss): quantize_model and TorchQmmConfig quantize the fused experts, keep routers and gates
+float, and the model computes what the same float model computes with its quantized weights
+replaced by MLX's round trip of them (mx.quantize / mx.dequantize: no torch_qmm code)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from moe_helpers import FAMILIES, HIDDEN, INTER, EXPERTS, VOCAB, logits, rtn_reference, tiny_moe
+from torch_qmm.convert import quantize_model
+from torch_qmm.formats import FORMATS
+from torch_qmm.nn import QuantLinear
+from torch_qmm.nn_moe import QuantFusedExperts, QuantSwitchLinear
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("mlx.core")
+
+MODES = list(FORMATS)
+GROUP = {"affine": 32}  # the fp modes: their only group size
+# Relative to the largest logit. float32: both sides multiply the same float32 weights in float32,
+# in different orders, through two layers: measured 1e-6 to 2e-6, bound 1e-4 (~800 ulps); the
+# quantization itself moves the logits by 0.1 to 0.7, which the test checks it can see.
+# bfloat16 (one experts block): both sides round the projections' outputs to bfloat16, transformers
+# also the products with the routing weights and their sum, at other points than ours: a few
+# bfloat16 ulps (2**-8 relative) of the largest output, bound 2e-2.
+RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def ids_for(seed: int = 0, n: int = 12) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def quantized(family: str, mode: str = "affine", dtype=torch.float32, **kw):
+    model = tiny_moe(family, dtype=dtype)
+    q = copy.deepcopy(model)
+    quantize_model(q, group_size=GROUP.get(mode), mode=mode, **kw)
+    return model, q
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_quantized_moe_matches_mlx_round_trip(family, mode):
+    model, q = quantized(family, mode)
+    ref = rtn_reference(model, q, transposed_experts=family == "gpt_oss")
+    ids = ids_for()
+    want = logits(ref, ids)
+    err = rel_err(logits(q, ids), want)
+    assert err < RTOL[torch.float32], f"{family} {mode}: max |ours - mlx rtn| / max |logit| = {err:.3g}"
+    assert rel_err(logits(model, ids), want) > 100 * RTOL[torch.float32]  # the quantization is visible
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_quantized_experts_bfloat16(family):
+    # One experts module with given routing: in bfloat16 a whole model's routing may flip on a
+    # rounding (transformers' own bfloat16 model and its float32 one differ by up to 0.2 of the
+    # largest logit on these seeds), so the block is compared with the routing held fixed.
+    model, q = quantized(family, "affine", dtype=torch.bfloat16)
+    ref = rtn_reference(model, q, transposed_experts=family == "gpt_oss")
+    g = torch.Generator().manual_seed(5)
+    tokens = 24
+    hidden = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    index = torch.rand(tokens, EXPERTS, generator=g).argsort(-1)[:, :2]
+    weights = torch.rand(tokens, 2, generator=g).softmax(-1).to(torch.bfloat16)
+    with torch.no_grad():
+        want = ref.model.layers[0].mlp.experts(hidden, index, weights).float()
+        got = q.model.layers[0].mlp.experts(hidden, index, weights)
+    assert got.dtype == torch.bfloat16
+    err = rel_err(got.float(), want)
+    assert err < RTOL[torch.bfloat16], f"{family} bfloat16: {err:.3g}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_experts_are_quantized_and_gates_stay_float(family):
+    model, q = quantized(family, "mxfp4")
+    experts = {n: m for n, m in q.named_modules() if isinstance(m, QuantFusedExperts)}
+    assert sorted(experts) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    for m in experts.values():
+        assert not list(m.parameters(recurse=False)) and not any(p.dim() == 3 for p in m.parameters())
+        for layer, (out, k) in ((m.gate_up_proj, (2 * INTER, HIDDEN)), (m.down_proj, (HIDDEN, INTER))):
+            assert isinstance(layer, QuantSwitchLinear) and layer.mode == "mxfp4"
+            assert layer.qweight.dtype == torch.uint32 and layer.qweight.shape == (EXPERTS, out, k * 4 // 32)
+            assert layer.scales.dtype == torch.uint8 and layer.scales.shape == (EXPERTS, out, k // 32)
+    # routers: float weights of their own module type; Qwen2-MoE's shared_expert_gate a float nn.Linear
+    routers = [m for n, m in q.named_modules() if n.endswith(("mlp.gate", "mlp.router"))]
+    assert len(routers) == 2 and all(r.weight.dtype == torch.float32 and r.weight.dim() == 2 for r in routers)
+    gates = [m for n, m in q.named_modules() if n.endswith("shared_expert_gate")]
+    assert all(type(g) is nn.Linear for g in gates) and len(gates) == (2 if family == "qwen2_moe" else 0)
+    assert all(isinstance(m, QuantLinear) for n, m in q.named_modules() if n.endswith("q_proj"))
+
+
+def test_gates_quantized_when_asked():
+    _, q = quantized("qwen2_moe", "affine", quantize_gates=True)
+    assert all(isinstance(m, QuantLinear) for n, m in q.named_modules() if n.endswith("shared_expert_gate"))
+
+
+def test_experts_left_float_when_asked():
+    _, q = quantized("qwen3_moe", "affine", experts=False)
+    assert not any(isinstance(m, QuantFusedExperts) for m in q.modules())
+    assert q.model.layers[0].mlp.experts.gate_up_proj.dim() == 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_generate_runs_and_follows_the_reference(family):
+    model, q = quantized(family, "affine")
+    ref = rtn_reference(model, q, transposed_experts=family == "gpt_oss")
+    ids = ids_for(2, 6)
+    got = q.generate(ids, max_new_tokens=6, do_sample=False)
+    assert got.shape == (1, 12)
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_many_tokens_take_the_sorted_path_and_agree():
+    # 40 tokens x 2 experts = 80 (token, expert) pairs: sorted by expert before the matmuls
+    model, q = quantized("mixtral", "affine")
+    ref = rtn_reference(model, q, transposed_experts=False)
+    ids = ids_for(3, 40)
+    assert rel_err(logits(q, ids), logits(ref, ids)) < RTOL[torch.float32]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_torch_qmm_config_quantizes_experts_and_round_trips(family, tmp_path):
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    model_cls = FAMILIES[family][1]
+    model = tiny_moe(family)
+    model.save_pretrained(tmp_path / "float")
+    q = model_cls.from_pretrained(tmp_path / "float", quantization_config=TorchQmmConfig(bits=4, group_size=32),
+                                  dtype=torch.float32)
+    assert sum(isinstance(m, QuantFusedExperts) for m in q.modules()) == 2
+    ids = ids_for(4)
+    ref = rtn_reference(model, q, transposed_experts=family == "gpt_oss")
+    want = logits(q, ids)
+    assert rel_err(want, logits(ref, ids)) < RTOL[torch.float32]
+    q.save_pretrained(tmp_path / "quantized")
+    again = model_cls.from_pretrained(tmp_path / "quantized", dtype=torch.float32)
+    assert sum(isinstance(m, QuantFusedExperts) for m in again.modules()) == 2
+    assert torch.equal(logits(again, ids), want)
+
+
+def test_state_dict_of_other_format_is_refused():
+    _, q = quantized("olmoe", "affine")
+    _, other = quantized("olmoe", "mxfp4")
+    with pytest.raises((ValueError, RuntimeError), match="mode=affine|bits=4, group_size=32"):
+        other.load_state_dict(q.state_dict())

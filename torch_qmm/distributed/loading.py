@@ -1,0 +1,212 @@
+"""A checkpoint (an MLX folder, or transformers' save of a torch_qmm model) loaded straight into each rank's slices: the model is built with its
+parameters on the meta device, its quantized layers are swapped in and partitioned by the plan,
+and every rank then reads from the safetensors files only the slice its DTensors hold
+(`safe_open(...).get_slice`); no rank ever holds a whole sharded tensor.
+
+    with empty_parameters():
+        model = LlamaForCausalLM(config)            # parameters on meta, buffers real
+    report = load_mlx_sharded(model, "mlx-model", mesh, tp_plan(model))
+    # or load_pretrained_sharded(model, folder, ...) for transformers' save of a torch_qmm model
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..format_state import FORMAT_STATE_KEY
+from ..interop.json_files import read_json_object
+from ..interop.mlx import _SAFETENSORS_DTYPES, QuantSpec, _check_dtype, _check_quantized_shapes, parse_quantization
+from ..interop.modules import QuantEmbedding
+from ..interop.safetensors_io import Checkpoint
+from ..nn import QuantLinear
+from .styles import parallelize
+
+
+@contextlib.contextmanager
+def empty_parameters():
+    """Modules built inside get their parameters on the meta device (their buffers stay real: a
+    non-persistent buffer such as a rotary embedding's frequencies is computed at construction and
+    is in no checkpoint). A parameter is allocated uninitialised first and moved at once (as
+    accelerate's init_empty_weights(include_buffers=False)); its initialisation then runs on meta."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+@dataclasses.dataclass
+class ShardedLoadReport:
+    """What one rank loaded: quantized layers (name -> format) and the bytes it read from the files."""
+
+    quantized: dict[str, str]
+    bytes_read: int
+    bytes_total: int  # of the tensors loaded, whole
+
+    def __str__(self) -> str:
+        return (f"{len(self.quantized)} quantized layers, {self.bytes_read / 2**20:.1f} MiB read of "
+                f"{self.bytes_total / 2**20:.1f} MiB")
+
+
+def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dtype: torch.dtype) -> dict[str, str]:
+    """Swaps the layers the checkpoint stores quantized for QuantLinear / QuantEmbedding on meta."""
+    config = read_json_object(config_path) if config_path.is_file() else {}
+    default, overrides = parse_quantization(config, str(config_path))
+    quantized = {}
+    for key in ckpt.keys():
+        if not key.endswith(".scales"):
+            continue
+        path = key[: -len(".scales")]
+        spec = overrides.get(path, default)
+        if not isinstance(spec, QuantSpec):
+            raise ValueError(f"{ckpt.path}: the checkpoint stores quantized layer {path!r} but {config_path} gives it "
+                             f"no format ({spec!r})")
+        module = model.get_submodule(path)
+        if isinstance(module, nn.Linear):
+            _check_quantized_shapes(ckpt, path, spec, module.out_features, module.in_features)
+            new = QuantLinear(module.in_features, module.out_features, bias=f"{path}.bias" in ckpt, bits=spec.bits,
+                              group_size=spec.group_size, device="meta", dtype=dtype, mode=spec.mode)
+        elif isinstance(module, nn.Embedding):
+            _check_quantized_shapes(ckpt, path, spec, module.num_embeddings, module.embedding_dim)
+            new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size,
+                                 device="meta", dtype=dtype, mode=spec.mode)
+        else:
+            raise ValueError(f"{ckpt.path}: quantized layer {path!r} is a {type(module).__name__}, expected nn.Linear "
+                             "or nn.Embedding")
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        quantized[path] = str(spec)
+    return quantized
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Uninitialised storage on `device` for every meta parameter and buffer (a DTensor's local slice)."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or t.device.type != "meta":
+                    continue
+                if isinstance(t, DTensor):
+                    local = torch.empty(t._local_tensor.shape, dtype=t.dtype, device=device)
+                    new = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                             stride=t.stride())
+                else:
+                    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                table[name] = nn.Parameter(new, requires_grad=t.requires_grad) if table is module._parameters else new
+
+
+def _slices(t: torch.Tensor) -> tuple[slice, ...]:
+    """The global index range of this rank's part of `t` (all of it for a plain tensor)."""
+    if not isinstance(t, DTensor):
+        return tuple(slice(0, n) for n in t.shape)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(o, o + n) for n, o in zip(shape, offset))
+
+
+def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, device, quantized: dict[str, str],
+                 renamed: dict[str, str]) -> ShardedLoadReport:
+    """Partitions `model` by `plan`, allocates each rank's slices and reads them. renamed: model
+    key -> checkpoint key where they differ."""
+    parallelize(model, mesh, plan)
+    _materialize(model, torch.device(device))
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items() if k.rpartition(".")[2] != FORMAT_STATE_KEY}
+    keys = {k: renamed.get(k, k) for k in state}  # model key -> checkpoint key
+    missing = sorted(k for k, key in keys.items() if key not in ckpt)
+    unexpected = sorted(k for k in set(ckpt.keys()) - set(keys.values()) if k.rpartition(".")[2] != FORMAT_STATE_KEY)
+    if missing or unexpected:
+        raise ValueError(f"{ckpt.path}: checkpoint does not match the model: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
+    report = ShardedLoadReport(quantized=quantized, bytes_read=0, bytes_total=0)
+    by_file: dict[Path, list[str]] = {}
+    for k, key in keys.items():
+        by_file.setdefault(ckpt.where[key], []).append(k)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for k in names:
+                    key, dst = keys[k], state[k]
+                    if tuple(ckpt.shape(key)) != tuple(dst.shape):
+                        raise ValueError(f"{ckpt.path}: tensor {key!r} has shape {list(ckpt.shape(key))}, the model "
+                                         f"expects {list(dst.shape)}")
+                    _check_dtype(ckpt, key, dst)
+                    part = f.get_slice(key)[_slices(dst)]
+                    local = dst._local_tensor if isinstance(dst, DTensor) else dst
+                    local.copy_(part)
+                    report.bytes_read += part.numel() * part.element_size()
+                    report.bytes_total += ckpt.nbytes(key)
+    return report
+
+
+def _checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
+    floats = Counter(_SAFETENSORS_DTYPES[ckpt.dtype_name(k)] for k in ckpt.keys()
+                     if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES)
+    return floats.most_common(1)[0][0] if floats else torch.float32
+
+
+def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh, plan,
+                     dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> ShardedLoadReport:
+    """Loads an MLX model folder into `model` (parameters on meta, see empty_parameters),
+    partitioned by `plan` (parallelize_module's plan, e.g. tp_plan(model)) over `mesh`; each rank
+    reads only its slices. Every model tensor must be in the checkpoint and every checkpoint tensor
+    used (the format of a quantized layer comes from config.json). dtype: the compute dtype
+    (default: the checkpoint's most common float dtype); device: where the slices go.
+    """
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    ckpt = Checkpoint(path)
+    dtype = dtype or _checkpoint_dtype(ckpt)
+    model.to(dtype)
+    quantized = _quantized_layers(model, ckpt, folder / "config.json", dtype)
+    renamed = {f"{p}.qweight": f"{p}.weight" for p in quantized}
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, renamed)
+
+
+def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: DeviceMesh, plan,
+                            dtype: torch.dtype | None = None,
+                            device: str | torch.device = "cpu") -> ShardedLoadReport:
+    """As load_mlx_sharded, for a folder saved by transformers' save_pretrained with torch_qmm's
+    quantization_config (quant_method "torch_qmm"): the layers it stores as QuantLinear
+    (`<layer>.qweight`) become QuantLinear in the saved format, checked against each layer's saved
+    format state (`_extra_state`)."""
+    folder = Path(folder)
+    config = read_json_object(folder / "config.json")
+    q = config.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "torch_qmm":
+        raise ValueError(f"{folder / 'config.json'}: 'quantization_config' must have quant_method 'torch_qmm', "
+                         f"got {q!r}")
+    ckpt = Checkpoint(folder)
+    dtype = dtype or _checkpoint_dtype(ckpt)
+    model.to(dtype)
+    bits = q.get("bits")
+    quantized = {}
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or f"{name}.qweight" not in ckpt:
+            continue
+        layer_bits = bits if isinstance(bits, int) else (bits or {}).get(name, (bits or {}).get("*"))
+        new = QuantLinear(module.in_features, module.out_features, bias=f"{name}.bias" in ckpt, bits=layer_bits,
+                          group_size=q.get("group_size"), device="meta", dtype=dtype, mode=q.get("mode", "affine"))
+        state_key = f"{name}.{FORMAT_STATE_KEY}"
+        if state_key in ckpt:
+            new._check_format_state(ckpt.get(state_key), f"{ckpt.path}: {state_key!r}")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        quantized[name] = f"{new.mode} b{new.bits} gs{new.group_size}"
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, {})

@@ -1,0 +1,122 @@
+"""transformers' mxfp4 checkpoints (gpt-oss; config.json "quantization_config": {"quant_method":
+"mxfp4"}): the experts are stored as ``<experts>.<proj>_blocks`` uint8 [E, out, in/32, 16] and
+``<experts>.<proj>_scales`` uint8 [E, out, in/32] (proj: gate_up_proj, down_proj; the biases and
+every other tensor float). They load as QuantFusedExperts of mode "mxfp4" without dequantizing.
+
+The two layouts hold the same bits. A block is one group of 32 E2M1 codes, code 2j in the low
+nibble of byte j and code 2j+1 in its high nibble (transformers.integrations.mxfp4 reads
+``blk & 0x0F`` into the even columns and ``blk >> 4`` into the odd ones); MLX packs 4-bit codes as
+one little-endian bit stream per row, code j at bits [4j, 4j + 4), so the 16 bytes of a block are
+the group's four uint32 words as they lie in memory. The scales are E8M0 exponents in both
+(2 ** (s - 127)); the rows are [out, in] in both (transformers transposes after dequantizing).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..format_state import FORMAT_STATE_KEY
+from .experts import empty_quant_experts, fused_experts, layout_of
+from .json_files import read_json_object
+from .mlx import _SAFETENSORS_DTYPES, LoadReport
+from .safetensors_io import Checkpoint
+
+BLOCK_BYTES = 16  # one group of 32 4-bit codes
+GROUP_SIZE = 32
+
+
+def blocks_to_words(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., groups, 16] -> uint32 [..., groups * 4]: the same bytes (MLX's mxfp4 words)."""
+    if blocks.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != BLOCK_BYTES:
+        raise ValueError(f"mxfp4 blocks must be uint8 [..., groups, {BLOCK_BYTES}], got {blocks.dtype} "
+                         f"{list(blocks.shape)}")
+    return blocks.contiguous().view(torch.uint32).flatten(-2)
+
+
+def words_to_blocks(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of blocks_to_words."""
+    return words.contiguous().view(torch.uint8).unflatten(-1, (-1, BLOCK_BYTES))
+
+
+def load_mxfp4_checkpoint(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                          strict: bool = True) -> LoadReport:
+    """Loads a transformers mxfp4 checkpoint (folder or .safetensors file) into `model` (its float
+    architecture, e.g. GptOssForCausalLM(config)): the fused experts become QuantFusedExperts
+    holding the stored blocks and scales bit for bit, every other tensor is loaded by name (cast to
+    `dtype`, default the stored float tensors' dtype)."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    config_path = folder / "config.json"
+    if config_path.is_file():
+        method = (read_json_object(config_path).get("quantization_config") or {}).get("quant_method")
+        if method not in (None, "mxfp4"):
+            raise ValueError(f"{config_path}: quantization_config.quant_method is {method!r}, expected 'mxfp4'")
+    ckpt = Checkpoint(path)
+    keys = ckpt.keys()
+    if dtype is None:
+        floats = [ckpt.dtype_name(k) for k in keys if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES]
+        dtype = _SAFETENSORS_DTYPES[max(set(floats), key=floats.count)] if floats else torch.float32
+    model.to(dtype)
+    report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
+    used: set[str] = set()
+    for name, experts in fused_experts(model):
+        layout = layout_of(experts)
+        stored = {proj: (f"{name}.{proj}_blocks", f"{name}.{proj}_scales") for proj in (layout.gate_up, layout.down)}
+        if not any(b in ckpt for b, _ in stored.values()):
+            continue
+        new = empty_quant_experts(experts, 4, GROUP_SIZE, "mxfp4", dtype)
+        for proj, layer in ((layout.gate_up, new.gate_up_proj), (layout.down, new.down_proj)):
+            blocks_key, scales_key = stored[proj]
+            for k in stored[proj]:
+                if k not in ckpt:
+                    raise ValueError(f"{ckpt.path}: the experts {name} store {proj} as mxfp4 but {k} is missing")
+            want_blocks = (*layer.scales.shape, BLOCK_BYTES)
+            if ckpt.shape(blocks_key) != want_blocks or ckpt.shape(scales_key) != tuple(layer.scales.shape):
+                raise ValueError(
+                    f"{ckpt.path}: {blocks_key} {list(ckpt.shape(blocks_key))} and {scales_key} "
+                    f"{list(ckpt.shape(scales_key))} must be {list(want_blocks)} and {list(layer.scales.shape)} "
+                    f"for the experts {name} ([E, out, in] = {[layer.num_experts, layer.out_features, layer.in_features]})"
+                )
+            for k in stored[proj]:
+                if ckpt.dtype_name(k) != "U8":
+                    raise ValueError(f"{ckpt.path}: {k} must be U8, got {ckpt.dtype_name(k)}")
+            with torch.no_grad():
+                layer.qweight.copy_(blocks_to_words(ckpt.get(blocks_key)))
+                layer.scales.copy_(ckpt.get(scales_key))
+                bias_key = f"{name}.{proj}_bias"
+                if layer.bias is not None:
+                    if bias_key not in ckpt:
+                        raise ValueError(f"{ckpt.path}: the experts {name} have a {proj} bias; {bias_key} is missing")
+                    layer.bias.copy_(ckpt.get(bias_key))
+                    used.add(bias_key)
+            used.update(stored[proj])
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        report.quantized[name] = "mxfp4 b4 gs32"
+    report.bytes_read += sum(ckpt.nbytes(k) for k in used)
+    state = model.state_dict()
+    rest = [k for k in keys if k not in used]
+    if strict:
+        loaded_modules = tuple(f"{n}." for n in report.quantized)
+        missing = sorted(k for k in state if k not in rest and not k.startswith(loaded_modules)
+                         and k.rpartition(".")[2] != FORMAT_STATE_KEY)
+        unexpected = sorted(k for k in rest if k not in state)
+        if missing or unexpected:
+            raise ValueError(f"{ckpt.path}: checkpoint does not match the model: missing {missing[:8]}, "
+                             f"unexpected {unexpected[:8]}")
+    with torch.no_grad():
+        for k in rest:
+            if k not in state:
+                continue
+            t = ckpt.get(k)
+            if tuple(t.shape) != tuple(state[k].shape):
+                raise ValueError(f"{ckpt.path}: tensor {k!r} has shape {list(t.shape)}, the model expects "
+                                 f"{list(state[k].shape)}")
+            state[k].copy_(t)
+            report.float_tensors += 1
+            report.bytes_read += t.numel() * t.element_size()
+    return report
