@@ -20,13 +20,14 @@ decode tokens of k experts unsorted, prefill rows sorted by expert, experts repe
 order on each shape until the planner (_plan_gather) sends one to the route; the reference is one
 float64 product x[lhs[p]] @ W[rhs[p]] per pair. Weights are made by the float64 oracles
 (torch_qmm/reference.py, reference_fp.py for the fp modes), GGUF blocks decoded by the gguf
-package; qmm results must meet torch_qmm/tolerance.py's rule, quantize must equal the reference
-bit for bit (fp dequantize too).
+package; qmm and gather_qmm results must meet torch_qmm/tolerance.py's rule, quantize must equal
+the reference bit for bit (fp dequantize too).
 
 Prints one row per case, writes a JSON report (--json: `cases` with route, kernel, shapes, ok,
-error, max error and bound, gather's E, pattern and indices; `environment`), exits 1 if any case failed, 2 if the device is
-missing. The kernel recorded is the one that ran: metalsim's launch, the CPU route on cpu; on mps
-the planner's kernel (what the MPS executor launches for that plan).
+error, max error and bound, gather_qmm's E, pattern and indices; `environment`), exits 1 if any
+case failed, 2 if the device is missing. The kernel recorded is the one that ran: metalsim's
+launch, the CPU route on cpu; on mps the planner's kernel (what the MPS executor launches for
+that plan).
 """
 
 from __future__ import annotations
@@ -122,15 +123,16 @@ def _gather_plan_route(pattern: str, N: int, K: int, bits: int, gs: int, dtype, 
     return launch["route"], launch["kernel"]
 
 
-def _gather_probes(gs: int, plan_fields: Callable) -> list:
-    """_reach's probes for gather_qmm: every pattern on each of qmm's shapes (its M fixed)."""
+def _gather_probes(fields: dict) -> list:
+    """_reach's probes for a gather_qmm cell (fields: op, dtype, bits, group_size, mode): each
+    pattern, in order, on each of qmm's shapes, M the pattern's."""
+    b, gs, d, mode = fields["bits"], fields["group_size"], DTYPES[fields["dtype"]], fields["mode"]
     probes = []
     for v, transpose, N, K, _ in _affine_probes("qmm", gs):
         for name, (M, x_batch, E, rhs, lhs, is_sorted) in GATHER_PATTERNS.items():
-            plan, fields = plan_fields(transpose)
-            probes.append((v, N, K, (M,), lambda M, N, K, p=name, plan=plan: plan(p, N, K),
-                           fields | dict(pattern=name, E=E, x_batch=x_batch, rhs=rhs, lhs=lhs,
-                                         sorted_indices=is_sorted)))
+            plan = lambda M, N, K, p=name, t=transpose: _gather_plan_route(p, N, K, b, gs, d, t, mode)
+            probes.append((v, N, K, (M,), plan, fields | dict(transpose=transpose, pattern=name, E=E, x_batch=x_batch,
+                                                              rhs=rhs, lhs=lhs, sorted_indices=is_sorted)))
     return probes
 
 
@@ -202,9 +204,7 @@ def cases(bits=BITS, group_sizes=GROUP_SIZES, dtypes=tuple(DTYPES), routes: Opti
             for b, gs in _mode_cells(mode, bits, group_sizes):
                 for dname in dtypes:
                     if op == "gather_qmm":
-                        out += _reach(route, _gather_probes(gs, lambda t, d=DTYPES[dname], b=b, gs=gs, mode=mode: (
-                            lambda p, N, K: _gather_plan_route(p, N, K, b, gs, d, t, mode),
-                            dict(op=op, dtype=dname, bits=b, group_size=gs, mode=mode, transpose=t))))
+                        out += _reach(route, _gather_probes(dict(op=op, dtype=dname, bits=b, group_size=gs, mode=mode)))
                         continue
                     probes = []
                     for v, transpose, N, K, Ms in _affine_probes(op, gs):
