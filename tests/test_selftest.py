@@ -2,8 +2,8 @@
 
 The selftest's cases come from the planner; these tests check them against the planner and the
 kernel table independently (every route, every kernel of metal/), run it in full on the CPU
-kernels and on a reduced set on metalsim (the full metalsim run compiles all 624 kernels: ~2
-minutes), and check that a failure is reported and turns the exit code non-zero.
+kernels and on a reduced set on metalsim (the full metalsim run compiles every kernel of
+metal/: minutes), and check that a failure is reported and turns the exit code non-zero.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from torch_qmm.__main__ import main
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = ROOT / ".github" / "workflows" / "macos-mps.yml"
 REPORT_KEYS = {"route", "kernel", "planned_kernel", "M", "N", "K", "dtype", "bits", "group_size", "transpose",
-               "ggml_type", "ok", "error", "max_error", "bound", "worst_ratio", "variant", "op"}
+               "ggml_type", "ok", "error", "max_error", "bound", "worst_ratio", "variant", "op", "E", "pattern",
+               "x_batch", "lhs", "rhs", "sorted_indices"}
 
 
 def _routes() -> list[dict]:
-    """The routing table's rows selftest covers: all but gather_qmm's (tests/test_metal_gather.py)."""
-    return [r for r in json.loads(torch.ops.torch_qmm._routes()) if r["op"] != "gather_qmm"]
+    """The routing table's rows (selftest covers every one)."""
+    return json.loads(torch.ops.torch_qmm._routes())
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,11 @@ def test_every_route_and_cell_has_a_case_that_the_planner_sends_there(all_cases)
         if c.op == "gguf_qmm":
             (l,) = json.loads(torch.ops.torch_qmm._plan_gguf(c.M, c.N, c.K, selftest.native_gguf_types()[c.ggml_type],
                                                              selftest.DTYPES[c.dtype]))
+        elif c.op == "gather_qmm":
+            assert len(c.lhs) == len(c.rhs) and max(c.lhs) < c.x_batch and max(c.rhs) < c.E, c
+            (l,) = json.loads(torch.ops.torch_qmm._plan_gather(c.M, c.N, c.K, len(c.rhs), c.E, c.x_batch, c.bits,
+                                                               c.group_size, selftest.DTYPES[c.dtype], c.transpose,
+                                                               c.sorted_indices, c.mode))
         else:
             (l,) = json.loads(torch.ops.torch_qmm._plan(c.op, c.M, c.N, c.K, c.bits, c.group_size,
                                                         selftest.DTYPES[c.dtype], bool(c.transpose in (None, True)),
@@ -65,9 +71,7 @@ def test_every_route_and_cell_has_a_case_that_the_planner_sends_there(all_cases)
 
 def test_the_cases_reach_every_kernel_of_metal(all_cases):
     # Kernels of a mode the format table does not list yet have no op to reach them.
-    # gather_qmm's kernels are not selftest cases (tests/test_metal_gather.py covers them).
-    want = {k for k in metal_source.kernels()
-            if k.split("_", 1)[0] in set(FORMATS) | {"gguf"} and "_gather_" not in k}
+    want = {k for k in metal_source.kernels() if k.split("_", 1)[0] in set(FORMATS) | {"gguf"}}
     assert {c.planned_kernel for c in all_cases} == want
 
 
@@ -109,7 +113,7 @@ def test_selftest_on_cpu_passes_in_full(tmp_path, capsys, all_cases, one_thread)
         assert c["kernel"] and c["max_error"] is not None, c
         if c["op"] in ("quantize", "dequantize") and c["mode"] != "affine":
             assert c["max_error"] == 0 and c["bound"] == 0, c  # fp modes: bit for bit
-        elif c["op"] in ("qmm", "gguf_qmm", "dequantize"):
+        elif c["op"] in ("qmm", "gguf_qmm", "gather_qmm", "dequantize"):
             assert 0 <= c["worst_ratio"] <= 1 and c["bound"] > 0, c
     env = doc["environment"]
     assert env["device"] == "cpu" and env["torch"] == torch.__version__ and env["commit"]

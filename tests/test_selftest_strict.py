@@ -1,5 +1,6 @@
 """selftest's verdicts can fail: a case whose kernel returns a result one ulp off, or that ran
-another route than planned, is reported as failed (torch_qmm/selftest.py). Each test runs the
+another route than planned, or a gather_qmm case that multiplies a pair by the wrong expert,
+is reported as failed (torch_qmm/selftest.py). Each test runs the
 real case once unchanged (it must pass) and once with the op's result perturbed."""
 
 from __future__ import annotations
@@ -69,3 +70,15 @@ def test_metalsim_case_refuses_another_route(monkeypatch):
     c = selftest.run_case(_one_case(bits=(4,), group_sizes=(64,), dtypes=("float32",), routes={"qmv_fast"},
                                     modes={"affine"}), selftest._Runner("metalsim"), seed=0)
     assert not c.ok and "ran route(s) ['qmv_bounded']" in c.error, c.error
+
+
+@pytest.mark.parametrize("route", ["gather_qmv", "gather_qmm_mma32", "gather_qmm_n_mma32"])
+def test_gather_case_fails_when_a_pair_takes_another_expert(monkeypatch, route):
+    """The reference multiplies each pair by its own expert: the op given the experts in reverse
+    order (still valid indices, every expert repeated in the patterns) must fail the case."""
+    case = dict(bits=(4,), group_sizes=(64,), dtypes=("float16",), routes={route}, modes={"affine"})
+    assert selftest.run_case(_one_case(**case), selftest._Runner("cpu"), seed=0).ok
+    real = ops.gather_qmm
+    monkeypatch.setattr(ops, "gather_qmm", lambda x, w, s, b, lhs, rhs, **k: real(x, w, s, b, lhs, rhs.flip(0), **k))
+    c = selftest.run_case(_one_case(**case), selftest._Runner("cpu"), seed=0)
+    assert not c.ok and "exceeds the float16 tolerance" in c.error, c.error

@@ -11,19 +11,23 @@ every GPU thread); --bits / --group-sizes / --dtypes / --routes narrow it.
 
 Cases: each row of the planner's routing table (torch.ops.torch_qmm._routes, csrc/plan.cpp) x
 each mode it serves (affine: x bits x group size; the fp modes mxfp4, nvfp4, ...: their one cell)
-x dtype (qmm, quantize, dequantize), and each GGUF route x native type
+x dtype (qmm, quantize, dequantize, gather_qmm), and each GGUF route x native type
 x dtype, on an aligned shape (dimensions multiples of every tile and K-block) and an unaligned
 one (odd N or K, partial tiles) where the route takes it; M for a route is found by asking the
 planner, so a new route gets cases without editing this file, and a route no probe shape
-reaches is reported as a failed case. Weights are made by the float64 oracles
+reaches is reported as a failed case. gather_qmm's problems are index patterns (GATHER_PATTERNS:
+decode tokens of k experts unsorted, prefill rows sorted by expert, experts repeated), tried in
+order on each shape until the planner (_plan_gather) sends one to the route; the reference is one
+float64 product x[lhs[p]] @ W[rhs[p]] per pair. Weights are made by the float64 oracles
 (torch_qmm/reference.py, reference_fp.py for the fp modes), GGUF blocks decoded by the gguf
-package; qmm results must meet torch_qmm/tolerance.py's rule, quantize must equal the reference
-bit for bit (fp dequantize too).
+package; qmm and gather_qmm results must meet torch_qmm/tolerance.py's rule, quantize must equal
+the reference bit for bit (fp dequantize too).
 
 Prints one row per case, writes a JSON report (--json: `cases` with route, kernel, shapes, ok,
-error, max error and bound; `environment`), exits 1 if any case failed, 2 if the device is
-missing. The kernel recorded is the one that ran: metalsim's launch, the CPU route on cpu; on mps
-the planner's kernel (what the MPS executor launches for that plan).
+error, max error and bound, gather_qmm's E, pattern and indices; `environment`), exits 1 if any
+case failed, 2 if the device is missing. The kernel recorded is the one that ran: metalsim's
+launch, the CPU route on cpu; on mps the planner's kernel (what the MPS executor launches for
+that plan).
 """
 
 from __future__ import annotations
@@ -54,13 +58,20 @@ UNALIGNED_MS = (1, 2, 3, 5, 7, 9, 13, 17, 33)
 # Aligned: N and K multiples of every tile width (8, 32), K-block (qmv: 256 or 512) and group size.
 ALIGNED_NK = (128, 512)
 GGUF_UNALIGNED_NK = (37, 768)  # odd N; K = 3 super-blocks (loop tails of the lane teams)
+# gather_qmm index patterns: name -> (M rows per pair, x batch, experts E, rhs, lhs, sorted_indices).
+GATHER_PATTERNS = {
+    # 3 tokens x k = 2 of E = 5, unsorted; expert 3 in two tokens, token 2 picks expert 3 twice.
+    "decode-k2-unsorted": (1, 3, 5, [3, 1, 1, 4, 3, 3], [0, 0, 1, 1, 2, 2], False),
+    # 20 tokens x k = 2 of E = 3, the pairs sorted by expert (>= 4 rows each); runs cross a 32-row tile.
+    "prefill-k2-sorted": (1, 20, 3, [0] * 5 + [1] * 30 + [2] * 5, [(7 * i) % 20 for i in range(40)], True),
+}
 
 _ops = torch.ops.torch_qmm
 
 
 @dataclasses.dataclass
 class Case:
-    op: str  # qmm | quantize | dequantize | gguf_qmm
+    op: str  # qmm | quantize | dequantize | gguf_qmm | gather_qmm
     route: str  # the routing-table row the shape was chosen to reach
     variant: str  # aligned | unaligned
     M: int
@@ -71,7 +82,13 @@ class Case:
     group_size: Optional[int] = None
     transpose: Optional[bool] = None
     ggml_type: Optional[str] = None
-    mode: str = "affine"  # quantization mode (MLX's name) of qmm / quantize / dequantize
+    mode: str = "affine"  # quantization mode (MLX's name) of qmm / quantize / dequantize / gather_qmm
+    pattern: Optional[str] = None  # gather_qmm: the GATHER_PATTERNS entry (M is rows per pair)
+    E: Optional[int] = None  # gather_qmm: experts (stacked W matrices)
+    x_batch: Optional[int] = None  # gather_qmm: x is [x_batch, M, K]
+    rhs: Optional[list] = None  # gather_qmm: the expert of each pair
+    lhs: Optional[list] = None  # gather_qmm: the x batch of each pair
+    sorted_indices: Optional[bool] = None
     planned_kernel: str = ""  # what the planner names for this problem
     kernel: str = ""  # what ran (see module doc)
     ok: bool = False
@@ -86,7 +103,8 @@ class Case:
             return f"{self.ggml_type} {self.dtype}"
         t = "" if self.transpose is None else (" T" if self.transpose else " N")
         mode = "" if self.mode == "affine" else f"{self.mode} "
-        return f"{mode}b{self.bits} gs{self.group_size} {self.dtype}{t}"
+        gather = "" if self.pattern is None else f" {self.pattern} E{self.E}"
+        return f"{mode}b{self.bits} gs{self.group_size} {self.dtype}{t}{gather}"
 
 
 # ---- which cases ----------------------------------------------------------------------------------
@@ -95,6 +113,27 @@ def _plan_route(op: str, M: int, N: int, K: int, bits: int, gs: int, dtype, tran
                 mode: str = "affine") -> tuple[str, str]:
     (launch,) = json.loads(_ops._plan(op, M, N, K, bits, gs, dtype, transpose, mode))
     return launch["route"], launch["kernel"]
+
+
+def _gather_plan_route(pattern: str, N: int, K: int, bits: int, gs: int, dtype, transpose: bool,
+                       mode: str) -> tuple[str, str]:
+    M, x_batch, E, rhs, _, is_sorted = GATHER_PATTERNS[pattern]
+    (launch,) = json.loads(_ops._plan_gather(M, N, K, len(rhs), E, x_batch, bits, gs, dtype, transpose, is_sorted,
+                                             mode))
+    return launch["route"], launch["kernel"]
+
+
+def _gather_probes(fields: dict) -> list:
+    """_reach's probes for a gather_qmm cell (fields: op, dtype, bits, group_size, mode): each
+    pattern, in order, on each of qmm's shapes, M the pattern's."""
+    b, gs, d, mode = fields["bits"], fields["group_size"], DTYPES[fields["dtype"]], fields["mode"]
+    probes = []
+    for v, transpose, N, K, _ in _affine_probes("qmm", gs):
+        for name, (M, x_batch, E, rhs, lhs, is_sorted) in GATHER_PATTERNS.items():
+            plan = lambda M, N, K, p=name, t=transpose: _gather_plan_route(p, N, K, b, gs, d, t, mode)
+            probes.append((v, N, K, (M,), plan, fields | dict(transpose=transpose, pattern=name, E=E, x_batch=x_batch,
+                                                              rhs=rhs, lhs=lhs, sorted_indices=is_sorted)))
+    return probes
 
 
 def _gguf_plan_route(M: int, N: int, K: int, ggml_type: int, dtype) -> tuple[str, str]:
@@ -145,8 +184,6 @@ def cases(bits=BITS, group_sizes=GROUP_SIZES, dtypes=tuple(DTYPES), routes: Opti
         route, op = r["route"], r["op"]
         if routes is not None and route not in routes:
             continue
-        if op == "gather_qmm":  # its problems are index patterns, not shapes: tests/test_metal_gather.py
-            continue
         if op == "gguf_qmm":
             for tname, tid in native_gguf_types().items():
                 if gguf_types is not None and tname not in gguf_types:
@@ -166,6 +203,9 @@ def cases(bits=BITS, group_sizes=GROUP_SIZES, dtypes=tuple(DTYPES), routes: Opti
                 continue
             for b, gs in _mode_cells(mode, bits, group_sizes):
                 for dname in dtypes:
+                    if op == "gather_qmm":
+                        out += _reach(route, _gather_probes(dict(op=op, dtype=dname, bits=b, group_size=gs, mode=mode)))
+                        continue
                     probes = []
                     for v, transpose, N, K, Ms in _affine_probes(op, gs):
                         plan = (lambda M, N, K, t=transpose, d=DTYPES[dname], b=b, gs=gs, mode=mode:
@@ -274,6 +314,8 @@ def run_case(case: Case, runner: _Runner, seed: int) -> Case:
             return case
         if case.op == "gguf_qmm":
             _run_gguf(case, runner, gen, dtype, gguf_matmul)
+        elif case.op == "gather_qmm":
+            _run_gather(case, runner, gen, dtype)
         elif case.mode != "affine":
             _run_fp(case, runner, gen, dtype)
         elif case.op == "quantize":
@@ -354,6 +396,37 @@ def _run_fp(case: Case, runner: _Runner, gen, dtype) -> None:
         y = runner.run(case, lambda: quantized_matmul(dev[0], dev[1], dev[2], None, transpose=case.transpose, mode=mode),
                        lambda: "cpu qmm")
         _compare(case, y.cpu(), y_ref, magnitude, dtype)
+
+
+def _run_gather(case: Case, runner: _Runner, gen, dtype) -> None:
+    """A gather_qmm case: each expert quantized by the oracle, y[p] against the float64 product
+    x[lhs[p]] @ W[rhs[p]] of reference.qmm / reference_fp.qmm_fp, pair by pair."""
+    from . import reference_fp
+    from .ops import gather_qmm
+
+    rows, cols = (case.N, case.K) if case.transpose else (case.K, case.N)
+    affine = case.mode == "affine"
+    experts = [reference.quantize(w, case.bits, case.group_size) if affine else reference_fp.quantize_fp(w, case.mode)
+               for w in (_weights(rows, cols, dtype, gen) for _ in range(case.E))]
+    x = torch.randn(case.x_batch, case.M, case.K, generator=gen).to(dtype)
+    refs = []
+    for i, e in zip(case.lhs, case.rhs):
+        if affine:
+            args = (x[i], *experts[e], case.bits, case.group_size, case.transpose)
+            refs.append((reference.qmm(*args), reference.qmm_magnitude(*args)))
+        else:
+            args = (x[i], *experts[e], case.mode)
+            refs.append((reference_fp.qmm_fp(*args, transpose=case.transpose),
+                         reference_fp.qmm_fp_magnitude(*args, transpose=case.transpose)))
+    w = [torch.stack(t) for t in zip(*experts)] + ([] if affine else [None])
+    lhs, rhs = (torch.tensor(t, dtype=torch.int32) for t in (case.lhs, case.rhs))
+    x_d, wq_d, s_d, lhs_d, rhs_d = runner.to(x, w[0], w[1], lhs, rhs)
+    b_d = None if w[2] is None else runner.to(w[2])[0]
+    y = runner.run(case, lambda: gather_qmm(x_d, wq_d, s_d, b_d, lhs_d, rhs_d, transpose=case.transpose,
+                                            group_size=case.group_size, bits=case.bits, mode=case.mode,
+                                            sorted_indices=case.sorted_indices),
+                   lambda: "cpu gather_qmm")
+    _compare(case, y.cpu(), torch.stack([r[0] for r in refs]), torch.stack([r[1] for r in refs]), dtype)
 
 
 def _run_gguf(case: Case, runner: _Runner, gen, dtype, gguf_matmul) -> None:
