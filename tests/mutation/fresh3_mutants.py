@@ -94,11 +94,11 @@ MUTANTS: list[Mutant] = [
            "    l.threadgroups = {uint32_t(p.N * (p.K / values) / g.threads), 1, 1};", PLAN,
            "quantize / dequantize grids rounded down: the last partial threadgroup's units are never written"),
     Mutant("v3-plan-tiled-grid-y-by-cols", "csrc/plan.cpp",
-           "ceil_div(std::max<int64_t>(p.M, 1), g.rows)", "ceil_div(std::max<int64_t>(p.M, 1), g.cols)", PLAN,
+           "ceil_div(std::max<int64_t>(rows, 1), g.rows)", "ceil_div(std::max<int64_t>(rows, 1), g.cols)", PLAN,
            "the row grid divides M by the tile's column count: rows past the first block of a route "
            "whose tile has fewer rows than columns are never computed"),
     Mutant("v3-plan-u32-mn-unchecked", "csrc/plan.cpp",
-           "(has_m && (!fits(p.M, p.K) || !fits(p.M, p.N)))", "(has_m && !fits(p.M, p.K))", PLAN,
+           "(has_m && (!fits(x_rows, p.K) || !fits(y_rows, p.N)))", "(has_m && !fits(x_rows, p.K))", PLAN,
            "M*N past 2^32 is planned: the kernels' 32-bit output index wraps"),
     # ---- Metal fp codecs and policies (metal/quant_format.h) -------------------------------------
     Mutant("m3-e4m3-encode-truncates", "metal/quant_format.h",
