@@ -109,6 +109,16 @@ def test_nonfinite_x_takes_the_exact_kernels():
                                ops.qmm(x, wq, s, b, "affine", 4, 64, True), rtol=0, atol=0, equal_nan=True)
 
 
+def test_block_sums_past_float32_take_the_exact_kernels():
+    # x = 1e37: every product |w x| stays finite, but a block's d_b * sum(q) reaches ~1e39 and
+    # overflows float32; the call must give qmm's exact (finite) result, not Inf/NaN.
+    wq, s, b, _ = make(8, 128, 4, 64)
+    x = torch.full((1, 128), 1e37)
+    exact = ops.qmm(x, wq, s, b, "affine", 4, 64, True)
+    assert torch.isfinite(exact).all()
+    torch.testing.assert_close(ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 64), exact, rtol=0, atol=0)
+
+
 def test_context_manager_and_quantlinear():
     wq, s, b, _ = make(32, 256, 4, 64)
     x = torch.randn(3, 256)
@@ -149,6 +159,9 @@ def test_bad_arguments_are_named():
         ops.qmm_int8_activations(x, wf, sf, None, "mxfp4", 4, 32)
     with pytest.raises(ValueError, match="argument 'mode' must be 'affine'"):
         ops.qmm_int8_activations(x.to("meta"), wf.to("meta"), sf.to("meta"), None, "mxfp4", 4, 32)
+    with pytest.raises(ValueError, match="argument 'activations': 'int8' runs on CPU tensors only, got x on meta"):
+        torch_qmm.quantized_matmul(x.to("meta"), wq.to("meta"), s.to("meta"), b.to("meta"), group_size=64, bits=4,
+                                   activations="int8")
     xg = x.clone().requires_grad_()
     with pytest.raises(RuntimeError, match="no gradient"):
         ops.qmm_int8_activations(xg, wq, s, b, "affine", 4, 64).sum().backward()

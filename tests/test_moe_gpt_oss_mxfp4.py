@@ -129,3 +129,14 @@ def test_wrong_block_shape_is_refused(checkpoint, tmp_path):
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(ValueError, match=r"down_proj_blocks \[4, 64, 1, 16\].*must be \[4, 64, 2, 16\]"):
         load_ours(tmp_path)
+
+
+def test_wrong_bias_shape_is_refused(checkpoint, tmp_path):
+    folder, tensors, _ = checkpoint
+    bad = dict(tensors)
+    key = "model.layers.0.mlp.experts.down_proj_bias"
+    bad[key] = bad[key][0].contiguous()  # one expert's bias would broadcast over all of them
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"down_proj_bias \[\d+\] must be \[\d+, \d+\]"):
+        load_ours(tmp_path)

@@ -106,3 +106,15 @@ def test_state_of_another_format_is_refused():
     assert a.qweight.shape == b.qweight.shape and a.scales.shape == b.scales.shape
     with pytest.raises(ValueError, match="the state holds bits=8, group_size=32"):
         b.load_state_dict(a.state_dict())
+
+
+def test_bias_takes_indices_of_every_accepted_dtype():
+    # gather_qmm takes int32, int64 and uint32 (MLX's) indices; the bias rows must follow the same ones
+    g = torch.Generator().manual_seed(3)
+    layer = QuantSwitchLinear.from_float(torch.randn(E, OUT, IN, generator=g), torch.randn(E, OUT, generator=g),
+                                         group_size=32)
+    x = torch.randn(5, 1, 1, IN, generator=g)
+    idx = torch.randint(0, E, (5, 2), generator=g)
+    want = layer(x, idx)
+    for dtype in (torch.int32, torch.uint32):
+        torch.testing.assert_close(layer(x, idx.to(dtype)), want, rtol=0, atol=0)

@@ -123,7 +123,7 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
                            group_size=self.group_size, bits=self.bits, mode=self.mode,
                            sorted_indices=sorted_indices)
         if self.bias is not None:
-            y = y + self.bias[indices].unsqueeze(-2).to(y.dtype)
+            y = y + self.bias[indices.long()].unsqueeze(-2).to(y.dtype)
         return y
 
     def extra_repr(self) -> str:

@@ -106,6 +106,8 @@ def quantized_matmul(
         applies = mode == "affine" and transpose and x.device.type == "cpu"
         kind = _activations._current if applies else None
     if kind == "int8":
+        if x.device.type != "cpu":
+            raise ValueError(f"argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
         if not transpose:
             raise ValueError("argument 'transpose' must be True with activations='int8', got False")
         return _ops.qmm_int8_activations(x, wq, scales, biases, mode, bits, group_size)
@@ -123,6 +125,7 @@ def gather_qmm(
     group_size: int | None = None,
     bits: int | None = None,
     mode: str = "affine",
+    *,
     sorted_indices: bool = False,
 ) -> torch.Tensor:
     """Quantized matmul with matrix-level gather, as ``mlx.core.gather_qmm``: y[p] = x[lhs[p]] @ W[rhs[p]].

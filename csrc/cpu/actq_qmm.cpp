@@ -395,10 +395,14 @@ at::Tensor qmm_int8x_cpu(const at::Tensor& x, const at::Tensor& wq, const at::Te
   if (!c.x_finite) return exact_qmm(x, wq, scales, biases, mode, bits, group_size);
   at::Tensor yf = at::empty({c.a.M, c.a.N}, c.xf.options());
   cpu::actq::qmm_t_int8x(c.a, yf.data_ptr<float>());
+  // The block sums d_b * sum(q) can overflow float32 for large finite x (and meet the biases as
+  // Inf); a result that is not finite is redone by the exact kernels, as qmm redoes its hoisted ones.
+  if (!cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return exact_qmm(x, wq, scales, biases, mode, bits, group_size);
   return yf.to(x.scalar_type()).reshape(c.out_shape);
 }
 
-// "int8x/<kernel>" (actq::int8x_kernel), "exact" (x not finite: the qmm op's kernels) or "empty".
+// "int8x/<kernel>" (actq::int8x_kernel), "exact" (x not finite: the qmm op's kernels) or "empty"
+// (for a finite result; a call whose int8 result is not finite is redone by the exact kernels).
 std::string qmm_int8x_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                                 const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits,
                                 int64_t group_size) {

@@ -91,6 +91,9 @@ def load_mxfp4_checkpoint(model: nn.Module, path: str | os.PathLike, dtype: torc
                 if layer.bias is not None:
                     if bias_key not in ckpt:
                         raise ValueError(f"{ckpt.path}: the experts {name} have a {proj} bias; {bias_key} is missing")
+                    if ckpt.shape(bias_key) != tuple(layer.bias.shape):
+                        raise ValueError(f"{ckpt.path}: {bias_key} {list(ckpt.shape(bias_key))} must be "
+                                         f"{list(layer.bias.shape)} for the experts {name}")
                     layer.bias.copy_(ckpt.get(bias_key))
                     used.add(bias_key)
             used.update(stored[proj])
