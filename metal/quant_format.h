@@ -209,8 +209,13 @@ struct QuantFormat<MODE_AFFINE, T, G_, bits_> {
   // fma: one rounding, the float32 value nearest s*q + b (the float64 reference rounded); the
   // CPU op's `s * q + b` compiles to the same fma with -march=native (GCC contracts by default).
   static float weight(float s, float q, float b) { return fma(s, q, b); }
+  // The dequantize op rounds as mlx.core.dequantize: in T, the product first, then the sum,
+  // T(T(s * q) + b) (the float32 sum of two T values rounds to T as T arithmetic would). The
+  // product goes through a volatile so that no compiler fuses it with the sum (Metal compiles with
+  // fast math by default, which allows contraction; metalsim's -ffp-contract=off forbids it).
   static T dequantize(const device T* scales, const device T* biases, uint g, float q) {
-    return static_cast<T>(fma(float(scales[g]), q, float(biases[g])));
+    volatile float product = float(static_cast<T>(float(scales[g]) * q));
+    return static_cast<T>(product + float(biases[g]));
   }
 
   // MLX's algorithm step by step in float32 (see csrc/cpu/quantize.cpp):

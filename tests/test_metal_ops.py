@@ -142,6 +142,17 @@ def test_quantize_and_dequantize_on_metalsim_equal_the_cpu_ops(bits, group_size,
     assert torch.equal(mwq.view(torch.int32), wq.view(torch.int32)), "packed words differ from the CPU op"
     assert torch.equal(ms, s) and torch.equal(mb, b), "scales/biases differ from the CPU op"
     assert torch.equal(mdeq, deq), "dequantized weights differ from the CPU op"
+    # and from mlx.core.dequantize (s*q rounded to the dtype, then s*q + b), bit for bit
+    mx = pytest.importorskip("mlx.core")
+    import numpy as np
+
+    def to_mx(t):
+        return mx.array(t.float().numpy()).astype(mx.bfloat16) if t.dtype == torch.bfloat16 else mx.array(t.numpy())
+
+    theirs = mx.dequantize(to_mx(wq), to_mx(s), to_mx(b), group_size=group_size, bits=bits).astype(mx.float32)
+    int_of = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    theirs = torch.from_numpy(np.array(theirs)).to(dtype)  # exact: the values are of `dtype`
+    assert torch.equal(mdeq.view(int_of), theirs.view(int_of)), "dequantized weights differ from mlx"
 
 
 def test_quantize_keeps_leading_dimensions():

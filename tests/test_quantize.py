@@ -31,6 +31,11 @@ def _torch(a) -> torch.Tensor:
     return torch.from_numpy(np.array(a))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (so that -0.0 and 0.0 differ)."""
+    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
+
+
 def _weights(rows: int, cols: int, dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 3
@@ -64,23 +69,33 @@ def test_quantize_matches_reference_quantizer(bits, group_size):
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
-@pytest.mark.parametrize("bits,group_size,dtype", itertools.product(BITS, GROUPS, [torch.float32, torch.float16, torch.bfloat16]))
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MX_DTYPES = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}
+
+
+@pytest.mark.parametrize("bits,group_size,dtype", itertools.product(BITS, GROUPS, DTYPES))
 def test_dequantize_matches_reference_and_mlx(bits, group_size, dtype):
     w = _weights(6, group_size * 3, dtype, seed=bits + group_size)
     wq, scales, biases = torch_qmm.quantize(w, group_size=group_size, bits=bits)
     got = torch_qmm.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
     want = reference.dequantize(wq, scales, biases, bits, group_size)
     assert got.dtype == dtype
-    # One rounding of the float32 value s*q+b to the output dtype (half an ulp), plus float32's own.
-    # Errors are relative to |s*q| + |b| (the terms may cancel to an exact zero).
-    rtol = {torch.float32: 2**-22, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
+    # Two roundings to the scales' dtype (the product s*q, then the sum), each within the unit
+    # roundoff u of its result: |error| <= u |s*q| + u (1 + u) (|s*q| + |b|) <= 2u (1 + u) times
+    # |s*q| + |b| (the terms may cancel to an exact zero, so errors are relative to that sum).
+    u = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}[dtype]
+    rtol = 2 * u * (1 + u)
     q = reference.unpack(wq, bits).double()
     s, b = (t.double().repeat_interleave(group_size, dim=-1) for t in (scales, biases))
     magnitude = (s * q).abs() + b.abs()
     assert ((got.double() - want).abs() <= rtol * magnitude).all()
-    # MLX may compute s*q+b in the dtype itself (two roundings).
-    from_mlx = _torch(mx.dequantize(_mlx(wq), _mlx(scales), _mlx(biases), group_size=group_size, bits=bits))
-    assert ((got.double() - from_mlx.double()).abs() <= 2 * rtol * magnitude).all()
+    # Bit for bit with MLX, which rounds s*q to the dtype, then s*q + b, then converts to the
+    # output dtype; every output dtype.
+    for out in DTYPES:
+        got = torch_qmm.dequantize(wq, scales, biases, group_size=group_size, bits=bits, dtype=out)
+        from_mlx = _torch(mx.dequantize(_mlx(wq), _mlx(scales), _mlx(biases), group_size=group_size, bits=bits,
+                                        dtype=MX_DTYPES[out]))
+        assert got.dtype == out and torch.equal(_bits(got), _bits(from_mlx)), f"dequantize {dtype} -> {out} differs from MLX"
 
 
 @pytest.mark.parametrize("bits", BITS)

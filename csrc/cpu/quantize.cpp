@@ -43,44 +43,56 @@ inline void pack_element(uint8_t* row, int64_t k, int bits, uint32_t code) {
   for (int64_t b = bit >> 3; v != 0; ++b, v >>= 8) row[b] |= uint8_t(v & 0xff);
 }
 
+// The packed geometry of rows of K values: groups per row, bytes per packed row.
+struct Rows {
+  int64_t groups, row_bytes;
+  Rows(int64_t K, int bits, int group_size) : groups(K / group_size), row_bytes(packed_words(K, bits) * 4) {}
+};
+
+// f(r) for every row r in [0, rows), rows split across threads.
+template <typename F>
+void for_each_row(int64_t rows, F&& f) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) f(r);
+  });
+}
+
 template <typename T>
 void quantize_rows(const T* w, uint8_t* wq, T* scales, T* biases, int64_t rows, int64_t K, int bits,
                    int group_size, std::atomic<bool>& non_finite, std::atomic<bool>& range_overflow) {
   const float n_bins = float((1 << bits) - 1);
-  const int64_t groups = K / group_size;
-  const int64_t row_bytes = packed_words(K, bits) * 4;
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      uint8_t* out = wq + r * row_bytes;
-      std::memset(out, 0, row_bytes);
-      for (int64_t g = 0; g < groups; ++g) {
-        const T* src = w + r * K + g * group_size;
-        float w_min = INFINITY, w_max = -INFINITY;
-        for (int j = 0; j < group_size; ++j) {
-          const float v = float(src[j]);
-          w_max = std::max(w_max, v);
-          w_min = std::min(w_min, v);
-          if (!std::isfinite(v)) non_finite.store(true, std::memory_order_relaxed);
-        }
-        if (std::isinf(w_max - w_min)) range_overflow.store(true, std::memory_order_relaxed);
-        const bool min_is_edge = std::abs(w_min) > std::abs(w_max);
-        float scale = std::max((w_max - w_min) / n_bins, 1e-7f);
-        scale = min_is_edge ? scale : -scale;
-        const float edge = min_is_edge ? w_min : w_max;
-        const float q0 = std::rint(edge / scale);
-        float bias = 0.0f;
-        if (q0 != 0.0f) {
-          scale = edge / q0;
-          bias = edge;
-        }
-        for (int j = 0; j < group_size; ++j) {
-          float q = std::rint((float(src[j]) - bias) / scale);
-          q = std::min(std::max(q, 0.0f), n_bins);
-          pack_element(out, g * group_size + j, bits, uint32_t(q));
-        }
-        scales[r * groups + g] = T(scale);
-        biases[r * groups + g] = T(bias);
+  const Rows geo(K, bits, group_size);
+  const int64_t groups = geo.groups;
+  for_each_row(rows, [&](int64_t r) {
+    uint8_t* out = wq + r * geo.row_bytes;
+    std::memset(out, 0, geo.row_bytes);
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* src = w + r * K + g * group_size;
+      float w_min = INFINITY, w_max = -INFINITY;
+      for (int j = 0; j < group_size; ++j) {
+        const float v = float(src[j]);
+        w_max = std::max(w_max, v);
+        w_min = std::min(w_min, v);
+        if (!std::isfinite(v)) non_finite.store(true, std::memory_order_relaxed);
       }
+      if (std::isinf(w_max - w_min)) range_overflow.store(true, std::memory_order_relaxed);
+      const bool min_is_edge = std::abs(w_min) > std::abs(w_max);
+      float scale = std::max((w_max - w_min) / n_bins, 1e-7f);
+      scale = min_is_edge ? scale : -scale;
+      const float edge = min_is_edge ? w_min : w_max;
+      const float q0 = std::rint(edge / scale);
+      float bias = 0.0f;
+      if (q0 != 0.0f) {
+        scale = edge / q0;
+        bias = edge;
+      }
+      for (int j = 0; j < group_size; ++j) {
+        float q = std::rint((float(src[j]) - bias) / scale);
+        q = std::min(std::max(q, 0.0f), n_bins);
+        pack_element(out, g * group_size + j, bits, uint32_t(q));
+      }
+      scales[r * groups + g] = T(scale);
+      biases[r * groups + g] = T(bias);
     }
   });
 }
@@ -88,40 +100,38 @@ void quantize_rows(const T* w, uint8_t* wq, T* scales, T* biases, int64_t rows, 
 template <typename T>
 void quantize_fp_rows(const FormatSpec& f, const T* w, uint8_t* wq, uint8_t* scales, int64_t rows, int64_t K,
                       int bits, int group_size, std::atomic<bool>& non_finite) {
-  const int64_t groups = K / group_size;
-  const int64_t row_bytes = packed_words(K, bits) * 4;
+  const Rows geo(K, bits, group_size);
+  const int64_t groups = geo.groups;
   const auto in_t = [](float v) { return float(T(v)); };
   const auto in_f32 = [](float v) { return v; };
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      uint8_t* out = wq + r * row_bytes;
-      std::memset(out, 0, row_bytes);
-      for (int64_t g = 0; g < groups; ++g) {
-        const T* src = w + r * K + g * group_size;
-        float amax = 0.0f;
+  for_each_row(rows, [&](int64_t r) {
+    uint8_t* out = wq + r * geo.row_bytes;
+    std::memset(out, 0, geo.row_bytes);
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* src = w + r * K + g * group_size;
+      float amax = 0.0f;
+      for (int j = 0; j < group_size; ++j) {
+        const float v = float(src[j]);
+        if (!std::isfinite(v)) non_finite.store(true, std::memory_order_relaxed);
+        amax = std::max(amax, std::fabs(v));
+      }
+      const float s = in_t(amax / f.element_max);
+      const int64_t k0 = g * group_size;
+      if (f.scale == ScaleKind::kE8M0) {
+        const int n = fp::e8m0_exponent(s);
+        scales[r * groups + g] = uint8_t(fp::e8m0_encode(n));
         for (int j = 0; j < group_size; ++j) {
-          const float v = float(src[j]);
-          if (!std::isfinite(v)) non_finite.store(true, std::memory_order_relaxed);
-          amax = std::max(amax, std::fabs(v));
+          // w / 2^n is exact in double; one rounding to T (float first is exact: few bits).
+          const float q = in_t(float(std::ldexp(double(float(src[j])), -n)));
+          pack_element(out, k0 + j, bits, fp::element_encode(f.element, q, in_t));
         }
-        const float s = in_t(amax / f.element_max);
-        const int64_t k0 = g * group_size;
-        if (f.scale == ScaleKind::kE8M0) {
-          const int n = fp::e8m0_exponent(s);
-          scales[r * groups + g] = uint8_t(fp::e8m0_encode(n));
-          for (int j = 0; j < group_size; ++j) {
-            // w / 2^n is exact in double; one rounding to T (float first is exact: few bits).
-            const float q = in_t(float(std::ldexp(double(float(src[j])), -n)));
-            pack_element(out, k0 + j, bits, fp::element_encode(f.element, q, in_t));
-          }
-        } else {
-          const uint32_t code = fp::e4m3_encode(s);
-          scales[r * groups + g] = uint8_t(code);
-          const float sv = fp::e4m3_value(code);
-          for (int j = 0; j < group_size; ++j) {
-            const float q = in_t(float(src[j]) / sv);
-            pack_element(out, k0 + j, bits, fp::element_encode(f.element, q, in_f32));
-          }
+      } else {
+        const uint32_t code = fp::e4m3_encode(s);
+        scales[r * groups + g] = uint8_t(code);
+        const float sv = fp::e4m3_value(code);
+        for (int j = 0; j < group_size; ++j) {
+          const float q = in_t(float(src[j]) / sv);
+          pack_element(out, k0 + j, bits, fp::element_encode(f.element, q, in_f32));
         }
       }
     }
@@ -161,21 +171,22 @@ std::vector<at::Tensor> quantize_cpu(const at::Tensor& w_in, std::string_view mo
   return {wq, scales};
 }
 
-// affine: out = O(fma(s, q, b)), one rounding (as the Metal kernel computes it, whatever the
-// compiler contracts), s and b in the scales' dtype S.
+// affine: out = O(S(S(s * q) + b)), as mlx.core.dequantize rounds: in the scales' dtype S, the
+// product first, then the sum (the Metal kernel, metal/quant_format.h, rounds the same way). The
+// product is exact in double and rounded to S by a conversion, which no compiler fuses with the
+// sum; a float32 sum of two S values rounded to S is the S sum (float32 has more than 2p + 2 bits
+// for half and bfloat16).
 template <typename S, typename O>
 void dequantize_rows(const uint8_t* wq, const S* scales, const S* biases, O* out, int64_t rows, int64_t cols, int bits,
                      int group_size) {
-  const int64_t groups = cols / group_size;
-  const int64_t row_bytes = packed_words(cols, bits) * 4;
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = wq + r * row_bytes;
-      for (int64_t c = 0; c < cols; ++c) {
-        const float s = float(scales[r * groups + c / group_size]);
-        const float b = float(biases[r * groups + c / group_size]);
-        out[r * cols + c] = O(std::fma(s, float(unpack_element(row, c, bits)), b));
-      }
+  const Rows geo(cols, bits, group_size);
+  const int64_t groups = geo.groups;
+  for_each_row(rows, [&](int64_t r) {
+    const uint8_t* row = wq + r * geo.row_bytes;
+    for (int64_t c = 0; c < cols; ++c) {
+      const double s = double(scales[r * groups + c / group_size]);
+      const float product = float(S(s * double(unpack_element(row, c, bits))));
+      out[r * cols + c] = O(S(product + float(biases[r * groups + c / group_size])));
     }
   });
 }
@@ -185,16 +196,13 @@ void dequantize_rows(const uint8_t* wq, const S* scales, const S* biases, O* out
 template <typename O>
 void dequantize_fp_rows(const FormatSpec& f, const uint8_t* wq, const uint8_t* scales, O* out, int64_t rows,
                         int64_t cols, int bits, int group_size) {
-  const int64_t groups = cols / group_size;
-  const int64_t row_bytes = packed_words(cols, bits) * 4;
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = wq + r * row_bytes;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float s = float(O(fp::scale_value(f.scale, scales[r * groups + g])));
-        for (int64_t c = g * group_size; c < (g + 1) * group_size; ++c)
-          out[r * cols + c] = O(fp::element_value(f.element, unpack_element(row, c, bits)) * s);
-      }
+  const Rows geo(cols, bits, group_size);
+  for_each_row(rows, [&](int64_t r) {
+    const uint8_t* row = wq + r * geo.row_bytes;
+    for (int64_t g = 0; g < geo.groups; ++g) {
+    const float s = float(O(fp::scale_value(f.scale, scales[r * geo.groups + g])));
+    for (int64_t c = g * group_size; c < (g + 1) * group_size; ++c)
+      out[r * cols + c] = O(fp::element_value(f.element, unpack_element(row, c, bits)) * s);
     }
   });
 }

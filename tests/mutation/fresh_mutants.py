@@ -113,7 +113,7 @@ MUTANTS: list[Mutant] = [
            "gguf_qmm accepts x whose last dimension is not K: reads past x or a silently wrong answer"),
     # ---- CPU kernels (csrc/cpu/) ------------------------------------------------------------------
     Mutant("f-cpu-quantize-range-overflow-unchecked", "csrc/cpu/quantize.cpp",
-           "        if (std::isinf(w_max - w_min)) range_overflow.store(true, std::memory_order_relaxed);\n", "",
+           "      if (std::isinf(w_max - w_min)) range_overflow.store(true, std::memory_order_relaxed);\n", "",
            CPU, "a finite group whose max - min overflows float32 is quantized to an Inf scale instead of refused"),
     Mutant("f-cpu-q6k-decode-s4-index", "csrc/cpu/gguf_qmm.cpp",
            "                  s4 = d * float(sc[is + 6]);", "                  s4 = d * float(sc[is + 4]);", CPU,
