@@ -168,7 +168,7 @@ MUTANTS: list[Mutant] = [
            "    if dtype not in SUPPORTED_DTYPES:", "    if dtype is None:", NN,
            "QuantLinear(dtype=torch.float64) builds float64 buffers the ops refuse later"),
     Mutant("p3-nn-from-linear-dtype-float32", "torch_qmm/nn.py",
-           "        dtype = dtype or linear.weight.dtype", "        dtype = dtype or torch.float32", NN,
+           "    dtype = dtype or weight.dtype\n", "    dtype = dtype or torch.float32\n", NN,
            "from_linear of a float16 / bfloat16 layer makes a float32 module"),
     Mutant("p3-nn-load-weight-not-cast", "torch_qmm/nn.py",
            "            weight.detach().to(dtype), group_size=module.group_size,",
