@@ -15,6 +15,8 @@ namespace {
 
 constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
 
+const char* op_name(Op op);  // "qmm", "gather_qmm", ... (below)
+
 // Format's first values are the modes (format_of), and the kernels' QuantMode (metal/qmm_params.h)
 // names them with the same numbers.
 static_assert(int(Format::kAffine) == int(Mode::kAffine) && int(Format::kMxfp4) == int(Mode::kMxfp4) &&
@@ -75,10 +77,13 @@ const RouteRow kRoutes[] = {
    Geometry::elementwise(0, QUANT_THREADS_PER_TG), "always",
    "one thread per group: a group's words belong to one thread, so packing needs no atomics"},
   // gather_qmm (mixture of experts): W is read per expert, not per pair (metal/affine_gather.h).
-  {"gather_qmm_mma32", Op::kGatherQmm, kQuantModes, 1, 1, kNoLimit, Cond::kSortedRuns, "gather_qmm_mma32", mma(32),
-   "gather_qmm, sorted_indices, pairs * M >= 4 * experts",
-   "prefill with rows sorted by expert: 32-row simdgroup-matrix tiles over the sorted rows, one "
-   "pass per expert present in a tile (MLX gather_qmm_rhs): W read about once per tile"},
+  // The executor orders the pairs by expert whatever sorted_indices says (Launch::order), so the
+  // tiles' rows are grouped by expert on this route and the next two alike.
+  {"gather_qmm_mma32", Op::kGatherQmm, kQuantModes, 1, 1, kNoLimit, Cond::kManyRowsPerExpert, "gather_qmm_mma32",
+   mma(32), "gather_qmm, transpose=True, pairs * M >= 4 * experts",
+   "prefill: 32-row simdgroup-matrix tiles over the rows ordered by expert, one pass per expert "
+   "present in a tile (MLX gather_qmm_rhs): W read about once per tile, where gather_qmv would "
+   "leave each expert's whole run to one threadgroup"},
   {"gather_qmv", Op::kGatherQmm, kQuantModes, 1, 1, kNoLimit, Cond::kAny, "gather_qmv", kGatherRuns,
    "gather_qmm, transpose=True, otherwise (decode)",
    "decode: the pairs of one expert run together (sorted on the device when rhs is not): "
@@ -119,19 +124,46 @@ uint32_t u32(int64_t v) {
 
 // The kernels index x, y and W with 32-bit unsigned arithmetic (e.g. y[m * N + n], w[row * K + c]
 // in metal/*.h): every element count of an operand must fit, or indices silently wrap.
+struct ElementCount {
+  const char* operand;  // "W", "x", "y"
+  const char* names;    // the product, in the problem's names
+  std::vector<int64_t> factors;
+};
+
+std::vector<ElementCount> element_counts(const Problem& p) {
+  if (p.op == Op::kGatherQmm)  // W [experts * N, K], x [x_batch * M, K], y [pairs * M, N]
+    return {{"W", "experts * N * K", {p.experts, p.N, p.K}},
+            {"x", "x_batch * M * K", {p.x_batch, p.M, p.K}},
+            {"y", "pairs * M * N", {p.pairs, p.M, p.N}}};
+  std::vector<ElementCount> counts{{"W", "N * K", {p.N, p.K}}};
+  if (p.op == Op::kQmm || p.op == Op::kGgufQmm) {
+    counts.push_back({"x", "M * K", {p.M, p.K}});
+    counts.push_back({"y", "M * N", {p.M, p.N}});
+  }
+  return counts;
+}
+
 void check_u32_indices(const Problem& p) {
-  constexpr int64_t kMax = int64_t(std::numeric_limits<uint32_t>::max());
-  auto fits = [&](int64_t a, int64_t b) { return a == 0 || b <= kMax / a; };
-  const bool has_m = p.op == Op::kQmm || p.op == Op::kGgufQmm || p.op == Op::kGatherQmm;
-  const bool gather = p.op == Op::kGatherQmm;
-  // gather_qmm: x [x_batch * M, K], y [pairs * M, N], W [experts * N, K] (as elements).
-  const int64_t w_rows = gather ? p.experts * p.N : p.N;
-  const int64_t x_rows = gather ? p.x_batch * p.M : p.M, y_rows = gather ? p.pairs * p.M : p.M;
-  const bool rows_fit = !gather || (fits(p.experts, p.N) && fits(p.x_batch, p.M) && fits(p.pairs, p.M));
-  if (!rows_fit || !fits(w_rows, p.K) || (has_m && (!fits(x_rows, p.K) || !fits(y_rows, p.N)))) {
+  constexpr uint64_t kMax = std::numeric_limits<uint32_t>::max();
+  for (const ElementCount& c : element_counts(p)) {
+    uint64_t value = 1;
+    bool beyond_u64 = false;  // the product does not even fit in 64 bits
+    for (int64_t f : c.factors) {
+      const uint64_t u = uint64_t(std::max<int64_t>(f, 0));
+      if (u != 0 && value > std::numeric_limits<uint64_t>::max() / u) beyond_u64 = true;
+      value *= u;
+    }
+    if (!beyond_u64 && value <= kMax) continue;
     std::ostringstream o;
-    o << "torch_qmm plan: operands too large for the Metal kernels' 32-bit indices (M=" << p.M << ", N=" << p.N
-      << ", K=" << p.K << "; M*K, M*N and N*K must each be at most 2^32 - 1): split the problem";
+    o << "torch_qmm plan: " << op_name(p.op) << "'s " << c.operand << " has " << c.names << " = ";
+    for (size_t i = 0; i < c.factors.size(); ++i) o << (i ? " * " : "") << c.factors[i];
+    o << " = ";
+    if (beyond_u64)
+      o << "more than 2^64";
+    else
+      o << value;
+    o << " elements, more than the Metal kernels' 32-bit indices address (2^32 - 1 = " << kMax
+      << "): split the problem";
     throw std::invalid_argument(o.str());
   }
 }
@@ -144,8 +176,8 @@ bool holds(const RouteRow& r, const Problem& p, Format f) {
   if (r.cond == Cond::kQmvAligned)
     // Must match the K step and rows per threadgroup of qmv_fast (metal/affine_qmv.h).
     return p.N % QMV_ROWS_PER_TG == 0 && p.K % qmv_block_k(p.bits) == 0;
-  if (r.cond == Cond::kSortedRuns)
-    return p.sorted && p.pairs * p.M >= int64_t(GATHER_MMA_MIN_ROWS_PER_EXPERT) * p.experts;
+  if (r.cond == Cond::kManyRowsPerExpert)
+    return p.pairs * p.M >= int64_t(GATHER_MMA_MIN_ROWS_PER_EXPERT) * p.experts;
   return true;
 }
 

@@ -102,9 +102,9 @@ class Geometry {
 };
 
 // Extra conditions of a row beyond op, format, transpose and M.
-// kSortedRuns (gather_qmm): rhs sorted (sorted_indices) and, on average, a 32-row tile's worth
-// of rows per expert: GATHER_MMA_MIN_ROWS_PER_EXPERT (metal/qmm_params.h).
-enum class Cond { kAny, kQmvAligned, kSortedRuns };
+// kManyRowsPerExpert (gather_qmm): on average GATHER_MMA_MIN_ROWS_PER_EXPERT (metal/qmm_params.h)
+// rows per expert, whether rhs is sorted or not (the executor orders the pairs, Launch::order).
+enum class Cond { kAny, kQmvAligned, kManyRowsPerExpert };
 
 // One row of the routing table: for an op the first row whose conditions hold wins.
 struct RouteRow {

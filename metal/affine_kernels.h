@@ -14,7 +14,7 @@
 //   qvm_bounded     qvm_bounded    affine_qvm.h         small M, transpose=False
 //   qmm_n_mma32     qmm_mma        affine_mma.h         larger M, transpose=False
 //   gather_qmv      gather_qmv     affine_gather.h      gather_qmm, transpose=True (decode)
-//   gather_qmm_mma32 gather_qmm_mma affine_gather.h     gather_qmm, sorted, many rows per expert
+//   gather_qmm_mma32 gather_qmm_mma affine_gather.h     gather_qmm, many rows per expert
 //   gather_qmm_n_mma32 gather_qmm_mma affine_gather.h   gather_qmm, transpose=False
 //   dequantize_rows dequantize_rows affine_quant.h      dequantize
 //   quantize_rows   quantize_rows  affine_quant.h       quantize

@@ -96,7 +96,7 @@ enum AffineGeometry : int {
   // gather_qmv (metal/affine_gather.h): the qmm_t_small threadgroup (8 W rows, 2 SIMD-groups)
   // over a run of one expert's rows, GATHER_ROWS rows of x at a time.
   GATHER_ROWS = 8,
-  // gather_qmm_mma32 is taken when rhs is sorted and pairs * M >= this x experts (MLX's
+  // gather_qmm_mma32 is taken when pairs * M >= this x experts, rhs sorted or not (MLX's
   // gather_qmm_rhs dispatch: B / E >= 4): fewer rows per expert leave its tile rows mostly idle.
   GATHER_MMA_MIN_ROWS_PER_EXPERT = 4
 };

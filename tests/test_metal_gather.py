@@ -86,14 +86,20 @@ def run_gather(x, wq, scales, biases, lhs, rhs, mode, bits, gs, transpose=True, 
 # Index patterns: (route, name, x batch, M, experts, rhs (list), lhs (list or None = pair i reads
 # x batch i), sorted_indices).
 _DECODE_RHS = [3, 1, 1, 4, 3, 3]  # tokens of k = 2: experts repeated across and within tokens
-_LONG_RUN = [2] * 6 + [0, 2, 1]  # with M = 2: a run of 7 pairs = 14 rows (two blocks of 8)
+# With M = 2: a run of 7 pairs = 14 rows (two blocks of 8); 5 experts, so that 18 rows stay
+# below the tiles' 4 rows per expert.
+_LONG_RUN = [2] * 6 + [0, 2, 1]
 _SORTED_TILES = [0] * 5 + [1] * 30 + [2] * 5  # runs crossing the 32-row tile boundary
+# Prefill, 20 tokens x k = 2 of 3 experts as the router gives them (unsorted): the executor orders
+# the 40 pairs by expert, runs of 13-14 pairs crossing the 32-row tile.
+_UNSORTED_PREFILL = [(7 * i + i // 3) % 3 for i in range(40)]
 PATTERNS = [
     ("gather_qmv", "decode-unsorted", 6, 1, 5, _DECODE_RHS, None, False),
-    ("gather_qmv", "long-run-m2", 4, 2, 3, _LONG_RUN, [0, 1, 2, 3, 0, 1, 2, 3, 1], False),
+    ("gather_qmv", "long-run-m2", 4, 2, 5, _LONG_RUN, [0, 1, 2, 3, 0, 1, 2, 3, 1], False),
     ("gather_qmv", "sorted-few-rows", 4, 1, 6, [0, 1, 1, 5], None, True),
     ("gather_qmm_mma32", "sorted-tiles", 40, 1, 3, _SORTED_TILES, None, True),
     ("gather_qmm_mma32", "sorted-m3", 5, 3, 2, [0] * 6 + [1] * 8, [i % 5 for i in range(14)], True),
+    ("gather_qmm_mma32", "unsorted-prefill", 20, 1, 3, _UNSORTED_PREFILL, [i // 2 for i in range(40)], False),
     ("gather_qmm_n_mma32", "unsorted-n", 6, 2, 3, [2, 0, 2, 1, 0, 2, 1, 1, 0, 2, 2, 2, 0, 1, 0, 0, 2],
      [i % 6 for i in range(17)], False),
 ]
@@ -178,7 +184,10 @@ def test_every_gather_route_is_reached_and_listed():
     assert _plan(1, 64, 256, 8, 128, 1, False)[0]["route"] == "gather_qmv"
     assert _plan(1, 64, 256, 512, 128, 512, True)[0]["route"] == "gather_qmm_mma32"
     assert _plan(1, 64, 256, 511, 128, 511, True)[0]["route"] == "gather_qmv"
-    assert _plan(1, 64, 256, 512, 128, 512, False)[0]["route"] == "gather_qmv"  # unsorted
+    # Unsorted: the same threshold, the executor ordering the pairs by expert for the tiles.
+    (unsorted,) = _plan(1, 64, 256, 512, 128, 512, False)
+    assert (unsorted["route"], unsorted["order"]) == ("gather_qmm_mma32", "by_expert")
+    assert _plan(1, 64, 256, 511, 128, 511, False)[0]["route"] == "gather_qmv"
     assert _plan(4, 64, 256, 128, 128, 128, True)[0]["route"] == "gather_qmm_mma32"  # pairs * M
     assert _plan(1, 64, 45, 4, 2, 4, False, transpose=False)[0]["route"] == "gather_qmm_n_mma32"
 
@@ -194,8 +203,25 @@ def test_gather_plan_orders_pairs_by_expert_unless_sorted():
 def test_gather_plan_rejects_bad_arguments():
     with pytest.raises(ValueError, match="experts"):
         _plan(1, 64, 256, 8, 0, 1, False)
-    with pytest.raises(ValueError, match="32-bit"):
-        _plan(1, 1 << 16, 1 << 16, 8, 2, 1, False)
+
+
+# Each operand's element count past 2^32 - 1, alone: (M, N, K, pairs, experts, x_batch) and the
+# product the message must name, with its factors and value.
+_TOO_LARGE = [
+    ((1, 1 << 16, 1 << 16, 8, 2, 1), "W has experts * N * K = 2 * 65536 * 65536 = 8589934592 elements"),
+    ((1, 64, 1 << 16, 1, 1, 1 << 16), "x has x_batch * M * K = 65536 * 1 * 65536 = 4294967296 elements"),
+    ((1 << 16, 1 << 15, 64, 2, 1, 1), "y has pairs * M * N = 2 * 65536 * 32768 = 4294967296 elements"),
+]
+
+
+@pytest.mark.parametrize("dims,product", _TOO_LARGE, ids=["W", "x", "y"])
+def test_gather_plan_too_large_names_the_product_it_checked(dims, product):
+    M, N, K, pairs, experts, x_batch = dims
+    with pytest.raises(ValueError) as e:
+        _plan(M, N, K, pairs, experts, x_batch, False)
+    message = str(e.value)
+    assert "gather_qmm's " + product in message, message
+    assert "32-bit indices" in message and "2^32 - 1 = 4294967295" in message, message
 
 
 def test_gather_pairs_broadcast_like_mlx():

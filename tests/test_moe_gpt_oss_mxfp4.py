@@ -140,3 +140,77 @@ def test_wrong_bias_shape_is_refused(checkpoint, tmp_path):
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(ValueError, match=r"down_proj_bias \[\d+\] must be \[\d+, \d+\]"):
         load_ours(tmp_path)
+
+
+# ---- hostile files: refused with the file and the tensor named, the model left as it was ---------
+
+def _write(tensors, folder, tmp_path):
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    return tmp_path / "model.safetensors"
+
+
+def _snapshot(model):
+    """Everything a load may change: the modules' classes by name and the state, copied."""
+    return ({n: type(m) for n, m in model.named_modules()},
+            {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def _assert_unchanged(model, before):
+    modules, state = before
+    assert {n: type(m) for n, m in model.named_modules()} == modules
+    now = model.state_dict()
+    assert now.keys() == state.keys()
+    for k, v in state.items():
+        assert now[k].dtype == v.dtype and torch.equal(now[k], v), k
+
+
+def _edit_last_layer(key_suffix, change):
+    """An edit of the last layer's tensor `key_suffix`: the earlier layers' experts are valid, so a
+    loader that replaces modules as it goes has changed them by the time it finds this one."""
+    def edit(tensors):
+        key = f"model.layers.{LAYERS - 1}.{key_suffix}"
+        tensors[key] = change(tensors[key])
+        return key
+    return edit
+
+
+HOSTILE = [
+    ("blocks-shape", _edit_last_layer("mlp.experts.down_proj_blocks", lambda t: t[:, :, :1].contiguous()),
+     r"must be \[4, 64, 2, 16\]"),
+    ("blocks-dtype", _edit_last_layer("mlp.experts.gate_up_proj_blocks", lambda t: t.to(torch.int8)),
+     "must be U8, got I8"),
+    ("scales-dtype", _edit_last_layer("mlp.experts.down_proj_scales", lambda t: t.to(torch.float32)),
+     "must be U8, got F32"),
+    ("bias-dtype", _edit_last_layer("mlp.experts.down_proj_bias", lambda t: t.to(torch.int32)),
+     "must be a float"),
+    ("float-shape", _edit_last_layer("mlp.router.weight", lambda t: t[:-1].contiguous()), "the model expects"),
+    ("float-dtype", _edit_last_layer("mlp.router.weight", lambda t: t.to(torch.int32)), "stored as I32"),
+]
+
+
+@pytest.mark.parametrize("edit,message", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_hostile_file_leaves_the_model_unchanged(checkpoint, tmp_path, edit, message):
+    folder, tensors, _ = checkpoint
+    bad = dict(tensors)
+    key = edit(bad)
+    file = _write(bad, folder, tmp_path)
+    model = transformers.GptOssForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path)).eval()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=message) as e:
+        load_mxfp4_checkpoint(model, tmp_path)
+    assert str(file) in str(e.value) and key in str(e.value), str(e.value)
+    _assert_unchanged(model, before)
+
+
+def test_truncated_file_leaves_the_model_unchanged(checkpoint, tmp_path):
+    folder, tensors, _ = checkpoint
+    file = _write(dict(tensors), folder, tmp_path)
+    data = file.read_bytes()
+    file.write_bytes(data[:-100])
+    model = transformers.GptOssForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path)).eval()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=r"tensor '[\w.]+' ends at byte \d+ .*truncated file") as e:
+        load_mxfp4_checkpoint(model, tmp_path)
+    assert str(file) in str(e.value)
+    _assert_unchanged(model, before)

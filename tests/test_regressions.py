@@ -143,6 +143,19 @@ def test_plan_refuses_operands_beyond_32_bit_indices(op, m, n, k):
         torch.ops.torch_qmm._plan_gguf(m or 1, n, k - k % 256 or 256 * 2**8, 12, torch.float16)
 
 
+@pytest.mark.parametrize(
+    "op, m, n, k, product",
+    [("qmm", 2**20, 4096, 4096, "qmm's x has M * K = 1048576 * 4096 = 4294967296 elements"),
+     ("qmm", 2**20, 2**13, 64, "qmm's y has M * N = 1048576 * 8192 = 8589934592 elements"),
+     ("qmm", 1, 2**17, 2**15, "qmm's W has N * K = 131072 * 32768 = 4294967296 elements"),
+     ("quantize", 0, 2**16, 2**16, "quantize's W has N * K = 65536 * 65536 = 4294967296 elements")],
+)
+def test_plan_too_large_names_the_product_it_checked(op, m, n, k, product):
+    with pytest.raises(ValueError) as e:
+        torch.ops.torch_qmm._plan(op, m, n, k, 4, 64, torch.float16, True)
+    assert product in str(e.value) and "2^32 - 1 = 4294967295" in str(e.value), str(e.value)
+
+
 def test_plan_accepts_the_largest_seed_shape():
     plan = json.loads(torch.ops.torch_qmm._plan("qmm", 512, 27648, 5120, 4, 64, torch.float16, True))
     assert [launch["route"] for launch in plan] == ["qmm_t_mma32"]

@@ -71,6 +71,16 @@ def load_quantized_weight(module: nn.Module, weight: torch.Tensor, dtype: torch.
             module.biases.copy_(biases[0])
 
 
+def quantized_from(cls, weight: torch.Tensor, dtype: torch.dtype | None, *args, **kwargs) -> nn.Module:
+    """cls(*args, device=weight's, dtype=dtype, **kwargs) holding the float `weight` quantized
+    (load_quantized_weight): the from_float of the quantized modules. dtype: the compute dtype,
+    default the weight's."""
+    dtype = dtype or weight.dtype
+    module = cls(*args, device=weight.device, dtype=dtype, **kwargs)
+    load_quantized_weight(module, weight, dtype)
+    return module
+
+
 class QuantLinear(QuantFormatState, nn.Module):
     """y = x @ W.T + bias with W [out_features, in_features] stored in one of MLX's formats.
 
@@ -119,22 +129,12 @@ class QuantLinear(QuantFormatState, nn.Module):
     ) -> "QuantLinear":
         """Quantizes an nn.Linear (on its device). dtype: compute dtype, default the weight's (the
         weight is cast to it before quantization)."""
-        dtype = dtype or linear.weight.dtype
-        module = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            bits=bits,
-            group_size=group_size,
-            device=linear.weight.device,
-            dtype=dtype,
-            mode=mode,
-            activations=activations,
-        )
-        load_quantized_weight(module, linear.weight, dtype)
+        module = quantized_from(cls, linear.weight, dtype, linear.in_features, linear.out_features,
+                                bias=linear.bias is not None, bits=bits, group_size=group_size, mode=mode,
+                                activations=activations)
         with torch.no_grad():
             if linear.bias is not None:
-                module.bias.copy_(linear.bias.detach().to(dtype))
+                module.bias.copy_(linear.bias.detach().to(module.bias.dtype))
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

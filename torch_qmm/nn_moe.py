@@ -12,7 +12,7 @@ from torch import nn
 
 from . import ops
 from .format_state import QuantFormatState
-from .nn import compute_dtype_repr, load_quantized_weight, register_quantized_weight, resolve_format
+from .nn import compute_dtype_repr, quantized_from, register_quantized_weight, resolve_format
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert before the matmuls, so
 # that each expert's rows are read once for a run of tokens (mlx_lm's SwitchGLU sorts from 64).
@@ -66,13 +66,11 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
         e, out, k = weight.shape
         if bias is not None and tuple(bias.shape) != (e, out):
             raise ValueError(f"argument 'bias' must have shape [{e}, {out}], got {list(bias.shape)}")
-        dtype = dtype or weight.dtype
-        module = cls(e, k, out, bias=bias is not None, bits=bits, group_size=group_size, device=weight.device,
-                     dtype=dtype, mode=mode)
-        load_quantized_weight(module, weight, dtype)
+        module = quantized_from(cls, weight, dtype, e, k, out, bias=bias is not None, bits=bits,
+                                group_size=group_size, mode=mode)
         if bias is not None:
             with torch.no_grad():
-                module.bias.copy_(bias.detach().to(dtype))
+                module.bias.copy_(bias.detach().to(module.bias.dtype))
         return module
 
     @classmethod

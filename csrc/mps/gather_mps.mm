@@ -6,8 +6,6 @@
 //
 // NOT RUN ON APPLE HARDWARE: syntax-checked on Linux by tests/test_metal_mps_syntax.py.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -21,9 +19,6 @@
 namespace torch_qmm {
 namespace {
 
-using mps::encode;
-using mps::make_plan_checked;
-using mps::Operands;
 using plan::Operand;
 
 at::Tensor gather_qmm_mps(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
@@ -33,18 +28,15 @@ at::Tensor gather_qmm_mps(const at::Tensor& x, const at::Tensor& w, const at::Te
   const GatherOperands g = gather_qmm_operands(x, w, scales, biases, lhs_indices, rhs_indices, mode, bits, group_size,
                                                transpose, sorted_indices);  // validates
   const plan::Problem& p = g.problem;
-  const std::vector<plan::Launch> launches = make_plan_checked(p);
-  Operands ops;
+  const std::vector<plan::Launch> launches = mps::make_plan_checked(p);
+  mps::Operands ops;
   ops[Operand::kX] = x.reshape({p.x_batch * p.M, p.K}).contiguous();
-  ops[Operand::kWq] = w.contiguous();
-  ops[Operand::kScales] = scales.contiguous();
-  if (biases) ops[Operand::kBiases] = biases->contiguous();
+  mps::set_weight_operands(ops, w, scales, biases);
   ops[Operand::kLhs] = g.lhs;
   ops[Operand::kRhs] = g.rhs;
-  const int64_t rows = p.pairs * p.M;
-  ops[Operand::kY] = launches.empty() ? at::zeros({rows, p.N}, x.options()) : at::empty({rows, p.N}, x.options());
+  ops[Operand::kY] = mps::new_output(launches, p.pairs * p.M, p.N, x.options());
   if (!launches.empty()) ops[Operand::kOrder] = gather_order(g.rhs, launches.front().order);
-  encode(launches, ops);
+  mps::encode(launches, ops);
   std::vector<int64_t> shape = g.batch;
   shape.push_back(p.M);
   shape.push_back(p.N);

@@ -1,12 +1,10 @@
 // MPS executor of gguf_qmm: validated problem (csrc/plan_torch.h: the checks of
 // csrc/gguf_validate.*) -> plan (csrc/plan.cpp, GGUF routes) -> operands -> encode
-// (csrc/mps/metal_executor.mm, shared with affine_mps.mm). Kernels: metal/gguf_qmm.h.
+// (csrc/mps/metal_executor.mm, shared with quant_mps.mm). Kernels: metal/gguf_qmm.h.
 //
 // NOT RUN ON APPLE HARDWARE: syntax-checked on Linux by tests/test_metal_mps_syntax.py; the same
 // plans run on metalsim in CI (tests/test_metal_gguf.py).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -30,7 +28,7 @@ at::Tensor gguf_qmm_mps(const at::Tensor& x, const at::Tensor& blocks, int64_t g
   at::Tensor b = blocks.contiguous();
   if ((b.storage_offset() * b.element_size()) % 4 != 0) b = b.clone();
   ops[Operand::kBlocks] = b;
-  ops[Operand::kY] = launches.empty() ? at::zeros({p.M, p.N}, x.options()) : at::empty({p.M, p.N}, x.options());
+  ops[Operand::kY] = mps::new_output(launches, p.M, p.N, x.options());
   mps::encode(launches, ops);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = p.N;

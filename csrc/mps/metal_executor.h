@@ -9,6 +9,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "../plan.h"
@@ -23,6 +25,15 @@ struct Operands {
   at::Tensor& operator[](plan::Operand o) { return tensors[size_t(o)]; }
   const at::Tensor& operator[](plan::Operand o) const { return tensors[size_t(o)]; }
 };
+
+// The quantized weight's operands (kWq, kScales, and kBiases when the format has them), contiguous.
+void set_weight_operands(Operands& ops, const at::Tensor& wq, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& biases);
+
+// The output operand [rows, cols] with `options`: zeros when no launch writes it (an empty
+// problem plans none), uninitialized otherwise.
+at::Tensor new_output(const std::vector<plan::Launch>& launches, int64_t rows, int64_t cols,
+                      const at::TensorOptions& options);
 
 // plan::make_plan with the planner's exceptions turned into ValueError.
 std::vector<plan::Launch> make_plan_checked(const plan::Problem& p);

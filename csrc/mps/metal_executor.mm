@@ -19,6 +19,8 @@
 #include "metal_executor.h"
 
 #include <ATen/mps/MPSStream.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #import <Foundation/Foundation.h>
@@ -149,6 +151,18 @@ id<MTLComputePipelineState> pipeline(id<MTLDevice> device, const std::string& na
 }
 
 }  // namespace
+
+void set_weight_operands(Operands& ops, const at::Tensor& wq, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& biases) {
+  ops[plan::Operand::kWq] = wq.contiguous();
+  ops[plan::Operand::kScales] = scales.contiguous();
+  if (biases) ops[plan::Operand::kBiases] = biases->contiguous();
+}
+
+at::Tensor new_output(const std::vector<plan::Launch>& launches, int64_t rows, int64_t cols,
+                      const at::TensorOptions& options) {
+  return launches.empty() ? at::zeros({rows, cols}, options) : at::empty({rows, cols}, options);
+}
 
 std::vector<plan::Launch> make_plan_checked(const plan::Problem& p) {
   try {

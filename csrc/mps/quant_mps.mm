@@ -6,7 +6,6 @@
 // NOT RUN ON APPLE HARDWARE: syntax-checked on Linux by tests/test_metal_mps_syntax.py.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -22,23 +21,18 @@
 namespace torch_qmm {
 namespace {
 
-using mps::encode;
-using mps::make_plan_checked;
-using mps::Operands;
 using plan::Operand;
 
 at::Tensor qmm_mps(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                    const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits, int64_t group_size,
                    bool transpose) {
   const plan::Problem p = qmm_problem(x, wq, scales, biases, mode, bits, group_size, transpose);  // validates
-  const std::vector<plan::Launch> launches = make_plan_checked(p);
-  Operands ops;
+  const std::vector<plan::Launch> launches = mps::make_plan_checked(p);
+  mps::Operands ops;
   ops[Operand::kX] = x.reshape({p.M, p.K}).contiguous();
-  ops[Operand::kWq] = wq.contiguous();
-  ops[Operand::kScales] = scales.contiguous();
-  if (biases) ops[Operand::kBiases] = biases->contiguous();
-  ops[Operand::kY] = launches.empty() ? at::zeros({p.M, p.N}, x.options()) : at::empty({p.M, p.N}, x.options());
-  encode(launches, ops);
+  mps::set_weight_operands(ops, wq, scales, biases);
+  ops[Operand::kY] = mps::new_output(launches, p.M, p.N, x.options());
+  mps::encode(launches, ops);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = p.N;
   return ops[Operand::kY].view(shape);
@@ -47,14 +41,12 @@ at::Tensor qmm_mps(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
 at::Tensor dequantize_mps(const at::Tensor& wq, const at::Tensor& scales, const std::optional<at::Tensor>& biases,
                           std::string_view mode, int64_t bits, int64_t group_size, std::optional<at::ScalarType> dtype) {
   const plan::Problem p = dequantize_problem(wq, scales, biases, mode, bits, group_size, dtype);  // validates
-  const std::vector<plan::Launch> launches = make_plan_checked(p);
-  Operands ops;
-  ops[Operand::kWq] = wq.contiguous();
-  ops[Operand::kScales] = scales.contiguous();
-  if (biases) ops[Operand::kBiases] = biases->contiguous();
+  const std::vector<plan::Launch> launches = mps::make_plan_checked(p);
+  mps::Operands ops;
+  mps::set_weight_operands(ops, wq, scales, biases);
   const at::ScalarType out = check_dequantize_dtype("dequantize", format_spec(p.mode), scales, dtype);
   ops[Operand::kW] = at::empty({p.N, p.K}, scales.options().dtype(out));
-  encode(launches, ops);
+  mps::encode(launches, ops);
   std::vector<int64_t> shape = wq.sizes().vec();
   shape.back() = p.K;
   return ops[Operand::kW].view(shape);
@@ -63,14 +55,14 @@ at::Tensor dequantize_mps(const at::Tensor& wq, const at::Tensor& scales, const 
 std::vector<at::Tensor> quantize_mps(const at::Tensor& w, std::string_view mode, int64_t bits, int64_t group_size) {
   const plan::Problem p = quantize_problem(w, mode, bits, group_size);  // validates, incl. NaN/Inf
   const FormatSpec& f = format_spec(p.mode);
-  const std::vector<plan::Launch> launches = make_plan_checked(p);
-  Operands ops;
+  const std::vector<plan::Launch> launches = mps::make_plan_checked(p);
+  mps::Operands ops;
   ops[Operand::kW] = w.reshape({p.N, p.K}).contiguous();
   ops[Operand::kWq] = at::empty({p.N, p.K * bits / 32}, w.options().dtype(at::kUInt32));
   const at::ScalarType scale_dtype = f.scale == ScaleKind::kFloat ? w.scalar_type() : at::kByte;
   ops[Operand::kScales] = at::empty({p.N, p.K / group_size}, w.options().dtype(scale_dtype));
   if (f.has_biases) ops[Operand::kBiases] = at::empty({p.N, p.K / group_size}, w.options());
-  encode(launches, ops);
+  mps::encode(launches, ops);
   std::vector<int64_t> packed = w.sizes().vec(), groups = w.sizes().vec();
   packed.back() = p.K * bits / 32;
   groups.back() = p.K / group_size;

@@ -98,7 +98,7 @@ MUTANTS: list[Mutant] = [
            "the row grid divides M by the tile's column count: rows past the first block of a route "
            "whose tile has fewer rows than columns are never computed"),
     Mutant("v3-plan-u32-mn-unchecked", "csrc/plan.cpp",
-           "(has_m && (!fits(x_rows, p.K) || !fits(y_rows, p.N)))", "(has_m && !fits(x_rows, p.K))", PLAN,
+           '    counts.push_back({"y", "M * N", {p.M, p.N}});\n', "", OPS,
            "M*N past 2^32 is planned: the kernels' 32-bit output index wraps"),
     # ---- Metal fp codecs and policies (metal/quant_format.h) -------------------------------------
     Mutant("m3-e4m3-encode-truncates", "metal/quant_format.h",
@@ -168,7 +168,7 @@ MUTANTS: list[Mutant] = [
            "    if dtype not in SUPPORTED_DTYPES:", "    if dtype is None:", NN,
            "QuantLinear(dtype=torch.float64) builds float64 buffers the ops refuse later"),
     Mutant("p3-nn-from-linear-dtype-float32", "torch_qmm/nn.py",
-           "        dtype = dtype or linear.weight.dtype", "        dtype = dtype or torch.float32", NN,
+           "    dtype = dtype or weight.dtype\n", "    dtype = dtype or torch.float32\n", NN,
            "from_linear of a float16 / bfloat16 layer makes a float32 module"),
     Mutant("p3-nn-load-weight-not-cast", "torch_qmm/nn.py",
            "            weight.detach().to(dtype), group_size=module.group_size,",

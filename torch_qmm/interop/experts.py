@@ -90,28 +90,40 @@ def quantize_experts(module: nn.Module, bits: int | None = None, group_size: int
     of each output row along the input dimension, as mx.quantize of the [E, out, in] weight)."""
     layout = _layout_or_raise(module)
     gate_up, down, gate_up_bias, down_bias = float_weights(module, layout)
-    new = QuantFusedExperts(
+    return quant_experts_of(
+        module,
         QuantSwitchLinear.from_float(gate_up.detach().contiguous(), gate_up_bias, bits, group_size, dtype, mode),
-        QuantSwitchLinear.from_float(down.detach().contiguous(), down_bias, bits, group_size, dtype, mode),
-        GateOfExperts(module, layout.weight_names), interleaved=layout.interleaved,
-    )
-    return new
+        QuantSwitchLinear.from_float(down.detach().contiguous(), down_bias, bits, group_size, dtype, mode))
 
 
-def empty_quant_experts(module: nn.Module, bits: int, group_size: int, mode: str, dtype: torch.dtype,
-                        device: torch.device | str | None = None,
-                        down: tuple[int, int, str] | None = None) -> QuantFusedExperts:
-    """A QuantFusedExperts of `module`'s shape with zero buffers, for a checkpoint to fill; down:
-    (bits, group_size, mode) of down_proj when it differs from gate_up_proj's."""
+def quant_experts_of(module: nn.Module, gate_up: QuantSwitchLinear, down: QuantSwitchLinear) -> QuantFusedExperts:
+    """The QuantFusedExperts of `module` computing with gate_up / down and `module`'s gating;
+    `module` loses its float expert weights (GateOfExperts)."""
+    layout = _layout_or_raise(module)
+    return QuantFusedExperts(gate_up, down, GateOfExperts(module, layout.weight_names), interleaved=layout.interleaved)
+
+
+def empty_quant_layers(module: nn.Module, bits: int, group_size: int, mode: str, dtype: torch.dtype,
+                       device: torch.device | str | None = None,
+                       down: tuple[int, int, str] | None = None) -> tuple[QuantSwitchLinear, QuantSwitchLinear]:
+    """(gate_up_proj, down_proj) QuantSwitchLinear of `module`'s shape with zero buffers, for a
+    checkpoint to fill; `module` is left as it is. down: (bits, group_size, mode) of down_proj when
+    it differs from gate_up_proj's."""
     layout = _layout_or_raise(module)
     e, hidden, inter = expert_shapes(module, layout)
     device = device if device is not None else module.get_parameter(layout.gate_up).device
     kw = dict(bias=layout.has_bias, device=device, dtype=dtype)
     d_bits, d_group, d_mode = down or (bits, group_size, mode)
-    return QuantFusedExperts(
-        QuantSwitchLinear(e, hidden, 2 * inter, bits=bits, group_size=group_size, mode=mode, **kw),
-        QuantSwitchLinear(e, inter, hidden, bits=d_bits, group_size=d_group, mode=d_mode, **kw),
-        GateOfExperts(module, layout.weight_names), interleaved=layout.interleaved)
+    return (QuantSwitchLinear(e, hidden, 2 * inter, bits=bits, group_size=group_size, mode=mode, **kw),
+            QuantSwitchLinear(e, inter, hidden, bits=d_bits, group_size=d_group, mode=d_mode, **kw))
+
+
+def empty_quant_experts(module: nn.Module, bits: int, group_size: int, mode: str, dtype: torch.dtype,
+                        device: torch.device | str | None = None,
+                        down: tuple[int, int, str] | None = None) -> QuantFusedExperts:
+    """A QuantFusedExperts of `module`'s shape with zero buffers, for a checkpoint to fill (the
+    layers of empty_quant_layers); `module` loses its float expert weights."""
+    return quant_experts_of(module, *empty_quant_layers(module, bits, group_size, mode, dtype, device, down))
 
 
 def experts_not_quantizable(module: nn.Module, group_size: int) -> str | None:

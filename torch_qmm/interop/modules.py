@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..format_state import FormatState, QuantFormatState
-from ..nn import load_quantized_weight, register_quantized_weight
+from ..nn import quantized_from, register_quantized_weight
 from ..ops import dequantize, quantized_matmul
 from .gguf_types import NATIVE_TYPES, block_info, type_name
 
@@ -49,11 +49,8 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         cls, embedding: nn.Embedding, bits: int | None = None, group_size: int | None = None,
         dtype: torch.dtype | None = None, mode: str = "affine",
     ) -> "QuantEmbedding":
-        dtype = dtype or embedding.weight.dtype
-        module = cls(embedding.num_embeddings, embedding.embedding_dim, bits, group_size, embedding.weight.device,
-                     dtype, mode=mode)
-        load_quantized_weight(module, embedding.weight, dtype)
-        return module
+        return quantized_from(cls, embedding.weight, dtype, embedding.num_embeddings, embedding.embedding_dim, bits,
+                              group_size, mode=mode)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: int64 or int32, each in [0, num_embeddings), as nn.Embedding takes them (other

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from ..format_state import FORMAT_STATE_KEY
-from .experts import empty_quant_experts, fused_experts, layout_of
+from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
+from .experts import empty_quant_layers, fused_experts, layout_of, quant_experts_of
 from .json_files import read_json_object
 from .mlx import _SAFETENSORS_DTYPES, LoadReport
 from .safetensors_io import Checkpoint
@@ -47,7 +48,10 @@ def load_mxfp4_checkpoint(model: nn.Module, path: str | os.PathLike, dtype: torc
     """Loads a transformers mxfp4 checkpoint (folder or .safetensors file) into `model` (its float
     architecture, e.g. GptOssForCausalLM(config)): the fused experts become QuantFusedExperts
     holding the stored blocks and scales bit for bit, every other tensor is loaded by name (cast to
-    `dtype`, default the stored float tensors' dtype)."""
+    `dtype`, default the stored float tensors' dtype).
+
+    Every name, shape and dtype is checked and the expert tensors are read before `model` changes:
+    a file that does not fit raises ValueError naming the file and the tensor, `model` as it was."""
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     config_path = folder / "config.json"
@@ -60,48 +64,16 @@ def load_mxfp4_checkpoint(model: nn.Module, path: str | os.PathLike, dtype: torc
     if dtype is None:
         floats = [ckpt.dtype_name(k) for k in keys if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES]
         dtype = _SAFETENSORS_DTYPES[max(set(floats), key=floats.count)] if floats else torch.float32
-    model.to(dtype)
     report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
+    layers: dict[str, tuple[nn.Module, QuantSwitchLinear, QuantSwitchLinear]] = {}  # name -> (experts, filled)
     used: set[str] = set()
     for name, experts in fused_experts(model):
-        layout = layout_of(experts)
-        stored = {proj: (f"{name}.{proj}_blocks", f"{name}.{proj}_scales") for proj in (layout.gate_up, layout.down)}
-        if not any(b in ckpt for b, _ in stored.values()):
-            continue
-        new = empty_quant_experts(experts, 4, GROUP_SIZE, "mxfp4", dtype)
-        for proj, layer in ((layout.gate_up, new.gate_up_proj), (layout.down, new.down_proj)):
-            blocks_key, scales_key = stored[proj]
-            for k in stored[proj]:
-                if k not in ckpt:
-                    raise ValueError(f"{ckpt.path}: the experts {name} store {proj} as mxfp4 but {k} is missing")
-            want_blocks = (*layer.scales.shape, BLOCK_BYTES)
-            if ckpt.shape(blocks_key) != want_blocks or ckpt.shape(scales_key) != tuple(layer.scales.shape):
-                raise ValueError(
-                    f"{ckpt.path}: {blocks_key} {list(ckpt.shape(blocks_key))} and {scales_key} "
-                    f"{list(ckpt.shape(scales_key))} must be {list(want_blocks)} and {list(layer.scales.shape)} "
-                    f"for the experts {name} ([E, out, in] = {[layer.num_experts, layer.out_features, layer.in_features]})"
-                )
-            for k in stored[proj]:
-                if ckpt.dtype_name(k) != "U8":
-                    raise ValueError(f"{ckpt.path}: {k} must be U8, got {ckpt.dtype_name(k)}")
-            with torch.no_grad():
-                layer.qweight.copy_(blocks_to_words(ckpt.get(blocks_key)))
-                layer.scales.copy_(ckpt.get(scales_key))
-                bias_key = f"{name}.{proj}_bias"
-                if layer.bias is not None:
-                    if bias_key not in ckpt:
-                        raise ValueError(f"{ckpt.path}: the experts {name} have a {proj} bias; {bias_key} is missing")
-                    if ckpt.shape(bias_key) != tuple(layer.bias.shape):
-                        raise ValueError(f"{ckpt.path}: {bias_key} {list(ckpt.shape(bias_key))} must be "
-                                         f"{list(layer.bias.shape)} for the experts {name}")
-                    layer.bias.copy_(ckpt.get(bias_key))
-                    used.add(bias_key)
-            used.update(stored[proj])
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-        report.quantized[name] = "mxfp4 b4 gs32"
+        filled = _read_experts(ckpt, name, experts, dtype, used)
+        if filled is not None:
+            layers[name] = (experts, *filled)
+            report.quantized[name] = "mxfp4 b4 gs32"
     report.bytes_read += sum(ckpt.nbytes(k) for k in used)
-    state = model.state_dict()
+    state = _state_after(model, {name: (gate_up, down) for name, (_, gate_up, down) in layers.items()})
     rest = [k for k in keys if k not in used]
     if strict:
         loaded_modules = tuple(f"{n}." for n in report.quantized)
@@ -111,15 +83,86 @@ def load_mxfp4_checkpoint(model: nn.Module, path: str | os.PathLike, dtype: torc
         if missing or unexpected:
             raise ValueError(f"{ckpt.path}: checkpoint does not match the model: missing {missing[:8]}, "
                              f"unexpected {unexpected[:8]}")
+    rest = [k for k in rest if k in state]
+    for k in rest:
+        if ckpt.shape(k) != tuple(state[k].shape):
+            raise ValueError(f"{_file_of(ckpt, k)}: tensor {k!r} has shape {list(ckpt.shape(k))}, the model expects "
+                             f"{list(state[k].shape)}")
+        if state[k].is_floating_point() and ckpt.dtype_name(k) not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{_file_of(ckpt, k)}: tensor {k!r} is stored as {ckpt.dtype_name(k)}, the model expects a "
+                             f"float ({', '.join(_SAFETENSORS_DTYPES)})")
+    # Every check has passed: the model changes from here on.
+    model.to(dtype)
+    for name, (experts, gate_up, down) in layers.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, quant_experts_of(experts, gate_up, down))
+    state = model.state_dict()
     with torch.no_grad():
         for k in rest:
-            if k not in state:
-                continue
             t = ckpt.get(k)
-            if tuple(t.shape) != tuple(state[k].shape):
-                raise ValueError(f"{ckpt.path}: tensor {k!r} has shape {list(t.shape)}, the model expects "
-                                 f"{list(state[k].shape)}")
             state[k].copy_(t)
             report.float_tensors += 1
             report.bytes_read += t.numel() * t.element_size()
     return report
+
+
+def _read_experts(ckpt: Checkpoint, name: str, experts: nn.Module, dtype: torch.dtype,
+                  used: set[str]) -> tuple[QuantSwitchLinear, QuantSwitchLinear] | None:
+    """The experts module `name`'s (gate_up_proj, down_proj) filled from its stored blocks, scales
+    and biases (their names added to `used`), None when the checkpoint stores it as float; ValueError
+    naming the file and the tensor when they do not fit. `experts` is not changed."""
+    layout = layout_of(experts)
+    stored = {proj: (f"{name}.{proj}_blocks", f"{name}.{proj}_scales") for proj in (layout.gate_up, layout.down)}
+    if not any(b in ckpt for b, _ in stored.values()):
+        return None
+    new = empty_quant_layers(experts, 4, GROUP_SIZE, "mxfp4", dtype)
+    for proj, layer in zip((layout.gate_up, layout.down), new):
+        blocks_key, scales_key = stored[proj]
+        for k in stored[proj]:
+            if k not in ckpt:
+                raise ValueError(f"{ckpt.path}: the experts {name} store {proj} as mxfp4 but {k} is missing")
+        want_blocks = (*layer.scales.shape, BLOCK_BYTES)
+        if ckpt.shape(blocks_key) != want_blocks or ckpt.shape(scales_key) != tuple(layer.scales.shape):
+            raise ValueError(
+                f"{_file_of(ckpt, blocks_key)}: {blocks_key} {list(ckpt.shape(blocks_key))} and {scales_key} "
+                f"{list(ckpt.shape(scales_key))} must be {list(want_blocks)} and {list(layer.scales.shape)} "
+                f"for the experts {name} ([E, out, in] = {[layer.num_experts, layer.out_features, layer.in_features]})"
+            )
+        for k in stored[proj]:
+            if ckpt.dtype_name(k) != "U8":
+                raise ValueError(f"{_file_of(ckpt, k)}: {k} must be U8, got {ckpt.dtype_name(k)}")
+        bias_key = f"{name}.{proj}_bias"
+        if layer.bias is not None:
+            if bias_key not in ckpt:
+                raise ValueError(f"{ckpt.path}: the experts {name} have a {proj} bias; {bias_key} is missing")
+            if ckpt.shape(bias_key) != tuple(layer.bias.shape):
+                raise ValueError(f"{_file_of(ckpt, bias_key)}: {bias_key} {list(ckpt.shape(bias_key))} must be "
+                                 f"{list(layer.bias.shape)} for the experts {name}")
+            if ckpt.dtype_name(bias_key) not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{_file_of(ckpt, bias_key)}: {bias_key} must be a float ({', '.join(_SAFETENSORS_DTYPES)}), "
+                                 f"got {ckpt.dtype_name(bias_key)}")
+        with torch.no_grad():
+            layer.qweight.copy_(blocks_to_words(ckpt.get(blocks_key)))
+            layer.scales.copy_(ckpt.get(scales_key))
+            if layer.bias is not None:
+                layer.bias.copy_(ckpt.get(bias_key))
+                used.add(bias_key)
+        used.update(stored[proj])
+    return new
+
+
+def _state_after(model: nn.Module, layers: dict[str, tuple[QuantSwitchLinear, QuantSwitchLinear]]) -> dict:
+    """model.state_dict() as it will be once each experts module `name` of `layers` is replaced by
+    the QuantFusedExperts of its two layers (gate_up_proj, down_proj); `model` is not changed (the
+    gating has no state, so a stand-in takes its place)."""
+    prefixes = tuple(f"{name}." for name in layers)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
+    for name, (gate_up, down) in layers.items():
+        stand_in = QuantFusedExperts(gate_up, down, nn.Identity())
+        state.update({f"{name}.{k}": v for k, v in stand_in.state_dict().items()})
+    return state
+
+
+def _file_of(ckpt: Checkpoint, name: str) -> Path:
+    """The file that holds tensor `name` (one shard of a folder)."""
+    return ckpt.where[name]
