@@ -6,15 +6,24 @@ checkout, runs the tests meant to catch it, and reports which were killed and by
     python -m tests.mutation -k mma -j 2     # a selection, two at a time
     python -m tests.mutation --fresh2        # the second audit list (tests/mutation/fresh2_mutants.py)
     python -m tests.mutation --fresh3        # the third (tests/mutation/fresh3_mutants.py)
+    python -m tests.mutation --fresh4 -j 2 --timeout 300   # the fourth (tests/mutation/fresh4_mutants.py)
 
 A scratch copy holds the tracked files of the checkout (git ls-files) plus its built extension
-(torch_qmm/_C*.so), so the real checkout is never touched. The C++ mutants share one scratch copy
-built once from source (setup.py build_ext --inplace), then each is applied, rebuilt
-incrementally, tested and reverted. A mutant is killed when its tests fail (pytest exit status 1);
-survived when they pass; crashed when the test process dies (found, but not by an assertion:
-make the test run the call in a subprocess); an error when the patch no longer applies (the text it replaces is gone
-or not unique) or pytest could not run, which the harness reports as a failure too, so the list
-cannot go stale silently. The killing tests are output assertions (numeric, bitwise, route, error
+(torch_qmm/_C*.so), so the real checkout is never touched. Each of the `jobs` workers reuses one
+scratch directory at a fixed path (its slot, refreshed from the checkout for every mutant): metalsim
+caches its builds by the preprocessed source, whose line markers name the file's path, so at a
+fixed path the kernels a mutant does not touch are built once per slot and then found in the
+cache, while a mutated source hashes differently and is always built afresh. The C++ mutants
+share one scratch copy, also at a fixed path and kept between runs, so its build directory
+survives: built from source (setup.py build_ext --inplace) on first use, then each mutant is
+applied, rebuilt incrementally, tested and reverted.
+
+pytest runs with -x (a killed mutant stops at its first failing test) and without the cache
+provider. A mutant is killed when its tests fail (pytest exit status 1); survived when they pass;
+timeout when its tests ran past the limit below (not a kill: nothing failed); crashed when the
+test process dies (found, but not by an assertion: make the test run the call in a subprocess);
+an error when the patch no longer applies (the text it replaces is gone or not unique) or pytest
+could not run, which the harness reports as a failure too, so the list cannot go stale silently. The killing tests are output assertions (numeric, bitwise, route, error
 message or metalsim's checked mode), never timing or traffic bounds.
 
 The time limit per mutant is a CPU-time budget (the pytest process and all its descendants, from
@@ -27,12 +36,14 @@ missing the budget is applied to wall time.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,7 +76,7 @@ class Mutant:
 @dataclasses.dataclass
 class Result:
     mutant: Mutant
-    status: str  # killed | survived | crashed | error
+    status: str  # killed | survived | timeout | crashed | error
     killed_by: str = ""
     how: str = ""  # the exception the killing test raised (AssertionError, ValueError, KernelFault, ...)
     seconds: float = 0.0  # wall clock, the scratch copy included
@@ -185,8 +196,8 @@ def _pytest(mutant: Mutant, tree: Path, env: dict, timeout: float, start: float)
 
 
 def _classify(mutant: Mutant, returncode: int | None, limit: str, out: str, start: float) -> Result:
-    if returncode is None:
-        return Result(mutant, "error", detail=f"the tests {limit}", seconds=time.monotonic() - start)
+    if returncode is None:  # stopped by the limit: not a kill, nothing failed
+        return Result(mutant, "timeout", detail=f"the tests {limit}", seconds=time.monotonic() - start)
     p = subprocess.CompletedProcess([], returncode)
     if p.returncode == 0:
         return Result(mutant, "survived", seconds=time.monotonic() - start)
@@ -224,12 +235,29 @@ def _build(tree: Path, env: dict, timeout: float) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_one(mutant: Mutant, root: Path = ROOT, timeout: float = 900, keep: bool = False) -> Result:
-    """A Metal or Python mutant in its own scratch copy (with the checkout's built extension)."""
+def slot_dir(slot: int | str) -> Path:
+    """The fixed scratch directory of one worker (see the module's docstring)."""
+    return Path(tempfile.gettempdir()) / f"qmm-mutant-slot-{slot}"
+
+
+def _refresh(root: Path, dest: Path, with_extension: bool) -> None:
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    scratch_copy(root, dest, with_extension)
+
+
+def run_one(mutant: Mutant, root: Path = ROOT, timeout: float = 900, keep: bool = False,
+            slot: int | str | None = None) -> Result:
+    """A Metal or Python mutant in a scratch copy (with the checkout's built extension): the slot's
+    fixed directory when a slot is given, else a fresh temporary one."""
     start = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=f"qmm-mutant-{mutant.name}-"))
-    try:
+    if slot is None:
+        tmp = Path(tempfile.mkdtemp(prefix=f"qmm-mutant-{mutant.name}-"))
         scratch_copy(root, tmp, with_extension=True)
+    else:
+        tmp = slot_dir(slot)
+        _refresh(root, tmp, with_extension=True)
+    try:
         try:
             apply(mutant, tmp)
         except ValueError as e:
@@ -238,8 +266,21 @@ def run_one(mutant: Mutant, root: Path = ROOT, timeout: float = 900, keep: bool 
     finally:
         if keep:
             print(f"kept {tmp}", file=sys.stderr)
-        else:
+        elif slot is None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sync(root: Path, dest: Path) -> None:
+    """dest's tracked files made equal to the checkout's, touching only those that differ (so the
+    build directory's timestamps stay valid and ninja rebuilds only what changed)."""
+    for rel in _tracked_files(root):
+        src, dst = root / rel, dest / rel
+        if not src.is_file():
+            continue
+        if dst.is_file() and dst.read_bytes() == src.read_bytes():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)  # a new mtime: ninja rebuilds what depends on it
 
 
 def run_cpp(mutants: list[Mutant], root: Path = ROOT, timeout: float = 900, keep: bool = False,
@@ -247,11 +288,11 @@ def run_cpp(mutants: list[Mutant], root: Path = ROOT, timeout: float = 900, keep
     """C++ mutants one after another in one scratch copy: built once in full, then each mutant is
     applied, rebuilt incrementally, tested and reverted."""
     env = _env()
-    tmp = Path(tempfile.mkdtemp(prefix="qmm-mutants-cpp-"))
+    tmp = slot_dir("cpp")
     results = []
     try:
-        scratch_copy(root, tmp, with_extension=False)
-        b = _build(tmp, env, timeout * 4)
+        _sync(root, tmp)
+        b = _build(tmp, env, timeout * 8)
         if b.returncode != 0:
             raise RuntimeError("the unmutated scratch copy does not build:\n" + b.stderr[-3000:])
         for m in mutants:
@@ -277,24 +318,44 @@ def run_cpp(mutants: list[Mutant], root: Path = ROOT, timeout: float = 900, keep
                 on_result(r)
         return results
     finally:
-        if keep:
-            print(f"kept {tmp}", file=sys.stderr)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"the C++ scratch copy stays in {tmp} (its build directory is reused next time)", file=sys.stderr)
 
 
 def run(mutants: list[Mutant], jobs: int = 1, root: Path = ROOT, timeout: float = 900, keep: bool = False,
         on_result=None) -> list[Result]:
-    """Every mutant: the fast ones `jobs` at a time, then the C++ ones (run_cpp). Results in list order."""
+    """Every mutant: the fast ones `jobs` at a time (one slot directory each), then the C++ ones
+    (run_cpp). Results in list order."""
+    slots: queue.Queue = queue.Queue()
+    locks = []  # held while this run uses the slots (another run at the same time takes others)
+    i = 0
+    while len(locks) < max(1, jobs):
+        f = open(Path(tempfile.gettempdir()) / f"qmm-mutant-slot-{i}.lock", "w")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+        else:
+            locks.append(f)
+            slots.put(i)
+        i += 1
+
     def one(m):
-        r = run_one(m, root, timeout, keep)
+        slot = slots.get()
+        try:
+            r = run_one(m, root, timeout, keep, slot=slot)
+        finally:
+            slots.put(slot)
         if on_result is not None:
             on_result(r)
         return r
 
     fast = [m for m in mutants if not m.needs_build]
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        done = dict(zip(fast, pool.map(one, fast)))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            done = dict(zip(fast, pool.map(one, fast)))
+    finally:
+        for f in locks:
+            f.close()
     cpp = [m for m in mutants if m.needs_build]
     if cpp:
         done.update(zip(cpp, run_cpp(cpp, root, timeout, keep, on_result)))
@@ -308,5 +369,9 @@ def table(results: list[Result]) -> str:
         rows.append(f"| {r.mutant.name} | {r.mutant.area} | {r.mutant.file} | {r.status} | {r.killed_by} | {r.how} "
                     f"| {r.seconds:.0f} | {cpu} |")
     killed = sum(r.status == "killed" for r in results)
-    rows.append(f"\n{killed} of {len(results)} killed")
+    finished = sum(r.status in ("killed", "survived") for r in results)
+    rate = f" ({100 * killed / finished:.0f}% of the {finished} that finished)" if finished else ""
+    others = {s: sum(r.status == s for r in results) for s in ("timeout", "crashed", "error")}
+    rows.append(f"\n{killed} of {len(results)} killed{rate}; "
+                + ", ".join(f"{n} {s}" for s, n in others.items()) + " (none of them counted as killed)")
     return "\n".join(rows)
