@@ -29,7 +29,8 @@ message or metalsim's checked mode), never timing or traffic bounds.
 The time limit per mutant is a CPU-time budget (the pytest process and all its descendants, from
 /proc), not a wall-clock one: on a shared machine the wall time of the same tests grows with the
 load while their CPU time does not, so a limit in CPU seconds holds under load. A wall-clock cap
-of WALL_FACTOR times the budget still stops tests that hang without using the CPU. Where /proc is
+of WALL_FACTOR times the budget (or the `wall` seconds given: on a machine so loaded that a CPU
+second takes many wall seconds) still stops tests that hang without using the CPU. Where /proc is
 missing the budget is applied to wall time.
 """
 
@@ -153,7 +154,8 @@ def _cpu_seconds(root_pid: int) -> float | None:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _run_limited(cmd: list[str], tree: Path, env: dict, budget: float) -> tuple[int | None, str, str, float | None]:
+def _run_limited(cmd: list[str], tree: Path, env: dict, budget: float,
+                 wall_limit: float | None = None) -> tuple[int | None, str, str, float | None]:
     """Runs cmd; (exit status, or None when it used more than `budget` CPU seconds or ran past
     WALL_FACTOR * budget wall seconds; the limit's description; output; CPU seconds used)."""
     with tempfile.TemporaryFile("w+") as out:
@@ -176,7 +178,7 @@ def _run_limited(cmd: list[str], tree: Path, env: dict, budget: float) -> tuple[
             wall = time.monotonic() - t0
             if cpu is not None and cpu > budget:
                 limit = f"used more than {budget:.0f} CPU seconds ({wall:.0f} s wall)"
-            elif wall > (budget if cpu is None else WALL_FACTOR * budget):
+            elif wall > (wall_limit or (budget if cpu is None else WALL_FACTOR * budget)):
                 limit = f"did not finish in {wall:.0f} s wall" + ("" if cpu is None else f" ({cpu:.0f} CPU s)")
             if limit:
                 os.killpg(p.pid, 9)  # its own session: pytest and what it started
@@ -186,10 +188,10 @@ def _run_limited(cmd: list[str], tree: Path, env: dict, budget: float) -> tuple[
         return (None if limit else status), limit, out.read(), cpu
 
 
-def _pytest(mutant: Mutant, tree: Path, env: dict, timeout: float, start: float) -> Result:
+def _pytest(mutant: Mutant, tree: Path, env: dict, timeout: float, start: float, wall: float | None = None) -> Result:
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly",
            *mutant.tests]
-    returncode, limit, out, cpu = _run_limited(cmd, tree, env, timeout)
+    returncode, limit, out, cpu = _run_limited(cmd, tree, env, timeout, wall)
     r = _classify(mutant, returncode, limit, out, start)
     r.cpu_seconds = cpu
     return r
@@ -247,7 +249,7 @@ def _refresh(root: Path, dest: Path, with_extension: bool) -> None:
 
 
 def run_one(mutant: Mutant, root: Path = ROOT, timeout: float = 900, keep: bool = False,
-            slot: int | str | None = None) -> Result:
+            slot: int | str | None = None, wall: float | None = None) -> Result:
     """A Metal or Python mutant in a scratch copy (with the checkout's built extension): the slot's
     fixed directory when a slot is given, else a fresh temporary one."""
     start = time.monotonic()
@@ -262,7 +264,7 @@ def run_one(mutant: Mutant, root: Path = ROOT, timeout: float = 900, keep: bool 
             apply(mutant, tmp)
         except ValueError as e:
             return Result(mutant, "error", detail=str(e), seconds=time.monotonic() - start)
-        return _pytest(mutant, tmp, _env(), timeout, start)
+        return _pytest(mutant, tmp, _env(), timeout, start, wall)
     finally:
         if keep:
             print(f"kept {tmp}", file=sys.stderr)
@@ -284,7 +286,7 @@ def _sync(root: Path, dest: Path) -> None:
 
 
 def run_cpp(mutants: list[Mutant], root: Path = ROOT, timeout: float = 900, keep: bool = False,
-            on_result=None) -> list[Result]:
+            on_result=None, wall: float | None = None) -> list[Result]:
     """C++ mutants one after another in one scratch copy: built once in full, then each mutant is
     applied, rebuilt incrementally, tested and reverted."""
     env = _env()
@@ -310,7 +312,7 @@ def run_cpp(mutants: list[Mutant], root: Path = ROOT, timeout: float = 900, keep
                         r = Result(m, "error", detail="build failed:\n" + (b.stdout + b.stderr)[-3000:],
                                    seconds=time.monotonic() - start)
                     else:
-                        r = _pytest(m, tmp, env, timeout, start)
+                        r = _pytest(m, tmp, env, timeout, start, wall)
                 finally:
                     path.write_text(original)
             results.append(r)
@@ -322,7 +324,7 @@ def run_cpp(mutants: list[Mutant], root: Path = ROOT, timeout: float = 900, keep
 
 
 def run(mutants: list[Mutant], jobs: int = 1, root: Path = ROOT, timeout: float = 900, keep: bool = False,
-        on_result=None) -> list[Result]:
+        on_result=None, wall: float | None = None) -> list[Result]:
     """Every mutant: the fast ones `jobs` at a time (one slot directory each), then the C++ ones
     (run_cpp). Results in list order."""
     slots: queue.Queue = queue.Queue()
@@ -342,7 +344,7 @@ def run(mutants: list[Mutant], jobs: int = 1, root: Path = ROOT, timeout: float 
     def one(m):
         slot = slots.get()
         try:
-            r = run_one(m, root, timeout, keep, slot=slot)
+            r = run_one(m, root, timeout, keep, slot=slot, wall=wall)
         finally:
             slots.put(slot)
         if on_result is not None:
@@ -358,7 +360,7 @@ def run(mutants: list[Mutant], jobs: int = 1, root: Path = ROOT, timeout: float 
             f.close()
     cpp = [m for m in mutants if m.needs_build]
     if cpp:
-        done.update(zip(cpp, run_cpp(cpp, root, timeout, keep, on_result)))
+        done.update(zip(cpp, run_cpp(cpp, root, timeout, keep, on_result, wall)))
     return [done[m] for m in mutants]
 
 
