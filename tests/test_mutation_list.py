@@ -1,6 +1,6 @@
 """The mutation harness's lists stay applicable: every mutant's text occurs exactly once in the
 checkout and its selection names test files that exist (python -m tests.mutation runs them).
-Checked for the curated list and the second and third audit lists (--fresh2, --fresh3); the first audit list
+Checked for the curated list and the second, third and fourth audit lists (--fresh2, --fresh3, --fresh4); the first audit list
 (--fresh) points into files that are rewritten often and is re-anchored when it is run."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from tests.mutation import ROOT
 from tests.mutation.fresh2_mutants import MUTANTS as FRESH2
 from tests.mutation.fresh3_mutants import MUTANTS as FRESH3
+from tests.mutation.fresh4_mutants import MUTANTS as FRESH4
 from tests.mutation.mutants import MUTANTS
 
 
@@ -21,9 +22,10 @@ def test_enough_mutants_in_every_area():
     assert len({m.name for m in MUTANTS}) == len(MUTANTS), "mutant names must be unique"
     assert len({m.name for m in FRESH2}) == len(FRESH2) >= 20
     assert len({m.name for m in FRESH3}) == len(FRESH3) >= 40
+    assert len({m.name for m in FRESH4}) == len(FRESH4) >= 40
 
 
-@pytest.mark.parametrize("mutant", MUTANTS + FRESH2 + FRESH3, ids=lambda m: m.name)
+@pytest.mark.parametrize("mutant", MUTANTS + FRESH2 + FRESH3 + FRESH4, ids=lambda m: m.name)
 def test_mutant_applies_once_and_names_existing_tests(mutant):
     text = (ROOT / mutant.file).read_text()
     assert text.count(mutant.old) == 1, f"{mutant.file}: the text to replace occurs {text.count(mutant.old)} times"

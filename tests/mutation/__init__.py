@@ -6,33 +6,45 @@ checkout, runs the tests meant to catch it, and reports which were killed and by
     python -m tests.mutation -k mma -j 2     # a selection, two at a time
     python -m tests.mutation --fresh2        # the second audit list (tests/mutation/fresh2_mutants.py)
     python -m tests.mutation --fresh3        # the third (tests/mutation/fresh3_mutants.py)
+    python -m tests.mutation --fresh4 -j 2 --timeout 300   # the fourth (tests/mutation/fresh4_mutants.py)
 
 A scratch copy holds the tracked files of the checkout (git ls-files) plus its built extension
-(torch_qmm/_C*.so), so the real checkout is never touched. The C++ mutants share one scratch copy
-built once from source (setup.py build_ext --inplace), then each is applied, rebuilt
-incrementally, tested and reverted. A mutant is killed when its tests fail (pytest exit status 1);
-survived when they pass; crashed when the test process dies (found, but not by an assertion:
-make the test run the call in a subprocess); an error when the patch no longer applies (the text it replaces is gone
-or not unique) or pytest could not run, which the harness reports as a failure too, so the list
-cannot go stale silently. The killing tests are output assertions (numeric, bitwise, route, error
+(torch_qmm/_C*.so), so the real checkout is never touched. Each of the `jobs` workers reuses one
+scratch directory at a fixed path (its slot, refreshed from the checkout for every mutant): metalsim
+caches its builds by the preprocessed source, whose line markers name the file's path, so at a
+fixed path the kernels a mutant does not touch are built once per slot and then found in the
+cache, while a mutated source hashes differently and is always built afresh. The C++ mutants
+share one scratch copy, also at a fixed path and kept between runs, so its build directory
+survives: built from source (setup.py build_ext --inplace) on first use, then each mutant is
+applied, rebuilt incrementally, tested and reverted.
+
+pytest runs with -x (a killed mutant stops at its first failing test) and without the cache
+provider. A mutant is killed when its tests fail (pytest exit status 1); survived when they pass;
+timeout when its tests ran past the limit below (not a kill: nothing failed); crashed when the
+test process dies (found, but not by an assertion: make the test run the call in a subprocess);
+an error when the patch no longer applies (the text it replaces is gone or not unique) or pytest
+could not run, which the harness reports as a failure too, so the list cannot go stale silently. The killing tests are output assertions (numeric, bitwise, route, error
 message or metalsim's checked mode), never timing or traffic bounds.
 
 The time limit per mutant is a CPU-time budget (the pytest process and all its descendants, from
 /proc), not a wall-clock one: on a shared machine the wall time of the same tests grows with the
 load while their CPU time does not, so a limit in CPU seconds holds under load. A wall-clock cap
-of WALL_FACTOR times the budget still stops tests that hang without using the CPU. Where /proc is
+of WALL_FACTOR times the budget (or the `wall` seconds given: on a machine so loaded that a CPU
+second takes many wall seconds) still stops tests that hang without using the CPU. Where /proc is
 missing the budget is applied to wall time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,7 +77,7 @@ class Mutant:
 @dataclasses.dataclass
 class Result:
     mutant: Mutant
-    status: str  # killed | survived | crashed | error
+    status: str  # killed | survived | timeout | crashed | error
     killed_by: str = ""
     how: str = ""  # the exception the killing test raised (AssertionError, ValueError, KernelFault, ...)
     seconds: float = 0.0  # wall clock, the scratch copy included
@@ -142,7 +154,8 @@ def _cpu_seconds(root_pid: int) -> float | None:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _run_limited(cmd: list[str], tree: Path, env: dict, budget: float) -> tuple[int | None, str, str, float | None]:
+def _run_limited(cmd: list[str], tree: Path, env: dict, budget: float,
+                 wall_limit: float | None = None) -> tuple[int | None, str, str, float | None]:
     """Runs cmd; (exit status, or None when it used more than `budget` CPU seconds or ran past
     WALL_FACTOR * budget wall seconds; the limit's description; output; CPU seconds used)."""
     with tempfile.TemporaryFile("w+") as out:
@@ -165,7 +178,7 @@ def _run_limited(cmd: list[str], tree: Path, env: dict, budget: float) -> tuple[
             wall = time.monotonic() - t0
             if cpu is not None and cpu > budget:
                 limit = f"used more than {budget:.0f} CPU seconds ({wall:.0f} s wall)"
-            elif wall > (budget if cpu is None else WALL_FACTOR * budget):
+            elif wall > (wall_limit or (budget if cpu is None else WALL_FACTOR * budget)):
                 limit = f"did not finish in {wall:.0f} s wall" + ("" if cpu is None else f" ({cpu:.0f} CPU s)")
             if limit:
                 os.killpg(p.pid, 9)  # its own session: pytest and what it started
@@ -175,18 +188,18 @@ def _run_limited(cmd: list[str], tree: Path, env: dict, budget: float) -> tuple[
         return (None if limit else status), limit, out.read(), cpu
 
 
-def _pytest(mutant: Mutant, tree: Path, env: dict, timeout: float, start: float) -> Result:
+def _pytest(mutant: Mutant, tree: Path, env: dict, timeout: float, start: float, wall: float | None = None) -> Result:
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly",
            *mutant.tests]
-    returncode, limit, out, cpu = _run_limited(cmd, tree, env, timeout)
+    returncode, limit, out, cpu = _run_limited(cmd, tree, env, timeout, wall)
     r = _classify(mutant, returncode, limit, out, start)
     r.cpu_seconds = cpu
     return r
 
 
 def _classify(mutant: Mutant, returncode: int | None, limit: str, out: str, start: float) -> Result:
-    if returncode is None:
-        return Result(mutant, "error", detail=f"the tests {limit}", seconds=time.monotonic() - start)
+    if returncode is None:  # stopped by the limit: not a kill, nothing failed
+        return Result(mutant, "timeout", detail=f"the tests {limit}", seconds=time.monotonic() - start)
     p = subprocess.CompletedProcess([], returncode)
     if p.returncode == 0:
         return Result(mutant, "survived", seconds=time.monotonic() - start)
@@ -224,34 +237,64 @@ def _build(tree: Path, env: dict, timeout: float) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_one(mutant: Mutant, root: Path = ROOT, timeout: float = 900, keep: bool = False) -> Result:
-    """A Metal or Python mutant in its own scratch copy (with the checkout's built extension)."""
+def slot_dir(slot: int | str) -> Path:
+    """The fixed scratch directory of one worker (see the module's docstring)."""
+    return Path(tempfile.gettempdir()) / f"qmm-mutant-slot-{slot}"
+
+
+def _refresh(root: Path, dest: Path, with_extension: bool) -> None:
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    scratch_copy(root, dest, with_extension)
+
+
+def run_one(mutant: Mutant, root: Path = ROOT, timeout: float = 900, keep: bool = False,
+            slot: int | str | None = None, wall: float | None = None) -> Result:
+    """A Metal or Python mutant in a scratch copy (with the checkout's built extension): the slot's
+    fixed directory when a slot is given, else a fresh temporary one."""
     start = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=f"qmm-mutant-{mutant.name}-"))
-    try:
+    if slot is None:
+        tmp = Path(tempfile.mkdtemp(prefix=f"qmm-mutant-{mutant.name}-"))
         scratch_copy(root, tmp, with_extension=True)
+    else:
+        tmp = slot_dir(slot)
+        _refresh(root, tmp, with_extension=True)
+    try:
         try:
             apply(mutant, tmp)
         except ValueError as e:
             return Result(mutant, "error", detail=str(e), seconds=time.monotonic() - start)
-        return _pytest(mutant, tmp, _env(), timeout, start)
+        return _pytest(mutant, tmp, _env(), timeout, start, wall)
     finally:
         if keep:
             print(f"kept {tmp}", file=sys.stderr)
-        else:
+        elif slot is None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _sync(root: Path, dest: Path) -> None:
+    """dest's tracked files made equal to the checkout's, touching only those that differ (so the
+    build directory's timestamps stay valid and ninja rebuilds only what changed)."""
+    for rel in _tracked_files(root):
+        src, dst = root / rel, dest / rel
+        if not src.is_file():
+            continue
+        if dst.is_file() and dst.read_bytes() == src.read_bytes():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)  # a new mtime: ninja rebuilds what depends on it
+
+
 def run_cpp(mutants: list[Mutant], root: Path = ROOT, timeout: float = 900, keep: bool = False,
-            on_result=None) -> list[Result]:
+            on_result=None, wall: float | None = None) -> list[Result]:
     """C++ mutants one after another in one scratch copy: built once in full, then each mutant is
     applied, rebuilt incrementally, tested and reverted."""
     env = _env()
-    tmp = Path(tempfile.mkdtemp(prefix="qmm-mutants-cpp-"))
+    tmp = slot_dir("cpp")
     results = []
     try:
-        scratch_copy(root, tmp, with_extension=False)
-        b = _build(tmp, env, timeout * 4)
+        _sync(root, tmp)
+        b = _build(tmp, env, timeout * 8)
         if b.returncode != 0:
             raise RuntimeError("the unmutated scratch copy does not build:\n" + b.stderr[-3000:])
         for m in mutants:
@@ -269,7 +312,7 @@ def run_cpp(mutants: list[Mutant], root: Path = ROOT, timeout: float = 900, keep
                         r = Result(m, "error", detail="build failed:\n" + (b.stdout + b.stderr)[-3000:],
                                    seconds=time.monotonic() - start)
                     else:
-                        r = _pytest(m, tmp, env, timeout, start)
+                        r = _pytest(m, tmp, env, timeout, start, wall)
                 finally:
                     path.write_text(original)
             results.append(r)
@@ -277,27 +320,47 @@ def run_cpp(mutants: list[Mutant], root: Path = ROOT, timeout: float = 900, keep
                 on_result(r)
         return results
     finally:
-        if keep:
-            print(f"kept {tmp}", file=sys.stderr)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"the C++ scratch copy stays in {tmp} (its build directory is reused next time)", file=sys.stderr)
 
 
 def run(mutants: list[Mutant], jobs: int = 1, root: Path = ROOT, timeout: float = 900, keep: bool = False,
-        on_result=None) -> list[Result]:
-    """Every mutant: the fast ones `jobs` at a time, then the C++ ones (run_cpp). Results in list order."""
+        on_result=None, wall: float | None = None) -> list[Result]:
+    """Every mutant: the fast ones `jobs` at a time (one slot directory each), then the C++ ones
+    (run_cpp). Results in list order."""
+    slots: queue.Queue = queue.Queue()
+    locks = []  # held while this run uses the slots (another run at the same time takes others)
+    i = 0
+    while len(locks) < max(1, jobs):
+        f = open(Path(tempfile.gettempdir()) / f"qmm-mutant-slot-{i}.lock", "w")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+        else:
+            locks.append(f)
+            slots.put(i)
+        i += 1
+
     def one(m):
-        r = run_one(m, root, timeout, keep)
+        slot = slots.get()
+        try:
+            r = run_one(m, root, timeout, keep, slot=slot, wall=wall)
+        finally:
+            slots.put(slot)
         if on_result is not None:
             on_result(r)
         return r
 
     fast = [m for m in mutants if not m.needs_build]
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        done = dict(zip(fast, pool.map(one, fast)))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            done = dict(zip(fast, pool.map(one, fast)))
+    finally:
+        for f in locks:
+            f.close()
     cpp = [m for m in mutants if m.needs_build]
     if cpp:
-        done.update(zip(cpp, run_cpp(cpp, root, timeout, keep, on_result)))
+        done.update(zip(cpp, run_cpp(cpp, root, timeout, keep, on_result, wall)))
     return [done[m] for m in mutants]
 
 
@@ -308,5 +371,9 @@ def table(results: list[Result]) -> str:
         rows.append(f"| {r.mutant.name} | {r.mutant.area} | {r.mutant.file} | {r.status} | {r.killed_by} | {r.how} "
                     f"| {r.seconds:.0f} | {cpu} |")
     killed = sum(r.status == "killed" for r in results)
-    rows.append(f"\n{killed} of {len(results)} killed")
+    finished = sum(r.status in ("killed", "survived") for r in results)
+    rate = f" ({100 * killed / finished:.0f}% of the {finished} that finished)" if finished else ""
+    others = {s: sum(r.status == s for r in results) for s in ("timeout", "crashed", "error")}
+    rows.append(f"\n{killed} of {len(results)} killed{rate}; "
+                + ", ".join(f"{n} {s}" for s, n in others.items()) + " (none of them counted as killed)")
     return "\n".join(rows)

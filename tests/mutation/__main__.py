@@ -1,4 +1,4 @@
-"""python -m tests.mutation [--cpp | --only-cpp] [--fresh | --fresh2 | --fresh3] [-k SUBSTRING] [--tests FILE] [-j JOBS] [--list] [--keep]
+"""python -m tests.mutation [--cpp | --only-cpp] [--fresh | --fresh2 | --fresh3 | --fresh4] [-k SUBSTRING] [--tests FILE] [-j JOBS] [--timeout CPU_S] [--wall S] [--list] [--keep]
 
 Exit status 0 only when every selected mutant is killed (see tests/mutation/__init__.py)."""
 
@@ -23,20 +23,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="use the second independent audit list (tests/mutation/fresh2_mutants.py)")
     ap.add_argument("--fresh3", action="store_true",
                     help="use the third independent audit list (tests/mutation/fresh3_mutants.py)")
+    ap.add_argument("--fresh4", action="store_true",
+                    help="use the fourth independent audit list (tests/mutation/fresh4_mutants.py)")
     ap.add_argument("-k", action="append", default=[], help="run mutants whose name contains this (repeatable)")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
     ap.add_argument("--timeout", type=float, default=900,
                     help="CPU seconds per mutant's tests, descendants included (default 900; the wall-clock cap is "
                          "8 times that)")
+    ap.add_argument("--wall", type=float, default=None, metavar="SECONDS",
+                    help="wall-clock limit per mutant's tests (default: 8 times --timeout); past it the mutant is "
+                         "a timeout, not a kill")
     ap.add_argument("--tests", action="append", default=[], metavar="FILE",
                     help="run these test files instead of each mutant's selection (repeatable)")
     ap.add_argument("--list", action="store_true", help="list the selected mutants and exit")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies (paths on stderr)")
     args = ap.parse_args(argv)
 
-    lists = [name for name in ("fresh", "fresh2", "fresh3") if getattr(args, name)]
+    lists = [name for name in ("fresh", "fresh2", "fresh3", "fresh4") if getattr(args, name)]
     if len(lists) > 1:
-        ap.error("give one of --fresh, --fresh2 and --fresh3")
+        ap.error("give one of --fresh, --fresh2, --fresh3 and --fresh4")
     mutants = importlib.import_module(f".{lists[0]}_mutants", __package__).MUTANTS if lists else MUTANTS
     chosen = [m for m in mutants if (m.area == "cpp") == args.only_cpp or (args.cpp and m.area == "cpp")]
     if args.k:
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.status:8s} {r.mutant.name} ({r.seconds:.0f} s) {r.killed_by} {r.how}{(': ' + r.detail) if r.detail else ''}",
               flush=True)
 
-    results = run(chosen, jobs=args.jobs, timeout=args.timeout, keep=args.keep, on_result=progress)
+    results = run(chosen, jobs=args.jobs, timeout=args.timeout, keep=args.keep, on_result=progress, wall=args.wall)
     print(table(results))
     return 0 if all(r.status == "killed" for r in results) else 1
 
