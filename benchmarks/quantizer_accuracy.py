@@ -50,6 +50,7 @@ def load(gguf: Path, cache: Path | None = None):
     import torch
 
     from torch_qmm.interop.cli_convert import _load_gguf, _uninitialized
+    from torch_qmm.interop.gguf import GGUFFile
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if cache is not None and (cache / "weights.pt").is_file():
@@ -57,7 +58,7 @@ def load(gguf: Path, cache: Path | None = None):
         model.load_state_dict(torch.load(cache / "weights.pt"), strict=True)
         model.tie_weights()
         return model.eval(), AutoTokenizer.from_pretrained(cache)
-    model = _load_gguf(gguf, torch.float32, keep_affine=False)[0]
+    model = _load_gguf(GGUFFile(gguf), torch.float32, keep_affine=False)[0]
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if cache is not None:
         cache.mkdir(parents=True, exist_ok=True)
@@ -83,12 +84,10 @@ def perplexity(model, ids, window: int) -> float:
 
 
 def method_of(spec: str):
-    """Method name of the table -> quantize_model's `method`."""
-    from torch_qmm.quantizers import AWQ, GPTQ
+    """Method name of the table -> quantize_model's `method` (a name of torch_qmm.quantizers.names())."""
+    from torch_qmm.quantizers import resolve
 
-    best_gptq = GPTQ(act_order=True, clip=True)
-    return {"gptq-act-order": GPTQ(act_order=True), "gptq-clip": best_gptq,
-            "awq-gptq": AWQ(gptq=best_gptq)}.get(spec, spec)
+    return resolve(spec).name
 
 
 def calibration_samples(args, model, tok) -> list:
@@ -252,7 +251,10 @@ def main() -> int:
         for flag, value in (("--lee", args.lee), ("--lee-test", args.lee_test), ("--cache", args.cache)):
             if value is not None:
                 cmd += [flag, str(value)]
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+        # Each configuration in a session of its own: with the kernel's autogroup scheduling the
+        # processes of one session share one CPU share, whatever their nice values.
+        out = subprocess.run(cmd, capture_output=True, text=True, start_new_session=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
             row = {"method": method, "bits": bits, "group_size": group, "error": out.stderr[-500:]}
