@@ -90,6 +90,25 @@ def method_of(spec: str):
     return resolve(spec).name
 
 
+def bits_of(spec: str, model):
+    """--configs bits: an int; mixedA.B, a MixedBits(A.B, low=3, high=4) budget by measured
+    sensitivity; mlxL_H, MLX-LM's fixed recipe mixed_L_H (quantizers.mixed.recipe) over the
+    model's linears except the head."""
+    from torch import nn
+
+    from torch_qmm.quantizers import MixedBits
+    from torch_qmm.quantizers.mixed import recipe
+
+    spec = str(spec)
+    if spec.startswith("mixed"):
+        return MixedBits(float(spec[5:]), low=3, high=4)
+    if spec.startswith("mlx"):
+        low, high = (int(b) for b in spec[3:].split("_"))
+        names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"]
+        return recipe(names, low, high)
+    return int(spec)
+
+
 def calibration_samples(args, model, tok) -> list:
     """--calibration sources (joined by '+'), --calib-tokens split evenly between them, in windows
     of --calib-len tokens. Never the held-out texts."""
@@ -162,7 +181,7 @@ def one(args) -> dict:
     import torch
 
     import torch_qmm
-    from torch_qmm.quantizers import MixedBits
+    from torch_qmm.quantizers import MixedBits, resolve
 
     torch.manual_seed(0)
     model, tok = load(args.gguf, args.cache)
@@ -170,9 +189,8 @@ def one(args) -> dict:
     row = {"method": args.one_method, "bits": args.one_bits, "group_size": args.one_group,
            "eval_tokens": {k: int(v.shape[1]) for k, v in heldout.items()}, "window": args.window}
     if args.one_method != "float":
-        bits = (MixedBits(float(args.one_bits[5:]), low=3, high=4) if str(args.one_bits).startswith("mixed")
-                else int(args.one_bits))
-        calibrated = args.one_method not in ("rtn", "mse") or isinstance(bits, MixedBits)
+        bits = bits_of(args.one_bits, model)
+        calibrated = resolve(args.one_method).calibrated or isinstance(bits, MixedBits)
         calib = calibration_samples(args, model, tok) if calibrated else None
         if calib is not None:
             row["calibration"] = args.calibration
@@ -185,7 +203,7 @@ def one(args) -> dict:
         row["quantize_s"] = round(time.perf_counter() - t0, 2)
         row["quantize_peak_rss_mib"] = round(_status_mib("VmHWM"), 1)
         row["quantize_extra_mib"] = round(row["quantize_peak_rss_mib"] - row["rss_before_quantize_mib"], 1)
-        if isinstance(bits, MixedBits):
+        if not isinstance(bits, int):
             qs = [m for m in model.modules() if isinstance(m, torch_qmm.nn.QuantLinear)]
             row["average_bits"] = sum(m.bits * m.in_features * m.out_features for m in qs) / sum(
                 m.in_features * m.out_features for m in qs)
