@@ -50,6 +50,7 @@ def load(gguf: Path, cache: Path | None = None):
     import torch
 
     from torch_qmm.interop.cli_convert import _load_gguf, _uninitialized
+    from torch_qmm.interop.gguf import GGUFFile
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if cache is not None and (cache / "weights.pt").is_file():
@@ -57,7 +58,7 @@ def load(gguf: Path, cache: Path | None = None):
         model.load_state_dict(torch.load(cache / "weights.pt"), strict=True)
         model.tie_weights()
         return model.eval(), AutoTokenizer.from_pretrained(cache)
-    model = _load_gguf(gguf, torch.float32, keep_affine=False)[0]
+    model = _load_gguf(GGUFFile(gguf), torch.float32, keep_affine=False)[0]
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if cache is not None:
         cache.mkdir(parents=True, exist_ok=True)
@@ -83,12 +84,29 @@ def perplexity(model, ids, window: int) -> float:
 
 
 def method_of(spec: str):
-    """Method name of the table -> quantize_model's `method`."""
-    from torch_qmm.quantizers import AWQ, GPTQ
+    """Method name of the table -> quantize_model's `method` (a name of torch_qmm.quantizers.names())."""
+    from torch_qmm.quantizers import resolve
 
-    best_gptq = GPTQ(act_order=True, clip=True)
-    return {"gptq-act-order": GPTQ(act_order=True), "gptq-clip": best_gptq,
-            "awq-gptq": AWQ(gptq=best_gptq)}.get(spec, spec)
+    return resolve(spec).name
+
+
+def bits_of(spec: str, model):
+    """--configs bits: an int; mixedA.B, a MixedBits(A.B, low=3, high=4) budget by measured
+    sensitivity; mlxL_H, MLX-LM's fixed recipe mixed_L_H (quantizers.mixed.recipe) over the
+    model's linears except the head."""
+    from torch import nn
+
+    from torch_qmm.quantizers import MixedBits
+    from torch_qmm.quantizers.mixed import recipe
+
+    spec = str(spec)
+    if spec.startswith("mixed"):
+        return MixedBits(float(spec[5:]), low=3, high=4)
+    if spec.startswith("mlx"):
+        low, high = (int(b) for b in spec[3:].split("_"))
+        names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"]
+        return recipe(names, low, high)
+    return int(spec)
 
 
 def calibration_samples(args, model, tok) -> list:
@@ -163,7 +181,7 @@ def one(args) -> dict:
     import torch
 
     import torch_qmm
-    from torch_qmm.quantizers import MixedBits
+    from torch_qmm.quantizers import MixedBits, resolve
 
     torch.manual_seed(0)
     model, tok = load(args.gguf, args.cache)
@@ -171,9 +189,8 @@ def one(args) -> dict:
     row = {"method": args.one_method, "bits": args.one_bits, "group_size": args.one_group,
            "eval_tokens": {k: int(v.shape[1]) for k, v in heldout.items()}, "window": args.window}
     if args.one_method != "float":
-        bits = (MixedBits(float(args.one_bits[5:]), low=3, high=4) if str(args.one_bits).startswith("mixed")
-                else int(args.one_bits))
-        calibrated = args.one_method not in ("rtn", "mse") or isinstance(bits, MixedBits)
+        bits = bits_of(args.one_bits, model)
+        calibrated = resolve(args.one_method).calibrated or isinstance(bits, MixedBits)
         calib = calibration_samples(args, model, tok) if calibrated else None
         if calib is not None:
             row["calibration"] = args.calibration
@@ -186,7 +203,7 @@ def one(args) -> dict:
         row["quantize_s"] = round(time.perf_counter() - t0, 2)
         row["quantize_peak_rss_mib"] = round(_status_mib("VmHWM"), 1)
         row["quantize_extra_mib"] = round(row["quantize_peak_rss_mib"] - row["rss_before_quantize_mib"], 1)
-        if isinstance(bits, MixedBits):
+        if not isinstance(bits, int):
             qs = [m for m in model.modules() if isinstance(m, torch_qmm.nn.QuantLinear)]
             row["average_bits"] = sum(m.bits * m.in_features * m.out_features for m in qs) / sum(
                 m.in_features * m.out_features for m in qs)
@@ -252,7 +269,10 @@ def main() -> int:
         for flag, value in (("--lee", args.lee), ("--lee-test", args.lee_test), ("--cache", args.cache)):
             if value is not None:
                 cmd += [flag, str(value)]
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+        # Each configuration in a session of its own: with the kernel's autogroup scheduling the
+        # processes of one session share one CPU share, whatever their nice values.
+        out = subprocess.run(cmd, capture_output=True, text=True, start_new_session=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
             row = {"method": method, "bits": bits, "group_size": group, "error": out.stderr[-500:]}

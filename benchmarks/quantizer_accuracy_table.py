@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the torch_qmm of this checkout
 
 
 def main(paths: list[str]) -> None:
@@ -14,8 +17,10 @@ def main(paths: list[str]) -> None:
     for r in rows:
         if r["method"] != "float" and (r["bits"], r["group_size"]) not in configs:
             configs.append((r["bits"], r["group_size"]))
-    order = ("rtn", "mse", "awq", "gptq", "gptq-act-order", "gptq-clip", "awq-gptq")
-    methods = [m for m in order if any(r["method"] == m for r in rows)]
+    from torch_qmm.quantizers import names
+
+    seen = {r["method"] for r in rows} - {"float"}
+    methods = [m for m in names() if m in seen] + sorted(seen - set(names()))
     print(f"float: {base:.2f}\n")
     print("| bits, group | " + " | ".join(methods) + " |")
     print("|---|" + "---|" * len(methods))

@@ -116,7 +116,7 @@ def quantize_model(
     filter_fn: Callable[[str, nn.Linear], bool] | None = None,
     dtype: torch.dtype | None = None,
     progress: bool | None = None,
-    method: str = "rtn",
+    method="rtn",
     calibration: Iterable | None = None,
     mode: str = "affine",
     experts: bool = True,
@@ -133,8 +133,9 @@ def quantize_model(
             also asked about the layers that are already quantized (QuantLinear, GGUFLinear).
         dtype: compute dtype of the quantized layers (default: each layer's weight dtype).
         progress: show a tqdm bar (default: when there are many layers).
-        method: "rtn" (MLX's round-to-nearest, bit for bit), "mse", "awq" or "gptq" (or a
-            torch_qmm.quantizers.GPTQ with options); all write the same affine format (the fp modes
+        method: a name of torch_qmm.quantizers.names(): "rtn" (MLX's round-to-nearest, bit for
+            bit), "mse", "awq", "gptq", "gptq-clip", "awq-gptq"; or torch_qmm.quantizers.GPTQ(...) /
+            AWQ(...) options; all write the same affine format (the fp modes
             take rtn only). See torch_qmm.quantizers. `bits` may also be a mapping name -> bits or
             a MixedBits budget (affine).
         calibration: model inputs (token-id tensors [1, T] or dicts of model kwargs) for awq/gptq
@@ -154,7 +155,10 @@ def quantize_model(
     other format (or with per-layer bits) ValueError names each of them and both formats, before
     anything is changed.
     """
-    per_layer = method != "rtn" or (bits is not None and type(bits) is not int) or calibration is not None
+    from .quantizers import resolve
+
+    per_layer = (resolve(method).kind != "rtn" or (bits is not None and type(bits) is not int)
+                 or calibration is not None)
     # Per-layer bits (a mapping or a budget) are checked by the quantizers.
     uniform_bits, group_size = resolve_format(mode, bits if bits is None or type(bits) is int else None, group_size)
     if bits is None or type(bits) is int:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import reference
+from .. import quantizers, reference
 from ..cli_errors import UsageError
 from ..convert import quantize_model
 from ..formats import FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
@@ -76,8 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for GGUF)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing non-empty DST (only once the new folder is complete)")
-    parser.add_argument("--method", choices=["rtn", "mse", "awq", "gptq"], default="rtn",
-                        help="quantizer (default rtn: MLX's, bit for bit); all write the same format")
+    parser.add_argument("--method", choices=quantizers.names(), default="rtn",
+                        help="quantizer; all write the same format. " + quantizers.help_text())
     parser.add_argument("--calibration", type=Path, default=None, metavar="FILE.txt",
                         help="plain text for awq/gptq, tokenized with the model's tokenizer")
 
@@ -211,7 +211,7 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool):
 def _calibration(args: argparse.Namespace, is_gguf: bool):
     """Token-id windows of --calibration (None without it); awq/gptq require it."""
     if args.calibration is None:
-        if args.method in ("awq", "gptq"):
+        if quantizers.resolve(args.method).calibrated:
             raise UsageError(f"--method {args.method} needs --calibration FILE.txt (plain text)")
         return None
     if not args.calibration.is_file():

@@ -51,15 +51,16 @@ class TorchQmmConfig(QuantizationConfigMixin):
         mode: "affine" (default), or an fp mode of torch_qmm.formats.FORMATS ("mxfp4", "nvfp4", ...).
         modules_to_not_convert: module names (or name suffixes) kept in float; None: transformers'
             default (the output head, tied weights, keep-in-fp32 modules).
-        method: the quantizer, "rtn" (MLX's, default), "mse", "awq" or "gptq" (torch_qmm.quantizers);
-            the saved format is the same for all, so reloading ignores it.
+        method: the quantizer: a name of torch_qmm.quantizers.names() ("rtn", MLX's, default; "mse",
+            "awq", "gptq", ...) or GPTQ(...) / AWQ(...) options; the saved format is the same for
+            all, so reloading ignores it (the saved config names the method's kind).
         calibration: model inputs for awq/gptq (token-id tensors [1, T]); not saved.
     """
 
     def __init__(self, bits: int | Mapping[str, int] | MixedBits | None = None, group_size: int | None = None,
-                 modules_to_not_convert: list[str] | None = None, method: str = "rtn", calibration: Any = None,
+                 modules_to_not_convert: list[str] | None = None, method: Any = "rtn", calibration: Any = None,
                  mode: str = "affine", mixed_bits: dict | None = None, **kwargs: Any) -> None:
-        from ..quantizers import METHODS
+        from ..quantizers import resolve
 
         if mixed_bits is not None:  # a MixedBits budget as to_dict writes it
             if bits is not None or not isinstance(mixed_bits, dict):
@@ -82,8 +83,7 @@ class TorchQmmConfig(QuantizationConfigMixin):
             else:
                 raise TypeError(f"argument 'bits' must be an int, a mapping name -> bits or MixedBits, "
                                 f"got {type(bits).__name__}")
-        if method not in METHODS:
-            raise ValueError(f"argument 'method' must be one of {METHODS}, got {method!r}")
+        resolve(method)  # a registered name or GPTQ(...) / AWQ(...) options, else ValueError / TypeError
         self.quant_method = QUANT_METHOD
         self.bits = default_bits if uniform else bits
         self.group_size = group_size
@@ -91,6 +91,13 @@ class TorchQmmConfig(QuantizationConfigMixin):
         self.modules_to_not_convert = modules_to_not_convert
         self.method = method
         self.calibration = calibration
+
+    @property
+    def method_name(self) -> str:
+        """The method's registered name (for options, their kind: "gptq" / "awq")."""
+        from ..quantizers import resolve
+
+        return resolve(self.method).name
 
     def layer_bits(self, name: str) -> int:
         """The bits of a saved layer (reloading)."""
@@ -104,7 +111,7 @@ class TorchQmmConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict[str, Any]:
         out = {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size, "mode": self.mode,
-               "modules_to_not_convert": self.modules_to_not_convert, "method": self.method}
+               "modules_to_not_convert": self.modules_to_not_convert, "method": self.method_name}
         if isinstance(self.bits, MixedBits):
             out["bits"], out["mixed_bits"] = None, dataclasses.asdict(self.bits)
         return out

@@ -3,10 +3,15 @@
 
     torch_qmm.quantize_model(model, bits=4, group_size=64, method="gptq", calibration=[ids, ...])
     torch_qmm.quantize_model(model, bits=MixedBits(4.5, low=4, high=6), method="mse")
+
+Methods by name (torch_qmm.quantizers.names(), methods.py): rtn, mse, awq, gptq and the presets
+gptq-clip and awq-gptq; other option sets as GPTQ(...) / AWQ(...).
 """
 
 from .generated import generate_calibration
 from .mixed import MixedBits
-from .plan import AWQ, CALIBRATED, DATA_FREE, GPTQ, METHODS, Plan, prepare
+from .methods import AWQ, GPTQ, REGISTRY, Method, help_text, names, register, resolve
+from .plan import Plan, prepare
 
-__all__ = ["AWQ", "CALIBRATED", "DATA_FREE", "GPTQ", "METHODS", "MixedBits", "Plan", "generate_calibration", "prepare"]
+__all__ = ["AWQ", "GPTQ", "REGISTRY", "Method", "MixedBits", "Plan", "generate_calibration", "help_text", "names", "prepare",
+           "register", "resolve"]

@@ -13,8 +13,13 @@ import torch
 from .. import reference
 from ..ops import quantize as rtn_quantize
 
-# Rows packed at a time (reference.pack expands every code into its bits).
-_PACK_ROWS = 2048
+# Codes packed or unpacked at a time: reference.pack / unpack expand every code into its bits as
+# int64, so a chunk of this many codes takes about CHUNK_CODES * bits * 8 bytes while it is worked on.
+CHUNK_CODES = 1 << 18
+
+
+def _rows_per_chunk(cols: int) -> int:
+    return max(1, CHUNK_CODES // max(cols, 1))
 
 
 def levels(bits: int) -> float:
@@ -38,13 +43,15 @@ def stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, bits: int, dtype: torch.dtype):
     """Codes [rows, cols] and scale/bias [rows, G] -> the affine triple (wq uint32, scales, biases)."""
     q = q.to(torch.int64)
-    wq = torch.cat([reference.pack(q[i:i + _PACK_ROWS], bits) for i in range(0, q.shape[0], _PACK_ROWS)])
+    step = _rows_per_chunk(q.shape[1])
+    wq = torch.cat([reference.pack(q[i:i + step], bits) for i in range(0, q.shape[0], step)])
     return wq, scale.to(dtype), bias.to(dtype)
 
 
 def unpack_codes(wq: torch.Tensor, bits: int) -> torch.Tensor:
     """Packed words -> float32 codes [rows, cols] (row-chunked reference.unpack)."""
-    return torch.cat([reference.unpack(wq[i:i + _PACK_ROWS], bits) for i in range(0, wq.shape[0], _PACK_ROWS)]).float()
+    step = _rows_per_chunk(wq.shape[1] * 32 // bits)
+    return torch.cat([reference.unpack(wq[i:i + step], bits).float() for i in range(0, wq.shape[0], step)])
 
 
 def decode(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -115,3 +115,38 @@ def assign(budget: MixedBits, layers: dict[str, nn.Linear], sens: dict[str, tupl
             out[n] = high
             allowance -= cost
     return out
+
+
+# Layers that MLX-LM's mixed recipes (mlx_lm convert --quant-predicate mixed_3_4 / mixed_3_6 / ...)
+# give the high width in the blocks that get more bits.
+RECIPE_HIGH_LAYERS = ("v_proj", "down_proj")
+
+
+def recipe(names: list[str], low: int, high: int) -> dict[str, int]:
+    """MLX-LM's fixed mixed recipe as a bits mapping: v_proj and down_proj get `high` bits in block
+    i of n when i < n // 8, i >= 7n // 8 or (i - n // 8) % 3 == 2 (the first and last eighth of the
+    blocks and every third block between, after llama.cpp's Q4_K_M choices); every other layer gets
+    `low`; an output head named lm_head gets `high`. The block index is a name's first all-digit component (model.layers.<i>.mlp.down_proj)."""
+    check_format(low, 32)
+    check_format(high, 32)
+
+    def block(name: str) -> int | None:
+        return next((int(p) for p in name.split(".") if p.isdigit()), None)
+
+    indices = [i for i in map(block, names) if i is not None]
+    if not indices:
+        raise ValueError(f"a mixed recipe needs layers inside numbered blocks, got e.g. {names[:3]}")
+    n = max(indices) + 1
+    out = {}
+    for name in names:
+        i = block(name)
+        leaf = name.rpartition(".")[2]
+        more = i is not None and (i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2)
+        out[name] = high if (more and leaf in RECIPE_HIGH_LAYERS) or leaf == "lm_head" else low
+    return out
+
+
+def average_bits(bits: Mapping[str, int], layers: Mapping[str, nn.Linear]) -> float:
+    """The parameter-weighted average code bits of a bits mapping."""
+    sizes = {n: layers[n].weight.numel() for n in bits}
+    return sum(bits[n] * sizes[n] for n in bits) / sum(sizes.values())

@@ -9,7 +9,6 @@ on the outputs of the quantized model; the packed results wait here until the sw
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
@@ -21,40 +20,7 @@ from ..nn import QuantLinear
 from ..ops import dequantize
 from . import awq, calibration as cal, gptq, mixed, mse
 from .affine import rtn as rtn_codes
-
-DATA_FREE = ("rtn", "mse")
-CALIBRATED = ("awq", "gptq")
-METHODS = DATA_FREE + CALIBRATED
-
-
-@dataclass(frozen=True)
-class GPTQ:
-    """gptq options: damp, the fraction of the mean Hessian diagonal added to it; act_order, visit
-    columns by decreasing activation energy (the stored format is the same either way); clip,
-    choose each group's scale and bias by the mse search weighted by the inputs' energy instead of
-    the min/max range."""
-
-    damp: float = 0.01
-    act_order: bool = False
-    clip: bool = False
-
-    def __post_init__(self):
-        if not (isinstance(self.damp, (int, float)) and 0 < self.damp < 1):
-            raise ValueError(f"argument 'damp' must be in (0, 1), got {self.damp!r}")
-
-
-@dataclass(frozen=True)
-class AWQ:
-    """awq options: gptq, GPTQ options to quantize each scaled layer with GPTQ's error feedback
-    (on the Hessian of its scaled inputs) instead of the activation-weighted mse search; None
-    (default) for the mse search."""
-
-    gptq: GPTQ | None = None
-
-    def __post_init__(self):
-        if self.gptq is not None and not isinstance(self.gptq, GPTQ):
-            raise TypeError(f"argument 'gptq' must be a GPTQ or None, got {type(self.gptq).__name__}")
-
+from .methods import AWQ, GPTQ, resolve
 
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -105,18 +71,6 @@ class Plan:
             layer.weight.copy_(dequantize(*result, group_size=self.group_size, bits=self.bits[name]).to(layer.weight.dtype))
 
 
-def _method(method) -> tuple[str, GPTQ | AWQ | None]:
-    """(name, options): options are GPTQ for gptq, AWQ for awq, None for the data-free methods."""
-    if isinstance(method, GPTQ):
-        return "gptq", method
-    if isinstance(method, AWQ):
-        return "awq", method
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"argument 'method' must be one of {METHODS} (or torch_qmm.quantizers.GPTQ(...) / "
-                         f"AWQ(...)), got {method!r}")
-    return method, {"gptq": GPTQ(), "awq": AWQ()}.get(method)
-
-
 def _bits(bits, group_size: int, layers: dict[str, nn.Linear]) -> dict[str, int] | mixed.MixedBits:
     if isinstance(bits, bool):
         raise TypeError(f"argument 'bits' must be an int, a mapping name -> bits or MixedBits, got {bits!r}")
@@ -137,24 +91,25 @@ def prepare(model: nn.Module, layers: list[tuple[str, nn.Linear]], bits, group_s
             calibration: Iterable | None, dtype: torch.dtype | None, progress: bool) -> Plan:
     """Checks the arguments, assigns bits, and runs the calibrated pass if the method has one.
     `layers`: (name, layer) of every layer to quantize, each layer once."""
-    method, options = _method(method)
+    resolved_method = resolve(method)
+    method, options, calibrated = resolved_method.kind, resolved_method.options, resolved_method.calibrated
     unique = dict(layers)
     resolved = _bits(bits, group_size, unique)
     budget = isinstance(resolved, mixed.MixedBits)
-    if method in CALIBRATED and calibration is None:
-        raise ValueError(f"method={method!r} needs calibration data: pass calibration= an iterable of model "
+    if calibrated and calibration is None:
+        raise ValueError(f"method={resolved_method.name!r} needs calibration data: pass calibration= an iterable of model "
                          "inputs (token-id tensors [1, T] or dicts of model kwargs)")
-    if calibration is not None and method not in CALIBRATED and not budget:
+    if calibration is not None and not calibrated and not budget:
         warnings.warn(f"method={method!r} is data-free: argument 'calibration' is ignored", stacklevel=3)
     # Calibration also measures the sensitivities of a MixedBits budget, whatever the method.
-    data = cal.samples(calibration) if calibration is not None and (method in CALIBRATED or budget) else None
+    data = cal.samples(calibration) if calibration is not None and (calibrated or budget) else None
     plan = Plan(method, {}, group_size, dtype)
     if isinstance(resolved, mixed.MixedBits):
         low, high = resolved.widths()
         sens = mixed.sensitivities(model, unique, low, high, group_size, plan.dtype_of, data)
         resolved = mixed.assign(resolved, unique, sens)
     plan.bits = resolved
-    if method in CALIBRATED and unique:
+    if calibrated and unique:
         with tqdm(total=len(unique), desc=f"quantizing ({method})", unit="layer", disable=not progress) as bar:
             if method == "gptq":
                 _gptq_pass(model, unique, data, plan, options, bar)
