@@ -102,9 +102,10 @@ def quantized_matmul(
     bits, group_size = _params(mode, bits, group_size)
     _activations.check_activations(activations)
     kind = activations
-    if kind is None and _activations._current is not None:
+    current = _activations.current_activations() if kind is None else None
+    if current is not None:
         applies = mode == "affine" and transpose and x.device.type == "cpu"
-        kind = _activations._current if applies else None
+        kind = current if applies else None
     if kind == "int8":
         if x.device.type != "cpu":
             raise ValueError(f"argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
