@@ -91,6 +91,7 @@ TORCH_LIBRARY_IMPL(torch_qmm, Meta, m) {
   m.impl("gather_qmm", &gather_qmm_meta);
   m.impl("gguf_qmm", &gguf_qmm_meta);
   m.impl("qmm_int8_activations", &qmm_int8_activations_meta);
+  m.impl("gguf_qmm_int8_activations", &gguf_qmm_meta);
 }
 
 }  // namespace torch_qmm

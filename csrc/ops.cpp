@@ -48,6 +48,8 @@ TORCH_LIBRARY(torch_qmm, m) {
   m.def(
       "qmm_int8_activations(Tensor x, Tensor wq, Tensor scales, Tensor? biases, str mode, int bits, "
       "int group_size) -> Tensor");
+  // gguf_qmm with x quantized to int8 per block of 32: the same opt-in (csrc/cpu/actq_gguf.cpp).
+  m.def("gguf_qmm_int8_activations(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> Tensor");
   // The format table (csrc/format_spec.h) as JSON, read once by torch_qmm/formats.py.
   m.def("_formats() -> str");
   // The Metal planner (csrc/plan*.cpp), for executors and tests: JSON launch lists, routing table.
@@ -65,6 +67,7 @@ TORCH_LIBRARY(torch_qmm, m) {
       "_cpu_route(Tensor x, Tensor wq, Tensor scales, Tensor? biases, int bits, int group_size, "
       "bool transpose=True, str mode=\"affine\") -> str");
   m.def("_gguf_cpu_route(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> str");
+  m.def("_gguf_cpu_route_int8_activations(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> str");
   m.def(
       "_cpu_route_int8_activations(Tensor x, Tensor wq, Tensor scales, Tensor? biases, str mode, int bits, "
       "int group_size) -> str");

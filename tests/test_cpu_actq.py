@@ -191,3 +191,43 @@ def test_compiles_fullgraph_and_follows_the_setting():
     layer = QuantLinear.from_linear(torch.nn.Linear(256, 32), bits=4, group_size=64, activations="int8")
     cl = torch.compile(layer, fullgraph=True)
     assert torch.equal(cl(x), layer(x))
+
+
+def test_the_setting_is_per_thread():
+    """A block in one thread leaves another thread's calls exact, and a new thread starts exact,
+    as torch.no_grad (both threads call while the block is open: barriers order the calls)."""
+    import threading
+
+    wq, s, b, _ = make(32, 256, 4, 64)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
+    exact = ops.qmm(x, wq, s, b, "affine", 4, 64, True)
+    int8 = ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 64)
+    assert not torch.equal(exact, int8)  # the check below could not tell them apart otherwise
+    inside, outside = threading.Barrier(2), threading.Barrier(2)
+    seen = {}
+
+    def call():
+        return torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=4)
+
+    def quantizing():
+        with torch_qmm.activation_quantization("int8"):
+            inside.wait()
+            seen["quantizing"] = call()
+            outside.wait()
+        seen["quantizing, after"] = call()
+
+    def other():
+        inside.wait()
+        seen["other"] = call()
+        seen["other, current"] = torch_qmm.activations.current_activations()
+        outside.wait()
+
+    threads = [threading.Thread(target=quantizing), threading.Thread(target=other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert torch.equal(seen["quantizing"], int8)
+    assert torch.equal(seen["other"], exact)
+    assert seen["other, current"] is None
+    assert torch.equal(seen["quantizing, after"], exact)

@@ -7,8 +7,9 @@ measured error are in docs/activation-quantization.md. Never the default.
         y = model(x)                                   # every affine CPU qmm of the block
     layer = QuantLinear(..., activations="int8")       # this layer, always
 
-The setting is a module global read when quantized_matmul runs (so torch.compile guards on it and
-recompiles when it changes), shared by all threads. It applies to affine-mode, transpose=True
+The setting is per thread, as torch.no_grad's: a block in one thread leaves the calls of other
+threads as they are (a new thread starts exact). It is read when quantized_matmul runs, so
+torch.compile guards on it and recompiles when it changes. It applies to affine-mode, transpose=True
 calls on CPU tensors; other calls stay exact (an explicit ``activations="int8"`` argument raises
 for them instead).
 """
@@ -16,10 +17,12 @@ for them instead).
 from __future__ import annotations
 
 import contextlib
+import threading
 
 KINDS = ("int8",)
 
-_current: str | None = None
+# .kind: the setting of the calling thread (unset: None, exact).
+_state = threading.local()
 
 
 def check_activations(kind, name: str = "activations") -> None:
@@ -30,17 +33,16 @@ def check_activations(kind, name: str = "activations") -> None:
 
 def current_activations() -> str | None:
     """The activation quantization in effect: None (exact) or a kind of KINDS."""
-    return _current
+    return getattr(_state, "kind", None)
 
 
 @contextlib.contextmanager
 def activation_quantization(kind: str | None = "int8"):
     """Within the block, affine CPU quantized_matmul calls quantize x to `kind` ("int8"); None:
     exact (e.g. to exempt a region inside an outer block)."""
-    global _current
     check_activations(kind, "kind")
-    previous, _current = _current, kind
+    previous, _state.kind = current_activations(), kind
     try:
         yield
     finally:
-        _current = previous
+        _state.kind = previous

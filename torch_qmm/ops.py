@@ -102,9 +102,10 @@ def quantized_matmul(
     bits, group_size = _params(mode, bits, group_size)
     _activations.check_activations(activations)
     kind = activations
-    if kind is None and _activations._current is not None:
+    current = _activations.current_activations() if kind is None else None
+    if current is not None:
         applies = mode == "affine" and transpose and x.device.type == "cpu"
-        kind = _activations._current if applies else None
+        kind = current if applies else None
     if kind == "int8":
         if x.device.type != "cpu":
             raise ValueError(f"argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
@@ -155,17 +156,29 @@ def gather_qmm(
     )
 
 
-def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int) -> torch.Tensor:
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int,
+                activations: str | None = None) -> torch.Tensor:
     """y = x @ W.T with W [N, K] stored as GGUF blocks (Q4_K = 12, Q6_K = 14), decoded in-kernel.
 
     Args:
         x: float32/float16/bfloat16 [..., K], K a multiple of 256.
         blocks: uint8 [N, K/256 * block_bytes] (144 bytes per Q4_K super-block, 210 per Q6_K),
             each row the super-blocks of one row of W as llama.cpp writes them.
+        activations: "int8": x quantized to int8 per block of 32 (torch_qmm.activations; CPU
+            only; approximate). None: torch_qmm.activation_quantization's setting for CPU calls,
+            else exact.
 
     Returns:
         y [..., N] in x's dtype, accumulated in float32.
     """
+    _activations.check_activations(activations)
+    kind = activations
+    if kind is None and x.device.type == "cpu":
+        kind = _activations.current_activations()
+    if kind == "int8":
+        if x.device.type != "cpu":
+            raise ValueError(f"argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
+        return _ops.gguf_qmm_int8_activations(x, blocks, ggml_type, N, K)
     return _ops.gguf_qmm(x, blocks, ggml_type, N, K)
 
 

@@ -15,6 +15,7 @@
 
 #include "../gguf_format.h"
 #include "chunk_driver.h"
+#include "gguf_fields.h"
 #include "qmm_kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -29,11 +30,7 @@ namespace {
 
 using namespace chunk;
 
-inline float f16_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return float(c10::Half(h, c10::Half::from_bits()));
-}
+using gguf_fields::f16_at;
 
 // Field j (0..7) of the 4-bit nibbles of a 32-byte load, in place: w & (15 << 4j) = q * 16^j
 // (j = 7: shifted down, to stay below 2^31 for the signed convert).
@@ -72,17 +69,11 @@ struct Q4K {
     }
   }
 
-  // d*sc[0..7] into sd, dmin*m[0..7] as the returned vector (gguf::q4k_scale_min, 4 bytes at a time).
+  // d*sc[0..7] into sd, dmin*m[0..7] as the returned vector.
   __attribute__((always_inline)) static inline __m256 scales(const uint8_t* blk, float* sd) {
-    uint32_t s0, s1, s2;
-    std::memcpy(&s0, blk + 4, 4);
-    std::memcpy(&s1, blk + 8, 4);
-    std::memcpy(&s2, blk + 12, 4);
-    const uint32_t sc_lo = s0 & 0x3F3F3F3Fu, m_lo = s1 & 0x3F3F3F3Fu;
-    const uint32_t sc_hi = (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
-    const uint32_t m_hi = ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(sc_hi), int(sc_lo))));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(m_hi), int(m_lo))));
+    const gguf_fields::Q4kScaleBytes b = gguf_fields::q4k_scale_bytes(blk + 4);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(b.scale[1]), int(b.scale[0]))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(b.min[1]), int(b.min[0]))));
     _mm256_store_ps(sd, _mm256_mul_ps(sc, _mm256_set1_ps(f16_at(blk))));
     return _mm256_mul_ps(mn, _mm256_set1_ps(f16_at(blk + 2)));
   }

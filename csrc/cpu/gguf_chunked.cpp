@@ -11,6 +11,7 @@
 #include "../gguf_format.h"
 #include "chunk.h"
 #include "chunk_driver.h"
+#include "gguf_fields.h"
 #include "qmm_kernels.h"
 
 namespace torch_qmm {
@@ -21,11 +22,7 @@ namespace {
 
 using namespace chunk;
 
-inline float f16_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return float(c10::Half(h, c10::Half::from_bits()));
-}
+using gguf_fields::f16_at;
 
 // Terms t of x (rounded to nearest even, what terms 0..t-1 left) into xb[t * 32].
 template <int P>
@@ -121,16 +118,10 @@ struct Q4K {
     }
   }
 
-  // [d*sc[0..7], dmin*m[0..7]] (gguf::q4k_scale_min, 4 bytes at a time).
+  // [d*sc[0..7], dmin*m[0..7]].
   static inline __m512 scales(const uint8_t* blk) {
-    uint32_t s0, s1, s2;
-    std::memcpy(&s0, blk + 4, 4);
-    std::memcpy(&s1, blk + 8, 4);
-    std::memcpy(&s2, blk + 12, 4);
-    const uint32_t sc_lo = s0 & 0x3F3F3F3Fu, m_lo = s1 & 0x3F3F3F3Fu;
-    const uint32_t sc_hi = (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);  // (q[j-4] >> 6) << 4
-    const uint32_t m_hi = ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
-    const __m128i bytes = _mm_set_epi32(int(m_hi), int(m_lo), int(sc_hi), int(sc_lo));
+    const gguf_fields::Q4kScaleBytes b = gguf_fields::q4k_scale_bytes(blk + 4);
+    const __m128i bytes = _mm_set_epi32(int(b.min[1]), int(b.min[0]), int(b.scale[1]), int(b.scale[0]));
     const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
     return _mm512_mul_ps(f, _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(f16_at(blk)),
                                                  _mm512_set1_ps(f16_at(blk + 2))));

@@ -116,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hot", action="store_true",
                         help="one weight copy per implementation, reused call after call (as ggml's perf mode "
                              "does: use it with --peers llamacpp); default: copies cycled past the last-level cache")
+    parser.add_argument("--activations", choices=["int8"], default=None,
+                        help="time torch_qmm's calls inside torch_qmm.activation_quantization(ACTIVATIONS): "
+                             "the opt-in approximate path (affine and GGUF, CPU) in the torch_qmm column, "
+                             "so that every peer ratio (e.g. llamacpp's) is against it (default: exact)")
     parser.add_argument("--threads", type=_positive, default=None,
                         help="torch.set_num_threads for the run; the llamacpp peer uses as many (default: as is)")
     parser.add_argument("--gguf", type=_choices(["Q4_K", "Q6_K"]), default=None,
@@ -202,13 +206,15 @@ def run(args: argparse.Namespace) -> int:
 
     cache = 0 if args.hot else last_level_cache_bytes()  # 0: one weight copy (kernels.copies_for)
     info["hot"] = bool(args.hot)
+    info["activations"] = args.activations  # torch_qmm's calls: None exact, "int8" quantized x
     peer_ok = (lambda p: p in args.peers) if args.peers else (lambda p: True)
     peer_cache: dict = {}
     results = []
     llamacpp = _LlamaCpp() if args.peers and "llamacpp" in args.peers else None
     for cfg in configs(args, device):
         r = run_config(cfg, args.repeats, cache, peer_ok, peer_cache,
-                       explicit=lambda p: bool(args.peers) and p in args.peers and p in EXPLICIT_PEERS)
+                       explicit=lambda p: bool(args.peers) and p in args.peers and p in EXPLICIT_PEERS,
+                       activations=args.activations)
         if llamacpp is not None:
             llamacpp.add(r)
         results.append(r)

@@ -240,18 +240,23 @@ def _without_avx2_chunks(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: to
     return without, nbytes
 
 
+def _quantizing(call: Callable[[int], torch.Tensor], kind: str) -> Callable[[int], torch.Tensor]:
+    """call under torch_qmm.activation_quantization(kind)."""
+
+    def quantized(i: int):
+        with activation_quantization(kind):
+            return call(i)
+
+    return quantized
+
+
 def _with_int8_activations(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) -> Impl:
     """torch_qmm itself with x quantized to int8 (torch_qmm.activation_quantization("int8") around
     each call): the opt-in approximate path against the exact one, in the same run."""
-    if cfg.device != "cpu" or cfg.fmt != "affine":
-        raise RuntimeError("CPU, affine only")
+    if cfg.device != "cpu" or cfg.fmt not in ("affine", "Q4_K", "Q6_K"):
+        raise RuntimeError("CPU, affine or GGUF Q4_K / Q6_K only")
     call, nbytes = _ours(cfg, x, cache_bytes, gen)
-
-    def with_int8(i: int):
-        with activation_quantization("int8"):
-            return call(i)
-
-    return with_int8, nbytes
+    return _quantizing(call, "int8"), nbytes
 
 
 # Peers that are torch_qmm itself under another setting: timed for every config (never cached).
@@ -264,7 +269,7 @@ def peers(cfg: Config, x: torch.Tensor | None = None) -> dict[str, Callable[[int
     out: dict[str, Callable[[int, torch.Generator], Impl]] = {}
     if x is not None:
         out["no_avx2_chunks"] = lambda c, g: _without_avx2_chunks(cfg, x, c, g)
-    if x is not None and cfg.fmt == "affine":
+    if x is not None and cfg.fmt in ("affine", "Q4_K", "Q6_K"):
         out["int8_activations"] = lambda c, g: _with_int8_activations(cfg, x, c, g)
     for d in (torch.float32, torch.float16, torch.bfloat16):
         out[f"linear_{str(d)[6:]}"] = lambda c, g, d=d: _linear(cfg, d, c, g)
@@ -304,14 +309,19 @@ def time_impls(impls: dict[str, Impl], device: str, repeats: int, budget_s: floa
 
 
 def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callable[[str], bool] = lambda p: True,
-               peer_cache: dict | None = None, seed: int = 0, explicit: Callable[[str], bool] = lambda p: False) -> Result:
+               peer_cache: dict | None = None, seed: int = 0, explicit: Callable[[str], bool] = lambda p: False,
+               activations: str | None = None) -> Result:
     """Times torch_qmm and its in-process peers for one config (MLX: mlx_peer.py). `peer_cache`
     reuses peer times that do not depend on bits (F.linear, int8/int4 packs) across configs of the
-    same run."""
+    same run. `activations` ("int8"): torch_qmm's own calls are timed inside
+    torch_qmm.activation_quantization(activations) (its output checked exact before)."""
     load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(cfg.m, cfg.k, generator=gen).to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
-    impls: dict[str, Impl] = {OURS: _ours(cfg, x, cache_bytes, gen)}
+    ours = _ours(cfg, x, cache_bytes, gen)
+    if activations is not None:
+        ours = (_quantizing(ours[0], activations), ours[1])
+    impls: dict[str, Impl] = {OURS: ours}
     skipped: dict[str, str] = {}
     cached: dict[str, tuple[float, int]] = {}
     for name, build in peers(cfg, x).items():

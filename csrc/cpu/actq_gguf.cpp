@@ -1,0 +1,334 @@
+// CPU gguf_qmm_int8_activations: gguf_qmm (Q4_K, Q6_K) with x quantized to int8 per block of 32
+// along K (actq_x.h, the quantizer of the affine int8 path) and multiplied with the weight codes
+// in integer arithmetic, after llama.cpp's q4_K / q6_K dot products (there x is quantized per
+// super-block, q8_K; here per block of 32, q8_0's granularity, for one error bound with the
+// affine path). An opt-in approximation, as qmm_int8_activations (actq_qmm.cpp).
+//
+// With d_b the scale and q_b the codes of x block b (32 weights of one super-block):
+//   Q4_K (sub-blocks of 32 = the x blocks; w = d*sc_s*q - dmin*m_s, q in 0..15):
+//     y += d * sum_s d_s * (sc_s * sum_i q_i q_s,i)  -  sum_s dmin*m_s * X_s,   X_s = d_s * sum_i q_s,i
+//   Q6_K (sub-blocks of 16, two per x block; w = d*sc_s*(q - 32), q in 0..63):
+//     y += d * sum_b d_b * (sum_{s in b} sc_s * sum_i q_i q_b,i)  -  sum_s d*sc_s * 32 * X_s,
+//     X_s = d_b * sum_{i in s} q_b,i
+// The parenthesized sums are int32 (exact: vpmaddubsw pairs of codes and x below 2^15, then
+// vpmaddwd against the integer sub-block scales); the rest float32. So y is W times the
+// dequantized x up to float32 rounding, with the bound of the affine path (docs/activation-
+// quantization.md): |y - W x| <= sum_b (d_b / 2) * sum_{i in b} |w_i| (+ rounding).
+//
+// Kernels, on the chunk driver (chunk_driver.h; a chunk is one super-block): Avx2Kernel<Fmt>
+// ("int8x/avx2-q4k", "int8x/avx2-q6k"), and ScalarKernel<Fmt> (portable; CPUs without AVX2 and
+// TORCH_QMM_CPU_NO_AVX2_CHUNKS=1). x with Inf or NaN, or a result that is not finite, takes the
+// exact gguf_qmm.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "../gguf_format.h"
+#include "../gguf_validate.h"
+#include "actq_x.h"
+#include "chunk_driver.h"
+#include "gguf_fields.h"
+#include "qmm_kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace torch_qmm {
+namespace cpu {
+namespace actq {
+namespace {
+
+constexpr int64_t kSuper = gguf::kQK_K, kXBlocks = kSuper / kBlock;  // 8 x blocks per super-block
+
+using gguf_fields::f16_at;
+
+// Side data per super-block and x row: the 8 x scales d_b, then Fmt::kSums offset sums X_s.
+// Q4_K: the codes of weight 32s + i are bits 4*(s%2).. of byte 32*(s/2) + i of qs.
+struct Q4K {
+  static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kSums = 8;
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+  static void sums(const int8_t* q, const float* d, float* out) {
+    for (int s = 0; s < 8; ++s) out[s] = d[s] * float(block_sum(q + 32 * s));
+  }
+  static void scales_mins(const uint8_t* blk, uint8_t (&sc)[8], uint8_t (&mn)[8]) {
+    const gguf_fields::Q4kScaleBytes b = gguf_fields::q4k_scale_bytes(blk + 4);
+    std::memcpy(sc, b.scale, 8);  // bytes in memory order: sub-blocks 0..7 (little-endian)
+    std::memcpy(mn, b.min, 8);
+  }
+  // The portable form: this super-block's part of y for one x row.
+  static float scalar(const uint8_t* blk, const int8_t* xq, const float* side) {
+    uint8_t sc[8], mn[8];
+    scales_mins(blk, sc, mn);
+    float t = 0.0f, mins = 0.0f;
+    for (int s = 0; s < 8; ++s) {
+      const uint8_t* qs = blk + kQs + 32 * (s / 2);
+      int32_t dot = 0;
+      for (int i = 0; i < 32; ++i) dot += int32_t((qs[i] >> (4 * (s % 2))) & 0xF) * int32_t(xq[32 * s + i]);
+      t += side[s] * float(int32_t(sc[s]) * dot);
+      mins += float(mn[s]) * side[8 + s];
+    }
+    return f16_at(blk) * t - f16_at(blk + 2) * mins;
+  }
+#if defined(__AVX2__) && defined(__FMA__)
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const int8_t* const (&xc)[MB],
+                                                          const float* const (&side)[MB], __m256 (&acc)[R][MB]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < R; ++r) {
+      const gguf_fields::Q4kScaleBytes sm = gguf_fields::q4k_scale_bytes(blk[r] + 4);
+      uint8_t sc[8];
+      std::memcpy(sc, sm.scale, 8);
+      const __m256i mn = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(sm.min[1]), int(sm.min[0])));
+      const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(f16_at(blk[r] + 2)));
+      __m256 t[MB];
+      for (int m = 0; m < MB; ++m) t[m] = _mm256_setzero_ps();
+      for (int run = 0; run < 4; ++run) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQs + 32 * run));
+        const __m256i q[2] = {_mm256_and_si256(w, nibble), _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble)};
+        for (int half = 0; half < 2; ++half) {
+          const int s = 2 * run + half;
+          const __m256i scale = _mm256_set1_epi16(int16_t(sc[s]));
+          for (int m = 0; m < MB; ++m) {
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + 32 * s));
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[half], x), scale);
+            t[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(side[m] + s), t[m]);
+          }
+        }
+      }
+      const __m256 d = _mm256_set1_ps(f16_at(blk[r]));
+      for (int m = 0; m < MB; ++m)
+        acc[r][m] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(side[m] + 8), _mm256_fmadd_ps(t[m], d, acc[r][m]));
+    }
+  }
+#endif
+};
+
+// Q6_K: x block b = 4h + f holds weights 128h + 32f + i, whose code is nibble f / 2 of ql byte
+// 64h + 32 (f % 2) + i with bits 2f, 2f + 1 of qh byte 32h + i above it (dequantize_row_q6_K's
+// order); bytes 0-15 lie in sub-block 2b, 16-31 in 2b + 1.
+struct Q6K {
+  static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208, kSums = 16;
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+  static void sums(const int8_t* q, const float* d, float* out) {
+    for (int s = 0; s < 16; ++s) {
+      int32_t t = 0;
+      for (int i = 0; i < 16; ++i) t += q[16 * s + i];
+      out[s] = 32.0f * (d[s / 2] * float(t));
+    }
+  }
+  static int code(const uint8_t* blk, int b, int i) {
+    const int h = b / 4, f = b % 4;
+    const int lo = (blk[64 * h + 32 * (f % 2) + i] >> (4 * (f / 2))) & 0xF;
+    const int hi = (blk[kQh + 32 * h + i] >> (2 * f)) & 3;
+    return lo | (hi << 4);
+  }
+  static float scalar(const uint8_t* blk, const int8_t* xq, const float* side) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + kScales);
+    float t = 0.0f, offsets = 0.0f;
+    for (int b = 0; b < 8; ++b) {
+      int32_t dot = 0;
+      for (int i = 0; i < 32; ++i) dot += int32_t(sc[2 * b + i / 16]) * code(blk, b, i) * int32_t(xq[32 * b + i]);
+      t += side[b] * float(dot);
+    }
+    for (int s = 0; s < 16; ++s) offsets += float(sc[s]) * side[8 + s];
+    return f16_at(blk + kD) * (t - offsets);
+  }
+#if defined(__AVX2__) && defined(__FMA__)
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const int8_t* const (&xc)[MB],
+                                                          const float* const (&side)[MB], __m256 (&acc)[R][MB]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk[r] + kScales);
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+      const __m256 s_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
+      const __m256 s_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
+      __m256 t[MB];
+      for (int m = 0; m < MB; ++m)  // the hoisted -32, in units of d
+        t[m] = _mm256_fnmadd_ps(s_hi, _mm256_loadu_ps(side[m] + 16),
+                                _mm256_fnmadd_ps(s_lo, _mm256_loadu_ps(side[m] + 8), _mm256_setzero_ps()));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQh + 32 * h));
+        // Bits 2f, 2f + 1 of each qh byte moved to bits 4, 5 (16-bit shifts; the mask drops what
+        // crosses from the neighbouring byte).
+        const __m256i hi[4] = {_mm256_and_si256(_mm256_slli_epi16(qh, 4), high), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high),
+                               _mm256_and_si256(qh, high), _mm256_and_si256(_mm256_srli_epi16(qh, 2), high)};
+        for (int t2 = 0; t2 < 2; ++t2) {
+          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + 64 * h + 32 * t2));
+          const __m256i lo[2] = {_mm256_and_si256(ql, nibble), _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibble)};
+          for (int p = 0; p < 2; ++p) {
+            const int f = t2 + 2 * p, b = 4 * h + f;
+            const __m256i q = _mm256_or_si256(lo[p], hi[f]);
+            const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * b + 1]), _mm_set1_epi16(sc[2 * b]));
+            for (int m = 0; m < MB; ++m) {
+              const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + 32 * b));
+              const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale);
+              t[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(side[m] + b), t[m]);
+            }
+          }
+        }
+      }
+      const __m256 d = _mm256_set1_ps(f16_at(blk[r] + kD));
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(t[m], d, acc[r][m]);
+    }
+  }
+#endif
+};
+
+// What both kernels share: W rows of super-blocks, x quantized per block of 32 in natural order,
+// side data per super-block (8 x scales, then Fmt::kSums offset sums). K is whole super-blocks:
+// nothing for rest().
+template <typename Fmt>
+struct Base {
+  using X = int8_t;
+  static constexpr int64_t kXPerChunk = kSuper, kSidePerChunk = kXBlocks + Fmt::kSums;
+  static constexpr int kMaxXBlock = 4;
+  const uint8_t* blocks;
+  int64_t chunks, row_bytes, rest_floats = 0;
+  Base(const uint8_t* w, int64_t K) : blocks(w), chunks(K / kSuper), row_bytes(chunks * Fmt::kBlockBytes) {}
+  const uint8_t* row(int64_t n) const { return blocks + n * row_bytes; }
+  void prepare_row(const float* x, X* xc, float* side, float*) const {
+    for (int64_t c = 0; c < chunks; ++c) {
+      int8_t* q = xc + c * kSuper;
+      float* sd = side + c * kSidePerChunk;
+      for (int b = 0; b < kXBlocks; ++b) sd[b] = quantize_block(x + c * kSuper + b * kBlock, q + b * kBlock);
+      Fmt::sums(q, sd, sd + kXBlocks);
+    }
+  }
+  template <int R>
+  void start_tile(int64_t) const {}
+  float rest(int64_t, const float*) const { return 0.0f; }
+};
+
+template <typename Fmt>
+struct ScalarKernel : Base<Fmt> {
+  using Acc = float;
+  using Base<Fmt>::Base;
+  static constexpr int tile_rows(int) { return 1; }
+  template <int R, int MB>
+  inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t c, const int8_t* const (&xc)[MB],
+                    const float* const (&side)[MB], Acc (&acc)[R][MB]) const {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] += Fmt::scalar(row[r] + c * Fmt::kBlockBytes, xc[m], side[m]);
+  }
+  static Acc zero() { return 0.0f; }
+  static float reduce(Acc a) { return a; }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <typename Fmt>
+struct Avx2Kernel : Base<Fmt> {
+  using Acc = __m256;
+  using Base<Fmt>::Base;
+  static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
+  template <int R, int MB>
+  __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t c,
+                                                   const int8_t* const (&xc)[MB], const float* const (&side)[MB],
+                                                   Acc (&acc)[R][MB]) const {
+    const uint8_t* blk[R];
+    for (int r = 0; r < R; ++r) {
+      blk[r] = row[r] + c * Fmt::kBlockBytes;
+      for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)  // a few super-blocks ahead in the row
+        _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + 4 * Fmt::kBlockBytes + off, _MM_HINT_T0);
+    }
+    Fmt::template block<R, MB>(blk, xc, side, acc);
+  }
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static float reduce(Acc v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+  }
+};
+#endif
+
+bool avx2_serves() {
+#if defined(__AVX2__) && defined(__FMA__)
+  const char* v = std::getenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS");
+  return v == nullptr || v[0] == '\0' || v[0] == '0';
+#else
+  return false;
+#endif
+}
+
+// f(Fmt{}) for a native ggml type (check_gguf_qmm refuses the others first).
+template <typename F>
+void with_format(int64_t ggml_type, F&& f) {
+  if (ggml_type == Q4K::kType) return f(Q4K{});
+  if (ggml_type == Q6K::kType) return f(Q6K{});
+  TORCH_CHECK_VALUE(false, "gguf_qmm_int8_activations: no kernel for ggml_type ", ggml_type);
+}
+
+void gguf_int8x(const float* x, const uint8_t* blocks, int64_t ggml_type, int64_t M, int64_t N, int64_t K, float* y) {
+  with_format(ggml_type, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (avx2_serves()) return chunk::run(Avx2Kernel<Fmt>(blocks, K), x, M, N, K, y);
+#endif
+    chunk::run(ScalarKernel<Fmt>(blocks, K), x, M, N, K, y);
+  });
+}
+
+std::string gguf_int8x_kernel(int64_t ggml_type) {
+  if (!avx2_serves()) return "scalar";
+  return ggml_type == Q4K::kType ? "avx2-q4k" : "avx2-q6k";
+}
+
+}  // namespace
+}  // namespace actq
+}  // namespace cpu
+
+namespace {
+
+at::Tensor exact_gguf_qmm(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N, int64_t K) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("torch_qmm::gguf_qmm", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>();
+  return op.call(x, blocks, ggml_type, N, K);
+}
+
+at::Tensor gguf_int8x_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_t ggml_type, int64_t N, int64_t K) {
+  check_gguf_qmm(x, blocks_in, ggml_type, N, K);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  const int64_t M = x.numel() / K;
+  if (M == 0 || N == 0) return at::zeros(out_shape, x.options());
+  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  if (!cpu::all_finite(xf.data_ptr<float>(), xf.numel())) return exact_gguf_qmm(x, blocks_in, ggml_type, N, K);
+  const at::Tensor blocks = blocks_in.contiguous();
+  at::Tensor yf = at::empty({M, N}, xf.options());
+  cpu::actq::gguf_int8x(xf.data_ptr<float>(), blocks.data_ptr<uint8_t>(), ggml_type, M, N, K, yf.data_ptr<float>());
+  // Non-finite results (overflowing block sums, or Inf/NaN in the blocks' f16 scales) are redone
+  // exactly, as qmm_int8_activations does.
+  if (!cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return exact_gguf_qmm(x, blocks_in, ggml_type, N, K);
+  return yf.to(x.scalar_type()).reshape(out_shape);
+}
+
+// "int8x/avx2-q4k", "int8x/avx2-q6k", "int8x/scalar", "exact" (x not finite) or "empty".
+std::string gguf_int8x_cpu_route(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N,
+                                 int64_t K) {
+  check_gguf_qmm(x, blocks, ggml_type, N, K);
+  const int64_t M = x.numel() / K;
+  if (M == 0 || N == 0) return "empty";
+  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  if (!cpu::all_finite(xf.data_ptr<float>(), xf.numel())) return "exact";
+  return "int8x/" + cpu::actq::gguf_int8x_kernel(ggml_type);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_qmm, CPU, m) {
+  m.impl("gguf_qmm_int8_activations", &gguf_int8x_cpu);
+  m.impl("_gguf_cpu_route_int8_activations", &gguf_int8x_cpu_route);
+}
+
+}  // namespace torch_qmm

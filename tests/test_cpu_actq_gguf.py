@@ -1,0 +1,131 @@
+"""The opt-in int8-activation gguf_qmm (csrc/cpu/actq_gguf.cpp): Q4_K and Q6_K blocks times x
+quantized to int8 per block of 32.
+
+Oracles (independent of the kernels): gguf-py's dequantize for W (float64), and x's int8
+quantization written from its definition in tests/test_cpu_actq.py (quantize_x).
+
+Bounds checked, as for the affine int8 path (tests/test_cpu_actq.py):
+- against the exact product W x: |y - W x| <= sum over blocks b of (d_b / 2) * sum_{i in b} |w_i|
+  plus float32 slack 2^-20 * sum |w| (|x| + d);
+- against W times the dequantized x (the kernel's own codes): float32 accumulation only,
+  2^-20 * sum |w| |x_deq|.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+import torch_qmm
+from gguf_helpers import Q4_K, Q6_K, random_k_blocks
+from test_cpu_actq import SLACK, quantize_x
+
+ops = torch.ops.torch_qmm
+AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+KERNEL = {Q4_K: "int8x/avx2-q4k", Q6_K: "int8x/avx2-q6k"}
+
+
+def case(ggml_type, n: int, k: int, seed: int = 0):
+    blocks = random_k_blocks(ggml_type, n, k, np.random.default_rng(seed))
+    return torch.from_numpy(blocks), torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
+
+
+def check_bounds(y, x, w):
+    y = y.double()
+    exact = x.double() @ w.T
+    x_deq, d = quantize_x(x)
+    step = (d / 2) @ w.abs().T
+    slack = SLACK * ((x.double().abs() + d) @ w.abs().T)
+    err = (y - exact).abs()
+    assert (err <= step + slack).all(), f"worst excess {(err - step - slack).max().item():.3g}"
+    tight = (y - x_deq @ w.T).abs()
+    assert (tight <= SLACK * (x_deq.abs() @ w.abs().T)).all(), f"max {(tight / (x_deq.abs() @ w.abs().T)).max():.3g}"
+    assert (err > 0).any()  # not the exact product: the int8 rounding shows
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8])
+def test_error_within_the_int8_step(ggml_type, M):
+    N, K = 37, 768  # N odd: tiles of 2 W rows leave one; 3 super-blocks
+    blocks, w = case(ggml_type, N, K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * torch.linspace(0.1, 3.0, K)
+    if AVX2:
+        assert ops._gguf_cpu_route_int8_activations(x, blocks, int(ggml_type), N, K) == KERNEL[ggml_type]
+    check_bounds(ops.gguf_qmm_int8_activations(x, blocks, int(ggml_type), N, K), x, w)
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+def test_scalar_kernel(ggml_type, monkeypatch):
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
+    N, K = 21, 512
+    blocks, w = case(ggml_type, N, K, seed=2)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(7))
+    assert ops._gguf_cpu_route_int8_activations(x, blocks, int(ggml_type), N, K) == "int8x/scalar"
+    check_bounds(ops.gguf_qmm_int8_activations(x, blocks, int(ggml_type), N, K), x, w)
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+def test_two_threads_and_batched_x(ggml_type):
+    N, K = 300, 512  # several spans of W rows per thread
+    blocks, w = case(ggml_type, N, K, seed=3)
+    x = torch.randn(2, 3, K, generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = ops.gguf_qmm_int8_activations(x, blocks, int(ggml_type), N, K)
+    finally:
+        torch.set_num_threads(before)
+    assert y.shape == (2, 3, N)
+    check_bounds(y.reshape(6, N), x.reshape(6, K), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes_round_once(dtype):
+    N, K = 19, 256
+    blocks, w = case(Q6_K, N, K, seed=5)
+    x = torch.randn(3, K).to(dtype)
+    y = ops.gguf_qmm_int8_activations(x, blocks, int(Q6_K), N, K)
+    assert y.dtype == dtype
+    x_deq, _ = quantize_x(x.float())
+    ref = x_deq @ w.T
+    tol = 2 * SLACK * (x_deq.abs() @ w.abs().T) + torch.finfo(dtype).eps / 2 * ref.abs()
+    assert ((y.double() - ref).abs() <= tol).all()
+
+
+def test_nonfinite_x_takes_the_exact_kernel():
+    N, K = 8, 256
+    blocks, _ = case(Q4_K, N, K)
+    x = torch.randn(2, K)
+    x[0, 3] = float("nan")
+    assert ops._gguf_cpu_route_int8_activations(x, blocks, int(Q4_K), N, K) == "exact"
+    torch.testing.assert_close(ops.gguf_qmm_int8_activations(x, blocks, int(Q4_K), N, K),
+                               ops.gguf_qmm(x, blocks, int(Q4_K), N, K), rtol=0, atol=0, equal_nan=True)
+
+
+def test_gguf_matmul_follows_the_argument_and_the_setting():
+    N, K = 16, 256
+    blocks, _ = case(Q4_K, N, K)
+    x = torch.randn(2, K)
+    exact = ops.gguf_qmm(x, blocks, int(Q4_K), N, K)
+    int8 = ops.gguf_qmm_int8_activations(x, blocks, int(Q4_K), N, K)
+    assert not torch.equal(exact, int8)
+    assert torch.equal(torch_qmm.ops.gguf_matmul(x, blocks, int(Q4_K), N, K), exact)
+    assert torch.equal(torch_qmm.ops.gguf_matmul(x, blocks, int(Q4_K), N, K, activations="int8"), int8)
+    with torch_qmm.activation_quantization("int8"):
+        assert torch.equal(torch_qmm.ops.gguf_matmul(x, blocks, int(Q4_K), N, K), int8)
+    with pytest.raises(ValueError, match="argument 'activations'"):
+        torch_qmm.ops.gguf_matmul(x, blocks, int(Q4_K), N, K, activations="int4")
+
+
+def test_bad_arguments_name_them():
+    blocks, _ = case(Q4_K, 4, 256)
+    with pytest.raises(ValueError, match="K"):
+        ops.gguf_qmm_int8_activations(torch.randn(1, 200), blocks, int(Q4_K), 4, 200)
+
+
+def test_opcheck():
+    blocks, _ = case(Q6_K, 8, 256)
+    torch.library.opcheck(ops.gguf_qmm_int8_activations.default, (torch.randn(2, 256), blocks, int(Q6_K), 8, 256),
+                          test_utils=("test_schema", "test_faketensor"))
