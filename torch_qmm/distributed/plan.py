@@ -1,8 +1,8 @@
 """A tensor-parallel plan for a transformers model from its own: transformers names each layer's
 split as a string ("colwise", "rowwise", ...); this maps them to our styles. A MoE block's experts
 ("moe_tp_experts", with "packed_colwise" / "rowwise" for their two projections) become one
-QuantExpertsParallel, which splits both projections itself; quantized experts the model's plan
-does not name (gpt-oss's) are added."""
+QuantExpertsParallel, which splits both projections itself; experts the model's plan does not
+name (gpt-oss's) are added."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ..interop.experts import is_fused_experts
 from ..nn_moe import QuantFusedExperts
 from .experts import QuantExpertsParallel
 from .styles import QuantColwiseParallel, QuantRowwiseParallel, ReplicatedGradAllReduce
@@ -58,7 +59,7 @@ def tp_plan(model: nn.Module, stage: bool | None = None) -> dict[str, ParallelSt
     `model` (a dense MLP's in a model whose blocks are all MoE) are left out."""
     plan = dict(getattr(model, "_tp_plan", None) or {})
     for name, m in model.named_modules():
-        if isinstance(m, QuantFusedExperts):
+        if isinstance(m, QuantFusedExperts) or is_fused_experts(m):  # float ones: a loader may quantize them first
             plan.setdefault(_pattern(name), EXPERTS)
     if not plan:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (model._tp_plan, from "
