@@ -185,7 +185,6 @@ def check_switch_linear(rank: int, world: int, mesh) -> dict:
     """A lone QuantSwitchLinear (mlx_lm's SwitchLinear) colwise and rowwise, output and dx against
     float64 of its dequantized experts."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import parallelize_module  # noqa: F401  (the engine parallelize drives)
     from torch import nn
     from torch_qmm.distributed import QuantColwiseParallel, QuantRowwiseParallel, parallelize
     from torch_qmm.nn_moe import QuantSwitchLinear
@@ -279,7 +278,8 @@ def check_load_mlx(rank: int, world: int, mesh) -> dict:
         with torch.no_grad():
             want, got = single(ids).logits, model(ids).logits
         replicated = sum(t.numel() * t.element_size() for k, t in model.state_dict().items()
-                         if not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements))
+                         if (not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements))
+                         and not k.endswith("_extra_state"))
         experts = model.model.layers[0].mlp.experts
         ref = single.model.layers[0].mlp.experts
         out[family] = {

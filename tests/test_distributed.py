@@ -15,7 +15,6 @@ stack to the rule against float64 of its actual input, and the llama's greedy to
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("torch.distributed.tensor.parallel")
 import torch.distributed as dist  # noqa: E402
