@@ -20,24 +20,27 @@ _SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermedi
 SCRATCH = ""  # a folder all ranks share (set by the worker)
 
 
-def tiny_moe(family: str, inter: int):
-    """moe_helpers' tiny model of `family` with intermediate size `inter` and 4 key/value heads
-    (so that every world size here splits whole heads)."""
+def tiny_moe(family: str, inter: int, world: int):
+    """moe_helpers' tiny model of `family` (its initialisation) sized for `world` ranks: hidden
+    size and attention width 32 * world (o_proj's input in whole groups of 32 on every rank; OLMoE's
+    q_norm spans the hidden size), 4 key/value heads (whole heads on every rank), intermediate
+    size `inter`."""
     config_cls, model_cls, fields = moe_helpers.FAMILIES[family]
     fields = {k: inter if k in _SIZES else v for k, v in fields.items()}
-    saved = moe_helpers.FAMILIES[family], dict(moe_helpers._ATTN)
+    saved = moe_helpers.FAMILIES[family], dict(moe_helpers._ATTN), moe_helpers.HIDDEN
     moe_helpers.FAMILIES[family] = (config_cls, model_cls, fields)
-    moe_helpers._ATTN["num_key_value_heads"] = 4
+    moe_helpers._ATTN.update(num_key_value_heads=4, head_dim=8 * world)
+    moe_helpers.HIDDEN = 32 * world
     try:
         return moe_helpers.tiny_moe(family)
     finally:
-        moe_helpers.FAMILIES[family], moe_helpers._ATTN = saved[0], saved[1]
+        moe_helpers.FAMILIES[family], moe_helpers._ATTN, moe_helpers.HIDDEN = saved
 
 
 def quantized_moe(family: str, world: int, mode: str = "affine", inter: int | None = None):
     from torch_qmm.convert import quantize_model
 
-    model = tiny_moe(family, inter or 32 * world)
+    model = tiny_moe(family, inter or 32 * world, world)
     quantize_model(model, group_size=32 if mode == "affine" else None, mode=mode)
     return model
 
@@ -133,7 +136,7 @@ def check_block(rank: int, world: int, mesh) -> dict:
         tp = parallelize(model, mesh, {"model.layers.0.mlp.experts": QuantExpertsParallel()}).model.layers[0].mlp.experts
         g = torch.Generator().manual_seed(7)
         tokens, k = 40, moe_helpers.TOP_K  # 80 (token, expert) pairs: the sorted path of switch()
-        x = torch.randn(tokens, moe_helpers.HIDDEN, generator=g)
+        x = torch.randn(tokens, model.config.hidden_size, generator=g)
         index = torch.rand(tokens, moe_helpers.EXPERTS, generator=g).argsort(-1)[:, :k]
         weights = torch.rand(tokens, k, generator=g).softmax(-1)
         seen = {}
@@ -237,7 +240,7 @@ def check_refusals(rank: int, world: int, mesh) -> dict:
         out["experts"] = None
     except ValueError as e:
         out["experts"] = str(e)
-    float_experts = tiny_moe("qwen3_moe", 32 * world)
+    float_experts = tiny_moe("qwen3_moe", 32 * world, world)
     quantize_model(float_experts, group_size=32, experts=False)
     try:
         parallelize(float_experts, mesh, tp_plan(float_experts))
@@ -267,7 +270,7 @@ def check_load_mlx(rank: int, world: int, mesh) -> dict:
         if rank == 0:
             save_mlx(quantized_moe(family, world), folder)
         dist.barrier()
-        config = tiny_moe(family, 32 * world).config
+        config = tiny_moe(family, 32 * world, world).config
         model_cls = moe_helpers.FAMILIES[family][1]
         single = model_cls(config).eval()
         load_mlx(single, folder)
