@@ -1,6 +1,6 @@
 """Tensor-parallel styles for torch_qmm's layers: QuantColwiseParallel and QuantRowwiseParallel,
 PyTorch's ColwiseParallel / RowwiseParallel (torch.distributed.tensor.parallel) extended to
-QuantLinear, QuantEmbedding and GGUFLinear. Float nn.Linear / nn.Embedding are partitioned by
+QuantLinear, QuantEmbedding, GGUFLinear and QuantSwitchLinear. Float nn.Linear / nn.Embedding are partitioned by
 PyTorch's own partition functions, so one plan can name both kinds of layer.
 
 What each style does with a quantized layer (W [N, K] quantized along K; an embedding table
@@ -25,8 +25,10 @@ slice).
 
 QuantLinear's buffers become DTensors and its forward runs unchanged: op_sharding.py registers
 qmm's sharding rules with DTensor. QuantEmbedding, GGUFLinear and QuantSwitchLinear take sizes
-their ops read as arguments, so their forward runs on the local slices (the module's class is swapped for a
-subclass, as FSDP2's fully_shard does) and wraps the result as a DTensor.
+their ops read as arguments, so their forward runs on the local slices (the module's class is
+swapped for a subclass, as FSDP2's fully_shard does) and wraps the result as a DTensor. Both
+styles read what to do with a layer from one table (Split, _colwise, _rowwise below) and share
+one partition function and one _apply.
 """
 
 from __future__ import annotations
