@@ -1,7 +1,14 @@
-"""Per-rank memory and step time of a quantized llama under tensor parallelism over gloo on CPU.
+"""Per-rank memory and step time of a quantized llama (or, with --moe, a Qwen3-MoE model) under
+tensor parallelism over gloo on CPU.
 
     nice -n 10 python3 benchmarks/distributed_tp.py --worlds 1,2,4 \
         --output benchmarks/results/cpu-tp-llama-affine4.json
+    nice -n 10 python3 benchmarks/distributed_tp.py --moe --worlds 1,2,4 \
+        --output benchmarks/results/cpu-tp-moe.json
+
+--moe: Qwen3MoeForCausalLM with --experts experts of intermediate size --moe-inter, --top-k per
+token; its experts quantized (QuantFusedExperts), saved as mlx_lm's switch_mlp tensors and split
+by QuantExpertsParallel.
 
 The parent builds a llama (LlamaForCausalLM, random weights), quantizes it (torch_qmm.quantize_model,
 the embedding as QuantEmbedding) and saves it as an MLX folder. For each world size, that many
@@ -47,9 +54,21 @@ def _reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current RSS
 
 
-def config_of(args):
-    from transformers import LlamaConfig
+def model_class(args):
+    import transformers
 
+    return transformers.Qwen3MoeForCausalLM if args.moe else transformers.LlamaForCausalLM
+
+
+def config_of(args):
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    if args.moe:
+        return Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, moe_intermediate_size=args.moe_inter,
+                              intermediate_size=args.inter, num_experts=args.experts, num_experts_per_tok=args.top_k,
+                              num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                              num_key_value_heads=args.heads, head_dim=args.hidden // args.heads,
+                              tie_word_embeddings=False, max_position_embeddings=4096, norm_topk_prob=True)
     return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.inter,
                        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
                        head_dim=args.hidden // args.heads, tie_word_embeddings=False, max_position_embeddings=4096)
@@ -58,10 +77,8 @@ def config_of(args):
 def save_model(args, folder: str) -> dict:
     import torch_qmm
     from torch_qmm.interop import QuantEmbedding, save_mlx
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config_of(args)).eval()
+    model = model_class(args)(config_of(args)).eval()
     params = sum(p.numel() for p in model.parameters())
     torch_qmm.quantize_model(model, bits=args.bits, group_size=args.group_size, mode=args.mode)
     model.model.embed_tokens = QuantEmbedding.from_embedding(model.model.embed_tokens, bits=args.bits,
@@ -99,7 +116,7 @@ def _held_bytes(model) -> int:
 
 def rank_main(rank: int, world: int, store: str, folder: str, args, out: str) -> None:
     torch.set_num_threads(args.threads)
-    from transformers import LlamaForCausalLM
+    LlamaForCausalLM = model_class(args)  # noqa: N806  (the model class of the run)
 
     config = config_of(args)
     ids_step = torch.randint(0, args.vocab, (1, 1), generator=torch.Generator().manual_seed(1))
@@ -164,8 +181,17 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results", "cpu-tp-llama-affine4.json"))
+    p.add_argument("--moe", action="store_true", help="a Qwen3-MoE model instead of a llama")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--moe-inter", type=int, default=512, help="each expert's intermediate size (--moe)")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--output", default=None,
+                   help="default benchmarks/results/cpu-tp-llama-affine4.json (cpu-tp-moe.json with --moe)")
     args = p.parse_args()
+    if args.output is None:
+        name = "cpu-tp-moe.json" if args.moe else "cpu-tp-llama-affine4.json"
+        args.output = os.path.join(ROOT, "benchmarks", "results", name)
+    load_at_start = os.getloadavg()
     folder = tempfile.mkdtemp(prefix="tp-mlx-")
     model_info = save_model(args, folder)
     runs = []
@@ -175,10 +201,11 @@ def main() -> None:
                      "loader": "load_mlx_sharded" if world else "load_mlx (float model built first)", "ranks": ranks})
         print(json.dumps(runs[-1]), flush=True)
     result = {
-        "benchmark": "tensor-parallel llama over gloo (CPU)",
+        "benchmark": f"tensor-parallel {'Qwen3-MoE' if args.moe else 'llama'} over gloo (CPU)",
         "command": " ".join(sys.argv),
         "config": {k: v for k, v in vars(args).items() if k != "output"},
         "model": model_info,
+        "load_average_at_start": load_at_start,
         "load_average": os.getloadavg(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 import datetime
+import importlib
 import json
 import os
+import time
 import traceback
 
 import torch
@@ -20,6 +22,27 @@ from torch_qmm.formats import FORMATS
 from torch_qmm.nn import QuantLinear
 
 TIMEOUT = datetime.timedelta(seconds=90)
+# A hang (a rank stuck in a collective) fails the test instead of blocking CI.
+SPAWN_TIMEOUT_S = 600
+
+
+def spawn(world: int, tmp: str, module: str = "distributed_checks") -> list[dict]:
+    """Runs every check of `module` (its CHECKS) on `world` gloo ranks; each rank's report."""
+    import torch.multiprocessing as mp
+
+    names = list(importlib.import_module(module).CHECKS)
+    ctx = mp.start_processes(worker, args=(world, os.path.join(tmp, "store"), tmp, names, module), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks did not finish within {SPAWN_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:  # only the processes started here
+            if p.is_alive():
+                p.terminate()
+    return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
 
 
 def layer_reference(layer: QuantLinear, x: torch.Tensor, transpose: bool = True):
@@ -421,9 +444,12 @@ CHECKS = {
 SCRATCH = ""  # a folder all ranks share (the worker's out_dir)
 
 
-def worker(rank: int, world: int, store: str, out_dir: str, names: list[str]) -> None:
+def worker(rank: int, world: int, store: str, out_dir: str, names: list[str],
+           module: str = "distributed_checks") -> None:
     global SCRATCH
     SCRATCH = out_dir
+    checks = importlib.import_module(module)
+    checks.SCRATCH = out_dir
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh
@@ -433,7 +459,7 @@ def worker(rank: int, world: int, store: str, out_dir: str, names: list[str]) ->
     try:
         for name in names:
             try:
-                results[name] = {"ok": True, "value": CHECKS[name](rank, world, mesh)}
+                results[name] = {"ok": True, "value": checks.CHECKS[name](rank, world, mesh)}
             except Exception:
                 results[name] = {"ok": False, "error": traceback.format_exc()}
             dist.barrier()

@@ -14,48 +14,25 @@ stack to the rule against float64 of its actual input, and the llama's greedy to
 
 from __future__ import annotations
 
-import json
-import os
-import time
-
 import pytest
-import torch
 
 pytest.importorskip("torch.distributed.tensor.parallel")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from distributed_checks import CHECKS, worker  # noqa: E402
+from distributed_checks import spawn  # noqa: E402
 from torch_qmm.formats import FORMATS  # noqa: E402
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 WORLDS = (2, 4)
-# A hang (a rank stuck in a collective) fails the test instead of blocking CI.
-SPAWN_TIMEOUT_S = 600
 STACK_RTOL = 1e-4
-
-
-def _spawn(world: int, tmp: str) -> list[dict]:
-    ctx = mp.start_processes(worker, args=(world, os.path.join(tmp, "store"), tmp, list(CHECKS)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:  # only the processes started here
-            if p.is_alive():
-                p.terminate()
-    return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def ranks(request, tmp_path_factory):
     world = request.param
-    return world, _spawn(world, str(tmp_path_factory.mktemp(f"tp{world}")))
+    return world, spawn(world, str(tmp_path_factory.mktemp(f"tp{world}")))
 
 
 def _values(ranks, check):

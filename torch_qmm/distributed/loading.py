@@ -30,6 +30,10 @@ from ..interop.mlx import _SAFETENSORS_DTYPES, QuantSpec, _check_dtype, _check_q
 from ..interop.modules import QuantEmbedding
 from ..interop.safetensors_io import Checkpoint
 from ..nn import QuantLinear
+from ..interop.experts import fused_experts
+from ..interop.mlx_experts import PROJECTIONS, empty_stored_experts, mlx_experts_path, to_mlx_key
+from ..nn_moe import join_gate_up
+from .partition import rows_of_rank
 from .styles import parallelize
 
 
@@ -66,13 +70,47 @@ class ShardedLoadReport:
                 f"{self.bytes_total / 2**20:.1f} MiB")
 
 
-def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dtype: torch.dtype) -> dict[str, str]:
-    """Swaps the layers the checkpoint stores quantized for QuantLinear / QuantEmbedding on meta."""
+def _quantized_experts(model: nn.Module, ckpt: Checkpoint, model_type: str | None, spec_of, dtype: torch.dtype,
+                       quantized: dict[str, str]) -> dict[str, str]:
+    """Swaps the fused experts the checkpoint stores quantized (mlx_lm's SwitchGLU: gate_proj,
+    up_proj, down_proj [E, out, in]) for a QuantFusedExperts on meta; returns {model path: mlx_lm
+    path} of them."""
+    experts = {}
+    for name, module in fused_experts(model):
+        prefix = mlx_experts_path(name, model_type)
+        stored = {proj: f"{prefix}.{proj}.scales" in ckpt for proj in PROJECTIONS}
+        if not any(stored.values()):
+            if any(f"{prefix}.{proj}.weight" in ckpt for proj in PROJECTIONS):
+                raise ValueError(f"{ckpt.path}: the experts {prefix} are stored float; a sharded load takes quantized "
+                                 "experts (QuantExpertsParallel); load them with torch_qmm.interop.load_mlx")
+            continue
+        new, quantized[name] = empty_stored_experts(ckpt, module, prefix, spec_of, dtype, _check_quantized_shapes,
+                                                    device="meta")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        experts[name] = prefix
+    return experts
+
+
+def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dtype: torch.dtype
+                      ) -> tuple[dict[str, str], dict[str, str]]:
+    """Swaps the layers the checkpoint stores quantized for QuantLinear / QuantEmbedding /
+    QuantFusedExperts on meta; returns ({path: format}, {experts path: mlx_lm path})."""
     config = read_json_object(config_path) if config_path.is_file() else {}
     default, overrides = parse_quantization(config, str(config_path))
-    quantized = {}
+
+    def spec_of(path: str):
+        spec = overrides.get(path, default)
+        if not isinstance(spec, QuantSpec):
+            raise ValueError(f"{ckpt.path}: the checkpoint stores quantized layer {path!r} but {config_path} gives it "
+                             f"no format ({spec!r})")
+        return spec
+
+    quantized: dict[str, str] = {}
+    experts = _quantized_experts(model, ckpt, config.get("model_type"), spec_of, dtype, quantized)
+    taken = tuple(f"{prefix}." for prefix in experts.values())
     for key in ckpt.keys():
-        if not key.endswith(".scales"):
+        if not key.endswith(".scales") or key.startswith(taken):
             continue
         path = key[: -len(".scales")]
         spec = overrides.get(path, default)
@@ -94,7 +132,7 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         quantized[path] = str(spec)
-    return quantized
+    return quantized, experts
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
@@ -121,37 +159,81 @@ def _slices(t: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for n, o in zip(shape, offset))
 
 
+# Our name of a QuantSwitchLinear tensor -> mlx_lm's.
+_LEAVES = (("qweight", "weight"), ("scales", "scales"), ("biases", "biases"), ("bias", "bias"))
+
+
+def _experts_keys(experts: dict[str, str]) -> dict[str, list[str]]:
+    """Model key of each experts tensor -> its checkpoint keys (gate_up_proj: gate_proj's and up_proj's)."""
+    keys = {}
+    for path, prefix in experts.items():
+        for leaf, stored in _LEAVES:
+            keys[f"{path}.gate_up_proj.{leaf}"] = [f"{prefix}.gate_proj.{stored}", f"{prefix}.up_proj.{stored}"]
+            keys[f"{path}.down_proj.{leaf}"] = [f"{prefix}.down_proj.{stored}"]
+    return keys
+
+
+def _gate_up_part(read, keys: list[str], dst: torch.Tensor, interleaved: bool, ckpt: Checkpoint) -> torch.Tensor:
+    """This rank's part of a gate_up tensor from the stored gate and up tensors [E, I, ...]: the
+    rows of its intermediate features of each (all of them when `dst` is not sharded), joined in
+    the layer's row order (experts.packed_local's layout)."""
+    inter = dst.shape[1] // 2
+    want = (dst.shape[0], inter, *dst.shape[2:])
+    start, n = 0, inter
+    if isinstance(dst, DTensor) and not all(p.is_replicate() for p in dst.placements):
+        start, n = rows_of_rank(inter, dst.device_mesh.get_local_rank(), dst.device_mesh.size())
+    parts = []
+    for key in keys:
+        if tuple(ckpt.shape(key)) != want:
+            raise ValueError(f"{ckpt.path}: tensor {key!r} has shape {list(ckpt.shape(key))}, the model expects "
+                             f"{list(want)}")
+        _check_dtype(ckpt, key, dst)
+        parts.append(read(key)[:, start:start + n])
+    return join_gate_up(*parts, interleaved)
+
+
 def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, device, quantized: dict[str, str],
-                 renamed: dict[str, str]) -> ShardedLoadReport:
-    """Partitions `model` by `plan`, allocates each rank's slices and reads them. renamed: model
-    key -> checkpoint key where they differ."""
+                 key_of, experts: dict[str, str] | None = None) -> ShardedLoadReport:
+    """Partitions `model` by `plan`, allocates each rank's slices and reads them. key_of: model
+    key -> checkpoint key; experts: {QuantFusedExperts path: mlx_lm path} stored as mlx_lm's
+    three SwitchLinear layers."""
     parallelize(model, mesh, plan)
     _materialize(model, torch.device(device))
     state = {k: v for k, v in model.state_dict(keep_vars=True).items() if k.rpartition(".")[2] != FORMAT_STATE_KEY}
-    keys = {k: renamed.get(k, k) for k in state}  # model key -> checkpoint key
-    missing = sorted(k for k, key in keys.items() if key not in ckpt)
-    unexpected = sorted(k for k in set(ckpt.keys()) - set(keys.values()) if k.rpartition(".")[2] != FORMAT_STATE_KEY)
+    packed = _experts_keys(experts or {})
+    keys = {k: packed.get(k) or [key_of(k)] for k in state}  # model key -> checkpoint keys
+    missing = sorted(k for k, ks in keys.items() if any(key not in ckpt for key in ks))
+    used = {key for ks in keys.values() for key in ks}
+    unexpected = sorted(k for k in set(ckpt.keys()) - used if k.rpartition(".")[2] != FORMAT_STATE_KEY)
     if missing or unexpected:
         raise ValueError(f"{ckpt.path}: checkpoint does not match the model: missing {missing[:8]}, "
                          f"unexpected {unexpected[:8]}")
     report = ShardedLoadReport(quantized=quantized, bytes_read=0, bytes_total=0)
-    by_file: dict[Path, list[str]] = {}
-    for k, key in keys.items():
-        by_file.setdefault(ckpt.where[key], []).append(k)
-    with torch.no_grad():
-        for file, names in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for k in names:
-                    key, dst = keys[k], state[k]
-                    if tuple(ckpt.shape(key)) != tuple(dst.shape):
-                        raise ValueError(f"{ckpt.path}: tensor {key!r} has shape {list(ckpt.shape(key))}, the model "
-                                         f"expects {list(dst.shape)}")
-                    _check_dtype(ckpt, key, dst)
-                    part = f.get_slice(key)[_slices(dst)]
-                    local = dst._local_tensor if isinstance(dst, DTensor) else dst
-                    local.copy_(part)
-                    report.bytes_read += part.numel() * part.element_size()
-                    report.bytes_total += ckpt.nbytes(key)
+    with torch.no_grad(), contextlib.ExitStack() as files:
+        opened = {}
+
+        def read(key: str):
+            file = ckpt.where[key]
+            if file not in opened:
+                opened[file] = files.enter_context(safe_open(file, framework="pt"))
+            return opened[file].get_slice(key)
+
+        for k, dst in state.items():
+            ks = keys[k]
+            if len(ks) == 2:
+                layer = model.get_submodule(k.rpartition(".gate_up_proj.")[0])
+                part = _gate_up_part(read, ks, dst, layer.interleaved, ckpt)
+            else:
+                (key,) = ks
+                if tuple(ckpt.shape(key)) != tuple(dst.shape):
+                    raise ValueError(f"{ckpt.path}: tensor {key!r} has shape {list(ckpt.shape(key))}, the model "
+                                     f"expects {list(dst.shape)}")
+                _check_dtype(ckpt, key, dst)
+                part = read(key)[_slices(dst)]
+            local = dst._local_tensor if isinstance(dst, DTensor) else dst
+            local.copy_(part)
+            report.bytes_read += part.numel() * part.element_size()
+            report.bytes_total += sum(ckpt.nbytes(key) for key in ks)
     return report
 
 
@@ -166,7 +248,10 @@ def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh
     """Loads an MLX model folder into `model` (parameters on meta, see empty_parameters),
     partitioned by `plan` (parallelize_module's plan, e.g. tp_plan(model)) over `mesh`; each rank
     reads only its slices. Every model tensor must be in the checkpoint and every checkpoint tensor
-    used (the format of a quantized layer comes from config.json). dtype: the compute dtype
+    used (the format of a quantized layer comes from config.json). The quantized experts of a MoE
+    block (mlx_lm's switch_mlp gate_proj / up_proj / down_proj, the names by config.json's
+    model_type) become a QuantFusedExperts, each rank reading its rows of gate_proj and up_proj and
+    its columns of down_proj. dtype: the compute dtype
     (default: the checkpoint's most common float dtype); device: where the slices go.
     """
     path = Path(path)
@@ -174,9 +259,15 @@ def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh
     ckpt = Checkpoint(path)
     dtype = dtype or _checkpoint_dtype(ckpt)
     model.to(dtype)
-    quantized = _quantized_layers(model, ckpt, folder / "config.json", dtype)
-    renamed = {f"{p}.qweight": f"{p}.weight" for p in quantized}
-    return _load_slices(model, ckpt, mesh, plan, device, quantized, renamed)
+    config = read_json_object(folder / "config.json") if (folder / "config.json").is_file() else {}
+    model_type = config.get("model_type")
+    quantized, experts = _quantized_layers(model, ckpt, folder / "config.json", dtype)
+    weights = {f"{p}.qweight": f"{p}.weight" for p in quantized}
+
+    def key_of(k: str) -> str:
+        return to_mlx_key(weights.get(k, k), model_type)
+
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, key_of, experts)
 
 
 def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: DeviceMesh, plan,
@@ -209,4 +300,4 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         quantized[name] = f"{new.mode} b{new.bits} gs{new.group_size}"
-    return _load_slices(model, ckpt, mesh, plan, device, quantized, {})
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, lambda k: k)

@@ -1,6 +1,6 @@
 """Tensor-parallel styles for torch_qmm's layers: QuantColwiseParallel and QuantRowwiseParallel,
 PyTorch's ColwiseParallel / RowwiseParallel (torch.distributed.tensor.parallel) extended to
-QuantLinear, QuantEmbedding and GGUFLinear. Float nn.Linear / nn.Embedding are partitioned by
+QuantLinear, QuantEmbedding, GGUFLinear and QuantSwitchLinear. Float nn.Linear / nn.Embedding are partitioned by
 PyTorch's own partition functions, so one plan can name both kinds of layer.
 
 What each style does with a quantized layer (W [N, K] quantized along K; an embedding table
@@ -11,6 +11,10 @@ What each style does with a quantized layer (W [N, K] quantized along K; an embe
 | QuantLinear | qweight, scales, biases, bias Shard(0) (N) | qweight, scales, biases Shard(1) (K, whole groups); bias Replicate, added once |
 | QuantEmbedding | Shard(1) (dim, whole groups) | Shard(0) (num); ids outside a rank's rows give zeros, summed (Partial) |
 | GGUFLinear | blocks, bias Shard(0) | blocks Shard(1) (whole super-blocks); bias Replicate |
+| QuantSwitchLinear [E, N, K] | qweight, scales, biases, bias Shard(1) (N) | qweight, scales, biases Shard(2) (K, whole groups); bias Replicate, added once |
+
+The experts of a MoE block (QuantFusedExperts) take QuantExpertsParallel (experts.py), which
+splits its two layers as the colwise / rowwise rows above and sums once at the block's output.
 
 Input and output layouts, their defaults and use_local_output mean what they mean for PyTorch's
 styles (the same prepare-input / prepare-output steps, through staging.redistribute so that a
@@ -20,84 +24,47 @@ model holds the same full tensors or, with torch_qmm.distributed.load_mlx_sharde
 slice).
 
 QuantLinear's buffers become DTensors and its forward runs unchanged: op_sharding.py registers
-qmm's sharding rules with DTensor. QuantEmbedding and GGUFLinear take sizes their ops read as
-arguments, so their forward runs on the local slices (the module's class is swapped for a
-subclass, as FSDP2's fully_shard does) and wraps the result as a DTensor.
+qmm's sharding rules with DTensor. QuantEmbedding, GGUFLinear and QuantSwitchLinear take sizes
+their ops read as arguments, so their forward runs on the local slices (the module's class is
+swapped for a subclass, as FSDP2's fully_shard does) and wraps the result as a DTensor. Both
+styles read what to do with a layer from one table (Split, _colwise, _rowwise below) and share
+one partition function and one _apply.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
-import weakref
 from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
 from ..interop.gguf_types import block_info
 from ..interop.modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from ..nn import QuantLinear
+from ..nn_moe import QuantSwitchLinear
 from . import op_sharding  # noqa: F401  (qmm's DTensor sharding rules)
+from .experts import ShardedQuantSwitchLinear, switch_linear_placements
+from .partition import NAMES, check_whole_groups, describe, global_output, local, shard, shard_locally, swap_class
 from .staging import redistribute
 
-# Module -> its path in the model, for messages (filled by `parallelize`).
-_NAMES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
-
-
-def describe(module: nn.Module) -> str:
-    name = _NAMES.get(module)
-    return f"layer {name!r}" if name is not None else f"{type(module).__name__}({module.extra_repr()})"
+__all__ = ["QuantColwiseParallel", "QuantRowwiseParallel", "ReplicatedGradAllReduce", "check_whole_groups",
+           "parallelize", "shard_locally"]
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan) -> nn.Module:
     """torch.distributed.tensor.parallel.parallelize_module, with the layers' paths remembered so
     that a refused split names the layer."""
     for name, m in model.named_modules():
-        _NAMES[m] = name
+        NAMES[m] = name
     return parallelize_module(model, mesh, plan)
-
-
-def shard_locally(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
-    """The DTensor of a full tensor `t` that every rank holds, each rank keeping a copy of its
-    slice only (DTensor's chunking, uneven splits included); no communication."""
-    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-    local = t
-    for dim, (n, start) in enumerate(zip(shape, offset)):
-        if n != t.shape[dim]:
-            local = local.narrow(dim, start, n)
-    local = local.clone() if local is not t else local.contiguous()
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
-
-
-def _set_tensor(module: nn.Module, name: str, t: DTensor) -> None:
-    if name in module._parameters:
-        old = module._parameters[name]
-        module.register_parameter(name, nn.Parameter(t, requires_grad=old.requires_grad))
-    else:
-        module.register_buffer(name, t, persistent=name not in module._non_persistent_buffers_set)
-
-
-def _shard(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:
-    for name, placement in placements.items():
-        t = getattr(module, name)
-        if t is not None:
-            _set_tensor(module, name, shard_locally(t, mesh, (placement,)))
-
-
-def check_whole_groups(module: nn.Module, style: str, cols_name: str, cols: int, group_size: int,
-                       world: int, unit: str = "group_size") -> None:
-    """A split of the quantized axis must give every rank whole groups (and so whole packed words)."""
-    if cols % (world * group_size) != 0:
-        raise ValueError(
-            f"{style}: {describe(module)} cannot be split along its quantized axis: {cols_name}={cols} into "
-            f"world_size={world} shards of whole groups ({unit}={group_size}) needs {cols_name} to be a multiple "
-            f"of {world * group_size}; a split inside a group would cut a group (and its packed uint32 words)"
-        )
 
 
 def _refuse(module: nn.Module, style: str) -> None:
@@ -107,22 +74,12 @@ def _refuse(module: nn.Module, style: str) -> None:
             "for a vocabulary split) and untie the output layer, or leave both replicated"
         )
     raise NotImplementedError(
-        f"{style} supports nn.Linear, nn.Embedding, QuantLinear, QuantEmbedding and GGUFLinear, got {describe(module)}"
+        f"{style} supports nn.Linear, nn.Embedding, QuantLinear, QuantEmbedding, GGUFLinear and QuantSwitchLinear "
+        f"(a QuantFusedExperts takes QuantExpertsParallel), got {describe(module)}"
     )
 
 
 # ---- local forwards for layers whose ops take the local sizes ---------------------------------
-
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _global_output(local: torch.Tensor, mesh: DeviceMesh, placement: Placement, last: int) -> DTensor:
-    shape = list(local.shape)
-    shape[-1] = last
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=stride)
-
 
 def _check_ids(module: QuantEmbedding, ids: torch.Tensor) -> None:
     # QuantEmbedding.forward's checks against the whole table, before a rank looks at its rows.
@@ -143,8 +100,8 @@ class ShardedQuantEmbedding(QuantEmbedding):
 
     def forward(self, ids) -> DTensor:
         mesh = self.qweight.device_mesh
-        ids = _local(ids)
-        qweight, scales, biases = (_local(t) for t in (self.qweight, self.scales, self.biases))
+        ids = local(ids)
+        qweight, scales, biases = (local(t) for t in (self.qweight, self.scales, self.biases))
         rows_here = qweight.shape[0]
         if self.tp_split == 0:
             _check_ids(self, ids)
@@ -158,8 +115,8 @@ class ShardedQuantEmbedding(QuantEmbedding):
             mode=self.mode, compute_dtype=self.compute_dtype)
         rows = QuantEmbedding.forward(view, ids)
         if self.tp_split == 0:
-            return _global_output(rows.masked_fill(outside.unsqueeze(-1), 0), mesh, Partial(), self.embedding_dim)
-        return _global_output(rows, mesh, Shard(rows.dim() - 1), self.embedding_dim)
+            return global_output(rows.masked_fill(outside.unsqueeze(-1), 0), mesh, Partial(), self.embedding_dim)
+        return global_output(rows, mesh, Shard(rows.dim() - 1), self.embedding_dim)
 
 
 class ShardedGGUFLinear(GGUFLinear):
@@ -177,14 +134,67 @@ class ShardedGGUFLinear(GGUFLinear):
         if self.tp_split == 0:
             if self.bias is not None:
                 y = y + self.bias.to_local().to(y.dtype)
-            return _global_output(y, mesh, Shard(y.dim() - 1), self.out_features)
-        y = _global_output(y, mesh, Partial(), self.out_features)
+            return global_output(y, mesh, Shard(y.dim() - 1), self.out_features)
+        y = global_output(y, mesh, Partial(), self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def _swap_class(module: nn.Module, cls: type, split: int) -> None:
-    module.__class__ = cls
-    module.tp_split = split
+# ---- what each style does to each layer (the module's table) ---------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A layer's split under a style: the placement of each of its tensors, the subclass whose
+    forward runs on the slices (None: the forward runs unchanged on DTensors), the quantized
+    axis when it is cut (its size attribute and the group it must be cut in whole), and the
+    input layout the layer computes from."""
+
+    placements: dict[str, Placement]
+    local_class: type | None = None
+    tp_split: int = 0
+    axis: str | None = None
+    group: int = 0
+    unit: str = "group_size"
+    input_layout: Placement = Replicate()
+
+
+_Q = ("qweight", "scales", "biases")
+
+
+def _colwise(module: nn.Module) -> Split | None:
+    if isinstance(module, QuantLinear):
+        return Split(dict.fromkeys(_Q + ("bias",), Shard(0)))
+    if isinstance(module, QuantEmbedding):
+        return Split(dict.fromkeys(_Q, Shard(1)), ShardedQuantEmbedding, 1, "embedding_dim", module.group_size)
+    if isinstance(module, GGUFLinear):
+        return Split(dict.fromkeys(("blocks", "bias"), Shard(0)), ShardedGGUFLinear, 0)
+    if isinstance(module, QuantSwitchLinear):
+        return Split(switch_linear_placements(1), ShardedQuantSwitchLinear, 1)
+    return None
+
+
+def _rowwise(module: nn.Module) -> Split | None:
+    if isinstance(module, QuantLinear):
+        return Split({**dict.fromkeys(_Q, Shard(1)), "bias": Replicate()}, None, 1, "in_features", module.group_size,
+                     input_layout=Shard(-1))
+    if isinstance(module, QuantEmbedding):
+        return Split(dict.fromkeys(_Q, Shard(0)), ShardedQuantEmbedding, 0)
+    if isinstance(module, GGUFLinear):
+        return Split({"blocks": Shard(1), "bias": Replicate()}, ShardedGGUFLinear, 1, "in_features",
+                     block_info(module.ggml_type)[0], "weights per GGUF super-block", Shard(-1))
+    if isinstance(module, QuantSwitchLinear):
+        return Split(switch_linear_placements(2), ShardedQuantSwitchLinear, 2, "in_features", module.group_size,
+                     input_layout=Shard(-1))
+    return None
+
+
+def _partition(split: Split, style: str, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    if name:  # distribute_module visits every submodule; the layer is the root
+        return
+    if split.axis is not None:
+        check_whole_groups(module, style, split.axis, getattr(module, split.axis), split.group, mesh.size(), split.unit)
+    shard(module, mesh, split.placements)
+    if split.local_class is not None:
+        swap_class(module, split.local_class, split.tp_split)
 
 
 # ---- the styles -----------------------------------------------------------------------------
@@ -193,7 +203,7 @@ def _prepare_input(input_layouts, desired_input_layouts, stage, mod, inputs, dev
     x = inputs[0]
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
-    return redistribute(x, desired_input_layouts, stage)
+    return (redistribute(x, desired_input_layouts, stage), *inputs[1:])
 
 
 def _prepare_output(output_layouts, use_local_output, stage, mod, outputs, device_mesh):
@@ -203,15 +213,31 @@ def _prepare_output(output_layouts, use_local_output, stage, mod, outputs, devic
 
 class _QuantStyle:
     """What the two styles share: the layouts of PyTorch's style, `stage` (collectives through CPU:
-    None decides by the tensors' device, see staging.py) and distribute_module with our steps."""
+    None decides by the tensors' device, see staging.py), the choice of a layer's partition (ours
+    from the table, PyTorch's for float layers) and distribute_module with our steps."""
 
-    name: str
-    stage: bool | None
+    splits: "staticmethod"  # module -> Split | None
+    float_inputs: tuple[Placement, Placement]  # nn.Linear's, nn.Embedding's desired input layout
 
-    def _distribute(self, module, mesh, partition_fn, desired_input_layouts):
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
+                 stage: bool | None = None):
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        self.stage = stage
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        split = type(self).splits(module)
+        if split is not None:
+            fn, desired = partial(_partition, split, type(self).__name__), split.input_layout
+        elif isinstance(module, nn.Linear):
+            fn, desired = self._partition_linear_fn, self.float_inputs[0]
+        elif isinstance(module, nn.Embedding):
+            fn, desired = self._partition_embedding_fn, self.float_inputs[1]
+        else:
+            _refuse(module, type(self).__name__)
+        self.desired_input_layouts = (desired,)
         return distribute_module(
-            module, mesh, partition_fn,
-            partial(_prepare_input, self.input_layouts, desired_input_layouts, self.stage),
+            module, device_mesh, fn,
+            partial(_prepare_input, self.input_layouts, self.desired_input_layouts, self.stage),
             partial(_prepare_output, self.output_layouts, self.use_local_output, self.stage),
         )
 
@@ -224,74 +250,35 @@ class QuantColwiseParallel(_QuantStyle, ColwiseParallel):
     """ColwiseParallel for torch_qmm's layers too (see the module's table). Keyword arguments:
     PyTorch's (input_layouts, output_layouts, use_local_output) and `stage`."""
 
-    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
-                 stage: bool | None = None):
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
-        self.stage = stage
-
-    def _partition(self, name, module, mesh):
-        if name:  # distribute_module visits every submodule; the layer is the root
-            return
-        world = mesh.size()
-        if isinstance(module, QuantLinear):
-            _shard(module, mesh, dict.fromkeys(("qweight", "scales", "biases", "bias"), Shard(0)))
-        elif isinstance(module, QuantEmbedding):
-            check_whole_groups(module, type(self).__name__, "embedding_dim", module.embedding_dim,
-                               module.group_size, world)
-            _shard(module, mesh, dict.fromkeys(("qweight", "scales", "biases"), Shard(1)))
-            _swap_class(module, ShardedQuantEmbedding, 1)
-        elif isinstance(module, GGUFLinear):
-            _shard(module, mesh, dict.fromkeys(("blocks", "bias"), Shard(0)))
-            _swap_class(module, ShardedGGUFLinear, 0)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, (QuantLinear, QuantEmbedding, GGUFLinear)):
-            partition = self._partition
-        elif isinstance(module, nn.Linear):
-            partition = self._partition_linear_fn
-        elif isinstance(module, nn.Embedding):
-            partition = self._partition_embedding_fn
-        else:
-            _refuse(module, type(self).__name__)
-        return self._distribute(module, device_mesh, partition, self.desired_input_layouts)
+    splits = staticmethod(_colwise)
+    float_inputs = (Replicate(), Replicate())
 
 
 class QuantRowwiseParallel(_QuantStyle, RowwiseParallel):
     """RowwiseParallel for torch_qmm's layers too (see the module's table). Keyword arguments:
     PyTorch's (input_layouts, output_layouts, use_local_output) and `stage`."""
 
-    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
-                 stage: bool | None = None):
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+    splits = staticmethod(_rowwise)
+    float_inputs = (Shard(-1), Replicate())
+
+
+def _sum_gradient(mesh: DeviceMesh, stage: bool | None, grad: torch.Tensor) -> torch.Tensor:
+    summed = redistribute(DTensor.from_local(grad, mesh, (Partial(),), run_check=False), (Replicate(),), stage)
+    out = summed.to_local()
+    return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
+
+
+class ReplicatedGradAllReduce(ParallelStyle):
+    """A module kept whole on every rank that sees only its rank's part of the activations (a norm
+    over the heads of a colwise projection, as Qwen3's q_norm): forward unchanged, its parameters'
+    gradients summed over the ranks (transformers' "replicated_with_grad_allreduce")."""
+
+    def __init__(self, *, stage: bool | None = None):
+        super().__init__()
         self.stage = stage
 
-    def _partition(self, name, module, mesh):
-        if name:
-            return
-        world, style = mesh.size(), type(self).__name__
-        if isinstance(module, QuantLinear):
-            check_whole_groups(module, style, "in_features", module.in_features, module.group_size, world)
-            _shard(module, mesh, {"qweight": Shard(1), "scales": Shard(1), "biases": Shard(1), "bias": Replicate()})
-        elif isinstance(module, QuantEmbedding):
-            _shard(module, mesh, dict.fromkeys(("qweight", "scales", "biases"), Shard(0)))
-            _swap_class(module, ShardedQuantEmbedding, 0)
-        elif isinstance(module, GGUFLinear):
-            per_block, _ = block_info(module.ggml_type)
-            check_whole_groups(module, style, "in_features", module.in_features, per_block, world,
-                               unit="weights per GGUF super-block")
-            _shard(module, mesh, {"blocks": Shard(1), "bias": Replicate()})
-            _swap_class(module, ShardedGGUFLinear, 1)
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, (QuantLinear, GGUFLinear)):
-            partition, desired = self._partition, (Shard(-1),)
-        elif isinstance(module, QuantEmbedding):
-            partition, desired = self._partition, (Replicate(),)
-        elif isinstance(module, nn.Linear):
-            partition, desired = self._partition_linear_fn, (Shard(-1),)
-        elif isinstance(module, nn.Embedding):
-            partition, desired = self._partition_embedding_fn, (Replicate(),)
-        else:
-            _refuse(module, type(self).__name__)
-        self.desired_input_layouts = desired
-        return self._distribute(module, device_mesh, partition, desired)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(partial(_sum_gradient, device_mesh, self.stage))
+        return module

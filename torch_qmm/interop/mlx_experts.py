@@ -91,6 +91,29 @@ def experts_specs(model: nn.Module, model_type: str | None) -> dict[str, tuple[i
     return specs
 
 
+def empty_stored_experts(ckpt, experts: nn.Module, prefix: str, spec_of, dtype: torch.dtype, check_shapes,
+                         device: torch.device | str | None = None) -> tuple[QuantFusedExperts, str]:
+    """The empty QuantFusedExperts (on `device`, default the module's) for the fused experts module
+    `experts` that the checkpoint stores quantized under mlx_lm path `prefix`, and its format.
+    Checks that the three projections are all quantized, gate_proj and up_proj in one format,
+    and their stored shapes (spec_of and check_shapes as for load_experts)."""
+    has = {proj: f"{prefix}.{proj}.scales" in ckpt for proj in PROJECTIONS}
+    specs = {proj: spec_of(f"{prefix}.{proj}") for proj in PROJECTIONS}
+    if not all(has.values()) or specs["gate_proj"] != specs["up_proj"]:
+        raise ValueError(
+            f"{ckpt.path}: the experts {prefix}.{{gate,up,down}}_proj must all be quantized, gate_proj and "
+            f"up_proj in one format; got quantized={has}, formats {', '.join(map(str, specs.values()))}"
+        )
+    e, hidden, inter = expert_shapes(experts, layout_of(experts))
+    for proj, (rows, cols) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                               ("down_proj", (hidden, inter))):
+        check_shapes(ckpt, f"{prefix}.{proj}", specs[proj], rows, cols, experts=e)
+    gs, ds = specs["gate_proj"], specs["down_proj"]
+    new = empty_quant_experts(experts, gs.bits, gs.group_size, gs.mode, dtype, device=device,
+                              down=(ds.bits, ds.group_size, ds.mode))
+    return new, str(gs) if gs == ds else f"gate/up {gs}, down {ds}"
+
+
 def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype: torch.dtype,
                  check_shapes) -> tuple[set[str], dict[str, str], list[str]]:
     """Fills the fused experts modules of `model` from an MLX checkpoint: quantized SwitchLinear
@@ -109,18 +132,7 @@ def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype:
             continue
         filled.append(name)
         if any(has.values()):
-            specs = {proj: spec_of(f"{prefix}.{proj}") for proj in PROJECTIONS}
-            if not all(has.values()) or specs["gate_proj"] != specs["up_proj"]:
-                raise ValueError(
-                    f"{ckpt.path}: the experts {prefix}.{{gate,up,down}}_proj must all be quantized, gate_proj and "
-                    f"up_proj in one format; got quantized={has}, formats {', '.join(map(str, specs.values()))}"
-                )
-            e, hidden, inter = expert_shapes(experts, layout)
-            for proj, (rows, cols) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
-                                       ("down_proj", (hidden, inter))):
-                check_shapes(ckpt, f"{prefix}.{proj}", specs[proj], rows, cols, experts=e)
-            gs, ds = specs["gate_proj"], specs["down_proj"]
-            new = empty_quant_experts(experts, gs.bits, gs.group_size, gs.mode, dtype, down=(ds.bits, ds.group_size, ds.mode))
+            new, fmt = empty_stored_experts(ckpt, experts, prefix, spec_of, dtype, check_shapes)
             for layer, projs in ((new.gate_up_proj, ("gate_proj", "up_proj")), (new.down_proj, ("down_proj",))):
                 for leaf, stored in (("qweight", "weight"), ("scales", "scales"), ("biases", "biases"), ("bias", "bias")):
                     dst = getattr(layer, leaf)
@@ -142,7 +154,7 @@ def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype:
                     used.update(keys)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, new)
-            quantized[name] = str(gs) if gs == ds else f"gate/up {gs}, down {ds}"
+            quantized[name] = fmt
         else:
             gate_up, down, gate_up_bias, down_bias = float_weights(experts, layout)
             for dst, projs, leaf in ((gate_up, ("gate_proj", "up_proj"), "weight"), (down, ("down_proj",), "weight"),
