@@ -119,6 +119,21 @@ def test_gguf_matmul_follows_the_argument_and_the_setting():
         torch_qmm.ops.gguf_matmul(x, blocks, int(Q4_K), N, K, activations="int4")
 
 
+def test_gguf_linear_follows_the_setting():
+    # GGUFLinear (the module GGUF imports build) runs through gguf_matmul, so the context manager
+    # reaches models loaded from GGUF files.
+    from torch_qmm.interop.modules import GGUFLinear
+
+    N, K = 16, 256
+    blocks, _ = case(Q6_K, N, K, seed=3)
+    layer = GGUFLinear(K, N, int(Q6_K), bias=False)
+    layer.blocks.copy_(blocks)
+    x = torch.randn(3, K)
+    assert torch.equal(layer(x), ops.gguf_qmm(x, blocks, int(Q6_K), N, K))
+    with torch_qmm.activation_quantization("int8"):
+        assert torch.equal(layer(x), ops.gguf_qmm_int8_activations(x, blocks, int(Q6_K), N, K))
+
+
 def test_bad_arguments_name_them():
     blocks, _ = case(Q4_K, 4, 256)
     with pytest.raises(ValueError, match="K"):

@@ -49,6 +49,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..interop.gguf_types import block_info
 from ..interop.modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from ..nn import QuantLinear
+from ..ops import gguf_matmul
 from ..nn_moe import QuantSwitchLinear
 from . import op_sharding  # noqa: F401  (qmm's DTensor sharding rules)
 from .experts import ShardedQuantSwitchLinear, switch_linear_placements
@@ -130,7 +131,7 @@ class ShardedGGUFLinear(GGUFLinear):
         per_block, block_bytes = block_info(self.ggml_type)
         in_here = blocks.shape[1] // block_bytes * per_block
         x_local = x.to_local(grad_placements=(Partial(),) if self.tp_split == 0 else None)
-        y = torch.ops.torch_qmm.gguf_qmm(x_local, blocks, self.ggml_type, blocks.shape[0], in_here)
+        y = gguf_matmul(x_local, blocks, self.ggml_type, blocks.shape[0], in_here)
         if self.tp_split == 0:
             if self.bias is not None:
                 y = y + self.bias.to_local().to(y.dtype)

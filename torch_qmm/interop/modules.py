@@ -8,7 +8,7 @@ from torch import nn
 
 from ..format_state import FormatState, QuantFormatState
 from ..nn import quantized_from, register_quantized_weight
-from ..ops import dequantize, quantized_matmul
+from ..ops import dequantize, gguf_matmul, quantized_matmul
 from .gguf_types import NATIVE_TYPES, block_info, type_name
 
 
@@ -151,7 +151,7 @@ class GGUFLinear(FormatState, nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.torch_qmm.gguf_qmm(x, self.blocks, self.ggml_type, self.out_features, self.in_features)
+        y = gguf_matmul(x, self.blocks, self.ggml_type, self.out_features, self.in_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
