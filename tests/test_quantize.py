@@ -123,3 +123,13 @@ def test_quantize_accepts_non_contiguous_weights():
     got = torch_qmm.quantize(w, group_size=32, bits=4)
     want = torch_qmm.quantize(w.contiguous(), group_size=32, bits=4)
     assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("bits,dtype", itertools.product(BITS, DTYPES))
+def test_reference_dequantize_rounded_is_mlx_dequantize(bits, dtype):
+    # The selftest's affine dequantize oracle, anchored on MLX itself.
+    w = _weights(5, 128, dtype, seed=40 + bits)
+    wq, scales, biases = torch_qmm.quantize(w, group_size=32, bits=bits)
+    want = _torch(mx.dequantize(_mlx(wq), _mlx(scales), _mlx(biases), group_size=32, bits=bits))
+    got = reference.dequantize_rounded(wq, scales, biases, bits, 32)
+    assert got.dtype == dtype and torch.equal(_bits(got), _bits(want))

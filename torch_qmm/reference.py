@@ -32,6 +32,15 @@ def dequantize(wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bit
     return scaled + b
 
 
+def dequantize_rounded(wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
+                       group_size: int) -> torch.Tensor:
+    """W [rows, cols] in the scales' dtype as mlx.core.dequantize rounds it: s*q rounded to the
+    scales' dtype, then that plus b rounded again (each step from its exact float64 value)."""
+    scaled, b = _terms(wq, scales, biases, bits, group_size)
+    dtype = scales.dtype
+    return (scaled.to(dtype).to(torch.float64) + b).to(dtype)
+
+
 def _terms(wq, scales, biases, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The two float64 terms of every weight, s*q and b, each [rows, cols]."""
     check_format(bits, group_size)

@@ -21,7 +21,7 @@ order on each shape until the planner (_plan_gather) sends one to the route; the
 float64 product x[lhs[p]] @ W[rhs[p]] per pair. Weights are made by the float64 oracles
 (torch_qmm/reference.py, reference_fp.py for the fp modes), GGUF blocks decoded by the gguf
 package; qmm and gather_qmm results must meet torch_qmm/tolerance.py's rule, quantize must equal
-the reference bit for bit (fp dequantize too).
+the reference bit for bit, and dequantize too (affine: MLX's rounding, reference.dequantize_rounded).
 
 Prints one row per case, writes a JSON report (--json: `cases` with route, kernel, shapes, ok,
 error, max error and bound, gather_qmm's E, pattern and indices; `environment`), exits 1 if any
@@ -336,13 +336,15 @@ def run_case(case: Case, runner: _Runner, seed: int) -> Case:
             rows, cols = (case.N, case.K) if case.transpose in (None, True) else (case.K, case.N)
             wq, s, b = reference.quantize(_weights(rows, cols, dtype, gen), case.bits, case.group_size)
             if case.op == "dequantize":
-                w_ref = reference.dequantize(wq, s, b, case.bits, case.group_size)
-                scaled = reference.unpack(wq, case.bits).double() * s.double().repeat_interleave(case.group_size, -1)
-                magnitude = scaled.abs() + b.double().repeat_interleave(case.group_size, -1).abs()
+                want = reference.dequantize_rounded(wq, s, b, case.bits, case.group_size)
                 dev = runner.to(wq, s, b)
-                y = runner.run(case, lambda: dequantize(*dev, group_size=case.group_size, bits=case.bits),
-                               lambda: "cpu dequantize")
-                _compare(case, y.cpu(), w_ref, magnitude, dtype)
+                got = runner.run(case, lambda: dequantize(*dev, group_size=case.group_size, bits=case.bits),
+                                 lambda: "cpu dequantize").cpu()
+                case.ok = got.dtype == dtype and torch.equal(got, want)
+                if case.ok:
+                    case.max_error, case.bound = 0.0, 0.0  # bit-exact with MLX's rounding: no tolerance
+                else:
+                    case.error = "dequantize differs from reference.dequantize_rounded (must be bit-exact)"
             else:
                 x = torch.randn(case.M, case.K, generator=gen).to(dtype)
                 y_ref = reference.qmm(x, wq, s, b, case.bits, case.group_size, case.transpose)
