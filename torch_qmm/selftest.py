@@ -340,7 +340,7 @@ def run_case(case: Case, runner: _Runner, seed: int) -> Case:
                 dev = runner.to(wq, s, b)
                 got = runner.run(case, lambda: dequantize(*dev, group_size=case.group_size, bits=case.bits),
                                  lambda: "cpu dequantize").cpu()
-                case.ok = got.dtype == dtype and torch.equal(got, want)
+                case.ok = got.dtype == want.dtype and torch.equal(got, want)
                 if case.ok:
                     case.max_error, case.bound = 0.0, 0.0  # bit-exact with MLX's rounding: no tolerance
                 else:
