@@ -29,6 +29,33 @@ def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.n
     return blocks.reshape(n, -1)
 
 
+
+def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks whose weights are small multiples of a power of two, so that x @ W.T
+    for x of exact_x is exact in float32 (every product and partial sum a float32 integer multiple
+    of one unit below 2^24): a kernel's result must be that sum rounded once to the output dtype.
+
+    Q4_K: d = 2^-4, dmin = 2^-6, the 6-bit scales and mins kept to 0..15 (the bytes holding their
+    low bits masked to 4 bits; the high bits of sub-blocks 4-7 come from the same bytes' bits 6-7,
+    now 0): w = (4 sc q - m) / 64, |w| <= 900 / 64. Q6_K: d = 2^-4, the int8 sub-block scales in
+    -8..7: w = sc (q - 32) / 16, |w| <= 256 / 16."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    blocks = random_k_blocks(ggml_type, n, k, rng).reshape(n, k // 256, -1)
+    if ggml_type == Q4_K:
+        blocks[..., 0:2] = np.array([2.0**-4], "<f2").view(np.uint8)
+        blocks[..., 2:4] = np.array([2.0**-6], "<f2").view(np.uint8)
+        blocks[..., 4:12] &= 0x0F  # q[0..7]: scales / mins of sub-blocks 0-3, no high bits for 4-7
+    else:
+        blocks[..., 192:208] = (rng.integers(-8, 8, size=blocks[..., 192:208].shape).astype(np.int8)).view(np.uint8)
+        blocks[..., 208:210] = np.array([2.0**-4], "<f2").view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def exact_x(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """float32 [m, k] of multiples of 1/8 in [-8, 8] (exact in float16 and bfloat16 too)."""
+    return (rng.integers(-64, 65, size=(m, k)) / 8.0).astype(np.float32)
+
+
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]], arch: str = "llama",
                metadata: dict | None = None) -> None:
     """tensors: name -> (array, raw type or None for a float array stored as is)."""

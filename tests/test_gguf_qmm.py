@@ -157,3 +157,27 @@ def test_empty_products_have_their_shape(op, m, n, device):
     blocks, _ = _case(Q6_K, max(n, 1), 512)
     y = getattr(torch.ops.torch_qmm, op)(torch.randn(2, m, 512).to(device), blocks[:n].to(device), int(Q6_K), n, 512)
     assert y.shape == (2, m, n) and y.dtype == torch.float32 and y.device.type == device
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+def test_gguf_qmm_rounds_the_exact_sum_once(device, ggml_type, dtype):
+    # Weights and x whose products and sums are exact in float32 (gguf_helpers.exact_k_blocks):
+    # every route must return the exact product rounded to nearest even in the output dtype, bit
+    # for bit; truncation, double rounding or a dropped term fails. M crosses every CPU and Metal
+    # route (1 | 2 | 3-4 | 5-16 | 17+), N = 37 is odd.
+    from exact_cases import assert_bitwise
+    from gguf_helpers import exact_k_blocks, exact_x
+
+    N, K = 37, 512
+    rng = np.random.default_rng(int(ggml_type) + 7)
+    blocks = exact_k_blocks(ggml_type, N, K, rng)
+    w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
+    for M in (1, 2, 3, 9, 17, 33):
+        x = torch.from_numpy(exact_x(M, K, rng)).to(dtype)
+        exact = x.double() @ w.T
+        assert torch.equal(exact.float().double(), exact), "the problem must be exact in float32"
+        if dtype != torch.float32:
+            assert (exact.to(dtype).double() != exact).float().mean() > 0.3, "the problem must need rounding"
+        y = gguf_matmul(x.to(device), torch.from_numpy(blocks).to(device), int(ggml_type), N, K)
+        assert_bitwise(y, exact.to(dtype), f"{ggml_type.name} M={M} {dtype} on {device}")
