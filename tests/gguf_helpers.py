@@ -56,6 +56,34 @@ def exact_x(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return (rng.integers(-64, 65, size=(m, k)) / 8.0).astype(np.float32)
 
 
+
+def one_hot_k_blocks(ggml_type, cols: list[int], k: int) -> np.ndarray:
+    """Blocks of W [len(cols), k] with W[n, cols[n]] = 1 and every other weight 0, so that
+    x @ W.T selects x[:, cols[n]]. Q4_K: d = 1, dmin = 0, every scale 1, codes 0 but one 1 (no
+    offset: a kernel must carry x unrounded to the sum). Q6_K: d = 1, every scale 1, codes 32
+    (weight 0) but one 33 (kernels that hoist the -32 cancel sums of 32 x here)."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    _, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    blocks = np.zeros((len(cols), k // 256, block_bytes), dtype=np.uint8)
+    one = np.array([1.0], "<f2").view(np.uint8)
+    for n, col in enumerate(cols):
+        b, j = divmod(col, 256)
+        if ggml_type == Q4_K:
+            blocks[n, :, 0:2] = one
+            blocks[n, :, 4:8] = 1  # scales of sub-blocks 0-3 (mins 0)
+            blocks[n, :, 12:16] = 1  # low bits of the scales of sub-blocks 4-7 (their mins 0)
+            s, i = divmod(j, 32)
+            blocks[n, b, 16 + 32 * (s // 2) + i] |= 1 << (4 * (s % 2))
+        else:
+            blocks[n, :, 128:192] = 0xAA  # every code's high bits 2: q = 32
+            blocks[n, :, 192:208] = 1
+            blocks[n, :, 208:210] = one
+            h, rest = divmod(j, 128)
+            f, i = divmod(rest, 32)
+            blocks[n, b, 64 * h + 32 * (f % 2) + i] |= 1 << (4 * (f // 2))
+    return blocks.reshape(len(cols), -1)
+
+
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]], arch: str = "llama",
                metadata: dict | None = None) -> None:
     """tensors: name -> (array, raw type or None for a float array stored as is)."""

@@ -181,3 +181,26 @@ def test_gguf_qmm_rounds_the_exact_sum_once(device, ggml_type, dtype):
             assert (exact.to(dtype).double() != exact).float().mean() > 0.3, "the problem must need rounding"
         y = gguf_matmul(x.to(device), torch.from_numpy(blocks).to(device), int(ggml_type), N, K)
         assert_bitwise(y, exact.to(dtype), f"{ggml_type.name} M={M} {dtype} on {device}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_gguf_qmm_carries_x_unrounded(device, dtype):
+    # One weight 1 per row (gguf_helpers.one_hot_k_blocks): y[:, n] = x[:, cols[n]] exactly, so
+    # x must reach the sum with all its bits (float32: 24) on every route. Q4_K only, with its mins
+    # 0: Q6_K's zero weight is a code of 32, whose offset the kernels hoist (sum of 32 x over the
+    # sub-block, subtracted), so there a full-precision x is rounded by the cancelling sums, within
+    # the accumulation bound (the exact problem above covers Q6_K).
+    ggml_type = Q4_K
+    from exact_cases import assert_bitwise
+    from gguf_helpers import one_hot_k_blocks
+
+    N, K = 37, 512
+    rng = np.random.default_rng(int(ggml_type))
+    cols = [int(c) for c in rng.integers(0, K, N)]
+    blocks = one_hot_k_blocks(ggml_type, cols, K)
+    w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
+    assert torch.equal(w, torch.nn.functional.one_hot(torch.tensor(cols), K).double())
+    for M in (1, 2, 3, 9, 17, 33):
+        x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 3).to(dtype)
+        y = gguf_matmul(x.to(device), torch.from_numpy(blocks).to(device), int(ggml_type), N, K)
+        assert_bitwise(y, x[:, cols], f"{ggml_type.name} M={M} {dtype} on {device}")
