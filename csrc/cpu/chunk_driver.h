@@ -174,7 +174,9 @@ void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N,
 // of torch's intra-op pool (at::parallel_for, OpenMP) take spans from one counter until none is
 // left. That pool is the one every torch op runs on: after an op its threads spin for a while
 // waiting for the next region, so this region starts on them at once (a thread of another pool
-// would share a core with a spinning one for as long as the spin lasts).
+// would share a core with a spinning one for as long as the spin lasts). The region ends when
+// every thread of the team has arrived: one the scheduler starts late finds no span left, but the
+// call waits for its start.
 template <typename Kern>
 void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   const PreparedX<Kern> px = prepare_x(kern, x, M, K);
