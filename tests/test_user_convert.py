@@ -32,3 +32,28 @@ def test_a_folder_with_no_weights_at_all_is_refused_naming_the_folder(tmp_path, 
     assert main(["convert", str(src), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert str(src) in err and "no .safetensors weights" in err
+
+
+def test_gguf_calibration_text_is_tokenized_by_the_file_s_own_tokenizer(tmp_path):
+    # A GGUF downloaded next to another model's tokenizer.json: `convert --calibration` must
+    # tokenize with the tokenizer it writes to DST (the GGUF's), not the neighbour's (transformers
+    # reads a tokenizer.json from the folder it is given).
+    import argparse
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from test_interop_mlx_lm import PROMPT, smollm2_gguf
+    from torch_qmm.interop.cli_convert import _calibration
+
+    path = smollm2_gguf()
+    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    (downloads / "model.gguf").symlink_to(path)
+    Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(downloads / "tokenizer.json"))
+    text = tmp_path / "calib.txt"
+    text.write_text(PROMPT)
+    args = argparse.Namespace(calibration=text, method="gptq", src=downloads / "model.gguf")
+    samples = _calibration(args, is_gguf=True)
+    assert [s.tolist() for s in samples] == [[reference(PROMPT, add_special_tokens=False).input_ids]]

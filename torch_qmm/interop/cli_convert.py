@@ -223,10 +223,10 @@ def _calibration(args: argparse.Namespace, is_gguf: bool):
     from transformers import AutoTokenizer
 
     from ..quantizers.calibration import from_text
+    from .gguf_tokenizer import gguf_tokenizer
 
     src: Path = args.src
-    tok = (AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name) if is_gguf
-           else AutoTokenizer.from_pretrained(src))
+    tok = gguf_tokenizer(src) if is_gguf else AutoTokenizer.from_pretrained(src)  # the tokenizer written to DST
     try:
         return from_text(tok, text)
     except ValueError as e:
