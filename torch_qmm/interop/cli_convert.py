@@ -223,10 +223,10 @@ def _calibration(args: argparse.Namespace, is_gguf: bool):
     from transformers import AutoTokenizer
 
     from ..quantizers.calibration import from_text
+    from .gguf_tokenizer import gguf_tokenizer
 
     src: Path = args.src
-    tok = (AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name) if is_gguf
-           else AutoTokenizer.from_pretrained(src))
+    tok = gguf_tokenizer(src) if is_gguf else AutoTokenizer.from_pretrained(src)  # the tokenizer written to DST
     try:
         return from_text(tok, text)
     except ValueError as e:
@@ -336,7 +336,9 @@ def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
 
 
 def _check_transformers_folder(src: Path) -> None:
-    """Reads config.json and every safetensors header with our checks before transformers sees them."""
+    """Reads config.json and every safetensors header with our checks before transformers sees them.
+    A folder without safetensors weights is refused: transformers would read its pytorch_model.bin
+    (or other pickle files) through torch.load, and convert reads no pickle."""
     from .json_files import read_json_object
     from .safetensors_io import Checkpoint
 
@@ -344,8 +346,12 @@ def _check_transformers_folder(src: Path) -> None:
     if not isinstance(config.get("model_type"), str):
         raise ValueError(f"{src / 'config.json'}: field 'model_type' must be a string, got "
                          f"{config.get('model_type')!r}")
-    if any(src.glob("*.safetensors")):
-        Checkpoint(src)
+    if not any(src.glob("*.safetensors")):
+        pickled = sorted(f.name for f in src.iterdir() if f.name.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        found = f"only {', '.join(pickled)}: pickle, which convert does not load" if pickled else "none at all"
+        raise ValueError(f"{src}: no .safetensors weights ({found}); convert reads safetensors only: save the model "
+                         "with save_pretrained first")
+    Checkpoint(src)
 
 
 def from_pretrained(path: Path, **kwargs):

@@ -36,18 +36,24 @@ def save_gguf_tokenizer(gguf: str | os.PathLike | GGUFFile, folder: str | os.Pat
         warnings.warn(f"{f.path}: no {_MODEL_KEY} metadata, so no tokenizer files were written to {shown}; "
                       "AutoTokenizer and mlx_lm.load need them (copy the original model's)", stacklevel=2)
         return []
+    try:
+        tokenizer = gguf_tokenizer(f)
+    except (ValueError, KeyError, IndexError, TypeError, OSError) as e:
+        warnings.warn(f"{f.path}: transformers cannot build its {kind!r} tokenizer ({type(e).__name__}: {e}), "
+                      f"so no tokenizer files were written to {shown}; AutoTokenizer and mlx_lm.load need them "
+                      "(copy the original model's)", stacklevel=2)
+        return []
+    return sorted(Path(p).name for p in tokenizer.save_pretrained(folder))
+
+
+def gguf_tokenizer(gguf: str | os.PathLike | GGUFFile):
+    """The transformers tokenizer built from the metadata of `gguf` alone (transformers' errors
+    propagate). The file is linked into a folder of its own: from_pretrained also reads
+    tokenizer_config.json from the folder it is given, and the GGUF's folder may hold another model's."""
     from transformers import AutoTokenizer
 
-    # The file alone, in a folder of its own: from_pretrained also reads tokenizer_config.json
-    # from the folder it is given, and the GGUF's folder may hold another model's.
+    f = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
     with tempfile.TemporaryDirectory() as tmp:
         link = Path(tmp) / "model.gguf"
         link.symlink_to(f.path.resolve())
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=link.name, local_files_only=True)
-        except (ValueError, KeyError, IndexError, TypeError, OSError) as e:
-            warnings.warn(f"{f.path}: transformers cannot build its {kind!r} tokenizer ({type(e).__name__}: {e}), "
-                          f"so no tokenizer files were written to {shown}; AutoTokenizer and mlx_lm.load need them "
-                          "(copy the original model's)", stacklevel=2)
-            return []
-    return sorted(Path(p).name for p in tokenizer.save_pretrained(folder))
+        return AutoTokenizer.from_pretrained(tmp, gguf_file=link.name, local_files_only=True)
