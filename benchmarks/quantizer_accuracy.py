@@ -239,6 +239,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--jobs", type=int, default=1, help="configurations run at once (one process each)")
     p.add_argument("--tag", default="", help="appended to the result file's name")
+    p.add_argument("--out", type=Path, help="result file (default: results/quantizer-accuracy-<model>[-tag]-<time>"
+                                            ".json); an existing one keeps its rows and gets the new ones added")
     p.add_argument("--no-float", dest="with_float", action="store_false", help="skip the float baseline run")
     p.add_argument("--one-method", help=argparse.SUPPRESS)
     p.add_argument("--one-bits", help=argparse.SUPPRESS)
@@ -256,8 +258,8 @@ def main() -> int:
         (m, b, int(g)) for b, g in (c.split("g") for c in args.configs.split(",")) for m in args.methods.split(",")
     ]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = HERE / "results" / f"quantizer-accuracy-{args.gguf.stem}{'-' + args.tag if args.tag else ''}-{stamp}.json"
-    rows: list[dict] = []
+    path = args.out or HERE / "results" / f"quantizer-accuracy-{args.gguf.stem}{'-' + args.tag if args.tag else ''}-{stamp}.json"
+    rows: list[dict] = json.loads(path.read_text())["rows"] if path.is_file() else []
 
     def write() -> None:  # after every configuration, so that an interrupted run keeps its rows
         path.write_text(json.dumps({

@@ -65,6 +65,9 @@ class Plan:
         """Keeps the result; write_back puts its dequantized weights in the float layer (for the
         blocks that run next; never for layers outside the blocks, whose weight may be tied)."""
         self.done[name] = result
+        # The layer's temporaries are freed: hand them back now, so that the next layer's work
+        # starts from the held state instead of on top of this one's freed heap.
+        cal.release_freed_memory()
         if not write_back:
             return
         with torch.no_grad():
