@@ -111,7 +111,9 @@ def bits_of(spec: str, model):
 
 def calibration_samples(args, model, tok) -> list:
     """--calibration sources (joined by '+'), --calib-tokens split evenly between them, in windows
-    of --calib-len tokens. Never the held-out texts."""
+    of --calib-len tokens. Never the held-out texts. --calib-sample N draws another sample of the
+    same sources: lee's windows from window N * (windows per source) on, generated with seed N
+    (english has ~2 windows in all: always the same)."""
     import torch
 
     from torch_qmm.quantizers.calibration import from_text
@@ -125,15 +127,16 @@ def calibration_samples(args, model, tok) -> list:
         elif source == "lee":
             if args.lee is None or not args.lee.is_file():
                 raise SystemExit("--calibration lee needs --lee PATH/lee_background.cor (from the gensim wheel)")
-            out += from_text(tok, args.lee.read_text(encoding="latin-1"), args.calib_len, per_source)
+            skip = args.calib_sample * per_source
+            out += from_text(tok, args.lee.read_text(encoding="latin-1"), args.calib_len, skip + per_source)[skip:]
         elif source == "generated":
-            path = None if args.cache is None else args.cache / f"generated-{per_source}x{args.calib_len}-seed0.pt"
+            path = None if args.cache is None else args.cache / f"generated-{per_source}x{args.calib_len}-seed{args.calib_sample}.pt"
             if path is not None and path.is_file():
                 out += torch.load(path)
                 continue
             from torch_qmm.quantizers import generate_calibration
 
-            gen = generate_calibration(model, samples=per_source, seq_len=args.calib_len, seed=0,
+            gen = generate_calibration(model, samples=per_source, seq_len=args.calib_len, seed=args.calib_sample,
                                        start=None, batch=per_source)
             if path is not None:
                 torch.save(gen, path)
@@ -194,6 +197,7 @@ def one(args) -> dict:
         calib = calibration_samples(args, model, tok) if calibrated else None
         if calib is not None:
             row["calibration"] = args.calibration
+            row["calibration_sample"] = args.calib_sample
             row["calibration_tokens"] = sum(int(c.numel()) for c in calib)
         row["rss_before_quantize_mib"] = round(_reset_peak_rss(), 1)
         t0 = time.perf_counter()
@@ -224,6 +228,8 @@ def main() -> int:
     p.add_argument("--calibration", default="lee",
                    help="calibration sources joined by '+': english (benchmarks/text), lee (--lee), generated "
                         "(sampled from the float model)")
+    p.add_argument("--calib-sample", type=int, default=0,
+                   help="which sample of the calibration sources (0: the first windows, generated seed 0)")
     p.add_argument("--lee", type=Path, help="gensim's test_data/lee_background.cor (calibration)")
     p.add_argument("--lee-test", type=Path, help="gensim's test_data/lee.cor (held out)")
     p.add_argument("--heldout", default="english", help="held-out texts: english (benchmarks/text), lee (--lee-test)")
@@ -233,6 +239,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--jobs", type=int, default=1, help="configurations run at once (one process each)")
     p.add_argument("--tag", default="", help="appended to the result file's name")
+    p.add_argument("--out", type=Path, help="result file (default: results/quantizer-accuracy-<model>[-tag]-<time>"
+                                            ".json); an existing one keeps its rows and gets the new ones added")
     p.add_argument("--no-float", dest="with_float", action="store_false", help="skip the float baseline run")
     p.add_argument("--one-method", help=argparse.SUPPRESS)
     p.add_argument("--one-bits", help=argparse.SUPPRESS)
@@ -250,20 +258,21 @@ def main() -> int:
         (m, b, int(g)) for b, g in (c.split("g") for c in args.configs.split(",")) for m in args.methods.split(",")
     ]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = HERE / "results" / f"quantizer-accuracy-{args.gguf.stem}{'-' + args.tag if args.tag else ''}-{stamp}.json"
-    rows: list[dict] = []
+    path = args.out or HERE / "results" / f"quantizer-accuracy-{args.gguf.stem}{'-' + args.tag if args.tag else ''}-{stamp}.json"
+    rows: list[dict] = json.loads(path.read_text())["rows"] if path.is_file() else []
 
     def write() -> None:  # after every configuration, so that an interrupted run keeps its rows
         path.write_text(json.dumps({
             "model": args.gguf.name, "baseline": "GGUF weights dequantized to float32 (output head float, tied)",
             "heldout": args.heldout, "calibration": args.calibration, "calibration_tokens_asked": args.calib_tokens,
+            "calibration_sample": args.calib_sample,
             "load_average": os.getloadavg(), "threads": args.threads, "rows": rows}, indent=1))
 
     def run(spec):
         method, bits, group = spec
         cmd = [sys.executable, __file__, "--gguf", str(args.gguf), "--window", str(args.window),
                "--calib-len", str(args.calib_len), "--calib-tokens", str(args.calib_tokens),
-               "--calibration", args.calibration, "--heldout", args.heldout,
+               "--calibration", args.calibration, "--calib-sample", str(args.calib_sample), "--heldout", args.heldout,
                "--threads", str(args.threads), "--one-method", method, "--one-bits", str(bits),
                "--one-group", str(group)]
         for flag, value in (("--lee", args.lee), ("--lee-test", args.lee_test), ("--cache", args.cache)):

@@ -33,7 +33,9 @@ def main(paths: list[str]) -> None:
                 continue
             extra = f", {r['average_bits']:.2f} b" if "average_bits" in r else ""
             memory = f", +{r['quantize_extra_mib']:.0f} MiB" if "quantize_extra_mib" in r else ""
-            cells.append(f"{r['perplexity']:.2f} ({100 * (r['perplexity'] / base - 1):+.0f}%{extra}; "
+            change = 100 * (r['perplexity'] / base - 1)
+            change = f"{change:+.1f}%" if abs(change) < 100 else f"{change:+.0f}%"  # goals are +8% and +40%
+            cells.append(f"{r['perplexity']:.2f} ({change}{extra}; "
                          f"{r['quantize_s']:.0f} s{memory})")
         print(f"| {bits}, g{group} | " + " | ".join(cells) + " |")
 

@@ -27,6 +27,8 @@ from .affine import decode, rtn
 
 # alpha grid of the scale search (AWQ's: 20 points in [0, 1)).
 ALPHAS = tuple(i / 20 for i in range(20))
+# Weight rows scored at a time by the scale search.
+SEARCH_ROWS = 256
 # Linears whose input is a per-channel function of a sibling linear's output: name -> sibling.
 ROW_FOLDS = {"o_proj": "v_proj", "down_proj": "up_proj"}
 
@@ -39,15 +41,20 @@ def scales_for(mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
 
 def search_scale(weights: list[torch.Tensor], hessian: torch.Tensor, mean_abs: torch.Tensor, bits: int,
                  group_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """(s [K], alpha) minimising sum over the layers of tr(D H D^T), D = W - Q(W diag(s)) / s."""
-    w = torch.cat([x.detach().float() for x in weights])
+    """(s [K], alpha) minimising sum over the layers of tr(D H D^T), D = W - Q(W diag(s)) / s.
+    Rows are scored SEARCH_ROWS at a time (rows are independent), so the search's temporaries
+    stay at a few copies of that many rows whatever the layers' size."""
     h = hessian.float()
-    best = (torch.ones(w.shape[1]), 0.0, float("inf"))
+    best = (torch.ones(h.shape[0]), 0.0, float("inf"))
     for alpha in ALPHAS:
         s = scales_for(mean_abs, alpha)
-        q, qs, qb = rtn(w * s, bits, group_size, dtype)
-        d = w - decode(q, qs, qb, group_size) / s
-        err = float(((d @ h) * d).sum())
+        err = 0.0
+        for x in weights:
+            for r0 in range(0, x.shape[0], SEARCH_ROWS):
+                w = x[r0:r0 + SEARCH_ROWS].detach().float()
+                q, qs, qb = rtn(w * s, bits, group_size, dtype)
+                d = w - decode(q, qs, qb, group_size) / s
+                err += float(((d @ h) * d).sum())
         if err < best[2]:
             best = (s, alpha, err)
     return best[0], best[1]

@@ -282,6 +282,7 @@ def collect(block: nn.Module, inputs: BlockInputs, layers: dict[str, nn.Linear],
     missing = [n for n in layers if n not in stats.key]
     if missing:
         raise RuntimeError(f"calibration never reached the layers {missing} (are they used in forward?)")
+    release_freed_memory()  # the block's activations
     return stats
 
 

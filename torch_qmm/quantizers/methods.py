@@ -16,16 +16,23 @@ class GPTQ:
     """gptq options: damp, the fraction of the mean Hessian diagonal added to it; act_order, visit
     columns by decreasing activation energy (the stored format is the same either way); clip,
     choose each group's scale and bias by the mse search weighted by the inputs' energy instead of
-    the min/max range."""
+    the min/max range; refit, rounds of refitting each row's scales and biases to the layer's
+    output error with the codes fixed (gptq.refine; 0: none); sequential, quantize a block's
+    layers in execution order (q/k/v, o, gate/up, down), each on inputs recomputed through the
+    block's already-quantized layers (GPTQ's "true sequential"), instead of all from one pass."""
 
     damp: float = 0.01
     act_order: bool = False
     clip: bool = False
+    refit: int = 0
+    sequential: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.damp, (int, float)) and not isinstance(self.damp, bool) and 0 < self.damp < 1):
             raise ValueError(f"argument 'damp' must be in (0, 1), got {self.damp!r}")
-        for flag in ("act_order", "clip"):
+        if not isinstance(self.refit, int) or isinstance(self.refit, bool) or not 0 <= self.refit <= 8:
+            raise ValueError(f"argument 'refit' must be an int in [0, 8], got {self.refit!r}")
+        for flag in ("act_order", "clip", "sequential"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"argument '{flag}' must be a bool, got {getattr(self, flag)!r}")
 
@@ -77,6 +84,7 @@ def register(method: Method) -> Method:
 
 
 _BEST_GPTQ = GPTQ(act_order=True, clip=True)
+_REFIT_GPTQ = GPTQ(act_order=True, clip=True, refit=2, sequential=True)
 for _m in (
     Method("rtn", "rtn", None, "MLX's round-to-nearest, bit for bit (the default)"),
     Method("mse", "mse", None, "data-free: per group, the clipping range and least-squares scale/bias of least "
@@ -87,6 +95,9 @@ for _m in (
     Method("gptq-clip", "gptq", _BEST_GPTQ, "gptq with activation order and the energy-weighted clipping search"),
     Method("awq-gptq", "awq", AWQ(gptq=_BEST_GPTQ), "awq's scales, then gptq-clip's error feedback on the scaled "
                                                     "layers"),
+    Method("gptq-refit", "gptq", _REFIT_GPTQ, "gptq-clip quantizing each block's layers in execution order, "
+                                              "then refitting scales and biases to the output error"),
+    Method("awq-gptq-refit", "awq", AWQ(gptq=_REFIT_GPTQ), "awq's scales, then gptq-refit on the scaled layers"),
 ):
     register(_m)
 

@@ -65,6 +65,9 @@ class Plan:
         """Keeps the result; write_back puts its dequantized weights in the float layer (for the
         blocks that run next; never for layers outside the blocks, whose weight may be tied)."""
         self.done[name] = result
+        # The layer's temporaries are freed: hand them back now, so that the next layer's work
+        # starts from the held state instead of on top of this one's freed heap.
+        cal.release_freed_memory()
         if not write_back:
             return
         with torch.no_grad():
@@ -126,14 +129,18 @@ def _gptq_pass(model, layers, data, plan: Plan, options: GPTQ, bar) -> None:
             layer = mine[n]
             h = stats.of(n)[0]
             plan.store(n, layer, gptq.quantize(layer.weight, h, plan.bits[n], gs, plan.dtype_of(layer),
-                                               options.damp, options.act_order, options.clip), write_back)
+                                               options.damp, options.act_order, options.clip, options.refit),
+                       write_back)
             bar.update(1)
 
     def on_block(block, _prefix, inputs, mine) -> None:
         # All layers of the block from one pass over its inputs (the outputs of the quantized blocks
-        # before it); their Hessians are freed with `stats`.
+        # before it), or with `sequential` each input group from a pass of its own after the
+        # groups before it are quantized; the Hessians are freed with `stats`.
         stats = cal.collect(block, inputs, mine)
-        for members in cal.groups(stats).values():
+        for i, members in enumerate(cal.groups(stats).values()):
+            if options.sequential and i:
+                stats = cal.collect(block, inputs, {n: mine[n] for n in members})
             quantize(stats, members, mine)
 
     def on_rest(rest) -> None:
@@ -152,21 +159,33 @@ def _awq_pass(model, layers, data, plan: Plan, options: AWQ, bar) -> None:
         # The layers' columns are scaled by s and their inputs divided by it: H of the scaled inputs.
         inv = 1 / s
         h_scaled = h * inv.unsqueeze(1) * inv.unsqueeze(0)
+        quantize_scaled(members, mine, h_scaled, write_back)
+
+    def quantize_scaled(members, mine, h_scaled, write_back: bool = True) -> None:
         for n in members:
             layer = mine[n]
             bits, dtype = plan.bits[n], plan.dtype_of(layer)
             if g is None:
                 result = mse.quantize(layer.weight, bits, gs, dtype, torch.diagonal(h_scaled))
             else:
-                result = gptq.quantize(layer.weight, h_scaled, bits, gs, dtype, g.damp, g.act_order, g.clip)
+                result = gptq.quantize(layer.weight, h_scaled, bits, gs, dtype, g.damp, g.act_order, g.clip, g.refit)
             plan.store(n, layer, result, write_back)
             bar.update(1)
 
     def on_block(block, prefix, inputs, mine) -> None:
         producers = awq.norms(block, prefix)
         stats = cal.collect(block, inputs, mine, producers=producers)
-        for members, h, s in awq.scale_block(model, stats, producers, mine, plan.bits, gs, plan.dtype_of).values():
-            quantize(members, mine, h, s)
+        chosen = awq.scale_block(model, stats, producers, mine, plan.bits, gs, plan.dtype_of)
+        del stats
+        for i, (members, h, s) in enumerate(chosen.values()):
+            if g is not None and g.sequential and i:
+                # The scales are folded: this pass's inputs are already the scaled ones.
+                del h
+                again = cal.collect(block, inputs, {n: mine[n] for n in members})
+                quantize_scaled(members, mine, again.of(members[0])[0])
+                del again
+            else:
+                quantize(members, mine, h, s)
 
     def on_rest(rest) -> None:
         stats = cal.collect_model(model, data, rest)
