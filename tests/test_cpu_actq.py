@@ -263,3 +263,27 @@ def test_the_setting_nests_and_skips_what_it_does_not_apply_to():
         assert torch_qmm.quantized_matmul(*meta, group_size=64, bits=4).shape == (3, 32)
         assert gguf_matmul(x.to("meta"), blocks.to("meta"), int(Q4_K), 8, 256).shape == (3, 8)
     assert current_activations() is None
+
+
+def _tie_x(K: int) -> torch.Tensor:
+    """x [2, K] whose every block of 32 has max 127 (d = 1, exact) and ties elsewhere: 0.5, 1.5,
+    ..., and their negatives (round half to even: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, 3.5 -> 4)."""
+    x = torch.zeros(2, K)
+    x[:, ::32] = 127.0
+    ties = torch.arange(K) % 32 != 0
+    x[0, ties] = (torch.arange(K)[ties] % 8 - 4).float() + 0.5  # -3.5 .. 3.5
+    x[1] = -x[0]
+    return x
+
+
+@pytest.mark.parametrize("bits", [4, 8, 3])  # the AVX2 4-bit and 8-bit kernels, the portable one
+def test_ties_round_half_to_even(bits):
+    # x / d lands exactly on .5: the codes must be rounded half to even (the definition); any
+    # other rounding moves y by whole weights, far beyond the float32 slack.
+    K = 256
+    wq, s, b, w = make(24, K, bits, 64)
+    x = _tie_x(K)
+    x_deq, _ = quantize_x(x)
+    assert torch.equal(x_deq[0, 1:8], torch.tensor([-2.0, -2.0, -0.0, 0.0, 2.0, 2.0, 4.0]).double())
+    y = ops.qmm_int8_activations(x, wq, s, b, "affine", bits, 64).double()
+    assert ((y - x_deq @ w.T).abs() <= SLACK * (x_deq.abs() @ w.abs().T)).all()

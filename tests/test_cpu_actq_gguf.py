@@ -163,3 +163,15 @@ def test_nonfinite_block_scales_give_the_exact_result(ggml_type):
     assert not torch.isfinite(exact[:, [1, 4]]).any() and torch.isfinite(exact[:, [0, 2, 3, 5]]).all()
     torch.testing.assert_close(ops.gguf_qmm_int8_activations(x, raw, int(ggml_type), N, K), exact,
                                rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+def test_ties_round_half_to_even(ggml_type):
+    from test_cpu_actq import _tie_x
+
+    N, K = 9, 256
+    blocks, w = case(ggml_type, N, K, seed=4)
+    x = _tie_x(K)
+    x_deq, _ = quantize_x(x)
+    y = ops.gguf_qmm_int8_activations(x, blocks, int(ggml_type), N, K).double()
+    assert ((y - x_deq @ w.T).abs() <= SLACK * (x_deq.abs() @ w.abs().T)).all()

@@ -94,3 +94,19 @@ def test_forced_route_within_the_bf16_bound(monkeypatch, fmt):
     # bfloat16 rounding really happened (float32 x: the exact route would be ~2^-20 off).
     if xdtype == torch.float32:
         assert (err > 2.0**-14 * mag).any()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_forced_route_rounds_an_exact_sum_once(monkeypatch, bits):
+    # bfloat16 x and a W whose dequantized weights are exact in bfloat16 (tests/exact_cases.py):
+    # products and float32 sums are exact, so y must be the exact product rounded to nearest even,
+    # bit for bit (W rounded another way, truncated y or a second rounding fail). N past one
+    # 256-row tile, M from the route's 16 rows.
+    from exact_cases import assert_bitwise, rounding_case
+
+    monkeypatch.setenv("TORCH_QMM_CPU_FORCE_BF16_GEMM", "1")
+    c = rounding_case(33, 300, 320, bits, 64, torch.bfloat16, True, seed=bits)
+    assert c.rounded_fraction() > 0.1
+    assert torch.ops.torch_qmm._cpu_route(*c.operands, bits, 64, True, "affine") == "gemm-bf16"
+    y = torch_qmm.quantized_matmul(*c.operands, group_size=64, bits=bits)
+    assert_bitwise(y, c.expected(), f"gemm-bf16 b{bits}")

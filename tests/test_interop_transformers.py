@@ -147,3 +147,38 @@ def test_mixed_bits_round_trip_through_save_pretrained(float_folder, tmp_path, w
     _assert_same_state(reloaded, model)
     with torch.no_grad():
         assert torch.equal(reloaded(IDS).logits, model(IDS).logits)
+
+
+BAD_CONFIGS = [
+    (dict(bits={1: 4}), ValueError, r"argument 'bits' must map layer names to bits, got the key 1"),
+    (dict(bits={"*": 4, "model.layers.0.mlp.up_proj": 7}), ValueError, r"argument 'bits' must be one of .*got 7"),
+    (dict(bits=[4, 8]), TypeError, r"argument 'bits' must be an int, a mapping name -> bits or MixedBits, got list"),
+    (dict(bits=4, mixed_bits={"average": 4.5, "low": 4, "high": 6}), ValueError,
+     r"argument 'mixed_bits' must be a dict \(average, low, high\) and comes without 'bits'"),
+    (dict(mixed_bits=[4.5, 4, 6]), ValueError, r"argument 'mixed_bits' must be a dict"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_CONFIGS, ids=[str(c[0]) for c in BAD_CONFIGS])
+def test_bad_per_layer_config_is_a_clear_error(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        TorchQmmConfig(**kwargs)
+
+
+def test_per_layer_bits_of_a_saved_config():
+    cfg = TorchQmmConfig(bits={"*": 4, "a.up": 8}, group_size=64)
+    assert (cfg.layer_bits("a.up"), cfg.layer_bits("b.up"), cfg.group_size) == (8, 4, 64)
+    assert TorchQmmConfig(bits=3).layer_bits("anything") == 3
+    with pytest.raises(ValueError, match=r"gives no bits for layer 'b\.up'"):
+        TorchQmmConfig(bits={"a.up": 8}).layer_bits("b.up")
+    again = TorchQmmConfig(**{k: v for k, v in cfg.to_dict().items() if k != "quant_method"})
+    assert again.bits == {"*": 4, "a.up": 8} and again.group_size == 64
+
+
+def test_offloading_to_disk_is_refused():
+    from torch_qmm.interop.transformers import TorchQmmHfQuantizer
+
+    quantizer = TorchQmmHfQuantizer(TorchQmmConfig())
+    with pytest.raises(ValueError, match=r"does not support offloading layers to disk"):
+        quantizer.validate_environment(device_map={"model.layers.0": "cpu", "model.layers.1": "disk"})
+    quantizer.validate_environment(device_map={"": "cpu"})

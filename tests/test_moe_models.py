@@ -178,3 +178,16 @@ def test_filter_fn_leaves_experts_float():
     assert not any(isinstance(m, QuantFusedExperts) for m in model.modules())
     assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
     assert not any(n.endswith("experts") for n in summary.converted)
+
+
+@pytest.mark.parametrize("kw", [dict(method="mse"), dict(bits={"*": 4})], ids=["mse", "per-layer-bits"])
+def test_experts_stay_float_under_a_per_layer_quantizer(kw):
+    # The fused experts are quantized by rtn at one width; a quantizer choosing per layer leaves
+    # them float, says so, and still quantizes the linear layers.
+    model = tiny_moe("qwen3_moe")
+    with pytest.warns(UserWarning, match=r"skipped model\.layers\.0\.mlp\.experts \(fused experts are quantized by rtn"):
+        summary = quantize_model(model, group_size=32, **kw)
+    assert not any(isinstance(m, QuantFusedExperts) for m in model.modules())
+    want = "fused experts are quantized by rtn with one bit width, not method=" + repr(kw.get("method", "rtn"))
+    assert summary.skipped["model.layers.1.mlp.experts"] == want
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
