@@ -29,6 +29,61 @@ def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.n
     return blocks.reshape(n, -1)
 
 
+
+def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks whose weights are small multiples of a power of two, so that x @ W.T
+    for x of exact_x is exact in float32 (every product and partial sum a float32 integer multiple
+    of one unit below 2^24): a kernel's result must be that sum rounded once to the output dtype.
+
+    Q4_K: d = 2^-4, dmin = 2^-6, the 6-bit scales and mins kept to 0..15 (the bytes holding their
+    low bits masked to 4 bits; the high bits of sub-blocks 4-7 come from the same bytes' bits 6-7,
+    now 0): w = (4 sc q - m) / 64, |w| <= 900 / 64. Q6_K: d = 2^-4, the int8 sub-block scales in
+    -8..7: w = sc (q - 32) / 16, |w| <= 256 / 16."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    blocks = random_k_blocks(ggml_type, n, k, rng).reshape(n, k // 256, -1)
+    if ggml_type == Q4_K:
+        blocks[..., 0:2] = np.array([2.0**-4], "<f2").view(np.uint8)
+        blocks[..., 2:4] = np.array([2.0**-6], "<f2").view(np.uint8)
+        blocks[..., 4:12] &= 0x0F  # q[0..7]: scales / mins of sub-blocks 0-3, no high bits for 4-7
+    else:
+        blocks[..., 192:208] = (rng.integers(-8, 8, size=blocks[..., 192:208].shape).astype(np.int8)).view(np.uint8)
+        blocks[..., 208:210] = np.array([2.0**-4], "<f2").view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def exact_x(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """float32 [m, k] of multiples of 1/8 in [-8, 8] (exact in float16 and bfloat16 too)."""
+    return (rng.integers(-64, 65, size=(m, k)) / 8.0).astype(np.float32)
+
+
+
+def one_hot_k_blocks(ggml_type, cols: list[int], k: int) -> np.ndarray:
+    """Blocks of W [len(cols), k] with W[n, cols[n]] = 1 and every other weight 0, so that
+    x @ W.T selects x[:, cols[n]]. Q4_K: d = 1, dmin = 0, every scale 1, codes 0 but one 1 (no
+    offset: a kernel must carry x unrounded to the sum). Q6_K: d = 1, every scale 1, codes 32
+    (weight 0) but one 33 (kernels that hoist the -32 cancel sums of 32 x here)."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    _, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    blocks = np.zeros((len(cols), k // 256, block_bytes), dtype=np.uint8)
+    one = np.array([1.0], "<f2").view(np.uint8)
+    for n, col in enumerate(cols):
+        b, j = divmod(col, 256)
+        if ggml_type == Q4_K:
+            blocks[n, :, 0:2] = one
+            blocks[n, :, 4:8] = 1  # scales of sub-blocks 0-3 (mins 0)
+            blocks[n, :, 12:16] = 1  # low bits of the scales of sub-blocks 4-7 (their mins 0)
+            s, i = divmod(j, 32)
+            blocks[n, b, 16 + 32 * (s // 2) + i] |= 1 << (4 * (s % 2))
+        else:
+            blocks[n, :, 128:192] = 0xAA  # every code's high bits 2: q = 32
+            blocks[n, :, 192:208] = 1
+            blocks[n, :, 208:210] = one
+            h, rest = divmod(j, 128)
+            f, i = divmod(rest, 32)
+            blocks[n, b, 64 * h + 32 * (f % 2) + i] |= 1 << (4 * (f // 2))
+    return blocks.reshape(len(cols), -1)
+
+
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]], arch: str = "llama",
                metadata: dict | None = None) -> None:
     """tensors: name -> (array, raw type or None for a float array stored as is)."""

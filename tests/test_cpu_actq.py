@@ -231,3 +231,35 @@ def test_the_setting_is_per_thread():
     assert torch.equal(seen["other"], exact)
     assert seen["other, current"] is None
     assert torch.equal(seen["quantizing, after"], exact)
+
+
+def test_the_setting_nests_and_skips_what_it_does_not_apply_to():
+    """An inner block ends back in the outer setting (also when it raises); inside a block,
+    transpose=False and tensors off the CPU stay exact instead of raising."""
+    from torch_qmm.activations import current_activations
+    from torch_qmm.ops import gguf_matmul
+
+    from gguf_helpers import Q4_K, random_k_blocks
+
+    wq, s, b, _ = make(32, 256, 4, 64)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    int8 = ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 64)
+    wn, sn, bn, _ = make(256, 64, 4, 32)  # transpose=False: W [K=256, N=64], quantized along N
+    exact_n = ops.qmm(x, wn, sn, bn, "affine", 4, 32, False)
+    import numpy as np
+
+    blocks = torch.from_numpy(random_k_blocks(Q4_K, 8, 256, np.random.default_rng(0)))
+    meta = [t.to("meta") for t in (x, wq, s, b)]
+    with torch_qmm.activation_quantization("int8"):
+        with torch_qmm.activation_quantization(None):
+            assert current_activations() is None
+        assert current_activations() == "int8"
+        assert torch.equal(torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=4), int8)
+        with pytest.raises(KeyError):
+            with torch_qmm.activation_quantization(None):
+                raise KeyError("inside")
+        assert current_activations() == "int8"
+        assert torch.equal(torch_qmm.quantized_matmul(x, wn, sn, bn, transpose=False, group_size=32, bits=4), exact_n)
+        assert torch_qmm.quantized_matmul(*meta, group_size=64, bits=4).shape == (3, 32)
+        assert gguf_matmul(x.to("meta"), blocks.to("meta"), int(Q4_K), 8, 256).shape == (3, 8)
+    assert current_activations() is None

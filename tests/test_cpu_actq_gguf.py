@@ -144,3 +144,22 @@ def test_opcheck():
     blocks, _ = case(Q6_K, 8, 256)
     torch.library.opcheck(ops.gguf_qmm_int8_activations.default, (torch.randn(2, 256), blocks, int(Q6_K), 8, 256),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+def test_nonfinite_block_scales_give_the_exact_result(ggml_type):
+    # An Inf or NaN float16 super-block scale d makes the int8 result non-finite: the call must
+    # redo it exactly (gguf_qmm: IEEE arithmetic weight by weight, NaN where a code times Inf is
+    # 0 * Inf), not return the int8 kernel's Inf.
+    N, K = 6, 512
+    blocks, _ = case(ggml_type, N, K, seed=9)
+    d_at = 0 if ggml_type == Q4_K else 208
+    bb = 144 if ggml_type == Q4_K else 210
+    raw = blocks.clone()
+    for row, bits in ((1, 0x7C00), (4, 0x7E00)):  # +Inf, NaN in the second super-block of the row
+        raw[row, bb + d_at:bb + d_at + 2] = torch.tensor([bits & 0xFF, bits >> 8], dtype=torch.uint8)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(2))
+    exact = ops.gguf_qmm(x, raw, int(ggml_type), N, K)
+    assert not torch.isfinite(exact[:, [1, 4]]).any() and torch.isfinite(exact[:, [0, 2, 3, 5]]).all()
+    torch.testing.assert_close(ops.gguf_qmm_int8_activations(x, raw, int(ggml_type), N, K), exact,
+                               rtol=0, atol=0, equal_nan=True)

@@ -113,3 +113,94 @@ def test_dtype_mismatches_are_type_errors():
 def test_gguf_linear_rejects_unsupported_types():
     with pytest.raises(ValueError, match=r"must be one of 12 \(Q4_K\), 14 \(Q6_K\), got 10 \(Q2_K\)"):
         GGUFLinear(256, 4, 10)
+
+
+def _zeros(*shape):
+    return torch.zeros(*shape, dtype=torch.uint8)
+
+
+# (x, blocks, ggml_type, N, K, error, message): one argument wrong each.
+BAD = {
+    "K-zero": (torch.randn(1, 0), _zeros(3, 0), Q4_K, 3, 0, ValueError, r"'K' must be a positive multiple of 256 .*got 0"),
+    "K-negative": (torch.randn(1, 256), _zeros(3, 144), Q4_K, 3, -256, ValueError, r"'K' must be a positive .*got -256"),
+    "N-negative": (torch.randn(1, 256), _zeros(0, 144), Q4_K, -1, 256, ValueError, r"'N' must be >= 0, got -1"),
+    "blocks-1d": (torch.randn(1, 256), _zeros(3 * 144), Q4_K, 3, 256, ValueError, r"'blocks' must have shape \[N, K/256\*144\]"),
+    "blocks-3d": (torch.randn(1, 256), _zeros(1, 3, 144), Q4_K, 3, 256, ValueError, r"'blocks' must have shape"),
+    "blocks-rows": (torch.randn(1, 256), _zeros(2, 210), Q6_K, 3, 256, ValueError, r"= \[3, 210\].*got \[2, 210\]"),
+    "x-scalar": (torch.tensor(1.0), _zeros(3, 144), Q4_K, 3, 256, ValueError, r"'x' must have last dimension K=256"),
+    "x-int": (torch.ones(1, 256, dtype=torch.int32), _zeros(3, 144), Q4_K, 3, 256, TypeError, r"'x' must be float32"),
+    "type-Q5_K": (torch.randn(1, 256), _zeros(3, 176), 13, 3, 256, ValueError, r"must be one of 12 \(Q4_K\), 14 \(Q6_K\)"),
+}
+OPS = ("gguf_qmm", "gguf_qmm_int8_activations")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_arguments_are_refused_by_every_op_and_its_fake(case, op, device):
+    # The meta kernels (shape-only runs, torch.compile) must raise what the CPU kernels raise.
+    x, blocks, ggml_type, n, k, error, message = BAD[case]
+    with pytest.raises(error, match=message):
+        getattr(torch.ops.torch_qmm, op)(x.to(device), blocks.to(device), int(ggml_type), n, k)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_x_and_blocks_on_two_devices_are_refused(op):
+    with pytest.raises(ValueError, match=r"'x' is on cpu but 'blocks' is on meta"):
+        getattr(torch.ops.torch_qmm, op)(torch.randn(1, 256), _zeros(3, 144).to("meta"), int(Q4_K), 3, 256)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("m,n", [(0, 3), (2, 0)])
+def test_empty_products_have_their_shape(op, m, n, device):
+    blocks, _ = _case(Q6_K, max(n, 1), 512)
+    y = getattr(torch.ops.torch_qmm, op)(torch.randn(2, m, 512).to(device), blocks[:n].to(device), int(Q6_K), n, 512)
+    assert y.shape == (2, m, n) and y.dtype == torch.float32 and y.device.type == device
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+def test_gguf_qmm_rounds_the_exact_sum_once(device, ggml_type, dtype):
+    # Weights and x whose products and sums are exact in float32 (gguf_helpers.exact_k_blocks):
+    # every route must return the exact product rounded to nearest even in the output dtype, bit
+    # for bit; truncation, double rounding or a dropped term fails. M crosses every CPU and Metal
+    # route (1 | 2 | 3-4 | 5-16 | 17+), N = 37 is odd.
+    from exact_cases import assert_bitwise
+    from gguf_helpers import exact_k_blocks, exact_x
+
+    N, K = 37, 512
+    rng = np.random.default_rng(int(ggml_type) + 7)
+    blocks = exact_k_blocks(ggml_type, N, K, rng)
+    w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
+    for M in (1, 2, 3, 9, 17, 33):
+        x = torch.from_numpy(exact_x(M, K, rng)).to(dtype)
+        exact = x.double() @ w.T
+        assert torch.equal(exact.float().double(), exact), "the problem must be exact in float32"
+        if dtype != torch.float32:
+            assert (exact.to(dtype).double() != exact).float().mean() > 0.3, "the problem must need rounding"
+        y = gguf_matmul(x.to(device), torch.from_numpy(blocks).to(device), int(ggml_type), N, K)
+        assert_bitwise(y, exact.to(dtype), f"{ggml_type.name} M={M} {dtype} on {device}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_gguf_qmm_carries_x_unrounded(device, dtype):
+    # One weight 1 per row (gguf_helpers.one_hot_k_blocks): y[:, n] = x[:, cols[n]] exactly, so
+    # x must reach the sum with all its bits (float32: 24) on every route. Q4_K only, with its mins
+    # 0: Q6_K's zero weight is a code of 32, whose offset the kernels hoist (sum of 32 x over the
+    # sub-block, subtracted), so there a full-precision x is rounded by the cancelling sums, within
+    # the accumulation bound (the exact problem above covers Q6_K).
+    ggml_type = Q4_K
+    from exact_cases import assert_bitwise
+    from gguf_helpers import one_hot_k_blocks
+
+    N, K = 37, 512
+    rng = np.random.default_rng(int(ggml_type))
+    cols = [int(c) for c in rng.integers(0, K, N)]
+    blocks = one_hot_k_blocks(ggml_type, cols, K)
+    w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
+    assert torch.equal(w, torch.nn.functional.one_hot(torch.tensor(cols), K).double())
+    for M in (1, 2, 3, 9, 17, 33):
+        x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 3).to(dtype)
+        y = gguf_matmul(x.to(device), torch.from_numpy(blocks).to(device), int(ggml_type), N, K)
+        assert_bitwise(y, x[:, cols], f"{ggml_type.name} M={M} {dtype} on {device}")

@@ -469,3 +469,59 @@ def test_packed_weight_with_the_wrong_dtype_is_a_clear_error(mlx_folder):
     save_file(tensors, mlx_folder / "model.safetensors")
     with pytest.raises(ValueError, match="'layers.0.up': quantized weight must be U32, got F32"):
         load_mlx(TorchToy(False), mlx_folder)
+
+
+# ---- the config's quantization entries (mlx_lm's config.json "quantization") ------------------
+
+def test_quantization_entries_parse_as_mlx_lm_reads_them():
+    # A layer's entry: false (float), true (the default format), or its own format; keys that are
+    # not entries (transformers' bookkeeping) are ignored; "quantization_config" is read too.
+    from torch_qmm.interop import parse_quantization
+    from torch_qmm.interop.mlx import QuantSpec
+
+    q = {"group_size": 64, "bits": 4, "a.up": True, "a.down": False, "b.up": {"group_size": 32, "bits": 8},
+         "c.up": {"group_size": 32, "bits": 4, "mode": "mxfp4"}, "note": "written by a tool"}
+    for key in ("quantization", "quantization_config"):
+        default, overrides = parse_quantization({key: q})
+        assert default == QuantSpec(4, 64, "affine")
+        assert overrides == {"a.up": QuantSpec(4, 64, "affine"), "a.down": False, "b.up": QuantSpec(8, 32, "affine"),
+                             "c.up": QuantSpec(4, 32, "mxfp4")}
+    assert parse_quantization({}) == (None, {})
+    assert parse_quantization({"quantization": None}) == (None, {})
+
+
+BAD_QUANTIZATION = [
+    ({"a.up": True}, r"'quantization.a.up' is true but no default bits/group_size is given"),
+    ({"group_size": 64}, r"'quantization': quantization entry must give 'bits' and 'group_size'"),
+    ({"group_size": 64, "bits": 4, "a.up": {"bits": 8}}, r"'quantization.a.up': quantization entry must give"),
+    ({"group_size": 64, "bits": 4.0}, r"field 'bits' must be a JSON integer, got 4.0"),
+    ({"group_size": "64", "bits": 4}, r"field 'group_size' must be a JSON integer, got '64'"),
+    ({"group_size": 64, "bits": True}, r"field 'bits' must be a JSON integer, got True"),
+    ({"group_size": 64, "bits": 4, "quant_method": "gptq"}, r"quantization method 'gptq' is not one of MLX's formats"),
+    ({"group_size": 64, "bits": 7}, r"'quantization': argument 'bits' must be"),
+    ({"group_size": 64, "bits": 4, "a.up": {"group_size": 64, "bits": 4, "mode": "mxfp4"}},
+     r"'quantization.a.up': argument 'group_size' must be"),
+    ({"group_size": 64, "bits": 4, "mode": "int4"}, r"quantization mode 'int4' is not supported"),
+]
+
+
+@pytest.mark.parametrize("q, message", BAD_QUANTIZATION, ids=[m[:40] for _, m in BAD_QUANTIZATION])
+def test_bad_quantization_entries_name_the_entry(q, message):
+    from torch_qmm.interop import parse_quantization
+
+    with pytest.raises(ValueError, match=r"^cfg\.json\b.*" + message):
+        parse_quantization({"quantization": q}, "cfg.json")
+
+
+def test_quantized_layer_the_model_lacks_is_a_clear_error(mlx_folder):
+    model = TorchToy(False)
+    del model.layers[1]["up"]
+    with pytest.raises(ValueError, match=r"quantized layer 'layers\.1\.up' does not exist in the model"):
+        load_mlx(model, mlx_folder)
+
+
+def test_quantized_layer_of_another_kind_is_a_clear_error(mlx_folder):
+    model = TorchToy(False)
+    model.layers[0]["down"] = nn.Identity()
+    with pytest.raises(ValueError, match=r"quantized layer 'layers\.0\.down' is a Identity, expected nn\.Linear"):
+        load_mlx(model, mlx_folder)

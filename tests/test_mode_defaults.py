@@ -1,6 +1,6 @@
 """Every mode's defaults (torch_qmm/ops.py: group_size / bits None) are MLX's: quantize,
 dequantize and quantized_matmul called without them give mlx.core's results for the same call
-without them (bit for bit for quantize and the fp modes' dequantize, within tolerance.py's rule for
+without them (bit for bit for quantize and dequantize, within tolerance.py's rule for
 qmm)."""
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ def test_defaults_are_mlx_defaults(mode):
     for g, m in zip(got, want):
         m = np.array(m)
         assert np.array_equal(g.numpy().view(m.dtype) if m.dtype == np.uint32 else g.numpy(), m)
-    if mode != "affine":  # (affine's dequantize rounds s*q + b once, by fma, where mlx rounds twice)
-        deq = torch_qmm.dequantize(*got, mode=mode)
-        want_deq = mx.dequantize(mx.array(got[0].numpy()), mx.array(got[1].numpy()), mode=mode)
-        assert deq.dtype == torch.bfloat16 and want_deq.dtype == mx.bfloat16
-        assert torch.equal(deq.float(), torch.from_numpy(np.array(want_deq.astype(mx.float32))))
+    # dequantize's default dtype: the scales' (affine), bfloat16 (the fp modes), as mlx.core's
+    deq = torch_qmm.dequantize(*got, mode=mode)
+    want_deq = mx.dequantize(*(mx.array(t.numpy()) for t in got), mode=mode)
+    assert deq.dtype == (torch.float32 if mode == "affine" else torch.bfloat16)
+    assert want_deq.dtype == (mx.float32 if mode == "affine" else mx.bfloat16)
+    assert torch.equal(deq.float(), torch.from_numpy(np.array(want_deq.astype(mx.float32))))
     if mode != "affine":
         x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
         y = torch_qmm.quantized_matmul(x, got[0], got[1], mode=mode)

@@ -214,3 +214,82 @@ def test_truncated_file_leaves_the_model_unchanged(checkpoint, tmp_path):
         load_mxfp4_checkpoint(model, tmp_path)
     assert str(file) in str(e.value)
     _assert_unchanged(model, before)
+
+
+def _drop(suffix):
+    """An edit removing the last layer's tensor `suffix`."""
+    def edit(tensors):
+        key = f"model.layers.{LAYERS - 1}.{suffix}"
+        del tensors[key]
+        return key
+    return edit
+
+
+def _add_unexpected(tensors):
+    key = "model.layers.0.mlp.experts.extra_scales"
+    tensors[key] = torch.zeros(3, dtype=torch.uint8)
+    return key
+
+
+INCOMPLETE = [
+    ("scales-missing", _drop("mlp.experts.down_proj_scales"), r"store down_proj as mxfp4 but [\w.]+_scales is missing"),
+    ("blocks-missing", _drop("mlp.experts.gate_up_proj_blocks"), r"gate_up_proj as mxfp4 but [\w.]+_blocks is missing"),
+    ("bias-missing", _drop("mlp.experts.gate_up_proj_bias"), r"have a gate_up_proj bias; [\w.]+ is missing"),
+    ("float-missing", _drop("mlp.router.weight"), r"missing \[.*mlp\.router\.weight"),
+    ("unexpected", _add_unexpected, r"unexpected \[.*extra_scales"),
+]
+
+
+@pytest.mark.parametrize("edit,message", [h[1:] for h in INCOMPLETE], ids=[h[0] for h in INCOMPLETE])
+def test_incomplete_file_is_refused_and_leaves_the_model_unchanged(checkpoint, tmp_path, edit, message):
+    folder, tensors, _ = checkpoint
+    bad = dict(tensors)
+    key = edit(bad)
+    _write(bad, folder, tmp_path)
+    model = transformers.GptOssForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path)).eval()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=message) as e:
+        load_mxfp4_checkpoint(model, tmp_path)
+    assert key in str(e.value), str(e.value)
+    _assert_unchanged(model, before)
+
+
+def test_not_strict_skips_unexpected_tensors(checkpoint, tmp_path):
+    folder, tensors, _ = checkpoint
+    bad = dict(tensors)
+    _add_unexpected(bad)
+    _write(bad, folder, tmp_path)
+    model = transformers.GptOssForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path)).eval()
+    report = load_mxfp4_checkpoint(model, tmp_path, strict=False)
+    assert len(report.quantized) == LAYERS
+    prefix = "model.layers.0.mlp.experts"
+    assert torch.equal(model.model.layers[0].mlp.experts.down_proj.scales, tensors[f"{prefix}.down_proj_scales"])
+
+
+def test_other_quant_method_is_refused(checkpoint, tmp_path):
+    folder, tensors, _ = checkpoint
+    _write(dict(tensors), folder, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "awq"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = transformers.GptOssForCausalLM(transformers.AutoConfig.from_pretrained(folder)).eval()
+    with pytest.raises(ValueError, match=r"quant_method is 'awq', expected 'mxfp4'"):
+        load_mxfp4_checkpoint(model, tmp_path)
+
+
+def test_stored_float_dtype_is_the_default_and_dtype_casts(checkpoint, tmp_path):
+    # The float tensors stored in bfloat16: the model takes bfloat16 unless dtype says otherwise;
+    # the expert bytes are the same either way, the expert biases are in the compute dtype.
+    folder, tensors, _ = checkpoint
+    half = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}
+    _write(half, folder, tmp_path)
+    prefix = "model.layers.1.mlp.experts"
+    for dtype, want in ((None, torch.bfloat16), (torch.float32, torch.float32)):
+        model = transformers.GptOssForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path)).eval()
+        load_mxfp4_checkpoint(model, tmp_path, dtype=dtype)
+        experts = model.model.layers[1].mlp.experts
+        assert model.model.layers[1].mlp.router.weight.dtype == want
+        assert torch.equal(model.model.layers[1].mlp.router.weight, half["model.layers.1.mlp.router.weight"].to(want))
+        assert experts.down_proj.bias.dtype == want
+        assert torch.equal(experts.down_proj.bias, half[f"{prefix}.down_proj_bias"].to(want))
+        assert torch.equal(words_to_blocks(experts.down_proj.qweight), tensors[f"{prefix}.down_proj_blocks"])

@@ -138,3 +138,43 @@ def test_gate_and_up_in_different_formats_are_refused(tmp_path):
     fresh = copy.deepcopy(tiny_moe("qwen3_moe"))
     with pytest.raises(ValueError, match="gate_proj and up_proj in one format"):
         load_mlx(fresh, tmp_path)
+
+
+def _edit_weights(folder: Path, edit) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    (f,) = folder.glob("*.safetensors")
+    with safe_open(str(f), "pt") as h:
+        metadata = h.metadata()
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+    edit(tensors)
+    save_file(tensors, str(f), metadata=metadata)
+
+
+PREFIX = "model.layers.1.mlp.switch_mlp"
+EXPERT_FILE_EDITS = {  # family, quantized, edit, message
+    "bias-the-model-lacks": ("qwen3_moe", True,
+                             lambda t: t.__setitem__(f"{PREFIX}.gate_proj.bias", torch.zeros(4, 64)),
+                             rf"{PREFIX}\.gate_proj\.bias is stored, but the model's experts have no bias"),
+    "bias-missing": ("gpt_oss", True, lambda t: t.pop("model.layers.1.mlp.experts.up_proj.bias"),
+                     r"the model's experts model\.layers\.1\.mlp\.experts have a bias; missing"),
+    "float-weight-missing": ("qwen3_moe", False, lambda t: t.pop(f"{PREFIX}.down_proj.weight"),
+                             rf"the experts model\.layers\.1\.mlp\.experts need \['{PREFIX}\.down_proj\.weight'\]"),
+    "float-weight-shape": ("qwen3_moe", False,
+                           lambda t: t.__setitem__(f"{PREFIX}.up_proj.weight", t[f"{PREFIX}.up_proj.weight"][:, :32].contiguous()),
+                           r"have shapes \[\[4, 64, 64\], \[4, 32, 64\]\], the experts model\.layers\.1\.mlp\.experts take"),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPERT_FILE_EDITS))
+def test_expert_tensors_that_do_not_fit_the_model_are_refused(case, tmp_path):
+    family, quantized, edit, message = EXPERT_FILE_EDITS[case]
+    model = tiny_moe(family)
+    if quantized:
+        quantize_model(model, group_size=32)
+    save_mlx(model, tmp_path)
+    _edit_weights(tmp_path, edit)
+    fresh = FAMILIES[family][1](transformers.AutoConfig.from_pretrained(tmp_path)).eval()
+    with pytest.raises(ValueError, match=message):
+        load_mlx(fresh, tmp_path)

@@ -151,3 +151,30 @@ def test_state_dict_of_other_format_is_refused():
     _, other = quantized("olmoe", "mxfp4")
     with pytest.raises((ValueError, RuntimeError), match="mode=affine|bits=4, group_size=32"):
         other.load_state_dict(q.state_dict())
+
+
+@pytest.mark.parametrize("inter, group_size, why", [(96, 64, "its intermediate size 96 is not a multiple of group_size=64"),
+                                                    (64, 128, "its hidden size 64 is not a multiple of group_size=128")])
+def test_experts_of_sizes_off_the_group_stay_float_with_the_reason(inter, group_size, why):
+    import moe_helpers
+
+    config_cls, model_cls, fields = FAMILIES["qwen3_moe"]
+    config = config_cls(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_experts_per_tok=2,
+                        tie_word_embeddings=False, **moe_helpers._ATTN, **dict(fields, moe_intermediate_size=inter))
+    model = model_cls(config).eval()
+    with pytest.warns(UserWarning, match=r"skipped model\.layers\.0\.mlp\.experts \(" + why):
+        summary = quantize_model(model, bits=4, group_size=group_size)
+    experts = model.model.layers[0].mlp.experts
+    assert not isinstance(experts, QuantFusedExperts) and experts.gate_up_proj.shape == (EXPERTS, 2 * inter, HIDDEN)
+    assert summary.skipped["model.layers.0.mlp.experts"] == why
+    assert "model.layers.0.mlp.experts" not in summary.converted
+    if group_size == 64:  # the attention projections (64 wide) are still quantized
+        assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+
+
+def test_filter_fn_leaves_experts_float():
+    model = tiny_moe("mixtral")
+    summary = quantize_model(model, bits=4, group_size=32, filter_fn=lambda name, m: not name.endswith("experts"))
+    assert not any(isinstance(m, QuantFusedExperts) for m in model.modules())
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert not any(n.endswith("experts") for n in summary.converted)

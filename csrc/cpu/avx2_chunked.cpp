@@ -50,6 +50,7 @@ struct FpScales {
   float tail_scale(int64_t i) const { return fp::scale_value(kind, codes[i]); }
   float element(uint32_t c) const { return element_of[c]; }
   float bias(int64_t) const { return 0.0f; }
+  void prefetch(int64_t i0, int64_t count) const { prefetch_range(codes, i0, count); }
 };
 
 // The affine format's scales and biases, in the float type T; element(c) = c.
@@ -62,6 +63,10 @@ struct AffineScales {
   float tail_scale(int64_t i) const { return static_cast<float>(scales[i]); }
   float element(uint32_t c) const { return float(c); }
   float bias(int64_t i) const { return static_cast<float>(biases[i]); }
+  void prefetch(int64_t i0, int64_t count) const {
+    prefetch_range(scales, i0 * int64_t(sizeof(T)), count * int64_t(sizeof(T)));
+    prefetch_range(biases, i0 * int64_t(sizeof(T)), count * int64_t(sizeof(T)));
+  }
 };
 
 // The AVX2 kernel (chunk_driver.h) for group size G, multiplier C and scales S: C's vectors times
@@ -108,18 +113,21 @@ struct Avx2Kernel {
       }
   }
 
+  // W streams from memory a whole tile ahead of its use: the next tile's rows [n+R, n+2R) follow
+  // this tile's in memory, and chunk() prefetches their chunk c while it multiplies chunk c here;
+  // their scales (and biases) are prefetched here.
   template <int R>
-  void start_tile(int64_t) const {}
+  void start_tile(int64_t n) const {
+    sc.prefetch((n + R) * groups, R * groups);
+  }
 
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t n, const uint8_t* const (&row)[R], int64_t c,
                                                    const X* const (&xc)[MB], const float* const (&)[MB],
                                                    Acc (&acc)[R][MB]) const {
+    prefetch_range(row[0], R * row_bytes + c * R * C::kBytes, R * C::kBytes);  // start_tile
     const uint8_t* w[R];
-    for (int r = 0; r < R; ++r) {
-      w[r] = row[r] + c * C::kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(w[r]) + 512, _MM_HINT_T0);
-    }
+    for (int r = 0; r < R; ++r) w[r] = row[r] + c * C::kBytes;
     __m256 p[R][MB][kHalves];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m)

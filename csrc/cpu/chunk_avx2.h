@@ -36,6 +36,14 @@ namespace torch_qmm {
 namespace cpu {
 namespace chunk {
 
+// Prefetch into L1 the lines of [base + offset, base + offset + bytes) (integer arithmetic: the
+// range may lie past the end of the buffer, where prefetches do not fault but pointer arithmetic
+// would be undefined).
+__attribute__((always_inline)) inline void prefetch_range(const void* base, int64_t offset, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + uintptr_t(offset + b)), _MM_HINT_T0);
+}
+
 struct U4Multiplier {
   static constexpr const char* kName = "avx2-u4";
   static constexpr int kBits = 4, kCodes = 64, kBytes = 32, kVectors = 8, kHalves = 2;

@@ -30,12 +30,10 @@
 //                                  (affine biases: sum_g b[g] * sum of x over g); 0 where none
 // so that y[m, n] = reduce(sum over chunks) + rest(n, ...). Accumulation is float32 everywhere.
 //
-// Work: W rows go out in spans (span_rows_for) from a shared counter (run, SpanCounter), so a
-// thread that loses its core to another process leaves its share to the others, and the call ends
-// when every span is done: it waits only for a thread that holds a span, not (as a fork-join
-// region's barrier would) for one the scheduler has not started yet. Within a span, the rows of x go in blocks of 4/2/1; each
-// block runs over the whole span, which is still in L2 for the next block, so W comes from memory
-// once and each chunk is decoded once per block of x rows.
+// Work: W rows go out in spans (span_rows_for) from a shared counter (run), so a thread that loses
+// its core to another process leaves its share to the others. Within a span, the rows of x go in
+// blocks of 4/2/1; each block runs over the whole span, which is still in L2 for the next block,
+// so W comes from memory once and each chunk is decoded once per block of x rows.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -44,8 +42,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
 namespace torch_qmm {
@@ -174,35 +170,23 @@ void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N,
   }
 }
 
-// The span counter of one call, shared with its helper threads. A helper may start after the
-// call has returned (a thread pool under load wakes late): it then finds no span left and touches
-// nothing else, so the call never waits for a helper that has not taken a span.
-struct SpanCounter {
-  explicit SpanCounter(int64_t n) : spans(n) {}
-  const int64_t spans;
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-// y [M, N] float32 = x [M, K] (float32, natural order) times W, by the kernel `kern`. The calling
-// thread takes spans from the counter with at::get_num_threads() - 1 helpers (torch's inter-op
-// pool, at::launch) and returns once every span is done, by whichever thread took it: unlike a
-// fork-join region, a helper that the scheduler starts late costs nothing.
+// y [M, N] float32 = x [M, K] (float32, natural order) times W, by the kernel `kern`. The threads
+// of torch's intra-op pool (at::parallel_for, OpenMP) take spans from one counter until none is
+// left. That pool is the one every torch op runs on: after an op its threads spin for a while
+// waiting for the next region, so this region starts on them at once (a thread of another pool
+// would share a core with a spinning one for as long as the spin lasts). The region ends when
+// every thread of the team has arrived: one the scheduler starts late finds no span left, but the
+// call waits for its start.
 template <typename Kern>
 void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   const PreparedX<Kern> px = prepare_x(kern, x, M, K);
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int64_t span = span_rows_for(N, threads);
-  const auto counter = std::make_shared<SpanCounter>((N + span - 1) / span);
-  const PreparedX<Kern>* prepared = &px;
-  auto take = [counter, &kern, prepared, M, N, span, y] {
-    for (int64_t i; (i = counter->next.fetch_add(1, std::memory_order_relaxed)) < counter->spans;) {
-      run_span(kern, *prepared, M, N, span, i, y);
-      counter->done.fetch_add(1, std::memory_order_release);  // after the span's writes to y
-    }
-  };
-  for (int64_t t = 1; t < std::min(threads, counter->spans); ++t) at::launch(take);
-  take();
-  while (counter->done.load(std::memory_order_acquire) < counter->spans) std::this_thread::yield();
+  const int64_t spans = (N + span - 1) / span;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, spans), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < spans;) run_span(kern, px, M, N, span, i, y);
+  });
 }
 
 }  // namespace chunk

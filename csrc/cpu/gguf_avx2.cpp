@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "../gguf_format.h"
+#include "chunk_avx2.h"
 #include "chunk_driver.h"
 #include "gguf_fields.h"
 #include "qmm_kernels.h"
@@ -207,12 +208,11 @@ struct GgufAvx2Kernel {
   __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t b,
                                                    const X* const (&xc)[MB], const float* const (&xs)[MB],
                                                    __m256 (&acc)[R][MB]) const {
+    // Block b of the next tile's rows [n+R, n+2R), which follow this tile's in memory: W streams
+    // from memory a whole tile ahead of its use.
+    chunk::prefetch_range(row[0], R * row_bytes + b * R * Fmt::kBlockBytes, R * Fmt::kBlockBytes);
     const uint8_t* blk[R];
-    for (int r = 0; r < R; ++r) {
-      blk[r] = row[r] + b * Fmt::kBlockBytes;
-      for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)  // a few blocks ahead in the row
-        _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + 4 * Fmt::kBlockBytes + off, _MM_HINT_T0);
-    }
+    for (int r = 0; r < R; ++r) blk[r] = row[r] + b * Fmt::kBlockBytes;
     Fmt::template block<R, MB>(blk, xc, xs, acc);
   }
 
