@@ -7,6 +7,7 @@ checkout, runs the tests meant to catch it, and reports which were killed and by
     python -m tests.mutation --fresh2        # the second audit list (tests/mutation/fresh2_mutants.py)
     python -m tests.mutation --fresh3        # the third (tests/mutation/fresh3_mutants.py)
     python -m tests.mutation --fresh4 -j 2 --timeout 300   # the fourth (tests/mutation/fresh4_mutants.py)
+    python -m tests.mutation --fresh5 -j 2 --wall 600      # the fifth (tests/mutation/fresh5_mutants.py)
 
 A scratch copy holds the tracked files of the checkout (git ls-files) plus its built extension
 (torch_qmm/_C*.so), so the real checkout is never touched. Each of the `jobs` workers reuses one
@@ -31,7 +32,9 @@ The time limit per mutant is a CPU-time budget (the pytest process and all its d
 load while their CPU time does not, so a limit in CPU seconds holds under load. A wall-clock cap
 of WALL_FACTOR times the budget (or the `wall` seconds given: on a machine so loaded that a CPU
 second takes many wall seconds) still stops tests that hang without using the CPU. Where /proc is
-missing the budget is applied to wall time.
+missing the budget is applied to wall time. The tests run in a session of their own (a limit stops
+everything they started), which on Linux is also a new autogroup: it gets the caller's autogroup
+nice value, so that a harness started at low priority stays there.
 """
 
 from __future__ import annotations
@@ -154,13 +157,35 @@ def _cpu_seconds(root_pid: int) -> float | None:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def _autogroup_nice() -> str | None:
+    """The nice value of this process's autogroup (Linux /proc/self/autogroup: "/autogroup-N nice V"),
+    or None where there is none."""
+    try:
+        return (_PROC / "self" / "autogroup").read_text().split()[-1]
+    except (OSError, IndexError):
+        return None
+
+
+def _session_at(nice: str | None):
+    """A preexec_fn giving the child's new session (and so its new autogroup, which starts at nice
+    0) the caller's autogroup nice value: on a shared machine the tests yield the CPU as the caller does."""
+    def set_nice() -> None:
+        if nice is not None:
+            try:
+                with open("/proc/self/autogroup", "w") as f:
+                    f.write(nice)
+            except OSError:
+                pass
+    return set_nice
+
+
 def _run_limited(cmd: list[str], tree: Path, env: dict, budget: float,
                  wall_limit: float | None = None) -> tuple[int | None, str, str, float | None]:
     """Runs cmd; (exit status, or None when it used more than `budget` CPU seconds or ran past
     WALL_FACTOR * budget wall seconds; the limit's description; output; CPU seconds used)."""
     with tempfile.TemporaryFile("w+") as out:
         p = subprocess.Popen(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=_session_at(_autogroup_nice()))
         t0 = time.monotonic()
         limit, cpu, status = "", None, None
         while status is None:
