@@ -93,6 +93,15 @@ def _run(case, make, check=None):
     assert launch["route"] == route
 
 
+# Checked mode: each route shape once, bit widths and dtypes rotating. First in the file: an
+# out-of-bounds store that checked mode reports as a KernelFault would, unchecked, write past the
+# tensor and can end the process before any later test runs.
+@pytest.mark.parametrize(
+    "case", [(i, BITS[i % len(BITS)], DTYPES[i % len(DTYPES)]) for i in range(len(SHAPES))], ids=_id)
+def test_metal_route_runs_clean_in_checked_mode(case):
+    _run(case, rounding_case, check=True)
+
+
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_metal_route_rounds_exactly(case):
     _run(case, rounding_case)
@@ -102,13 +111,6 @@ def test_metal_route_rounds_exactly(case):
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] in (4, 6)], ids=_id)
 def test_metal_route_uses_x_unrounded(case):
     _run(case, selection_case)
-
-
-# Checked mode: each route shape once, bit widths and dtypes rotating.
-@pytest.mark.parametrize(
-    "case", [(i, BITS[i % len(BITS)], DTYPES[i % len(DTYPES)]) for i in range(len(SHAPES))], ids=_id)
-def test_metal_route_runs_clean_in_checked_mode(case):
-    _run(case, rounding_case, check=True)
 
 
 def test_every_metal_qmm_route_is_reached():
