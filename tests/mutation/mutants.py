@@ -224,7 +224,7 @@ MUTANTS: list[Mutant] = [
            "const __m256i q = j == 3 ? _mm256_srai_epi32(wv, 24) : _mm256_and_si256(wv, _mm256_set1_epi32(255 << (8 * j)));",
            ("tests/test_cpu_avx2_exact.py", "-k", "u8"), "the 8-bit AVX2 multiplier reads codes >= 128 of byte 3 as negative"),
     Mutant("avx2-q4k-odd-scale", "csrc/cpu/gguf_avx2.cpp",
-           "so = _mm256_set1_ps(sd[2 * run + 1]);", "so = _mm256_set1_ps(sd[2 * run]);",
+           "so = _mm256_broadcast_ss(sd + 2 * run + 1);", "so = _mm256_broadcast_ss(sd + 2 * run);",
            ("tests/test_cpu_avx2_exact.py", "-k", "Q4_K and float32"), "Q4_K's high nibbles scaled by the low nibbles' sub-block"),
     Mutant("avx2-q6k-high-field-one-bit", "csrc/cpu/gguf_avx2.cpp",
            "_mm256_and_si256(qh_t, _mm256_set1_epi32(0x30 << pos(p, u)))",
