@@ -166,3 +166,83 @@ def test_state_shapes_are_checked_under_a_prefix():
     state["0.scales"] = state["0.scales"][:, :1]
     with pytest.raises(ValueError, match=r"QuantLinear '0\.scales': expected shape \[4, 2\] .*got \[4, 1\]"):
         model.load_state_dict(state)
+
+
+# ---- error paths of the MoE and GGUF constructors -----------------------------------------------
+
+from torch_qmm.interop.gguf import q4_k_to_affine  # noqa: E402
+from torch_qmm.nn_moe import QuantFusedExperts  # noqa: E402
+
+
+def _switch_parts():
+    w = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(5))
+    return torch_qmm.quantize(w, group_size=32, bits=4)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: QuantSwitchLinear.from_float(torch.randn(8, 64)), r"argument 'weight' must be a float tensor "
+                                                               r"\[num_experts, out, in\], got torch.float32 \[8, 64\]"),
+    (lambda: QuantSwitchLinear.from_float(torch.ones(2, 8, 64, dtype=torch.int32)), r"argument 'weight' must be a float"),
+    (lambda: QuantSwitchLinear.from_float(torch.randn(2, 8, 64), torch.zeros(2, 7)),
+     r"argument 'bias' must have shape \[2, 8\], got \[2, 7\]"),
+    (lambda: QuantSwitchLinear.from_quantized(_switch_parts()[0].view(torch.int32), *_switch_parts()[1:],
+                                              bits=4, group_size=32),
+     r"argument 'qweight' must be a uint32 tensor \[num_experts, out, in\*bits/32\], got torch.int32"),
+    (lambda: QuantSwitchLinear.from_quantized(_switch_parts()[0], _switch_parts()[1][:, :, :1], _switch_parts()[2],
+                                              bits=4, group_size=32),
+     r"argument 'scales' must have shape \[2, 8, 2\] \(num_experts=2, out=8, in=64, bits=4, group_size=32\), "
+     r"got \[2, 8, 1\]"),
+    (lambda: QuantSwitchLinear.from_quantized(*_switch_parts()[:2], None, bits=4, group_size=32),
+     r"argument 'biases': mode 'affine' has biases, got None"),
+    (lambda: QuantSwitchLinear.from_quantized(*_switch_parts(), bias=torch.zeros(2, 9), bits=4, group_size=32),
+     r"argument 'bias' must have shape \[2, 8\], got \[2, 9\]"),
+    (lambda: QuantSwitchLinear.from_quantized(*torch_qmm.quantize(torch.randn(2, 8, 64), mode="mxfp4"),
+                                              torch.zeros(2, 8, 2), mode="mxfp4"),
+     r"argument 'biases': mode 'mxfp4' has no biases, got a tensor"),
+], ids=["weight-2d", "weight-int", "bias-shape", "qweight-int32", "scales-shape", "biases-missing", "bias-shape-q",
+        "biases-for-fp"])
+def test_switch_linear_constructors_name_the_bad_argument(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_fused_experts_refuse_projections_that_do_not_chain():
+    gate_up = QuantSwitchLinear(2, 64, 2 * 32, group_size=32)
+    for down in (QuantSwitchLinear(3, 32, 64, group_size=32), QuantSwitchLinear(2, 64, 64, group_size=32),
+                 QuantSwitchLinear(2, 32, 32, group_size=32)):
+        with pytest.raises(ValueError, match=r"QuantFusedExperts: gate_up_proj \[E=2, 64, 64\] and down_proj "
+                                             r"\[E=\d, \d+, \d+\] must be \[E, 2I, H\] and \[E, H, I\]"):
+            QuantFusedExperts(gate_up, down, torch.nn.SiLU())
+
+
+@pytest.mark.parametrize("blocks, N, K, message", [
+    (np.zeros((2, 144), np.int8), 2, 256, r"q4_k_to_affine: blocks must be uint8, got int8"),
+    (torch.zeros(2, 144, dtype=torch.int16), 2, 256, r"q4_k_to_affine: blocks must be uint8, got torch.int16"),
+    (np.zeros((2, 144), np.uint8), 2, 128, r"need N >= 1 and K a positive multiple of 256 .*got N=2, K=128"),
+    (np.zeros((0, 144), np.uint8), 0, 256, r"need N >= 1 .*got N=0, K=256"),
+    (np.zeros((2, 144), np.uint8), 2, 512, r"blocks must be uint8 \[N, K/256 \* 144\] = \[2, 288\] for N=2, K=512, "
+                                           r"got shape \[2, 144\]"),
+], ids=["numpy-int8", "torch-int16", "K-128", "N-0", "shape"])
+def test_q4_k_to_affine_names_what_is_wrong(blocks, N, K, message):
+    with pytest.raises(ValueError, match=message):
+        q4_k_to_affine(blocks, N, K)
+
+
+def test_q4_k_to_affine_refuses_non_finite_and_overflowing_scales():
+    block = np.zeros((1, 144), np.uint8)
+    block[0, 0:2] = np.array([np.inf], "<f2").view(np.uint8)
+    block[0, 4] = 1
+    with pytest.raises(ValueError, match=r"non-finite float16 d/dmin"):
+        q4_k_to_affine(block, 1, 256)
+    block[0, 0:2] = np.array([60000.0], "<f2").view(np.uint8)  # d * 63 overflows float16, not float32
+    block[0, 4] = 63
+    assert torch.isfinite(q4_k_to_affine(block, 1, 256)[1]).all()
+    with pytest.raises(ValueError, match=r"scales/biases overflow torch.float16; use dtype=torch.float32"):
+        q4_k_to_affine(block, 1, 256, dtype=torch.float16)
+
+
+def test_gguf_linear_refuses_a_type_it_does_not_run():
+    with pytest.raises(ValueError, match=r"argument 'ggml_type' must be one of 12 \(Q4_K\), 14 \(Q6_K\), got 8 \(Q8_0\)"):
+        GGUFLinear(256, 4, 8)
+    with pytest.raises(ValueError, match=r"argument 'in_features' must be a multiple of 256, got 320"):
+        GGUFLinear(320, 4, 14)

@@ -183,3 +183,23 @@ def test_qmm_cpu_route_is_gemm_without_chunk_kernels(mode):
     route = torch.ops.torch_qmm._cpu_route(x, wq, scales, None, FORMATS[mode].default_bits,
                                           FORMATS[mode].default_group_size, True, mode)
     assert route.split("/")[0] in ("gemm", "chunked")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=str)
+@pytest.mark.parametrize("transpose", [True, False], ids=["t", "n"])
+@pytest.mark.parametrize("mode", FP_MODES)
+def test_qmm_sums_sparse_x_within_a_few_roundings(mode, transpose, dtype):
+    """Four nonzero x values per row with every bit of x's dtype: each output sums four products,
+    so every CPU route (M across the chunk, fused and GEMM limits) is within a few roundings of
+    the terms (tests/tolerance.py), far below ACC_RTOL: x, a decoded weight or a scale kept
+    in a narrower type fails."""
+    from tolerance import assert_within_few_roundings, sparse_x
+
+    N, K = 96, 256
+    wq, scales = _weights(mode, N if transpose else K, K if transpose else N)
+    for m in (1, 2, 3, 5, 16, 33):
+        x = sparse_x(m, K, 4, 32, dtype, seed=m)
+        y = torch_qmm.quantized_matmul(x, wq, scales, transpose=transpose, mode=mode)
+        assert_within_few_roundings(y, qmm_fp(x, wq, scales, mode, transpose=transpose),
+                                    qmm_fp_magnitude(x, wq, scales, mode, transpose=transpose), dtype, 4,
+                                    f"{mode} m={m} transpose={transpose}")

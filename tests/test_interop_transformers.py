@@ -156,6 +156,11 @@ BAD_CONFIGS = [
     (dict(bits=4, mixed_bits={"average": 4.5, "low": 4, "high": 6}), ValueError,
      r"argument 'mixed_bits' must be a dict \(average, low, high\) and comes without 'bits'"),
     (dict(mixed_bits=[4.5, 4, 6]), ValueError, r"argument 'mixed_bits' must be a dict"),
+    (dict(bits={"*": 4}, mode="mxfp4"), ValueError,
+     r"argument 'bits': per-layer bits are for mode 'affine', got mode='mxfp4'"),
+    (dict(bits={"*": 4, "a.up": 8}, group_size=48), ValueError, r"argument 'group_size' must be one of .*got 48"),
+    (dict(bits=8, mode="nvfp4"), ValueError, r"argument 'bits' must be 4, got 8 \(mode 'nvfp4'\)"),
+    (dict(mode="int4"), ValueError, r"argument 'mode' must be one of .*got 'int4'"),
 ]
 
 

@@ -256,3 +256,28 @@ def test_fp_ops_run_on_metalsim_through_the_public_api(mode):
     magnitude = reference_fp.qmm_fp_magnitude(x.reshape(6, 128), wq, scales, mode)
     assert y.shape == (2, 3, 40)
     assert_matches_reference(y.reshape(6, 40), y_ref, magnitude, torch.float16, f"{mode} through the API")
+
+
+# Sparse x with every bit of float32 (tests/tolerance.py sparse_x): each output sums a few
+# products, so every route must be within a few roundings of the terms, far below ACC_RTOL: x read
+# as half or a decoded weight or scale kept narrow fails. Each route shape once, modes rotating.
+SPARSE_CASES = [(FP_MODES[i % len(FP_MODES)], i, torch.float32) for i in range(len(_shapes(16)))]
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES, ids=_qmm_id)
+def test_fp_qmm_route_sums_sparse_x_within_a_few_roundings(case):
+    from tolerance import assert_within_few_roundings, sparse_x
+
+    mode, i, dtype = case
+    bits, gs = fp_mode_params(mode)
+    route, M, N, K, transpose = _shapes(gs)[i]
+    seed = 5 * i + len(mode)
+    rows, cols = (N, K) if transpose else (K, N)
+    wq, scales = reference_fp.quantize_fp(_weights(rows, cols, dtype, seed), mode)
+    values = min(4, max(1, K // 32))
+    x = sparse_x(M, K, values, 32 if K >= 32 else K, dtype, seed)
+    y, launch = metal_qmm(x, wq, scales, mode, transpose)
+    assert launch.route == route
+    assert_within_few_roundings(y, reference_fp.qmm_fp(x, wq, scales, mode, transpose=transpose),
+                                reference_fp.qmm_fp_magnitude(x, wq, scales, mode, transpose=transpose), dtype,
+                                values, f"{launch.kernel} M={M} N={N} K={K}")

@@ -316,3 +316,31 @@ def test_gather_qmm_op_refuses_bad_indices_before_any_launch():
         with pytest.raises(ValueError, match="lhs_indices"):
             torch_qmm.gather_qmm(x, wq, scales, biases, lhs_indices=torch.tensor([2]), rhs_indices=torch.tensor([0]),
                                  group_size=64, bits=4)
+
+
+# Sparse x with every bit of its dtype (tests/tolerance.py sparse_x): each output sums a few
+# products, so both the Metal routes and the CPU op must be within a few roundings of the terms
+# they add, far below ACC_RTOL: a pair reading another row or expert's group scale, x read as
+# half, or a bias sum kept narrow fails. Every pattern, affine with biases and an fp mode.
+SPARSE = [(p, CELLS[[0, 1, 3, 4][i % 4]], torch.float32) for i, p in enumerate(PATTERNS)]
+
+
+@pytest.mark.parametrize("pattern,cell,dtype", SPARSE, ids=[_id(*c) for c in SPARSE])
+def test_gather_sums_sparse_x_within_a_few_roundings(pattern, cell, dtype):
+    from tolerance import assert_within_few_roundings, sparse_x
+
+    route, name, x_batch, M, experts, rhs, lhs, sorted_indices = pattern
+    mode, bits, gs = cell
+    seed = 7 * CELLS.index(cell) + len(name)
+    _, wq, scales, biases, lhs_t, rhs_t, transpose = _case(*pattern, *cell, dtype, seed)
+    K = wq.shape[-1] * 32 // bits if transpose else wq.shape[-2]
+    values = min(4, max(1, K // 32))
+    x = sparse_x(x_batch * M, K, values, 32 if K >= 32 else K, dtype, seed).reshape(x_batch, M, K)
+    lhs_arg = lhs_t if lhs is not None else None
+    y_ref, magnitude = gather_reference(x, wq, scales, biases, lhs_t, rhs_t, mode, bits, gs, transpose)
+    y, (launch,) = run_gather(x, wq, scales, biases, lhs_arg, rhs_t, mode, bits, gs, transpose, sorted_indices)
+    assert launch.route == route
+    assert_within_few_roundings(y, y_ref, magnitude, dtype, values, f"{launch.kernel} {name}")
+    y_cpu = torch_qmm.gather_qmm(x, wq, scales, biases, lhs_arg, rhs_t, transpose=transpose, group_size=gs,
+                                 bits=bits, mode=mode, sorted_indices=sorted_indices)
+    assert_within_few_roundings(y_cpu, y_ref, magnitude, dtype, values, f"cpu {name}")

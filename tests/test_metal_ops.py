@@ -185,3 +185,53 @@ def test_kernels_run_clean_in_checked_mode(route, bits, dtype):
             out = torch_qmm.dequantize(wq, s, b, group_size=64, bits=bits)
             assert torch.equal(out, torch_qmm.dequantize(wq, s, b, group_size=64, bits=bits))
     assert _last()[0].route == route
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0]
+
+
+def test_bad_arguments_of_every_mode_raise_the_cpu_errors():
+    # Each bad call of tests/test_fakes.py (qmm, dequantize, quantize in every mode) refused by the
+    # planner's checks exactly as by the CPU kernels: same type, same message.
+    from test_fakes import _mode_bad_cases
+    from torch_qmm.formats import FORMATS
+
+    ops = torch.ops.torch_qmm
+    for mode in FORMATS:
+        for name, (op, args) in sorted(_mode_bad_cases(mode).items()):
+            if op not in (ops.qmm, ops.dequantize, ops.quantize):
+                continue
+            with pytest.raises((ValueError, TypeError)) as cpu:
+                op(*args)
+            with _backend(), pytest.raises(cpu.type) as sim:
+                op(*args)
+            assert _first_line(sim.value) == _first_line(cpu.value), f"{mode} {name}"
+
+
+def test_affine_dequantize_to_another_dtype_is_refused_on_metal():
+    # The affine kernels compute in the scales' dtype; another result dtype is refused, not converted.
+    wq, s, b = torch_qmm.quantize(torch.randn(8, 64).half(), group_size=32, bits=4)
+    with _backend(), pytest.raises(ValueError, match=r"dequantize: argument 'dtype' must be the scales' dtype "
+                                                     r"\(Half\) for mode 'affine' on Metal, got Float"):
+        torch_qmm.dequantize(wq, s, b, group_size=32, bits=4, dtype=torch.float32)
+    with _backend():
+        same = torch_qmm.dequantize(wq, s, b, group_size=32, bits=4, dtype=torch.float16)
+    assert torch.equal(same, torch_qmm.dequantize(wq, s, b, group_size=32, bits=4))
+
+
+def test_quantize_of_a_group_range_past_float32_is_refused_as_on_cpu():
+    # Finite weights whose max - min overflows float32: affine's scale would be Inf (refused on
+    # every backend with one message); the fp modes have no range and quantize them as the CPU op.
+    w = torch.zeros(2, 32)
+    w[1, 0], w[1, 1] = 3e38, -3e38
+    with pytest.raises(ValueError) as cpu:
+        torch_qmm.quantize(w, group_size=32, bits=4)
+    with _backend(), pytest.raises(ValueError) as sim:
+        torch_qmm.quantize(w, group_size=32, bits=4)
+    assert "exceeds the float32 maximum" in _first_line(cpu.value)
+    assert _first_line(sim.value) == _first_line(cpu.value)
+    want = torch_qmm.quantize(w, mode="mxfp4")
+    with _backend():
+        got = torch_qmm.quantize(w, mode="mxfp4")
+    assert all(torch.equal(g, e) for g, e in zip(got, want))
