@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from . import mse
+from .calibration import release_freed_memory
 from .affine import codes, decode, pack, rtn, stored
 
 # Columns per lazy-update block (a multiple of every supported group size).
@@ -132,6 +133,7 @@ def search(
             W1[:, i:] -= err * h1[i, i:].unsqueeze(0)
             E1[:, i] = err[:, 0]
         W[:, i2:] -= E1 @ hinv[i1:i2, i2:]
+        release_freed_memory()
     codes_orig = torch.empty_like(Q)
     codes_orig[:, perm] = Q
     return codes_orig, scale, bias
