@@ -44,9 +44,13 @@ class Dequantized(nn.Module):
         self.triple = triple
         self.bias = layer.bias
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, computed at each access (nothing float is held)."""
+        return dequantize(*self.triple, group_size=self.group_size, bits=self.bits).to(self.weight_dtype).contiguous()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = dequantize(*self.triple, group_size=self.group_size, bits=self.bits).to(self.weight_dtype)
-        return F.linear(x, w.contiguous(), self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Plan:
