@@ -13,6 +13,7 @@ kernel's peak counter (VmHWM, /proc/self/clear_refs) and quantizes the model.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,10 +50,13 @@ def block_bound_bytes() -> int:
 # pieces), Python objects, tensor bookkeeping. The extra peaks measured with LARGE blocks are
 # 46-53 MiB against a bound of 86 MiB.
 SLACK = 24 * MIB
-# Growth allowed from SMALL to LARGE blocks: noise (measured -1.5 to +4 MiB); the four extra
-# blocks' float weights kept beside their packed ones (4 x 7.6 MiB) add 19 MiB. Keeping their
-# block inputs (4 x 4.5 MiB) adds only 5 MiB to the peak, below this noise allowance.
+# Growth allowed from SMALL to LARGE blocks. Measured without a leak: -1.5 to +8.1 MiB (the peak
+# is a transient of one layer's work and varies from run to run); with the four extra blocks'
+# float weights kept beside their packed ones (4 x 7.6 MiB): +19 MiB in one run, within the noise
+# in another; their block inputs kept (4 x 4.5 MiB): +5 MiB. At these sizes the growth check is
+# not reliable, so it runs only when asked (TORCH_QMM_MEMORY_GROWTH=1).
 GROWTH = 8 * MIB
+GROWTH_CHECKS = os.environ.get("TORCH_QMM_MEMORY_GROWTH") == "1"
 
 
 def _model(layers: int):
@@ -131,7 +135,7 @@ def run(method: str, leak: str | None = None) -> tuple[dict, dict]:
     return result[str(SMALL)], result[str(LARGE)]
 
 
-def check(method: str, small: dict, large: dict) -> None:
+def check(method: str, small: dict, large: dict, growth_check: bool = True) -> None:
     assert small["layers"] == SMALL * 7 and large["layers"] == LARGE * 7
     bound = block_bound_bytes() + large["packed"] + SLACK
     assert large["extra"] <= bound, (
@@ -139,7 +143,7 @@ def check(method: str, small: dict, large: dict) -> None:
         f"(one block's statistics and activations {block_bound_bytes() / MIB:.1f}, the packed model "
         f"{large['packed'] / MIB:.1f}, slack {SLACK / MIB:.0f})")
     growth = large["extra"] - small["extra"]
-    assert growth <= GROWTH, (
+    assert not growth_check or growth <= GROWTH, (
         f"{method}: the extra peak grows with the blocks: {small['extra'] / MIB:.1f} MiB with {SMALL}, "
         f"{large['extra'] / MIB:.1f} MiB with {LARGE} (allowed {GROWTH / MIB:.0f} MiB)")
 
@@ -147,10 +151,11 @@ def check(method: str, small: dict, large: dict) -> None:
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak counters")
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_peak_memory_is_one_blocks_work_whatever_the_number_of_blocks(method):
-    check(method, *run(method))
+    check(method, *run(method), growth_check=GROWTH_CHECKS)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak counters")
+@pytest.mark.skipif(not GROWTH_CHECKS, reason="the growth check is noisy at these sizes: TORCH_QMM_MEMORY_GROWTH=1")
 def test_the_check_fails_when_every_blocks_float_weights_are_kept():
     with pytest.raises(AssertionError, match="grows with the blocks"):
         check("gptq", *run("gptq", "floats"))
