@@ -242,11 +242,15 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="result file (default: results/quantizer-accuracy-<model>[-tag]-<time>"
                                             ".json); an existing one keeps its rows and gets the new ones added")
     p.add_argument("--no-float", dest="with_float", action="store_false", help="skip the float baseline run")
+    p.add_argument("--autogroup", type=int, help="nice value of each configuration's session (written to "
+                                                 "/proc/self/autogroup; default: the kernel's, 0)")
     p.add_argument("--one-method", help=argparse.SUPPRESS)
     p.add_argument("--one-bits", help=argparse.SUPPRESS)
     p.add_argument("--one-group", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one_method:
+        if args.autogroup is not None:
+            Path("/proc/self/autogroup").write_text(str(args.autogroup))
         import torch
 
         torch.set_num_threads(args.threads)
@@ -266,7 +270,8 @@ def main() -> int:
             "model": args.gguf.name, "baseline": "GGUF weights dequantized to float32 (output head float, tied)",
             "heldout": args.heldout, "calibration": args.calibration, "calibration_tokens_asked": args.calib_tokens,
             "calibration_sample": args.calib_sample,
-            "load_average": os.getloadavg(), "threads": args.threads, "rows": rows}, indent=1))
+            "load_average": os.getloadavg(), "threads": args.threads, "autogroup": args.autogroup, "rows": rows},
+            indent=1))
 
     def run(spec):
         method, bits, group = spec
@@ -275,7 +280,8 @@ def main() -> int:
                "--calibration", args.calibration, "--calib-sample", str(args.calib_sample), "--heldout", args.heldout,
                "--threads", str(args.threads), "--one-method", method, "--one-bits", str(bits),
                "--one-group", str(group)]
-        for flag, value in (("--lee", args.lee), ("--lee-test", args.lee_test), ("--cache", args.cache)):
+        for flag, value in (("--lee", args.lee), ("--lee-test", args.lee_test), ("--cache", args.cache),
+                            ("--autogroup", args.autogroup)):
             if value is not None:
                 cmd += [flag, str(value)]
         # Each configuration in a session of its own: with the kernel's autogroup scheduling the

@@ -626,3 +626,12 @@ def test_convert_cli_refuses_awq_without_calibration(folder_with_tokenizer, tmp_
 
     with pytest.raises(ValueError, match="argument 'method' must be one of"):
         TorchQmmConfig(method="hqq")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_pass_shows_a_progress_bar_per_layer(method, capsys):
+    torch_qmm.quantize_model(_llama(), bits=4, group_size=32, method=method, calibration=CALIB, progress=True)
+    err = capsys.readouterr().err
+    assert f"quantizing ({method})" in err and "15/15" in err, err[-500:]
+    torch_qmm.quantize_model(_llama(), bits=4, group_size=32, method=method, calibration=CALIB, progress=False)
+    assert "quantizing" not in capsys.readouterr().err

@@ -201,28 +201,42 @@ def quantize_model(
         setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)
         summary.converted.append(name)
     show = bool(candidates) and (progress if progress is not None else len(candidates) >= _PROGRESS_MIN_LAYERS)
+    # Everything the swap needs is taken from the layers now, and from here on they are held only
+    # by the model, so that each float layer is freed as soon as it is swapped at all its names
+    # (unless the caller holds it): the swap never holds a float and a quantized copy of the model.
+    why_not = {n: _why_not_convertible(model, n, m, owners, group_size) for n, m in candidates}
+    first: dict[str, str] = {}  # name -> the first name of the same layer (each layer quantized once)
+    first_of_id: dict[int, str] = {}
+    bytes_before: dict[str, int] = {}
+    for n, m in candidates:
+        if why_not[n] is None:
+            first[n] = first_of_id.setdefault(id(m), n)
+            bytes_before.setdefault(first[n], _module_bytes(m))
+    aliases: dict[str, list[str]] = {}
+    for n, f in first.items():
+        aliases.setdefault(f, []).append(n)
+    names = [n for n, _ in candidates]
+    del candidates, first_of_id
     plan = None
     if per_layer:
         from .quantizers import prepare
 
-        eligible: dict[int, tuple[str, nn.Linear]] = {}  # each layer once, under its first name
-        for n, m in candidates:
-            if _why_not_convertible(model, n, m, owners, group_size) is None:
-                eligible.setdefault(id(m), (n, m))
-        plan = prepare(model, list(eligible.values()), bits, group_size, method, calibration, dtype,
-                       bool(show) and bool(eligible))
-    done: dict[int, QuantLinear] = {}  # id(original layer) -> its replacement
-    for name, linear in tqdm(candidates, desc="quantizing", disable=not show, unit="layer"):
-        why_not = _why_not_convertible(model, name, linear, owners, group_size)
-        if why_not is not None:
-            summary.skipped[name] = why_not
+        plan = prepare(model, list(aliases), bits, group_size, method, calibration, dtype,
+                       bool(show) and bool(aliases), aliases)
+    done: dict[str, QuantLinear] = {}  # first name of a layer -> its replacement
+    for name in tqdm(names, desc="quantizing", disable=not show, unit="layer"):
+        if why_not[name] is not None:
+            summary.skipped[name] = why_not[name]
             continue
-        quantized = done.get(id(linear))
+        quantized = done.get(first[name])
         if quantized is None:
-            quantized = (plan.build(name, linear) if plan is not None
+            # the float layer, or the calibrated pass's Dequantized stand-in of it
+            linear = model.get_submodule(name)
+            quantized = (plan.build(first[name], linear) if plan is not None
                          else QuantLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype, mode=mode))
-            done[id(linear)] = quantized
-            summary.bytes_before += _module_bytes(linear)
+            del linear
+            done[first[name]] = quantized
+            summary.bytes_before += bytes_before[first[name]]
             summary.bytes_after += _module_bytes(quantized)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -319,11 +319,14 @@ def release_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def walk(model: nn.Module, layers: dict[str, nn.Linear], data: list[Sample], on_block, on_rest) -> None:
-    """Visits the layers block by block in execution order: on_block(block, prefix, inputs, layers
-    of the block) -- which may quantize them -- then the block is run on `inputs` to give the next
-    block's inputs; layers outside the blocks go to on_rest(layers) at the end."""
-    remaining = dict(layers)
+def walk(model: nn.Module, layers: Iterable[str], data: list[Sample], on_block, on_rest, after_block=None) -> None:
+    """Visits the named layers block by block in execution order: on_block(block, prefix, inputs,
+    layers of the block) -- which may quantize them -- then the block is run on `inputs` to give the
+    next block's inputs, and after_block(layers of the block) is told that they are no longer run
+    by the walk; layers outside the blocks go to on_rest(layers) at the end. Each block's layers
+    are looked up in the model when it is reached, so the walk holds no layer of a block that is
+    done (after_block may replace them)."""
+    remaining = list(layers)
     found = find_blocks(model, remaining)
     if found is not None:
         list_name, blocks = found
@@ -332,21 +335,25 @@ def walk(model: nn.Module, layers: dict[str, nn.Linear], data: list[Sample], on_
             for i, block in enumerate(blocks):
                 prefix = f"{list_name}.{i}." if list_name else f"{i}."
                 later = tuple(f"{list_name}.{j}." if list_name else f"{j}." for j in range(i, len(blocks)))
-                mine = {n: m for n, m in remaining.items() if n.startswith(prefix)}
+                mine = {n: model.get_submodule(n) for n in remaining if n.startswith(prefix)}
                 if mine:
                     on_block(block, prefix, inputs, mine)
-                    for n in mine:
-                        del remaining[n]
+                    remaining = [n for n in remaining if n not in mine]
                     release_freed_memory()
-                if not any(n.startswith(later) for n in remaining):
+                last = not any(n.startswith(later) for n in remaining)
+                if not last:
+                    outputs = run_block(block, inputs)
+                    inputs.close()
+                    inputs = outputs
+                if mine and after_block is not None:
+                    after_block(mine)
+                del mine
+                if last:
                     break
-                outputs = run_block(block, inputs)
-                inputs.close()
-                inputs = outputs
         finally:
             inputs.close()
     if remaining:
-        on_rest(remaining)
+        on_rest({n: model.get_submodule(n) for n in remaining})
 
 
 def groups(stats: InputStats) -> dict[str, list[str]]:

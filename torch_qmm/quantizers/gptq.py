@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from . import mse
+from .calibration import release_freed_memory
 from .affine import codes, decode, pack, rtn, stored
 
 # Columns per lazy-update block (a multiple of every supported group size).
@@ -68,6 +69,12 @@ def fixed_params(scale: torch.Tensor, bias: torch.Tensor, group_size: int) -> Gr
     return params
 
 
+def damped(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Adds damp * mean(diag h) to h's diagonal, in place (GPTQ's dampening); returns h."""
+    torch.diagonal(h).add_(damp * torch.diagonal(h).mean())
+    return h
+
+
 def search(
     w: torch.Tensor,
     hessian: torch.Tensor,
@@ -99,9 +106,12 @@ def search(
         H = H[perm][:, perm]
     else:
         perm = torch.arange(cols)
-    H += damp * torch.diagonal(H).mean() * torch.eye(cols, dtype=ct)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    damped(H, damp)
+    # One [cols, cols] temporary at a time besides H: the Cholesky factor, H^-1, its upper factor.
+    hinv = torch.linalg.cholesky(H)
     del H
+    hinv = torch.cholesky_inverse(hinv)
+    hinv = torch.linalg.cholesky(hinv, upper=True)
     Q = torch.zeros_like(W)
     for i1 in range(0, cols, BLOCK):
         i2 = min(i1 + BLOCK, cols)
@@ -123,6 +133,7 @@ def search(
             W1[:, i:] -= err * h1[i, i:].unsqueeze(0)
             E1[:, i] = err[:, 0]
         W[:, i2:] -= E1 @ hinv[i1:i2, i2:]
+        release_freed_memory()
     codes_orig = torch.empty_like(Q)
     codes_orig[:, perm] = Q
     return codes_orig, scale, bias
@@ -182,8 +193,7 @@ def refine(w: torch.Tensor, hessian: torch.Tensor, q: torch.Tensor, scale: torch
     with the refitted scales and biases held fixed; per row the best candidate by output error,
     with scales and biases as stored (rounded to dtype)."""
     ct = hessian.dtype
-    cols = hessian.shape[0]
-    hessian = hessian + damp * torch.diagonal(hessian).mean() * torch.eye(cols, dtype=ct)
+    hessian = damped(hessian.clone(), damp)
     W = w.detach().to(ct)
     best_q, best_s, best_b = q.to(ct), stored(scale, dtype).to(ct), stored(bias, dtype).to(ct)
     best_e = row_errors(W, decode(best_q, best_s, best_b, group_size).to(ct), hessian)

@@ -21,6 +21,9 @@ from .affine import codes, levels, pack, rtn, stored
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(21))
 # Alternating least-squares steps after the range search.
 REFINE_STEPS = 10
+# Weight rows searched at a time (rows are independent): the search's temporaries, several copies
+# of the rows searched, stay that small whatever the layer's size.
+SEARCH_ROWS = 256
 
 
 def search(
@@ -35,6 +38,16 @@ def search(
     importance: optional non-negative weights c, per column [cols] (e.g. E[x^2] of the layer's
     input) or per element [rows, cols]; None weighs all elements equally (plain weight error).
     """
+    if w.shape[0] <= SEARCH_ROWS:
+        return _search_rows(w, bits, group_size, dtype, importance)
+    parts = [_search_rows(w[r0:r0 + SEARCH_ROWS], bits, group_size, dtype,
+                          importance[r0:r0 + SEARCH_ROWS] if importance is not None and importance.dim() == 2
+                          else importance)
+             for r0 in range(0, w.shape[0], SEARCH_ROWS)]
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _search_rows(w, bits, group_size, dtype, importance):
     rows, cols = w.shape
     n_groups = cols // group_size
     g = w.detach().float().reshape(rows, n_groups, group_size)

@@ -3,7 +3,12 @@
 Data-free methods (rtn, mse) quantize each layer when quantize_model swaps it. Calibrated methods
 (awq, gptq) walk the model block by block first (calibration.walk): each block's layers are
 quantized and their weights replaced by the dequantized values, so the next block is calibrated
-on the outputs of the quantized model; the packed results wait here until the swap.
+on the outputs of the quantized model. Once the walk has run a block for the last time, its
+layers are replaced in the model by `Dequantized` stand-ins that hold only the packed result, so
+the float weights of the blocks that are done are freed (when nothing else holds them) while the
+walk goes on: the pass holds the model, one block's statistics and block inputs, and never a
+float and a packed copy of the whole model at once. quantize_model swaps the stand-ins for
+QuantLinear at the end.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import warnings
 from typing import Iterable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -25,20 +31,46 @@ from .methods import AWQ, GPTQ, resolve
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+class Dequantized(nn.Module):
+    """Stand-in for a float linear layer whose packed triple exists: its forward is F.linear with
+    the triple dequantized to the layer's weight dtype, bit for bit what the float layer computes
+    with that weight written back, while it holds only the packed triple (and the float bias)."""
+
+    def __init__(self, layer: nn.Linear, triple: Triple, bits: int, group_size: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.bits, self.group_size = bits, group_size
+        self.weight_dtype = layer.weight.dtype
+        self.triple = triple
+        self.bias = layer.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, computed at each access (nothing float is held)."""
+        return dequantize(*self.triple, group_size=self.group_size, bits=self.bits).to(self.weight_dtype).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class Plan:
     """Builds the QuantLinear of each layer (quantize_model calls `build`)."""
 
-    def __init__(self, method: str, bits: dict[str, int], group_size: int, dtype: torch.dtype | None) -> None:
+    def __init__(self, method: str, bits: dict[str, int], group_size: int, dtype: torch.dtype | None,
+                 aliases: dict[str, list[str]] | None = None) -> None:
         self.method = method
         self.bits = bits
         self.group_size = group_size
         self.dtype = dtype
         self.done: dict[str, Triple] = {}  # results of the calibrated pass, by layer name
+        self.aliases = aliases or {}  # layer name -> every name it is registered under
 
-    def dtype_of(self, layer: nn.Linear) -> torch.dtype:
-        return self.dtype or layer.weight.dtype
+    def dtype_of(self, layer: nn.Module) -> torch.dtype:
+        return self.dtype or (layer.weight_dtype if isinstance(layer, Dequantized) else layer.weight.dtype)
 
-    def triple(self, name: str, layer: nn.Linear) -> Triple:
+    def triple(self, name: str, layer: nn.Module) -> Triple:
+        if isinstance(layer, Dequantized):
+            return layer.triple
         if name in self.done:
             return self.done.pop(name)
         bits, dtype = self.bits[name], self.dtype_of(layer)
@@ -48,11 +80,12 @@ class Plan:
 
         return quantize(layer.weight.detach().to(dtype), group_size=self.group_size, bits=bits)
 
-    def build(self, name: str, layer: nn.Linear) -> QuantLinear:
+    def build(self, name: str, layer: nn.Module) -> QuantLinear:
+        """The QuantLinear of a layer: the float nn.Linear, or its Dequantized stand-in."""
         wq, scales, biases = self.triple(name, layer)
         dtype = self.dtype_of(layer)
         q = QuantLinear(layer.in_features, layer.out_features, bias=layer.bias is not None, bits=self.bits[name],
-                        group_size=self.group_size, device=layer.weight.device, dtype=dtype)
+                        group_size=self.group_size, device=wq.device, dtype=dtype)
         with torch.no_grad():
             q.qweight.copy_(wq)
             q.scales.copy_(scales)
@@ -73,6 +106,20 @@ class Plan:
         with torch.no_grad():
             layer.weight.copy_(dequantize(*result, group_size=self.group_size, bits=self.bits[name]).to(layer.weight.dtype))
 
+    def retire(self, model: nn.Module, layers: dict[str, nn.Linear]) -> None:
+        """Replaces each of `layers` whose result is stored by its Dequantized stand-in, under every
+        name it is registered at (calibration.walk's after_block: the walk no longer runs them), so
+        that its float weight can be freed."""
+        for name, layer in layers.items():
+            if name not in self.done or not isinstance(layer, nn.Linear):
+                continue
+            stand_in = Dequantized(layer, self.done.pop(name), self.bits[name], self.group_size)
+            for alias in self.aliases.get(name, [name]):
+                parent_name, _, child = alias.rpartition(".")
+                setattr(model.get_submodule(parent_name) if parent_name else model, child, stand_in)
+        layers.clear()
+        cal.release_freed_memory()
+
 
 def _bits(bits, group_size: int, layers: dict[str, nn.Linear]) -> dict[str, int] | mixed.MixedBits:
     if isinstance(bits, bool):
@@ -90,13 +137,17 @@ def _bits(bits, group_size: int, layers: dict[str, nn.Linear]) -> dict[str, int]
     raise TypeError(f"argument 'bits' must be an int, a mapping name -> bits or MixedBits, got {type(bits).__name__}")
 
 
-def prepare(model: nn.Module, layers: list[tuple[str, nn.Linear]], bits, group_size: int, method,
-            calibration: Iterable | None, dtype: torch.dtype | None, progress: bool) -> Plan:
+def prepare(model: nn.Module, names: Iterable[str], bits, group_size: int, method,
+            calibration: Iterable | None, dtype: torch.dtype | None, progress: bool,
+            aliases: dict[str, list[str]] | None = None) -> Plan:
     """Checks the arguments, assigns bits, and runs the calibrated pass if the method has one.
-    `layers`: (name, layer) of every layer to quantize, each layer once."""
+    `names`: the name of every layer to quantize in the model, each layer once (the others it is
+    registered under in `aliases`: name -> all its names). The calibrated pass leaves the layers
+    it quantized as Dequantized stand-ins in the model (Plan.build takes either)."""
     resolved_method = resolve(method)
     method, options, calibrated = resolved_method.kind, resolved_method.options, resolved_method.calibrated
-    unique = dict(layers)
+    names = list(names)
+    unique = {n: model.get_submodule(n) for n in names}
     resolved = _bits(bits, group_size, unique)
     budget = isinstance(resolved, mixed.MixedBits)
     if calibrated and calibration is None:
@@ -106,18 +157,19 @@ def prepare(model: nn.Module, layers: list[tuple[str, nn.Linear]], bits, group_s
         warnings.warn(f"method={method!r} is data-free: argument 'calibration' is ignored", stacklevel=3)
     # Calibration also measures the sensitivities of a MixedBits budget, whatever the method.
     data = cal.samples(calibration) if calibration is not None and (calibrated or budget) else None
-    plan = Plan(method, {}, group_size, dtype)
+    plan = Plan(method, {}, group_size, dtype, aliases)
     if isinstance(resolved, mixed.MixedBits):
         low, high = resolved.widths()
         sens = mixed.sensitivities(model, unique, low, high, group_size, plan.dtype_of, data)
         resolved = mixed.assign(resolved, unique, sens)
     plan.bits = resolved
-    if calibrated and unique:
-        with tqdm(total=len(unique), desc=f"quantizing ({method})", unit="layer", disable=not progress) as bar:
+    del unique  # the walk looks each block's layers up when it reaches them
+    if calibrated and names:
+        with tqdm(total=len(names), desc=f"quantizing ({method})", unit="layer", disable=not progress) as bar:
             if method == "gptq":
-                _gptq_pass(model, unique, data, plan, options, bar)
+                _gptq_pass(model, names, data, plan, options, bar)
             else:
-                _awq_pass(model, unique, data, plan, options, bar)
+                _awq_pass(model, names, data, plan, options, bar)
     return plan
 
 
@@ -148,7 +200,7 @@ def _gptq_pass(model, layers, data, plan: Plan, options: GPTQ, bar) -> None:
         for members in cal.groups(stats).values():
             quantize(stats, members, rest, write_back=False)
 
-    cal.walk(model, layers, data, on_block, on_rest)
+    cal.walk(model, layers, data, on_block, on_rest, lambda mine: plan.retire(model, mine))
 
 
 def _awq_pass(model, layers, data, plan: Plan, options: AWQ, bar) -> None:
@@ -193,4 +245,4 @@ def _awq_pass(model, layers, data, plan: Plan, options: AWQ, bar) -> None:
             h = stats.of(key)[0]
             quantize(members, rest, h, torch.ones(h.shape[0]), write_back=False)
 
-    cal.walk(model, layers, data, on_block, on_rest)
+    cal.walk(model, layers, data, on_block, on_rest, lambda mine: plan.retire(model, mine))
