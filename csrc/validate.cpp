@@ -140,7 +140,9 @@ std::pair<c10::SymInt, c10::SymInt> check_quantize_sym(const FormatSpec& f, cons
   const char* op = "quantize";
   check_bits_and_group_size(op, f, bits, group_size);
   check_float_dtype(op, "w", w);
-  TORCH_CHECK_VALUE(w.dim() >= 1, op, ": argument 'w' must have at least 1 dimension [..., K], got a scalar");
+  // As mlx.core.quantize: a matrix (or a stack of them), not a vector.
+  TORCH_CHECK_VALUE(w.dim() >= 2, op, ": argument 'w' must have at least 2 dimensions [..., rows, K], got shape ",
+                    w.sym_sizes());
   const c10::SymInt K = w.sym_size(-1);
   TORCH_CHECK_VALUE(K % group_size == 0, op, ": the last dimension of 'w' (K=", K,
                     ") must be a multiple of group_size=", group_size);

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 
 import numpy as np
+import torch
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -109,3 +110,38 @@ def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType |
 
 
 from tolerance import assert_matches_reference  # noqa: E402,F401  (re-exported for the GGUF tests)
+
+
+def k_quant_terms(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray]:
+    """The two terms of every weight of K-quant blocks [n, k/256 * block_bytes], each decoded by
+    gguf.quants.dequantize from a copy of the blocks with the other term zeroed: Q4_K w = d*sc*q
+    - dmin*m (terms d*sc*q and dmin*m), Q6_K w = d*sc*(q - 32) (terms d*sc*q and d*sc*32).
+    Returns float64 (scaled, offset) [n, k] with w = scaled - offset."""
+    from gguf import quants
+
+    ggml_type = GGMLQuantizationType(ggml_type)
+    _, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    raw = blocks.reshape(blocks.shape[0], -1, block_bytes)
+    w = quants.dequantize(blocks, ggml_type).astype(np.float64)
+    cut = raw.copy()
+    if ggml_type == Q4_K:
+        cut[..., 2:4] = 0  # dmin = 0: d*sc*q alone
+        scaled = quants.dequantize(cut.reshape(blocks.shape), ggml_type).astype(np.float64)
+        return scaled, scaled - w
+    if ggml_type == Q6_K:
+        cut[..., 0:192] = 0  # every code 0: w = -32*d*sc
+        offset = -quants.dequantize(cut.reshape(blocks.shape), ggml_type).astype(np.float64)
+        return w + offset, offset
+    raise ValueError(f"no terms for {ggml_type.name}")
+
+
+def k_quant_magnitude(x: torch.Tensor, blocks, ggml_type) -> torch.Tensor:
+    """float64 |x| @ (|scaled| + |offset|).T (k_quant_terms): the size of the terms a kernel adds.
+    Kernels hoist the offset out of the dot product (d*sc*sum(q*x) - dmin*m*sum(x), and for Q6_K
+    the sum of 32*x), so where the terms cancel (a Q6_K code near 32, a Q4_K min near the scaled
+    code) the accumulation error is relative to this sum, not to |x| @ |w|.T (as
+    torch_qmm.reference.qmm_magnitude for the affine format)."""
+    raw = blocks.numpy() if isinstance(blocks, torch.Tensor) else blocks
+    scaled, offset = k_quant_terms(raw, ggml_type)
+    terms = torch.from_numpy(np.abs(scaled) + np.abs(offset))
+    return x.detach().cpu().double().abs() @ terms.T

@@ -209,3 +209,21 @@ def test_bench_model_config_file_is_checked(tmp_path, capsys):
         assert main(["bench", "--device", "cpu", "--model", str(cfg), "--output", str(tmp_path / "o.json")]) == 1
         err = capsys.readouterr().err
         assert message in err and str(cfg) in err
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_balanced_orders_give_every_implementation_every_predecessor_equally_often(n):
+    """kernels.balanced_orders: each order is a permutation, each implementation takes each position
+    equally often, and within rounds every ordered pair (a right before b, a != b) occurs equally
+    often (a Williams square), so no implementation always inherits the same predecessor."""
+    from collections import Counter
+
+    from torch_qmm.bench import kernels
+
+    orders = kernels.balanced_orders(n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    positions = Counter((i, pos) for o in orders for pos, i in enumerate(o))
+    assert set(positions.values()) == {len(orders) // n}
+    pairs = Counter(p for o in orders for p in zip(o, o[1:]))
+    if n > 1:
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import quants
 
-from gguf_helpers import Q4_K, Q6_K, assert_matches_reference, random_k_blocks
+from gguf_helpers import Q4_K, Q6_K, assert_matches_reference, k_quant_magnitude, random_k_blocks
 from test_cpu_chunked import HAS_BF16, TERMS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -36,7 +36,8 @@ def route(x, blocks, n, k, ggml_type=Q4_K) -> str:
 def check(x, blocks, w, n, k, dtype, what, ggml_type=Q4_K):
     y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(ggml_type), n, k)
     xd = x.double()
-    assert_matches_reference(y, xd @ w.T, xd.abs() @ w.abs().T, dtype, what)
+    assert_matches_reference(y, xd @ w.T, k_quant_magnitude(x.reshape(-1, k), blocks, ggml_type).reshape(y.shape),
+                             dtype, what)
 
 
 def expected(dtype, m: int, ggml_type=Q4_K) -> str:
@@ -91,7 +92,8 @@ def test_q4k_chunk_kernel_two_threads_and_batched_x(threads):
     assert route(x, blocks, 300, 1024) == "chunked/bf16x3"
     y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(Q4_K), 300, 1024)
     xd = x.double()
-    assert_matches_reference(y, xd @ w.T, xd.abs() @ w.abs().T, torch.float32, "2 threads")
+    mag = k_quant_magnitude(x.reshape(-1, 1024), blocks, Q4_K).reshape(y.shape)
+    assert_matches_reference(y, xd @ w.T, mag, torch.float32, "2 threads")
 
 
 def test_other_inputs_take_the_fused_decode(monkeypatch):

@@ -44,9 +44,16 @@ def test_quantize_rejects_non_finite_weights(bad):
         torch_qmm.quantize(w, group_size=64, bits=4)
 
 
-def test_quantize_rejects_scalar():
-    with pytest.raises(ValueError, match=r"'w' must have at least 1 dimension"):
-        torch_qmm.quantize(torch.tensor(1.0), group_size=64, bits=4)
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+@pytest.mark.parametrize("shape", [(), (64,)], ids=["scalar", "1-D"])
+def test_quantize_rejects_fewer_than_two_dimensions(shape, mode):
+    # mlx.core.quantize refuses a vector too: the weights are a matrix [..., rows, K].
+    want = r"argument 'w' must have at least 2 dimensions \[\.\.\., rows, K\], got shape \[" + (
+        "64" if shape else "") + r"\]"
+    with pytest.raises(ValueError, match=want):
+        torch_qmm.quantize(torch.randn(shape), mode=mode)
+    with pytest.raises(ValueError, match=want):
+        torch_qmm.quantize(torch.randn(shape, device="meta"), mode=mode)
 
 
 def test_qmm_rejects_wrong_x_dtype(device):

@@ -173,3 +173,110 @@ def test_meta_outputs_have_the_real_shapes_and_dtypes():
         wq, s, b = _packed(24, 64, bits)
         r, m = ops.affine_dequantize(wq, s, b, bits, 32), ops.affine_dequantize(*_meta((wq, s, b)), bits, 32)
         assert (m.shape, m.dtype) == (r.shape, r.dtype), bits
+
+
+# ---- every mode, and the ops the cases above leave out ---------------------------------------------
+
+from torch_qmm.formats import FORMATS  # noqa: E402
+
+
+def _packed_mode(mode, rows, cols, dtype=torch.float32, seed=0):
+    f = FORMATS[mode]
+    g = torch.Generator().manual_seed(seed)
+    out = ops.quantize(torch.randn(rows, cols, generator=g).to(dtype), mode, f.default_bits, f.default_group_size)
+    return out[0], out[1], (out[2] if len(out) == 3 else None), f.default_bits, f.default_group_size
+
+
+def _mode_bad_cases(mode):
+    """Per mode: qmm / dequantize / quantize calls the real kernels refuse (each a different check)."""
+    wq, s, b, bits, gs = _packed_mode(mode, 8, 128)
+    x = torch.randn(2, 128)
+    other_bits = next(v for v in (7, 2, 3, 5) if v not in FORMATS[mode].bits)
+    other_gs = next(v for v in (48, 16, 32, 64) if v not in FORMATS[mode].group_sizes)
+    wrong_scales = s.float() if s.dtype == torch.uint8 else s.to(torch.uint8)
+    wrong_biases = torch.zeros_like(s, dtype=torch.float32) if b is None else None
+    w = torch.randn(4, 128)
+    return {
+        "qmm bits": (ops.qmm, (x, wq, s, b, mode, other_bits, gs, True)),
+        "qmm group_size": (ops.qmm, (x, wq, s, b, mode, bits, other_gs, True)),
+        "qmm scales dtype": (ops.qmm, (x, wq, wrong_scales, b, mode, bits, gs, True)),
+        "qmm biases presence": (ops.qmm, (x, wq, s, wrong_biases, mode, bits, gs, True)),
+        "qmm scales shape": (ops.qmm, (x, wq, s[:, :-1], None if b is None else b[:, :-1], mode, bits, gs, True)),
+        "qmm x K transpose=False": (ops.qmm, (x, wq, s, b, mode, bits, gs, False)),
+        "qmm x float64": (ops.qmm, (x.double(), wq, s, b, mode, bits, gs, True)),
+        "qmm wq int32": (ops.qmm, (x, wq.view(torch.int32), s, b, mode, bits, gs, True)),
+        "qmm mode": (ops.qmm, (x, wq, s, b, mode + "x", bits, gs, True)),
+        "dequantize scales dtype": (ops.dequantize, (wq, wrong_scales, b, mode, bits, gs, None)),
+        "dequantize biases presence": (ops.dequantize, (wq, s, wrong_biases, mode, bits, gs, None)),
+        "dequantize dtype float64": (ops.dequantize, (wq, s, b, mode, bits, gs, torch.float64)),
+        "dequantize wq 3-D": (ops.dequantize, (wq[None], s[None], None if b is None else b[None], mode, bits, gs, None)),
+        "dequantize bits": (ops.dequantize, (wq, s, b, mode, other_bits, gs, None)),
+        "quantize bits": (ops.quantize, (w, mode, other_bits, gs)),
+        "quantize group_size": (ops.quantize, (w, mode, bits, other_gs)),
+        "quantize K": (ops.quantize, (w[:, : 128 - gs // 2], mode, bits, gs)),
+        "quantize 1-D": (ops.quantize, (w[0], mode, bits, gs)),
+        "quantize float64": (ops.quantize, (w.double(), mode, bits, gs)),
+        "quantize int32": (ops.quantize, (w.to(torch.int32), mode, bits, gs)),
+        "int8 x mode": (ops.qmm_int8_activations, (x, wq, s, b, mode if mode != "affine" else "mxfp4", bits, gs)),
+        "int8 x K": (ops.qmm_int8_activations, (x[:, :96], wq, s, b, mode, bits, gs)),
+    }
+
+
+_MODE_CASES = [(m, c) for m in FORMATS for c in sorted(_mode_bad_cases("affine"))]
+
+
+@pytest.mark.parametrize("mode, case", _MODE_CASES, ids=[f"{m}-{re.sub(r'[^A-Za-z0-9=]+', '-', c)}" for m, c in _MODE_CASES])
+def test_meta_refuses_what_the_kernels_refuse_in_every_mode(mode, case):
+    op, args = _mode_bad_cases(mode)[case]
+    kind, message = _assert_same_refusal(op, args)
+    assert kind in (ValueError, TypeError), message
+    assert re.search(r"'(\w+)'", message), f"the message names no argument: {message}"
+
+
+def test_gguf_int8_activations_meta_refuses_what_the_kernel_refuses():
+    blocks = torch.from_numpy(random_k_blocks(Q4_K, 3, 256, np.random.default_rng(2)))
+    x = torch.randn(2, 256)
+    for args in [(x[:, :255], blocks, int(Q4_K), 3, 255), (x, blocks, 8, 3, 256), (x, blocks, int(Q6_K), 3, 256),
+                 (torch.randn(2, 512), blocks, int(Q4_K), 3, 256), (x.double(), blocks, int(Q4_K), 3, 256),
+                 (x, blocks, int(Q4_K), 0, 256), (x, blocks[:2], int(Q4_K), 3, 256)]:
+        _assert_same_refusal(ops.gguf_qmm_int8_activations, args)
+
+
+def _gather_good_cases():
+    cases = []
+    for mode in FORMATS:
+        wq, s, b, bits, gs = _packed_mode(mode, 3 * 24, 64)
+        wq, s = wq.reshape(3, 24, -1), s.reshape(3, 24, -1)
+        b = None if b is None else b.reshape(3, 24, -1)
+        # (x shape, lhs, rhs): no indices, rhs broadcasting against x's batch, both given.
+        for xs, lhs, rhs in [((3, 5, 64), None, None), ((4, 1, 2, 64), None, torch.tensor([[0, 2]])),
+                             ((2, 7, 64), torch.tensor([1, 0, 1]), torch.tensor([2, 2, 0]))]:
+            cases.append((mode, (torch.randn(xs), wq, s, b, lhs, rhs, mode, bits, gs, True, False)))
+        wqn, sn, bn, _, _ = _packed_mode(mode, 2 * 64, 192)  # transpose=False: W [K=64, N=192] per expert
+        cases.append((mode, (torch.randn(2, 3, 64), wqn.reshape(2, 64, -1), sn.reshape(2, 64, -1),
+                             None if bn is None else bn.reshape(2, 64, -1), None, torch.tensor([1, 1]), mode, bits,
+                             gs, False, False)))
+    return cases
+
+
+@pytest.mark.parametrize("i", range(len(_gather_good_cases())))
+def test_meta_gather_qmm_gives_the_real_shape_and_dtype(i):
+    mode, args = _gather_good_cases()[i]
+    real = ops.gather_qmm(*args)
+    meta = ops.gather_qmm(*_meta(args))
+    assert meta.device.type == "meta"
+    assert (tuple(meta.shape), meta.dtype) == (tuple(real.shape), real.dtype), mode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_meta_int8_activation_ops_give_the_real_shapes_and_dtypes(dtype):
+    wq, s, b = _packed(40, 96, 4, dtype=dtype)
+    x = torch.randn(2, 3, 96).to(dtype)
+    real = ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 32)
+    meta = ops.qmm_int8_activations(*_meta((x, wq, s, b)), "affine", 4, 32)
+    assert (tuple(meta.shape), meta.dtype) == (tuple(real.shape), real.dtype) == ((2, 3, 40), dtype)
+    blocks = torch.from_numpy(random_k_blocks(Q6_K, 5, 512, np.random.default_rng(3)))
+    xg = torch.randn(4, 512).to(dtype)
+    for op in (ops.gguf_qmm, ops.gguf_qmm_int8_activations):
+        real, meta = op(xg, blocks, int(Q6_K), 5, 512), op(*_meta((xg, blocks)), int(Q6_K), 5, 512)
+        assert (tuple(meta.shape), meta.dtype) == (tuple(real.shape), real.dtype) == ((4, 5), dtype)

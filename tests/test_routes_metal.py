@@ -118,3 +118,31 @@ def test_every_metal_qmm_route_is_reached():
 
     want = {r["route"] for r in routes() if r["op"] == "qmm"}
     assert want == {s[0] for s in SHAPES}
+
+
+# Sparse x with every bit of its dtype against weights with nonzero biases (the selection problem
+# has biases 0): each output sums a few products, so every route must be within a few roundings of
+# the terms it adds (reference.qmm_magnitude), far below ACC_RTOL: a bias sum of x kept in half, x
+# read as half or a scale rounded fails. Each route shape once, bit widths rotating.
+@pytest.mark.parametrize(
+    "case", [(i, BITS[(i + 1) % len(BITS)], DTYPES[i % 2]) for i in range(len(SHAPES))], ids=_id)
+def test_metal_route_sums_sparse_x_within_a_few_roundings(case):
+    from metal_helpers import qmm_case
+    from tolerance import assert_within_few_roundings, sparse_x
+    from torch_qmm import reference
+    from torch_qmm.metalsim import backend, last_launches
+
+    i, bits, dtype = case
+    route, M, N, K, transpose = _resolve(i, bits)
+    gs = 32
+    seed = zlib.crc32(_id(case).encode()) % 10_000
+    _, wq, s, b = qmm_case(M, N, K, bits, gs, dtype, transpose, seed)
+    values = min(4, max(1, K // gs))
+    x = sparse_x(M, K, values, gs if K >= gs else K, dtype, seed)
+    with backend():
+        y = torch_qmm.quantized_matmul(x, wq, s, b, transpose=transpose, group_size=gs, bits=bits)
+    (ran,) = last_launches()
+    assert_within_few_roundings(y, reference.qmm(x, wq, s, b, bits, gs, transpose),
+                                reference.qmm_magnitude(x, wq, s, b, bits, gs, transpose), dtype, values,
+                                f"{_id(case)} ({ran.route})")
+    assert ran.route == route

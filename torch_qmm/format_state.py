@@ -59,7 +59,20 @@ class FormatState:
         key = prefix + FORMAT_STATE_KEY
         if key in state_dict:
             self._check_format_state(state_dict[key], f"{type(self).__name__} {key!r}")
+        self._check_state_shapes(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _check_state_shapes(self, state_dict, prefix: str) -> None:
+        """ValueError naming the key, this layer's shape and the given one when a tensor of the state
+        has another shape than the parameter or buffer it would be copied into."""
+        for name, own in (*self._parameters.items(), *self._buffers.items()):
+            given = state_dict.get(prefix + name)
+            if own is None or not isinstance(given, torch.Tensor) or given.shape == own.shape:
+                continue
+            raise ValueError(
+                f"{type(self).__name__} {prefix + name!r}: expected shape {list(own.shape)} (this layer, "
+                f"{self.describe_format(self.format_values())}), got {list(given.shape)}"
+            )
 
 
 # ---- The quantized formats of QuantLinear / QuantEmbedding ---------------------------------------

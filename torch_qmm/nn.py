@@ -26,6 +26,13 @@ def resolve_format(mode: str, bits: int | None, group_size: int | None) -> tuple
     return bits, group_size
 
 
+def check_positive_ints(**sizes) -> None:
+    """ValueError naming the first argument of `sizes` that is not a positive int."""
+    for name, v in sizes.items():
+        if type(v) is not int or v <= 0:
+            raise ValueError(f"argument '{name}' must be a positive int, got {v!r}")
+
+
 def register_quantized_weight(
     module: nn.Module,
     rows: int | tuple[int, ...],
@@ -108,6 +115,7 @@ class QuantLinear(QuantFormatState, nn.Module):
         activations: str | None = None,
     ) -> None:
         super().__init__()
+        check_positive_ints(in_features=in_features, out_features=out_features)
         check_activations(activations)
         if activations is not None and mode != "affine":
             raise ValueError(f"argument 'activations' must be None for mode {mode!r} (int8 activations are "

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import ops
 from .format_state import QuantFormatState
-from .nn import compute_dtype_repr, quantized_from, register_quantized_weight, resolve_format
+from .nn import check_positive_ints, compute_dtype_repr, quantized_from, register_quantized_weight, resolve_format
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert before the matmuls, so
 # that each expert's rows are read once for a run of tokens (mlx_lm's SwitchGLU sorts from 64).
@@ -41,9 +41,7 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
         mode: str = "affine",
     ) -> None:
         super().__init__()
-        for name, v in (("num_experts", num_experts), ("in_features", in_features), ("out_features", out_features)):
-            if type(v) is not int or v <= 0:
-                raise ValueError(f"argument '{name}' must be a positive int, got {v!r}")
+        check_positive_ints(num_experts=num_experts, in_features=in_features, out_features=out_features)
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         register_quantized_weight(self, (num_experts, out_features), in_features, bits, group_size, mode, device,
                                   dtype, "in_features")

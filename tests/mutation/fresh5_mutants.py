@@ -171,8 +171,8 @@ MUTANTS: list[Mutant] = [
            "dequantize(dtype=torch.float64 / an integer dtype) gets past the check (float64 output, or a "
            "dispatch RuntimeError) instead of a TypeError"),
     Mutant("v5-quantize-scalar-accepted", "csrc/validate.cpp",
-           "TORCH_CHECK_VALUE(w.dim() >= 1, op, \": argument 'w' must have at least 1 dimension",
-           "TORCH_CHECK_VALUE(w.dim() >= 0, op, \": argument 'w' must have at least 1 dimension", ERRORS,
+           "TORCH_CHECK_VALUE(w.dim() >= 2, op, \": argument 'w' must have at least 2 dimensions",
+           "TORCH_CHECK_VALUE(w.dim() >= 0, op, \": argument 'w' must have at least 2 dimensions", ERRORS,
            "quantize(0-d w) passes the rank check and fails on its last dimension with an IndexError"),
     Mutant("v5-gather-x-batch-includes-m", "csrc/validate.cpp",
            "return {M, N, K, product(x.sym_sizes().slice(0, x.dim() - 2)),",

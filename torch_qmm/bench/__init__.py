@@ -208,11 +208,10 @@ def run(args: argparse.Namespace) -> int:
     info["hot"] = bool(args.hot)
     info["activations"] = args.activations  # torch_qmm's calls: None exact, "int8" quantized x
     peer_ok = (lambda p: p in args.peers) if args.peers else (lambda p: True)
-    peer_cache: dict = {}
     results = []
     llamacpp = _LlamaCpp() if args.peers and "llamacpp" in args.peers else None
     for cfg in configs(args, device):
-        r = run_config(cfg, args.repeats, cache, peer_ok, peer_cache,
+        r = run_config(cfg, args.repeats, cache, peer_ok,
                        explicit=lambda p: bool(args.peers) and p in args.peers and p in EXPLICIT_PEERS,
                        activations=args.activations)
         if llamacpp is not None:
@@ -229,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  peer {p} not run: {why}")
     path = Path(args.output) if args.output else default_result_path(device, "quick" if args.quick else "kernels")
     info["load_average_end"] = machine_info(device, copy_gbps)["load_average"]
-    isolation = {"in_process": "torch_qmm and the F.linear / int8pack / int4pack peers, interleaved round by round",
+    isolation = {"in_process": "torch_qmm and the F.linear / int8pack / int4pack peers, interleaved round by round in "
+                               "balanced orders (kernels.balanced_orders), peers timed in every config",
                  "mlx": mlx_peer.ISOLATION}
     extra = {"isolation": isolation}
     if llamacpp is not None:

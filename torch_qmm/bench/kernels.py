@@ -7,7 +7,10 @@ implementation. Method:
   * outputs are checked against a reference before timing (torch_qmm's against the float64
     reference on a slice of output columns, with the tests' tolerance rule);
   * warm-up, then rounds in which every implementation runs once (interleaved, so background load
-    hits all of them alike), device synchronized around each call; the median is reported;
+    hits all of them alike), device synchronized around each call; the median is reported. The
+    order changes from round to round (balanced_orders): every implementation follows each other
+    one equally often, so what a call inherits from the one before it (threads a peer left spinning
+    or asleep, caches it filled) is spread over all of them alike;
   * MLX runs in a child process of its own after the others (mlx_peer.py): its worker threads
     keep spinning after a call and would slow whatever is timed next to them.
 """
@@ -259,7 +262,7 @@ def _with_int8_activations(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: 
     return _quantizing(call, "int8"), nbytes
 
 
-# Peers that are torch_qmm itself under another setting: timed for every config (never cached).
+# Peers that are torch_qmm itself under another setting (run only when named in --peers).
 OURS_VARIANTS = ("no_avx2_chunks", "int8_activations")
 
 
@@ -280,11 +283,27 @@ def peers(cfg: Config, x: torch.Tensor | None = None) -> dict[str, Callable[[int
     return out  # MLX is timed in its own process: mlx_peer.py
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n implementations, one per round, cycled: a balanced Latin square (Williams), in
+    which each implementation takes each position once and, within a round, follows every other
+    one exactly once (n even; n odd: 2n orders, each with its mirror, twice)."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(i + r) % n for i in first] for r in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
 def time_impls(impls: dict[str, Impl], device: str, repeats: int, budget_s: float = 2.0) -> dict[str, dict]:
     """Per implementation: median and min ms over interleaved rounds, and the number of samples.
 
     The warm-up call is timed too: an implementation slower than `budget_s` per call keeps that
     one sample (e.g. MLX's CPU kernels at large M); others run min(repeats, budget_s / t) rounds.
+    Round r calls the implementations in balanced_orders' order r (cycled).
     """
     samples: dict[str, list[float]] = {}
     rounds: dict[str, int] = {}
@@ -296,8 +315,11 @@ def time_impls(impls: dict[str, Impl], device: str, repeats: int, budget_s: floa
         t = time.perf_counter() - t0
         rounds[name] = max(0, min(repeats, int(budget_s / max(t, 1e-9))))
         samples[name] = [] if rounds[name] else [t * 1e3]
+    names = list(impls)
+    orders = balanced_orders(len(names))
     for r in range(max(rounds.values(), default=0)):
-        for name, (call, _) in impls.items():
+        for name in (names[i] for i in orders[r % len(orders)]):
+            call = impls[name][0]
             if r >= rounds[name]:
                 continue
             synchronize(device)
@@ -309,12 +331,12 @@ def time_impls(impls: dict[str, Impl], device: str, repeats: int, budget_s: floa
 
 
 def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callable[[str], bool] = lambda p: True,
-               peer_cache: dict | None = None, seed: int = 0, explicit: Callable[[str], bool] = lambda p: False,
+               seed: int = 0, explicit: Callable[[str], bool] = lambda p: False,
                activations: str | None = None) -> Result:
-    """Times torch_qmm and its in-process peers for one config (MLX: mlx_peer.py). `peer_cache`
-    reuses peer times that do not depend on bits (F.linear, int8/int4 packs) across configs of the
-    same run. `activations` ("int8"): torch_qmm's own calls are timed inside
-    torch_qmm.activation_quantization(activations) (its output checked exact before)."""
+    """Times torch_qmm and its in-process peers for one config (MLX: mlx_peer.py), all in the same
+    rounds: every config's ratios come from peers timed next to it, and every config of a run is
+    timed under the same interleaving. `activations` ("int8"): torch_qmm's own calls are timed
+    inside torch_qmm.activation_quantization(activations) (its output checked exact before)."""
     load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(cfg.m, cfg.k, generator=gen).to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
@@ -323,15 +345,8 @@ def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callabl
         ours = (_quantizing(ours[0], activations), ours[1])
     impls: dict[str, Impl] = {OURS: ours}
     skipped: dict[str, str] = {}
-    cached: dict[str, tuple[float, int]] = {}
     for name, build in peers(cfg, x).items():
         if not peer_filter(name) or (name in OURS_VARIANTS and not explicit(name)):
-            continue
-        key = (name, cfg.n, cfg.k, cfg.m, cfg.device) + ((cfg.dtype,) if name in ("int8pack", "int4pack") else ())
-        if name in OURS_VARIANTS:
-            key = None  # depends on every field of the config
-        if peer_cache is not None and key in peer_cache:
-            cached[name] = peer_cache[key]
             continue
         try:
             impl = build(cache_bytes, gen)
@@ -341,12 +356,5 @@ def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callabl
             skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     stats = time_impls(impls, cfg.device, repeats)
     nbytes = {name: impl[1] for name, impl in impls.items()}
-    for name, (st, b) in cached.items():
-        stats[name], nbytes[name] = st, b
-    if peer_cache is not None:
-        for name in impls:
-            if name != OURS and name not in OURS_VARIANTS:
-                key = (name, cfg.n, cfg.k, cfg.m, cfg.device) + ((cfg.dtype,) if name in ("int8pack", "int4pack") else ())
-                peer_cache[key] = (stats[name], nbytes[name])
     return Result(cfg, {k: v["median"] for k, v in stats.items()}, {k: v["min"] for k, v in stats.items()},
                   {k: v["samples"] for k, v in stats.items()}, nbytes, skipped, load)

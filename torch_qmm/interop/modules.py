@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..format_state import FormatState, QuantFormatState
-from ..nn import quantized_from, register_quantized_weight
+from ..nn import check_positive_ints, quantized_from, register_quantized_weight
 from ..ops import dequantize, gguf_matmul, quantized_matmul
 from .gguf_types import NATIVE_TYPES, block_info, type_name
 
@@ -33,6 +33,7 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         mode: str = "affine",
     ) -> None:
         super().__init__()
+        check_positive_ints(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         register_quantized_weight(self, num_embeddings, embedding_dim, bits, group_size, mode, device, dtype,
                                   "embedding_dim")
@@ -132,6 +133,7 @@ class GGUFLinear(FormatState, nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        check_positive_ints(in_features=in_features, out_features=out_features)
         if ggml_type not in NATIVE_TYPES:
             raise ValueError(
                 f"argument 'ggml_type' must be one of "
