@@ -246,3 +246,27 @@ def test_gguf_linear_refuses_a_type_it_does_not_run():
         GGUFLinear(256, 4, 8)
     with pytest.raises(ValueError, match=r"argument 'in_features' must be a multiple of 256, got 320"):
         GGUFLinear(320, 4, 14)
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_switch_linear_from_quantized_refuses_scales_of_the_other_kind(mode):
+    from torch_qmm.nn_moe import QuantSwitchLinear
+
+    w = torch.randn(2, 8, 64)
+    parts = torch_qmm.quantize(w.reshape(16, 64), group_size=32, bits=4, mode=mode)
+    qweight, scales = parts[0].reshape(2, 8, -1), parts[1].reshape(2, 8, -1)
+    biases = parts[2].reshape(2, 8, -1) if mode == "affine" else None
+    # the same values in the other kind: uint8 for affine's float scales, float32 for e8m0 bytes
+    wrong = scales.to(torch.uint8) if scales.is_floating_point() else scales.to(torch.float32)
+    with pytest.raises(ValueError, match="'scales'"):
+        QuantSwitchLinear.from_quantized(qweight, wrong, biases, bits=4, group_size=32, mode=mode)
+    module = QuantSwitchLinear.from_quantized(qweight, scales, biases, bits=4, group_size=32, mode=mode)
+    assert torch.equal(module.scales, scales)
+
+
+def test_biases_on_another_device_than_the_weights_are_refused():
+    w = torch.randn(16, 64)
+    wq, scales, biases = torch_qmm.quantize(w, group_size=32, bits=4)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="device"):
+        torch_qmm.quantized_matmul(x, wq, scales, biases.to("meta"), group_size=32, bits=4)

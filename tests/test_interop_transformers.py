@@ -187,3 +187,14 @@ def test_offloading_to_disk_is_refused():
     with pytest.raises(ValueError, match=r"does not support offloading layers to disk"):
         quantizer.validate_environment(device_map={"model.layers.0": "cpu", "model.layers.1": "disk"})
     quantizer.validate_environment(device_map={"": "cpu"})
+
+
+def test_modules_to_not_convert_naming_a_parent_keeps_its_children_float(float_folder):
+    # transformers' own convention: a name in modules_to_not_convert covers that module's subtree.
+    config = TorchQmmConfig(bits=4, group_size=64, modules_to_not_convert=["lm_head", "model.layers.0"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, quantization_config=config)
+    layer0 = [n for n, m in model.model.layers[0].named_modules() if type(m) is torch.nn.Linear]
+    assert set(layer0) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    assert isinstance(model.model.layers[1].self_attn.q_proj, QuantLinear)
+    assert isinstance(model.model.layers[1].mlp.down_proj, QuantLinear)
