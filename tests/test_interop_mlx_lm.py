@@ -515,6 +515,26 @@ def test_gguf_without_tokenizer_metadata_warns_and_writes_no_tokenizer(tmp_path)
     assert not (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "config.json").is_file()
 
 
+def test_gguf_tokenizer_that_transformers_refuses_warns_and_writes_no_tokenizer(tmp_path):
+    from torch_qmm.interop.gguf_tokenizer import save_gguf_tokenizer
+
+    # transformers refuses a tokenizer model it has no converter for with a ValueError of its own
+    writer = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_string("tokenizer.ggml.model", "unknown-kind")
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_token_scores([0.0, 0.0, 0.0])
+    writer.add_token_types([1, 1, 1])
+    writer.add_tensor("x", np.zeros(4, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tmp_path / "out").mkdir()
+    with pytest.warns(UserWarning, match=r"t.gguf: transformers cannot build its 'unknown-kind' tokenizer \(ValueError"):
+        assert save_gguf_tokenizer(tmp_path / "t.gguf", tmp_path / "out") == []
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_gguf_rotary_scaling_that_the_config_cannot_carry_warns(tmp_path):
     # llama.cpp writes Llama 3.1-style scaling as per-frequency factors (rope_freqs.weight)
     plain = _config_gguf(tmp_path / "plain.gguf", {})
