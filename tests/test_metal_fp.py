@@ -81,13 +81,19 @@ def _qmm_id(case):
     return f"{mode}-{route}-M{M}-N{N}-K{K}-{'T' if t else 'N'}-{str(dtype).split('.')[1]}"
 
 
-def _run_qmm_case(case, check=None):
+def _case_weights(case, seed):
+    """The route a case expects, its shape, and its weights quantized in its mode."""
     mode, i, dtype = case
-    bits, gs = fp_mode_params(mode)
-    route, M, N, K, transpose = _shapes(gs)[i]
-    seed = 7 * i + len(mode)
+    route, M, N, K, transpose = _shapes(fp_mode_params(mode)[1])[i]
     rows, cols = (N, K) if transpose else (K, N)
     wq, scales = reference_fp.quantize_fp(_weights(rows, cols, dtype, seed), mode)
+    return route, M, N, K, transpose, wq, scales
+
+
+def _run_qmm_case(case, check=None):
+    mode, i, dtype = case
+    seed = 7 * i + len(mode)
+    route, M, N, K, transpose, wq, scales = _case_weights(case, seed)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     y, launch = metal_qmm(x, wq, scales, mode, transpose, check=check)
     y_ref = reference_fp.qmm_fp(x, wq, scales, mode, transpose=transpose)
@@ -269,11 +275,8 @@ def test_fp_qmm_route_sums_sparse_x_within_a_few_roundings(case):
     from tolerance import assert_within_few_roundings, sparse_x
 
     mode, i, dtype = case
-    bits, gs = fp_mode_params(mode)
-    route, M, N, K, transpose = _shapes(gs)[i]
     seed = 5 * i + len(mode)
-    rows, cols = (N, K) if transpose else (K, N)
-    wq, scales = reference_fp.quantize_fp(_weights(rows, cols, dtype, seed), mode)
+    route, M, N, K, transpose, wq, scales = _case_weights(case, seed)
     values = min(4, max(1, K // 32))
     x = sparse_x(M, K, values, 32 if K >= 32 else K, dtype, seed)
     y, launch = metal_qmm(x, wq, scales, mode, transpose)
