@@ -158,3 +158,44 @@ def test_a_bool_where_an_integer_belongs_is_an_error(tmp_path, key):
     with pytest.raises(ValueError, match=rf"metadata 'llama\.{key.replace('.', '[.]')}' must be a positive integer, "
                                          r"got True"):
         llama_config_from_gguf(GGUFFile(tmp_path / "b.gguf"))
+
+
+def _llama_tensors(hidden, heads, kv_heads, head_dim, ffn, vocab=40):
+    z = lambda *shape: (np.zeros(shape, np.float32), None)  # noqa: E731
+    tensors = {"token_embd.weight": z(vocab, hidden), "output_norm.weight": z(hidden)}
+    for name, shape in [("attn_q", (heads * head_dim, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
+                        ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, heads * head_dim)),
+                        ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn)),
+                        ("attn_norm", (hidden,)), ("ffn_norm", (hidden,))]:
+        tensors[f"blk.0.{name}.weight"] = z(*shape)
+    return tensors
+
+
+def test_every_metadata_field_reaches_its_config_field(tmp_path):
+    # Values unlike LlamaConfig's defaults (and exact in float32), so a key read into the wrong field,
+    # or not read, changes the config. head_dim 16 != hidden / heads = 8: the tensor shapes agree
+    # with the metadata only when rope.dimension_count is read.
+    metadata = {"llama.block_count": 1, "llama.context_length": 77, "llama.embedding_length": 32,
+                "llama.feed_forward_length": 48, "llama.attention.head_count": 4,
+                "llama.attention.head_count_kv": 2, "llama.attention.layer_norm_rms_epsilon": 2.0**-7,
+                "llama.rope.freq_base": 123456.0, "llama.rope.dimension_count": 16}
+    write_gguf(tmp_path / "m.gguf", _llama_tensors(32, 4, 2, 16, 48), metadata=metadata)
+    config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    got = {"num_hidden_layers": config.num_hidden_layers, "max_position_embeddings": config.max_position_embeddings,
+           "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+           "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+           "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_parameters["rope_theta"],
+           "head_dim": config.head_dim, "vocab_size": config.vocab_size,
+           "tie_word_embeddings": config.tie_word_embeddings}
+    assert got == {"num_hidden_layers": 1, "max_position_embeddings": 77, "hidden_size": 32, "intermediate_size": 48,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 2.0**-7,
+                   "rope_theta": 123456.0, "head_dim": 16, "vocab_size": 40, "tie_word_embeddings": True}
+
+
+def test_absent_optional_metadata_takes_the_file_shapes(tmp_path):
+    # No head_count_kv (all heads have their own K/V), no dimension_count (hidden / heads) and no
+    # feed_forward_length (the rows of blk.0.ffn_up.weight).
+    metadata = {"llama.block_count": 1, "llama.embedding_length": 32, "llama.attention.head_count": 4}
+    write_gguf(tmp_path / "m.gguf", _llama_tensors(32, 4, 4, 8, 40), metadata=metadata)
+    config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    assert (config.num_key_value_heads, config.head_dim, config.intermediate_size) == (4, 8, 40)
