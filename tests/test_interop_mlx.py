@@ -525,3 +525,84 @@ def test_quantized_layer_of_another_kind_is_a_clear_error(mlx_folder):
     model.layers[0]["down"] = nn.Identity()
     with pytest.raises(ValueError, match=r"quantized layer 'layers\.0\.down' is a Identity, expected nn\.Linear"):
         load_mlx(model, mlx_folder)
+
+
+def test_quantization_is_read_before_quantization_config():
+    # mlx_lm reads config["quantization"] and falls back to "quantization_config" (an entry that is
+    # not a dict, e.g. null, counts as absent).
+    from torch_qmm.interop import parse_quantization
+    from torch_qmm.interop.mlx import QuantSpec
+
+    a, b = {"group_size": 32, "bits": 8}, {"group_size": 128, "bits": 2, "x.up": False}
+    assert parse_quantization({"quantization": a, "quantization_config": b}) == (QuantSpec(8, 32), {})
+    assert parse_quantization({"quantization": None, "quantization_config": b}) == (QuantSpec(2, 128), {"x.up": False})
+
+
+def test_config_entry_for_a_layer_stored_float_is_a_clear_error(tmp_path):
+    quant = {"group_size": 64, "bits": 4, "layers.0.up": False}
+    _save_mlx_checkpoint(_mlx_quantized_toy(False, torch.float32, quant), tmp_path, quant)
+    _rewrite_config(tmp_path, quantization={"group_size": 64, "bits": 4, "layers.0.up": {"group_size": 32, "bits": 8}})
+    with pytest.raises(ValueError, match=r"'quantization.layers.0.up' gives affine b8 gs32 but the checkpoint stores "
+                                         r"layers.0.up.weight unquantized \(no layers.0.up.scales\)"):
+        load_mlx(TorchToy(False), tmp_path)
+    # with the entry false (or absent, as mlx_lm) the float layer loads as nn.Linear
+    _rewrite_config(tmp_path, quantization={"group_size": 64, "bits": 4})
+    model = TorchToy(False)
+    load_mlx(model, tmp_path)
+    assert type(model.layers[0]["up"]) is nn.Linear and isinstance(model.layers[0]["down"], QuantLinear)
+
+
+def _with_tensors(folder, **changes):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update(changes)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "mlx"})
+
+
+def test_strict_false_loads_what_both_sides_have(mlx_folder):
+    ids = torch.tensor(IDS)
+    reference_model = TorchToy(False)
+    load_mlx(reference_model, mlx_folder)
+    _with_tensors(mlx_folder, **{"extra.weight": torch.ones(3, 5)})
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['extra.weight'\]"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+    class WithExtra(TorchToy):
+        def __init__(self):
+            super().__init__(False)
+            self.other = nn.Linear(4, 4)
+
+    model = WithExtra()
+    before = copy.deepcopy(model.other.state_dict())
+    report = load_mlx(model, mlx_folder, strict=False)
+    # the checkpoint's tensors all arrive (the same model as the strict load), the model's own extra
+    # layer is left as it was, the checkpoint's extra tensor is not read
+    assert all(torch.equal(v, before[k]) for k, v in model.other.state_dict().items())
+    assert set(report.quantized) == set(n for n, m in reference_model.named_modules() if isinstance(m, QuantLinear)
+                                        or isinstance(m, QuantEmbedding))
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference_model(ids))
+
+
+def test_float_tensor_of_the_wrong_shape_is_a_clear_error(mlx_folder):
+    _with_tensors(mlx_folder, **{"layers.0.up.bias": torch.zeros(HIDDEN - 1)})
+    with pytest.raises(ValueError, match=rf"tensor 'layers.0.up.bias' has shape \[{HIDDEN - 1}\], the model expects "
+                                         rf"\[{HIDDEN}\]"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+
+def test_integer_tensor_of_another_dtype_is_a_clear_error(mlx_folder):
+    # A non-float model tensor takes only its own dtype (float ones take any float dtype, cast on load).
+    class WithCounter(TorchToy):
+        def __init__(self):
+            super().__init__(False)
+            self.register_buffer("counter", torch.zeros(3, dtype=torch.int64))
+
+    _with_tensors(mlx_folder, counter=torch.arange(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"tensor 'counter' is I32, the model's tensor is torch.int64"):
+        load_mlx(WithCounter(), mlx_folder)
+    _with_tensors(mlx_folder, counter=torch.arange(3, dtype=torch.int64) + 7)
+    model = WithCounter()
+    load_mlx(model, mlx_folder)
+    assert torch.equal(model.counter, torch.tensor([7, 8, 9]))
