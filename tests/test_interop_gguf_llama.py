@@ -21,11 +21,11 @@ transformers = pytest.importorskip("transformers")
 HEADS, KV_HEADS, HIDDEN, FFN, VOCAB, LAYERS = 4, 2, 256, 512, 96, 2
 
 
-def hf_model(tied: bool):
+def hf_model(tied: bool, attention_bias: bool = False):
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, attention_bias=attention_bias,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -33,6 +33,8 @@ def hf_model(tied: bool):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("_proj.bias"):  # biases as large as the products, so that their rows matter
+                p.uniform_(-1.0, 1.0)
     return model
 
 
@@ -199,3 +201,25 @@ def test_absent_optional_metadata_takes_the_file_shapes(tmp_path):
     write_gguf(tmp_path / "m.gguf", _llama_tensors(32, 4, 4, 8, 40), metadata=metadata)
     config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
     assert (config.num_key_value_heads, config.head_dim, config.intermediate_size) == (4, 8, 40)
+
+
+@pytest.mark.parametrize("mix", ["f32", "mixed"])
+def test_attention_biases_follow_their_rows(tmp_path, mix):
+    # Q/K/V/O biases (qwen-style): llama.cpp permutes attn_q.bias / attn_k.bias with their weight
+    # rows; the loader undoes both and keeps v / o biases as they are. The config built from the
+    # file has no attention_bias field, the biases come with the file's tensors.
+    source = hf_model(False, attention_bias=True)
+    held = write_llama_gguf(source, tmp_path / "m.gguf", MIXES[mix], np.random.default_rng(2))
+    assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"} <= set(GGUFFile(tmp_path / "m.gguf").tensors)
+    config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    model = transformers.LlamaForCausalLM(config).eval()
+    load_gguf_llama(model, tmp_path / "m.gguf")
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        got = getattr(model.model.layers[1].self_attn, proj).bias
+        assert torch.equal(got.detach(), held[f"model.layers.1.self_attn.{proj}.bias"]), proj
+    expected_model = hf_model(False, attention_bias=True)
+    expected_model.load_state_dict(held)
+    ids = torch.tensor([[1, 5, 9, 95, 0, 33, 33, 2]])
+    with torch.no_grad():
+        got, want = model(ids).logits, expected_model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
