@@ -62,9 +62,10 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[module]}.{leaf}"
 
 
-def write_llama_gguf(model, path, types: dict[str, T], rng) -> dict[str, torch.Tensor]:
+def write_llama_gguf(model, path, types: dict[str, T], rng, extra=None, drop=()) -> dict[str, torch.Tensor]:
     """Writes model as llama.cpp would; returns hf name -> the weights the file actually holds
-    (decoded by the gguf package, permutation undone by the test's own inverse)."""
+    (decoded by the gguf package, permutation undone by the test's own inverse). extra: more
+    float tensors (GGUF name -> array); drop: GGUF names left out."""
     config = model.config
     tensors, held = {}, {}
     for name, p in model.state_dict().items():
@@ -88,6 +89,8 @@ def write_llama_gguf(model, path, types: dict[str, T], rng) -> dict[str, torch.T
             index = llama_cpp_permute(np.arange(w.shape[0]), n_head)
             stored = stored[np.argsort(index)]
         held[name] = torch.from_numpy(np.ascontiguousarray(stored))
+    tensors = {k: v for k, v in tensors.items() if k not in drop}
+    tensors.update({k: (np.asarray(v, np.float32), None) for k, v in (extra or {}).items()})
     write_gguf(path, tensors, metadata={
         "llama.block_count": LAYERS, "llama.context_length": 64, "llama.embedding_length": HIDDEN,
         "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
@@ -223,3 +226,53 @@ def test_attention_biases_follow_their_rows(tmp_path, mix):
     with torch.no_grad():
         got, want = model(ids).logits, expected_model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def _small_llama_file(folder, **kwargs):
+    folder.mkdir(exist_ok=True)
+    write_llama_gguf(hf_model(False), folder / "m.gguf", {}, np.random.default_rng(0), **kwargs)
+    return folder / "m.gguf"
+
+
+def _llama_for(path):
+    return transformers.LlamaForCausalLM(llama_config_from_gguf(GGUFFile(path))).eval()
+
+
+def test_tensors_the_model_lacks_are_errors_unless_strict_is_false(tmp_path):
+    path = _small_llama_file(tmp_path, extra={"blk.0.attn_gate.weight": np.ones((4, HIDDEN)),
+                                              "output_norm.scale": np.ones(HIDDEN)})
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_gate.weight' -> 'model.layers.0.attn_gate.weight': no "
+                                         r"such module in the model"):
+        load_gguf_llama(_llama_for(path), path)
+    path2 = _small_llama_file(tmp_path / "b", extra={"output_norm.scale": np.ones(HIDDEN)})
+    with pytest.raises(ValueError, match=r"tensor 'output_norm.scale' -> 'model.norm.scale' is not a parameter of "
+                                         r"the model"):
+        load_gguf_llama(_llama_for(path2), path2)
+    # strict=False: the extra tensors are skipped and the model is the strict load of the file without them
+    model = _llama_for(path)
+    load_gguf_llama(model, path, strict=False)
+    plain = _small_llama_file(tmp_path / "c")
+    want = _llama_for(plain)
+    load_gguf_llama(want, plain)
+    ids = torch.tensor([[1, 5, 9, 95]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want(ids).logits)
+
+
+def test_missing_tensors_and_shapes_the_config_disagrees_with_are_errors(tmp_path):
+    path = _small_llama_file(tmp_path, drop=("blk.1.ffn_norm.weight",))
+    model = transformers.LlamaForCausalLM(hf_model(False).config).eval()
+    with pytest.raises(ValueError, match=r"the file has no tensors for \['model.layers.1.post_attention_layernorm.weight'\]"):
+        load_gguf_llama(model, path)
+    load_gguf_llama(transformers.LlamaForCausalLM(hf_model(False).config), path, strict=False)  # what is there loads
+    path = _small_llama_file(tmp_path / "b")
+    config = llama_config_from_gguf(GGUFFile(path))
+    config.vocab_size = VOCAB + 1
+    with pytest.raises(ValueError, match=rf"tensor 'token_embd.weight' has shape \[{VOCAB}, {HIDDEN}\], model embedding "
+                                         rf"'model.embed_tokens' expects \[{VOCAB + 1}, {HIDDEN}\]"):
+        load_gguf_llama(transformers.LlamaForCausalLM(config), path)
+    model = _llama_for(path)
+    model.model.norm.weight = torch.nn.Parameter(torch.ones(HIDDEN + 2))
+    with pytest.raises(ValueError, match=rf"tensor 'output_norm.weight' has shape \[{HIDDEN}\], the model's "
+                                         rf"'model.norm.weight' is \[{HIDDEN + 2}\]"):
+        load_gguf_llama(model, path)
