@@ -65,7 +65,7 @@ def _rounding_edges(rows, cols, dtype, seed):
     floor, large and tiny magnitudes."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g)
-    w[0, :32] = torch.arange(32) % 16 + 0.5  # ties of 4 bits (range 0.5 .. 15.5)
+    w[0, :32] = torch.cat([torch.tensor([0.0, 15.0]), torch.arange(30) % 15 + 0.5])  # 4 bits: scale -1, bias 15, ties
     w[1, :32] = 0.75
     w[2, :32] = 0.0
     w[3, :32] = torch.linspace(-5.0, 1.0, 32)
