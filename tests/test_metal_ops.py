@@ -59,6 +59,21 @@ def _mlx_quantize(w, group_size, bits):
     return [to_torch(t) for t in out]
 
 
+def _mlx_dequantize(parts, group_size, bits):
+    import mlx.core as mx
+    import numpy as np
+
+    def to_mx(t):
+        if t.dtype == torch.bfloat16:
+            return mx.array(t.view(torch.int16).numpy()).view(mx.bfloat16)
+        return mx.array(t.view(torch.int32).numpy()).view(mx.uint32) if t.dtype == torch.uint32 else mx.array(t.numpy())
+
+    out = mx.dequantize(*(to_mx(t) for t in parts), group_size=group_size, bits=bits)
+    if out.dtype == mx.bfloat16:
+        return torch.from_numpy(np.array(out.view(mx.int16))).view(torch.bfloat16)
+    return torch.from_numpy(np.array(out))
+
+
 def _rounding_edges(rows, cols, dtype, seed):
     """Weights whose groups meet each branch of affine quantization: ties at half a step, a
     constant and a zero group, a negative extreme, one non-zero value, a range near the scale's
@@ -91,6 +106,11 @@ def test_affine_quantize_on_metalsim_equals_mlx_bit_for_bit(dtype):
         for name, g, m in zip(("wq", "scales", "biases"), got, want):
             assert g.dtype == m.dtype and torch.equal(g.view(torch.uint8), m.view(torch.uint8)), \
                 f"{name} differs from mlx (bits={bits}, group_size={group_size}, {dtype})"
+        with _backend():
+            deq = torch_qmm.dequantize(*want, group_size=group_size, bits=bits)
+            assert _last()[0].route == "dequantize"
+        assert deq.dtype == dtype and torch.equal(deq.view(torch.uint8), _mlx_dequantize(want, group_size, bits).view(
+            torch.uint8)), f"dequantize differs from mlx (bits={bits}, group_size={group_size}, {dtype})"
 
 
 def run_qmm(M, N, K, bits, gs, dtype, transpose, seed, check=None):
