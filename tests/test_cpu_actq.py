@@ -54,9 +54,13 @@ def test_the_setting_without_an_argument_is_int8():
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(3))
     int8 = ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 32)
     assert not torch.equal(int8, ops.qmm(x, wq, s, b, "affine", 4, 32, True))
+    wn, sn, bn, _ = make(128, 32, 4, 32, seed=1)  # W [K=128, N=32] for transpose=False
     with torch_qmm.activation_quantization():
         assert torch_qmm.activations.current_activations() == "int8"
         assert torch.equal(torch_qmm.quantized_matmul(x, wq, s, b, group_size=32, bits=4), int8)
+        # transpose=False calls are not quantized by the setting (int8 runs transpose=True only)
+        assert torch.equal(torch_qmm.quantized_matmul(x, wn, sn, bn, transpose=False, group_size=32, bits=4),
+                           ops.qmm(x, wn, sn, bn, "affine", 4, 32, False))
     assert torch_qmm.activations.current_activations() is None
 
 
