@@ -606,3 +606,44 @@ def test_integer_tensor_of_another_dtype_is_a_clear_error(mlx_folder):
     model = WithCounter()
     load_mlx(model, mlx_folder)
     assert torch.equal(model.counter, torch.tensor([7, 8, 9]))
+
+
+# ---- safetensors headers and shard folders (torch_qmm/interop/safetensors_io.py) -------------
+
+def _safetensors_bytes(header: object, data: bytes) -> bytes:
+    body = json.dumps(header).encode()
+    return struct.pack("<Q", len(body)) + body + data
+
+
+@pytest.mark.parametrize("header, data, message", [
+    ([1, 2], b"", r"safetensors header must be a JSON object, got list"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(12),
+     r"the tensors cover 8 of the 12 data bytes \(corrupt header or trailing data\)"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8),
+     r"tensor 'b': data_offsets \[4, 8\] overlaps the previous tensor"),
+], ids=["list", "trailing", "overlap"])
+def test_safetensors_headers_that_do_not_describe_the_file_are_refused(tmp_path, header, data, message):
+    from torch_qmm.interop.safetensors_io import read_header
+
+    (tmp_path / "m.safetensors").write_bytes(_safetensors_bytes(header, data))
+    with pytest.raises(ValueError, match=message):
+        read_header(tmp_path / "m.safetensors")
+
+
+def test_shard_folders_that_do_not_name_each_tensor_once_are_refused(tmp_path):
+    from torch_qmm.interop.safetensors_io import Checkpoint
+
+    one = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    with pytest.raises(ValueError, match=r"no \*.safetensors files \(and no model.safetensors.index.json\)"):
+        Checkpoint(tmp_path)
+    (tmp_path / "x.safetensors").write_bytes(_safetensors_bytes(one, bytes(4)))
+    (tmp_path / "y.safetensors").write_bytes(_safetensors_bytes(one, bytes(4)))
+    with pytest.raises(ValueError, match=r"tensor 'a' appears in both .*x.safetensors and .*y.safetensors"):
+        Checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: missing 'weight_map'"):
+        Checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "y.safetensors"}}))
+    ckpt = Checkpoint(tmp_path)  # the index names the shards: x.safetensors is not read
+    assert ckpt.keys() == ["a"] and ckpt.where["a"] == tmp_path / "y.safetensors"
