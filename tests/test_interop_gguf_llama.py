@@ -208,13 +208,15 @@ def test_absent_optional_metadata_takes_the_file_shapes(tmp_path):
 
 @pytest.mark.parametrize("mix", ["f32", "mixed"])
 def test_attention_biases_follow_their_rows(tmp_path, mix):
-    # Q/K/V/O biases (qwen-style): llama.cpp permutes attn_q.bias / attn_k.bias with their weight
-    # rows; the loader undoes both and keeps v / o biases as they are. The config built from the
-    # file has no attention_bias field, the biases come with the file's tensors.
+    # Q/K/V/O biases (llama.cpp's optional attention biases): llama.cpp permutes attn_q.bias /
+    # attn_k.bias with their weight rows; the loader undoes both and keeps v / o biases as they
+    # are. No metadata key says the model has biases: the config takes attention_bias from the
+    # tensors.
     source = hf_model(False, attention_bias=True)
     held = write_llama_gguf(source, tmp_path / "m.gguf", MIXES[mix], np.random.default_rng(2))
     assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"} <= set(GGUFFile(tmp_path / "m.gguf").tensors)
     config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    assert (config.attention_bias, config.mlp_bias) == (True, False)
     model = transformers.LlamaForCausalLM(config).eval()
     load_gguf_llama(model, tmp_path / "m.gguf")
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -276,3 +278,10 @@ def test_missing_tensors_and_shapes_the_config_disagrees_with_are_errors(tmp_pat
     with pytest.raises(ValueError, match=rf"tensor 'output_norm.weight' has shape \[{HIDDEN}\], the model's "
                                          rf"'model.norm.weight' is \[{HIDDEN + 2}\]"):
         load_gguf_llama(model, path)
+
+
+def test_a_file_with_some_attention_biases_missing_is_refused(tmp_path):
+    write_llama_gguf(hf_model(False, attention_bias=True), tmp_path / "m.gguf", {}, np.random.default_rng(0),
+                     drop=("blk.1.attn_output.bias",))
+    with pytest.raises(ValueError, match=r"no tensor 'blk.1.attn_output.bias', which the metadata"):
+        llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
