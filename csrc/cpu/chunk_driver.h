@@ -41,7 +41,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 namespace torch_qmm {
@@ -72,12 +74,33 @@ inline int64_t span_rows_for(int64_t N, int64_t threads) {
   return std::clamp<int64_t>(even, kMinSpanRows, kSpanRows);
 }
 
-// Rows of x (and what rest() needs), prepared once per call.
+// Storage that starts on a cache line (64 bytes). The multipliers read prepared x in 32-byte
+// vectors at multiples of 32 bytes from the start of a row; from an address malloc gives (16 bytes
+// past a multiple of 32, often) every other such load would span two cache lines.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, kAlign); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using CacheLineVector = std::vector<T, CacheLineAllocator<T>>;
+
+// Rows of x (and what rest() needs), prepared once per call. A row's stride is a whole number of
+// chunks; rows start on 32-byte boundaries where kXPerChunk * sizeof(X) is a multiple of 32.
 template <typename Kern>
 struct PreparedX {
-  std::vector<typename Kern::X> x;  // per row: chunks * kXPerChunk
-  std::vector<float> side;         // per row: chunks * kSidePerChunk
-  std::vector<float> rest;         // per row: rest_floats
+  CacheLineVector<typename Kern::X> x;  // per row: chunks * kXPerChunk
+  CacheLineVector<float> side;          // per row: chunks * kSidePerChunk
+  std::vector<float> rest;              // per row: rest_floats
   int64_t x_stride = 0, side_stride = 0, rest_stride = 0;
 };
 
