@@ -112,20 +112,7 @@ def quantized_matmul(
         if not transpose:
             raise ValueError("argument 'transpose' must be True with activations='int8', got False")
         return _ops.qmm_int8_activations(x, wq, scales, biases, mode, bits, group_size)
-    if _nothing_to_record(x, scales, biases):
-        with torch._C._AutoDispatchBelowAutograd():
-            return _ops.qmm(x, wq, scales, biases, mode, bits, group_size, transpose)
     return _ops.qmm(x, wq, scales, biases, mode, bits, group_size, transpose)
-
-
-def _nothing_to_record(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd has nothing to record for an op on these tensors (grad mode off, or none
-    requires grad; outside torch.compile and torch.func transforms). The op is then called below
-    the autograd key: the same kernel the registered autograd rule (below) would redispatch to,
-    without that rule's Python step on every call."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
 
 
 def gather_qmm(
