@@ -45,8 +45,8 @@ constexpr float nibble_factor(int j) { return j == 7 ? 1.0f : 1.0f / float(1 << 
 // The scales of a block are stored once and broadcast from memory (vbroadcastss m32: a load,
 // where a broadcast from a register takes two shuffles on the vector pipes the decode needs).
 // This keeps the compiler from forwarding the stored values through registers.
-template <int L>
-__attribute__((always_inline)) inline void reload_from_memory(float (&v)[L]) {
+template <typename T>
+__attribute__((always_inline)) inline void reload_from_memory(T& v) {
   __asm__ volatile("" : "+m"(v));
 }
 
@@ -64,9 +64,8 @@ __attribute__((always_inline)) inline __m256 pair_of(__m256 v, int i) {
 // y -= sum_s dmin*m[s] * (sum of x over sub-block s).
 struct Q4K {
   static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kXPerBlock = 256, kSide = 8;
-  // W rows per tile. At one row of x, that row's prepared x (4 bytes per weight) does not fit in
-  // L1: each super-block's 1 KB of it comes from L2 once per tile and serves the tile's 8 rows.
-  static constexpr int tile_rows(int mb) { return mb == 1 ? 8 : mb <= 2 ? 2 : 1; }
+  // W rows per tile: 2 at one or two rows of x (block() interleaves them), 1 above.
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
 
   static constexpr int weight(int run, int j, int l) { return 64 * run + 32 * (j % 2) + 4 * l + j / 2; }
   static void prepare(const float* x, float* xc, float* xs) {
@@ -80,34 +79,51 @@ struct Q4K {
     }
   }
 
-  // d*sc[0..7] into sd, dmin*m[0..7] as the returned vector.
+  // d*sc[0..7] into sd, dmin*m[0..7] as the returned vector (products exact: 11 by 6 bits). The
+  // eight scale (min) bytes go to a vector as one 64-bit move, d and dmin by one 32-bit load and
+  // one vcvtph2ps.
   __attribute__((always_inline)) static inline __m256 scales(const uint8_t* blk, float* sd) {
     const gguf_fields::Q4kScaleBytes b = gguf_fields::q4k_scale_bytes(blk + 4);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(b.scale[1]), int(b.scale[0]))));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(b.min[1]), int(b.min[0]))));
-    _mm256_store_ps(sd, _mm256_mul_ps(sc, _mm256_set1_ps(f16_at(blk))));
-    return _mm256_mul_ps(mn, _mm256_set1_ps(f16_at(blk + 2)));
+    auto to_floats = [](const uint32_t (&v)[2]) __attribute__((always_inline)) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(uint64_t(v[1]) << 32 | v[0]))));
+    };
+    uint32_t d_dmin;
+    std::memcpy(&d_dmin, blk, 4);
+    const __m256 dd = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(int(d_dmin))));
+    _mm256_store_ps(sd, _mm256_mul_ps(to_floats(b.scale), _mm256_permutevar8x32_ps(dd, _mm256_setzero_si256())));
+    return _mm256_mul_ps(to_floats(b.min), _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(1)));
   }
 
+  // At one row of x, the tile's two W rows go through the block together (P = 2): each row's sums
+  // are one chain of dependent FMAs (the order of the sums is fixed), and the two independent
+  // chains overlap; each x vector is loaded once for both rows.
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
-    for (int r = 0; r < R; ++r) {
-      alignas(32) float sd[8];
-      const __m256 mins = scales(blk[r], sd);
+    constexpr int P = MB == 1 && R % 2 == 0 ? 2 : 1;
+    for (int r0 = 0; r0 < R; r0 += P) {
+      alignas(32) float sd[P][8];
+      __m256 mins[P];
+      for (int p = 0; p < P; ++p) mins[p] = scales(blk[r0 + p], sd[p]);
       reload_from_memory(sd);
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xs[m]), acc[r][m]);
+      for (int p = 0; p < P; ++p)
+        for (int m = 0; m < MB; ++m) acc[r0 + p][m] = _mm256_fnmadd_ps(mins[p], _mm256_loadu_ps(xs[m]), acc[r0 + p][m]);
       for (int run = 0; run < 4; ++run) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQs + 32 * run));
-        __m256 ch[MB][2];
-        for (int m = 0; m < MB; ++m) ch[m][0] = ch[m][1] = _mm256_setzero_ps();
-        for (int j = 0; j < 8; ++j) {
-          const __m256 v = nibble_field(w, j);
+        __m256i w[P];
+        for (int p = 0; p < P; ++p) w[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r0 + p] + kQs + 32 * run));
+        __m256 ch[P][MB][2];
+        for (int p = 0; p < P; ++p)
+          for (int m = 0; m < MB; ++m) ch[p][m][0] = ch[p][m][1] = _mm256_setzero_ps();
+        for (int j = 0; j < 8; ++j)
+          for (int m = 0; m < MB; ++m) {
+            const __m256 xv = _mm256_loadu_ps(xc[m] + (8 * run + j) * 8);
+            for (int p = 0; p < P; ++p) ch[p][m][j % 2] = _mm256_fmadd_ps(nibble_field(w[p], j), xv, ch[p][m][j % 2]);
+          }
+        for (int p = 0; p < P; ++p) {
+          const __m256 se = _mm256_broadcast_ss(sd[p] + 2 * run), so = _mm256_broadcast_ss(sd[p] + 2 * run + 1);
           for (int m = 0; m < MB; ++m)
-            ch[m][j % 2] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + (8 * run + j) * 8), ch[m][j % 2]);
+            acc[r0 + p][m] = _mm256_fmadd_ps(ch[p][m][1], so, _mm256_fmadd_ps(ch[p][m][0], se, acc[r0 + p][m]));
         }
-        const __m256 se = _mm256_broadcast_ss(sd + 2 * run), so = _mm256_broadcast_ss(sd + 2 * run + 1);
-        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(ch[m][1], so, _mm256_fmadd_ps(ch[m][0], se, acc[r][m]));
       }
     }
   }
