@@ -133,29 +133,29 @@ struct Q4K {
 // w = d*sc[s]*(q - 32), 16 sub-blocks of 16, q = low nibble + 16 * high field. Half h (128
 // weights): ql bytes 64h + 32t + b: low nibble (p = 0) = weight 128h + 32t + b, high nibble
 // (p = 1) = weight 128h + 64 + 32t + b; qh bytes 32h + b: field f (bits 2f, 2f+1) = high bits of
-// weight 128h + 32f + b (llama.cpp's dequantize_row_q6_K order). With b = 4l + u (dword lane l,
-// byte u), the weight of nibble p of byte u has its high field f = 2p + t in the same dword of
-// qh, byte u, at bit 8u + 4p + 2t; shifted left by 4 - 2t, it sits just above the nibble (bit
-// 8u + 4p). So one AND of ql, one AND of the shifted qh and an OR give the whole 6-bit q at
-// bit 8u + 4p (q * 2^(8u + 4p), exact; the top one, u = 3 and p = 1, is assembled shifted down),
-// which meets x * 2^-(8u + 4p). Every such vector has lanes 0-3 in sub-block 8h + 2k and lanes
-// 4-7 in 8h + 2k + 1, k = t + 2p: per half, 4 chains k of 4 vectors (u = 0..3), each scaled by one
-// pair of scales. The -32 is hoisted: y -= sum_s d*sc[s] * 32 * (sum of x over sub-block s).
+// weight 128h + 32f + b (llama.cpp's dequantize_row_q6_K order). The weight of nibble p of byte
+// b has its high field f = 2p + t in byte b of qh, at bit 4p + 2t. So for each (t, p), two ANDs
+// and an OR on the whole 32-byte vectors (ql or ql >> 4 for the nibbles, qh shifted so that the
+// field sits at bits 4-5 of its byte) leave the 6-bit q of every weight in its own byte; with
+// b = 4l + u (dword lane l, byte u), the field of byte u (an AND, or a shift for u = 3) is
+// q * 2^(8u) (exact; q for u = 3), which meets x * 2^-(8u). Every such vector has lanes 0-3 in
+// sub-block 8h + 2k and lanes 4-7 in 8h + 2k + 1, k = t + 2p: per half, 4 chains k of 4 vectors
+// (u = 0..3), each scaled by one pair of scales. The -32 is hoisted: y -= sum_s d*sc[s] * 32 *
+// (sum of x over sub-block s).
 struct Q6K {
   static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208;
   static constexpr int64_t kXPerBlock = 256, kSide = 16;
-  // W rows per tile: at one row of x, 4 for the reason at Q4K::tile_rows (8 measured no faster).
-  static constexpr int tile_rows(int mb) { return mb == 1 ? 4 : mb <= 2 ? 2 : 1; }
+  // W rows per tile: 2 at one or two rows of x (block() alternates them), 1 above.
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
 
-  static constexpr int pos(int p, int u) { return 8 * u + 4 * p; }  // bit of q in its dword
-  static constexpr float factor(int p, int u) { return p == 1 && u == 3 ? 1.0f : 1.0f / float(1 << pos(p, u)); }
+  static constexpr float factor(int u) { return u == 3 ? 1.0f : 1.0f / float(1 << (8 * u)); }
   static void prepare(const float* x, float* xc, float* xs) {
     for (int h = 0; h < 2; ++h)
       for (int k = 0; k < 4; ++k) {
         const int t = k % 2, p = k / 2;
         for (int u = 0; u < 4; ++u)
           for (int l = 0; l < 8; ++l)
-            xc[((h * 4 + k) * 4 + u) * 8 + l] = x[128 * h + 64 * p + 32 * t + 4 * l + u] * factor(p, u);
+            xc[((h * 4 + k) * 4 + u) * 8 + l] = x[128 * h + 64 * p + 32 * t + 4 * l + u] * factor(u);
       }
     for (int s = 0; s < 16; ++s) {
       float t = 0.0f;
@@ -164,46 +164,53 @@ struct Q6K {
     }
   }
 
-  // q of nibble p, byte u of ql (run t) with its high field from qh_t = qh << (4 - 2t), in place.
-  __attribute__((always_inline)) static inline __m256 field(__m256i ql, __m256i qh, __m256i qh_t, int t, int p,
-                                                            int u) {
-    if (p == 1 && u == 3)  // bits 28..31 of ql, high field at bit 28 + 2t of qh: both down to bit 0
-      return _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(ql, 28),
-                                                _mm256_and_si256(_mm256_srli_epi32(qh, 24 + 2 * t), _mm256_set1_epi32(0x30))));
-    const __m256i lo = _mm256_and_si256(ql, _mm256_set1_epi32(15 << pos(p, u)));
-    const __m256i hi = _mm256_and_si256(qh_t, _mm256_set1_epi32(0x30 << pos(p, u)));
-    return _mm256_cvtepi32_ps(_mm256_or_si256(lo, hi));
+  // The 6-bit q of the weights of nibble p, run t of the block's half at ql / qh, one per byte.
+  __attribute__((always_inline)) static inline __m256i q_bytes(const uint8_t* ql, const uint8_t* qh, int t, int p) {
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+    const __m256i lo = p == 0 ? l : _mm256_srli_epi32(l, 4);
+    const int up = 4 - (4 * p + 2 * t);  // moves the high field to bits 4-5 of its byte
+    const __m256i hi = up > 0 ? _mm256_slli_epi32(h, up) : up < 0 ? _mm256_srli_epi32(h, -up) : h;
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(0x0F)), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+  }
+  // Byte u of every dword of q (q * 2^(8u); q itself for u = 3), converted.
+  __attribute__((always_inline)) static inline __m256 byte_field(__m256i q, int u) {
+    return _mm256_cvtepi32_ps(u == 3 ? _mm256_srli_epi32(q, 24) : _mm256_and_si256(q, _mm256_set1_epi32(0x3F << (8 * u))));
   }
 
+  // At one row of x, the tile's two W rows alternate chain by chain (P = 2): each row's sums are
+  // one chain of dependent FMAs (the order of the sums is fixed), and the two rows' chains overlap.
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
-    for (int r = 0; r < R; ++r) {
-      const __m256 d = _mm256_set1_ps(f16_at(blk[r] + kD));
-      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + kScales));
-      const __m256 s_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)), d);
-      const __m256 s_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))), d);
-      for (int m = 0; m < MB; ++m)
-        acc[r][m] = _mm256_fnmadd_ps(s_hi, _mm256_loadu_ps(xs[m] + 8), _mm256_fnmadd_ps(s_lo, _mm256_loadu_ps(xs[m]), acc[r][m]));
-      for (int h = 0; h < 2; ++h) {
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQh + 32 * h));
-        for (int t = 0; t < 2; ++t) {
-          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + 64 * h + 32 * t));
-          const __m256i qh_t = _mm256_slli_epi32(qh, 4 - 2 * t);
-          for (int p = 0; p < 2; ++p) {
-            const int k = t + 2 * p;
-            __m256 ch[MB];
-            for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
-            for (int u = 0; u < 4; ++u) {
-              const __m256 v = field(ql, qh, qh_t, t, p, u);
-              for (int m = 0; m < MB; ++m)
-                ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((h * 4 + k) * 4 + u) * 8), ch[m]);
-            }
-            const __m256 sp = pair_of(h == 0 ? s_lo : s_hi, 2 * k);
-            for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(ch[m], sp, acc[r][m]);
-          }
-        }
+    constexpr int P = MB == 1 && R % 2 == 0 ? 2 : 1;
+    for (int r0 = 0; r0 < R; r0 += P) {
+      __m256 s_lo[P], s_hi[P];
+      for (int i = 0; i < P; ++i) {
+        const uint8_t* b = blk[r0 + i];
+        const __m256 d = _mm256_set1_ps(f16_at(b + kD));
+        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kScales));
+        s_lo[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)), d);
+        s_hi[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))), d);
+        for (int m = 0; m < MB; ++m)
+          acc[r0 + i][m] = _mm256_fnmadd_ps(s_hi[i], _mm256_loadu_ps(xs[m] + 8),
+                                            _mm256_fnmadd_ps(s_lo[i], _mm256_loadu_ps(xs[m]), acc[r0 + i][m]));
       }
+      for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < 2; ++t)
+          for (int p = 0; p < 2; ++p)
+            for (int i = 0; i < P; ++i) {
+              const int k = t + 2 * p;
+              const __m256i q = q_bytes(blk[r0 + i] + 64 * h + 32 * t, blk[r0 + i] + kQh + 32 * h, t, p);
+              __m256 ch[MB];
+              for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
+              for (int u = 0; u < 4; ++u) {
+                const __m256 v = byte_field(q, u);
+                for (int m = 0; m < MB; ++m) ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((h * 4 + k) * 4 + u) * 8), ch[m]);
+              }
+              const __m256 sp = pair_of(h == 0 ? s_lo[i] : s_hi[i], 2 * k);
+              for (int m = 0; m < MB; ++m) acc[r0 + i][m] = _mm256_fmadd_ps(ch[m], sp, acc[r0 + i][m]);
+            }
     }
   }
 };
