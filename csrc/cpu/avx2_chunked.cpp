@@ -71,7 +71,10 @@ struct AffineScales {
 
 // The AVX2 kernel (chunk_driver.h) for group size G, multiplier C and scales S: C's vectors times
 // x, summed per chain h (C::kHalves), then times the chain's per-lane scales; rest(): the K tail
-// and (affine) the hoisted bias, sum_g b[g] * (sum of x over group g).
+// and (affine) the hoisted bias, sum_g b[g] * (sum of x over group g), summed in order of g.
+// When K has no tail, that bias sum is carried along the chunks instead (Acc::bias, a scalar
+// chain per W row and x row, advanced by the groups that start in each chunk): the same terms in
+// the same order, whose latency then overlaps the vector work rather than following each tile.
 template <int G, typename C, typename S>
 struct Avx2Kernel {
   using X = float;
@@ -81,9 +84,15 @@ struct Avx2Kernel {
     __m256 sum;
     __m256i nan;
   };
-  using Acc = std::conditional_t<C::kNanCodes, NanAcc, __m256>;
+  struct BiasAcc {
+    __m256 sum;
+    float bias;
+  };
+  using Acc = std::conditional_t<C::kNanCodes, NanAcc, std::conditional_t<S::kBiases, BiasAcc, __m256>>;
   static constexpr int kCodes = C::kCodes, kHalves = C::kHalves;
-  static constexpr int64_t kXPerChunk = C::kXPerChunk, kSidePerChunk = 0;
+  // Side data per chunk (affine): the sums of x over the groups that start in the chunk.
+  static constexpr int kGroupsPerChunk = kCodes >= G ? kCodes / G : 1;
+  static constexpr int64_t kXPerChunk = C::kXPerChunk, kSidePerChunk = S::kBiases ? kGroupsPerChunk : 0;
   static constexpr int kMaxXBlock = 4;
   // W rows per tile for MB rows of x (registers: kHalves * R * MB partial sums, R * MB
   // accumulators and the chunk's vectors).
@@ -92,15 +101,18 @@ struct Avx2Kernel {
   const QmmArgs& a;
   S sc;
   int64_t chunks, row_bytes, groups, tail, rest_floats;
+  bool bias_in_chunks;
   Avx2Kernel(const QmmArgs& args, S scales)
       : a(args), sc(scales), chunks(a.K / kCodes), row_bytes(a.K * C::kBits / 8), groups(a.K / G),
-        tail(a.K - chunks * kCodes), rest_floats(tail + (S::kBiases ? groups : 0)) {}
+        tail(a.K - chunks * kCodes), rest_floats(tail + (S::kBiases ? groups : 0)),
+        bias_in_chunks(S::kBiases && tail == 0) {}
 
   const uint8_t* row(int64_t n) const { return a.wq + n * row_bytes; }
 
   // xc[c][j][l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j) (exact in range); rest: the K
-  // tail in natural order, then (affine) the sum of x over each group.
-  void prepare_row(const float* x, X* xc, float*, float* rest) const {
+  // tail in natural order, then (affine) the sum of x over each group, which side holds too (at
+  // the chunk where the group starts).
+  void prepare_row(const float* x, X* xc, float* side, float* rest) const {
     for (int64_t c = 0; c < chunks; ++c)
       for (int j = 0; j < C::kVectors; ++j)
         for (int l = 0; l < 8; ++l) xc[kCodes * c + 8 * j + l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j);
@@ -110,7 +122,18 @@ struct Avx2Kernel {
         float t = 0.0f;
         for (int i = 0; i < G; ++i) t += x[g * G + i];
         rest[tail + g] = t;
+        const int64_t c = g * G / kCodes;
+        if (c < chunks) side[c * kGroupsPerChunk + g % kGroupsPerChunk] = t;
       }
+  }
+
+  // One term of the hoisted bias sum (rest() and chunk() alike): the product rounded, then added
+  // (the empty asm keeps the compiler from fusing the two into an FMA in one place and not in the
+  // other).
+  __attribute__((always_inline)) static inline float add_bias(float t, float bias, float xsum) {
+    float p = bias * xsum;
+    __asm__("" : "+x"(p));
+    return t + p;
   }
 
   // W streams from memory a whole tile ahead of its use: the next tile's rows [n+R, n+2R) follow
@@ -123,7 +146,7 @@ struct Avx2Kernel {
 
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t n, const uint8_t* const (&row)[R], int64_t c,
-                                                   const X* const (&xc)[MB], const float* const (&)[MB],
+                                                   const X* const (&xc)[MB], const float* const (&side)[MB],
                                                    Acc (&acc)[R][MB]) const {
     prefetch_range(row[0], R * row_bytes + c * R * C::kBytes, R * C::kBytes);  // start_tile
     const uint8_t* w[R];
@@ -143,11 +166,15 @@ struct Avx2Kernel {
         const __m256i nan = C::nan_codes(w[r]);
         for (int m = 0; m < MB; ++m) acc[r][m].nan = _mm256_or_si256(acc[r][m].nan, nan);
       }
+      if constexpr (S::kBiases)
+        if (bias_in_chunks && (kCodes >= G || c * kCodes % G == 0))
+          for (int i = 0; i < kGroupsPerChunk; ++i)
+            for (int m = 0; m < MB; ++m) acc[r][m].bias = add_bias(acc[r][m].bias, sc.bias(g0 + i), side[m][i]);
     }
   }
 
   __attribute__((always_inline)) static inline __m256& sum_of(Acc& acc) {
-    if constexpr (C::kNanCodes)
+    if constexpr (C::kNanCodes || S::kBiases)
       return acc.sum;
     else
       return acc;
@@ -155,20 +182,30 @@ struct Avx2Kernel {
   static Acc zero() {
     if constexpr (C::kNanCodes)
       return NanAcc{_mm256_setzero_ps(), _mm256_setzero_si256()};
+    else if constexpr (S::kBiases)
+      return BiasAcc{_mm256_setzero_ps(), 0.0f};
     else
       return _mm256_setzero_ps();
   }
+  // The lanes' sum, plus the bias sum carried along (0 where rest() has it: adding +0 changes no
+  // sum that rest() is then added to, as rest() is never -0).
   static float reduce(Acc acc) {
     if constexpr (C::kNanCodes)
       if (!_mm256_testz_si256(acc.nan, acc.nan)) return std::numeric_limits<float>::quiet_NaN();
     const __m256 v = sum_of(acc);
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    const float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    if constexpr (S::kBiases)
+      return s + acc.bias;
+    else
+      return s;
   }
 
-  // The K tail of W row n (whole groups, code by code) and the hoisted bias.
+  // The K tail of W row n (whole groups, code by code) and the hoisted bias (-0, the identity of
+  // addition, where the chunks carried it).
   float rest(int64_t n, const float* xrest) const {
+    if (bias_in_chunks) return -0.0f;
     const uint8_t* wrow = row(n);
     const int64_t k0 = chunks * kCodes;
     float t = 0.0f;
@@ -179,7 +216,7 @@ struct Avx2Kernel {
     }
     if constexpr (S::kBiases) {
       const float* xsum = xrest + tail;
-      for (int64_t g = 0; g < groups; ++g) t += sc.bias(n * groups + g) * xsum[g];
+      for (int64_t g = 0; g < groups; ++g) t = add_bias(t, sc.bias(n * groups + g), xsum[g]);
     }
     return t;
   }

@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <new>
 #include <vector>
 
@@ -54,13 +55,17 @@ namespace chunk {
 // Below, the float32 multipliers' x * 2^-28 (chunk.h; 2^-24 in chunk_avx2.h) and the bfloat16
 // terms (flushed by vdpbf16ps under 2^-126) would lose bits; above, the unscaled sums of q * x (up to 128 * 255 * |x| per group) could overflow
 // where s * q * x does not. Other x take the fused kernel, which scales before multiplying.
+// On the bits of |x| (integer compares vectorize): 0, or [2^-98, 2^100]; NaN and Inf lie above.
 inline bool x_in_range(const float* x, int64_t n) {
-  bool ok = true;
+  constexpr uint32_t lo = 0x0E800000u, hi = 0x71800000u;  // the bits of 2^-98 and 2^100
+  uint32_t bad = 0;
   for (int64_t k = 0; k < n; ++k) {
-    const float v = std::fabs(x[k]);
-    ok &= (v >= 0x1p-98f && v <= 0x1p100f) || v == 0.0f;  // false for NaN
+    uint32_t u;
+    std::memcpy(&u, x + k, 4);
+    u &= 0x7FFFFFFFu;
+    bad |= uint32_t(u - lo > hi - lo) & uint32_t(u != 0);  // u - lo wraps below 2^-98
   }
-  return ok;
+  return bad == 0;
 }
 
 constexpr int64_t kSpanRows = 128;  // W rows per work item at most (320 KB of 4-bit W at K=5120)

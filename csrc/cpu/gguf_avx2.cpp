@@ -45,8 +45,8 @@ constexpr float nibble_factor(int j) { return j == 7 ? 1.0f : 1.0f / float(1 << 
 // The scales of a block are stored once and broadcast from memory (vbroadcastss m32: a load,
 // where a broadcast from a register takes two shuffles on the vector pipes the decode needs).
 // This keeps the compiler from forwarding the stored values through registers.
-template <int L>
-__attribute__((always_inline)) inline void reload_from_memory(float (&v)[L]) {
+template <typename T>
+__attribute__((always_inline)) inline void reload_from_memory(T& v) {
   __asm__ volatile("" : "+m"(v));
 }
 
@@ -64,9 +64,8 @@ __attribute__((always_inline)) inline __m256 pair_of(__m256 v, int i) {
 // y -= sum_s dmin*m[s] * (sum of x over sub-block s).
 struct Q4K {
   static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kXPerBlock = 256, kSide = 8;
-  // W rows per tile. At one row of x, that row's prepared x (4 bytes per weight) does not fit in
-  // L1: each super-block's 1 KB of it comes from L2 once per tile and serves the tile's 8 rows.
-  static constexpr int tile_rows(int mb) { return mb == 1 ? 8 : mb <= 2 ? 2 : 1; }
+  // W rows per tile: 2 at one or two rows of x (block() interleaves them), 1 above.
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
 
   static constexpr int weight(int run, int j, int l) { return 64 * run + 32 * (j % 2) + 4 * l + j / 2; }
   static void prepare(const float* x, float* xc, float* xs) {
@@ -80,34 +79,51 @@ struct Q4K {
     }
   }
 
-  // d*sc[0..7] into sd, dmin*m[0..7] as the returned vector.
+  // d*sc[0..7] into sd, dmin*m[0..7] as the returned vector (products exact: 11 by 6 bits). The
+  // eight scale (min) bytes go to a vector as one 64-bit move, d and dmin by one 32-bit load and
+  // one vcvtph2ps.
   __attribute__((always_inline)) static inline __m256 scales(const uint8_t* blk, float* sd) {
     const gguf_fields::Q4kScaleBytes b = gguf_fields::q4k_scale_bytes(blk + 4);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(b.scale[1]), int(b.scale[0]))));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(b.min[1]), int(b.min[0]))));
-    _mm256_store_ps(sd, _mm256_mul_ps(sc, _mm256_set1_ps(f16_at(blk))));
-    return _mm256_mul_ps(mn, _mm256_set1_ps(f16_at(blk + 2)));
+    auto to_floats = [](const uint32_t (&v)[2]) __attribute__((always_inline)) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(uint64_t(v[1]) << 32 | v[0]))));
+    };
+    uint32_t d_dmin;
+    std::memcpy(&d_dmin, blk, 4);
+    const __m256 dd = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(int(d_dmin))));
+    _mm256_store_ps(sd, _mm256_mul_ps(to_floats(b.scale), _mm256_permutevar8x32_ps(dd, _mm256_setzero_si256())));
+    return _mm256_mul_ps(to_floats(b.min), _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(1)));
   }
 
+  // At one row of x, the tile's two W rows go through the block together (P = 2): each row's sums
+  // are one chain of dependent FMAs (the order of the sums is fixed), and the two independent
+  // chains overlap; each x vector is loaded once for both rows.
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
-    for (int r = 0; r < R; ++r) {
-      alignas(32) float sd[8];
-      const __m256 mins = scales(blk[r], sd);
+    constexpr int P = MB == 1 && R % 2 == 0 ? 2 : 1;
+    for (int r0 = 0; r0 < R; r0 += P) {
+      alignas(32) float sd[P][8];
+      __m256 mins[P];
+      for (int p = 0; p < P; ++p) mins[p] = scales(blk[r0 + p], sd[p]);
       reload_from_memory(sd);
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xs[m]), acc[r][m]);
+      for (int p = 0; p < P; ++p)
+        for (int m = 0; m < MB; ++m) acc[r0 + p][m] = _mm256_fnmadd_ps(mins[p], _mm256_loadu_ps(xs[m]), acc[r0 + p][m]);
       for (int run = 0; run < 4; ++run) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQs + 32 * run));
-        __m256 ch[MB][2];
-        for (int m = 0; m < MB; ++m) ch[m][0] = ch[m][1] = _mm256_setzero_ps();
-        for (int j = 0; j < 8; ++j) {
-          const __m256 v = nibble_field(w, j);
+        __m256i w[P];
+        for (int p = 0; p < P; ++p) w[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r0 + p] + kQs + 32 * run));
+        __m256 ch[P][MB][2];
+        for (int p = 0; p < P; ++p)
+          for (int m = 0; m < MB; ++m) ch[p][m][0] = ch[p][m][1] = _mm256_setzero_ps();
+        for (int j = 0; j < 8; ++j)
+          for (int m = 0; m < MB; ++m) {
+            const __m256 xv = _mm256_loadu_ps(xc[m] + (8 * run + j) * 8);
+            for (int p = 0; p < P; ++p) ch[p][m][j % 2] = _mm256_fmadd_ps(nibble_field(w[p], j), xv, ch[p][m][j % 2]);
+          }
+        for (int p = 0; p < P; ++p) {
+          const __m256 se = _mm256_broadcast_ss(sd[p] + 2 * run), so = _mm256_broadcast_ss(sd[p] + 2 * run + 1);
           for (int m = 0; m < MB; ++m)
-            ch[m][j % 2] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + (8 * run + j) * 8), ch[m][j % 2]);
+            acc[r0 + p][m] = _mm256_fmadd_ps(ch[p][m][1], so, _mm256_fmadd_ps(ch[p][m][0], se, acc[r0 + p][m]));
         }
-        const __m256 se = _mm256_broadcast_ss(sd + 2 * run), so = _mm256_broadcast_ss(sd + 2 * run + 1);
-        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(ch[m][1], so, _mm256_fmadd_ps(ch[m][0], se, acc[r][m]));
       }
     }
   }
@@ -117,29 +133,29 @@ struct Q4K {
 // w = d*sc[s]*(q - 32), 16 sub-blocks of 16, q = low nibble + 16 * high field. Half h (128
 // weights): ql bytes 64h + 32t + b: low nibble (p = 0) = weight 128h + 32t + b, high nibble
 // (p = 1) = weight 128h + 64 + 32t + b; qh bytes 32h + b: field f (bits 2f, 2f+1) = high bits of
-// weight 128h + 32f + b (llama.cpp's dequantize_row_q6_K order). With b = 4l + u (dword lane l,
-// byte u), the weight of nibble p of byte u has its high field f = 2p + t in the same dword of
-// qh, byte u, at bit 8u + 4p + 2t; shifted left by 4 - 2t, it sits just above the nibble (bit
-// 8u + 4p). So one AND of ql, one AND of the shifted qh and an OR give the whole 6-bit q at
-// bit 8u + 4p (q * 2^(8u + 4p), exact; the top one, u = 3 and p = 1, is assembled shifted down),
-// which meets x * 2^-(8u + 4p). Every such vector has lanes 0-3 in sub-block 8h + 2k and lanes
-// 4-7 in 8h + 2k + 1, k = t + 2p: per half, 4 chains k of 4 vectors (u = 0..3), each scaled by one
-// pair of scales. The -32 is hoisted: y -= sum_s d*sc[s] * 32 * (sum of x over sub-block s).
+// weight 128h + 32f + b (llama.cpp's dequantize_row_q6_K order). The weight of nibble p of byte
+// b has its high field f = 2p + t in byte b of qh, at bit 4p + 2t. So for each (t, p), two ANDs
+// and an OR on the whole 32-byte vectors (ql or ql >> 4 for the nibbles, qh shifted so that the
+// field sits at bits 4-5 of its byte) leave the 6-bit q of every weight in its own byte; with
+// b = 4l + u (dword lane l, byte u), the field of byte u (an AND, or a shift for u = 3) is
+// q * 2^(8u) (exact; q for u = 3), which meets x * 2^-(8u). Every such vector has lanes 0-3 in
+// sub-block 8h + 2k and lanes 4-7 in 8h + 2k + 1, k = t + 2p: per half, 4 chains k of 4 vectors
+// (u = 0..3), each scaled by one pair of scales. The -32 is hoisted: y -= sum_s d*sc[s] * 32 *
+// (sum of x over sub-block s).
 struct Q6K {
   static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208;
   static constexpr int64_t kXPerBlock = 256, kSide = 16;
-  // W rows per tile: at one row of x, 4 for the reason at Q4K::tile_rows (8 measured no faster).
-  static constexpr int tile_rows(int mb) { return mb == 1 ? 4 : mb <= 2 ? 2 : 1; }
+  // W rows per tile: 2 at one or two rows of x (block() alternates them), 1 above.
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
 
-  static constexpr int pos(int p, int u) { return 8 * u + 4 * p; }  // bit of q in its dword
-  static constexpr float factor(int p, int u) { return p == 1 && u == 3 ? 1.0f : 1.0f / float(1 << pos(p, u)); }
+  static constexpr float factor(int u) { return u == 3 ? 1.0f : 1.0f / float(1 << (8 * u)); }
   static void prepare(const float* x, float* xc, float* xs) {
     for (int h = 0; h < 2; ++h)
       for (int k = 0; k < 4; ++k) {
         const int t = k % 2, p = k / 2;
         for (int u = 0; u < 4; ++u)
           for (int l = 0; l < 8; ++l)
-            xc[((h * 4 + k) * 4 + u) * 8 + l] = x[128 * h + 64 * p + 32 * t + 4 * l + u] * factor(p, u);
+            xc[((h * 4 + k) * 4 + u) * 8 + l] = x[128 * h + 64 * p + 32 * t + 4 * l + u] * factor(u);
       }
     for (int s = 0; s < 16; ++s) {
       float t = 0.0f;
@@ -148,46 +164,53 @@ struct Q6K {
     }
   }
 
-  // q of nibble p, byte u of ql (run t) with its high field from qh_t = qh << (4 - 2t), in place.
-  __attribute__((always_inline)) static inline __m256 field(__m256i ql, __m256i qh, __m256i qh_t, int t, int p,
-                                                            int u) {
-    if (p == 1 && u == 3)  // bits 28..31 of ql, high field at bit 28 + 2t of qh: both down to bit 0
-      return _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(ql, 28),
-                                                _mm256_and_si256(_mm256_srli_epi32(qh, 24 + 2 * t), _mm256_set1_epi32(0x30))));
-    const __m256i lo = _mm256_and_si256(ql, _mm256_set1_epi32(15 << pos(p, u)));
-    const __m256i hi = _mm256_and_si256(qh_t, _mm256_set1_epi32(0x30 << pos(p, u)));
-    return _mm256_cvtepi32_ps(_mm256_or_si256(lo, hi));
+  // The 6-bit q of the weights of nibble p, run t of the block's half at ql / qh, one per byte.
+  __attribute__((always_inline)) static inline __m256i q_bytes(const uint8_t* ql, const uint8_t* qh, int t, int p) {
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+    const __m256i lo = p == 0 ? l : _mm256_srli_epi32(l, 4);
+    const int up = 4 - (4 * p + 2 * t);  // moves the high field to bits 4-5 of its byte
+    const __m256i hi = up > 0 ? _mm256_slli_epi32(h, up) : up < 0 ? _mm256_srli_epi32(h, -up) : h;
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(0x0F)), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+  }
+  // Byte u of every dword of q (q * 2^(8u); q itself for u = 3), converted.
+  __attribute__((always_inline)) static inline __m256 byte_field(__m256i q, int u) {
+    return _mm256_cvtepi32_ps(u == 3 ? _mm256_srli_epi32(q, 24) : _mm256_and_si256(q, _mm256_set1_epi32(0x3F << (8 * u))));
   }
 
+  // At one row of x, the tile's two W rows alternate chain by chain (P = 2): each row's sums are
+  // one chain of dependent FMAs (the order of the sums is fixed), and the two rows' chains overlap.
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
-    for (int r = 0; r < R; ++r) {
-      const __m256 d = _mm256_set1_ps(f16_at(blk[r] + kD));
-      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + kScales));
-      const __m256 s_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)), d);
-      const __m256 s_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))), d);
-      for (int m = 0; m < MB; ++m)
-        acc[r][m] = _mm256_fnmadd_ps(s_hi, _mm256_loadu_ps(xs[m] + 8), _mm256_fnmadd_ps(s_lo, _mm256_loadu_ps(xs[m]), acc[r][m]));
-      for (int h = 0; h < 2; ++h) {
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQh + 32 * h));
-        for (int t = 0; t < 2; ++t) {
-          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + 64 * h + 32 * t));
-          const __m256i qh_t = _mm256_slli_epi32(qh, 4 - 2 * t);
-          for (int p = 0; p < 2; ++p) {
-            const int k = t + 2 * p;
-            __m256 ch[MB];
-            for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
-            for (int u = 0; u < 4; ++u) {
-              const __m256 v = field(ql, qh, qh_t, t, p, u);
-              for (int m = 0; m < MB; ++m)
-                ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((h * 4 + k) * 4 + u) * 8), ch[m]);
-            }
-            const __m256 sp = pair_of(h == 0 ? s_lo : s_hi, 2 * k);
-            for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(ch[m], sp, acc[r][m]);
-          }
-        }
+    constexpr int P = MB == 1 && R % 2 == 0 ? 2 : 1;
+    for (int r0 = 0; r0 < R; r0 += P) {
+      __m256 s_lo[P], s_hi[P];
+      for (int i = 0; i < P; ++i) {
+        const uint8_t* b = blk[r0 + i];
+        const __m256 d = _mm256_set1_ps(f16_at(b + kD));
+        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kScales));
+        s_lo[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)), d);
+        s_hi[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))), d);
+        for (int m = 0; m < MB; ++m)
+          acc[r0 + i][m] = _mm256_fnmadd_ps(s_hi[i], _mm256_loadu_ps(xs[m] + 8),
+                                            _mm256_fnmadd_ps(s_lo[i], _mm256_loadu_ps(xs[m]), acc[r0 + i][m]));
       }
+      for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < 2; ++t)
+          for (int p = 0; p < 2; ++p)
+            for (int i = 0; i < P; ++i) {
+              const int k = t + 2 * p;
+              const __m256i q = q_bytes(blk[r0 + i] + 64 * h + 32 * t, blk[r0 + i] + kQh + 32 * h, t, p);
+              __m256 ch[MB];
+              for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
+              for (int u = 0; u < 4; ++u) {
+                const __m256 v = byte_field(q, u);
+                for (int m = 0; m < MB; ++m) ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((h * 4 + k) * 4 + u) * 8), ch[m]);
+              }
+              const __m256 sp = pair_of(h == 0 ? s_lo[i] : s_hi[i], 2 * k);
+              for (int m = 0; m < MB; ++m) acc[r0 + i][m] = _mm256_fmadd_ps(ch[m], sp, acc[r0 + i][m]);
+            }
     }
   }
 };
