@@ -647,3 +647,20 @@ def test_shard_folders_that_do_not_name_each_tensor_once_are_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "y.safetensors"}}))
     ckpt = Checkpoint(tmp_path)  # the index names the shards: x.safetensors is not read
     assert ckpt.keys() == ["a"] and ckpt.where["a"] == tmp_path / "y.safetensors"
+
+
+def test_json_files_that_are_not_small_utf8_objects_are_refused(tmp_path, monkeypatch):
+    from torch_qmm.interop import json_files
+
+    f = tmp_path / "config.json"
+    f.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(ValueError, match=r"config.json: not UTF-8 text \("):
+        json_files.read_json_object(f)
+    f.write_text('{"a": 1,\n "b": }')
+    with pytest.raises(ValueError, match=r"config.json: not valid JSON: Expecting value at line 2 column 7"):
+        json_files.read_json_object(f)
+    f.write_text('{"a": 1}')
+    assert json_files.read_json_object(f) == {"a": 1}
+    monkeypatch.setattr(json_files, "MAX_JSON_BYTES", 7)
+    with pytest.raises(ValueError, match=r"config.json: 8 bytes, larger than the 7 a JSON config can be"):
+        json_files.read_json_object(f)
