@@ -232,3 +232,42 @@ def test_block_scales_that_are_not_finite_are_refused_as_corrupt(tmp_path, qtype
     t = GGUFFile(tmp_path / "bad.gguf").tensors["w"]
     with pytest.raises(GGUFFormatError, match=rf"tensor 'w' \({qtype.name}\) holds NaN or Inf block scales"):
         linear_from_gguf(t)
+
+
+def _patched_gguf(path, tensor_name="w", strings=(), arrays=(), old=None, new=None):
+    """A one-tensor GGUF with string / string-array metadata; `old` bytes (first match after the
+    magic) replaced by `new` of the same length."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    for k, v in strings:
+        w.add_string(k, v)
+    for k, v in arrays:
+        w.add_array(k, v)
+    w.add_tensor(tensor_name, np.zeros((2, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if old is not None:
+        data = path.read_bytes()
+        i = data.index(old, 4)
+        path.write_bytes(data[:i] + new + data[i + len(old):])
+    return path
+
+
+def test_gguf_headers_llama_cpp_refuses_are_refused_naming_what_is_wrong(tmp_path):
+    from torch_qmm.interop.gguf_header import GGUFFormatError
+
+    dup = _patched_gguf(tmp_path / "dup.gguf", strings=[("aa.x", "1"), ("aa.y", "2")], old=b"aa.y", new=b"aa.x")
+    with pytest.raises(GGUFFormatError, match=r"dup.gguf: duplicate metadata key 'aa.x'"):
+        GGUFFile(dup)
+    long = _patched_gguf(tmp_path / "long.gguf", tensor_name="n" * 64)
+    with pytest.raises(GGUFFormatError, match=r"long.gguf: tensor #0 name 'n{64}' is longer than 63 bytes"):
+        GGUFFile(long)
+    bad = _patched_gguf(tmp_path / "utf8.gguf", arrays=[("t.list", ["ab", "cd"])], old=b"cd", new=b"\xff\xfe")
+    f = GGUFFile(bad)  # metadata values are read when asked for
+    with pytest.raises(GGUFFormatError, match=r"metadata 't.list' holds a string that is not valid UTF-8: b'\\xff\\xfe'"):
+        f.get_metadata("t.list")
+    good = GGUFFile(_patched_gguf(tmp_path / "good.gguf", arrays=[("t.list", ["ab", "cd"])]))
+    assert good.get_metadata("t.list") == ["ab", "cd"]

@@ -647,3 +647,38 @@ def test_shard_folders_that_do_not_name_each_tensor_once_are_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "y.safetensors"}}))
     ckpt = Checkpoint(tmp_path)  # the index names the shards: x.safetensors is not read
     assert ckpt.keys() == ["a"] and ckpt.where["a"] == tmp_path / "y.safetensors"
+
+
+def test_json_files_that_are_not_small_utf8_objects_are_refused(tmp_path, monkeypatch):
+    from torch_qmm.interop import json_files
+
+    f = tmp_path / "config.json"
+    f.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(ValueError, match=r"config.json: not UTF-8 text \("):
+        json_files.read_json_object(f)
+    f.write_text('{"a": 1,\n "b": }')
+    with pytest.raises(ValueError, match=r"config.json: not valid JSON: Expecting value at line 2 column 7"):
+        json_files.read_json_object(f)
+    f.write_text('{"a": 1}')
+    assert json_files.read_json_object(f) == {"a": 1}
+    monkeypatch.setattr(json_files, "MAX_JSON_BYTES", 7)
+    with pytest.raises(ValueError, match=r"config.json: 8 bytes, larger than the 7 a JSON config can be"):
+        json_files.read_json_object(f)
+
+
+def test_load_mlx_casts_to_the_dtype_asked_for(tmp_path):
+    from safetensors.torch import load_file
+
+    quant = {"group_size": 64, "bits": 4, "layers.1.up": False}  # a float layer too
+    _save_mlx_checkpoint(_mlx_quantized_toy(False, torch.float32, quant), tmp_path, quant)
+    stored = load_file(tmp_path / "model.safetensors")
+    model = TorchToy(False)
+    load_mlx(model, tmp_path, dtype=torch.bfloat16)
+    assert torch.equal(model.layers[1]["up"].weight, stored["layers.1.up.weight"].bfloat16())
+    floats = {k: v.dtype for k, v in model.state_dict().items() if v.is_floating_point()}
+    assert floats and set(floats.values()) == {torch.bfloat16}, floats
+    up = model.layers[0]["up"]
+    assert torch.equal(up.qweight, stored["layers.0.up.weight"])
+    assert torch.equal(up.scales, stored["layers.0.up.scales"].bfloat16())
+    assert torch.equal(up.bias, stored["layers.0.up.bias"].bfloat16())
+    assert model(torch.tensor(IDS)).dtype == torch.bfloat16

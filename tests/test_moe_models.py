@@ -191,3 +191,20 @@ def test_experts_stay_float_under_a_per_layer_quantizer(kw):
     want = "fused experts are quantized by rtn with one bit width, not method=" + repr(kw.get("method", "rtn"))
     assert summary.skipped["model.layers.1.mlp.experts"] == want
     assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+
+
+def test_experts_named_in_modules_to_not_convert_stay_float_through_a_reload(tmp_path):
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    model_cls = FAMILIES["qwen3_moe"][1]
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "float")
+    config = TorchQmmConfig(bits=4, group_size=32, modules_to_not_convert=["lm_head", "model.layers.0.mlp.experts"])
+    q = model_cls.from_pretrained(tmp_path / "float", quantization_config=config, dtype=torch.float32)
+    kinds = [type(layer.mlp.experts).__name__ for layer in q.model.layers]
+    assert kinds[1] == "QuantFusedExperts" and kinds[0] != "QuantFusedExperts", kinds
+    ids = ids_for(5)
+    want = logits(q, ids)
+    q.save_pretrained(tmp_path / "quantized")
+    again = model_cls.from_pretrained(tmp_path / "quantized", dtype=torch.float32)
+    assert [type(layer.mlp.experts).__name__ for layer in again.model.layers] == kinds
+    assert torch.equal(logits(again, ids), want)

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+import torch_qmm
+
 from torch_qmm.formats import FORMATS
 from torch_qmm.nn_moe import QuantSwitchLinear, packed_bytes
 
@@ -118,3 +120,21 @@ def test_bias_takes_indices_of_every_accepted_dtype():
     want = layer(x, idx)
     for dtype in (torch.int32, torch.uint32):
         torch.testing.assert_close(layer(x, idx.to(dtype)), want, rtol=0, atol=0)
+
+
+def test_from_quantized_takes_its_compute_dtype_from_the_tensors():
+    # dtype None: the float scales' (affine), else the bias' (fp modes), else float32.
+    w = torch.randn(2, 8, 64)
+    q, s, b = torch_qmm.quantize(w.bfloat16(), group_size=32, bits=4)
+    layer = QuantSwitchLinear.from_quantized(q, s, b, group_size=32, bits=4)
+    assert (layer.scales.dtype, layer.biases.dtype) == (torch.bfloat16, torch.bfloat16)
+    assert torch.equal(layer.scales, s) and torch.equal(layer.biases, b)
+    layer = QuantSwitchLinear.from_quantized(q, s, b, bias=torch.ones(2, 8).half(), group_size=32, bits=4)
+    assert layer.bias.dtype == torch.bfloat16  # the scales' dtype wins over the bias'
+    q, s = torch_qmm.quantize(w, mode="mxfp4")
+    bias = torch.randn(2, 8).half()
+    layer = QuantSwitchLinear.from_quantized(q, s, bias=bias, mode="mxfp4")
+    assert layer.bias.dtype == torch.float16 and torch.equal(layer.bias, bias) and torch.equal(layer.scales, s)
+    assert QuantSwitchLinear.from_quantized(q, s, mode="mxfp4").extra_repr().endswith("mode=mxfp4")  # no float buffer
+    layer = QuantSwitchLinear.from_quantized(q, s, bias=bias, mode="mxfp4", dtype=torch.bfloat16)
+    assert layer.bias.dtype == torch.bfloat16
