@@ -429,3 +429,29 @@ def test_gguf_conversion_needs_a_small_multiple_of_the_file_size(gguf_path, tmp_
     result = json.loads(p.stdout.strip().splitlines()[-1])
     assert result["rc"] == 0
     assert result["growth"] < 4 * big.stat().st_size, (result, big.stat().st_size)
+
+
+def test_attention_biases_of_a_gguf_reach_both_output_formats(tmp_path, capsys):
+    import transformers
+
+    import torch_qmm.interop.transformers  # noqa: F401  (registers the quantizer for from_pretrained)
+    from torch_qmm.interop import load_mlx
+
+    path = tmp_path / "b.gguf"
+    held = write_llama_gguf(hf_model(tied=False, attention_bias=True), path, {"q_proj": T.Q8_0, "k_proj": T.Q4_K},
+                            np.random.default_rng(3))
+    assert main(["convert", str(path), str(tmp_path / "hf"), "--requantize", "all", "--bits", "8",
+                 "--group-size", "32"]) == 0
+    assert main(["convert", str(path), str(tmp_path / "mlx"), "--format", "mlx"]) == 0
+    for fmt in ("hf", "mlx"):
+        config = json.loads((tmp_path / fmt / "config.json").read_text())
+        assert (config["attention_bias"], config["mlp_bias"]) == (True, False), fmt
+    models = {"hf": transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")}
+    models["mlx"] = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(tmp_path / "mlx"))
+    load_mlx(models["mlx"], tmp_path / "mlx")
+    for fmt, model in models.items():
+        for layer in (0, 1):
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                got = getattr(model.model.layers[layer].self_attn, proj).bias
+                key = f"model.layers.{layer}.self_attn.{proj}.bias"
+                assert got is not None and torch.equal(got.detach(), held[key]), (fmt, key)

@@ -48,6 +48,22 @@ CASES = [  # (bits, group_size, K): K = 96 leaves a 32-code tail past the 64-cod
 ]
 
 
+def test_the_setting_without_an_argument_is_int8():
+    # First in the file: activation_quantization() means "int8" (its default), not an exact block.
+    wq, s, b, _ = make(16, 128, 4, 32)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(3))
+    int8 = ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 32)
+    assert not torch.equal(int8, ops.qmm(x, wq, s, b, "affine", 4, 32, True))
+    wn, sn, bn, _ = make(128, 32, 4, 32, seed=1)  # W [K=128, N=32] for transpose=False
+    with torch_qmm.activation_quantization():
+        assert torch_qmm.activations.current_activations() == "int8"
+        assert torch.equal(torch_qmm.quantized_matmul(x, wq, s, b, group_size=32, bits=4), int8)
+        # transpose=False calls are not quantized by the setting (int8 runs transpose=True only)
+        assert torch.equal(torch_qmm.quantized_matmul(x, wn, sn, bn, transpose=False, group_size=32, bits=4),
+                           ops.qmm(x, wn, sn, bn, "affine", 4, 32, False))
+    assert torch_qmm.activations.current_activations() is None
+
+
 @pytest.mark.parametrize("bits, group_size, K", CASES)
 @pytest.mark.parametrize("M", [1, 3, 7])
 def test_error_within_the_int8_step(bits, group_size, K, M):

@@ -151,3 +151,54 @@ def test_transformers_save_loads_into_each_ranks_slices(ranks):
         assert v["quantized"] == v["single_quantized"] == 14  # lm_head stays float (transformers' default)
         sharded = v["bytes_total"] - v["replicated_bytes"]
         assert v["bytes_read"] == sharded // world + v["replicated_bytes"], v
+
+
+# ---- the plan built from a transformers model's own (no process group needed) -----------------
+
+def _planned_model(plan: dict):
+    from torch import nn
+
+    model = nn.Module()
+    for name in "abcdef":
+        model.add_module(name, nn.Linear(4, 4))
+    model.layers = nn.ModuleList(nn.ModuleDict({"g": nn.Linear(4, 4)}) for _ in range(2))
+    model._tp_plan = plan
+    return model
+
+
+def test_each_transformers_plan_kind_takes_its_style():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch_qmm.distributed import QuantColwiseParallel, QuantRowwiseParallel, tp_plan
+    from torch_qmm.distributed.styles import ReplicatedGradAllReduce
+
+    kinds = {"a": "colwise", "b": "rowwise", "c": "embedding_rowwise", "d": "colwise_gather_output",
+             "e": "rowwise_split_input", "f": "replicated_with_grad_allreduce", "layers.*.g": "rowwise",
+             "layers.*": "colwise", "absent": "colwise", "layers.*.g.x": "colwise"}
+    plan = tp_plan(_planned_model(kinds), stage=True)
+    # (style, input layouts, output layouts): those of PyTorch's ColwiseParallel / RowwiseParallel
+    # with the layouts transformers' kind names.
+    want = {"a": (QuantColwiseParallel, (Replicate(),), (Shard(-1),)),
+            "b": (QuantRowwiseParallel, (Shard(-1),), (Replicate(),)),
+            "c": (QuantRowwiseParallel, (Replicate(),), (Replicate(),)),
+            "d": (QuantColwiseParallel, (Replicate(),), (Replicate(),)),
+            "e": (QuantRowwiseParallel, (Replicate(),), (Replicate(),)),
+            "layers.*.g": (QuantRowwiseParallel, (Shard(-1),), (Replicate(),)),
+            "layers.*": (QuantColwiseParallel, (Replicate(),), (Shard(-1),))}
+    # entries naming no module ("absent"; a wildcard does not cross a dot) are left out
+    assert set(plan) == set(want) | {"f"}
+    assert type(plan["f"]) is ReplicatedGradAllReduce
+    for key, (cls, inputs, outputs) in want.items():
+        style = plan[key]
+        assert (type(style), style.input_layouts, style.output_layouts, style.stage) == (cls, inputs, outputs, True), key
+    assert tp_plan(_planned_model({"a": "colwise"}))["a"].stage is None
+
+
+def test_plan_kinds_without_a_style_and_models_without_a_plan_are_refused():
+    from torch import nn
+    from torch_qmm.distributed import tp_plan
+
+    with pytest.raises(ValueError, match=r"tp plan entry 'a': 'sequence_parallel' has no torch_qmm style \(known: "
+                                         r"'colwise', 'rowwise'"):
+        tp_plan(_planned_model({"a": "sequence_parallel"}))
+    with pytest.raises(ValueError, match=r"Sequential has no tensor-parallel plan \(model._tp_plan"):
+        tp_plan(nn.Sequential(nn.Linear(4, 4)))

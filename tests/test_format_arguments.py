@@ -270,3 +270,35 @@ def test_biases_on_another_device_than_the_weights_are_refused():
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="device"):
         torch_qmm.quantized_matmul(x, wq, scales, biases.to("meta"), group_size=32, bits=4)
+
+
+@pytest.mark.parametrize("mode", FP_MODES)
+def test_fp_scales_on_another_device_than_the_weights_are_refused(mode):
+    # The fp modes have no biases: wq and scales alone must share a device.
+    wq, scales = torch_qmm.quantize(torch.randn(16, 64), mode=mode)
+    for op, args in [(torch_qmm.quantized_matmul, (torch.randn(2, 64), wq, scales.to("meta"))),
+                     (torch_qmm.dequantize, (wq, scales.to("meta")))]:
+        with pytest.raises(ValueError, match=r"'wq' and 'scales' must be on one device, got cpu, meta"):
+            op(*args, mode=mode)
+
+
+@pytest.mark.parametrize("which", ["lhs_indices", "rhs_indices"])
+def test_gather_indices_on_another_device_than_x_are_refused(which):
+    wq, scales, biases = torch_qmm.quantize(torch.randn(3, 16, 64), group_size=32, bits=4)
+    x = torch.randn(3, 1, 64)
+    idx = {which: torch.tensor([0, 2, 1], device="meta")}
+    with pytest.raises(ValueError, match=rf"gather_qmm: argument '{which}' is on meta but 'x' is on cpu"):
+        torch_qmm.gather_qmm(x, wq, scales, biases, group_size=32, bits=4, **idx)
+
+
+def test_quantize_refuses_rows_too_long_to_pack():
+    # K * 8 must fit in int64 (checked before anything is allocated; an expanded meta tensor holds
+    # no data). 2^60 is just past the limit, 2^60 - 64 the largest multiple of 64 within it.
+    def rows(k):
+        return torch.empty(1, 1, device="meta").expand(1, k)
+
+    with pytest.raises(ValueError, match=rf"quantize: the last dimension of 'w' \(K={2**60}\) is too "
+                                         r"large to pack: K\*bits must fit in int64"):
+        torch_qmm.quantize(rows(2**60), group_size=64, bits=4)
+    wq, _, _ = torch_qmm.quantize(rows(2**60 - 64), group_size=64, bits=4)
+    assert wq.shape == (1, (2**60 - 64) // 8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -248,3 +249,40 @@ def test_inspect_and_convert_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # argparse's usage error
         main(["convert", str(tmp_path / "bad.gguf"), str(tmp_path / "out"), "--bits", "7"])
     assert e.value.code == 2 and "argument --bits: invalid choice: 7" in capsys.readouterr().err
+
+
+def test_inspect_reads_per_layer_bits_of_a_torch_qmm_config_and_says_when_there_is_none(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    folder = _saved_state_folder(tmp_path / "state")
+    state = {k: v for k, v in load_file(folder / "model.safetensors").items() if not k.endswith("._extra_state")}
+    save_file({k: v for k, v in state.items() if k.split(".")[0] in ("a", "b", "f")}, folder / "model.safetensors")
+    assert main(["inspect", str(folder), "--json"]) == 0  # no saved format, no config.json
+    rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)["layers"]}
+    assert (rows["a"]["format"], rows["a"]["shape"]) == ("affine (no config)", [32, 16])
+    (folder / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "torch_qmm", "bits": {"*": 8, "b": 3}, "group_size": 32}}))
+    assert main(["inspect", str(folder), "--json"]) == 0
+    rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)["layers"]}
+    assert (rows["a"]["format"], rows["a"]["shape"]) == ("affine b8 gs32 (F32)", [32, 64])
+    # b's config entry says 3 bits with group size 32 ("*"'s group size): 2 groups of 32 per 6 words
+    assert (rows["b"]["format"], rows["b"]["shape"]) == ("affine b3 gs32 (F32)", [16, 64])
+
+
+@pytest.mark.parametrize("ggml_type, blocks, message", [
+    (8, None, r"holds GGUF type 8 \(Q8_0\); GGUFLinear holds Q4_K, Q6_K"),
+    (14, torch.zeros(4, 419, dtype=torch.uint8), r"tensor 'k.blocks' of Q6_K blocks must be \[rows, a multiple of 210\], "
+                                                  r"got \[4, 419\]"),
+], ids=["type", "blocks"])
+def test_inspect_refuses_gguf_blocks_it_cannot_describe(tmp_path, capsys, ggml_type, blocks, message):
+    from safetensors.torch import load_file, save_file
+
+    folder = _saved_state_folder(tmp_path / "state")
+    state = load_file(folder / "model.safetensors")
+    state["k._extra_state"] = torch.tensor([ggml_type], dtype=torch.int32)
+    if blocks is not None:
+        state["k.blocks"] = blocks
+    save_file(state, folder / "model.safetensors")
+    assert main(["inspect", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err) and len(err.splitlines()) == 1, err

@@ -171,3 +171,64 @@ def test_gguf_linear_state_carries_its_type_and_another_type_is_refused(tmp_path
         same.load_state_dict({**state, "_extra_state": torch.tensor([12, 32], dtype=torch.int32)})
     with pytest.raises(ValueError, match=r"integer tensor \[2\] \(bits, group_size\) or \[10\] \(bits, group_size, mode name\), got torch.int32 \[1\]"):
         QuantLinear(256, 2, bits=4, group_size=64).load_state_dict(state, strict=False)
+
+
+# ---- bfloat16 tensors, biases, corrupt block scales ----------------------------------------------
+
+def test_bf16_tensors_decode_as_gguf_decodes_them(tmp_path):
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((6, 64)) * 3).astype(np.float32)
+    w[0, :4] = [2.0**-133, -(2.0**100), 1.0 + 2.0**-7, -0.0]  # a subnormal, a large value, the last bit, -0
+    raw = quants.quantize(w, T.BF16)
+    write_gguf(tmp_path / "bf16.gguf", {"w": (raw, T.BF16)})
+    t = GGUFFile(tmp_path / "bf16.gguf").tensors["w"]
+    want = torch.from_numpy(quants.dequantize(raw, T.BF16).astype(np.float32))
+    assert t.type_name == "BF16" and t.shape == (6, 64)
+    got = dequantize(t)
+    assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    layer = linear_from_gguf(t)  # a float layer holding exactly those weights
+    assert type(layer) is torch.nn.Linear and torch.equal(layer.weight.detach(), want)
+
+
+def test_bf16_tensor_with_a_nan_is_refused_as_corrupt(tmp_path):
+    raw = quants.quantize(np.ones((2, 32), np.float32), T.BF16)
+    raw.view(np.uint16)[1, 5] = 0x7FC0  # a bfloat16 NaN
+    write_gguf(tmp_path / "nan.gguf", {"w": (raw, T.BF16)})
+    from torch_qmm.interop.gguf_header import GGUFFormatError
+
+    with pytest.raises(GGUFFormatError, match=r"tensor 'w' \(BF16\) holds NaN or Inf values: the file is corrupt"):
+        dequantize(GGUFFile(tmp_path / "nan.gguf").tensors["w"])
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.F16], ids=lambda t: t.name)
+def test_linear_from_gguf_adds_the_bias(gguf_file, qtype):
+    path, expected = gguf_file
+    t = GGUFFile(path).tensors[qtype.name]
+    n, k = t.shape
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    layer = linear_from_gguf(t, bias=bias)
+    assert layer.bias is not None and torch.equal(layer.bias.detach(), bias)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    w_ref = expected[qtype.name][0]
+    xd = x.double()
+    magnitude = (k_quant_magnitude(x, layer.blocks, qtype) if qtype == T.Q4_K else xd.abs() @ w_ref.abs().T)
+    # The bias is added after the float32 product: one more rounding, within the same bound.
+    assert_matches_reference(layer(x), xd @ w_ref.T + bias.double(), magnitude + bias.double().abs(),
+                             torch.float32, qtype.name)
+
+
+@pytest.mark.parametrize("qtype, scale_byte", [(T.Q4_0, 0), (T.Q4_K, 2), (T.Q6_K, 208)], ids=lambda v: str(v))
+def test_block_scales_that_are_not_finite_are_refused_as_corrupt(tmp_path, qtype, scale_byte):
+    from torch_qmm.interop.gguf_header import GGUFFormatError
+
+    rng = np.random.default_rng(6)
+    if qtype == T.Q4_0:
+        blocks = quants.quantize(rng.standard_normal((2, 64)).astype(np.float32), qtype)
+    else:
+        blocks = random_k_blocks(qtype, 2, 256, rng)
+    blocks = np.ascontiguousarray(blocks).copy()
+    blocks[1, scale_byte:scale_byte + 2] = np.array([np.inf], dtype="<f2").view(np.uint8)  # row 1's first block
+    write_gguf(tmp_path / "bad.gguf", {"w": (blocks, qtype)})
+    t = GGUFFile(tmp_path / "bad.gguf").tensors["w"]
+    with pytest.raises(GGUFFormatError, match=rf"tensor 'w' \({qtype.name}\) holds NaN or Inf block scales"):
+        linear_from_gguf(t)

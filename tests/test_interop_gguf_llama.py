@@ -21,11 +21,11 @@ transformers = pytest.importorskip("transformers")
 HEADS, KV_HEADS, HIDDEN, FFN, VOCAB, LAYERS = 4, 2, 256, 512, 96, 2
 
 
-def hf_model(tied: bool):
+def hf_model(tied: bool, attention_bias: bool = False):
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, attention_bias=attention_bias,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -33,6 +33,8 @@ def hf_model(tied: bool):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("_proj.bias"):  # biases as large as the products, so that their rows matter
+                p.uniform_(-1.0, 1.0)
     return model
 
 
@@ -60,9 +62,10 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[module]}.{leaf}"
 
 
-def write_llama_gguf(model, path, types: dict[str, T], rng) -> dict[str, torch.Tensor]:
+def write_llama_gguf(model, path, types: dict[str, T], rng, extra=None, drop=()) -> dict[str, torch.Tensor]:
     """Writes model as llama.cpp would; returns hf name -> the weights the file actually holds
-    (decoded by the gguf package, permutation undone by the test's own inverse)."""
+    (decoded by the gguf package, permutation undone by the test's own inverse). extra: more
+    float tensors (GGUF name -> array); drop: GGUF names left out."""
     config = model.config
     tensors, held = {}, {}
     for name, p in model.state_dict().items():
@@ -86,6 +89,8 @@ def write_llama_gguf(model, path, types: dict[str, T], rng) -> dict[str, torch.T
             index = llama_cpp_permute(np.arange(w.shape[0]), n_head)
             stored = stored[np.argsort(index)]
         held[name] = torch.from_numpy(np.ascontiguousarray(stored))
+    tensors = {k: v for k, v in tensors.items() if k not in drop}
+    tensors.update({k: (np.asarray(v, np.float32), None) for k, v in (extra or {}).items()})
     write_gguf(path, tensors, metadata={
         "llama.block_count": LAYERS, "llama.context_length": 64, "llama.embedding_length": HIDDEN,
         "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
@@ -158,3 +163,125 @@ def test_a_bool_where_an_integer_belongs_is_an_error(tmp_path, key):
     with pytest.raises(ValueError, match=rf"metadata 'llama\.{key.replace('.', '[.]')}' must be a positive integer, "
                                          r"got True"):
         llama_config_from_gguf(GGUFFile(tmp_path / "b.gguf"))
+
+
+def _llama_tensors(hidden, heads, kv_heads, head_dim, ffn, vocab=40):
+    z = lambda *shape: (np.zeros(shape, np.float32), None)  # noqa: E731
+    tensors = {"token_embd.weight": z(vocab, hidden), "output_norm.weight": z(hidden)}
+    for name, shape in [("attn_q", (heads * head_dim, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
+                        ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, heads * head_dim)),
+                        ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn)),
+                        ("attn_norm", (hidden,)), ("ffn_norm", (hidden,))]:
+        tensors[f"blk.0.{name}.weight"] = z(*shape)
+    return tensors
+
+
+def test_every_metadata_field_reaches_its_config_field(tmp_path):
+    # Values unlike LlamaConfig's defaults (and exact in float32), so a key read into the wrong field,
+    # or not read, changes the config. head_dim 16 != hidden / heads = 8: the tensor shapes agree
+    # with the metadata only when rope.dimension_count is read.
+    metadata = {"llama.block_count": 1, "llama.context_length": 77, "llama.embedding_length": 32,
+                "llama.feed_forward_length": 48, "llama.attention.head_count": 4,
+                "llama.attention.head_count_kv": 2, "llama.attention.layer_norm_rms_epsilon": 2.0**-7,
+                "llama.rope.freq_base": 123456.0, "llama.rope.dimension_count": 16}
+    write_gguf(tmp_path / "m.gguf", _llama_tensors(32, 4, 2, 16, 48), metadata=metadata)
+    config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    got = {"num_hidden_layers": config.num_hidden_layers, "max_position_embeddings": config.max_position_embeddings,
+           "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+           "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+           "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_parameters["rope_theta"],
+           "head_dim": config.head_dim, "vocab_size": config.vocab_size,
+           "tie_word_embeddings": config.tie_word_embeddings}
+    assert got == {"num_hidden_layers": 1, "max_position_embeddings": 77, "hidden_size": 32, "intermediate_size": 48,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 2.0**-7,
+                   "rope_theta": 123456.0, "head_dim": 16, "vocab_size": 40, "tie_word_embeddings": True}
+
+
+def test_absent_optional_metadata_takes_the_file_shapes(tmp_path):
+    # No head_count_kv (all heads have their own K/V), no dimension_count (hidden / heads) and no
+    # feed_forward_length (the rows of blk.0.ffn_up.weight).
+    metadata = {"llama.block_count": 1, "llama.embedding_length": 32, "llama.attention.head_count": 4}
+    write_gguf(tmp_path / "m.gguf", _llama_tensors(32, 4, 4, 8, 40), metadata=metadata)
+    config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    assert (config.num_key_value_heads, config.head_dim, config.intermediate_size) == (4, 8, 40)
+
+
+@pytest.mark.parametrize("mix", ["f32", "mixed"])
+def test_attention_biases_follow_their_rows(tmp_path, mix):
+    # Q/K/V/O biases (llama.cpp's optional attention biases): llama.cpp permutes attn_q.bias /
+    # attn_k.bias with their weight rows; the loader undoes both and keeps v / o biases as they
+    # are. No metadata key says the model has biases: the config takes attention_bias from the
+    # tensors.
+    source = hf_model(False, attention_bias=True)
+    held = write_llama_gguf(source, tmp_path / "m.gguf", MIXES[mix], np.random.default_rng(2))
+    assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"} <= set(GGUFFile(tmp_path / "m.gguf").tensors)
+    config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    assert (config.attention_bias, config.mlp_bias) == (True, False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    load_gguf_llama(model, tmp_path / "m.gguf")
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        got = getattr(model.model.layers[1].self_attn, proj).bias
+        assert torch.equal(got.detach(), held[f"model.layers.1.self_attn.{proj}.bias"]), proj
+    expected_model = hf_model(False, attention_bias=True)
+    expected_model.load_state_dict(held)
+    ids = torch.tensor([[1, 5, 9, 95, 0, 33, 33, 2]])
+    with torch.no_grad():
+        got, want = model(ids).logits, expected_model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def _small_llama_file(folder, **kwargs):
+    folder.mkdir(exist_ok=True)
+    write_llama_gguf(hf_model(False), folder / "m.gguf", {}, np.random.default_rng(0), **kwargs)
+    return folder / "m.gguf"
+
+
+def _llama_for(path):
+    return transformers.LlamaForCausalLM(llama_config_from_gguf(GGUFFile(path))).eval()
+
+
+def test_tensors_the_model_lacks_are_errors_unless_strict_is_false(tmp_path):
+    path = _small_llama_file(tmp_path, extra={"blk.0.attn_gate.weight": np.ones((4, HIDDEN)),
+                                              "output_norm.scale": np.ones(HIDDEN)})
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_gate.weight' -> 'model.layers.0.attn_gate.weight': no "
+                                         r"such module in the model"):
+        load_gguf_llama(_llama_for(path), path)
+    path2 = _small_llama_file(tmp_path / "b", extra={"output_norm.scale": np.ones(HIDDEN)})
+    with pytest.raises(ValueError, match=r"tensor 'output_norm.scale' -> 'model.norm.scale' is not a parameter of "
+                                         r"the model"):
+        load_gguf_llama(_llama_for(path2), path2)
+    # strict=False: the extra tensors are skipped and the model is the strict load of the file without them
+    model = _llama_for(path)
+    load_gguf_llama(model, path, strict=False)
+    plain = _small_llama_file(tmp_path / "c")
+    want = _llama_for(plain)
+    load_gguf_llama(want, plain)
+    ids = torch.tensor([[1, 5, 9, 95]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want(ids).logits)
+
+
+def test_missing_tensors_and_shapes_the_config_disagrees_with_are_errors(tmp_path):
+    path = _small_llama_file(tmp_path, drop=("blk.1.ffn_norm.weight",))
+    model = transformers.LlamaForCausalLM(hf_model(False).config).eval()
+    with pytest.raises(ValueError, match=r"the file has no tensors for \['model.layers.1.post_attention_layernorm.weight'\]"):
+        load_gguf_llama(model, path)
+    load_gguf_llama(transformers.LlamaForCausalLM(hf_model(False).config), path, strict=False)  # what is there loads
+    path = _small_llama_file(tmp_path / "b")
+    config = llama_config_from_gguf(GGUFFile(path))
+    config.vocab_size = VOCAB + 1
+    with pytest.raises(ValueError, match=rf"tensor 'token_embd.weight' has shape \[{VOCAB}, {HIDDEN}\], model embedding "
+                                         rf"'model.embed_tokens' expects \[{VOCAB + 1}, {HIDDEN}\]"):
+        load_gguf_llama(transformers.LlamaForCausalLM(config), path)
+    model = _llama_for(path)
+    model.model.norm.weight = torch.nn.Parameter(torch.ones(HIDDEN + 2))
+    with pytest.raises(ValueError, match=rf"tensor 'output_norm.weight' has shape \[{HIDDEN}\], the model's "
+                                         rf"'model.norm.weight' is \[{HIDDEN + 2}\]"):
+        load_gguf_llama(model, path)
+
+
+def test_a_file_with_some_attention_biases_missing_is_refused(tmp_path):
+    write_llama_gguf(hf_model(False, attention_bias=True), tmp_path / "m.gguf", {}, np.random.default_rng(0),
+                     drop=("blk.1.attn_output.bias",))
+    with pytest.raises(ValueError, match=r"no tensor 'blk.1.attn_output.bias', which the metadata"):
+        llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))

@@ -525,3 +525,125 @@ def test_quantized_layer_of_another_kind_is_a_clear_error(mlx_folder):
     model.layers[0]["down"] = nn.Identity()
     with pytest.raises(ValueError, match=r"quantized layer 'layers\.0\.down' is a Identity, expected nn\.Linear"):
         load_mlx(model, mlx_folder)
+
+
+def test_quantization_is_read_before_quantization_config():
+    # mlx_lm reads config["quantization"] and falls back to "quantization_config" (an entry that is
+    # not a dict, e.g. null, counts as absent).
+    from torch_qmm.interop import parse_quantization
+    from torch_qmm.interop.mlx import QuantSpec
+
+    a, b = {"group_size": 32, "bits": 8}, {"group_size": 128, "bits": 2, "x.up": False}
+    assert parse_quantization({"quantization": a, "quantization_config": b}) == (QuantSpec(8, 32), {})
+    assert parse_quantization({"quantization": None, "quantization_config": b}) == (QuantSpec(2, 128), {"x.up": False})
+
+
+def test_config_entry_for_a_layer_stored_float_is_a_clear_error(tmp_path):
+    quant = {"group_size": 64, "bits": 4, "layers.0.up": False}
+    _save_mlx_checkpoint(_mlx_quantized_toy(False, torch.float32, quant), tmp_path, quant)
+    _rewrite_config(tmp_path, quantization={"group_size": 64, "bits": 4, "layers.0.up": {"group_size": 32, "bits": 8}})
+    with pytest.raises(ValueError, match=r"'quantization.layers.0.up' gives affine b8 gs32 but the checkpoint stores "
+                                         r"layers.0.up.weight unquantized \(no layers.0.up.scales\)"):
+        load_mlx(TorchToy(False), tmp_path)
+    # with the entry false (or absent, as mlx_lm) the float layer loads as nn.Linear
+    _rewrite_config(tmp_path, quantization={"group_size": 64, "bits": 4})
+    model = TorchToy(False)
+    load_mlx(model, tmp_path)
+    assert type(model.layers[0]["up"]) is nn.Linear and isinstance(model.layers[0]["down"], QuantLinear)
+
+
+def _with_tensors(folder, **changes):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update(changes)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "mlx"})
+
+
+def test_strict_false_loads_what_both_sides_have(mlx_folder):
+    ids = torch.tensor(IDS)
+    reference_model = TorchToy(False)
+    load_mlx(reference_model, mlx_folder)
+    _with_tensors(mlx_folder, **{"extra.weight": torch.ones(3, 5)})
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['extra.weight'\]"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+    class WithExtra(TorchToy):
+        def __init__(self):
+            super().__init__(False)
+            self.other = nn.Linear(4, 4)
+
+    model = WithExtra()
+    before = copy.deepcopy(model.other.state_dict())
+    report = load_mlx(model, mlx_folder, strict=False)
+    # the checkpoint's tensors all arrive (the same model as the strict load), the model's own extra
+    # layer is left as it was, the checkpoint's extra tensor is not read
+    assert all(torch.equal(v, before[k]) for k, v in model.other.state_dict().items())
+    assert set(report.quantized) == set(n for n, m in reference_model.named_modules() if isinstance(m, QuantLinear)
+                                        or isinstance(m, QuantEmbedding))
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference_model(ids))
+
+
+def test_float_tensor_of_the_wrong_shape_is_a_clear_error(mlx_folder):
+    _with_tensors(mlx_folder, **{"layers.0.up.bias": torch.zeros(HIDDEN - 1)})
+    with pytest.raises(ValueError, match=rf"tensor 'layers.0.up.bias' has shape \[{HIDDEN - 1}\], the model expects "
+                                         rf"\[{HIDDEN}\]"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+
+def test_integer_tensor_of_another_dtype_is_a_clear_error(mlx_folder):
+    # A non-float model tensor takes only its own dtype (float ones take any float dtype, cast on load).
+    class WithCounter(TorchToy):
+        def __init__(self):
+            super().__init__(False)
+            self.register_buffer("counter", torch.zeros(3, dtype=torch.int64))
+
+    _with_tensors(mlx_folder, counter=torch.arange(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"tensor 'counter' is I32, the model's tensor is torch.int64"):
+        load_mlx(WithCounter(), mlx_folder)
+    _with_tensors(mlx_folder, counter=torch.arange(3, dtype=torch.int64) + 7)
+    model = WithCounter()
+    load_mlx(model, mlx_folder)
+    assert torch.equal(model.counter, torch.tensor([7, 8, 9]))
+
+
+# ---- safetensors headers and shard folders (torch_qmm/interop/safetensors_io.py) -------------
+
+def _safetensors_bytes(header: object, data: bytes) -> bytes:
+    body = json.dumps(header).encode()
+    return struct.pack("<Q", len(body)) + body + data
+
+
+@pytest.mark.parametrize("header, data, message", [
+    ([1, 2], b"", r"safetensors header must be a JSON object, got list"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(12),
+     r"the tensors cover 8 of the 12 data bytes \(corrupt header or trailing data\)"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8),
+     r"tensor 'b': data_offsets \[4, 8\] overlaps the previous tensor"),
+], ids=["list", "trailing", "overlap"])
+def test_safetensors_headers_that_do_not_describe_the_file_are_refused(tmp_path, header, data, message):
+    from torch_qmm.interop.safetensors_io import read_header
+
+    (tmp_path / "m.safetensors").write_bytes(_safetensors_bytes(header, data))
+    with pytest.raises(ValueError, match=message):
+        read_header(tmp_path / "m.safetensors")
+
+
+def test_shard_folders_that_do_not_name_each_tensor_once_are_refused(tmp_path):
+    from torch_qmm.interop.safetensors_io import Checkpoint
+
+    one = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    with pytest.raises(ValueError, match=r"no \*.safetensors files \(and no model.safetensors.index.json\)"):
+        Checkpoint(tmp_path)
+    (tmp_path / "x.safetensors").write_bytes(_safetensors_bytes(one, bytes(4)))
+    (tmp_path / "y.safetensors").write_bytes(_safetensors_bytes(one, bytes(4)))
+    with pytest.raises(ValueError, match=r"tensor 'a' appears in both .*x.safetensors and .*y.safetensors"):
+        Checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: missing 'weight_map'"):
+        Checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "y.safetensors"}}))
+    ckpt = Checkpoint(tmp_path)  # the index names the shards: x.safetensors is not read
+    assert ckpt.keys() == ["a"] and ckpt.where["a"] == tmp_path / "y.safetensors"

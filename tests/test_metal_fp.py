@@ -103,6 +103,25 @@ def _run_qmm_case(case, check=None):
     assert set(launch.buffers.values()) == {"x", "wq", "scales", "y"}, "fp modes bind no biases"
 
 
+@pytest.mark.parametrize("mode", FP_MODES)
+def test_fp_quantize_and_dequantize_equal_mlx_without_checked_mode(mode):
+    # First in the file and small (the full bit-for-bit cases, in checked mode, are below): the
+    # edge groups in float32 and bfloat16, quantized and dequantized by the kernels, against mlx.
+    import mlx.core as mx
+
+    bits, gs = fp_mode_params(mode)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = _edge_weights(mode, dtype, seed=len(mode))
+        wq, scales = metal_quantize(w, mode)
+        mwq, mscales = mx.quantize(_mx(w), group_size=gs, bits=bits, mode=mode)
+        assert torch.equal(wq.view(torch.int32), torch.from_numpy(np.array(mwq)).view(torch.int32)), dtype
+        assert torch.equal(scales, torch.from_numpy(np.array(mscales))), dtype
+        for out in (torch.float32, torch.bfloat16):
+            got = metal_dequantize(wq, scales, mode, out)
+            want = _from_mx(mx.dequantize(mwq, mscales, group_size=gs, bits=bits, mode=mode, dtype=_mx_dtype(out)), out)
+            assert torch.equal(_bits(got), _bits(want)), (dtype, out)
+
+
 @pytest.mark.parametrize("case", QMM_CASES, ids=_qmm_id)
 def test_fp_qmm_route_matches_reference(case):
     _run_qmm_case(case)

@@ -42,6 +42,77 @@ def _last():
     return last_launches()
 
 
+def _mlx_quantize(w, group_size, bits):
+    import mlx.core as mx
+    import numpy as np
+
+    a = mx.array(w.float().numpy())
+    if w.dtype != torch.float32:
+        a = a.astype(mx.bfloat16 if w.dtype == torch.bfloat16 else mx.float16)
+    out = mx.quantize(a, group_size=group_size, bits=bits)
+
+    def to_torch(t):
+        if t.dtype == mx.bfloat16:
+            return torch.from_numpy(np.array(t.view(mx.uint16))).view(torch.bfloat16)
+        return torch.from_numpy(np.array(t))
+
+    return [to_torch(t) for t in out]
+
+
+def _mlx_dequantize(parts, group_size, bits):
+    import mlx.core as mx
+    import numpy as np
+
+    def to_mx(t):
+        if t.dtype == torch.bfloat16:
+            return mx.array(t.view(torch.int16).numpy()).view(mx.bfloat16)
+        return mx.array(t.view(torch.int32).numpy()).view(mx.uint32) if t.dtype == torch.uint32 else mx.array(t.numpy())
+
+    out = mx.dequantize(*(to_mx(t) for t in parts), group_size=group_size, bits=bits)
+    if out.dtype == mx.bfloat16:
+        return torch.from_numpy(np.array(out.view(mx.int16))).view(torch.bfloat16)
+    return torch.from_numpy(np.array(out))
+
+
+def _rounding_edges(rows, cols, dtype, seed):
+    """Weights whose groups meet each branch of affine quantization: ties at half a step, a
+    constant and a zero group, a negative extreme, one non-zero value, a range near the scale's
+    floor, large and tiny magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    w[0, :32] = torch.cat([torch.tensor([0.0, 15.0]), torch.arange(30) % 15 + 0.5])  # 4 bits: scale -1, bias 15, ties
+    w[1, :32] = 0.75
+    w[2, :32] = 0.0
+    w[3, :32] = torch.linspace(-5.0, 1.0, 32)
+    w[4, :32] = 0.0
+    w[4, 7] = -2.5
+    w[5, :32] = 1.0 + torch.arange(32) * 2.0**-20  # range ~3e-5: near the floor of the scale
+    w[6, :32] = torch.randn(32, generator=g) * 1e4
+    w[7, :32] = torch.randn(32, generator=g) * 1e-6
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+def test_affine_quantize_on_metalsim_equals_mlx_bit_for_bit(dtype):
+    # First in the file and small: every bit width and group size in one metalsim library build,
+    # against mlx.core.quantize (not against our CPU op).
+    for bits, group_size in itertools.product(BITS, GROUPS):
+        if dtype != torch.float32 and group_size != 64:
+            continue
+        w = _rounding_edges(9, 256, dtype, seed=bits)
+        with _backend():
+            got = torch_qmm.quantize(w, group_size=group_size, bits=bits)
+        want = _mlx_quantize(w, group_size, bits)
+        for name, g, m in zip(("wq", "scales", "biases"), got, want):
+            assert g.dtype == m.dtype and torch.equal(g.view(torch.uint8), m.view(torch.uint8)), \
+                f"{name} differs from mlx (bits={bits}, group_size={group_size}, {dtype})"
+        with _backend():
+            deq = torch_qmm.dequantize(*want, group_size=group_size, bits=bits)
+            assert _last()[0].route == "dequantize"
+        assert deq.dtype == dtype and torch.equal(deq.view(torch.uint8), _mlx_dequantize(want, group_size, bits).view(
+            torch.uint8)), f"dequantize differs from mlx (bits={bits}, group_size={group_size}, {dtype})"
+
+
 def run_qmm(M, N, K, bits, gs, dtype, transpose, seed, check=None):
     x, wq, s, b = qmm_case(M, N, K, bits, gs, dtype, transpose, seed)
     with _backend(check=check):

@@ -235,3 +235,29 @@ def test_quantize_model_in_an_fp_mode(mode):
         torch_qmm.quantize_model(model, bits=4, group_size=32, filter_fn=lambda n, _: n != "odd")
     with pytest.raises(ValueError, match=rf"mode='{mode}' is quantized by rtn"):
         torch_qmm.quantize_model(_Tiny(), mode=mode, method="mse")
+
+
+def test_every_quantized_module_names_its_format_and_compute_dtype():
+    from torch_qmm.interop.modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
+    from torch_qmm.nn_moe import QuantSwitchLinear
+
+    emb = QuantEmbedding(10, 64, mode="mxfp4", dtype=torch.bfloat16)
+    cases = [
+        (QuantLinear(128, 8, bits=3, group_size=32, dtype=torch.float16),
+         "in_features=128, out_features=8, bias=True, group_size=32, bits=3, mode=affine, dtype=torch.float16"),
+        (QuantLinear(64, 8, mode="mxfp4", dtype=torch.bfloat16),  # fp modes: the bias carries the compute dtype
+         "in_features=64, out_features=8, bias=True, group_size=32, bits=4, mode=mxfp4, dtype=torch.bfloat16"),
+        (QuantSwitchLinear(3, 64, 8, bias=True, mode="nvfp4", dtype=torch.float16),
+         "num_experts=3, in_features=64, out_features=8, bias=True, group_size=16, bits=4, mode=nvfp4, "
+         "dtype=torch.float16"),
+        (QuantSwitchLinear(3, 64, 8, bits=8, group_size=32).to(torch.bfloat16),
+         "num_experts=3, in_features=64, out_features=8, bias=False, group_size=32, bits=8, mode=affine, "
+         "dtype=torch.bfloat16"),
+        (emb, "10, 64, group_size=32, bits=4, mode=mxfp4, dtype=torch.bfloat16"),
+        (TiedQuantLinear(emb), "tied to QuantEmbedding(10, 64, group_size=32, bits=4, mode=mxfp4, dtype=torch.bfloat16)"),
+        (QuantEmbedding(12, 128, bits=6, group_size=128).to(torch.float16),
+         "12, 128, group_size=128, bits=6, mode=affine, dtype=torch.float16"),
+        (GGUFLinear(256, 4, 14, bias=True), "in_features=256, out_features=4, format=Q6_K, bias=True"),
+    ]
+    for module, text in cases:
+        assert module.extra_repr() == text

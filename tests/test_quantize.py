@@ -40,12 +40,16 @@ def _weights(rows: int, cols: int, dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 3
     # Edge cases MLX handles specially: a constant group, an all-zero group, a group whose
-    # negative extreme dominates, a group of a single non-zero value.
+    # negative extreme dominates, a group of a single non-zero value, codes exactly half a step
+    # apart (ties: rint rounds them to even), a range so small that the scale's floor 1e-7 applies.
     w[0, :32] = 0.75
     w[1, :32] = 0.0
     w[2, :32] = torch.linspace(-5.0, 1.0, 32)
     w[3, :32] = 0.0
     w[3, 7] = -2.5
+    if rows >= 6:
+        w[4, :32] = torch.cat([torch.tensor([0.0, 15.0]), torch.arange(30) % 15 + 0.5])  # 4 bits: scale -1, bias 15
+        w[5, :32] = 1.0 + torch.arange(32) % 4 * 2.0**-23
     return w.to(dtype)
 
 
@@ -62,7 +66,7 @@ def test_quantize_is_bit_exact_with_mlx(bits, group_size, dtype):
 
 @pytest.mark.parametrize("bits,group_size", itertools.product(BITS, GROUPS))
 def test_quantize_matches_reference_quantizer(bits, group_size):
-    w = _weights(5, group_size * 5, torch.float32, seed=7 + bits)
+    w = _weights(6, group_size * 5, torch.float32, seed=7 + bits)
     got = torch_qmm.quantize(w, group_size=group_size, bits=bits)
     want = reference.quantize(w, bits, group_size)
     assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))

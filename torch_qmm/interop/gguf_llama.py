@@ -154,8 +154,16 @@ def check_llama_metadata(f: GGUFFile) -> dict:
         raise ValueError(f"{f.path}: tensor 'token_embd.weight' must be [vocab >= 1, hidden], got {list(embd)}")
     kwargs["vocab_size"] = embd[0]
     kwargs["tie_word_embeddings"] = "output.weight" not in f.tensors
+    # Biases have no metadata key: llama.cpp stores them as optional tensors of block 0 and on
+    # (LlamaConfig has one flag for the attention's four projections and one for the MLP's three).
+    kwargs["attention_bias"] = any(f"blk.0.{p}.bias" in f.tensors for p in _ATTENTION)
+    kwargs["mlp_bias"] = any(f"blk.0.{p}.bias" in f.tensors for p in _MLP)
     _check_shapes(f, arch, kwargs)
     return kwargs
+
+
+_ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
+_MLP = ("ffn_gate", "ffn_up", "ffn_down")
 
 
 def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
@@ -192,6 +200,9 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
             f"blk.{i}.ffn_down.weight": (hidden, ffn), f"blk.{i}.attn_norm.weight": (hidden,),
             f"blk.{i}.ffn_norm.weight": (hidden,),
         })
+        for flag, names in (("attention_bias", _ATTENTION), ("mlp_bias", _MLP)):
+            if c[flag]:  # every projection of the kind then has a bias of its rows
+                expected.update({f"blk.{i}.{n}.bias": (expected[f"blk.{i}.{n}.weight"][0],) for n in names})
     for name, shape in expected.items():
         t = f.tensors.get(name)
         if t is None:
