@@ -1,4 +1,4 @@
-"""Simulated device traffic of gather_qmm's Metal kernels (metal/affine_gather.h) on metalsim.
+"""Simulated device traffic of gather_qmm's Metal kernels (metal/quant_gather.h) on metalsim.
 
 No Apple GPU here: instead of time, the bytes of W (packed codes, scales, biases) the launch
 fetches, summed over threadgroups (metalsim's tg_footprint: the traffic when caches give no reuse

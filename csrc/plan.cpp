@@ -31,16 +31,16 @@ static_assert(int(Format::kAffine) == MODE_AFFINE && int(Format::kMxfp4) == MODE
 // written here and nowhere else. None of them has been measured on Apple hardware yet: they
 // follow MLX's dispatch, adjusted so that every M works. Geometry constants: metal/qmm_params.h
 // (quantized modes) and metal/gguf_params.h (GGUF), the headers the kernels include.
-constexpr Geometry kQmv = Geometry::tiled(1, QMV_ROWS_PER_TG, QMV_SIMDGROUPS * SIMD_WIDTH);  // affine_qmv.h
-constexpr Geometry bm(uint32_t rows) {  // affine_qmm_small.h
+constexpr Geometry kQmv = Geometry::tiled(1, QMV_ROWS_PER_TG, QMV_SIMDGROUPS * SIMD_WIDTH);  // quant_qmv.h
+constexpr Geometry bm(uint32_t rows) {  // quant_qmm_small.h
   return Geometry::tiled(rows, BM_COLS_PER_TG, BM_SIMDGROUPS * SIMD_WIDTH);
 }
 constexpr Geometry mma(uint32_t rows) {  // mma_tile.h
   return Geometry::tiled(rows, MMA_BN, uint32_t(mma_threads(int(rows))));
 }
-constexpr Geometry kGatherRuns =  // affine_gather.h: the qmm_t_small threadgroup over runs
+constexpr Geometry kGatherRuns =  // quant_gather.h: the qmm_t_small threadgroup over runs
     Geometry::runs(GATHER_ROWS, BM_COLS_PER_TG, BM_SIMDGROUPS * SIMD_WIDTH);
-constexpr Geometry kQvm = Geometry::tiled(1, QVM_COLS_PER_TG, QVM_SIMDGROUPS * SIMD_WIDTH);  // affine_qvm.h
+constexpr Geometry kQvm = Geometry::tiled(1, QVM_COLS_PER_TG, QVM_SIMDGROUPS * SIMD_WIDTH);  // quant_qvm.h
 constexpr Geometry gguf_rows(uint32_t rows) {  // gguf_qmm.h
   return Geometry::tiled(rows, GGUF_COLS_PER_TG, GGUF_SIMDGROUPS * SIMD_WIDTH);
 }
@@ -76,7 +76,7 @@ const RouteRow kRoutes[] = {
   {"quantize", Op::kQuantize, kQuantModes, -1, 0, kNoLimit, Cond::kAny, "quantize_rows",
    Geometry::elementwise(0, QUANT_THREADS_PER_TG), "always",
    "one thread per group: a group's words belong to one thread, so packing needs no atomics"},
-  // gather_qmm (mixture of experts): W is read per expert, not per pair (metal/affine_gather.h).
+  // gather_qmm (mixture of experts): W is read per expert, not per pair (metal/quant_gather.h).
   // The executor orders the pairs by expert whatever sorted_indices says (Launch::order), so the
   // tiles' rows are grouped by expert on this route and the next two alike.
   {"gather_qmm_mma32", Op::kGatherQmm, kQuantModes, 1, 1, kNoLimit, Cond::kManyRowsPerExpert, "gather_qmm_mma32",
@@ -174,7 +174,7 @@ bool holds(const RouteRow& r, const Problem& p, Format f) {
   if ((p.op == Op::kQmm || p.op == Op::kGgufQmm || p.op == Op::kGatherQmm) && (p.M < r.m_min || p.M > r.m_max))
     return false;
   if (r.cond == Cond::kQmvAligned)
-    // Must match the K step and rows per threadgroup of qmv_fast (metal/affine_qmv.h).
+    // Must match the K step and rows per threadgroup of qmv_fast (metal/quant_qmv.h).
     return p.N % QMV_ROWS_PER_TG == 0 && p.K % qmv_block_k(p.bits) == 0;
   if (r.cond == Cond::kManyRowsPerExpert)
     return p.pairs * p.M >= int64_t(GATHER_MMA_MIN_ROWS_PER_EXPERT) * p.experts;

@@ -26,7 +26,7 @@ namespace plan {
 // kQmm / kQuantize / kDequantize: the quantized modes (Mode: affine, mxfp4, nvfp4, mxfp8).
 // kGgufQmm: W as GGUF K-quant blocks (always [N, K]), the type in Problem::ggml_type.
 // kGatherQmm: gather_qmm, Problem::pairs products x[lhs[i]] @ W[rhs[i]] (.T) of M rows each
-// against Problem::experts stacked W (see metal/affine_gather.h for the pair order).
+// against Problem::experts stacked W (see metal/quant_gather.h for the pair order).
 enum class Op { kQuantize, kDequantize, kQmm, kGgufQmm, kGatherQmm };
 enum class DType { kFloat32, kFloat16, kBFloat16 };
 
@@ -63,7 +63,7 @@ enum class Format : int { kAffine, kMxfp4, kNvfp4, kMxfp8, kQ4_K, kQ6_K };
 constexpr int kFormatCount = 6;
 using FormatSet = uint32_t;
 constexpr FormatSet bit(Format f) { return FormatSet(1) << int(f); }
-// The quantized modes with Metal kernels (metal/affine.metal instantiates each).
+// The quantized modes with Metal kernels (metal/quant.metal instantiates each).
 constexpr FormatSet kQuantModes =
     bit(Format::kAffine) | bit(Format::kMxfp4) | bit(Format::kNvfp4) | bit(Format::kMxfp8);
 // Whether the planner has kernels for mode m.
@@ -86,7 +86,7 @@ class Geometry {
     return Geometry(Kind::kElementwise, 0, values, threads);
   }
   // gather_qmm over runs of pairs of one expert: grid (ceil(N/cols), pairs), the threadgroups of
-  // the first pair of each run compute the run's rows, `rows` at a time (metal/affine_gather.h).
+  // the first pair of each run compute the run's rows, `rows` at a time (metal/quant_gather.h).
   static constexpr Geometry runs(uint32_t rows, uint32_t cols, uint32_t threads) {
     return Geometry(Kind::kRuns, rows, cols, threads);
   }

@@ -19,7 +19,7 @@
 //
 // Design credits: the lane/block interleaving and the per-run "scale * dot - min * sum(x)"
 // factoring follow llama.cpp's kernel_mul_mv_q4_K_f32 / kernel_mul_mv_q6_K_f32 (ggml-metal);
-// reusing one decode for R rows of x is the small-M design of metal/affine_qmm_small.h.
+// reusing one decode for R rows of x is the small-M design of metal/quant_qmm_small.h.
 // Bounds: rows of W past N and rows of x past M are skipped uniformly per SIMD-group; teams
 // whose next super-block is past K/256 stop (no collective inside the loop).
 // Alignment: Q4_K blocks are read as uint32 (runs sit at 16 + 32c + 8ir bytes of a 144-byte

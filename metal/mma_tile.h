@@ -1,6 +1,6 @@
 // The simdgroup-matrix (8x8) tile shared by every large-M kernel: y tile = x tile @ W tile, with W
 // dequantized into threadgroup memory by a format-specific W loader. Users: affine_qmm_t_mma{16,32}
-// and affine_qmm_n_mma32 (metal/affine_mma.h), gguf_qmm_{type}_mma32 (metal/gguf_mma.h).
+// and affine_qmm_n_mma32 (metal/quant_mma.h), gguf_qmm_{type}_mma32 (metal/gguf_mma.h).
 // Design after MLX's affine_qmm_t / qmm_n: a QuantizedBlockLoader-like W loader + BlockMMA.
 //
 //   x [M, K], y [M, N]; W [N, K] seen through the loader

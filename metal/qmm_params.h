@@ -36,7 +36,7 @@ enum AffineBuffer : int {
   BUF_PARAMS = 5,  // AffineParams (GatherParams for gather_qmm) via setBytes
   BUF_LHS = 6,     // gather_qmm: x batch of each pair
   BUF_RHS = 7,     // gather_qmm: expert of each pair
-  BUF_ORDER = 8    // gather_qmm: the pairs, those of one expert adjacent (metal/affine_gather.h)
+  BUF_ORDER = 8    // gather_qmm: the pairs, those of one expert adjacent (metal/quant_gather.h)
 };
 
 // The small constant arguments of every quantized-mode kernel (setBytes at BUF_PARAMS).
@@ -93,7 +93,7 @@ enum AffineGeometry : int {
   DEQ_THREADS_PER_TG = 256,
   QUANT_THREADS_PER_TG = 64,  // one thread per group
 
-  // gather_qmv (metal/affine_gather.h): the qmm_t_small threadgroup (8 W rows, 2 SIMD-groups)
+  // gather_qmv (metal/quant_gather.h): the qmm_t_small threadgroup (8 W rows, 2 SIMD-groups)
   // over a run of one expert's rows, GATHER_ROWS rows of x at a time.
   GATHER_ROWS = 8,
   // gather_qmm_mma32 is taken when pairs * M >= this x experts, rhs sorted or not (MLX's
@@ -111,7 +111,7 @@ constexpr int mma_threads(int bm) { return (bm / MMA_SUBTILE) * (MMA_BN / MMA_SU
 
 // Row stride (elements) of the x tile in threadgroup memory: BK + 16 bytes of padding, so that
 // consecutive rows start in different banks (MLX's BK_padded = BK + 16 / sizeof(T)):
-// float -> 36, half/bfloat -> 40. The W tile is float32 (see metal/affine_mma.h): stride 36.
+// float -> 36, half/bfloat -> 40. The W tile is float32 (see metal/quant_mma.h): stride 36.
 constexpr int mma_tile_ld(int elem_bytes) { return MMA_BK + 16 / elem_bytes; }
 
 #ifndef TORCH_QMM_METAL

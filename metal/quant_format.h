@@ -1,12 +1,12 @@
 // The format policies of the quantized-mode kernels: what a packed code means, the scale (and
-// bias) of its group, and how a group is quantized. Every kernel body (affine_qmv.h,
-// affine_qmm_small.h, affine_mma.h, affine_qvm.h, affine_quant.h) is written once against
+// bias) of its group, and how a group is quantized. Every kernel body (quant_qmv.h,
+// quant_qmm_small.h, quant_mma.h, quant_qvm.h, quant_quantize.h) is written once against
 //
 //   QuantFormat<mode, T, G, bits>        mode: QuantMode (qmm_params.h), T: x / w element type
 //     enum G, BITS                       values per group, bits per code
 //     enum HAS_BIAS                      1: w = s * q + b (affine); 0: w = s * q, biases unbound
 //     enum X_PRESCALE                    2 / 4: qmv reads codes with a mask, x pre-scaled
-//                                        (load_x_prescaled in affine_common.h); 0: decode8 first
+//                                        (load_x_prescaled in quant_common.h); 0: decode8 first
 //     scale_t                            element of the scales buffer: T, or uint8_t (a code)
 //     decode8(p, q)                      the 8 values of one unit (`bits` bytes at p): integer codes
 //                                        (affine) or element values (fp modes), as floats

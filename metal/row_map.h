@@ -1,9 +1,9 @@
 // Row maps: which rows of x a tile reads and which rows of y it writes, for the kernels that
-// compute several rows of x at once (metal/affine_qmm_small.h, metal/mma_tile.h). A tile's rows
+// compute several rows of x at once (metal/quant_qmm_small.h, metal/mma_tile.h). A tile's rows
 // are numbered r = m0, m0 + 1, ...; a map says whether row r exists (`live`), the row of x it
 // reads and the row of y it writes.
 //   DenseRows : x [M, K], y [M, N], row r is row r of both (qmm, gguf_qmm).
-//   GatherRows: gather_qmm (metal/affine_gather.h); rows r = i * M + m run over the pairs in the
+//   GatherRows: gather_qmm (metal/quant_gather.h); rows r = i * M + m run over the pairs in the
 //               order `order` (pair order[i], its row m), live in [lo, hi) (one expert's run).
 #pragma once
 

@@ -1,4 +1,4 @@
-"""The CPU fp chunk kernels (csrc/cpu/fp_chunked.cpp, fp_chunk_avx2.h) for mxfp4 and nvfp4.
+"""The CPU fp chunk kernels (csrc/cpu/avx2_chunked.cpp, chunk_avx2.h) for mxfp4 and nvfp4.
 
 qmm on CPU takes them for transpose=True, K of at least one chunk (64 codes), M up to
 FP_MAX_ROWS (cpu::fp_chunked_max_rows) when the build has AVX2 and FMA; route name

@@ -1,4 +1,4 @@
-"""Simulated device traffic of the qmm kernels (metalsim byte counters, issue 4 section 4).
+"""Simulated device traffic of the qmm kernels (metalsim byte counters).
 
 tg_footprint (the sum over threadgroups of each threadgroup's distinct bytes) models device
 traffic when caches give no reuse between threadgroups:

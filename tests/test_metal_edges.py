@@ -1,5 +1,5 @@
 """Metal kernels on metalsim at the edges of their number ranges (metal/quant_format.h,
-affine_common.h, affine_qvm.h, affine_quant.h):
+quant_common.h, quant_qvm.h, quant_quantize.h):
 - an e8m0 scale byte of 0 means 2^-127 (a float32 subnormal), as mlx.core.dequantize decodes it;
 - affine products whose hoisted form s * sum(q x) + b * sum(x) overflows while every weight times
   x, and their sum, is finite: the kernels must fall back to the per-weight sum (exact here:

@@ -1,4 +1,4 @@
-"""gather_qmm's Metal kernels (metal/affine_gather.h) on metalsim, through the planner, against the
+"""gather_qmm's Metal kernels (metal/quant_gather.h) on metalsim, through the planner, against the
 float64 references nobody here wrote differently per pair: torch_qmm/reference.py (affine) and
 reference_fp.py (MLX's fp modes), one exact product x[lhs[i]] @ W[rhs[i]] per pair, and
 mlx.core.gather_qmm for the broadcasting of absent indices.

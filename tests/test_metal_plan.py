@@ -101,7 +101,7 @@ def test_every_kernel_a_plan_can_name_exists_in_the_library():
             named |= {l["kernel"] for l in plan(op, M, N, K, bits, gs, dtype, transpose)}
         assert len(named) == len(ROUTE_PROBLEMS) * len(GROUPS) * len(DTYPES)
         missing = named - kernels
-        assert not missing, f"bits={bits}: planned kernels missing from metal/affine.metal: {sorted(missing)[:5]}"
+        assert not missing, f"bits={bits}: planned kernels missing from metal/quant.metal: {sorted(missing)[:5]}"
 
 
 def test_fp_modes_plan_their_kernels_without_biases():

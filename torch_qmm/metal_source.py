@@ -1,7 +1,7 @@
 """The Metal source of one kernel, as both executors compile it on first use.
 
-A library file of metal/ (affine.metal, gguf.metal) is `#include`s of headers plus instantiation
-macros: a cell macro (QUANT_INSTANTIATE_CELL in affine_kernels.h, GGUF_INSTANTIATE_CELL in
+A library file of metal/ (quant.metal, gguf.metal) is `#include`s of headers plus instantiation
+macros: a cell macro (QUANT_INSTANTIATE_CELL in quant_kernels.h, GGUF_INSTANTIATE_CELL in
 gguf.metal) writes one `KERNEL_INSTANTIATE(name, func, ...)` line per kernel. Compiling a whole
 library compiles every instantiation (hundreds of kernels); a call needs one. So a kernel's source is
 
@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 
 # The library files, in the order the MPS build embeds them.
-LIBRARIES = ("affine.metal", "gguf.metal")
+LIBRARIES = ("quant.metal", "gguf.metal")
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*(//.*)?$')  # a trailing // comment is allowed
 _DEFINE = re.compile(r"^\s*#\s*define\s+(\w+)\(([^)]*)\)\s?(.*)$", re.S)

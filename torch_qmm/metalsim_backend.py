@@ -13,7 +13,7 @@ executor (csrc/mps/) executes them on a Mac:
      csrc/gguf_validate.*: the same errors as the CPU ops) and the planner (csrc/plan.cpp)
      -> launches {kernel, grid, buffer bindings, constant bytes};
   2. each tensor is bound like setBuffer(storage buffer, storage_offset * element_size + offset);
-  3. the kernels of metal/affine.metal or metal/gguf.metal run on metalsim.
+  3. the kernels of metal/quant.metal or metal/gguf.metal run on metalsim.
 This module sits next to, not inside, torch_qmm/metalsim/: a submodule named `backend` would
 shadow the function `metalsim.backend`, and the emulator core stays free of torch.
 Each kernel is compiled on first use from its own source (torch_qmm/metal_source.py: the library's
@@ -46,7 +46,7 @@ _ops = torch.ops.torch_qmm
 
 
 def metal_dir() -> Path:
-    """The directory holding metal/affine.metal: package data when installed, else the checkout."""
+    """The directory holding metal/quant.metal: package data when installed, else the checkout."""
     return metal_source.metal_dir()
 
 
@@ -69,7 +69,7 @@ def _compile(source: str, defines: Optional[dict] = None):
 
 def library(bits: int):
     """The whole affine library of one bit width (every kernel; for tests that list names)."""
-    return _compile("affine.metal", {"TORCH_QMM_ONLY_BITS": str(bits)})
+    return _compile("quant.metal", {"TORCH_QMM_ONLY_BITS": str(bits)})
 
 
 def gguf_library():

@@ -1,5 +1,5 @@
 // The family-independent half of the MPS executors (csrc/mps/*_mps.mm): the embedded Metal
-// sources (metal/affine.metal + metal/gguf.metal, each kernel compiled on its first use), a
+// sources (metal/quant.metal + metal/gguf.metal, each kernel compiled on its first use), a
 // pipeline cache, and encoding a plan's launches on PyTorch's MPS stream. Declared in plain C++ so that each op file stays a thin
 // "validated problem -> plan -> operands -> encode" function.
 //

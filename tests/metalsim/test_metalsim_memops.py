@@ -1,6 +1,6 @@
 """Checked/counting mode sees the accesses clang does not emit as plain 1-16 byte loads and stores:
 loops turned into memset/memcpy, struct copies (llvm.memcpy), zero-initialisation (llvm.memset),
-wide vectors. Regression tests for issue 3: a zero-filled threadgroup array read after a barrier
+wide vectors. Regression tests: a zero-filled threadgroup array read after a barrier
 was reported as uninitialised, and out-of-bounds copies went unreported and uncounted."""
 import importlib
 import re

@@ -38,7 +38,7 @@ TRANSFORMERS = _files("tests/test_interop_transformers.py")
 
 MUTANTS: list[Mutant] = [
     # ---- Metal kernels (no rebuild) -------------------------------------------------------------
-    Mutant("m4-small-scale-of-block-start", "metal/affine_qmm_small.h",
+    Mutant("m4-small-scale-of-block-start", "metal/quant_qmm_small.h",
            "s[r] = F::scale(scales, n * groups + k / G);", "s[r] = F::scale(scales, n * groups + k0 / G);",
            METAL_SMALL,
            "bm2/4/8 (and gather_qmv) read the scale of the K-block's first group for every lane: wrong "
@@ -46,17 +46,17 @@ MUTANTS: list[Mutant] = [
     Mutant("m4-mma-frag-column-step", "metal/mma_tile.h",
            "(qid & 2) * 2 + (lane % 2) * 2", "(qid & 2) * 2 + (lane % 2)", METAL_MMA,
            "the 8x8 fragment's column of a lane drops the factor 2 (two elements per lane)"),
-    Mutant("m4-gather-biases-of-expert-0", "metal/affine_gather.h",
+    Mutant("m4-gather-biases-of-expert-0", "metal/quant_gather.h",
            "F::HAS_BIAS ? biases + e * (codes / F::G) : biases", "biases", METAL_GATHER,
            "every expert reads expert 0's biases (scales and codes are offset, the biases are not)"),
-    Mutant("m4-gather-qmv-run-drops-last-pair", "metal/affine_gather.h",
+    Mutant("m4-gather-qmv-run-drops-last-pair", "metal/quant_gather.h",
            "rows{lhs, order, p.M, i * p.M, end * p.M}", "rows{lhs, order, p.M, i * p.M, (end - 1) * p.M}",
            METAL_GATHER, "a run's live rows stop one pair early: the last pair of each expert run is not written"),
     Mutant("m4-gather-x-row-ignores-order", "metal/row_map.h",
            "uint(lhs[order[r / M]]) * M + r % M", "uint(lhs[r / M]) * M + r % M", METAL_GATHER,
            "the x row of a gathered row uses the pair's sorted position, not the pair: wrong when the "
            "pairs were reordered by expert"),
-    Mutant("m4-gather-mma-run-end-not-pair-aligned", "metal/affine_gather.h",
+    Mutant("m4-gather-mma-run-end-not-pair-aligned", "metal/quant_gather.h",
            "uint hi = (lo / M + 1) * M;", "uint hi = lo + M;", METAL_GATHER,
            "a run that starts inside a pair (a 32-row tile boundary, M not dividing 32) ends M rows later "
            "instead of at the pair's end"),
@@ -77,7 +77,7 @@ MUTANTS: list[Mutant] = [
            "amax = max(amax, fabs(float(src[j])))", "amax = max(amax, float(src[j]))", METAL_FP,
            "the fp quantizers' group maximum ignores negative weights: a group whose largest magnitude is "
            "negative gets too small a scale (its codes saturate)"),
-    Mutant("m4-quantize-group-word-offset-int-division", "metal/affine_quant.h",
+    Mutant("m4-quantize-group-word-offset-int-division", "metal/quant_quantize.h",
            "g * (G * bits / 32)", "g * (G / 32 * bits)", METAL_FP + METAL_QUANT,
            "group_size 16 (nvfp4): G / 32 == 0, so every group of a row writes its words at the row's start"),
     Mutant("m4-q4k-scale-min-branch-at-4", "metal/gguf_format.h",

@@ -117,19 +117,19 @@ MUTANTS: list[Mutant] = [
            "a GGUF whose tokenizer transformers refuses with a ValueError aborts the conversion instead "
            "of a warning and no tokenizer files"),
     # ---- Metal kernels (no rebuild) -------------------------------------------------------------
-    Mutant("m6-qmv-group-of-block-start", "metal/affine_qmv.h",
+    Mutant("m6-qmv-group-of-block-start", "metal/quant_qmv.h",
            "const uint g = n * groups + k / G;", "const uint g = n * groups + k0 / G;", METAL_QMV,
            "qmv: every lane takes the scale / bias of the K-block's first group, not of its own slice "
            "(a 512-value block spans several groups)"),
-    Mutant("m6-qdot-2bit-third-code-mask", "metal/affine_common.h",
+    Mutant("m6-qdot-2bit-third-code-mask", "metal/quant_common.h",
            "xt[4 * i + 2] * float(v & 0x30u)", "xt[4 * i + 2] * float(v & 0x0cu)", METAL_QMV,
            "qmv's 2-bit dot masks the third code of a byte with the second code's mask"),
-    Mutant("m6-qdot-fallback-x-of-first-unit", "metal/affine_common.h",
+    Mutant("m6-qdot-fallback-x-of-first-unit", "metal/quant_common.h",
            "acc += F::weight(s, q[i], b) * float(x[8 * u + i]);", "acc += F::weight(s, q[i], b) * float(x[i]);",
            METAL_NONFINITE,
            "qmv's weight-by-weight fallback (non-finite hoisted sums) multiplies every unit by the first "
            "unit's x"),
-    Mutant("m6-qvm-parked-partial-without-bsum", "metal/affine_qvm.h",
+    Mutant("m6-qvm-parked-partial-without-bsum", "metal/quant_qvm.h",
            "red[((simd_gid - 1) * SIMD_WIDTH + lane) * C + i] = acc[i] + bsum;",
            "red[((simd_gid - 1) * SIMD_WIDTH + lane) * C + i] = acc[i];", METAL_QVM,
            "qvm: SIMD-groups 1..3 park their partial sums without their bias terms"),
@@ -143,11 +143,11 @@ MUTANTS: list[Mutant] = [
            "B[j].thread_elements()[0] = ws[n * LDW + k];", METAL_MMA,
            "the B fragment's first element ignores the W tile layout: transpose=False (qmm_n_mma32, "
            "gather_qmm_n_mma32) reads ws transposed"),
-    Mutant("m6-mma-n-loader-groups-from-k", "metal/affine_mma.h",
+    Mutant("m6-mma-n-loader-groups-from-k", "metal/quant_mma.h",
            "transpose ? p.N : p.K, qlen * F::BITS / 8, qlen / F::G};",
            "transpose ? p.N : p.K, qlen * F::BITS / 8, p.K / F::G};", METAL_MMA,
            "qmm_n_mma32's loader counts a packed row's scale groups from K instead of N (wrong unless N == K)"),
-    Mutant("m6-gather-qmv-rows-step-in-pairs", "metal/affine_gather.h",
+    Mutant("m6-gather-qmv-rows-step-in-pairs", "metal/quant_gather.h",
            "for (uint m0 = rows.lo; m0 < rows.hi; m0 += GATHER_ROWS)",
            "for (uint m0 = rows.lo; m0 < rows.hi; m0 += GATHER_ROWS * p.M)", METAL_GATHER,
            "gather_qmv steps through a run 8 pairs at a time instead of 8 rows: with M > 1 and a run of "

@@ -74,7 +74,7 @@ MUTANTS: list[Mutant] = [
            METAL_QUANT,
            "device affine quantize rounds codes half away from zero (Metal's round) instead of half to "
            "even (MLX's rint): differs only on exact ties (suspected nearly equivalent on random weights)"),
-    Mutant("m7-quantize-scales-at-row-local-group", "metal/affine_quant.h",
+    Mutant("m7-quantize-scales-at-row-local-group", "metal/quant_quantize.h",
            "wq + row * (K * bits / 32) + g * (G * bits / 32), scales, biases, gi);",
            "wq + row * (K * bits / 32) + g * (G * bits / 32), scales, biases, g);", METAL_QUANT,
            "device quantize writes each group's scale (and bias) at its index within the row: every row "
@@ -84,19 +84,19 @@ MUTANTS: list[Mutant] = [
            "volatile float product = float(scales[g]) * q;", METAL_QUANT,
            "device affine dequantize sums s * q + b without rounding the product to T first (MLX rounds "
            "it): an ulp off for float16 / bfloat16 (the CPU twin of this bug is c5's; this is the kernel)"),
-    Mutant("m7-qmv-simdgroup-rows-stride-of-tg", "metal/affine_qmv.h",
+    Mutant("m7-qmv-simdgroup-rows-stride-of-tg", "metal/quant_qmv.h",
            "const uint row0 = tg * QMV_ROWS_PER_TG + simd_gid * QMV_ROWS_PER_SIMDGROUP;",
            "const uint row0 = tg * QMV_ROWS_PER_TG + simd_gid * QMV_ROWS_PER_TG;", METAL_QMV,
            "qmv: SIMD-group 1 starts 8 rows in instead of 4: rows 8t+4..8t+7 are never computed and it "
            "writes the next threadgroup's rows (past y at the end)"),
-    Mutant("m7-qvm-x-row-stride-n", "metal/affine_qvm.h",
+    Mutant("m7-qvm-x-row-stride-n", "metal/quant_qvm.h",
            "      const float xk = float(x[m * K + k]);\n      F::decode8(wq + k * row_bytes + n * bits / 8, q);\n"
            "      const float xs",
            "      const float xk = float(x[m * N + k]);\n      F::decode8(wq + k * row_bytes + n * bits / 8, q);\n"
            "      const float xs", METAL_QMV,
            "qvm (transpose=False, M <= 3): rows of x past the first are read at a stride of N instead of K "
            "(right only when N == K) in the hoisted loop"),
-    Mutant("m7-qvm-reduction-reads-slot-s", "metal/affine_qvm.h",
+    Mutant("m7-qvm-reduction-reads-slot-s", "metal/quant_qvm.h",
            "for (int s = 1; s < QVM_SIMDGROUPS; ++s) v += red[((s - 1) * SIMD_WIDTH + lane) * C + i];",
            "for (int s = 1; s < QVM_SIMDGROUPS; ++s) v += red[(s * SIMD_WIDTH + lane) * C + i];", METAL_QMV,
            "qvm's reduction reads SIMD-group s's partial sums from slot s instead of s - 1: group 1's part is "
@@ -111,14 +111,14 @@ MUTANTS: list[Mutant] = [
            "    const uint gm = rows.y_row(tm);", METAL_MMA,
            "the mma tile stores its rows past M (zeros) into y: out of bounds for the last tile of dense "
            "routes, and for gather the rows of other experts' runs are overwritten"),
-    Mutant("m7-mma-loader-rows-n-for-transpose-false", "metal/affine_mma.h",
+    Mutant("m7-mma-loader-rows-n-for-transpose-false", "metal/quant_mma.h",
            "const QuantWLoader<T, F, transpose> wl{wq, scales, biases, transpose ? p.N : p.K, qlen * F::BITS / 8, "
            "qlen / F::G};",
            "const QuantWLoader<T, F, transpose> wl{wq, scales, biases, p.N, qlen * F::BITS / 8, qlen / F::G};",
            METAL_MMA,
            "qmm_n_mma32 (transpose=False) bounds W's packed rows by N instead of K: rows of W past N are "
            "zeroed when K > N, and rows past K are read (clamped to row N-1) when N > K"),
-    Mutant("m7-gather-qmv-run-start-ignores-order", "metal/affine_gather.h",
+    Mutant("m7-gather-qmv-run-start-ignores-order", "metal/quant_gather.h",
            "if (i > 0 && expert_at(rhs, order, i - 1) == e) return;",
            "if (i > 0 && uint(rhs[i - 1]) == e) return;", METAL_GATHER,
            "gather_qmv decides whether a pair starts its run from rhs in pair order, not in the sorted order: "

@@ -42,7 +42,7 @@ CLI = _files("tests/test_cli_convert.py", "tests/test_interop_cli.py", "tests/te
 
 MUTANTS: list[Mutant] = [
     # ---- Metal kernels (metal/) ----------------------------------------------------------------
-    Mutant("f-qmv-bounded-k-tail-off-by-one", "metal/affine_qmv.h",
+    Mutant("f-qmv-bounded-k-tail-off-by-one", "metal/quant_qmv.h",
            "    if (bounded && k >= K) break;", "    if (bounded && k > K) break;", METAL,
            "a lane whose slice starts exactly at K still reads x[K..K+V) and the next row's weights: "
            "wrong y (and out-of-bounds reads) whenever K % (32*V) != 0"),
@@ -50,10 +50,10 @@ MUTANTS: list[Mutant] = [
            "v |= uint32_t(p[j]) << (8 * (j - first));", "v |= uint32_t(p[j]) << (8 * j);", METAL,
            "bits 3/5/6: the second half-unit's bytes are shifted by their absolute byte index, so "
            "codes 4..7 of every unit decode wrong"),
-    Mutant("f-qmv-2bit-prescale-x3", "metal/affine_common.h",
+    Mutant("f-qmv-2bit-prescale-x3", "metal/quant_common.h",
            "      xt[i + 3] = x3 / 64.0f;", "      xt[i + 3] = x3 / 32.0f;", METAL,
            "bits 2 qmv: every fourth code is read as twice its value"),
-    Mutant("f-qvm-reduction-drops-last-simdgroup", "metal/affine_qvm.h",
+    Mutant("f-qvm-reduction-drops-last-simdgroup", "metal/quant_qvm.h",
            "for (int s = 1; s < QVM_SIMDGROUPS; ++s)", "for (int s = 1; s < QVM_SIMDGROUPS - 1; ++s)", METAL,
            "transpose=False small M: rows k = 3, 7, 11, ... of W are left out of y (any K >= 4)"),
     Mutant("f-quantize-pack-carry-shift", "metal/quant_format.h",
@@ -65,7 +65,7 @@ MUTANTS: list[Mutant] = [
            "WLoader::W_NK ? ws[n * LDW + k + 1] : ws[k * LDW + n + 1];", METAL,
            "transposed W tile: the second element of each B fragment is read along k instead of n "
            "(every mma route with transpose=True and gguf mma32)"),
-    Mutant("f-affine-mma-loader-local-group", "metal/affine_mma.h",
+    Mutant("f-affine-mma-loader-local-group", "metal/quant_mma.h",
            "    const float s = F::scale(scales, ga * groups + gc / G);",
            "    const float s = F::scale(scales, ga * groups + c / G);", METAL,
            "the mma W loader takes the scale group of the tile-local column: wrong for every K-step past "

@@ -33,7 +33,7 @@ from .model import format_model, run_model
 from .report import (copy_bandwidth_gbps, default_result_path, format_table, last_level_cache_bytes, machine_info,
                      save_json, save_model_plot, save_plot, write_json)
 
-# The seed's production shapes, out x in (N x K).
+# Default shapes: the projections of 8B-32B llama-class models, out x in (N x K).
 SHAPES = ["4096x4096", "5120x5120", "14336x5120", "5120x14336", "27648x5120"]
 MS = [1, 2, 4, 8, 16, 32, 128, 512]
 BITS = [4, 8]
@@ -150,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "written next to it as .png)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the .png plot")
     parser.add_argument("--full", action="store_true",
-                        help=f"--device metalsim: the seed shapes at full size (default: N, K / {metalsim_traffic.SCALE})")
+                        help=f"--device metalsim: the default shapes at full size (default: N, K / {metalsim_traffic.SCALE})")
 
 
 def configs(args: argparse.Namespace, device: str) -> list[Config]:

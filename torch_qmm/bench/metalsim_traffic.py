@@ -7,11 +7,11 @@ and for every buffer the launch binds (wq, scales, biases, x, y):
   tg_footprint  sum over threadgroups of the distinct bytes each one touches: the device traffic
                 when caches give no reuse between threadgroups (how often a byte is fetched);
   loaded        bytes as the kernel's loads ask (no cache at all); stored likewise.
-The bounds (issue 4): at M = 1, wq/scales/biases tg_footprint <= 1.02x compulsory (each weight
+The bounds: at M = 1, wq/scales/biases tg_footprint <= 1.02x compulsory (each weight
 byte fetched once); at M >= 2, wq <= ceil(M / tile rows)x and x <= ceil(N / tile cols)x for the
 tile (rows of x, columns of y per threadgroup) of the chosen kernel.
 
-Emulating the seed's shapes takes minutes per cell, so by default N and K are divided by
+Emulating the default shapes takes minutes per cell, so by default N and K are divided by
 SCALE (same aspect; every K stays a multiple of 128 so all group sizes apply); --full runs them
 as they are. Shapes given with --shapes run as given.
 """
@@ -127,7 +127,7 @@ def measure(cfg: Config, transpose: bool = True, scale: int = 1, mode: str = "af
 
 
 def shapes(args: argparse.Namespace, seed_shapes: list[str], quick: dict) -> list[tuple[int, int, int]]:
-    """(N, K, scale) to run: the seed's shapes divided by SCALE unless --full; --shapes as given."""
+    """(N, K, scale) to run: the default shapes divided by SCALE unless --full; --shapes as given."""
     if args.shapes:
         return [(*_nk(s), 1) for s in args.shapes]
     scale = 1 if args.full else SCALE
@@ -178,7 +178,7 @@ def table_rows(results: list[Traffic]) -> list[list[str]]:
 
 def table_note(results: list[Traffic]) -> str:
     scales = sorted({t.scale for t in results})
-    shrink = ("N and K divided by " + "/".join(map(str, scales)) + " from the seed shapes (same aspect; --full for "
+    shrink = ("N and K divided by " + "/".join(map(str, scales)) + " from the default shapes (same aspect; --full for "
               "the real sizes)") if scales != [1] else "shapes as named"
     return (f"metalsim byte counters, one launch per cell; {shrink}. compulsory: buffer size; tg_footprint: traffic "
             f"with no reuse between threadgroups; loaded/stored: as the kernel's loads/stores ask (no cache); "

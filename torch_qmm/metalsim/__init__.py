@@ -22,8 +22,8 @@ _BACKEND_NAMES = ("backend", "last_launches")
 
 
 def __getattr__(name: str):
-    # The torch executor (issue 4: `with torch_qmm.metalsim.backend(): ...`) lives in
-    # torch_qmm/metalsim_backend.py, owned by the kernels work; re-exported here lazily so the
+    # The torch executor (`with torch_qmm.metalsim.backend(): ...`) lives in
+    # torch_qmm/metalsim_backend.py; re-exported here lazily so the
     # emulator core stays torch-free.
     if name in _BACKEND_NAMES:
         import importlib

@@ -1,4 +1,4 @@
-// Syntax-check stub: the Metal APIs used by csrc/mps/affine_mps.mm and ATen/mps/MPSStream.h,
+// Syntax-check stub: the Metal APIs used by csrc/mps/quant_mps.mm (and the other csrc/mps/*.mm) and ATen/mps/MPSStream.h,
 // declared as Apple documents them (developer.apple.com/documentation/metal). Not an SDK.
 #pragma once
 #import <Foundation/Foundation.h>

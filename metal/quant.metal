@@ -1,7 +1,7 @@
-// Instantiations only of the quantized modes (kernel bodies: metal/affine_*.h with the format
-// policies of metal/quant_format.h; cells: metal/affine_kernels.h): affine nested bits -> group
+// Instantiations only of the quantized modes (kernel bodies: metal/quant_*.h with the format
+// policies of metal/quant_format.h; cells: metal/quant_kernels.h): affine nested bits -> group
 // size -> dtype, then the fp modes.
-#include "affine_kernels.h"
+#include "quant_kernels.h"
 
 #if AFFINE_WANT_BITS(2)
 AFFINE_INSTANTIATE_DTYPES(32, 2)

@@ -1,7 +1,7 @@
 // qmm_t_small (routes qmm_t_bm{2,4,8}): y = x @ W.T for small M (2 .. 8), transpose=True (W [N, K]),
 // every quantized mode (format policy F, metal/quant_format.h).
-// Weights are decoded once per K-block and reused for R = 2, 4 or 8 rows of x (the seed's
-// mt_qmm_bm2 / bm4 design, extended to 8): W traffic is ceil(M / R) x its size, not M x.
+// Weights are decoded once per K-block and reused for R = 2, 4 or 8 rows of x (a
+// register-blocked design of 2 and 4 rows, extended to 8): W traffic is ceil(M / R) x its size, not M x.
 //
 //   wq [N, K*bits/8 bytes]   scales (, biases) [N, K/G]   x [M, K]   y [M, N]
 //
@@ -15,10 +15,10 @@
 // Bounds: rows of x past M and rows of W past N are skipped (uniform per SIMD-group); lanes whose
 // 8 values start at or past K stop (K % G == 0, so a unit never straddles K).
 // The body takes its rows of x and y through a row map (metal/row_map.h): DenseRows here,
-// GatherRows for gather_qmv (metal/affine_gather.h), which runs it over one expert's rows.
+// GatherRows for gather_qmv (metal/quant_gather.h), which runs it over one expert's rows.
 #pragma once
 
-#include "affine_common.h"
+#include "quant_common.h"
 
 // Rows m0 .. m0 + R - 1 of the row map `rows`, columns of threadgroup column tn.
 template <typename T, typename F, int R, typename Rows>

@@ -1,35 +1,35 @@
 // Every quantized-mode kernel family, and the macros that instantiate one (mode, dtype, group
-// size, bits) cell of all of them. metal/affine.metal lists the cells; nothing else instantiates
+// size, bits) cell of all of them. metal/quant.metal lists the cells; nothing else instantiates
 // kernels.
 //
 // Kernel names (metal/kernel_names.h): {mode}_{kernel}_{dtype}_gs_{G}_b_{B}, mode the name of a
-// QuantMode (the cells of metal/affine.metal), dtype in {float, float16_t, bfloat16_t}. {kernel} is a routing-table row's kernel
+// QuantMode (the cells of metal/quant.metal), dtype in {float, float16_t, bfloat16_t}. {kernel} is a routing-table row's kernel
 // (csrc/plan.cpp), which plan::kernel_name spells the same way.
 //
 //   kernel          function       header               used for
-//   qmv_fast        qmv_fast       affine_qmv.h         M = 1, transpose=True, aligned shapes
-//   qmv_bounded     qmv_bounded    affine_qmv.h         M = 1, transpose=True
-//   qmm_t_bm{2,4,8} qmm_t_small    affine_qmm_small.h   small M, transpose=True
-//   qmm_t_mma{16,32} qmm_mma       affine_mma.h         larger M, transpose=True
-//   qvm_bounded     qvm_bounded    affine_qvm.h         small M, transpose=False
-//   qmm_n_mma32     qmm_mma        affine_mma.h         larger M, transpose=False
-//   gather_qmv      gather_qmv     affine_gather.h      gather_qmm, transpose=True (decode)
-//   gather_qmm_mma32 gather_qmm_mma affine_gather.h     gather_qmm, many rows per expert
-//   gather_qmm_n_mma32 gather_qmm_mma affine_gather.h   gather_qmm, transpose=False
-//   dequantize_rows dequantize_rows affine_quant.h      dequantize
-//   quantize_rows   quantize_rows  affine_quant.h       quantize
+//   qmv_fast        qmv_fast       quant_qmv.h         M = 1, transpose=True, aligned shapes
+//   qmv_bounded     qmv_bounded    quant_qmv.h         M = 1, transpose=True
+//   qmm_t_bm{2,4,8} qmm_t_small    quant_qmm_small.h   small M, transpose=True
+//   qmm_t_mma{16,32} qmm_mma       quant_mma.h         larger M, transpose=True
+//   qvm_bounded     qvm_bounded    quant_qvm.h         small M, transpose=False
+//   qmm_n_mma32     qmm_mma        quant_mma.h         larger M, transpose=False
+//   gather_qmv      gather_qmv     quant_gather.h      gather_qmm, transpose=True (decode)
+//   gather_qmm_mma32 gather_qmm_mma quant_gather.h     gather_qmm, many rows per expert
+//   gather_qmm_n_mma32 gather_qmm_mma quant_gather.h   gather_qmm, transpose=False
+//   dequantize_rows dequantize_rows quant_quantize.h      dequantize
+//   quantize_rows   quantize_rows  quant_quantize.h       quantize
 //
 // Each kernel is templated on T and the format policy F = QuantFormat<mode, T, G, bits>
 // (metal/quant_format.h): one body per kernel, every mode.
 #pragma once
 
-#include "affine_common.h"
-#include "affine_gather.h"
-#include "affine_mma.h"
-#include "affine_qmm_small.h"
-#include "affine_qmv.h"
-#include "affine_quant.h"
-#include "affine_qvm.h"
+#include "quant_common.h"
+#include "quant_gather.h"
+#include "quant_mma.h"
+#include "quant_qmm_small.h"
+#include "quant_qmv.h"
+#include "quant_quantize.h"
+#include "quant_qvm.h"
 
 // A build may hold a single bit width (metalsim compiles one library per width to bound compile
 // time: -DTORCH_QMM_ONLY_BITS=4). 0 = all widths (the MPS build).

@@ -1,7 +1,7 @@
 // qmm_mma (routes qmm_t_mma{16,32}, qmm_n_mma32): y = x @ W.T / x @ W for larger M on the shared
 // simdgroup-matrix tile (metal/mma_tile.h: x staging, 8x8 multiply-accumulate, bounded store);
 // this file holds only the quantized-mode W loader (format policy F, metal/quant_format.h). Design after MLX affine_qmm_t / qmm_n
-// (QuantizedBlockLoader + BlockMMA) and the seed's mt_qmm_mma / mt_qmm_mma_m16.
+// (QuantizedBlockLoader + BlockMMA).
 //
 //   transpose=True : wq [N, K*bits/8 bytes], scales (, biases) [N, K/G]   (W quantized along K)
 //   transpose=False: wq [K, N*bits/8 bytes], scales (, biases) [K, N/G]   (W quantized along N)
@@ -17,7 +17,7 @@
 // s = 0, since an fp code may decode to NaN and 0 * NaN is NaN.
 #pragma once
 
-#include "affine_common.h"
+#include "quant_common.h"
 #include "mma_tile.h"
 
 template <typename T, typename F, bool transpose>

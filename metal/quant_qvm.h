@@ -13,7 +13,7 @@
 // Bounds: any K; N is a multiple of G (hence of 8), columns past N are skipped per lane.
 #pragma once
 
-#include "affine_common.h"
+#include "quant_common.h"
 
 template <typename T, typename F>
 inline void qvm_impl(const device uint8_t* wq, const device typename F::scale_t* scales, const device T* biases,
@@ -40,7 +40,7 @@ inline void qvm_impl(const device uint8_t* wq, const device typename F::scale_t*
       for (int i = 0; i < C; ++i) acc[i] += xs * q[i];
     }
     // Where a column's sum is not finite, the lane's columns again weight by weight, x * w
-    // (why: qdot_by_weight in affine_common.h).
+    // (why: qdot_by_weight in quant_common.h).
     bool finite = true;
     for (int i = 0; i < C; ++i) finite = finite && isfinite(acc[i] + bsum);
     if (!finite) {

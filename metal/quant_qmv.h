@@ -1,6 +1,6 @@
 // qmv_fast / qmv_bounded: y[0, n] = sum_k x[0, k] * W[n, k] for M = 1, transpose=True (W [N, K]),
 // every quantized mode (the format policy F, metal/quant_format.h, decodes codes and scales).
-// Geometry after MLX qmv_fast (and the seed's mt_qmv): 2 SIMD-groups x 4 W rows = 8 outputs per
+// Geometry after MLX qmv_fast: 2 SIMD-groups x 4 W rows = 8 outputs per
 // threadgroup; each lane holds a slice of x in registers and reuses it for its SIMD-group's 4 rows.
 //
 //   wq [N, K*bits/8 bytes]   scales (, biases) [N, K/G]   x [K]   y [N]
@@ -18,7 +18,7 @@
 //             since K % G == 0 and V divides G).
 #pragma once
 
-#include "affine_common.h"
+#include "quant_common.h"
 
 template <typename T, typename F, bool bounded>
 inline void qmv_impl(const device uint8_t* wq, const device typename F::scale_t* scales, const device T* biases,

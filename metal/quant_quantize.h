@@ -12,7 +12,7 @@
 //               thread g -> row g / (K/G), columns G*(g % (K/G)) .. +G-1
 #pragma once
 
-#include "affine_common.h"
+#include "quant_common.h"
 
 template <typename T, typename F>
 inline void dequantize_impl(const device uint8_t* wq, const device typename F::scale_t* scales,

@@ -15,7 +15,7 @@
 // gather_qmv (decode; the design of llama.cpp's mul_mv_id, whose per-expert row lists are our
 // runs, with MLX gather_qmv's one-launch-for-all-pairs grid):
 //   grid (ceil(N/8), pairs); threadgroup (tx, i): the qmm_t_small threadgroup (metal/
-//   affine_qmm_small.h: 2 SIMD-groups x 4 W rows). Only the threadgroups of the first pair of a
+//   quant_qmm_small.h: 2 SIMD-groups x 4 W rows). Only the threadgroups of the first pair of a
 //   run work (the others exit at once, uniformly): they compute all the run's rows, 8 at a
 //   time, against the expert's 8 W rows, so each expert's weights are fetched by one threadgroup
 //   per column tile, once per launch for runs of up to 8 rows.
@@ -23,13 +23,13 @@
 // gather_qmm_mma32 / gather_qmm_n_mma32 (prefill; MLX gather_qmm_rhs):
 //   grid (ceil(N/32), ceil(pairs * M / 32)); threadgroup (tx, ty): rows r in [32 ty, 32 ty + 32)
 //   of the order, which hold one or more runs; for each run the whole simdgroup-matrix tile
-//   (metal/mma_tile.h, W loader of metal/affine_mma.h on that expert) with the other rows
+//   (metal/mma_tile.h, W loader of metal/quant_mma.h on that expert) with the other rows
 //   masked. An expert's W is read once per tile its rows touch.
 #pragma once
 
-#include "affine_common.h"
-#include "affine_mma.h"
-#include "affine_qmm_small.h"
+#include "quant_common.h"
+#include "quant_mma.h"
+#include "quant_qmm_small.h"
 
 // Every gather_qmm kernel's buffers (QMM_ARGS with GatherParams and the three index buffers).
 #define GATHER_ARGS                                                                                   \
