@@ -1,4 +1,4 @@
-// GGUF K-quant blocks, as llama.cpp writes them (ggml-common.h): one place for host C++
+// GGUF K-quant blocks, as llama.cpp writes them (its block_q4_K / block_q6_K structs): one place for host C++
 // (csrc/gguf_format.h forwards here; csrc/cpu/gguf_qmm.cpp, csrc/gguf_validate.cpp) and the Metal
 // kernels (metal/gguf_qmm.h). Compiled by both compilers: Metal sources define TORCH_QMM_METAL
 // before including it. Constants are enumerators (no address space in MSL), helpers templates.
@@ -27,7 +27,7 @@
 namespace torch_qmm {
 namespace gguf {
 
-// ggml_type ids (ggml.h enum ggml_type); Python mirror: torch_qmm/interop/gguf_types.py.
+// ggml_type ids (ggml's enum ggml_type); Python mirror: torch_qmm/interop/gguf_types.py.
 enum GGMLType : int {
   kTypeQ4_0 = 2,
   kTypeQ4_1 = 3,
@@ -47,7 +47,7 @@ struct BlockQ4K {
   uint8_t scales[12];   // 8 x (6-bit scale, 6-bit min), packed (see q4k_scale_min)
   uint8_t qs[kQK_K / 2];
 };
-static_assert(sizeof(BlockQ4K) == 144, "Q4_K block must be 144 bytes (ggml-common.h block_q4_K)");
+static_assert(sizeof(BlockQ4K) == 144, "Q4_K block must be 144 bytes (ggml block_q4_K)");
 
 struct BlockQ6K {
   uint8_t ql[kQK_K / 2];      // low 4 bits
@@ -55,7 +55,7 @@ struct BlockQ6K {
   int8_t scales[kQK_K / 16];  // 16 sub-block scales
   uint16_t d;                 // f16 bits: super-block scale
 };
-static_assert(sizeof(BlockQ6K) == 210, "Q6_K block must be 210 bytes (ggml-common.h block_q6_K)");
+static_assert(sizeof(BlockQ6K) == 210, "Q6_K block must be 210 bytes (ggml block_q6_K)");
 
 #ifndef TORCH_QMM_METAL
 // The ggml types with a native gguf_qmm kernel. Must match NATIVE_TYPES in gguf_types.py and the

@@ -49,7 +49,7 @@ Dequantization: the element value (exact in every output dtype) times the group 
 e8m0 scale 2^(b - 127) and the product are each rounded to the output dtype (bfloat16 unless
 asked otherwise): in float16 scales of 2^-25 and below become 0 and 2^16 and above inf.
 
-MLX's Metal kernels (fp_quantized.h, fp4.h, fp8.h in MLX's source; no Apple GPU here to check
+MLX's Metal kernels (its fp quantized kernels and fp4 / fp8 types; no Apple GPU here to check
 them) differ from the CPU path above, which is the one this module matches and CI checks:
     - all arithmetic is float32 whatever w's dtype, and elements are w * (1 / scale) rather than
       w / scale (the same for e8m0 scales, not always for nvfp4's e4m3 scales);

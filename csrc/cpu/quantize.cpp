@@ -1,6 +1,6 @@
 // CPU quantize / dequantize, every mode of the format table (csrc/format_spec.h).
 //
-// Quantization follows mlx.core.quantize's CPU path (mlx/backend/cpu/quantized.cpp) step by step
+// Quantization follows mlx.core.quantize's CPU path step by step
 // so that packed words, scales and biases are identical to MLX's.
 // affine, in float32:
 //   scale = max((max - min) / (2^bits - 1), 1e-7), negated unless |min| > |max|;

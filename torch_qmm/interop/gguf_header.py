@@ -2,7 +2,7 @@
 
 The `gguf` package's reader trusts the counts it reads (a 49-byte file declaring a 2^40-element
 array makes it allocate without end), so torch_qmm parses the header itself. The checks follow
-llama.cpp's loader (ggml/src/gguf.cpp gguf_init_from_file_impl and llama-model-loader):
+llama.cpp's GGUF loader (gguf_init_from_file_impl) and its model loader:
   * version 2 or 3; counts, string lengths and array lengths fit in the bytes that remain;
   * no duplicate keys or tensor names, no arrays of arrays, tensor names shorter than 64 bytes;
   * general.alignment, when present, a UINT32 power of two (default 32);

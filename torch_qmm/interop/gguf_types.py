@@ -1,7 +1,7 @@
 """GGML tensor types: ids, block geometry, what torch_qmm does with each.
 
 Python mirror of csrc/gguf_format.h (the C++/Metal side). Ids and block sizes are llama.cpp's
-(ggml.h `enum ggml_type`, ggml-common.h block structs) as the gguf package lists them;
+(ggml's `enum ggml_type` and block structs) as the gguf package lists them;
 tests/test_gguf_qmm.py checks that csrc/gguf_format.h agrees.
 """
 
