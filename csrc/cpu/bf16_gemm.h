@@ -6,8 +6,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <string_view>
-
 #include "qmm_kernels.h"
 
 namespace torch_qmm {
@@ -24,9 +22,9 @@ bool bf16_matrix_units();
 // TORCH_QMM_CPU_FORCE_BF16_GEMM=1 (tests reach the route on any CPU that way).
 bool bf16_gemm_taken(const QmmArgs& a, bool transpose);
 // y [M, N] bfloat16 (float32 accumulation, rounded once) = bfloat16(x) @ bfloat16(W).T, W [N, K]
-// given by the op's checked, contiguous operands (biases undefined for the fp modes).
-at::Tensor qmm_t_bf16_gemm(const QmmArgs& a, const at::Tensor& wq, const at::Tensor& scales, const at::Tensor& biases,
-                           std::string_view mode);
+// (transpose=True) given by `a`, whose x is in the order the GEMM decoders expect (decode_tile.h:
+// codec order for affine, natural for the fp modes), as for qmm_t_gemm.
+at::Tensor qmm_t_bf16_gemm(const QmmArgs& a);
 
 }  // namespace cpu
 }  // namespace torch_qmm

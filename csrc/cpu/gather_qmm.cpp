@@ -1,9 +1,10 @@
 // CPU gather_qmm (mlx.core.gather_qmm): y[p] = x[lhs[p]] @ W[rhs[p]] for every p of the
 // broadcast index shape (csrc/validate.h, check_gather_qmm).
 //
-// The pairs p are grouped by their matrix of W: a counting sort of rhs, or, with sorted_indices,
-// the runs of equal indices as given (any order stays correct; unsorted runs only read a matrix
-// more than once). Each matrix is then read once per call: the rows of x its pairs use are
+// The pairs p are grouped by their matrix of W: a counting sort of rhs, or, with sorted_indices
+// and rhs indeed in order, the runs of equal indices as given (the same groups, without the sort).
+// Indices out of order are sorted whatever the hint says, so the hint never changes the groups,
+// and with them the rows each kernel call gets and the result. Each matrix is then read once per call: the rows of x its pairs use are
 // gathered (float32, contiguous) and go through qmm's own route for that many rows
 // (qmm_kernels.h, qmm_float: chunked / fused / GEMM by M), and each pair's rows of y are written
 // back to their place. Work items are (group, slice of N rows of W) for transpose=True, whole
@@ -59,7 +60,7 @@ struct Group {
 std::vector<Group> group_pairs(const int64_t* rhs, int64_t P, int64_t matrices, bool sorted, std::vector<int64_t>& order) {
   order.resize(P);
   std::vector<Group> groups;
-  if (sorted) {
+  if (sorted && std::is_sorted(rhs, rhs + P)) {
     for (int64_t p = 0; p < P; ++p) order[p] = p;
     for (int64_t p = 0; p < P; ++p) {
       if (p == 0 || rhs[p] != rhs[p - 1]) groups.push_back({rhs[p], p, 0});

@@ -101,20 +101,14 @@ at::Tensor qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
                    bool transpose) {
   Call c = prepare(x, wq, scales, biases, mode, bits, group_size, transpose);
   if (c.empty) return at::zeros(c.out_shape, x.options());
-  // The bf16 GEMM route reads the packed tensors themselves (bf16_gemm.h); every other route runs on
-  // the checked arguments through qmm_float.
-  if (route_for(c.a, transpose) == Route::kBf16Gemm) {
-    const at::Tensor yf = cpu::qmm_t_bf16_gemm(c.a, c.wq, c.scales, c.biases, mode);
-    return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape);
-  }
   const at::Tensor yf = cpu::qmm_float(c.a, c.xf, transpose);
   return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape);
 }
 
 // Which CPU kernel qmm would run: "gemm-bf16" (bf16_gemm.h), "chunked/<multiplier>"
 // (qmm_kernels.h), "fused", "gemm", or
-// "empty" (for a finite result; a call whose chunked or transposed fused result is not finite is
-// redone by "gemm").
+// "empty" (for a finite result; a call whose chunked, gemm-bf16 or transposed fused result is not
+// finite is redone by "gemm").
 std::string qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                           const std::optional<at::Tensor>& biases, int64_t bits, int64_t group_size, bool transpose,
                           std::string_view mode) {
@@ -133,14 +127,13 @@ std::string qmm_cpu_route(const at::Tensor& x, const at::Tensor& wq, const at::T
 namespace cpu {
 at::Tensor qmm_float(QmmArgs a, at::Tensor xf, bool transpose) {
   a.x = xf.data_ptr<float>();
-  // kBf16Gemm needs the packed tensors (qmm_cpu takes it before calling here); callers that only
-  // have the arguments, such as gather_qmm's groups, get the exact GEMM below for it.
   const Route route = route_for(a, transpose);
-  // The chunk kernels and the transpose=True fused kernel hoist the bias (s*sum(q*x) + b*sum(x));
-  // where that gives a non-finite value (Inf/NaN in x, scales or biases, or an overflow) it need
-  // not be the one IEEE arithmetic on the dequantized weights gives (F.linear's: e.g. +Inf in x
-  // times weights of both signs), so those calls are redone by the GEMM kernels, which multiply
-  // the dequantized weights.
+  // The chunk kernels and the transpose=True fused kernel hoist the bias (s*sum(q*x) + b*sum(x)),
+  // and the bfloat16 GEMM rounds w and runs on matrix units that flush subnormals; where that
+  // gives a non-finite value (Inf/NaN in x, scales or biases, or an overflow) it need not be the
+  // one IEEE arithmetic on the dequantized weights gives (F.linear's: e.g. +Inf in x times
+  // weights of both signs), so those calls are redone by the GEMM kernels, which multiply the
+  // dequantized weights in float32.
   if (route == Route::kChunked) {  // x in natural order
     at::Tensor yf = at::empty({a.M, a.N}, xf.options());
     cpu::qmm_t_chunked(a, yf.data_ptr<float>());
@@ -149,6 +142,10 @@ at::Tensor qmm_float(QmmArgs a, at::Tensor xf, bool transpose) {
   if (transpose && a.mode == Mode::kAffine) {
     xf = to_codec_order(xf, a.bits);
     a.x = xf.data_ptr<float>();
+  }
+  if (route == Route::kBf16Gemm) {  // bfloat16 y, exactly representable in float32
+    at::Tensor yf = cpu::qmm_t_bf16_gemm(a).to(at::kFloat).contiguous();
+    if (cpu::all_finite(yf.data_ptr<float>(), yf.numel())) return yf;
   }
   if (route == Route::kFused) {
     at::Tensor yf = at::empty({a.M, a.N}, xf.options());
