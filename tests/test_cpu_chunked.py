@@ -19,9 +19,8 @@ import torch
 import torch_qmm
 from torch_qmm import reference
 
-from cpu_features import BF16_GEMM_MIN_ROWS, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI, NATIVE  # noqa: F401
+from cpu_features import BF16_GEMM_MIN_ROWS, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI  # noqa: F401 (shared with other tests)
 from cpu_features import bf16_precision, takes_bf16_gemm
-from cpu_features import cpu_flags as _cpu_flags  # noqa: F401
 from tolerance import assert_matches_reference
 from test_cpu_kernels import random_packed
 
