@@ -48,3 +48,9 @@ def device(request):
             yield "cpu"
     else:
         yield request.param
+
+
+@pytest.fixture
+def backend_name(request, device) -> str:
+    """Which backend `device` runs the ops on: "cpu" (the C++ kernels), "metalsim" or "mps"."""
+    return request.node.callspec.params["device"]

@@ -21,6 +21,8 @@ import torch_qmm
 from torch_qmm import reference
 from torch_qmm.nn import QuantLinear
 
+from cpu_features import DOT_ISA  # the dot-product instructions of the u4 / u8 kernels' names
+
 ops = torch.ops.torch_qmm
 SLACK = 2.0**-20
 
@@ -99,7 +101,7 @@ def test_half_dtypes_round_once(dtype):
 
 
 def test_routes_differ_from_the_exact_path(monkeypatch):
-    for bits, kernel in ((4, "int8x/avx2-u4"), (8, "int8x/avx2-u8"), (3, "int8x/scalar")):
+    for bits, kernel in ((4, f"int8x/{DOT_ISA}-u4"), (8, f"int8x/{DOT_ISA}-u8"), (3, "int8x/scalar")):
         wq, s, b, _ = make(64, 256, bits, 64)
         x = torch.randn(1, 256)
         exact = ops._cpu_route(x, wq, s, b, bits, 64, True, "affine")

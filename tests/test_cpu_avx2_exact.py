@@ -3,7 +3,8 @@ csrc/cpu/chunk_avx2.h) and GGUF Q4_K / Q6_K ("avx2-q4k", "avx2-q6k", csrc/cpu/gg
 
 Each test first checks, with torch.ops.torch_qmm._cpu_route / _gguf_cpu_route, that the call
 reached the multiplier it means to test (on a CPU with AVX512_BF16 the bfloat16 kernels come
-first where their row limits allow: those calls are skipped here), then compares against float64
+first where their row limits allow: those affine calls are skipped here, the GGUF ones checked to
+take that kernel), then compares against float64
 references nobody here wrote the arithmetic of: torch_qmm.reference for affine, and
 gguf.quants.dequantize (the gguf package) for the K-quants. Tolerance: tests/tolerance.py, the
 half-ulp rule of x's dtype (float32: the float32 accumulation bound, relative to |x| @ |W|),
@@ -20,14 +21,13 @@ from gguf import quants
 import torch_qmm
 from torch_qmm import reference
 
-from gguf_helpers import Q4_K, Q6_K, random_k_blocks
+from gguf_helpers import GGUF_AVX2_MAX_ROWS, Q4_K, Q6_K, expected_gguf_route, random_k_blocks
+from gguf_helpers import GGUF_AVX2_NAMES as GGUF_NAMES
 from test_cpu_chunked import AVX2_AFFINE_MAX_ROWS, HAS_AVX2, HAS_BF16
 from test_cpu_kernels import random_packed
 from tolerance import assert_matches_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
-GGUF_NAMES = {Q4_K: "chunked/avx2-q4k", Q6_K: "chunked/avx2-q6k"}
 
 pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="the AVX2 chunk kernels need AVX2 and FMA")
 
@@ -100,17 +100,17 @@ def gguf_check(x, blocks, w, n, k, ggml_type, dtype, what):
 @pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
 def test_gguf_avx2_multipliers_match_gguf_dequantize(ggml_type, dtype):
     """Super-blocks 1 and 3, W rows in tiles and spans of 128 (N = 261), x rows in blocks of 4/2/1,
-    and the first M past the row limit (another route, for comparison)."""
+    and the first M past the row limit (another route, for comparison: the GEMM, or an AVX512_BF16
+    chunk kernel whose row limit is higher; gguf_helpers.expected_gguf_route)."""
     for n, k in [(1, 256), (5, 768), (261, 256)]:
         blocks, w = _gguf_case(ggml_type, n, k, seed=n + k)
         x_all = torch.randn(GGUF_AVX2_MAX_ROWS + 1, k, generator=torch.Generator().manual_seed(n)).to(dtype)
         for m in [1, 2, 3, 4, 5, 7, GGUF_AVX2_MAX_ROWS, GGUF_AVX2_MAX_ROWS + 1]:
             x = x_all[:m]
             r = gguf_route(x, blocks, n, k, ggml_type)
+            assert r == expected_gguf_route(dtype, m, ggml_type), f"M={m}: {r}"
             if m > GGUF_AVX2_MAX_ROWS:
-                assert r == "gemm", r
-            elif not _bf16_first(r):
-                assert r == GGUF_NAMES[ggml_type], f"M={m}: {r}"
+                assert r != GGUF_NAMES[ggml_type], r
             gguf_check(x, blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} {r} M={m} N={n} K={k}")
 
 

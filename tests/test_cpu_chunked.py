@@ -5,14 +5,13 @@ bits 2/4/8, 32 for the bit streams of 3/5/6) when the build has AVX-512, with x 
 (AVX512_BF16, x as P bfloat16 terms: 1 for bfloat16 x, 2 for float16, 3 for float32, or fewer
 for float32 when torch.set_float32_matmul_precision allows; up to cpu::chunked_max_rows rows of
 x) and "f32" (AVX-512 without BF16, 4-bit M=1 only; forced here with TORCH_QMM_CPU_NO_BF16=1).
+From 16 rows, x allowed in bfloat16 takes the bfloat16 GEMM route before them where the CPU has
+bfloat16 matrix units (tests/cpu_features.py takes_bf16_gemm).
 torch.ops.torch_qmm._cpu_route names the kernel a call takes, so each test first checks it
 reached the one it means to test.
 """
 
 from __future__ import annotations
-
-import os
-import platform
 
 import pytest
 import torch
@@ -20,29 +19,13 @@ import torch
 import torch_qmm
 from torch_qmm import reference
 
+from cpu_features import BF16_GEMM_MIN_ROWS, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI  # noqa: F401 (shared with other tests)
+from cpu_features import bf16_precision, takes_bf16_gemm
 from tolerance import assert_matches_reference
 from test_cpu_kernels import random_packed
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-# Built with -march=native (setup.py) unless TORCH_QMM_PORTABLE=1.
-NATIVE = os.environ.get("TORCH_QMM_PORTABLE", "0") != "1" and platform.machine() == "x86_64"
-HAS_AVX512 = NATIVE and {"avx512f", "avx512bw"} <= _cpu_flags()
-HAS_BF16 = HAS_AVX512 and "avx512_bf16" in _cpu_flags()
-HAS_VBMI = HAS_AVX512 and "avx512vbmi" in _cpu_flags()  # bit-stream chunks (bits 3/5/6) gather with vpermb
-# The AVX2 chunk kernels (csrc/cpu/avx2_chunked.cpp): affine 4-bit (64-code chunks) and 8-bit
-# (32-code chunks), up to cpu::avx2_affine_max_rows rows, where the AVX-512 ones do not serve the call.
-HAS_AVX2 = NATIVE and {"avx2", "fma"} <= _cpu_flags()
+# The AVX2 chunk kernels (csrc/cpu/avx2_chunked.cpp; HAS_AVX2): affine 4-bit (64-code chunks) and
+# 8-bit (32-code chunks), up to cpu::avx2_affine_max_rows rows, where the AVX-512 ones do not serve the call.
 AVX2_CHUNK = 64
 AVX2_CHUNKS = {4: 64, 8: 32}  # codes per chunk by bits
 AVX2_AFFINE_MAX_ROWS = 15
@@ -81,6 +64,8 @@ def precision():
 
 
 def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m: int = 1, bits: int = 4) -> str:
+    if takes_bf16_gemm(m, dtype, precision=precision, no_bf16=tile == "f32"):
+        return "gemm-bf16"  # before the chunk kernels (tests/cpu_features.py)
     others = "fused" if m < 16 else "gemm"  # cpu::kGemmMinRows
     if HAS_AVX2 and bits in AVX2_CHUNKS and m <= AVX2_AFFINE_MAX_ROWS:  # the calls here have K >= 64
         others = f"chunked/avx2-u{bits}"
@@ -100,6 +85,9 @@ def route(x, wq, scales, biases, group_size, transpose=True, bits=4) -> str:
 
 
 def check(x, wq, scales, biases, group_size, dtype, what, precision="highest", bits=4):
+    """y against the float64 reference, at the tolerance of `precision` (the float32 matmul
+    precision set), or "medium" where the call takes gemm-bf16."""
+    precision = bf16_precision(x.numel() // x.shape[-1], x.dtype, precision=precision)
     y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=group_size, bits=bits)
     y_ref = reference.qmm(x, wq, scales, biases, bits, group_size, True)
     mag = reference.qmm_magnitude(x, wq, scales, biases, bits, group_size, True)
@@ -131,11 +119,14 @@ def test_chunk_kernels_match_reference(tile, bits, group_size, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", CHUNK_BITS)
 def test_chunk_kernels_up_to_their_row_limit(tile, bits, dtype):
-    """Each multiplier at its last M and the next (MAX_ROWS; no limit: 199/200 here): the route
-    changes exactly there and both sides match the reference."""
+    """Each multiplier at its last M and the next (MAX_ROWS; no limit: 199/200 here; where the
+    bfloat16 GEMM route takes the rows past 15 from the multiplier: 15/16): the route changes
+    exactly there and both sides match the reference."""
     gen = torch.Generator().manual_seed(21 + bits)
     wq, scales, biases = random_packed(70, 512, bits, 64, dtype, gen)
     limit = MAX_ROWS[bits, TERMS.get(dtype, 3)] or 199
+    if tile == "bf16" and takes_bf16_gemm(limit, dtype, no_bf16=False):
+        limit = min(limit, BF16_GEMM_MIN_ROWS - 1)
     for m in [limit, limit + 1]:
         x = torch.randn(m, 512, generator=gen).to(dtype)
         assert route(x, wq, scales, biases, 64, bits=bits) == expected_route(tile, dtype, m=m, bits=bits)

@@ -2,7 +2,11 @@
 
 qmm on CPU takes them for transpose=True, K of at least one chunk (64 codes), M up to
 FP_MAX_ROWS (cpu::fp_chunked_max_rows) when the build has AVX2 and FMA; route name
-"chunked/avx2-e2m1". Other calls take the generic fp path ("gemm"). Each test first asserts the
+"chunked/avx2-e2m1". Other calls take the generic fp path ("gemm"), except that bfloat16 x from
+16 rows takes the bfloat16 GEMM route before both where the CPU has bfloat16 matrix units
+(tests/cpu_features.py takes_bf16_gemm; held to its bound, precision "medium", against the
+reference; the exact problems turn it off with TORCH_QMM_CPU_NO_BF16=1, which the AVX2 kernels
+ignore, to check the chunk kernels at every M). Each test first asserts the
 route torch.ops.torch_qmm._cpu_route names, then checks the result:
 
 * against the float64 reference (torch_qmm/reference_fp.py) with the tolerance rule of
@@ -23,10 +27,9 @@ import torch
 import torch_qmm
 from torch_qmm import reference, reference_fp
 
-from test_cpu_chunked import NATIVE, _cpu_flags
+from cpu_features import HAS_AVX2, bf16_precision, takes_bf16_gemm
 from tolerance import assert_matches_reference
 
-HAS_AVX2 = NATIVE and {"avx2", "fma"} <= _cpu_flags()
 FP_MAX_ROWS = 16  # cpu::fp_chunked_max_rows
 CHUNK = 64  # codes per chunk
 MODES = {"mxfp4": 32, "nvfp4": 16}  # mode -> group size (MLX's only one)
@@ -36,7 +39,9 @@ MULTIPLIER = "chunked/avx2-e2m1"
 pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="the fp chunk kernels need AVX2 and FMA")
 
 
-def expected_route(M: int, K: int) -> str:
+def expected_route(M: int, K: int, dtype=torch.float32) -> str:
+    if takes_bf16_gemm(M, dtype):
+        return "gemm-bf16"
     return MULTIPLIER if K >= CHUNK and 1 <= M <= FP_MAX_ROWS else "gemm"
 
 
@@ -67,7 +72,7 @@ def check(x, wq, scales, mode, dtype, what):
     gs = MODES[mode]
     y_ref = reference_fp.qmm_fp(x, wq, scales, mode, gs, 4)
     mag = reference_fp.qmm_fp_magnitude(x, wq, scales, mode, gs, 4)
-    assert_matches_reference(y, y_ref, mag, dtype, what)
+    assert_matches_reference(y, y_ref, mag, dtype, what, precision=bf16_precision(x.shape[0], x.dtype))
 
 
 def _shapes():
@@ -98,7 +103,7 @@ def test_fp_chunks_match_reference(mode, dtype):
             continue
         wq, scales = random_weights(mode, N, K, gen)
         x = torch.randn(M, K, generator=gen).to(dtype)
-        assert route(x, wq, scales, mode) == expected_route(M, K), (M, N, K)
+        assert route(x, wq, scales, mode) == expected_route(M, K, dtype), (M, N, K)
         check(x, wq, scales, mode, dtype, f"{mode} M={M} N={N} K={K}")
 
 
@@ -118,7 +123,8 @@ def exact_case(mode, M, N, K, dtype, gen):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_fp_chunks_exact_problems_bit_for_bit(mode, dtype):
+def test_fp_chunks_exact_problems_bit_for_bit(mode, dtype, monkeypatch):
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")  # the chunk kernels up to their last row
     gen = torch.Generator().manual_seed(11 + list(MODES).index(mode))
     for M, N, K in SHAPES:
         if K % MODES[mode] or K > 1024:

@@ -2,8 +2,10 @@
 
 gguf_qmm on CPU takes them for Q4_K and Q6_K when the build has AVX512_BF16 (not avoided with
 TORCH_QMM_CPU_NO_BF16=1), x in range, and M up to a limit per type and bfloat16 terms of x (3 /
-2 / 1 for float32 / float16 / bfloat16; MAX_ROWS). torch.ops.torch_qmm._gguf_cpu_route names the
-kernel a call takes; each test checks it reached the one it means to test.
+2 / 1 for float32 / float16 / bfloat16; MAX_ROWS); past that the AVX2 GGUF chunk kernels up to
+15 rows, then the fused decode / GEMM (gguf_helpers.expected_gguf_route).
+torch.ops.torch_qmm._gguf_cpu_route names the kernel a call takes; each test checks it reached
+the one it means to test.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import pytest
 import torch
 from gguf import quants
 
-from gguf_helpers import Q4_K, Q6_K, assert_matches_reference, k_quant_magnitude, random_k_blocks
-from test_cpu_chunked import HAS_BF16, TERMS
+from cpu_features import HAS_AVX2, HAS_BF16
+from gguf_helpers import GGUF_AVX2_NAMES, GGUF_BF16_MAX_ROWS, Q4_K, Q6_K, assert_matches_reference
+from gguf_helpers import expected_gguf_route, k_quant_magnitude, random_k_blocks
+from test_cpu_chunked import TERMS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TYPES = [Q4_K, Q6_K]
-MAX_ROWS = {(Q4_K, 3): 16, (Q4_K, 2): 32, (Q4_K, 1): 128, (Q6_K, 3): 2, (Q6_K, 2): 4, (Q6_K, 1): 32}
+MAX_ROWS = GGUF_BF16_MAX_ROWS
 
 pytestmark = pytest.mark.skipif(not HAS_BF16, reason="the Q4_K chunk kernel needs AVX512_BF16; other CPUs use the fused decode (tests/test_gguf_qmm.py)")
 
@@ -41,17 +45,14 @@ def check(x, blocks, w, n, k, dtype, what, ggml_type=Q4_K):
 
 
 def expected(dtype, m: int, ggml_type=Q4_K) -> str:
-    terms = TERMS.get(dtype, 3)
-    if m <= MAX_ROWS[ggml_type, terms]:
-        return f"chunked/bf16x{terms}"
-    return "fused" if m < 16 else "gemm"
+    return expected_gguf_route(dtype, m, ggml_type)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_chunk_kernels_match_gguf_dequantize(ggml_type, dtype):
     """Super-blocks 1 and 3, W rows in tiles and spans of 128, x rows in blocks of 4/2/1 (each M
-    below the type's limit, and past it: the fused route, for comparison)."""
+    below the type's limit, and past it: another route, for comparison)."""
     for n, k in [(1, 256), (5, 768), (130, 512), (261, 256)]:
         blocks, w = _case(n, k, seed=n + k, ggml_type=ggml_type)
         x_all = torch.randn(16, k, generator=torch.Generator().manual_seed(n)).to(dtype)
@@ -97,12 +98,19 @@ def test_q4k_chunk_kernel_two_threads_and_batched_x(threads):
 
 
 def test_other_inputs_take_the_fused_decode(monkeypatch):
+    """x out of range, or both chunk families turned off: the fused decode. With only the
+    bfloat16 kernels off (TORCH_QMM_CPU_NO_BF16=1) the AVX2 kernels serve where built, and refuse
+    the tiny x too."""
     blocks, w = _case(8, 256, seed=7)
     x = torch.randn(1, 256)
     x[0, 9] = 1e-35  # below 2^-98: the bfloat16 terms would be flushed
     assert route(x, blocks, 8, 256) == "fused"
     check(x, blocks, w, 8, 256, torch.float32, "tiny x")
     monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
-    assert route(torch.randn(1, 256), blocks, 8, 256) == "fused"
+    assert route(x, blocks, 8, 256) == "fused"
     b6, _ = _case(8, 256, seed=8, ggml_type=Q6_K)
-    assert route(torch.randn(1, 256), b6, 8, 256, Q6_K) == "fused"
+    for b, t in ((blocks, Q4_K), (b6, Q6_K)):
+        assert route(torch.randn(1, 256), b, 8, 256, t) == (GGUF_AVX2_NAMES[t] if HAS_AVX2 else "fused")
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
+    for b, t in ((blocks, Q4_K), (b6, Q6_K)):
+        assert route(torch.randn(1, 256), b, 8, 256, t) == "fused"

@@ -5,7 +5,9 @@ there, csrc/cpu/qmm_kernels.h); inside each kernel, rows of x go in blocks of 4,
 columns in spans of 64 (+ a tail of 32), and the GEMM route tiles N by 128 and K by 512
 (csrc/cpu/qmm_gemm.cpp). These sweeps put shapes on both sides of every such boundary, with
 random packed words so every code value (including 2^bits - 1) appears, against the float64
-reference (the tolerance rule of tests/tolerance.py).
+reference (the tolerance rule of tests/tolerance.py). Calls that take the bfloat16 GEMM route
+(transpose=True, bfloat16 x, from 16 rows, on CPUs with bfloat16 matrix units:
+tests/cpu_features.py) are checked to take it and held to its bound (precision "medium").
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch_qmm
 from torch_qmm import reference
 
+from cpu_features import bf16_precision, takes_bf16_gemm
 from tolerance import assert_matches_reference
 
 BITS = [2, 3, 4, 5, 6, 8]
@@ -43,9 +46,12 @@ def check_all_m(x_all, wq, scales, biases, bits, group_size, transpose, dtype, w
     y_ref_all = reference.qmm(x_all, wq, scales, biases, bits, group_size, transpose)
     mag_all = reference.qmm_magnitude(x_all, wq, scales, biases, bits, group_size, transpose)
     for m in MS:
+        route = torch.ops.torch_qmm._cpu_route(x_all[:m], wq, scales, biases, bits, group_size, transpose)
+        assert (route == "gemm-bf16") == takes_bf16_gemm(m, dtype, transpose), f"{what} M={m}: {route}"
         y = torch_qmm.quantized_matmul(x_all[:m], wq, scales, biases, group_size=group_size, bits=bits,
                                        transpose=transpose)
-        assert_matches_reference(y, y_ref_all[:m], mag_all[:m], dtype, f"{what} M={m}")
+        assert_matches_reference(y, y_ref_all[:m], mag_all[:m], dtype, f"{what} M={m} ({route})",
+                                 precision=bf16_precision(m, dtype, transpose))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

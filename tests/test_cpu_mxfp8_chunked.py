@@ -2,7 +2,9 @@
 
 qmm on CPU takes it for mode "mxfp8" (e4m3 codes, e8m0 scale per 32), transpose=True, K of at
 least one chunk (32 codes), M up to cpu::fp_chunked_max_rows (16), when the build has AVX2, FMA
-and F16C; route name "chunked/avx2-e4m3". Checked against the float64 reference
+and F16C; route name "chunked/avx2-e4m3" (bfloat16 x from 16 rows takes the bfloat16 GEMM route
+before it where the CPU has bfloat16 matrix units: tests/cpu_features.py takes_bf16_gemm, held to
+its bound, precision "medium"). Checked against the float64 reference
 (torch_qmm/reference_fp.py) with the tolerance rule of torch_qmm/tolerance.py, bit for bit on
 problems whose float32 accumulation is exact, and for the NaN codes (0x7F, 0xFF) against IEEE
 arithmetic on the float32 dequantized weights.
@@ -17,10 +19,10 @@ import torch_qmm
 from torch_qmm import reference, reference_fp
 from torch_qmm.formats import FORMATS
 
-from test_cpu_chunked import NATIVE, _cpu_flags
+from cpu_features import NATIVE, bf16_precision, cpu_flags, takes_bf16_gemm
 from tolerance import assert_matches_reference
 
-HAS_AVX2 = NATIVE and {"avx2", "fma", "f16c"} <= _cpu_flags()
+HAS_AVX2 = NATIVE and {"avx2", "fma", "f16c"} <= cpu_flags()
 MAX_ROWS = 16  # cpu::fp_chunked_max_rows
 CHUNK = 32
 GS, BITS = 32, 8
@@ -34,7 +36,9 @@ def route(x, wq, scales) -> str:
     return torch.ops.torch_qmm._cpu_route(x, wq, scales, None, BITS, GS, True, "mxfp8")
 
 
-def expected_route(M: int, K: int) -> str:
+def expected_route(M: int, K: int, dtype=torch.float32) -> str:
+    if takes_bf16_gemm(M, dtype):
+        return "gemm-bf16"
     return "chunked/avx2-e4m3" if K >= CHUNK and 1 <= M <= MAX_ROWS else "gemm"
 
 
@@ -62,18 +66,21 @@ def test_mxfp8_chunks_match_reference(dtype):
     for M, N, K in SHAPES:
         wq, scales = weights(N, K, gen)
         x = torch.randn(M, K, generator=gen).to(dtype)
-        assert route(x, wq, scales) == expected_route(M, K), (M, N, K)
+        assert route(x, wq, scales) == expected_route(M, K, dtype), (M, N, K)
         y = qmm(x, wq, scales)
         y_ref = reference_fp.qmm_fp(x, wq, scales, "mxfp8", GS, BITS)
         mag = reference_fp.qmm_fp_magnitude(x, wq, scales, "mxfp8", GS, BITS)
-        assert_matches_reference(y, y_ref, mag, dtype, f"mxfp8 M={M} N={N} K={K}")
+        assert_matches_reference(y, y_ref, mag, dtype, f"mxfp8 M={M} N={N} K={K}", precision=bf16_precision(M, dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mxfp8_chunks_exact_problems_bit_for_bit(dtype):
+def test_mxfp8_chunks_exact_problems_bit_for_bit(dtype, monkeypatch):
     """x = integers * 2^-4 (|x| <= 1), elements of magnitude 2^-3 .. 3.75 (exponent fields 4 .. 8:
     3 mantissa bits on a 2^-6 grid), scales 2^-4 .. 1, K <= 128: every product and partial sum the
-    kernel forms is a multiple of 2^-14 below 2^23 granules, so y is the exact product rounded once."""
+    kernel forms is a multiple of 2^-14 below 2^23 granules, so y is the exact product rounded once.
+    TORCH_QMM_CPU_NO_BF16=1 (which the AVX2 kernels ignore) keeps bfloat16 x at M = 16 on the chunk
+    kernel."""
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
     gen = torch.Generator().manual_seed(32)
     for M, N, K in [(1, 37, 32), (3, 37, 64), (5, 129, 96), (MAX_ROWS, 9, 128)]:
         exponent = torch.randint(4, 9, (N, K), generator=gen)

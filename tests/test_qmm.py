@@ -15,6 +15,7 @@ import torch
 import torch_qmm
 from torch_qmm import reference
 
+from cpu_features import bf16_precision, takes_bf16_gemm
 from tolerance import assert_matches_reference
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -30,25 +31,33 @@ def _packed(rows: int, cols: int, bits: int, group_size: int, dtype, seed: int):
     return torch_qmm.quantize(w, group_size=group_size, bits=bits)
 
 
-def _check(x, packed, bits, group_size, transpose, device, what):
+def _check(x, packed, bits, group_size, transpose, device, what, backend_name=None):
+    """On the C++ CPU kernels (backend_name "cpu"), a call that takes the bfloat16 GEMM route (tests/cpu_features.py)
+    is checked to take it and held to its bound (precision "medium")."""
     wq, scales, biases = packed
+    precision = "highest"
+    if backend_name == "cpu":
+        m = x.numel() // x.shape[-1]
+        route = torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, bits, group_size, transpose)
+        assert (route == "gemm-bf16") == takes_bf16_gemm(m, x.dtype, transpose), f"{what}: {route}"
+        precision = bf16_precision(m, x.dtype, transpose)
     y = torch_qmm.quantized_matmul(
         x.to(device), wq.to(device), scales.to(device), biases.to(device), transpose=transpose,
         group_size=group_size, bits=bits,
     )
     y_ref = reference.qmm(x, wq, scales, biases, bits, group_size, transpose)
     magnitude = reference.qmm_magnitude(x, wq, scales, biases, bits, group_size, transpose)
-    assert_matches_reference(y, y_ref, magnitude, x.dtype, what)
+    assert_matches_reference(y, y_ref, magnitude, x.dtype, what, precision=precision)
 
 
 @pytest.mark.parametrize("bits,group_size,dtype", itertools.product(BITS, GROUPS, DTYPES))
-def test_qmm_transposed_matches_reference(device, bits, group_size, dtype):
+def test_qmm_transposed_matches_reference(device, backend_name, bits, group_size, dtype):
     g = torch.Generator().manual_seed(bits * 7 + group_size)
     for n, k in itertools.product(ODD, (group_size, 3 * group_size)):
         packed = _packed(n, k, bits, group_size, dtype, seed=n * 31 + k)
         for m in MS:
             x = torch.randn(m, k, generator=g).to(dtype)
-            _check(x, packed, bits, group_size, True, device, f"M={m} N={n} K={k}")
+            _check(x, packed, bits, group_size, True, device, f"M={m} N={n} K={k}", backend_name)
 
 
 @pytest.mark.parametrize("bits,group_size,dtype", itertools.product(BITS, GROUPS, DTYPES))
@@ -107,7 +116,7 @@ def test_qmm_is_correct_with_two_threads(threads, transpose, m):
     # Work split across threads must not change the result beyond the tolerance (nor race).
     packed = _packed(200, 512, 4, 64, torch.float32, seed=6)
     x = torch.randn(m, 512 if transpose else 200)
-    _check(x, packed, 4, 64, transpose, "cpu", f"two threads, M={m}")
+    _check(x, packed, 4, 64, transpose, "cpu", f"two threads, M={m}", "cpu")
 
 
 def test_qmm_with_zero_rows_returns_empty(device):

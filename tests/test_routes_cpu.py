@@ -1,8 +1,11 @@
 """Every CPU affine_qmm route, reached on purpose at and around its boundaries, checked bit for bit.
 
 Each case first asserts the route torch.ops.torch_qmm._cpu_route names (the table below restates
-csrc/cpu/qmm_kernels.h: AVX-512 chunk kernels up to chunked_max_rows rows and from one chunk of K,
-then the AVX2 4-bit chunk kernel up to 15 rows from K = 64, fused below 16 rows, GEMM from 16),
+csrc/cpu/qmm_kernels.h: first, transpose=True, bfloat16 x from 16 rows takes the bfloat16 GEMM
+route where the CPU has bfloat16 matrix units (tests/cpu_features.py takes_bf16_gemm; its products
+are exact on these problems, whose weights are exact in bfloat16); then AVX-512 chunk kernels up to
+chunked_max_rows rows and from one chunk of K, then the AVX2 4-bit chunk kernel up to 15 rows from
+K = 64, fused below 16 rows, GEMM from 16),
 then runs two exact problems (tests/exact_cases.py): one whose float32 accumulation is exact (y
 must be the exact product rounded to nearest even: truncation or double rounding fails), one
 that selects single x values (float32 x must be used with all 24 bits: the third bfloat16 term;
@@ -21,6 +24,7 @@ import pytest
 import torch
 
 import torch_qmm
+from cpu_features import HAS_BF16_MATRIX_UNITS, takes_bf16_gemm
 from exact_cases import assert_bitwise, rounding_case, selection_case
 from test_cpu_chunked import AVX2_AFFINE_MAX_ROWS, AVX2_CHUNKS, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI, MAX_ROWS
 
@@ -35,6 +39,8 @@ def chunk_codes(bits: int) -> int:
 
 
 def expected_route(bits, dtype, M, K, transpose, no_bf16) -> str:
+    if takes_bf16_gemm(M, dtype, transpose, precision="highest", no_bf16=no_bf16):
+        return "gemm-bf16"
     stream = bits in (3, 5, 6)
     if transpose and HAS_AVX512 and K >= chunk_codes(bits) and not (stream and not HAS_VBMI):
         if HAS_BF16 and not no_bf16:
@@ -107,7 +113,7 @@ def test_cpu_route_is_exact_at_its_boundaries(case, monkeypatch):
 def test_every_cpu_route_is_reached():
     """The table above reaches every kernel this machine has."""
     routes = {expected_route(c[0], c[2], c[4], c[6], c[3], c[7]) for c in CASES}
-    want = {"fused", "gemm"}
+    want = {"fused", "gemm"} | ({"gemm-bf16"} if HAS_BF16_MATRIX_UNITS else set())
     if HAS_AVX512:
         want |= {"chunked/f32"} if not HAS_BF16 else {"chunked/bf16x1", "chunked/bf16x2", "chunked/bf16x3"}
     if HAS_AVX2:

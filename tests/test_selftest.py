@@ -23,11 +23,13 @@ import yaml
 from torch_qmm import metal_source, selftest
 from torch_qmm.__main__ import main
 
+from cpu_features import takes_bf16_gemm
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = ROOT / ".github" / "workflows" / "macos-mps.yml"
 REPORT_KEYS = {"route", "kernel", "planned_kernel", "M", "N", "K", "dtype", "bits", "group_size", "transpose",
                "ggml_type", "ok", "error", "max_error", "bound", "worst_ratio", "variant", "op", "E", "pattern",
-               "x_batch", "lhs", "rhs", "sorted_indices"}
+               "x_batch", "lhs", "rhs", "sorted_indices", "precision"}
 
 
 def _routes() -> list[dict]:
@@ -115,6 +117,11 @@ def test_selftest_on_cpu_passes_in_full(tmp_path, capsys, all_cases, one_thread)
             assert c["max_error"] == 0 and c["bound"] == 0, c  # bit for bit (affine dequantize: MLX's rounding)
         elif c["op"] in ("qmm", "gguf_qmm", "gather_qmm"):
             assert 0 <= c["worst_ratio"] <= 1 and c["bound"] > 0, c
+            # qmm calls that take the bfloat16 GEMM route (tests/cpu_features.py) are held to its
+            # bound, every other result to the exact tolerance.
+            bf16 = c["op"] == "qmm" and takes_bf16_gemm(c["M"], selftest.DTYPES[c["dtype"]], c["transpose"] in (None, True))
+            assert (c["kernel"] == "gemm-bf16") == bf16, c
+            assert c["precision"] == ("medium" if bf16 else "highest"), c
     env = doc["environment"]
     assert env["device"] == "cpu" and env["torch"] == torch.__version__ and env["commit"]
     # the kernel recorded on cpu is the CPU route the op takes

@@ -1,0 +1,81 @@
+"""What this CPU has, read from /proc/cpuinfo independently of the code under test, and the CPU
+routing rules the tests share that depend on it.
+
+The extension is built with -march=native (setup.py) unless TORCH_QMM_PORTABLE=1, so the
+instruction sets a kernel is compiled for are this CPU's (NATIVE). The bfloat16 GEMM route
+(csrc/cpu/bf16_gemm.h) instead asks torch at run time whether the CPU has bfloat16 matrix units,
+whatever the build.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+NATIVE = os.environ.get("TORCH_QMM_PORTABLE", "0") != "1" and platform.machine() == "x86_64"
+HAS_AVX512 = NATIVE and {"avx512f", "avx512bw"} <= cpu_flags()
+HAS_BF16 = HAS_AVX512 and "avx512_bf16" in cpu_flags()
+HAS_VBMI = HAS_AVX512 and "avx512vbmi" in cpu_flags()  # bit-stream chunks (bits 3/5/6) gather with vpermb
+HAS_AVX2 = NATIVE and {"avx2", "fma"} <= cpu_flags()
+
+# The int8-activation kernels' dot-product instructions (csrc/cpu/actq_dot.h kDotIsa), part of
+# their route names ("int8x/<isa>-u4").
+if NATIVE and {"avx512_vnni", "avx512vl"} <= cpu_flags():
+    DOT_ISA = "avx512vnni"
+elif NATIVE and "avx_vnni" in cpu_flags():
+    DOT_ISA = "avxvnni"
+else:
+    DOT_ISA = "avx2"
+
+# ---- the bfloat16 GEMM route ("gemm-bf16") --------------------------------------------------------
+# Bfloat16 matrix units as torch reports them (at::cpu capabilities "amx_bf16" / "avx512_bf16"):
+# AMX-BF16, or AVX512_BF16 alone (e.g. Zen 4) counts too.
+HAS_BF16_MATRIX_UNITS = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+BF16_GEMM_MIN_ROWS = 16  # mirrors csrc/cpu/bf16_gemm.h kBf16GemmMinRows
+
+
+def env_on(name: str) -> bool:
+    """Whether an environment switch is set as the C++ reads it (non-empty, not starting with 0)."""
+    v = os.environ.get(name, "")
+    return v != "" and v[0] != "0"
+
+
+def takes_bf16_gemm(m: int, x_dtype: torch.dtype, transpose: bool = True, precision: str | None = None,
+                    no_bf16: bool | None = None) -> bool:
+    """Whether CPU qmm of x [m, K] in x_dtype takes "gemm-bf16": transpose=True, m >= 16, x allowed
+    in bfloat16 (bfloat16 x, or float32 x under float32 matmul precision "medium"; `precision`
+    None: torch's current setting), TORCH_QMM_CPU_NO_BF16 unset (`no_bf16` None: the environment
+    decides), and bfloat16 matrix units (or TORCH_QMM_CPU_FORCE_BF16_GEMM=1). Its results are
+    within the tolerance of float32 matmul precision "medium" (bf16_precision)."""
+    if not transpose or m < BF16_GEMM_MIN_ROWS:
+        return False
+    if env_on("TORCH_QMM_CPU_NO_BF16") if no_bf16 is None else no_bf16:
+        return False
+    if not (HAS_BF16_MATRIX_UNITS or env_on("TORCH_QMM_CPU_FORCE_BF16_GEMM")):
+        return False
+    if x_dtype == torch.bfloat16:
+        return True
+    if x_dtype == torch.float32:
+        return (torch.get_float32_matmul_precision() if precision is None else precision) == "medium"
+    return False
+
+
+def bf16_precision(m: int, x_dtype: torch.dtype, transpose: bool = True, precision: str = "highest",
+                   no_bf16: bool | None = None) -> str:
+    """The tolerance precision (tests/tolerance.py X_RTOL) a CPU qmm result is held to: "medium"
+    where the call takes gemm-bf16 (w rounded to bfloat16 as x is at "medium"), else `precision`."""
+    return "medium" if takes_bf16_gemm(m, x_dtype, transpose, precision, no_bf16) else precision
