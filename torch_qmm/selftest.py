@@ -47,7 +47,7 @@ from typing import Callable, Optional
 import torch
 
 from . import reference
-from .tolerance import error_bound
+from .tolerance import error_bound, route_precision
 
 DESCRIPTION = __doc__  # the --help text
 DEVICES = ("mps", "metalsim", "cpu")
@@ -256,19 +256,10 @@ def _weights(rows: int, cols: int, dtype, gen: torch.Generator) -> torch.Tensor:
     return w.to(dtype)
 
 
-# The CPU routes whose products round w as precision "medium" rounds x (X_RTOL["medium"]).
-_CPU_BF16_ROUTES = ("gemm-bf16",)
-
-
-def _precision(kernel: str) -> str:
-    """The tolerance precision for a result of `kernel` (the CPU route that ran, or a Metal kernel)."""
-    return "medium" if kernel in _CPU_BF16_ROUTES else "highest"
-
-
 def _compare(case: Case, y: torch.Tensor, y_ref: torch.Tensor, magnitude: torch.Tensor, dtype) -> None:
     if y.dtype != dtype or tuple(y.shape) != tuple(y_ref.shape):
         raise AssertionError(f"result {y.dtype} {tuple(y.shape)}, expected {dtype} {tuple(y_ref.shape)}")
-    case.precision = _precision(case.kernel)
+    case.precision = route_precision(case.kernel)
     err = (y.detach().cpu().to(torch.float64) - y_ref).abs()
     bound = error_bound(y_ref, magnitude, dtype, case.precision)
     ratio = err / bound
@@ -441,8 +432,18 @@ def _run_gather(case: Case, runner: _Runner, gen, dtype) -> None:
     y = runner.run(case, lambda: gather_qmm(x_d, wq_d, s_d, b_d, lhs_d, rhs_d, transpose=case.transpose,
                                             group_size=case.group_size, bits=case.bits, mode=case.mode,
                                             sorted_indices=case.sorted_indices),
-                   lambda: "cpu gather_qmm")
+                   lambda: _gather_cpu_route(case, x, w))
     _compare(case, y.cpu(), torch.stack([r[0] for r in refs]), torch.stack([r[1] for r in refs]), dtype)
+
+
+def _gather_cpu_route(case: Case, x: torch.Tensor, w: list) -> str:
+    """"cpu gather_qmm <route>": the CPU qmm route of the matrix with the most pairs (gather_qmm
+    runs each matrix's rows through qmm's route for that many rows)."""
+    e = max(set(case.rhs), key=case.rhs.count)
+    rows = torch.cat([x[i] for i, r in zip(case.lhs, case.rhs) if r == e])
+    route = torch.ops.torch_qmm._cpu_route(rows, w[0][e], w[1][e], None if w[2] is None else w[2][e], case.bits,
+                                           case.group_size, case.transpose, case.mode)
+    return f"cpu gather_qmm {route}"
 
 
 def _run_gguf(case: Case, runner: _Runner, gen, dtype, gguf_matmul) -> None:

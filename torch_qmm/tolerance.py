@@ -32,6 +32,16 @@ ACC_RTOL = 2e-5
 #   two terms ("high"), 2^-8 for one ("medium").
 X_RTOL = {"highest": 0.0, "high": 2**-16, "medium": 2**-8}
 
+# CPU routes whose products round w to bfloat16 (csrc/cpu/bf16_gemm.h) as precision "medium"
+#   rounds x: their results are held to X_RTOL["medium"] whatever the float32 matmul precision.
+CPU_BF16_ROUTES = ("gemm-bf16",)
+
+
+def route_precision(route: str, precision: str = "highest") -> str:
+    """The precision a result of the kernel `route` is held to: a CPU route name (possibly after a
+    prefix and a space, "cpu gather_qmm gemm-bf16"), or a Metal kernel's."""
+    return "medium" if route.split(" ")[-1] in CPU_BF16_ROUTES else precision
+
 
 def error_bound(y_ref: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype,
                 precision: str = "highest") -> torch.Tensor:

@@ -224,8 +224,8 @@ MUTANTS: list[Mutant] = [
            "gather_qmm on CPU: a group's rows of x start at its first pair's index instead of index * M "
            "(wrong for every group but the first when M > 1)"),
     Mutant("c6-bf16-gemm-last-tile-dropped", "csrc/cpu/bf16_gemm.cpp",
-           "const int64_t tiles = (a.N + kTileRows - 1) / kTileRows;", "const int64_t tiles = a.N / kTileRows;",
-           BF16, "the bf16 GEMM leaves the last N % 256 columns of y unwritten"),
+           "tiles = (a.N + rows - 1) / rows;", "tiles = a.N / rows;",
+           BF16, "the bf16 GEMM leaves the last N % (rows per tile) columns of y unwritten"),
     Mutant("c6-all-finite-misses-nan", "csrc/cpu/qmm.cpp",
            "acc += (u[i] & 0x7f800000u) == 0x7f800000u;", "acc += (u[i] & 0x7fffffffu) == 0x7f800000u;",
            CPU_NONFINITE,

@@ -34,7 +34,7 @@ from ..activations import activation_quantization
 from ..devices import synchronize
 from ..formats import FORMATS
 from ..ops import gguf_matmul, quantized_matmul
-from ..tolerance import worst_ratio
+from ..tolerance import route_precision, worst_ratio
 
 OURS = "torch_qmm"
 
@@ -149,7 +149,8 @@ def _ours_fp(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generato
     y = quantized_matmul(x, wq.to(x.device), scales.to(x.device), None, group_size=gs, bits=bits, mode=cfg.fmt).cpu()
     y_ref = reference_fp.qmm_fp(x.cpu(), wq, scales, cfg.fmt, gs, bits)
     mag = reference_fp.qmm_fp_magnitude(x.cpu(), wq, scales, cfg.fmt, gs, bits)
-    worst = worst_ratio(y, y_ref, mag, getattr(torch, cfg.dtype), torch.get_float32_matmul_precision())
+    precision = _precision(x, wq, scales, None, bits, gs, cfg.fmt)
+    worst = worst_ratio(y, y_ref, mag, getattr(torch, cfg.dtype), precision)
     if not worst <= 1.0:
         raise AssertionError(f"torch_qmm output differs from the reference for {cfg} (worst error/bound {worst:.2f})")
     mode = cfg.fmt
@@ -173,16 +174,27 @@ def _ours(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) 
     return (lambda i: quantized_matmul(x, *sets[i % len(sets)], group_size=gs, bits=bits)), nbytes
 
 
+def _precision(x: torch.Tensor, wq, scales, biases, bits: int, group_size: int, mode: str) -> str:
+    """The tolerance precision of torch_qmm's result: the float32 matmul precision in force, or
+    that of the CPU route the call takes (tolerance.route_precision)."""
+    precision = torch.get_float32_matmul_precision()
+    if x.device.type != "cpu":
+        return precision
+    route = torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, bits, group_size, True, mode)
+    return route_precision(route, precision)
+
+
 def _check_ours(cfg: Config, x: torch.Tensor, wq, scales, biases, cols: int = 64) -> None:
     """torch_qmm vs the float64 reference on the first `cols` outputs (torch_qmm/tolerance.py, at
-    the float32 matmul precision in force)."""
+    the precision of _precision)."""
     cols = min(cols, cfg.n)
     wq, scales, biases = wq[:cols].cpu(), scales[:cols].cpu(), biases[:cols].cpu()
     y = quantized_matmul(x, wq.to(x.device), scales.to(x.device), biases.to(x.device),
                          group_size=cfg.group_size, bits=cfg.bits).cpu()
     y_ref = reference.qmm(x.cpu(), wq, scales, biases, cfg.bits, cfg.group_size, True)
     mag = reference.qmm_magnitude(x.cpu(), wq, scales, biases, cfg.bits, cfg.group_size, True)
-    worst = worst_ratio(y, y_ref, mag, getattr(torch, cfg.dtype), torch.get_float32_matmul_precision())
+    precision = _precision(x, wq, scales, biases, cfg.bits, cfg.group_size, "affine")
+    worst = worst_ratio(y, y_ref, mag, getattr(torch, cfg.dtype), precision)
     if not worst <= 1.0:
         raise AssertionError(f"torch_qmm output differs from the reference for {cfg} (worst error/bound {worst:.2f})")
 
