@@ -307,8 +307,15 @@ void run_terms(const GgufArgs& a, float* y) {
 
 }  // namespace
 
+// The bfloat16 multipliers yield to the AVX2 kernels, where those serve, for float32 x (three
+// terms) and for Q6_K: on the AVX-512 + AMX Xeon measured they are 1.2-2.4x slower there at
+// M = 1-8 (benchmarks/README.md, "Routes on an AVX-512 Xeon").
+static bool bf16_yields(const GgufArgs& a, int64_t ggml_type) {
+  return (a.x_bf16_terms >= 3 || ggml_type == Q6K::kType) && gguf_avx2_multiplier(a, ggml_type) != nullptr;
+}
+
 static const char* bf16_multiplier(const GgufArgs& a, int64_t ggml_type) {
-  if (a.avoid_bf16 || a.M < 1) return nullptr;
+  if (a.avoid_bf16 || a.M < 1 || bf16_yields(a, ggml_type)) return nullptr;
   const int64_t limit = ggml_type == Q4K::kType ? Q4K::max_rows(a.x_bf16_terms)
                         : ggml_type == Q6K::kType ? Q6K::max_rows(a.x_bf16_terms) : 0;
   if (a.M > limit || !x_in_range(a.x, a.M * a.K)) return nullptr;

@@ -174,6 +174,20 @@ void run_bf16(const QmmArgs& a, float* y) {
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Whether float32 x (three bfloat16 terms) leaves the bfloat16 multipliers to a float32 one:
+// F32Multiplier (4-bit, M = 1) or the AVX2 kernels, where they serve. Three vdpbf16ps per chunk
+// lose to their float32 FMAs by 1.6-2.4x at M = 1-8 on the AVX-512 + AMX Xeon measured
+// (benchmarks/README.md, "Routes on an AVX-512 Xeon").
+bool bf16x3_yields(const QmmArgs& a) {
+  if (a.x_bf16_terms < 3) return false;
+  return (a.M == 1 && a.bits == 4) || avx2_chunked_multiplier(a) != nullptr;
+}
+
+// Whether the bfloat16 multipliers are in play for `a`.
+bool bf16_chunks(const QmmArgs& a) { return !a.avoid_bf16 && !bf16x3_yields(a); }
+#endif
+
 // The AVX-512 affine multiplier that serves `a`, or null.
 const char* affine_multiplier(const QmmArgs& a) {
   if (a.bits < 2 || a.bits > 8 || a.bits == 7) return nullptr;
@@ -184,10 +198,11 @@ const char* affine_multiplier(const QmmArgs& a) {
   if (a.group_size != 32 && a.group_size != 64 && a.group_size != 128) return nullptr;
   const char* name = nullptr;
 #if defined(__AVX512BF16__)
-  if (!a.avoid_bf16 && a.M <= chunked_max_rows(a.bits, a.x_bf16_terms))
+  const bool bf16 = bf16_chunks(a);
+  if (bf16 && a.M <= chunked_max_rows(a.bits, a.x_bf16_terms))
     name = a.x_bf16_terms == 1 ? Bf16Multiplier<1, 4>::kName
            : a.x_bf16_terms == 2 ? Bf16Multiplier<2, 4>::kName : Bf16Multiplier<3, 4>::kName;
-  if (!a.avoid_bf16 && name == nullptr) return nullptr;
+  if (bf16 && name == nullptr) return nullptr;
 #endif
   if (name == nullptr && a.M == 1 && a.bits == 4) name = F32Multiplier::kName;  // 4-bit, M = 1
   return name != nullptr && x_in_range(a.x, a.M * a.K) ? name : nullptr;
@@ -195,7 +210,7 @@ const char* affine_multiplier(const QmmArgs& a) {
 
 void run_affine(const QmmArgs& a, float* y) {
 #if defined(__AVX512BF16__)
-  if (!a.avoid_bf16) {
+  if (bf16_chunks(a)) {
     switch (a.bits) {
       case 2: return run_bf16<2>(a, y);
       case 4: return run_bf16<4>(a, y);
