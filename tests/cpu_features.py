@@ -79,3 +79,21 @@ def bf16_precision(m: int, x_dtype: torch.dtype, transpose: bool = True, precisi
     """The tolerance precision (tests/tolerance.py X_RTOL) a CPU qmm result is held to: "medium"
     where the call takes gemm-bf16 (w rounded to bfloat16 as x is at "medium"), else `precision`."""
     return "medium" if takes_bf16_gemm(m, x_dtype, transpose, precision, no_bf16) else precision
+
+
+# ---- float32 x on the float32 chunk kernels --------------------------------------------------------
+# The AVX2 affine chunk kernels (csrc/cpu/avx2_chunked.cpp): codes per chunk by bits, rows of x.
+AVX2_AFFINE_CHUNKS = {4: 64, 8: 32}
+AVX2_AFFINE_MAX_ROWS = 15  # cpu::avx2_affine_max_rows
+
+
+def avx2_affine_serves(bits: int, m: int, k: int) -> bool:
+    """Whether the AVX2 affine chunk kernel takes x [m, k] (x in range), TORCH_QMM_CPU_NO_AVX2_CHUNKS unset."""
+    return (HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS") and bits in AVX2_AFFINE_CHUNKS
+            and k >= AVX2_AFFINE_CHUNKS[bits] and 1 <= m <= AVX2_AFFINE_MAX_ROWS)
+
+
+def bf16x3_yields(bits: int, terms: int, m: int, k: int) -> bool:
+    """Whether float32 x (three bfloat16 terms) leaves the AVX-512 bfloat16 affine multipliers to a
+    float32 one: the AVX-512 F32 multiplier (4-bit, m = 1) or the AVX2 kernels where they serve."""
+    return terms >= 3 and ((m == 1 and bits == 4) or avx2_affine_serves(bits, m, k))

@@ -153,6 +153,7 @@ def k_quant_magnitude(x: torch.Tensor, blocks, ggml_type) -> torch.Tensor:
 # GGUF_BF16_MAX_ROWS[type, bfloat16 terms of x] rows, unless TORCH_QMM_CPU_NO_BF16=1; then the AVX2
 # ones up to GGUF_AVX2_MAX_ROWS rows, unless TORCH_QMM_CPU_NO_AVX2_CHUNKS=1; then the fused decode
 # below 16 rows (cpu::kGemmMinRows), the GEMM from there. x out of range skips both chunk families.
+# Float32 x (three terms) and Q6_K take the AVX2 kernels first wherever those serve.
 GGUF_BF16_MAX_ROWS = {(Q4_K, 3): 16, (Q4_K, 2): 32, (Q4_K, 1): 128, (Q6_K, 3): 2, (Q6_K, 2): 4, (Q6_K, 1): 32}
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
 GGUF_AVX2_NAMES = {Q4_K: "chunked/avx2-q4k", Q6_K: "chunked/avx2-q6k"}
@@ -162,8 +163,12 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True) -> st
     """The route _gguf_cpu_route names for x [m, K] of `dtype` (float32 under precision "highest"),
     under the current environment."""
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
-    if x_in_range and HAS_BF16 and not env_on("TORCH_QMM_CPU_NO_BF16") and m <= GGUF_BF16_MAX_ROWS[ggml_type, terms]:
+    avx2 = x_in_range and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS") and m <= GGUF_AVX2_MAX_ROWS
+    # The bfloat16 kernels yield to the AVX2 ones, where those serve, for float32 x and for Q6_K.
+    yields = avx2 and (terms == 3 or ggml_type == Q6_K)
+    if (x_in_range and HAS_BF16 and not env_on("TORCH_QMM_CPU_NO_BF16") and not yields
+            and m <= GGUF_BF16_MAX_ROWS[ggml_type, terms]):
         return f"chunked/bf16x{terms}"
-    if x_in_range and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS") and m <= GGUF_AVX2_MAX_ROWS:
+    if avx2:
         return GGUF_AVX2_NAMES[ggml_type]
     return "fused" if m < 16 else "gemm"

@@ -20,15 +20,14 @@ import torch_qmm
 from torch_qmm import reference
 
 from cpu_features import BF16_GEMM_MIN_ROWS, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI  # noqa: F401 (shared with other tests)
-from cpu_features import bf16_precision, takes_bf16_gemm
+from cpu_features import bf16_precision, bf16x3_yields, takes_bf16_gemm
+from cpu_features import AVX2_AFFINE_CHUNKS as AVX2_CHUNKS, AVX2_AFFINE_MAX_ROWS  # noqa: F401 (shared with other tests)
 from tolerance import assert_matches_reference
 from test_cpu_kernels import random_packed
 
 # The AVX2 chunk kernels (csrc/cpu/avx2_chunked.cpp; HAS_AVX2): affine 4-bit (64-code chunks) and
 # 8-bit (32-code chunks), up to cpu::avx2_affine_max_rows rows, where the AVX-512 ones do not serve the call.
 AVX2_CHUNK = 64
-AVX2_CHUNKS = {4: 64, 8: 32}  # codes per chunk by bits
-AVX2_AFFINE_MAX_ROWS = 15
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TERMS = {torch.bfloat16: 1, torch.float16: 2}  # exact; float32: by precision
 PRECISION_TERMS = {"highest": 3, "high": 2, "medium": 1}
@@ -63,7 +62,8 @@ def precision():
     torch.set_float32_matmul_precision(before)
 
 
-def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m: int = 1, bits: int = 4) -> str:
+def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m: int = 1, bits: int = 4,
+                   k: int = 64) -> str:
     if takes_bf16_gemm(m, dtype, precision=precision, no_bf16=tile == "f32"):
         return "gemm-bf16"  # before the chunk kernels (tests/cpu_features.py)
     others = "fused" if m < 16 else "gemm"  # cpu::kGemmMinRows
@@ -74,6 +74,8 @@ def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m:
     if bits in (3, 5, 6) and not HAS_VBMI:
         return others
     terms = TERMS.get(dtype, PRECISION_TERMS[precision])
+    if bf16x3_yields(bits, terms, m, k):  # float32 x: the float32 kernels first (tests/cpu_features.py)
+        return "chunked/f32" if m == 1 and bits == 4 else others
     limit = MAX_ROWS[bits, terms]
     if limit is not None and m > limit:
         return others

@@ -73,9 +73,11 @@ def test_chunk_kernels_up_to_their_row_limit(ggml_type, dtype):
         check(x, blocks, w, 20, 512, dtype, f"{ggml_type.name} M={m}", ggml_type)
 
 
-def test_q4k_scales_and_mins_use_all_six_bits():
+def test_q4k_scales_and_mins_use_all_six_bits(monkeypatch):
     """Every 6-bit scale and min value (high bits from the packed bytes) on the chunk kernel:
-    blocks with scale bytes sweeping 0..255 against the gguf package."""
+    blocks with scale bytes sweeping 0..255 against the gguf package. (Float32 x takes the AVX2
+    kernel first where it is built; with it stepped aside the bfloat16 one serves.)"""
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
     n, k = 256, 256
     blocks, _ = _case(n, k, seed=4)
     raw = blocks.numpy().reshape(n, 144).copy()
@@ -87,7 +89,8 @@ def test_q4k_scales_and_mins_use_all_six_bits():
     check(x, blocks, w, n, k, torch.float32, "all scale bytes")
 
 
-def test_q4k_chunk_kernel_two_threads_and_batched_x(threads):
+def test_q4k_chunk_kernel_two_threads_and_batched_x(threads, monkeypatch):
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")  # the bfloat16 kernel (float32 x takes AVX2 first)
     blocks, w = _case(300, 1024, seed=6)
     x = torch.randn(2, 3, 1024, generator=torch.Generator().manual_seed(6))
     assert route(x, blocks, 300, 1024) == "chunked/bf16x3"

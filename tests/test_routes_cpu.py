@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import torch_qmm
-from cpu_features import HAS_BF16_MATRIX_UNITS, takes_bf16_gemm
+from cpu_features import HAS_BF16_MATRIX_UNITS, bf16x3_yields, takes_bf16_gemm
 from exact_cases import assert_bitwise, rounding_case, selection_case
 from test_cpu_chunked import AVX2_AFFINE_MAX_ROWS, AVX2_CHUNKS, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI, MAX_ROWS
 
@@ -43,7 +43,7 @@ def expected_route(bits, dtype, M, K, transpose, no_bf16) -> str:
         return "gemm-bf16"
     stream = bits in (3, 5, 6)
     if transpose and HAS_AVX512 and K >= chunk_codes(bits) and not (stream and not HAS_VBMI):
-        if HAS_BF16 and not no_bf16:
+        if HAS_BF16 and not no_bf16 and not bf16x3_yields(bits, TERMS[dtype], M, K):
             limit = MAX_ROWS[(bits, TERMS[dtype])]
             if limit is None or M <= limit:
                 return f"chunked/bf16x{TERMS[dtype]}"
