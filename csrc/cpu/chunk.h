@@ -22,12 +22,13 @@
 // its own float32 matmuls at those settings (QmmArgs::x_bf16_terms).
 // A W chunk is decoded once for all the x rows of a tile.
 //
-// F32Multiplier (4-bit only; AVX-512 without BF16, M = 1). The chunk is 16 dwords of 8 nibbles:
-//   vector j (0..7), lane l:  w & (15 << 4j)  =  q[8l + j] * 16^j     (no shift)
-//   converted unsigned (exact: 4 significant bits), times xw[c][j][l] = x[128c + 8l + j] * 2^-4j
-// so every 16 codes cost one and, one convert and one FMA; the powers of two cancel exactly (for
-// |x| >= 2^-98), so each FMA adds q * x, rounded once as an FMA does.
-//
+// F32Multiplier<BITS> (bits 4 and 8; AVX-512 F). The chunk is 16 dwords of 32/BITS fields:
+//   vector j, lane l:  w & (2^BITS - 1 << BITS*j)  =  q[(32/BITS) l + j] * 2^(BITS j)   (no shift)
+//   converted unsigned (exact: <= 8 significant bits), times xw[c][j][l] = x[...] * 2^-(BITS j)
+// so every 16 codes cost one and, one convert and one FMA per x row (the and and the convert
+// shared by the tile's x rows); the powers of two cancel exactly (for |x| >= 2^-98), so each FMA
+// adds q * x, rounded once as an FMA does. Where it goes before the bfloat16 products:
+// qmm_chunked.cpp.
 // Both leave lane l with codes of one group, so the scale is a per-lane vector (chunk_lanes)
 // applied once per chunk, and the bias is hoisted out of the chunk loop (qmm_chunked.cpp):
 //   y[m, n] = sum_c hsum(s_c * p_c) + sum_g b[g] * xsum[m, g]     (xsum = sum of x over a group)
@@ -130,19 +131,27 @@ inline void prefetch_params(const QmmArgs& a, int64_t n, int64_t groups) {
 // p[r][m] += (q of W row r) * (x row m), lane l holding the products of codes (32/BITS) * l ..
 // + 32/BITS - 1, all in one group (chunk_lanes). Always inlined: a call would send w and p through
 // memory.
+template <int BITS>
 struct F32Multiplier {
+  static_assert(BITS == 4 || BITS == 8, "float32 chunks: bits 4 and 8");
   static constexpr const char* kName = "f32";
-  static constexpr int kBits = 4;
-  static constexpr int kMaxXBlock = 1;  // routed at M = 1 only
+  static constexpr int kBits = BITS;
+  static constexpr int kMaxXBlock = 4;
   using X = float;
-  static constexpr int64_t kXPerChunk = 128;  // xw floats per chunk per x row
+  static constexpr int kVectors = 32 / BITS;                   // fields per dword
+  static constexpr int64_t kXPerChunk = 16 * kVectors;         // xw floats per chunk per x row
+  // Code (within the chunk) that vector j, lane l holds, and the factor on its x.
+  static constexpr int code(int j, int l) { return kVectors * l + j; }
+  static constexpr float x_factor(int j) { return 1.0f / float(uint64_t(1) << (BITS * j)); }
   template <int R, int MB>
   __attribute__((always_inline)) static inline void dot(const __m512i (&w)[R], const float* const (&xc)[MB],
                                                         __m512 (&p)[R][MB]) {
-    // One chain per (r, m): 8 FMAs per chunk at 4 cycles each hide under the other rows' work.
+    // One chain per (r, m): kVectors FMAs per chunk at 4 cycles each hide under the other rows'
+    // work. A field masked in place is q * 2^(BITS j), converted unsigned (exact: <= 8
+    // significant bits).
     auto step = [&](auto jc) __attribute__((always_inline)) {
       constexpr int j = decltype(jc)::value;
-      const __m512i mask = _mm512_set1_epi32(int(15u << (4 * j)));
+      const __m512i mask = _mm512_set1_epi32(int(((1u << BITS) - 1) << (BITS * j)));
       __m512 xj[MB];
       for (int m = 0; m < MB; ++m) xj[m] = _mm512_loadu_ps(xc[m] + 16 * j);
       for (int r = 0; r < R; ++r) {
@@ -150,7 +159,7 @@ struct F32Multiplier {
         for (int m = 0; m < MB; ++m) p[r][m] = _mm512_fmadd_ps(q, xj[m], p[r][m]);
       }
     };
-    for_each_index(step, std::make_integer_sequence<int, 8>{});
+    for_each_index(step, std::make_integer_sequence<int, kVectors>{});
   }
 };
 

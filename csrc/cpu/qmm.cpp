@@ -177,6 +177,16 @@ bool avoid_bf16() {
   return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
 
+bool float32_fma_first() {
+  if (const char* v = std::getenv("TORCH_QMM_CPU_FMA_FIRST"); v != nullptr && v[0] != '\0') return v[0] != '0';
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+#else
+  return false;
+#endif
+}
+
 int x_bf16_terms_for(at::ScalarType x_dtype) {
   if (x_dtype == at::kBFloat16) return 1;
   if (x_dtype == at::kHalf) return 2;

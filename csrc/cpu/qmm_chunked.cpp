@@ -9,6 +9,7 @@
 // (x_in_range). Measurements: benchmarks/README.md.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "chunk.h"
@@ -20,17 +21,25 @@
 namespace torch_qmm {
 namespace cpu {
 
+bool f32_chunks_avoided() {
+  const char* v = std::getenv("TORCH_QMM_CPU_NO_F32_CHUNKS");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 namespace {
 
 using namespace chunk;
 
-// One row of x, whole chunks -> xw for F32Multiplier (lanes of vector j times 2^-4j: exact in range).
-void prepare_chunks(const float* x, int64_t chunks, float* xw, F32Multiplier) {
-  static constexpr float kPow[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f};
+// One row of x, whole chunks -> xw for F32Multiplier (lanes of vector j times 2^-(BITS j): exact
+// in range).
+template <int BITS>
+void prepare_chunks(const float* x, int64_t chunks, float* xw, F32Multiplier<BITS>) {
+  using C = F32Multiplier<BITS>;
+  constexpr int kCodes = kCodesPerChunk<BITS>;
   for (int64_t c = 0; c < chunks; ++c)
-    for (int j = 0; j < 8; ++j)
-      for (int l = 0; l < 16; ++l) xw[128 * c + 16 * j + l] = x[128 * c + 8 * l + j] * kPow[j];
+    for (int j = 0; j < C::kVectors; ++j)
+      for (int l = 0; l < 16; ++l) xw[C::kXPerChunk * c + 16 * j + l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j);
 }
 
 #if defined(__AVX512BF16__)
@@ -174,18 +183,26 @@ void run_bf16(const QmmArgs& a, float* y) {
 }
 #endif
 
+// Whether the float32 multiplier (4-bit and 8-bit) takes `a`'s rows: up to the GEMM routes,
+// unless TORCH_QMM_CPU_NO_F32_CHUNKS=1 steps it aside (then the AVX2 kernels serve, as on CPUs
+// without AVX-512).
+bool f32_serves(const QmmArgs& a) {
+  return (a.bits == 4 || a.bits == 8) && a.M >= 1 && a.M <= avx2_affine_max_rows && !f32_chunks_avoided();
+}
+
 #if defined(__AVX512BF16__)
-// Whether float32 x (three bfloat16 terms) leaves the bfloat16 multipliers to a float32 one:
-// F32Multiplier (4-bit, M = 1) or the AVX2 kernels, where they serve. Three vdpbf16ps per chunk
-// lose to their float32 FMAs by 1.6-2.4x at M = 1-8 on the AVX-512 + AMX Xeon measured
-// (benchmarks/README.md, "Routes on an AVX-512 Xeon").
-bool bf16x3_yields(const QmmArgs& a) {
-  if (a.x_bf16_terms < 3) return false;
-  return (a.M == 1 && a.bits == 4) || avx2_chunked_multiplier(a) != nullptr;
+// Whether the float32 kernels go first for `a`: float32 x (three bfloat16 terms) on every CPU,
+// where the float32 multiplier or the AVX2 kernels serve (three vdpbf16ps per chunk lose to
+// their FMAs by 1.6-2.4x at M = 1-8 on the AVX-512 + AMX Xeon measured); bfloat16 and float16 x
+// (one and two terms) where float32_fma_first() says so (benchmarks/README.md, "Routes on an
+// AVX-512 Xeon").
+bool float32_first(const QmmArgs& a) {
+  if (a.x_bf16_terms >= 3) return f32_serves(a) || avx2_chunked_multiplier(a) != nullptr;
+  return f32_serves(a) && float32_fma_first();
 }
 
 // Whether the bfloat16 multipliers are in play for `a`.
-bool bf16_chunks(const QmmArgs& a) { return !a.avoid_bf16 && !bf16x3_yields(a); }
+bool bf16_chunks(const QmmArgs& a) { return !a.avoid_bf16 && !float32_first(a); }
 #endif
 
 // The AVX-512 affine multiplier that serves `a`, or null.
@@ -204,7 +221,7 @@ const char* affine_multiplier(const QmmArgs& a) {
            : a.x_bf16_terms == 2 ? Bf16Multiplier<2, 4>::kName : Bf16Multiplier<3, 4>::kName;
   if (bf16 && name == nullptr) return nullptr;
 #endif
-  if (name == nullptr && a.M == 1 && a.bits == 4) name = F32Multiplier::kName;  // 4-bit, M = 1
+  if (name == nullptr && f32_serves(a)) name = F32Multiplier<4>::kName;
   return name != nullptr && x_in_range(a.x, a.M * a.K) ? name : nullptr;
 }
 
@@ -224,7 +241,8 @@ void run_affine(const QmmArgs& a, float* y) {
     }
   }
 #endif
-  run_multiplier<F32Multiplier>(a, y);
+  if (a.bits == 8) return run_multiplier<F32Multiplier<8>>(a, y);
+  run_multiplier<F32Multiplier<4>>(a, y);
 }
 
 }  // namespace

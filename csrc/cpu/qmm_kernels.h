@@ -55,6 +55,13 @@ at::Tensor qmm_float(QmmArgs a, at::Tensor xf, bool transpose);
 int x_bf16_terms_for(at::ScalarType x_dtype);
 // Whether the environment asks for float32-only kernels (QmmArgs::avoid_bf16).
 bool avoid_bf16();
+// Whether the AVX-512 float32-FMA multipliers go before the bfloat16 dot products (vdpbf16ps)
+// for x they both take exactly (float32 x as 3 terms, bfloat16 x as 1): on Intel cores, where
+// one vdpbf16ps costs more than the 32 / 16 FMAs' worth of work it replaces (an AVX-512 + AMX
+// Xeon: 1.1-1.6x at M = 1-8; benchmarks/README.md, "Routes on an AVX-512 Xeon"); not on AMD
+// (Zen 4 measured faster with the bfloat16 products). TORCH_QMM_CPU_FMA_FIRST=1 / 0 decides
+// instead (tests reach both orders on any CPU).
+bool float32_fma_first();
 // Whether y[0 .. n) holds no Inf or NaN.
 bool all_finite(const float* y, int64_t n);
 
@@ -83,6 +90,9 @@ constexpr int64_t fp_chunked_max_rows = 16;
 // TORCH_QMM_CPU_NO_AVX2_CHUNKS=1: the AVX2 chunk kernels (affine, fp, GGUF) step aside (A/B
 // against the fused / generic routes: python -m torch_qmm bench --peers no_avx2_chunks).
 bool avx2_chunks_avoided();
+// TORCH_QMM_CPU_NO_F32_CHUNKS=1: the AVX-512 float32 chunk kernels (affine, GGUF) step aside, so
+// that the AVX2 ones serve as on CPUs without AVX-512.
+bool f32_chunks_avoided();
 const char* avx2_chunked_multiplier(const QmmArgs& a);
 void avx2_chunked(const QmmArgs& a, float* y);
 
