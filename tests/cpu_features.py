@@ -93,7 +93,65 @@ def avx2_affine_serves(bits: int, m: int, k: int) -> bool:
             and k >= AVX2_AFFINE_CHUNKS[bits] and 1 <= m <= AVX2_AFFINE_MAX_ROWS)
 
 
-def bf16x3_yields(bits: int, terms: int, m: int, k: int) -> bool:
-    """Whether float32 x (three bfloat16 terms) leaves the AVX-512 bfloat16 affine multipliers to a
-    float32 one: the AVX-512 F32 multiplier (4-bit, m = 1) or the AVX2 kernels where they serve."""
-    return terms >= 3 and ((m == 1 and bits == 4) or avx2_affine_serves(bits, m, k))
+def cpu_is_intel() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip() == "GenuineIntel"
+    except OSError:
+        pass
+    return False
+
+
+def fma_first() -> bool:
+    """cpu::float32_fma_first(): the AVX-512 float32 multipliers before the bfloat16 dot products
+    for 16-bit x, on Intel CPUs, unless TORCH_QMM_CPU_FMA_FIRST says otherwise (non-empty: "0..."
+    no, anything else yes)."""
+    v = os.environ.get("TORCH_QMM_CPU_FMA_FIRST", "")
+    return v[0] != "0" if v else cpu_is_intel()
+
+
+# ---- the AVX-512 affine chunk kernels ("chunked/f32", "chunked/bf16xP") ------------------------
+F32_CHUNK_BITS = (4, 8)  # chunk.h F32Multiplier
+F32_MAX_ROWS = AVX2_AFFINE_MAX_ROWS  # qmm_chunked.cpp f32_serves
+# cpu::chunked_max_rows by (bits, bfloat16 terms of x); None: no limit.
+CHUNKED_MAX_ROWS = {(b, 3): 32 for b in (2, 4)} | {(b, 2): 128 for b in (2, 4)} | {(b, 1): None for b in (2, 4)}
+CHUNKED_MAX_ROWS |= {(8, 3): 1, (8, 2): 2, (8, 1): 32}
+CHUNKED_MAX_ROWS |= {(b, t): 16 for b in (3, 5, 6) for t in (2, 3)} | {(b, 1): 32 for b in (3, 5, 6)}
+
+
+def f32_chunks_serve(bits: int, m: int, no_f32: bool | None = None) -> bool:
+    """Whether the AVX-512 float32 affine multiplier takes x of m rows (K of a chunk, x in range):
+    bits 4 and 8, up to F32_MAX_ROWS rows, TORCH_QMM_CPU_NO_F32_CHUNKS unset (`no_f32` None: the
+    environment decides)."""
+    no_f32 = env_on("TORCH_QMM_CPU_NO_F32_CHUNKS") if no_f32 is None else no_f32
+    return HAS_AVX512 and not no_f32 and bits in F32_CHUNK_BITS and 1 <= m <= F32_MAX_ROWS
+
+
+def float32_first(bits: int, terms: int, m: int, k: int, no_f32: bool | None = None) -> bool:
+    """Whether the AVX-512 bfloat16 affine multipliers leave x to the float32 kernels: float32 x
+    (three terms) where the float32 multiplier or the AVX2 kernels serve; bfloat16 / float16 x
+    where the float32 multiplier serves and fma_first()."""
+    if terms >= 3:
+        return f32_chunks_serve(bits, m, no_f32) or avx2_affine_serves(bits, m, k)
+    return f32_chunks_serve(bits, m, no_f32) and fma_first()
+
+
+def affine_chunk_route(bits: int, terms: int, m: int, k: int, no_bf16: bool | None = None,
+                       no_f32: bool | None = None) -> str | None:
+    """The chunk route of CPU affine qmm, transpose=True, group size 32/64/128, x in range, under
+    the environment (or `no_bf16` / `no_f32` for TORCH_QMM_CPU_NO_BF16 / _NO_F32_CHUNKS); None
+    where no chunk kernel serves (the fused or GEMM routes)."""
+    no_bf16 = env_on("TORCH_QMM_CPU_NO_BF16") if no_bf16 is None else no_bf16
+    stream = bits in (3, 5, 6)
+    if HAS_AVX512 and m >= 1 and k >= (32 if stream else 512 // bits) and not (stream and not HAS_VBMI):
+        if HAS_BF16 and not no_bf16 and not float32_first(bits, terms, m, k, no_f32):
+            limit = CHUNKED_MAX_ROWS[bits, terms]
+            if limit is None or m <= limit:
+                return f"chunked/bf16x{terms}"
+        elif f32_chunks_serve(bits, m, no_f32):
+            return "chunked/f32"
+    if avx2_affine_serves(bits, m, k):
+        return f"chunked/avx2-u{bits}"
+    return None

@@ -32,6 +32,12 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="the AVX2 chunk kernels need AVX2 and FMA")
 
 
+@pytest.fixture(autouse=True)
+def _avx512_float32_kernels_aside(monkeypatch):
+    """The AVX-512 float32 chunk kernels go before these where the CPU has AVX-512."""
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_F32_CHUNKS", "1")
+
+
 def affine_route(x, wq, scales, biases, bits, gs) -> str:
     return torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, bits, gs, True)
 

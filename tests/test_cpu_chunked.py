@@ -4,7 +4,8 @@ affine_qmm on CPU takes them for transpose=True, K of at least one chunk (512/bi
 bits 2/4/8, 32 for the bit streams of 3/5/6) when the build has AVX-512, with x in range. Multipliers: "bf16xP"
 (AVX512_BF16, x as P bfloat16 terms: 1 for bfloat16 x, 2 for float16, 3 for float32, or fewer
 for float32 when torch.set_float32_matmul_precision allows; up to cpu::chunked_max_rows rows of
-x) and "f32" (AVX-512 without BF16, 4-bit M=1 only; forced here with TORCH_QMM_CPU_NO_BF16=1).
+x) and "f32" (float32 FMAs, bits 4 and 8 up to 15 rows: before the bfloat16 ones for float32 x,
+and for 16-bit x on Intel CPUs; forced here with TORCH_QMM_CPU_NO_BF16=1).
 From 16 rows, x allowed in bfloat16 takes the bfloat16 GEMM route before them where the CPU has
 bfloat16 matrix units (tests/cpu_features.py takes_bf16_gemm).
 torch.ops.torch_qmm._cpu_route names the kernel a call takes, so each test first checks it
@@ -20,7 +21,8 @@ import torch_qmm
 from torch_qmm import reference
 
 from cpu_features import BF16_GEMM_MIN_ROWS, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI  # noqa: F401 (shared with other tests)
-from cpu_features import bf16_precision, bf16x3_yields, takes_bf16_gemm
+from cpu_features import affine_chunk_route, bf16_precision, takes_bf16_gemm
+from cpu_features import CHUNKED_MAX_ROWS as MAX_ROWS  # noqa: F401 (shared with other tests)
 from cpu_features import AVX2_AFFINE_CHUNKS as AVX2_CHUNKS, AVX2_AFFINE_MAX_ROWS  # noqa: F401 (shared with other tests)
 from tolerance import assert_matches_reference
 from test_cpu_kernels import random_packed
@@ -33,10 +35,6 @@ TERMS = {torch.bfloat16: 1, torch.float16: 2}  # exact; float32: by precision
 PRECISION_TERMS = {"highest": 3, "high": 2, "medium": 1}
 
 CHUNK_BITS = [2, 3, 4, 5, 6, 8]
-# cpu::chunked_max_rows by (bits, terms); None: no limit.
-MAX_ROWS = {(b, 3): 32 for b in (2, 4)} | {(b, 2): 128 for b in (2, 4)} | {(b, 1): None for b in (2, 4)}
-MAX_ROWS |= {(8, 3): 1, (8, 2): 2, (8, 1): 32}
-MAX_ROWS |= {(b, t): 16 for b in (3, 5, 6) for t in (2, 3)} | {(b, 1): 32 for b in (3, 5, 6)}
 # Rows of x in blocks of 4/2/1, W rows in tiles of 4 (M<=2) or 2 and spans of 128.
 MS = [1, 2, 3, 4, 5, 7, 9, 16]
 
@@ -45,13 +43,16 @@ pytestmark = pytest.mark.skipif(not HAS_AVX512, reason="the 4-bit chunk kernels 
 
 @pytest.fixture(params=["bf16", "f32"])
 def tile(request, monkeypatch):
-    """Which tile family the op may use: the bfloat16 one (default) or float32 only."""
+    """Which tile family the op may use: the bfloat16 one where the routes allow it
+    (TORCH_QMM_CPU_FMA_FIRST=0: float32 x still takes the float32 kernels first), or float32
+    only."""
     if request.param == "f32":
         monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
     elif not HAS_BF16:
         pytest.skip("this CPU has no AVX512_BF16: the bfloat16 tile is not built")
     else:
         monkeypatch.delenv("TORCH_QMM_CPU_NO_BF16", raising=False)
+        monkeypatch.setenv("TORCH_QMM_CPU_FMA_FIRST", "0")
     return request.param
 
 
@@ -63,23 +64,12 @@ def precision():
 
 
 def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m: int = 1, bits: int = 4,
-                   k: int = 64) -> str:
+                   k: int = 512) -> str:
     if takes_bf16_gemm(m, dtype, precision=precision, no_bf16=tile == "f32"):
         return "gemm-bf16"  # before the chunk kernels (tests/cpu_features.py)
-    others = "fused" if m < 16 else "gemm"  # cpu::kGemmMinRows
-    if HAS_AVX2 and bits in AVX2_CHUNKS and m <= AVX2_AFFINE_MAX_ROWS:  # the calls here have K >= 64
-        others = f"chunked/avx2-u{bits}"
-    if tile == "f32":
-        return "chunked/f32" if m == 1 and bits == 4 else others
-    if bits in (3, 5, 6) and not HAS_VBMI:
-        return others
     terms = TERMS.get(dtype, PRECISION_TERMS[precision])
-    if bf16x3_yields(bits, terms, m, k):  # float32 x: the float32 kernels first (tests/cpu_features.py)
-        return "chunked/f32" if m == 1 and bits == 4 else others
-    limit = MAX_ROWS[bits, terms]
-    if limit is not None and m > limit:
-        return others
-    return f"chunked/bf16x{terms}"
+    chunked = affine_chunk_route(bits, terms, m, k, no_bf16=tile == "f32")
+    return chunked or ("fused" if m < 16 else "gemm")  # cpu::kGemmMinRows
 
 
 def route(x, wq, scales, biases, group_size, transpose=True, bits=4) -> str:
@@ -114,7 +104,7 @@ def test_chunk_kernels_match_reference(tile, bits, group_size, dtype):
             x_all = torch.randn(max(MS), k, generator=gen).to(dtype)
             for m in MS:
                 x = x_all[:m]
-                assert route(x, wq, scales, biases, group_size, bits=bits) == expected_route(tile, dtype, m=m, bits=bits)
+                assert route(x, wq, scales, biases, group_size, bits=bits) == expected_route(tile, dtype, m=m, bits=bits, k=k)
                 check(x, wq, scales, biases, group_size, dtype, f"{tile} bits={bits} M={m} N={n} K={k}", bits=bits)
 
 
@@ -131,7 +121,7 @@ def test_chunk_kernels_up_to_their_row_limit(tile, bits, dtype):
         limit = min(limit, BF16_GEMM_MIN_ROWS - 1)
     for m in [limit, limit + 1]:
         x = torch.randn(m, 512, generator=gen).to(dtype)
-        assert route(x, wq, scales, biases, 64, bits=bits) == expected_route(tile, dtype, m=m, bits=bits)
+        assert route(x, wq, scales, biases, 64, bits=bits) == expected_route(tile, dtype, m=m, bits=bits, k=512)
         check(x, wq, scales, biases, 64, dtype, f"{tile} bits={bits} M={m}", bits=bits)
 
 
@@ -142,14 +132,16 @@ def test_chunk_kernels_two_threads_and_3d_x(tile, threads):
     for shape in [(1, 1, 1024), (2, 3, 1024)]:
         x = torch.randn(*shape, generator=gen)
         m = shape[0] * shape[1]
-        assert route(x, wq, scales, biases, 64) == expected_route(tile, torch.float32, m=m)
+        assert route(x, wq, scales, biases, 64) == expected_route(tile, torch.float32, m=m, k=1024)
         check(x, wq, scales, biases, 64, torch.float32, f"{tile} 2 threads x {shape}")
 
 
 @pytest.mark.skipif(not HAS_BF16, reason="needs AVX512_BF16 (precision only changes the bfloat16 tile)")
-def test_float32_precision_setting_rounds_x_within_its_bound(precision):
+def test_float32_precision_setting_rounds_x_within_its_bound(precision, monkeypatch):
     """"high"/"medium" keep float32 x as 2/1 bfloat16 terms: each x off by <= 2^-16 / 2^-8 of
-    itself (torch_qmm/tolerance.py X_RTOL), and visibly less exact than "highest"."""
+    itself (torch_qmm/tolerance.py X_RTOL), and visibly less exact than "highest". (Where the
+    float32 FMA kernels go first, they keep x exact at every setting: stepped aside here.)"""
+    monkeypatch.setenv("TORCH_QMM_CPU_FMA_FIRST", "0")
     gen = torch.Generator().manual_seed(11)
     wq, scales, biases = random_packed(300, 4096, 4, 64, torch.float32, gen)
     x = torch.randn(3, 4096, generator=gen)  # full 24-bit significands
@@ -158,7 +150,7 @@ def test_float32_precision_setting_rounds_x_within_its_bound(precision):
     worst = {}
     for name in ["highest", "high", "medium"]:
         precision(name)
-        assert route(x, wq, scales, biases, 64) == expected_route("bf16", torch.float32, name, m=3)
+        assert route(x, wq, scales, biases, 64) == expected_route("bf16", torch.float32, name, m=3, k=4096)
         y = check(x, wq, scales, biases, 64, torch.float32, name, precision=name)
         worst[name] = ((y.double() - y_ref).abs() / mag).max().item()
     # Random rounding of x to 8 / 16 bits leaves ~1e-5 / ~1e-7 of the magnitude here; float32
@@ -173,7 +165,7 @@ def test_half_inputs_ignore_the_float32_precision_setting(precision, dtype):
     wq, scales, biases = random_packed(64, 512, 4, 32, dtype, gen)
     x = torch.randn(2, 512, generator=gen).to(dtype)
     precision("medium")
-    assert route(x, wq, scales, biases, 32) == expected_route("bf16" if HAS_BF16 else "f32", dtype, m=2)
+    assert route(x, wq, scales, biases, 32) == expected_route("bf16" if HAS_BF16 else "f32", dtype, m=2, k=512)
     check(x, wq, scales, biases, 32, dtype, "medium")
 
 
@@ -195,7 +187,7 @@ def test_x_out_of_range_takes_the_fused_kernel(tile, value, what):
     # The range edges themselves stay on this kernel.
     x_edge = torch.randn(1, 256, generator=gen)
     x_edge[0, 0], x_edge[0, 1] = 2.0**-98, 2.0**100
-    assert route(x_edge, wq, scales, biases, 64) == expected_route(tile, torch.float32)
+    assert route(x_edge, wq, scales, biases, 64) == expected_route(tile, torch.float32, k=256)
     check(x_edge, wq, scales, biases, 64, torch.float32, f"{what} edge")
 
 
