@@ -97,16 +97,22 @@ template <typename T, int G, int BITS>
 inline __m512 chunk_lanes(const T* s) {
   constexpr int kCodes = kCodesPerChunk<BITS>, kGroups = kCodes >= G ? kCodes / G : 1;
   constexpr __mmask16 kMask = __mmask16((1u << kGroups) - 1);
-  __m512 v;
-  if constexpr (std::is_same_v<T, float>) {
-    v = _mm512_maskz_loadu_ps(kMask, s);
-  } else {
-    const __m256i h = _mm256_maskz_loadu_epi16(kMask, s);
-    if constexpr (std::is_same_v<T, c10::Half>)
-      v = _mm512_cvtph_ps(h);
-    else
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // One vpermw: the scale's bfloat16 bits into the high half of each float32 lane, the low
+    // half zeroed (word 2l + 1 <- word group(l)).
+    alignas(64) static constexpr auto words = [] {
+      struct { int16_t i[32]; } t{};
+      for (int l = 0; l < 16; ++l) t.i[2 * l + 1] = int16_t(kGroups == 1 ? 0 : (32 / BITS) * l / G);
+      return t;
+    }();
+    const __m512i h = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(kMask, s));
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(__mmask32(0xAAAAAAAAu), _mm512_load_si512(words.i), h));
   }
+  __m512 v;
+  if constexpr (std::is_same_v<T, float>)
+    v = _mm512_maskz_loadu_ps(kMask, s);
+  else
+    v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(kMask, s));
   if constexpr (kGroups == 1) return _mm512_permutexvar_ps(_mm512_setzero_si512(), v);
   alignas(64) static constexpr auto idx = [] {
     struct { int32_t i[16]; } t{};
@@ -143,6 +149,14 @@ struct F32Multiplier {
   // Code (within the chunk) that vector j, lane l holds, and the factor on its x.
   static constexpr int code(int j, int l) { return kVectors * l + j; }
   static constexpr float x_factor(int j) { return 1.0f / float(uint64_t(1) << (BITS * j)); }
+  // Field j of every dword as float32, q * 2^(BITS j). 4-bit field 0 sits in the index bits of
+  // vpermps: one table lookup (float(i) at entry i) instead of an and and a convert.
+  template <int J>
+  __attribute__((always_inline)) static inline __m512 field(__m512i w, __m512i mask) {
+    if constexpr (BITS == 4 && J == 0)
+      return _mm512_permutexvar_ps(w, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    return _mm512_cvtepu32_ps(_mm512_and_si512(w, mask));
+  }
   template <int R, int MB>
   __attribute__((always_inline)) static inline void dot(const __m512i (&w)[R], const float* const (&xc)[MB],
                                                         __m512 (&p)[R][MB]) {
@@ -155,7 +169,7 @@ struct F32Multiplier {
       __m512 xj[MB];
       for (int m = 0; m < MB; ++m) xj[m] = _mm512_loadu_ps(xc[m] + 16 * j);
       for (int r = 0; r < R; ++r) {
-        const __m512 q = _mm512_cvtepu32_ps(_mm512_and_si512(w[r], mask));
+        const __m512 q = field<j>(w[r], mask);
         for (int m = 0; m < MB; ++m) p[r][m] = _mm512_fmadd_ps(q, xj[m], p[r][m]);
       }
     };
