@@ -74,8 +74,9 @@ constexpr int64_t kGemmMinRows = 16;
 // y [M, N] float32 row-major. qmm_t_chunked_multiplier names the multiplier they would use, or
 // is null where none applies (then qmm_t_chunked must not be called):
 //   affine on AVX-512, bits 2/3/4/5/6/8 (qmm_chunked.cpp): "bf16x3", "bf16x2", "bf16x1" (x as
-//     that many bfloat16 terms, up to chunked_max_rows rows), "f32" (4-bit, M = 1, without
-//     AVX512_BF16); K of at least one chunk, x in range (chunk::x_in_range);
+//     that many bfloat16 terms, up to chunked_max_rows rows), "f32" (float32 FMAs, bits 4 and
+//     8 up to avx2_affine_max_rows rows: first for float32 x, and for 16-bit x where
+//     float32_fma_first()); K of at least one chunk, x in range (chunk::x_in_range);
 //   then, on AVX2 + FMA (avx2_chunked.cpp), K of at least one chunk of the multiplier
 //     (chunk_avx2.h): "avx2-u4" / "avx2-u8" (affine 4-bit / 8-bit, up to avx2_affine_max_rows rows, x in
 //     range), and
