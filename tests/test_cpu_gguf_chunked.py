@@ -3,7 +3,8 @@
 gguf_qmm on CPU takes them for Q4_K and Q6_K when the build has AVX512_BF16 (not avoided with
 TORCH_QMM_CPU_NO_BF16=1), x in range, and M up to a limit per type and bfloat16 terms of x (3 /
 2 / 1 for float32 / float16 / bfloat16; MAX_ROWS); past that the AVX2 GGUF chunk kernels up to
-15 rows, then the fused decode / GEMM (gguf_helpers.expected_gguf_route).
+15 rows, then the fused decode / GEMM (gguf_helpers.expected_gguf_route). The AVX-512 float32
+kernels, which go first where they serve, are stepped aside here.
 torch.ops.torch_qmm._gguf_cpu_route names the kernel a call takes; each test checks it reached
 the one it means to test.
 """
@@ -25,6 +26,13 @@ TYPES = [Q4_K, Q6_K]
 MAX_ROWS = GGUF_BF16_MAX_ROWS
 
 pytestmark = pytest.mark.skipif(not HAS_BF16, reason="the Q4_K chunk kernel needs AVX512_BF16; other CPUs use the fused decode (tests/test_gguf_qmm.py)")
+
+
+@pytest.fixture(autouse=True)
+def _avx512_float32_kernels_aside(monkeypatch):
+    """The AVX-512 float32 GGUF kernels (tests/test_cpu_gguf_float32.py) go before these for
+    float32 x and Q6_K, and on Intel for every x."""
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_F32_CHUNKS", "1")
 
 
 def _case(n: int, k: int, seed: int, ggml_type=Q4_K):

@@ -1,5 +1,5 @@
-// Q4_K and Q6_K x float32/float16/bfloat16 at small M on AVX2 + FMA (the CPUs without
-// AVX512_BF16: gguf_chunked.cpp routes here), on the chunk driver of chunk_driver.h. A chunk is
+// Q4_K and Q6_K x float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
+// routes here where no AVX-512 kernel goes first), on the chunk driver of chunk_driver.h. A chunk is
 // one super-block of 256 weights; its code bytes are read 32 at a time as 8 dwords and cut into
 // fields by masks, as U4Multiplier does (chunk_avx2.h): a field masked in place is q * 2^s, exact
 // in float32, and meets x * 2^-s (prepared once per call, exact for |x| >= 2^-98: x_in_range), so
@@ -260,7 +260,7 @@ struct GgufAvx2Kernel {
 }  // namespace
 
 const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type) {
-  if (avx2_chunks_avoided() || a.M < 1 || a.M > kGgufAvx2MaxRows) return nullptr;
+  if (avx2_chunks_avoided() || a.M < 1 || a.M > kGgufFloat32MaxRows) return nullptr;
   if (ggml_type != Q4K::kType && ggml_type != Q6K::kType) return nullptr;
   if (!x_in_range(a.x, a.M * a.K)) return nullptr;
   return ggml_type == Q4K::kType ? "avx2-q4k" : "avx2-q6k";

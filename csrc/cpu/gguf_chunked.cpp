@@ -3,7 +3,8 @@
 // into planes by vpermw; x is laid out to match once per call, as P exact bfloat16 terms
 // (QmmArgs::x_bf16_terms); each plane's dot product is scaled per lane by its sub-block's scale,
 // and the offsets (Q4_K mins, Q6_K's -32) are hoisted out as one 16-lane FMA per super-block
-// against sums of x. The block layouts are described at Q4K and Q6K below.
+// against sums of x. The block layouts are described at Q4K and Q6K below. At the end: which of
+// the GGUF chunk families (AVX-512 float32, bfloat16, AVX2) takes a call.
 #include "gguf_chunked.h"
 
 #include <c10/util/Half.h>
@@ -335,15 +336,43 @@ static void run_bf16(const GgufArgs&, int64_t, float*) { TORCH_CHECK(false, "ggu
 
 #endif
 
-// AVX512_BF16 first, then AVX2.
+namespace {
+
+enum class Family { kNone, kF32, kBf16, kAvx2 };
+
+// Whether the AVX-512 float32 kernels go before the bfloat16 ones: for float32 x (three terms)
+// and Q6_K on every CPU, as the AVX2 ones do (bf16_yields); for Q4_K with bfloat16 / float16 x
+// where float32_fma_first().
+bool f32_first(const GgufArgs& a, int64_t ggml_type) {
+  return a.x_bf16_terms >= 3 || ggml_type == gguf::kTypeQ6_K || float32_fma_first();
+}
+
+Family family(const GgufArgs& a, int64_t ggml_type, const char** name) {
+  const char* f32 = gguf_f32_multiplier(a, ggml_type);
+  if (f32 != nullptr && f32_first(a, ggml_type)) return *name = f32, Family::kF32;
+  if ((*name = bf16_multiplier(a, ggml_type)) != nullptr) return Family::kBf16;
+  if (f32 != nullptr) return *name = f32, Family::kF32;
+  if ((*name = gguf_avx2_multiplier(a, ggml_type)) != nullptr) return Family::kAvx2;
+  return Family::kNone;
+}
+
+}  // namespace
+
 const char* gguf_chunked_multiplier(const GgufArgs& a, int64_t ggml_type) {
-  if (const char* name = bf16_multiplier(a, ggml_type)) return name;
-  return gguf_avx2_multiplier(a, ggml_type);
+  const char* name = nullptr;
+  family(a, ggml_type, &name);
+  return name;
 }
 
 void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y) {
-  if (bf16_multiplier(a, ggml_type) != nullptr) return run_bf16(a, ggml_type, y);
-  gguf_avx2(a, ggml_type, y);
+  const char* name = nullptr;
+  switch (family(a, ggml_type, &name)) {
+    case Family::kF32: return gguf_f32(a, ggml_type, y);
+    case Family::kBf16: return run_bf16(a, ggml_type, y);
+    case Family::kAvx2: return gguf_avx2(a, ggml_type, y);
+    case Family::kNone: break;
+  }
+  TORCH_CHECK(false, "gguf_qmm: no chunk kernel takes these operands (gguf_chunked_multiplier)");
 }
 
 }  // namespace cpu

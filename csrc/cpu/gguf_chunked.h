@@ -1,5 +1,6 @@
-// Q4_K / Q6_K at small M: the chunk technique of chunk.h applied to GGUF super-blocks, on
-// AVX512-BF16 (gguf_chunked.cpp) or AVX2 + FMA (gguf_avx2.cpp). gguf_qmm.cpp routes here.
+// Q4_K / Q6_K at small M: the chunk technique of chunk.h applied to GGUF super-blocks, with
+// AVX-512 float32 FMAs (gguf_f32.cpp), AVX512-BF16 dot products (gguf_chunked.cpp) or AVX2 + FMA
+// (gguf_avx2.cpp). gguf_qmm.cpp routes here.
 #pragma once
 
 #include <cstdint>
@@ -15,15 +16,20 @@ struct GgufArgs {
   bool avoid_bf16;        // QmmArgs::avoid_bf16
 };
 
-// "bf16x1/2/3" when a chunk kernel takes these operands (Q4_K or Q6_K, M up to the type's
-// max_rows for the bfloat16 terms of x, AVX512_BF16 built and not avoided, x in range), else null.
-// Then, on AVX2 + FMA (gguf_avx2.cpp), "avx2-q4k" / "avx2-q6k" up to kGgufAvx2MaxRows rows (x in
-// range, TORCH_QMM_CPU_NO_AVX2_CHUNKS unset).
+// The chunk multiplier that takes these operands, or null: "f32-q4k" / "f32-q6k" (AVX-512
+// float32 FMAs, gguf_f32.cpp), "bf16x1/2/3" (AVX512_BF16 dot products, this file's .cpp: M up to
+// the type's max_rows for the bfloat16 terms of x, not avoided) or "avx2-q4k" / "avx2-q6k" (AVX2
+// + FMA, gguf_avx2.cpp); Q4_K or Q6_K, x in range, the float32 kernels up to
+// kGgufFloat32MaxRows rows. Which goes first: gguf_chunked.cpp, gguf_chunked_multiplier.
 const char* gguf_chunked_multiplier(const GgufArgs& a, int64_t ggml_type);
 void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y);
 
-// Rows of x up to which the AVX2 GGUF chunk kernels serve a call (below the GEMM route).
-constexpr int64_t kGgufAvx2MaxRows = 15;
+// Rows of x up to which the float32 GGUF chunk kernels (AVX2, AVX-512) serve a call (below the
+// GEMM route).
+constexpr int64_t kGgufFloat32MaxRows = 15;
+// Each: its name where it serves (TORCH_QMM_CPU_NO_F32_CHUNKS / _NO_AVX2_CHUNKS unset), else null.
+const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type);
+void gguf_f32(const GgufArgs& a, int64_t ggml_type, float* y);
 const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type);
 void gguf_avx2(const GgufArgs& a, int64_t ggml_type, float* y);
 

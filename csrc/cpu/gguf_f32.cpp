@@ -1,0 +1,281 @@
+// Q4_K and Q6_K x float32/float16/bfloat16 at small M with AVX-512 float32 FMAs, on the chunk
+// driver of chunk_driver.h (gguf_chunked.cpp decides when). A chunk is one super-block of 256
+// weights; its code bytes are read 64 at a time as 16 dwords and cut into fields by masks, as
+// chunk.h's F32Multiplier does for affine codes: a field masked in place is q * 2^s, exact in
+// float32, and meets x * 2^-s (prepared once per call, exact for |x| >= 2^-98: x_in_range), so
+// each FMA adds q * x rounded once. The lanes of every decoded vector lie in known sub-blocks, so
+// a chain of such vectors is scaled once by a per-lane vector of the sub-block scales (one
+// vpermps); the offsets (Q4_K's mins, Q6_K's -32) are hoisted out as one 16-lane FMA per
+// super-block against sub-block sums of x. The lane layouts are those of the AVX2 kernels
+// (gguf_avx2.cpp) at twice the width.
+#include "gguf_chunked.h"
+
+#include <c10/util/Exception.h>
+
+#include "../gguf_format.h"
+#include "chunk.h"
+#include "chunk_driver.h"
+#include "gguf_fields.h"
+#include "qmm_kernels.h"
+
+namespace torch_qmm {
+namespace cpu {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+namespace {
+
+using namespace chunk;
+
+using gguf_fields::f16_at;
+
+// Per-lane index tables (vpermps) into a block's 16-lane scale vector.
+struct LaneIdx {
+  alignas(64) int32_t i[16];
+};
+
+// Q4_K (144 bytes: d, dmin f16; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles):
+// w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. The nibbles are two 64-byte chunks k; byte c of
+// chunk k lies in the 64-weight run J = 2k + c / 32, low nibble = weight 64J + c % 32 (sub-block
+// 2J), high nibble = weight 64J + 32 + c % 32 (sub-block 2J + 1) (llama.cpp's order). Field j
+// (0..7) of dword lane l is nibble j % 2 of byte c = 4l + j / 2: weight 64J + 32(j % 2) + 4(l % 8)
+// + j / 2 with J = 2k + l / 8. So the even fields of chunk k have lanes 0-7 in sub-block 4k and
+// 8-15 in 4k + 2, the odd ones 4k + 1 and 4k + 3: each half scaled as one chain per (W row, x row). The
+// mins are hoisted: y -= sum_s dmin*m[s] * (sum of x over sub-block s).
+struct Q4K {
+  static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kXPerBlock = 256, kSide = 16;
+  // W rows per tile: 4 at one or two rows of x, 2 at four (fewer would read x from L2 at a rate it
+  // does not sustain: 4 KB per super-block and W row at four rows of x).
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 4 : 2; }
+  using Field = F32Multiplier<4>;
+
+  static constexpr int weight(int k, int j, int l) { return 64 * (2 * k + l / 8) + 32 * (j % 2) + 4 * (l % 8) + j / 2; }
+  // xs: lanes 0-7 zero (they meet the scales), 8-15 the sub-block sums of x (they meet the mins).
+  static void prepare(const float* x, float* xc, float* xs) {
+    for (int k = 0; k < 2; ++k)
+      for (int j = 0; j < 8; ++j)
+        for (int l = 0; l < 16; ++l) xc[(8 * k + j) * 16 + l] = x[weight(k, j, l)] * Field::x_factor(j);
+    for (int s = 0; s < 8; ++s) {
+      float t = 0.0f;
+      for (int i = 0; i < 32; ++i) t += x[32 * s + i];
+      xs[s] = 0.0f;
+      xs[8 + s] = t;
+    }
+  }
+
+  // [d*sc[0..7], dmin*m[0..7]] (products exact: 11 by 6 bits).
+  __attribute__((always_inline)) static inline __m512 scales(const uint8_t* blk) {
+    const gguf_fields::Q4kScaleBytes b = gguf_fields::q4k_scale_bytes(blk + 4);
+    const __m128i bytes = _mm_set_epi32(int(b.min[1]), int(b.min[0]), int(b.scale[1]), int(b.scale[0]));
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+    return _mm512_mul_ps(f, _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(f16_at(blk)),
+                                                 _mm512_set1_ps(f16_at(blk + 2))));
+  }
+
+  struct Idx {
+    LaneIdx even[2], odd[2];
+  };
+  static constexpr Idx idx() {
+    Idx t{};
+    for (int k = 0; k < 2; ++k)
+      for (int l = 0; l < 16; ++l) {
+        t.even[k].i[l] = 2 * (2 * k + l / 8);
+        t.odd[k].i[l] = t.even[k].i[l] + 1;
+      }
+    return t;
+  }
+
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
+                                                          const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
+    alignas(64) static constexpr Idx kIdx = idx();
+    __m512 sv[R];
+    for (int r = 0; r < R; ++r) {
+      sv[r] = scales(blk[r]);
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
+    }
+    for (int k = 0; k < 2; ++k) {
+      __m512i w[R];
+      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_si512(blk[r] + kQs + 64 * k);
+      // The even fields, then the odd ones: one chain per (W row, x row) at a time.
+      for_each_index([&](auto oc) __attribute__((always_inline)) {
+        constexpr int odd = decltype(oc)::value;
+        __m512 ch[R][MB];
+        for (int r = 0; r < R; ++r)
+          for (int m = 0; m < MB; ++m) ch[r][m] = _mm512_setzero_ps();
+        for_each_index([&](auto ic) __attribute__((always_inline)) {
+          constexpr int j = 2 * decltype(ic)::value + odd;
+          const __m512i mask = _mm512_set1_epi32(int(15u << (4 * j)));
+          __m512 xj[MB];
+          for (int m = 0; m < MB; ++m) xj[m] = _mm512_loadu_ps(xc[m] + (8 * k + j) * 16);
+          for (int r = 0; r < R; ++r) {
+            const __m512 q = Field::field<j>(w[r], mask);
+            for (int m = 0; m < MB; ++m) ch[r][m] = _mm512_fmadd_ps(q, xj[m], ch[r][m]);
+          }
+        }, std::make_integer_sequence<int, 4>{});
+        const __m512i si = _mm512_load_si512(odd ? kIdx.odd[k].i : kIdx.even[k].i);
+        for (int r = 0; r < R; ++r) {
+          const __m512 s = _mm512_permutexvar_ps(si, sv[r]);
+          for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(ch[r][m], s, acc[r][m]);
+        }
+      }, std::make_integer_sequence<int, 2>{});
+    }
+  }
+};
+
+// Q6_K (210 bytes: ql[128] low nibbles, qh[64] high 2 bits, 16 int8 scales, d f16):
+// w = d*sc[s]*(q - 32), 16 sub-blocks of 16, q = low nibble + 16 * high field. Half h (128
+// weights): ql byte 64h + c (c = 0..63) holds in nibble p the weight 128h + 64p + c; its high
+// field f = 2p + t (t = c / 32) is bits 2f, 2f+1 of qh byte 32h + c % 32 (llama.cpp's
+// dequantize_row_q6_K order). So per (h, p) one 64-byte vector of the 6-bit q of 64 weights,
+// one per byte: the nibbles (ql, or ql >> 4) under a byte mask, the qh half broadcast to both
+// 32-byte halves and shifted per half (by 4 - 2f) so that its field sits at bits 4-5, merged by
+// one vpternlogd (bits 6-7 of each byte are left over from qh and masked off below). With
+// c = 4l + u (dword lane l, byte u) the field of byte u under the mask 0x3F << 8u is q * 2^(8u),
+// exact, meeting x * 2^-(8u); lane l lies in sub-block 8h + 4p + l / 4 for every u: one chain
+// per (h, p) of 4 vectors, scaled by one permuted scale vector. The -32 is hoisted:
+// y -= sum_s d*sc[s] * 32 * (sum of x over sub-block s).
+struct Q6K {
+  static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208;
+  static constexpr int64_t kXPerBlock = 256, kSide = 16;
+  static constexpr int tile_rows(int mb) { return Q4K::tile_rows(mb); }
+
+  static constexpr float factor(int u) { return 1.0f / float(1u << (8 * u)); }
+  static constexpr int weight(int h, int p, int u, int l) { return 128 * h + 64 * p + 4 * l + u; }
+  static void prepare(const float* x, float* xc, float* xs) {
+    for (int h = 0; h < 2; ++h)
+      for (int p = 0; p < 2; ++p)
+        for (int u = 0; u < 4; ++u)
+          for (int l = 0; l < 16; ++l) xc[((2 * h + p) * 4 + u) * 16 + l] = x[weight(h, p, u, l)] * factor(u);
+    for (int s = 0; s < 16; ++s) {
+      float t = 0.0f;
+      for (int i = 0; i < 16; ++i) t += x[16 * s + i];
+      xs[s] = 32.0f * t;
+    }
+  }
+
+  // The 6-bit q of the 64 weights of nibble p of half h, one per byte (bits 6-7 not cleared).
+  template <int P>
+  __attribute__((always_inline)) static inline __m512i q_bytes(const uint8_t* blk, int h) {
+    const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQh + 32 * h)));
+    const __m512i lo = P == 0 ? l : _mm512_srli_epi32(l, 4);
+    // Lanes 0-7 hold t = 0 (field 2P at bits 4P), lanes 8-15 t = 1 (bits 4P + 2): to bits 4-5.
+    const __m512i hi = P == 0 ? _mm512_sllv_epi32(qh, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2))
+                              : _mm512_srlv_epi32(qh, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2));
+    // Bitwise select: nibble bits (mask 0x0F) from lo, the rest from hi.
+    return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x0F), 0xE4);
+  }
+
+  struct Idx {
+    LaneIdx sub[2][2];  // [h][p]
+  };
+  static constexpr Idx idx() {
+    Idx t{};
+    for (int h = 0; h < 2; ++h)
+      for (int p = 0; p < 2; ++p)
+        for (int l = 0; l < 16; ++l) t.sub[h][p].i[l] = 8 * h + 4 * p + l / 4;
+    return t;
+  }
+
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
+                                                          const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
+    alignas(64) static constexpr Idx kIdx = idx();
+    __m512 sv[R];
+    for (int r = 0; r < R; ++r) {
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + kScales))));
+      sv[r] = _mm512_mul_ps(sc, _mm512_set1_ps(f16_at(blk[r] + kD)));
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512i sub[2] = {_mm512_load_si512(kIdx.sub[h][0].i), _mm512_load_si512(kIdx.sub[h][1].i)};
+      for_each_index([&](auto pc) __attribute__((always_inline)) {
+        constexpr int p = decltype(pc)::value;
+        __m512i q[R];
+        for (int r = 0; r < R; ++r) q[r] = q_bytes<p>(blk[r], h);
+        __m512 ch[R][MB];
+        for (int r = 0; r < R; ++r)
+          for (int m = 0; m < MB; ++m) ch[r][m] = _mm512_setzero_ps();
+        for_each_index([&](auto uc) __attribute__((always_inline)) {
+          constexpr int u = decltype(uc)::value;
+          const __m512i mask = _mm512_set1_epi32(int(0x3Fu << (8 * u)));
+          __m512 xu[MB];
+          for (int m = 0; m < MB; ++m) xu[m] = _mm512_loadu_ps(xc[m] + ((2 * h + p) * 4 + u) * 16);
+          for (int r = 0; r < R; ++r) {
+            const __m512 v = _mm512_cvtepu32_ps(_mm512_and_si512(q[r], mask));
+            for (int m = 0; m < MB; ++m) ch[r][m] = _mm512_fmadd_ps(v, xu[m], ch[r][m]);
+          }
+        }, std::make_integer_sequence<int, 4>{});
+        for (int r = 0; r < R; ++r) {
+          const __m512 s = _mm512_permutexvar_ps(sub[p], sv[r]);
+          for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(ch[r][m], s, acc[r][m]);
+        }
+      }, std::make_integer_sequence<int, 2>{});
+    }
+  }
+};
+
+// The GGUF kernel (chunk_driver.h) on AVX-512 float32: a chunk is one super-block; side data:
+// Fmt::kSide floats of sub-block sums of x per super-block. K is whole super-blocks: nothing for
+// rest().
+template <typename Fmt>
+struct GgufF32Kernel {
+  using X = float;
+  using Acc = __m512;
+  static constexpr int64_t kXPerChunk = Fmt::kXPerBlock, kSidePerChunk = Fmt::kSide;
+  static constexpr int kMaxXBlock = 4;
+  static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
+
+  const GgufArgs& a;
+  int64_t chunks, row_bytes, rest_floats = 0;
+  explicit GgufF32Kernel(const GgufArgs& args) : a(args), chunks(a.K / 256), row_bytes(chunks * Fmt::kBlockBytes) {}
+
+  const uint8_t* row(int64_t n) const { return a.blocks + n * row_bytes; }
+  void prepare_row(const float* x, X* xc, float* xs, float*) const {
+    for (int64_t b = 0; b < chunks; ++b) Fmt::prepare(x + 256 * b, xc + b * kXPerChunk, xs + kSidePerChunk * b);
+  }
+  template <int R>
+  void start_tile(int64_t) const {}
+
+  template <int R, int MB>
+  __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t b,
+                                                   const X* const (&xc)[MB], const float* const (&xs)[MB],
+                                                   __m512 (&acc)[R][MB]) const {
+    const uint8_t* blk[R];
+    for (int r = 0; r < R; ++r) {
+      blk[r] = row[r] + b * Fmt::kBlockBytes;
+      for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)  // the next tile's block
+        prefetch_l2(blk[r], R * row_bytes + off);
+    }
+    Fmt::template block<R, MB>(blk, xc, xs, acc);
+  }
+
+  static __m512 zero() { return _mm512_setzero_ps(); }
+  static float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+  float rest(int64_t, const float*) const { return 0.0f; }
+};
+
+}  // namespace
+
+const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type) {
+  if (f32_chunks_avoided() || a.M < 1 || a.M > kGgufFloat32MaxRows) return nullptr;
+  if (ggml_type != Q4K::kType && ggml_type != Q6K::kType) return nullptr;
+  if (!x_in_range(a.x, a.M * a.K)) return nullptr;
+  return ggml_type == Q4K::kType ? "f32-q4k" : "f32-q6k";
+}
+
+void gguf_f32(const GgufArgs& a, int64_t ggml_type, float* y) {
+  if (ggml_type == Q4K::kType) return chunk::run(GgufF32Kernel<Q4K>(a), a.x, a.M, a.N, a.K, y);
+  if (ggml_type == Q6K::kType) return chunk::run(GgufF32Kernel<Q6K>(a), a.x, a.M, a.N, a.K, y);
+  TORCH_CHECK(false, "gguf_qmm: no AVX-512 float32 chunk kernel for ggml type ", ggml_type, " (gguf_f32_multiplier)");
+}
+
+#else  // without AVX-512: the AVX2 kernels (gguf_avx2.cpp), else the fused decode-and-dot.
+
+const char* gguf_f32_multiplier(const GgufArgs&, int64_t) { return nullptr; }
+void gguf_f32(const GgufArgs&, int64_t, float*) { TORCH_CHECK(false, "gguf_qmm: the float32 chunk kernels need AVX-512"); }
+
+#endif
+
+}  // namespace cpu
+}  // namespace torch_qmm

@@ -1,0 +1,124 @@
+"""The GGUF Q4_K / Q6_K chunk kernels that keep x exact with float32 FMAs, one family per
+instruction set: AVX-512 ("f32-q4k", "f32-q6k", csrc/cpu/gguf_f32.cpp) and AVX2 ("avx2-q4k",
+"avx2-q6k", csrc/cpu/gguf_avx2.cpp). Each test runs on both (the `family` fixture steps the other
+kernels aside through their environment switches) and first checks, with
+torch.ops.torch_qmm._gguf_cpu_route, that the call reached the kernel it means to test.
+
+Reference: gguf.quants.dequantize (the gguf package) in float64. Tolerance: tests/tolerance.py,
+the half-ulp rule of x's dtype on the output and the float32 accumulation bound relative to the
+size of the terms the kernels add (gguf_helpers.k_quant_magnitude: the offsets are hoisted out of
+the dot products), since each product q * x is rounded once and the sums are float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from cpu_features import HAS_AVX2, HAS_AVX512
+from gguf_helpers import GGUF_AVX2_NAMES, GGUF_F32_NAMES, GGUF_FLOAT32_MAX_ROWS, Q4_K, Q6_K
+from gguf_helpers import assert_matches_reference, expected_gguf_route, k_quant_magnitude, random_k_blocks
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TYPES = [Q4_K, Q6_K]
+
+# name: (built here, environment that steps the other chunk kernels aside, route names)
+FAMILIES = {
+    "f32": (HAS_AVX512, {"TORCH_QMM_CPU_FMA_FIRST": "1"}, GGUF_F32_NAMES),
+    "avx2": (HAS_AVX2, {"TORCH_QMM_CPU_NO_F32_CHUNKS": "1", "TORCH_QMM_CPU_NO_BF16": "1"}, GGUF_AVX2_NAMES),
+}
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request, monkeypatch) -> dict:
+    built, env, names = FAMILIES[request.param]
+    if not built:
+        pytest.skip(f"this CPU lacks the instruction set of the {request.param} GGUF kernels")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return names
+
+
+def _case(ggml_type, n: int, k: int, seed: int, raw_edit=None):
+    blocks = random_k_blocks(ggml_type, n, k, np.random.default_rng(seed))
+    if raw_edit is not None:
+        blocks = raw_edit(blocks)
+    w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
+    return torch.from_numpy(blocks), w
+
+
+def route(x, blocks, n, k, ggml_type) -> str:
+    return torch.ops.torch_qmm._gguf_cpu_route(x, blocks, int(ggml_type), n, k)
+
+
+def check(x, blocks, w, n, k, ggml_type, dtype, what):
+    y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(ggml_type), n, k)
+    mag = k_quant_magnitude(x.reshape(-1, k), blocks, ggml_type).reshape(y.shape)
+    assert_matches_reference(y, x.double() @ w.T, mag, dtype, what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_float32_kernels_match_gguf_dequantize(family, ggml_type, dtype):
+    """Super-blocks 1, 2 and 3, W rows in tiles of 4 / 2 / 1 and spans of 128 (N = 261), x rows in
+    blocks of 4 / 2 / 1, and the first M past the row limit (the GEMM, for comparison)."""
+    for n, k in [(1, 256), (5, 768), (130, 512), (261, 256)]:
+        blocks, w = _case(ggml_type, n, k, seed=n + k)
+        x_all = torch.randn(GGUF_FLOAT32_MAX_ROWS + 1, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+        for m in [1, 2, 3, 4, 5, 6, 7, GGUF_FLOAT32_MAX_ROWS, GGUF_FLOAT32_MAX_ROWS + 1]:
+            x = x_all[:m]
+            r = route(x, blocks, n, k, ggml_type)
+            assert r == expected_gguf_route(dtype, m, ggml_type), f"M={m}: {r}"
+            assert (r == family[ggml_type]) == (m <= GGUF_FLOAT32_MAX_ROWS), f"M={m}: {r}"
+            check(x, blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} {r} M={m} N={n} K={k}")
+
+
+def test_q4k_scales_and_mins_use_all_six_bits(family):
+    """Every 6-bit scale and min (high bits from the packed bytes): scale bytes sweeping 0..255."""
+    n, k = 256, 256
+
+    def sweep(blocks):
+        raw = blocks.reshape(n, 144).copy()
+        raw[:, 4:16] = (np.arange(n)[:, None] * 7 + np.arange(12)[None, :] * 31) % 256
+        return raw.reshape(n, -1)
+
+    blocks, w = _case(Q4_K, n, k, seed=4, raw_edit=sweep)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    assert route(x, blocks, n, k, Q4_K) == family[Q4_K]
+    check(x, blocks, w, n, k, Q4_K, torch.float32, "all scale bytes")
+
+
+def test_q6k_negative_scales_and_every_high_field(family):
+    """int8 sub-block scales of both signs (-128 included) and all four qh fields at their maximum
+    in every third super-block."""
+    n, k = 64, 512
+
+    def edit(blocks):
+        raw = blocks.reshape(n * 2, 210).copy()
+        raw[:, 192:208] = (np.arange(n * 2)[:, None] * 11 + np.arange(16)[None, :] * 17) % 256
+        raw[::3, 128:192] = 0xFF
+        return raw.reshape(n, -1)
+
+    blocks, w = _case(Q6_K, n, k, seed=6, raw_edit=edit)
+    for m in (1, 4):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
+        assert route(x, blocks, n, k, Q6_K) == family[Q6_K]
+        check(x, blocks, w, n, k, Q6_K, torch.float32, f"scales and high fields M={m}")
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_two_threads_batched_x_and_fallbacks(family, ggml_type, threads, monkeypatch):
+    blocks, w = _case(ggml_type, 300, 1024, seed=8)
+    x = torch.randn(2, 3, 1024, generator=torch.Generator().manual_seed(8))
+    assert route(x, blocks, 300, 1024, ggml_type) == family[ggml_type]
+    check(x, blocks, w, 300, 1024, ggml_type, torch.float32, "2 threads")
+    tiny = torch.randn(1, 1024)
+    tiny[0, 5] = 1e-35  # below 2^-98: x * 2^-28 would leave the normal range
+    assert route(tiny, blocks, 300, 1024, ggml_type) == "fused"
+    check(tiny, blocks, w, 300, 1024, ggml_type, torch.float32, "tiny x")
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_F32_CHUNKS", "1")
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
+    assert route(x[0], blocks, 300, 1024, ggml_type) == "fused"
