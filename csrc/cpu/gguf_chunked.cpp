@@ -119,15 +119,6 @@ struct Q4K {
     }
   }
 
-  // [d*sc[0..7], dmin*m[0..7]].
-  static inline __m512 scales(const uint8_t* blk) {
-    const gguf_fields::Q4kScaleBytes b = gguf_fields::q4k_scale_bytes(blk + 4);
-    const __m128i bytes = _mm_set_epi32(int(b.min[1]), int(b.min[0]), int(b.scale[1]), int(b.scale[0]));
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-    return _mm512_mul_ps(f, _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(f16_at(blk)),
-                                                 _mm512_set1_ps(f16_at(blk + 2))));
-  }
-
   struct Idx {
     alignas(64) int32_t even[2][16];
     alignas(64) int32_t odd[2][16];
@@ -149,7 +140,7 @@ struct Q4K {
     alignas(64) static constexpr Idx kIdx = idx();
     __m512 sv[R];
     for (int r = 0; r < R; ++r) {
-      sv[r] = scales(blk[r]);
+      sv[r] = gguf_fields::q4k_scale_vector(blk[r]);
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
     }
     for (int k = 0; k < 2; ++k) {
