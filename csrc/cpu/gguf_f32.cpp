@@ -26,6 +26,7 @@ namespace {
 
 using namespace chunk;
 
+
 using gguf_fields::f16_at;
 
 // Per-lane index tables (vpermps) into a block's 16-lane scale vector.
@@ -39,7 +40,7 @@ struct LaneIdx {
 // 2J), high nibble = weight 64J + 32 + c % 32 (sub-block 2J + 1) (llama.cpp's order). Field j
 // (0..7) of dword lane l is nibble j % 2 of byte c = 4l + j / 2: weight 64J + 32(j % 2) + 4(l % 8)
 // + j / 2 with J = 2k + l / 8. So the even fields of chunk k have lanes 0-7 in sub-block 4k and
-// 8-15 in 4k + 2, the odd ones 4k + 1 and 4k + 3: each half scaled as one chain per (W row, x row). The
+// 8-15 in 4k + 2, the odd ones 4k + 1 and 4k + 3: the fields of each parity are scaled by one per-lane vector. The
 // mins are hoisted: y -= sum_s dmin*m[s] * (sum of x over sub-block s).
 struct Q4K {
   static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kXPerBlock = 256, kSide = 16;
@@ -79,6 +80,10 @@ struct Q4K {
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
     alignas(64) static constexpr Idx kIdx = idx();
+    // At four rows of x each decoded field is scaled once (d*sc*q: 21 significant bits, exact)
+    // and meets x directly, which leaves registers for two W rows; below, chains of fields
+    // scaled once each cost fewer multiplies.
+    constexpr bool kScaleFirst = MB >= 4;
     __m512 sv[R];
     for (int r = 0; r < R; ++r) {
       sv[r] = gguf_fields::q4k_scale_vector(blk[r]);
@@ -90,6 +95,21 @@ struct Q4K {
       // The even fields, then the odd ones: one chain per (W row, x row) at a time.
       for_each_index([&](auto oc) __attribute__((always_inline)) {
         constexpr int odd = decltype(oc)::value;
+        const __m512i si = _mm512_load_si512(odd ? kIdx.odd[k].i : kIdx.even[k].i);
+        if constexpr (kScaleFirst) {
+          __m512 s[R];
+          for (int r = 0; r < R; ++r) s[r] = _mm512_permutexvar_ps(si, sv[r]);
+          for_each_index([&](auto ic) __attribute__((always_inline)) {
+            constexpr int j = 2 * decltype(ic)::value + odd;
+            const __m512i mask = _mm512_set1_epi32(int(15u << (4 * j)));
+            for (int r = 0; r < R; ++r) {
+              const __m512 w_scaled = _mm512_mul_ps(Field::field<j>(w[r], mask), s[r]);  // exact
+              for (int m = 0; m < MB; ++m)
+                acc[r][m] = _mm512_fmadd_ps(w_scaled, _mm512_loadu_ps(xc[m] + (8 * k + j) * 16), acc[r][m]);
+            }
+          }, std::make_integer_sequence<int, 4>{});
+          return;
+        }
         __m512 ch[R][MB];
         for (int r = 0; r < R; ++r)
           for (int m = 0; m < MB; ++m) ch[r][m] = _mm512_setzero_ps();
@@ -103,7 +123,6 @@ struct Q4K {
             for (int m = 0; m < MB; ++m) ch[r][m] = _mm512_fmadd_ps(q, xj[m], ch[r][m]);
           }
         }, std::make_integer_sequence<int, 4>{});
-        const __m512i si = _mm512_load_si512(odd ? kIdx.odd[k].i : kIdx.even[k].i);
         for (int r = 0; r < R; ++r) {
           const __m512 s = _mm512_permutexvar_ps(si, sv[r]);
           for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(ch[r][m], s, acc[r][m]);
