@@ -54,7 +54,7 @@ def int8_affine_route(bits: int, k: int, no_512: bool | None = None) -> str:
     if HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS") and bits in (4, 8):
         codes_per_byte = 8 // bits
         if HAS_INT8_512 and not no_512 and k >= 64 * codes_per_byte:
-            return f"int8x/{DOT_ISA}-512-u{bits}"
+            return f"int8x/avx512vnni-512-u{bits}"
         if k >= 32 * codes_per_byte:
             return f"int8x/{DOT_ISA}-u{bits}"
     return "int8x/scalar"

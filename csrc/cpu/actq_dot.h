@@ -50,6 +50,7 @@ __attribute__((always_inline)) inline __m256i dot4x2(__m256i u0, __m256i s0, __m
 // around it). TORCH_QMM_CPU_NO_INT8_512=1 keeps the 256-bit kernels above.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHaveDot512 = true;
+constexpr const char* kDot512Isa = "avx512vnni";
 
 // acc[l] + sum over i < 4 of u[4l + i] * s[4l + i] (u unsigned, s signed), 16 lanes; exact in
 // int32 for the callers' operands (|u| <= 255, |s| <= 127: no saturation, vpdpbusd wraps only

@@ -454,7 +454,11 @@ std::string int8x_kernel(const QmmArgs& a) {
   const Width v = vector_width(a);
   if (v == Width::kNone) return "scalar";
 #if defined(__AVX2__) && defined(__FMA__)
-  return std::string(kDotIsa) + (v == Width::k512 ? "-512" : "") + (a.bits == 4 ? "-u4" : "-u8");
+  const char* codes = a.bits == 4 ? "-u4" : "-u8";
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (v == Width::k512) return std::string(kDot512Isa) + "-512" + codes;
+#endif
+  return std::string(kDotIsa) + codes;
 #else
   return "scalar";
 #endif
