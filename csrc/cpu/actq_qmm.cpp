@@ -12,8 +12,10 @@
 // the bound docs/activation-quantization.md states and tests/test_cpu_actq.py checks.
 //
 // Kernels (both on the chunk driver, chunk_driver.h):
-//   Avx2Kernel, 4-bit (U4Codes) and 8-bit (U8Codes), group sizes 32/64/128: one 32-byte load of
-//     a row per chunk, integer dot products (actq_dot.h: AVX2 or VNNI), one float FMA per chunk;
+//   DotKernel, 4-bit (U4Codes) and 8-bit (U8Codes), group sizes 32/64/128: one vector load of a
+//     row per chunk, integer dot products, one float FMA per chunk; 256-bit (Ymm: actq_dot.h's
+//     AVX2 or VNNI dot4) or 512-bit (Zmm: vpdpbusd zmm, where built for AVX512_VNNI + AVX512BW,
+//     unless TORCH_QMM_CPU_NO_INT8_512=1);
 //   ScalarKernel, every affine bit width, portable: the route of other bit widths, of CPUs
 //     without AVX2 and of TORCH_QMM_CPU_NO_AVX2_CHUNKS=1 (as for the exact chunk kernels).
 // x with Inf or NaN takes the exact kernels (no int8 code can stand for them).
