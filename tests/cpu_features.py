@@ -40,6 +40,32 @@ elif NATIVE and "avx_vnni" in cpu_flags():
     DOT_ISA = "avxvnni"
 else:
     DOT_ISA = "avx2"
+# The 512-bit int8-activation kernels (actq_dot.h kHaveDot512; GGUF: AVX512BW alone), unless
+# TORCH_QMM_CPU_NO_INT8_512.
+HAS_INT8_512 = NATIVE and {"avx512_vnni", "avx512bw"} <= cpu_flags()
+HAS_GGUF_INT8_512 = HAS_AVX512
+
+
+def int8_affine_route(bits: int, k: int, no_512: bool | None = None) -> str:
+    """The route of qmm_int8_activations for finite x [m, k] under the environment (`no_512`
+    None: TORCH_QMM_CPU_NO_INT8_512 decides): bits 4 and 8 from K of one chunk (512-bit: 64
+    bytes; 256-bit: 32), else the portable kernel."""
+    no_512 = env_on("TORCH_QMM_CPU_NO_INT8_512") if no_512 is None else no_512
+    if HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS") and bits in (4, 8):
+        codes_per_byte = 8 // bits
+        if HAS_INT8_512 and not no_512 and k >= 64 * codes_per_byte:
+            return f"int8x/avx512vnni-512-u{bits}"
+        if k >= 32 * codes_per_byte:
+            return f"int8x/{DOT_ISA}-u{bits}"
+    return "int8x/scalar"
+
+
+def int8_gguf_route(kind: str, no_512: bool | None = None) -> str:
+    """The route of gguf_qmm_int8_activations for finite x, kind "q4k" or "q6k"."""
+    no_512 = env_on("TORCH_QMM_CPU_NO_INT8_512") if no_512 is None else no_512
+    if not HAS_AVX2 or env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS"):
+        return "int8x/scalar"
+    return f"int8x/avx512bw-{kind}" if HAS_GGUF_INT8_512 and not no_512 else f"int8x/avx2-{kind}"
 
 # ---- the bfloat16 GEMM route ("gemm-bf16") --------------------------------------------------------
 # Bfloat16 matrix units as torch reports them (at::cpu capabilities "amx_bf16" / "avx512_bf16"):

@@ -21,7 +21,7 @@ import torch_qmm
 from torch_qmm import reference
 from torch_qmm.nn import QuantLinear
 
-from cpu_features import DOT_ISA  # the dot-product instructions of the u4 / u8 kernels' names
+from cpu_features import HAS_INT8_512, int8_affine_route
 
 ops = torch.ops.torch_qmm
 SLACK = 2.0**-20
@@ -44,10 +44,27 @@ def make(N, K, bits, group_size, dtype=torch.float32, seed=0):
     return wq, s, b, reference.dequantize(wq, s, b, bits, group_size)
 
 
-CASES = [  # (bits, group_size, K): K = 96 leaves a 32-code tail past the 64-code chunks of 4-bit
-    (4, 32, 256), (4, 64, 512), (4, 128, 512), (4, 32, 96), (8, 32, 256), (8, 64, 256), (8, 128, 512),
+CASES = [  # (bits, group_size, K): K tails past the last whole chunk of 4-bit codes (64 codes at
+    # 256 bits, 128 at 512: K = 96 has a 32-code tail at 256 bits and is below one 512-bit chunk;
+    # 160 / 192 / 224 leave 32 / 64 / 96 codes at 512 bits) and of 8-bit (32 / 64: K = 96)
+    (4, 32, 256), (4, 64, 512), (4, 128, 512), (4, 32, 96), (4, 32, 160), (4, 64, 192), (4, 32, 224),
+    (8, 32, 256), (8, 64, 256), (8, 128, 512), (8, 32, 96),
     (2, 64, 256), (3, 32, 256), (5, 128, 256), (6, 64, 256),
 ]
+
+
+@pytest.fixture(params=["512", "256"])
+def width(request, monkeypatch):
+    """The vector kernels' width: the 512-bit ones where the CPU has them, or the 256-bit ones
+    (TORCH_QMM_CPU_NO_INT8_512=1). Returns whether the 512-bit ones are stepped aside."""
+    if request.param == "512" and not HAS_INT8_512:
+        pytest.skip("no AVX512_VNNI + AVX512BW here")
+    no_512 = request.param == "256"
+    if no_512:
+        monkeypatch.setenv("TORCH_QMM_CPU_NO_INT8_512", "1")
+    else:
+        monkeypatch.delenv("TORCH_QMM_CPU_NO_INT8_512", raising=False)
+    return no_512
 
 
 def test_the_setting_without_an_argument_is_int8():
@@ -68,10 +85,12 @@ def test_the_setting_without_an_argument_is_int8():
 
 @pytest.mark.parametrize("bits, group_size, K", CASES)
 @pytest.mark.parametrize("M", [1, 3, 7])
-def test_error_within_the_int8_step(bits, group_size, K, M):
+def test_error_within_the_int8_step(bits, group_size, K, M, width):
     N = 37
     wq, s, b, w = make(N, K, bits, group_size)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 3.0, K)
+    route = ops._cpu_route_int8_activations(x, wq, s, b, "affine", bits, group_size)
+    assert route == int8_affine_route(bits, K, no_512=width)
     y = ops.qmm_int8_activations(x, wq, s, b, "affine", bits, group_size).double()
     exact = x.double() @ w.T
     x_deq, d = quantize_x(x)
@@ -86,12 +105,16 @@ def test_error_within_the_int8_step(bits, group_size, K, M):
     assert (err > 0).any()
 
 
+@pytest.mark.parametrize("bits, group_size", [(4, 64), (4, 32), (8, 32), (8, 128)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_dtypes_round_once(dtype):
-    # Scales and biases in dtype, y rounded once to dtype: the bound plus half an ulp of y.
-    wq, s, b, w = make(29, 256, 4, 64, dtype=dtype)
-    x = torch.randn(2, 256).to(dtype)
-    y = ops.qmm_int8_activations(x, wq, s, b, "affine", 4, 64)
+def test_half_dtypes_round_once(dtype, bits, group_size, width):
+    # Scales and biases in dtype, y rounded once to dtype: the bound plus half an ulp of y. K has
+    # whole 512-bit chunks and a 16-group remainder past the offsets' vectors (K / 32 = 41 groups).
+    K = 1312 if group_size == 32 else 1280
+    wq, s, b, w = make(29, K, bits, group_size, dtype=dtype)
+    x = torch.randn(2, K).to(dtype)
+    assert ops._cpu_route_int8_activations(x, wq, s, b, "affine", bits, group_size) == int8_affine_route(bits, K, width)
+    y = ops.qmm_int8_activations(x, wq, s, b, "affine", bits, group_size)
     assert y.dtype == dtype
     x_deq, d = quantize_x(x.float())
     ref = x_deq @ w.T
@@ -101,14 +124,21 @@ def test_half_dtypes_round_once(dtype):
 
 
 def test_routes_differ_from_the_exact_path(monkeypatch):
-    for bits, kernel in ((4, f"int8x/{DOT_ISA}-u4"), (8, f"int8x/{DOT_ISA}-u8"), (3, "int8x/scalar")):
+    for bits in (4, 8, 3):
         wq, s, b, _ = make(64, 256, bits, 64)
         x = torch.randn(1, 256)
         exact = ops._cpu_route(x, wq, s, b, bits, 64, True, "affine")
         route = ops._cpu_route_int8_activations(x, wq, s, b, "affine", bits, 64)
         assert not exact.startswith("int8x")
-        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or bits == 3:
-            assert route == kernel, (bits, route)
+        assert route == int8_affine_route(bits, 256), (bits, route)
+        if bits == 3:
+            assert route == "int8x/scalar"
+        elif HAS_INT8_512:
+            assert "-512-" in route
+            monkeypatch.setenv("TORCH_QMM_CPU_NO_INT8_512", "1")
+            narrow = ops._cpu_route_int8_activations(x, wq, s, b, "affine", bits, 64)
+            monkeypatch.delenv("TORCH_QMM_CPU_NO_INT8_512")
+            assert narrow == int8_affine_route(bits, 256, no_512=True) and "-512-" not in narrow
     monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
     wq, s, b, w = make(16, 256, 4, 64)
     x = torch.randn(2, 256)
@@ -294,8 +324,8 @@ def _tie_x(K: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("bits", [4, 8, 3])  # the AVX2 4-bit and 8-bit kernels, the portable one
-def test_ties_round_half_to_even(bits):
+@pytest.mark.parametrize("bits", [4, 8, 3])  # the vector 4-bit and 8-bit kernels, the portable one
+def test_ties_round_half_to_even(bits, width):
     # x / d lands exactly on .5: the codes must be rounded half to even (the definition); any
     # other rounding moves y by whole weights, far beyond the float32 slack.
     K = 256

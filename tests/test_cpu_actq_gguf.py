@@ -19,12 +19,26 @@ import torch
 from gguf import quants
 
 import torch_qmm
+from cpu_features import HAS_GGUF_INT8_512, int8_gguf_route
 from gguf_helpers import Q4_K, Q6_K, random_k_blocks
 from test_cpu_actq import SLACK, quantize_x
 
 ops = torch.ops.torch_qmm
-AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-KERNEL = {Q4_K: "int8x/avx2-q4k", Q6_K: "int8x/avx2-q6k"}
+KIND = {Q4_K: "q4k", Q6_K: "q6k"}
+
+
+@pytest.fixture(params=["512", "256"])
+def width(request, monkeypatch):
+    """The 512-bit kernels where the CPU has them, or the 256-bit ones (TORCH_QMM_CPU_NO_INT8_512=1).
+    Returns whether the 512-bit ones are stepped aside."""
+    if request.param == "512" and not HAS_GGUF_INT8_512:
+        pytest.skip("no AVX512BW here")
+    no_512 = request.param == "256"
+    if no_512:
+        monkeypatch.setenv("TORCH_QMM_CPU_NO_INT8_512", "1")
+    else:
+        monkeypatch.delenv("TORCH_QMM_CPU_NO_INT8_512", raising=False)
+    return no_512
 
 
 def case(ggml_type, n: int, k: int, seed: int = 0):
@@ -47,12 +61,12 @@ def check_bounds(y, x, w):
 
 @pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8])
-def test_error_within_the_int8_step(ggml_type, M):
+def test_error_within_the_int8_step(ggml_type, M, width):
     N, K = 37, 768  # N odd: tiles of 2 W rows leave one; 3 super-blocks
     blocks, w = case(ggml_type, N, K)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * torch.linspace(0.1, 3.0, K)
-    if AVX2:
-        assert ops._gguf_cpu_route_int8_activations(x, blocks, int(ggml_type), N, K) == KERNEL[ggml_type]
+    route = ops._gguf_cpu_route_int8_activations(x, blocks, int(ggml_type), N, K)
+    assert route == int8_gguf_route(KIND[ggml_type], no_512=width)
     check_bounds(ops.gguf_qmm_int8_activations(x, blocks, int(ggml_type), N, K), x, w)
 
 
@@ -67,7 +81,7 @@ def test_scalar_kernel(ggml_type, monkeypatch):
 
 
 @pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
-def test_two_threads_and_batched_x(ggml_type):
+def test_two_threads_and_batched_x(ggml_type, width):
     N, K = 300, 512  # several spans of W rows per thread
     blocks, w = case(ggml_type, N, K, seed=3)
     x = torch.randn(2, 3, K, generator=torch.Generator().manual_seed(4))
@@ -81,12 +95,13 @@ def test_two_threads_and_batched_x(ggml_type):
     check_bounds(y.reshape(6, N), x.reshape(6, K), w)
 
 
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_dtypes_round_once(dtype):
+def test_half_dtypes_round_once(dtype, ggml_type, width):
     N, K = 19, 256
-    blocks, w = case(Q6_K, N, K, seed=5)
+    blocks, w = case(ggml_type, N, K, seed=5)
     x = torch.randn(3, K).to(dtype)
-    y = ops.gguf_qmm_int8_activations(x, blocks, int(Q6_K), N, K)
+    y = ops.gguf_qmm_int8_activations(x, blocks, int(ggml_type), N, K)
     assert y.dtype == dtype
     x_deq, _ = quantize_x(x.float())
     ref = x_deq @ w.T
@@ -147,7 +162,7 @@ def test_opcheck():
 
 
 @pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
-def test_nonfinite_block_scales_give_the_exact_result(ggml_type):
+def test_nonfinite_block_scales_give_the_exact_result(ggml_type, width):
     # An Inf or NaN float16 super-block scale d makes the int8 result non-finite: the call must
     # redo it exactly (gguf_qmm: IEEE arithmetic weight by weight, NaN where a code times Inf is
     # 0 * Inf), not return the int8 kernel's Inf.
@@ -166,7 +181,7 @@ def test_nonfinite_block_scales_give_the_exact_result(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
-def test_ties_round_half_to_even(ggml_type):
+def test_ties_round_half_to_even(ggml_type, width):
     from test_cpu_actq import _tie_x
 
     N, K = 9, 256

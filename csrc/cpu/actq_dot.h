@@ -45,6 +45,23 @@ __attribute__((always_inline)) inline __m256i dot4x2(__m256i u0, __m256i s0, __m
 #endif
 }
 
+// The 512-bit kernels (actq_qmm.cpp: "int8x/avx512vnni-512-*"): vpdpbusd on zmm, 64 bytes per
+// instruction, where the CPU has AVX512_VNNI and AVX512BW (the latter for the byte operations
+// around it). TORCH_QMM_CPU_NO_INT8_512=1 keeps the 256-bit kernels above.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHaveDot512 = true;
+constexpr const char* kDot512Isa = "avx512vnni";
+
+// acc[l] + sum over i < 4 of u[4l + i] * s[4l + i] (u unsigned, s signed), 16 lanes; exact in
+// int32 for the callers' operands (|u| <= 255, |s| <= 127: no saturation, vpdpbusd wraps only
+// past 2^31).
+__attribute__((always_inline)) inline __m512i dot4_512(__m512i acc, __m512i u, __m512i s) {
+  return _mm512_dpbusd_epi32(acc, u, s);
+}
+#else
+constexpr bool kHaveDot512 = false;
+#endif
+
 }  // namespace actq
 }  // namespace cpu
 }  // namespace torch_qmm

@@ -15,8 +15,10 @@
 // dequantized x up to float32 rounding, with the bound of the affine path (docs/activation-
 // quantization.md): |y - W x| <= sum_b (d_b / 2) * sum_{i in b} |w_i| (+ rounding).
 //
-// Kernels, on the chunk driver (chunk_driver.h; a chunk is one super-block): Avx2Kernel<Fmt>
-// ("int8x/avx2-q4k", "int8x/avx2-q6k"), and ScalarKernel<Fmt> (portable; CPUs without AVX2 and
+// Kernels, on the chunk driver (chunk_driver.h; a chunk is one super-block): Avx512Kernel<Fmt>
+// ("int8x/avx512bw-q4k", "int8x/avx512bw-q6k": the same integer products on 64 bytes at a time,
+// where built for AVX512BW, unless TORCH_QMM_CPU_NO_INT8_512=1), Avx2Kernel<Fmt> ("int8x/avx2-q4k",
+// "int8x/avx2-q6k") and ScalarKernel<Fmt> (portable; CPUs without AVX2 and
 // TORCH_QMM_CPU_NO_AVX2_CHUNKS=1). x with Inf or NaN, or a result that is not finite, takes the
 // exact gguf_qmm.
 #include <ATen/core/Tensor.h>
@@ -56,6 +58,9 @@ using gguf_fields::f16_at;
 struct Q4K {
   static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kSums = 8;
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+  // The 512-bit layout of x (WideX): the sub-blocks in the order 64 bytes of qs bring them, low
+  // nibbles then high ones: bytes 0-63 hold sub-blocks 0, 2 (low) and 1, 3 (high), 64-127 4, 6, 5, 7.
+  static constexpr int kWideOrder[kXBlocks] = {0, 2, 1, 3, 4, 6, 5, 7};
   static void sums(const int8_t* q, const float* d, float* out) {
     for (int s = 0; s < 8; ++s) out[s] = d[s] * float(block_sum(q + 32 * s));
   }
@@ -110,6 +115,59 @@ struct Q4K {
     }
   }
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // gguf_fields::q4k_scale_bytes in one vector: bytes 0-7 the scales of sub-blocks 0..7, 8-15
+  // their mins (dwords: scale[0], scale[1], min[0], min[1]). Reads 16 bytes from the 12 at
+  // scales12 (the rest lie in qs, in the block).
+  __attribute__((always_inline)) static inline __m128i scales_mins(const uint8_t* scales12) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales12));  // dwords s0, s1, s2
+    const __m128i low6 = _mm_and_si128(v, _mm_set1_epi8(0x3F));                      // scale[0], min[0]
+    const __m128i s2 = _mm_srlv_epi32(_mm_shuffle_epi32(v, 0xAA), _mm_set_epi32(0, 0, 4, 0));  // s2, s2 >> 4
+    const __m128i high = _mm_or_si128(_mm_and_si128(s2, _mm_set1_epi8(0x0F)),
+                                      _mm_and_si128(_mm_srli_epi32(v, 2), _mm_set1_epi8(0x30)));  // scale[1], min[1]
+    return _mm_unpacklo_epi32(low6, high);
+  }
+  // 512 bits: pair k of x positions (kWideOrder[2k], kWideOrder[2k + 1]) meets the low (k even) or
+  // high (k odd) nibbles of qs bytes 64 (k / 2) .. + 63; side: WideX (16 lanes of x scales per pair,
+  // then the 8 offset sums).
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block512(const uint8_t* const (&blk)[R], const int8_t* const (&xc)[MB],
+                                                             const float* const (&side)[MB], __m512 (&acc)[R][MB]) {
+    // Word w of pair k: the scale of sub-block kWideOrder[2k + w / 16].
+    alignas(64) static constexpr auto idx = [] {
+      struct { int16_t w[4][32]; } t{};
+      for (int k = 0; k < 4; ++k)
+        for (int w = 0; w < 32; ++w) t.w[k][w] = int16_t(kWideOrder[2 * k + w / 16]);
+      return t;
+    }();
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < R; ++r) {
+      const __m128i sm = scales_mins(blk[r] + 4);
+      const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
+      const __m256i mn = _mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8));
+      const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(f16_at(blk[r] + 2)));
+      __m512 t[MB];
+      for (int m = 0; m < MB; ++m) t[m] = _mm512_setzero_ps();
+      for (int j = 0; j < 2; ++j) {
+        const __m512i w = _mm512_loadu_si512(blk[r] + kQs + 64 * j);
+        const __m512i q[2] = {_mm512_and_si512(w, nibble), _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble)};
+        for (int h = 0; h < 2; ++h) {
+          const int k = 2 * j + h;
+          const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(idx.w[k]), sc16);
+          for (int m = 0; m < MB; ++m) {
+            const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(q[h], _mm512_loadu_si512(xc[m] + 64 * k)), scale);
+            t[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(side[m] + 16 * k), t[m]);
+          }
+        }
+      }
+      const __m512 d = _mm512_set1_ps(f16_at(blk[r]));
+      const __m512 mins16 = _mm512_zextps256_ps512(mins);
+      for (int m = 0; m < MB; ++m)
+        acc[r][m] = _mm512_fnmadd_ps(mins16, _mm512_zextps256_ps512(_mm256_loadu_ps(side[m] + 64)),
+                                     _mm512_fmadd_ps(t[m], d, acc[r][m]));
+    }
+  }
+#endif
 };
 
 // Q6_K: x block b = 4h + f holds weights 128h + 32f + i, whose code is nibble f / 2 of ql byte
@@ -118,6 +176,9 @@ struct Q4K {
 struct Q6K {
   static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208, kSums = 16;
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+  // 64 bytes of ql (half h) hold x blocks 4h, 4h + 1 (low nibbles) and 4h + 2, 4h + 3 (high):
+  // the natural order.
+  static constexpr int kWideOrder[kXBlocks] = {0, 1, 2, 3, 4, 5, 6, 7};
   static void sums(const int8_t* q, const float* d, float* out) {
     for (int s = 0; s < 16; ++s) {
       int32_t t = 0;
@@ -182,15 +243,65 @@ struct Q6K {
     }
   }
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // 512 bits: pair k = 2h + p of x blocks (2k, 2k + 1) is the low (p = 0) or high (p = 1) nibbles
+  // of ql bytes 64h .. 64h + 63, with the qh bits of x blocks 4h + 2p (bytes 0-31) and 4h + 2p + 1
+  // (32-63) from qh bytes 32h .. 32h + 31 in both halves; its 4 sub-blocks 4k .. 4k + 3 take 16
+  // bytes each.
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block512(const uint8_t* const (&blk)[R], const int8_t* const (&xc)[MB],
+                                                             const float* const (&side)[MB], __m512 (&acc)[R][MB]) {
+    alignas(64) static constexpr auto idx = [] {  // word w of pair k: the scale of sub-block 4k + w / 8
+      struct { int16_t w[4][32]; } t{};
+      for (int k = 0; k < 4; ++k)
+        for (int w = 0; w < 32; ++w) t.w[k][w] = int16_t(4 * k + w / 8);
+      return t;
+    }();
+    const __m512i nibble = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(0x30);
+    // qh bits 2f, 2f + 1 to bits 4, 5 (16-bit shifts; the mask drops what crosses bytes): f = 0, 1
+    // (left by 4, 2) for the low nibbles' halves, f = 2, 3 (right by 0, 2) for the high ones'.
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int r = 0; r < R; ++r) {
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + kScales));
+      const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+      const __m512 sf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8));
+      __m512 t[MB];
+      for (int m = 0; m < MB; ++m)  // the hoisted -32, in units of d
+        t[m] = _mm512_fnmadd_ps(sf, _mm512_loadu_ps(side[m] + 64), _mm512_setzero_ps());
+      for (int h = 0; h < 2; ++h) {
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQh + 32 * h)));
+        const __m512i ql = _mm512_loadu_si512(blk[r] + 64 * h);
+        const __m512i q[2] = {
+            _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, left), high)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble),
+                            _mm512_and_si512(_mm512_srlv_epi16(qh, right), high))};
+        for (int p = 0; p < 2; ++p) {
+          const int k = 2 * h + p;
+          const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(idx.w[k]), sc16);
+          for (int m = 0; m < MB; ++m) {
+            const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(q[p], _mm512_loadu_si512(xc[m] + 64 * k)), scale);
+            t[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(side[m] + 16 * k), t[m]);
+          }
+        }
+      }
+      const __m512 d = _mm512_set1_ps(f16_at(blk[r] + kD));
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(t[m], d, acc[r][m]);
+    }
+  }
+#endif
 };
 
-// What both kernels share: W rows of super-blocks, x quantized per block of 32 in natural order,
-// side data per super-block (8 x scales, then Fmt::kSums offset sums). K is whole super-blocks:
-// nothing for rest().
-template <typename Fmt>
+// What the kernels share: W rows of super-blocks, x quantized per block of 32, side data per
+// super-block: x scales, then Fmt::kSums offset sums. K is whole super-blocks: nothing for rest().
+// Two layouts of x: natural (WIDE false: the AVX2 and portable kernels; side: the 8 scales d_b)
+// and WideX (WIDE true, the 512-bit kernels: block Fmt::kWideOrder[p] at position p; side: 8 lanes
+// of d per position, so that pair k of positions has its 16 lanes at side + 16k).
+template <typename Fmt, bool WIDE>
 struct Base {
   using X = int8_t;
-  static constexpr int64_t kXPerChunk = kSuper, kSidePerChunk = kXBlocks + Fmt::kSums;
+  static constexpr int64_t kLanesPerBlock = WIDE ? 8 : 1, kScaleFloats = kXBlocks * kLanesPerBlock;
+  static constexpr int64_t kXPerChunk = kSuper, kSidePerChunk = kScaleFloats + Fmt::kSums;
   static constexpr int kMaxXBlock = 4;
   const uint8_t* blocks;
   int64_t chunks, row_bytes, rest_floats = 0;
@@ -198,10 +309,16 @@ struct Base {
   const uint8_t* row(int64_t n) const { return blocks + n * row_bytes; }
   void prepare_row(const float* x, X* xc, float* side, float*) const {
     for (int64_t c = 0; c < chunks; ++c) {
-      int8_t* q = xc + c * kSuper;
+      int8_t q[kSuper];
+      float d[kXBlocks];
       float* sd = side + c * kSidePerChunk;
-      for (int b = 0; b < kXBlocks; ++b) sd[b] = quantize_block(x + c * kSuper + b * kBlock, q + b * kBlock);
-      Fmt::sums(q, sd, sd + kXBlocks);
+      for (int b = 0; b < kXBlocks; ++b) d[b] = quantize_block(x + c * kSuper + b * kBlock, q + b * kBlock);
+      Fmt::sums(q, d, sd + kScaleFloats);
+      for (int p = 0; p < kXBlocks; ++p) {
+        const int b = WIDE ? Fmt::kWideOrder[p] : p;
+        std::memcpy(xc + c * kSuper + p * kBlock, q + b * kBlock, kBlock);
+        for (int l = 0; l < kLanesPerBlock; ++l) sd[p * kLanesPerBlock + l] = d[b];
+      }
     }
   }
   template <int R>
@@ -210,9 +327,9 @@ struct Base {
 };
 
 template <typename Fmt>
-struct ScalarKernel : Base<Fmt> {
+struct ScalarKernel : Base<Fmt, false> {
   using Acc = float;
-  using Base<Fmt>::Base;
+  using Base<Fmt, false>::Base;
   static constexpr int tile_rows(int) { return 1; }
   template <int R, int MB>
   inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t c, const int8_t* const (&xc)[MB],
@@ -225,21 +342,26 @@ struct ScalarKernel : Base<Fmt> {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
+// Prefetch the R rows' super-blocks 4 ahead of blk (every cache line of one).
+template <typename Fmt, int R>
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* const (&blk)[R]) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + 4 * Fmt::kBlockBytes + off, _MM_HINT_T0);
+}
+
 template <typename Fmt>
-struct Avx2Kernel : Base<Fmt> {
+struct Avx2Kernel : Base<Fmt, false> {
   using Acc = __m256;
-  using Base<Fmt>::Base;
+  using Base<Fmt, false>::Base;
   static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t c,
                                                    const int8_t* const (&xc)[MB], const float* const (&side)[MB],
                                                    Acc (&acc)[R][MB]) const {
     const uint8_t* blk[R];
-    for (int r = 0; r < R; ++r) {
-      blk[r] = row[r] + c * Fmt::kBlockBytes;
-      for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)  // a few super-blocks ahead in the row
-        _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + 4 * Fmt::kBlockBytes + off, _MM_HINT_T0);
-    }
+    for (int r = 0; r < R; ++r) blk[r] = row[r] + c * Fmt::kBlockBytes;
+    prefetch_ahead<Fmt, R>(blk);
     Fmt::template block<R, MB>(blk, xc, side, acc);
   }
   static Acc zero() { return _mm256_setzero_ps(); }
@@ -251,12 +373,43 @@ struct Avx2Kernel : Base<Fmt> {
 };
 #endif
 
-bool avx2_serves() {
-#if defined(__AVX2__) && defined(__FMA__)
-  const char* v = std::getenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS");
-  return v == nullptr || v[0] == '\0' || v[0] == '0';
+#if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kHave512 = true;
+// The 512-bit kernel: x in WideX, Fmt::block512.
+template <typename Fmt>
+struct Avx512Kernel : Base<Fmt, true> {
+  using Acc = __m512;
+  using Base<Fmt, true>::Base;
+  static constexpr int tile_rows(int) { return 2; }
+  template <int R, int MB>
+  __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t c,
+                                                   const int8_t* const (&xc)[MB], const float* const (&side)[MB],
+                                                   Acc (&acc)[R][MB]) const {
+    const uint8_t* blk[R];
+    for (int r = 0; r < R; ++r) blk[r] = row[r] + c * Fmt::kBlockBytes;
+    prefetch_ahead<Fmt, R>(blk);
+    Fmt::template block512<R, MB>(blk, xc, side, acc);
+  }
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static float reduce(Acc v) { return _mm512_reduce_add_ps(v); }
+};
 #else
-  return false;
+constexpr bool kHave512 = false;
+#endif
+
+bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
+// The kernel width: 512 bits where built for AVX-512 BW and TORCH_QMM_CPU_NO_INT8_512 is unset,
+// else 256 (AVX2); none (the portable kernel) without AVX2 or with TORCH_QMM_CPU_NO_AVX2_CHUNKS=1.
+int vector_bits() {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (env_set("TORCH_QMM_CPU_NO_AVX2_CHUNKS")) return 0;
+  return kHave512 && !env_set("TORCH_QMM_CPU_NO_INT8_512") ? 512 : 256;
+#else
+  return 0;
 #endif
 }
 
@@ -271,16 +424,21 @@ void with_format(int64_t ggml_type, F&& f) {
 void gguf_int8x(const float* x, const uint8_t* blocks, int64_t ggml_type, int64_t M, int64_t N, int64_t K, float* y) {
   with_format(ggml_type, [&](auto fmt) {
     using Fmt = decltype(fmt);
+    const int bits = vector_bits();
+#if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__)
+    if (bits == 512) return chunk::run(Avx512Kernel<Fmt>(blocks, K), x, M, N, K, y);
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
-    if (avx2_serves()) return chunk::run(Avx2Kernel<Fmt>(blocks, K), x, M, N, K, y);
+    if (bits == 256) return chunk::run(Avx2Kernel<Fmt>(blocks, K), x, M, N, K, y);
 #endif
     chunk::run(ScalarKernel<Fmt>(blocks, K), x, M, N, K, y);
   });
 }
 
 std::string gguf_int8x_kernel(int64_t ggml_type) {
-  if (!avx2_serves()) return "scalar";
-  return ggml_type == Q4K::kType ? "avx2-q4k" : "avx2-q6k";
+  const int bits = vector_bits();
+  if (bits == 0) return "scalar";
+  return std::string(bits == 512 ? "avx512bw" : "avx2") + (ggml_type == Q4K::kType ? "-q4k" : "-q6k");
 }
 
 }  // namespace
@@ -313,7 +471,8 @@ at::Tensor gguf_int8x_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int6
   return yf.to(x.scalar_type()).reshape(out_shape);
 }
 
-// "int8x/avx2-q4k", "int8x/avx2-q6k", "int8x/scalar", "exact" (x not finite) or "empty".
+// "int8x/<isa>-q4k", "int8x/<isa>-q6k" (isa avx512bw or avx2), "int8x/scalar", "exact" (x not
+// finite) or "empty".
 std::string gguf_int8x_cpu_route(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N,
                                  int64_t K) {
   check_gguf_qmm(x, blocks, ggml_type, N, K);

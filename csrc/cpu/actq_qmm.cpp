@@ -12,8 +12,10 @@
 // the bound docs/activation-quantization.md states and tests/test_cpu_actq.py checks.
 //
 // Kernels (both on the chunk driver, chunk_driver.h):
-//   Avx2Kernel, 4-bit (U4Codes) and 8-bit (U8Codes), group sizes 32/64/128: one 32-byte load of
-//     a row per chunk, integer dot products (actq_dot.h: AVX2 or VNNI), one float FMA per chunk;
+//   DotKernel, 4-bit (U4Codes) and 8-bit (U8Codes), group sizes 32/64/128: one vector load of a
+//     row per chunk, integer dot products, one float FMA per chunk; 256-bit (Ymm: actq_dot.h's
+//     AVX2 or VNNI dot4) or 512-bit (Zmm: vpdpbusd zmm, where built for AVX512_VNNI + AVX512BW,
+//     unless TORCH_QMM_CPU_NO_INT8_512=1);
 //   ScalarKernel, every affine bit width, portable: the route of other bit widths, of CPUs
 //     without AVX2 and of TORCH_QMM_CPU_NO_AVX2_CHUNKS=1 (as for the exact chunk kernels).
 // x with Inf or NaN takes the exact kernels (no int8 code can stand for them).
@@ -37,6 +39,7 @@
 #include "../validate.h"
 #include "actq_dot.h"
 #include "actq_x.h"
+#include "chunk.h"
 #include "chunk_driver.h"
 #include "qmm_kernels.h"
 
@@ -51,6 +54,7 @@ using Group = std::integral_constant<int, G>;
 // The affine scales and biases of W, in their float type T.
 template <typename T>
 struct Affine {
+  using Type = T;
   const T* scales;
   const T* biases;
   float scale(int64_t i) const { return static_cast<float>(scales[i]); }
@@ -122,106 +126,244 @@ struct ScalarKernel {
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-// 4-bit codes: a chunk is 32 bytes, 64 codes (byte i: code 2i in the low nibble, 2i + 1 in the
-// high one), two blocks of x: bytes 0-15 the first, 16-31 the second, so int32 lanes 0-3 of the
-// dot products belong to block 0 and lanes 4-7 to block 1. x is laid out as the nibbles come:
-// xc[0 .. 32) the codes of the low nibbles (x[2i]), xc[32 .. 64) of the high ones (x[2i + 1]).
-// Pairs: |15 * 127 * 2| * 2 < 2^15 (dot4x2's bound).
-struct U4Codes {
-  static constexpr const char* kName = "u4";
-  static constexpr int kBits = 4, kCodes = 64, kBytes = 32;
-  static constexpr float kOffset = 0.0f;  // w = s * (code + kOffset) + b in the dot products
-  static void place(int64_t b, const int8_t* q, int8_t* xc) {
-    int8_t* chunk = xc + (b / 2) * kCodes;
-    const int half = int(b % 2) * 16;
-    for (int i = 0; i < 16; ++i) {
-      chunk[half + i] = q[2 * i];
-      chunk[32 + half + i] = q[2 * i + 1];
-    }
-  }
-  // The x scale of each int32 lane of a chunk: [d(2c) x4, d(2c+1) x4].
-  static void side(int64_t b, float d, float* side) {
-    float* lanes = side + (b / 2) * 8 + (b % 2) * 4;
-    for (int l = 0; l < 4; ++l) lanes[l] = d;
-  }
-  template <int G, typename S>
-  __attribute__((always_inline)) static inline __m256 scale_lanes(const S& w, int64_t g0) {
-    if constexpr (G == 32) return _mm256_set_m128(_mm_set1_ps(w.scale(g0 + 1)), _mm_set1_ps(w.scale(g0)));
-    return _mm256_set1_ps(w.scale(g0));
-  }
-  template <int MB>
-  __attribute__((always_inline)) static inline void dot(__m256i wv, const int8_t* const (&xc)[MB],
-                                                        __m256i (&out)[MB]) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(wv, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble);
-    for (int m = 0; m < MB; ++m)
-      out[m] = dot4x2(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m])), hi,
-                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + 32)));
+// The vector width of a kernel: Ymm (AVX2, 32-byte chunks, the dot products of actq_dot.h's
+// dot4 / dot4x2) or Zmm (AVX-512 with VNNI, 64-byte chunks, dot4_512).
+struct Ymm {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kBytes = 32, kLanes = 8;
+  __attribute__((always_inline)) static inline I load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
+  __attribute__((always_inline)) static inline F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  __attribute__((always_inline)) static inline I nibbles_lo(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  __attribute__((always_inline)) static inline I nibbles_hi(I v) { return nibbles_lo(_mm256_srli_epi16(v, 4)); }
+  __attribute__((always_inline)) static inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  __attribute__((always_inline)) static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  __attribute__((always_inline)) static inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static float reduce(F v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
   }
 };
 
-// 8-bit codes: a chunk is 32 codes, one block of x in natural order. The codes q (0..255) enter
-// the products as q - 128 (signed) through |q - 128| and x with the sign of q - 128 (vpsignb), so
-// each pair stays below 2 * 128 * 127 < 2^15; the 128 * X_g this leaves out goes to the bias.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+struct Zmm {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kBytes = 64, kLanes = 16;
+  __attribute__((always_inline)) static inline I load(const void* p) { return _mm512_loadu_si512(p); }
+  __attribute__((always_inline)) static inline F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  __attribute__((always_inline)) static inline I nibbles_lo(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  __attribute__((always_inline)) static inline I nibbles_hi(I v) { return nibbles_lo(_mm512_srli_epi16(v, 4)); }
+  __attribute__((always_inline)) static inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  __attribute__((always_inline)) static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  __attribute__((always_inline)) static inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static float reduce(F v) { return _mm512_reduce_add_ps(v); }
+};
+#endif
+
+// 4-bit codes: a chunk is one vector of V::kBytes bytes, 2 * kBytes codes (byte i: code 2i in the
+// low nibble, 2i + 1 in the high one), kBytes / 16 blocks of x: bytes 16j .. 16j + 15 hold block
+// j, so int32 lane l of the dot products belongs to block l / 4. x is laid out as the nibbles
+// come: xc[0 .. kBytes) the codes of the low nibbles (x[2i]), xc[kBytes .. 2 kBytes) of the high
+// ones (x[2i + 1]). Ymm pairs: |15 * 127 * 2| * 2 < 2^15 (dot4x2's bound).
+template <typename V>
+struct U4Codes {
+  static constexpr int kBits = 4, kShift = 0, kBytes = V::kBytes, kCodes = 2 * kBytes;
+  static void place(int64_t b, const int8_t* q, int8_t* xc) {
+    constexpr int kBlocksPerChunk = kBytes / 16;
+    int8_t* chunk = xc + (b / kBlocksPerChunk) * kCodes + (b % kBlocksPerChunk) * 16;
+    for (int i = 0; i < 16; ++i) {
+      chunk[i] = q[2 * i];
+      chunk[kBytes + i] = q[2 * i + 1];
+    }
+  }
+  // The x scale of each int32 lane of a chunk: block b's 4 lanes.
+  static void side(int64_t b, float d, float* side) {
+    for (int l = 0; l < 4; ++l) side[4 * b + l] = d;
+  }
+  struct W {
+    typename V::I lo, hi;
+  };
+  __attribute__((always_inline)) static inline W decode(typename V::I wv) { return {V::nibbles_lo(wv), V::nibbles_hi(wv)}; }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // Zmm: x of a chunk in registers, loaded once for the tile's rows of W.
+  struct XV {
+    __m512i lo, hi;
+  };
+#else
+  struct XV {};
+#endif
+  __attribute__((always_inline)) static inline auto load_x(const int8_t* xc) {
+    if constexpr (std::is_same_v<V, Ymm>) return xc;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    else return XV{V::load(xc), V::load(xc + kBytes)};
+#endif
+  }
+  __attribute__((always_inline)) static inline __m256i dot(const W& w, const int8_t* xc) {
+    return dot4x2(w.lo, Ymm::load(xc), w.hi, Ymm::load(xc + kBytes));
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __attribute__((always_inline)) static inline __m512i dot(const W& w, const XV& x) {
+    return dot4_512(dot4_512(_mm512_setzero_si512(), w.lo, x.lo), w.hi, x.hi);
+  }
+#endif
+  // The weight scale of each lane, for the chunk whose first code is in group g0.
+  template <int G, typename S>
+  __attribute__((always_inline)) static inline typename V::F scale_lanes(const S& w, int64_t g0) {
+    if constexpr (std::is_same_v<V, Ymm>) {
+      if constexpr (G == 32) return _mm256_set_m128(_mm_set1_ps(w.scale(g0 + 1)), _mm_set1_ps(w.scale(g0)));
+      return _mm256_set1_ps(w.scale(g0));
+    }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    else return chunk::chunk_lanes<typename S::Type, G, kBits>(w.scales + g0);  // lane l: codes 8l .. 8l + 7
+#endif
+  }
+};
+
+// 8-bit codes: a chunk is kBytes codes, kBytes / 32 blocks of x in natural order. The codes q
+// (0..255) enter the products as q - 128 (kShift), and the 128 * X_g this leaves out goes to the
+// bias. Ymm: through |q - 128| and x with the sign of q - 128 (vpsignb), so that each pair stays
+// below 2 * 128 * 127 < 2^15. Zmm (vpdpbusd does not saturate): q times x, from -128 times x's
+// sums of 4 (the same integers).
+template <typename V>
 struct U8Codes {
-  static constexpr const char* kName = "u8";
-  static constexpr int kBits = 8, kCodes = 32, kBytes = 32;
-  static constexpr float kOffset = -128.0f;
+  static constexpr int kBits = 8, kShift = -128, kBytes = V::kBytes, kCodes = kBytes;
   static void place(int64_t b, const int8_t* q, int8_t* xc) {
     for (int i = 0; i < kBlock; ++i) xc[b * kBlock + i] = q[i];
   }
   static void side(int64_t b, float d, float* side) {
     for (int l = 0; l < 8; ++l) side[b * 8 + l] = d;
   }
-  template <int G, typename S>
-  __attribute__((always_inline)) static inline __m256 scale_lanes(const S& w, int64_t g0) {
-    return _mm256_set1_ps(w.scale(g0));
-  }
-  template <int MB>
-  __attribute__((always_inline)) static inline void dot(__m256i wv, const int8_t* const (&xc)[MB],
-                                                        __m256i (&out)[MB]) {
-    const __m256i centered = _mm256_xor_si256(wv, _mm256_set1_epi8(char(0x80)));  // q - 128 as int8
-    const __m256i magnitude = _mm256_abs_epi8(centered);  // |q - 128| <= 128, read unsigned
-    for (int m = 0; m < MB; ++m) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m]));
-      out[m] = dot4(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(x, centered));
+  struct W {
+    typename V::I q, centered;
+  };
+  __attribute__((always_inline)) static inline W decode(typename V::I wv) {
+    if constexpr (std::is_same_v<V, Ymm>) {
+      const __m256i centered = _mm256_xor_si256(wv, _mm256_set1_epi8(char(0x80)));  // q - 128 as int8
+      return {_mm256_abs_epi8(centered), centered};  // |q - 128| <= 128, read unsigned
+    } else {
+      return {wv, wv};
     }
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  struct XV {
+    __m512i x, base;  // the codes; -128 * (sum of each lane's 4 codes)
+  };
+#else
+  struct XV {};
+#endif
+  __attribute__((always_inline)) static inline auto load_x(const int8_t* xc) {
+    if constexpr (std::is_same_v<V, Ymm>) return xc;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    else {
+      const __m512i x = V::load(xc);
+      const __m512i sums = dot4_512(_mm512_setzero_si512(), _mm512_set1_epi8(char(0x80)), x);  // 128 * sum
+      return XV{x, _mm512_sub_epi32(_mm512_setzero_si512(), sums)};
+    }
+#endif
+  }
+  __attribute__((always_inline)) static inline __m256i dot(const W& w, const int8_t* xc) {
+    return dot4(_mm256_setzero_si256(), w.q, _mm256_sign_epi8(Ymm::load(xc), w.centered));
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __attribute__((always_inline)) static inline __m512i dot(const W& w, const XV& x) { return dot4_512(x.base, w.q, x.x); }
+#endif
+  template <int G, typename S>
+  __attribute__((always_inline)) static inline typename V::F scale_lanes(const S& w, int64_t g0) {
+    if constexpr (std::is_same_v<V, Ymm>) return _mm256_set1_ps(w.scale(g0));
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    else return chunk::chunk_lanes<typename S::Type, G, kBits>(w.scales + g0);  // lane l: codes 4l .. 4l + 3
+#endif
   }
 };
 
-// The AVX2 kernel for codes C, group size G, scales in T: per chunk and row of W, the int32 dot
-// products with each row of x, converted and multiplied by (weight scale * x scale) per lane.
-// rest(): the K tail past the last whole chunk (4-bit, K = 32 mod 64: one block, in integers) and
-// the bias, sum_g (b_g - kOffset * s_g) * X_g.
+// 8 scales or biases from p as float32.
+template <typename T>
+__attribute__((always_inline)) inline __m256 params8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<T, c10::BFloat16>) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#if defined(__F16C__)
+    else return _mm256_cvtph_ps(h);
+#else
+    else {
+      alignas(32) float f[8];
+      for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+      return _mm256_load_ps(f);
+    }
+#endif
+  }
+}
+
+// The hoisted offsets of one row of W: sum over g < n of (b[g] - SHIFT * s[g]) * xs[g], in 8 lanes
+// of two accumulators (groups g = 16j + l and 16j + 8 + l), then the remainder in order.
+template <int SHIFT, typename T>
+float offset_sum(const T* b, const T* s, const float* xs, int64_t n) {
+  auto coef = [&](int64_t g) __attribute__((always_inline)) {
+    const __m256 bv = params8(b + g);
+    if constexpr (SHIFT == 0) return bv;
+    else return _mm256_fnmadd_ps(_mm256_set1_ps(float(SHIFT)), params8(s + g), bv);
+  };
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 16 <= n; g += 16) {
+    a0 = _mm256_fmadd_ps(coef(g), _mm256_loadu_ps(xs + g), a0);
+    a1 = _mm256_fmadd_ps(coef(g + 8), _mm256_loadu_ps(xs + g + 8), a1);
+  }
+  if (g + 8 <= n) {
+    a0 = _mm256_fmadd_ps(coef(g), _mm256_loadu_ps(xs + g), a0);
+    g += 8;
+  }
+  float t = Ymm::reduce(_mm256_add_ps(a0, a1));
+  for (; g < n; ++g) t += (static_cast<float>(b[g]) - float(SHIFT) * static_cast<float>(s[g])) * xs[g];
+  return t;
+}
+
+// The kernel for codes C (4-bit or 8-bit, of one vector width), group size G, scales in T: per
+// chunk and row of W, the int32 dot products with each row of x, converted and multiplied by
+// (weight scale * x scale) per lane. rest(): the K tail past the last whole chunk (whole blocks of
+// 32, in integers) and the offsets, sum_g (b_g - kShift * s_g) * X_g.
 template <typename C, int G, typename T>
-struct Avx2Kernel {
+struct DotKernel {
+  using V = std::conditional_t<C::kBytes == 32, Ymm,
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                               Zmm
+#else
+                               void
+#endif
+                               >;
   using X = int8_t;
-  using Acc = __m256;
-  static constexpr int64_t kXPerChunk = C::kCodes, kSidePerChunk = 8;
+  using Acc = typename V::F;
+  static constexpr int64_t kXPerChunk = C::kCodes, kSidePerChunk = V::kLanes;
   static constexpr int kMaxXBlock = 4;
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 4 : 2; }
 
   const QmmArgs& a;
   Affine<T> w;
   int64_t chunks, row_bytes, groups, tail, rest_floats;
-  Avx2Kernel(const QmmArgs& args, Affine<T> wa)
+  DotKernel(const QmmArgs& args, Affine<T> wa)
       : a(args), w(wa), chunks(a.K / C::kCodes), row_bytes(a.K * C::kBits / 8), groups(a.K / G),
-        tail(a.K - chunks * C::kCodes), rest_floats(groups + (tail ? kBlock + 1 : 0)) {}
+        tail(a.K - chunks * C::kCodes), rest_floats(groups + tail + tail / kBlock) {}
 
   const uint8_t* row(int64_t n) const { return a.wq + n * row_bytes; }
 
-  // rest: X_g by group, then (with a tail) the tail block's codes as floats and its scale.
+  // rest: X_g by group, then the tail blocks' codes as floats and their scales.
   void prepare_row(const float* x, X* xc, float* side, float* rest) const {
     const int64_t whole = chunks * C::kCodes / kBlock;
     quantize_row(
         x, a.K, G, rest,
         [&](int64_t b, const int8_t* q) {
           if (b < whole) return C::place(b, q, xc);
-          for (int i = 0; i < kBlock; ++i) rest[groups + i] = float(q[i]);
+          for (int i = 0; i < kBlock; ++i) rest[groups + (b - whole) * kBlock + i] = float(q[i]);
         },
         [&](int64_t b, float d) {
           if (b < whole) return C::side(b, d, side);
-          rest[groups + kBlock] = d;
+          rest[groups + tail + (b - whole)] = d;
         });
   }
   template <int R>
@@ -231,44 +373,40 @@ struct Avx2Kernel {
   __attribute__((always_inline)) inline void chunk(int64_t n, const uint8_t* const (&row)[R], int64_t c,
                                                    const X* const (&xc)[MB], const float* const (&sc)[MB],
                                                    Acc (&acc)[R][MB]) const {
-    __m256 dx[MB];
-    for (int m = 0; m < MB; ++m) dx[m] = _mm256_loadu_ps(sc[m]);
+    Acc dx[MB];
+    decltype(C::load_x(xc[0])) xv[MB];
+    for (int m = 0; m < MB; ++m) {
+      dx[m] = V::loadf(sc[m]);
+      xv[m] = C::load_x(xc[m]);
+    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = row[r] + c * C::kBytes;
       _mm_prefetch(reinterpret_cast<const char*>(p) + 512, _MM_HINT_T0);
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256 sw = C::template scale_lanes<G>(w, (n + r) * groups + c * C::kCodes / G);
-      __m256i dots[MB];
-      C::template dot<MB>(wv, xc, dots);
-      for (int m = 0; m < MB; ++m)
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), _mm256_mul_ps(sw, dx[m]), acc[r][m]);
+      const auto wv = C::decode(V::load(p));
+      const Acc sw = C::template scale_lanes<G>(w, (n + r) * groups + c * C::kCodes / G);
+      for (int m = 0; m < MB; ++m) acc[r][m] = V::fmadd(V::cvt(C::dot(wv, xv[m])), V::mul(sw, dx[m]), acc[r][m]);
     }
   }
-  static Acc zero() { return _mm256_setzero_ps(); }
-  static float reduce(Acc v) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-  }
+  static Acc zero() { return V::zero(); }
+  static float reduce(Acc v) { return V::reduce(v); }
   float rest(int64_t n, const float* rest) const {
-    static_assert(C::kOffset == 0.0f || C::kCodes == kBlock, "a K tail only for codes that enter unshifted");
     float t = 0.0f;
-    if (tail) {
-      const float* q = rest + groups;
-      const int64_t k0 = chunks * C::kCodes;
+    const int64_t k0 = chunks * C::kCodes;
+    for (int64_t tb = 0; tb < tail / kBlock; ++tb) {
+      const float* q = rest + groups + tb * kBlock;
+      const int64_t k = k0 + tb * kBlock;
       int32_t dot = 0;
-      for (int i = 0; i < kBlock; ++i) dot += int32_t(unpack_element(row(n), k0 + i, C::kBits)) * int32_t(q[i]);
-      t += float(dot) * (w.scale(n * groups + k0 / G) * q[kBlock]);
+      for (int i = 0; i < kBlock; ++i) dot += (int32_t(unpack_element(row(n), k + i, C::kBits)) + C::kShift) * int32_t(q[i]);
+      t += float(dot) * (w.scale(n * groups + k / G) * rest[groups + tail + tb]);
     }
-    for (int64_t g = 0; g < groups; ++g) t += (w.bias(n * groups + g) - C::kOffset * w.scale(n * groups + g)) * rest[g];
-    return t;
+    return t + offset_sum<C::kShift>(w.biases + n * groups, w.scales + n * groups, rest, groups);
   }
 };
 
 #endif  // AVX2 + FMA
 
-bool avx2_avoided() {
-  const char* v = std::getenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS");
+bool env_set(const char* name) {
+  const char* v = std::getenv(name);
   return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
 
@@ -294,23 +432,38 @@ void with_scale_type(at::ScalarType dtype, F&& f) {
   }
 }
 
-bool avx2_serves(const QmmArgs& a) {
+// The vector kernels serve bits 4 and 8 from K of one chunk (the portable kernel the rest):
+// 512-bit chunks where built for AVX512_VNNI + AVX512BW and TORCH_QMM_CPU_NO_INT8_512 is unset,
+// else 256-bit ones; none with TORCH_QMM_CPU_NO_AVX2_CHUNKS=1.
+enum class Width { kNone, k256, k512 };
+
+Width vector_width(const QmmArgs& a) {
 #if defined(__AVX2__) && defined(__FMA__)
-  return !avx2_avoided() && ((a.bits == 4 && a.K >= 64) || a.bits == 8);
-#else
-  (void)a;
-  return false;
+  if (env_set("TORCH_QMM_CPU_NO_AVX2_CHUNKS") || (a.bits != 4 && a.bits != 8)) return Width::kNone;
+  const int64_t codes_per_byte = 8 / a.bits;
+  if (kHaveDot512 && !env_set("TORCH_QMM_CPU_NO_INT8_512") && a.K >= 64 * codes_per_byte) return Width::k512;
+  if (a.K >= 32 * codes_per_byte) return Width::k256;
 #endif
+  (void)a;
+  return Width::kNone;
 }
 
 }  // namespace
 
-// The kernel qmm_int8_activations runs for `a` (x finite): "<isa>-<codes>" or "scalar".
+// The kernel qmm_int8_activations runs for `a` (x finite): "<isa>-<codes>" (256-bit),
+// "<isa>-512-<codes>" (512-bit) or "scalar".
 std::string int8x_kernel(const QmmArgs& a) {
+  const Width v = vector_width(a);
+  if (v == Width::kNone) return "scalar";
 #if defined(__AVX2__) && defined(__FMA__)
-  if (avx2_serves(a)) return std::string(kDotIsa) + (a.bits == 4 ? "-u4" : "-u8");
+  const char* codes = a.bits == 4 ? "-u4" : "-u8";
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (v == Width::k512) return std::string(kDot512Isa) + "-512" + codes;
 #endif
+  return std::string(kDotIsa) + codes;
+#else
   return "scalar";
+#endif
 }
 
 void qmm_t_int8x(const QmmArgs& a, float* y) {
@@ -320,9 +473,17 @@ void qmm_t_int8x(const QmmArgs& a, float* y) {
     with_group(a.group_size, [&](auto g) {
       constexpr int G = decltype(g)::value;
 #if defined(__AVX2__) && defined(__FMA__)
-      if (avx2_serves(a)) {
-        if (a.bits == 4) return chunk::run(Avx2Kernel<U4Codes, G, T>(a, w), a.x, a.M, a.N, a.K, y);
-        return chunk::run(Avx2Kernel<U8Codes, G, T>(a, w), a.x, a.M, a.N, a.K, y);
+      auto run = [&](auto vec) {
+        using V = decltype(vec);
+        if (a.bits == 4) return chunk::run(DotKernel<U4Codes<V>, G, T>(a, w), a.x, a.M, a.N, a.K, y);
+        chunk::run(DotKernel<U8Codes<V>, G, T>(a, w), a.x, a.M, a.N, a.K, y);
+      };
+      switch (vector_width(a)) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        case Width::k512: return run(Zmm{});
+#endif
+        case Width::k256: return run(Ymm{});
+        default: break;
       }
 #endif
       chunk::run(ScalarKernel<G, T>(a, w), a.x, a.M, a.N, a.K, y);
