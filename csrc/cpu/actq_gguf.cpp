@@ -37,6 +37,7 @@
 #include "../gguf_validate.h"
 #include "actq_x.h"
 #include "chunk_driver.h"
+#include "hsum.h"
 #include "gguf_fields.h"
 #include "qmm_kernels.h"
 
@@ -365,11 +366,7 @@ struct Avx2Kernel : Base<Fmt, false> {
     Fmt::template block<R, MB>(blk, xc, side, acc);
   }
   static Acc zero() { return _mm256_setzero_ps(); }
-  static float reduce(Acc v) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-  }
+  static float reduce(Acc v) { return hsum(v); }
 };
 #endif
 

@@ -41,6 +41,7 @@
 #include "actq_x.h"
 #include "chunk.h"
 #include "chunk_driver.h"
+#include "hsum.h"
 #include "qmm_kernels.h"
 
 namespace torch_qmm {
@@ -140,11 +141,7 @@ struct Ymm {
   __attribute__((always_inline)) static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   __attribute__((always_inline)) static inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F zero() { return _mm256_setzero_ps(); }
-  static float reduce(F v) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-  }
+  static float reduce(F v) { return hsum(v); }
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

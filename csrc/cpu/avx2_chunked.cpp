@@ -18,6 +18,7 @@
 #include "../fp_codec.h"
 #include "chunk_avx2.h"
 #include "chunk_driver.h"
+#include "hsum.h"
 #include "qmm_dispatch.h"
 #include "qmm_kernels.h"
 
@@ -192,10 +193,7 @@ struct Avx2Kernel {
   static float reduce(Acc acc) {
     if constexpr (C::kNanCodes)
       if (!_mm256_testz_si256(acc.nan, acc.nan)) return std::numeric_limits<float>::quiet_NaN();
-    const __m256 v = sum_of(acc);
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    const float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    const float s = hsum(sum_of(acc));
     if constexpr (S::kBiases)
       return s + acc.bias;
     else

@@ -16,6 +16,7 @@
 #include "../gguf_format.h"
 #include "chunk_avx2.h"
 #include "chunk_driver.h"
+#include "gguf_chunk_kernel.h"
 #include "gguf_fields.h"
 #include "qmm_kernels.h"
 
@@ -63,6 +64,7 @@ __attribute__((always_inline)) inline __m256 pair_of(__m256 v, int i) {
 // chains per (W row, x row) and run, each scaled by one broadcast; the mins are hoisted:
 // y -= sum_s dmin*m[s] * (sum of x over sub-block s).
 struct Q4K {
+  using X = float;
   static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kXPerBlock = 256, kSide = 8;
   // W rows per tile: 2 at one or two rows of x (block() interleaves them), 1 above.
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
@@ -143,6 +145,7 @@ struct Q4K {
 // (u = 0..3), each scaled by one pair of scales. The -32 is hoisted: y -= sum_s d*sc[s] * 32 *
 // (sum of x over sub-block s).
 struct Q6K {
+  using X = float;
   static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208;
   static constexpr int64_t kXPerBlock = 256, kSide = 16;
   // W rows per tile: 2 at one or two rows of x (block() alternates them), 1 above.
@@ -215,46 +218,16 @@ struct Q6K {
   }
 };
 
-// The GGUF kernel (chunk_driver.h) on AVX2: a chunk is one super-block; side data: Fmt::kSide
-// floats of sub-block sums of x per super-block. K is whole super-blocks: nothing for rest().
-template <typename Fmt>
-struct GgufAvx2Kernel {
-  using X = float;
+// 8 float32 lanes; the next tile's blocks b (rows [n + R, n + 2R) follow this tile's in memory)
+// prefetched into L1 as one range, so W streams a whole tile ahead of its use.
+struct GgufYmm {
   using Acc = __m256;
-  static constexpr int64_t kXPerChunk = Fmt::kXPerBlock, kSidePerChunk = Fmt::kSide;
-  static constexpr int kMaxXBlock = 4;
-  static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
-
-  const GgufArgs& a;
-  int64_t chunks, row_bytes, rest_floats = 0;
-  explicit GgufAvx2Kernel(const GgufArgs& args) : a(args), chunks(a.K / 256), row_bytes(chunks * Fmt::kBlockBytes) {}
-
-  const uint8_t* row(int64_t n) const { return a.blocks + n * row_bytes; }
-  void prepare_row(const float* x, X* xc, float* xs, float*) const {
-    for (int64_t b = 0; b < chunks; ++b) Fmt::prepare(x + 256 * b, xc + b * kXPerChunk, xs + kSidePerChunk * b);
-  }
+  static Acc zero() { return _mm256_setzero_ps(); }
   template <int R>
-  void start_tile(int64_t) const {}
-
-  template <int R, int MB>
-  __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t b,
-                                                   const X* const (&xc)[MB], const float* const (&xs)[MB],
-                                                   __m256 (&acc)[R][MB]) const {
-    // Block b of the next tile's rows [n+R, n+2R), which follow this tile's in memory: W streams
-    // from memory a whole tile ahead of its use.
-    chunk::prefetch_range(row[0], R * row_bytes + b * R * Fmt::kBlockBytes, R * Fmt::kBlockBytes);
-    const uint8_t* blk[R];
-    for (int r = 0; r < R; ++r) blk[r] = row[r] + b * Fmt::kBlockBytes;
-    Fmt::template block<R, MB>(blk, xc, xs, acc);
+  __attribute__((always_inline)) static inline void prefetch(const uint8_t* const (&row)[R], int64_t b, int64_t row_bytes,
+                                                             int64_t block_bytes) {
+    chunk::prefetch_range(row[0], R * row_bytes + b * R * block_bytes, R * block_bytes);
   }
-
-  static __m256 zero() { return _mm256_setzero_ps(); }
-  static float reduce(__m256 v) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-  }
-  float rest(int64_t, const float*) const { return 0.0f; }
 };
 
 }  // namespace
@@ -267,9 +240,8 @@ const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type) {
 }
 
 void gguf_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
-  if (ggml_type == Q4K::kType) return chunk::run(GgufAvx2Kernel<Q4K>(a), a.x, a.M, a.N, a.K, y);
-  if (ggml_type == Q6K::kType) return chunk::run(GgufAvx2Kernel<Q6K>(a), a.x, a.M, a.N, a.K, y);
-  TORCH_CHECK(false, "gguf_qmm: no AVX2 chunk kernel for ggml type ", ggml_type, " (gguf_avx2_multiplier)");
+  const bool ran = run_gguf_chunks<GgufYmm, Q4K, Q6K>(a, ggml_type, y);
+  TORCH_CHECK(ran, "gguf_qmm: no AVX2 chunk kernel for ggml type ", ggml_type, " (gguf_avx2_multiplier)");
 }
 
 #else  // no AVX2: the fused decode-and-dot of gguf_qmm.cpp serves these calls.

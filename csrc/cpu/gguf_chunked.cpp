@@ -12,6 +12,7 @@
 #include "../gguf_format.h"
 #include "chunk.h"
 #include "chunk_driver.h"
+#include "gguf_chunk_kernel.h"
 #include "gguf_fields.h"
 #include "qmm_kernels.h"
 
@@ -243,58 +244,24 @@ struct Q6K {
   }
 };
 
-// The GGUF kernel (chunk_driver.h): a chunk is one super-block of 256 weights, which holds its
-// own scales and offsets (Fmt::block applies both); side data: Fmt::prepare's 16 floats of
-// sub-block sums of x per super-block. Nothing is left for rest(): K is whole super-blocks.
+// Fmt with x as P bfloat16 terms, in the form GgufChunkKernel takes (gguf_chunk_kernel.h).
 template <typename Fmt, int P>
-struct GgufKernel {
+struct Terms {
   using X = uint16_t;
-  using Acc = __m512;
-  static constexpr int64_t kXPerChunk = Fmt::template kXPerBlock<P>, kSidePerChunk = 16;
-  static constexpr int kMaxXBlock = 4;
+  static constexpr int64_t kType = Fmt::kType, kBlockBytes = Fmt::kBlockBytes, kXPerBlock = Fmt::template kXPerBlock<P>;
+  static constexpr int64_t kSide = 16;
   static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
-
-  const GgufArgs& a;
-  int64_t chunks, row_bytes, rest_floats = 0;
-  explicit GgufKernel(const GgufArgs& args) : a(args), chunks(a.K / 256), row_bytes(chunks * Fmt::kBlockBytes) {}
-
-  const uint8_t* row(int64_t n) const { return a.blocks + n * row_bytes; }
-  void prepare_row(const float* x, X* xb, float* xs, float*) const {
-    for (int64_t b = 0; b < chunks; ++b) Fmt::template prepare<P>(x + 256 * b, xb + b * kXPerChunk, xs + 16 * b);
-  }
-  template <int R>
-  void start_tile(int64_t) const {}
-
+  static void prepare(const float* x, X* xb, float* xs) { Fmt::template prepare<P>(x, xb, xs); }
   template <int R, int MB>
-  __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t b,
-                                                   const X* const (&xb)[MB], const float* const (&xs)[MB],
-                                                   __m512 (&acc)[R][MB]) const {
-    const uint8_t* blk[R];
-    for (int r = 0; r < R; ++r) {
-      blk[r] = row[r] + b * Fmt::kBlockBytes;
-      for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)  // the next tile's block
-        prefetch_l2(blk[r], R * row_bytes + off);
-    }
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const X* const (&xb)[MB],
+                                                          const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
     Fmt::template block<R, MB, P>(blk, xb, xs, acc);
   }
-
-  static __m512 zero() { return _mm512_setzero_ps(); }
-  static float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
-  float rest(int64_t, const float*) const { return 0.0f; }
 };
 
-template <typename Fmt, int P>
-void run(const GgufArgs& a, float* y) {
-  chunk::run(GgufKernel<Fmt, P>(a), a.x, a.M, a.N, a.K, y);
-}
-
-template <typename Fmt>
-void run_terms(const GgufArgs& a, float* y) {
-  switch (a.x_bf16_terms) {
-    case 1: return run<Fmt, 1>(a, y);
-    case 2: return run<Fmt, 2>(a, y);
-    default: return run<Fmt, 3>(a, y);
-  }
+template <int P>
+bool run_terms(const GgufArgs& a, int64_t ggml_type, float* y) {
+  return run_gguf_chunks<GgufZmm, Terms<Q4K, P>, Terms<Q6K, P>>(a, ggml_type, y);
 }
 
 }  // namespace
@@ -315,9 +282,10 @@ static const char* bf16_multiplier(const GgufArgs& a, int64_t ggml_type) {
 }
 
 static void run_bf16(const GgufArgs& a, int64_t ggml_type, float* y) {
-  if (ggml_type == Q4K::kType) return run_terms<Q4K>(a, y);
-  if (ggml_type == Q6K::kType) return run_terms<Q6K>(a, y);
-  TORCH_CHECK(false, "gguf_qmm: no chunk kernel for ggml type ", ggml_type, " (gguf_chunked_multiplier)");
+  const bool ran = a.x_bf16_terms == 1   ? run_terms<1>(a, ggml_type, y)
+                   : a.x_bf16_terms == 2 ? run_terms<2>(a, ggml_type, y)
+                                         : run_terms<3>(a, ggml_type, y);
+  TORCH_CHECK(ran, "gguf_qmm: no chunk kernel for ggml type ", ggml_type, " (gguf_chunked_multiplier)");
 }
 
 #else  // without AVX512_BF16: the AVX2 kernels (gguf_avx2.cpp), else the fused decode-and-dot of gguf_qmm.cpp

@@ -15,6 +15,7 @@
 #include "../gguf_format.h"
 #include "chunk.h"
 #include "chunk_driver.h"
+#include "gguf_chunk_kernel.h"
 #include "gguf_fields.h"
 #include "qmm_kernels.h"
 
@@ -43,6 +44,7 @@ struct LaneIdx {
 // 8-15 in 4k + 2, the odd ones 4k + 1 and 4k + 3: the fields of each parity are scaled by one per-lane vector. The
 // mins are hoisted: y -= sum_s dmin*m[s] * (sum of x over sub-block s).
 struct Q4K {
+  using X = float;
   static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kXPerBlock = 256, kSide = 16;
   // W rows per tile: 4 at one or two rows of x, 2 at four (fewer would read x from L2 at a rate it
   // does not sustain: 4 KB per super-block and W row at four rows of x).
@@ -145,6 +147,7 @@ struct Q4K {
 // per (h, p) of 4 vectors, scaled by one permuted scale vector. The -32 is hoisted:
 // y -= sum_s d*sc[s] * 32 * (sum of x over sub-block s).
 struct Q6K {
+  using X = float;
   static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208;
   static constexpr int64_t kXPerBlock = 256, kSide = 16;
   static constexpr int tile_rows(int mb) { return Q4K::tile_rows(mb); }
@@ -225,46 +228,6 @@ struct Q6K {
   }
 };
 
-// The GGUF kernel (chunk_driver.h) on AVX-512 float32: a chunk is one super-block; side data:
-// Fmt::kSide floats of sub-block sums of x per super-block. K is whole super-blocks: nothing for
-// rest().
-template <typename Fmt>
-struct GgufF32Kernel {
-  using X = float;
-  using Acc = __m512;
-  static constexpr int64_t kXPerChunk = Fmt::kXPerBlock, kSidePerChunk = Fmt::kSide;
-  static constexpr int kMaxXBlock = 4;
-  static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
-
-  const GgufArgs& a;
-  int64_t chunks, row_bytes, rest_floats = 0;
-  explicit GgufF32Kernel(const GgufArgs& args) : a(args), chunks(a.K / 256), row_bytes(chunks * Fmt::kBlockBytes) {}
-
-  const uint8_t* row(int64_t n) const { return a.blocks + n * row_bytes; }
-  void prepare_row(const float* x, X* xc, float* xs, float*) const {
-    for (int64_t b = 0; b < chunks; ++b) Fmt::prepare(x + 256 * b, xc + b * kXPerChunk, xs + kSidePerChunk * b);
-  }
-  template <int R>
-  void start_tile(int64_t) const {}
-
-  template <int R, int MB>
-  __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t b,
-                                                   const X* const (&xc)[MB], const float* const (&xs)[MB],
-                                                   __m512 (&acc)[R][MB]) const {
-    const uint8_t* blk[R];
-    for (int r = 0; r < R; ++r) {
-      blk[r] = row[r] + b * Fmt::kBlockBytes;
-      for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)  // the next tile's block
-        prefetch_l2(blk[r], R * row_bytes + off);
-    }
-    Fmt::template block<R, MB>(blk, xc, xs, acc);
-  }
-
-  static __m512 zero() { return _mm512_setzero_ps(); }
-  static float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
-  float rest(int64_t, const float*) const { return 0.0f; }
-};
-
 }  // namespace
 
 const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type) {
@@ -275,9 +238,8 @@ const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type) {
 }
 
 void gguf_f32(const GgufArgs& a, int64_t ggml_type, float* y) {
-  if (ggml_type == Q4K::kType) return chunk::run(GgufF32Kernel<Q4K>(a), a.x, a.M, a.N, a.K, y);
-  if (ggml_type == Q6K::kType) return chunk::run(GgufF32Kernel<Q6K>(a), a.x, a.M, a.N, a.K, y);
-  TORCH_CHECK(false, "gguf_qmm: no AVX-512 float32 chunk kernel for ggml type ", ggml_type, " (gguf_f32_multiplier)");
+  const bool ran = run_gguf_chunks<GgufZmm, Q4K, Q6K>(a, ggml_type, y);
+  TORCH_CHECK(ran, "gguf_qmm: no AVX-512 float32 chunk kernel for ggml type ", ggml_type, " (gguf_f32_multiplier)");
 }
 
 #else  // without AVX-512: the AVX2 kernels (gguf_avx2.cpp), else the fused decode-and-dot.
