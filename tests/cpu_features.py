@@ -140,7 +140,7 @@ def fma_first() -> bool:
 
 # ---- the AVX-512 affine chunk kernels ("chunked/f32", "chunked/bf16xP") ------------------------
 F32_CHUNK_BITS = (4, 8)  # chunk.h F32Multiplier
-F32_MAX_ROWS = AVX2_AFFINE_MAX_ROWS  # qmm_chunked.cpp f32_serves
+F32_MAX_ROWS = {4: 24, 8: 16}  # cpu::f32_affine_max_rows, by bits
 # cpu::chunked_max_rows by (bits, bfloat16 terms of x); None: no limit.
 CHUNKED_MAX_ROWS = {(b, 3): 32 for b in (2, 4)} | {(b, 2): 128 for b in (2, 4)} | {(b, 1): None for b in (2, 4)}
 CHUNKED_MAX_ROWS |= {(8, 3): 1, (8, 2): 2, (8, 1): 32}
@@ -151,8 +151,13 @@ def f32_chunks_serve(bits: int, m: int, no_f32: bool | None = None) -> bool:
     """Whether the AVX-512 float32 affine multiplier takes x of m rows (K of a chunk, x in range):
     bits 4 and 8, up to F32_MAX_ROWS rows, TORCH_QMM_CPU_NO_F32_CHUNKS unset (`no_f32` None: the
     environment decides)."""
+    return f32_format(bits, no_f32) and 1 <= m <= F32_MAX_ROWS[bits]
+
+
+def f32_format(bits: int, no_f32: bool | None = None) -> bool:
+    """Whether the AVX-512 float32 affine multiplier is there for `bits` (any M)."""
     no_f32 = env_on("TORCH_QMM_CPU_NO_F32_CHUNKS") if no_f32 is None else no_f32
-    return HAS_AVX512 and not no_f32 and bits in F32_CHUNK_BITS and 1 <= m <= F32_MAX_ROWS
+    return HAS_AVX512 and not no_f32 and bits in F32_CHUNK_BITS
 
 
 def float32_first(bits: int, terms: int, m: int, k: int, no_f32: bool | None = None) -> bool:
@@ -172,7 +177,9 @@ def affine_chunk_route(bits: int, terms: int, m: int, k: int, no_bf16: bool | No
     no_bf16 = env_on("TORCH_QMM_CPU_NO_BF16") if no_bf16 is None else no_bf16
     stream = bits in (3, 5, 6)
     if HAS_AVX512 and m >= 1 and k >= (32 if stream else 512 // bits) and not (stream and not HAS_VBMI):
-        if HAS_BF16 and not no_bf16 and not float32_first(bits, terms, m, k, no_f32):
+        # Where fma_first(), the float32 multiplier keeps its bits from the bfloat16 ones at any M.
+        displaced = fma_first() and f32_format(bits, no_f32)
+        if HAS_BF16 and not no_bf16 and not float32_first(bits, terms, m, k, no_f32) and not displaced:
             limit = CHUNKED_MAX_ROWS[bits, terms]
             if limit is None or m <= limit:
                 return f"chunked/bf16x{terms}"

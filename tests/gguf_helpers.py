@@ -150,15 +150,17 @@ def k_quant_magnitude(x: torch.Tensor, blocks, ggml_type) -> torch.Tensor:
 
 # ---- gguf_qmm's CPU routes for Q4_K / Q6_K (csrc/cpu/gguf_chunked.h, gguf_qmm.cpp) ------------------
 # For x in range (every |x| in [2^-98, 2^100], finite), three chunk families: the AVX-512 float32
-# kernels up to GGUF_FLOAT32_MAX_ROWS rows (unless TORCH_QMM_CPU_NO_F32_CHUNKS=1), the AVX512_BF16
+# kernels up to GGUF_F32_MAX_ROWS rows (unless TORCH_QMM_CPU_NO_F32_CHUNKS=1), the AVX512_BF16
 # ones up to GGUF_BF16_MAX_ROWS[type, bfloat16 terms of x] rows (unless TORCH_QMM_CPU_NO_BF16=1),
-# the AVX2 ones up to GGUF_FLOAT32_MAX_ROWS rows (unless TORCH_QMM_CPU_NO_AVX2_CHUNKS=1); then the
+# the AVX2 ones up to GGUF_AVX2_MAX_ROWS rows (unless TORCH_QMM_CPU_NO_AVX2_CHUNKS=1); then the
 # fused decode below 16 rows (cpu::kGemmMinRows), the GEMM from there. x out of range skips all
 # three. The AVX-512 float32 kernels go first for float32 x (three terms), for Q6_K, and for 16-bit
 # x where cpu_features.fma_first(); else after the bfloat16 ones. The bfloat16 kernels yield to the
-# AVX2 ones, where those serve, for float32 x and Q6_K.
+# AVX2 ones, where those serve, for float32 x and Q6_K, and where fma_first() serve no M unless
+# the AVX-512 float32 kernels are stepped aside.
 GGUF_BF16_MAX_ROWS = {(Q4_K, 3): 16, (Q4_K, 2): 32, (Q4_K, 1): 128, (Q6_K, 3): 2, (Q6_K, 2): 4, (Q6_K, 1): 32}
-GGUF_FLOAT32_MAX_ROWS = 15  # cpu::kGgufFloat32MaxRows
+GGUF_F32_MAX_ROWS = 32  # cpu::kGgufF32MaxRows
+GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
 GGUF_AVX2_NAMES = {Q4_K: "chunked/avx2-q4k", Q6_K: "chunked/avx2-q6k"}
 GGUF_F32_NAMES = {Q4_K: "chunked/f32-q4k", Q6_K: "chunked/f32-q6k"}
 
@@ -167,12 +169,12 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True) -> st
     """The route _gguf_cpu_route names for x [m, K] of `dtype` (float32 under precision "highest"),
     under the current environment."""
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
-    rows = x_in_range and 1 <= m <= GGUF_FLOAT32_MAX_ROWS
-    f32 = rows and HAS_AVX512 and not env_on("TORCH_QMM_CPU_NO_F32_CHUNKS")
+    f32_family = HAS_AVX512 and not env_on("TORCH_QMM_CPU_NO_F32_CHUNKS")
+    f32 = x_in_range and 1 <= m <= GGUF_F32_MAX_ROWS and f32_family
     if f32 and (terms == 3 or ggml_type == Q6_K or fma_first()):
         return GGUF_F32_NAMES[ggml_type]
-    avx2 = rows and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
-    yields = avx2 and (terms == 3 or ggml_type == Q6_K)
+    avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
+    yields = (avx2 and (terms == 3 or ggml_type == Q6_K)) or (fma_first() and f32_family)
     if (x_in_range and HAS_BF16 and not env_on("TORCH_QMM_CPU_NO_BF16") and not yields
             and m <= GGUF_BF16_MAX_ROWS[ggml_type, terms]):
         return f"chunked/bf16x{terms}"

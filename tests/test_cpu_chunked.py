@@ -21,7 +21,7 @@ import torch_qmm
 from torch_qmm import reference
 
 from cpu_features import BF16_GEMM_MIN_ROWS, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI  # noqa: F401 (shared with other tests)
-from cpu_features import affine_chunk_route, bf16_precision, takes_bf16_gemm
+from cpu_features import F32_MAX_ROWS, affine_chunk_route, bf16_precision, takes_bf16_gemm
 from cpu_features import CHUNKED_MAX_ROWS as MAX_ROWS  # noqa: F401 (shared with other tests)
 from cpu_features import AVX2_AFFINE_CHUNKS as AVX2_CHUNKS, AVX2_AFFINE_MAX_ROWS  # noqa: F401 (shared with other tests)
 from tolerance import assert_matches_reference
@@ -111,12 +111,14 @@ def test_chunk_kernels_match_reference(tile, bits, group_size, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", CHUNK_BITS)
 def test_chunk_kernels_up_to_their_row_limit(tile, bits, dtype):
-    """Each multiplier at its last M and the next (MAX_ROWS; no limit: 199/200 here; where the
+    """Each multiplier at its last M and the next (MAX_ROWS, F32_MAX_ROWS; no limit: 199/200 here; where the
     bfloat16 GEMM route takes the rows past 15 from the multiplier: 15/16): the route changes
     exactly there and both sides match the reference."""
     gen = torch.Generator().manual_seed(21 + bits)
     wq, scales, biases = random_packed(70, 512, bits, 64, dtype, gen)
     limit = MAX_ROWS[bits, TERMS.get(dtype, 3)] or 199
+    if tile == "f32" and bits in F32_MAX_ROWS:
+        limit = F32_MAX_ROWS[bits]
     if tile == "bf16" and takes_bf16_gemm(limit, dtype, no_bf16=False):
         limit = min(limit, BF16_GEMM_MIN_ROWS - 1)
     for m in [limit, limit + 1]:

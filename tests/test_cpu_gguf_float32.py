@@ -18,27 +18,29 @@ import torch
 from gguf import quants
 
 from cpu_features import HAS_AVX2, HAS_AVX512
-from gguf_helpers import GGUF_AVX2_NAMES, GGUF_F32_NAMES, GGUF_FLOAT32_MAX_ROWS, Q4_K, Q6_K
+from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_AVX2_NAMES, GGUF_F32_MAX_ROWS, GGUF_F32_NAMES, Q4_K, Q6_K
 from gguf_helpers import assert_matches_reference, expected_gguf_route, k_quant_magnitude, random_k_blocks
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TYPES = [Q4_K, Q6_K]
 
-# name: (built here, environment that steps the other chunk kernels aside, route names)
+# name: (built here, environment that steps the other chunk kernels aside, route names, rows of x
+# up to which the family serves)
 FAMILIES = {
-    "f32": (HAS_AVX512, {"TORCH_QMM_CPU_FMA_FIRST": "1"}, GGUF_F32_NAMES),
-    "avx2": (HAS_AVX2, {"TORCH_QMM_CPU_NO_F32_CHUNKS": "1", "TORCH_QMM_CPU_NO_BF16": "1"}, GGUF_AVX2_NAMES),
+    "f32": (HAS_AVX512, {"TORCH_QMM_CPU_FMA_FIRST": "1"}, GGUF_F32_NAMES, GGUF_F32_MAX_ROWS),
+    "avx2": (HAS_AVX2, {"TORCH_QMM_CPU_NO_F32_CHUNKS": "1", "TORCH_QMM_CPU_NO_BF16": "1"}, GGUF_AVX2_NAMES,
+             GGUF_AVX2_MAX_ROWS),
 }
 
 
 @pytest.fixture(params=list(FAMILIES))
 def family(request, monkeypatch) -> dict:
-    built, env, names = FAMILIES[request.param]
+    built, env, names, max_rows = FAMILIES[request.param]
     if not built:
         pytest.skip(f"this CPU lacks the instruction set of the {request.param} GGUF kernels")
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    return names
+    return {**names, "max_rows": max_rows}
 
 
 def _case(ggml_type, n: int, k: int, seed: int, raw_edit=None):
@@ -66,12 +68,13 @@ def test_float32_kernels_match_gguf_dequantize(family, ggml_type, dtype):
     blocks of 4 / 2 / 1, and the first M past the row limit (the GEMM, for comparison)."""
     for n, k in [(1, 256), (5, 768), (130, 512), (261, 256)]:
         blocks, w = _case(ggml_type, n, k, seed=n + k)
-        x_all = torch.randn(GGUF_FLOAT32_MAX_ROWS + 1, k, generator=torch.Generator().manual_seed(n)).to(dtype)
-        for m in [1, 2, 3, 4, 5, 6, 7, GGUF_FLOAT32_MAX_ROWS, GGUF_FLOAT32_MAX_ROWS + 1]:
+        limit = family["max_rows"]
+        x_all = torch.randn(limit + 1, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+        for m in sorted({1, 2, 3, 4, 5, 6, 7, 15, 16, limit, limit + 1}):
             x = x_all[:m]
             r = route(x, blocks, n, k, ggml_type)
             assert r == expected_gguf_route(dtype, m, ggml_type), f"M={m}: {r}"
-            assert (r == family[ggml_type]) == (m <= GGUF_FLOAT32_MAX_ROWS), f"M={m}: {r}"
+            assert (r == family[ggml_type]) == (m <= limit), f"M={m}: {r}"
             check(x, blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} {r} M={m} N={n} K={k}")
 
 

@@ -4,9 +4,9 @@ Each case first asserts the route torch.ops.torch_qmm._cpu_route names (the tabl
 csrc/cpu/qmm_kernels.h: first, transpose=True, bfloat16 x from 16 rows takes the bfloat16 GEMM
 route where the CPU has bfloat16 matrix units (tests/cpu_features.py takes_bf16_gemm; its products
 are exact on these problems, whose weights are exact in bfloat16); then AVX-512 chunk kernels from
-one chunk of K (tests/cpu_features.py affine_chunk_route: the float32 one for bits 4 / 8 up to 15
-rows, first for float32 x and on Intel CPUs for 16-bit x; the bfloat16 ones up to
-chunked_max_rows rows), then the AVX2 4-bit / 8-bit chunk kernels up to 15 rows from K = 64 / 32,
+one chunk of K (tests/cpu_features.py affine_chunk_route: the float32 one for bits 4 / 8 up to 24
+/ 16 rows, first for float32 x and on Intel CPUs for 16-bit x, where bits 4 / 8 never take the
+bfloat16 ones; the bfloat16 ones up to chunked_max_rows rows), then the AVX2 4-bit / 8-bit chunk kernels up to 15 rows from K = 64 / 32,
 fused below 16 rows, GEMM from 16),
 then runs two exact problems (tests/exact_cases.py): one whose float32 accumulation is exact (y
 must be the exact product rounded to nearest even: truncation or double rounding fails), one
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import torch_qmm
-from cpu_features import HAS_BF16_MATRIX_UNITS, affine_chunk_route, takes_bf16_gemm
+from cpu_features import F32_MAX_ROWS, HAS_BF16_MATRIX_UNITS, affine_chunk_route, takes_bf16_gemm
 from exact_cases import assert_bitwise, rounding_case, selection_case
 from test_cpu_chunked import AVX2_AFFINE_MAX_ROWS, AVX2_CHUNKS, HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VBMI, MAX_ROWS
 
@@ -60,6 +60,8 @@ def _cases():
         ms = {1, 2, 3, 4, 5, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, GEMM_MIN_ROWS + 1}
         if limit is not None:
             ms |= {limit, limit + 1}
+        if bits in F32_MAX_ROWS:
+            ms |= {F32_MAX_ROWS[bits], F32_MAX_ROWS[bits] + 1}
         chunk = chunk_codes(bits)
         # K: one chunk plus a group (every M); below, at and above one chunk (at M = 1).
         k_main = max(chunk, gs) + gs

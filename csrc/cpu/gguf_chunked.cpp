@@ -273,8 +273,13 @@ static bool bf16_yields(const GgufArgs& a, int64_t ggml_type) {
   return (a.x_bf16_terms >= 3 || ggml_type == Q6K::kType) && gguf_avx2_multiplier(a, ggml_type) != nullptr;
 }
 
+// Where float32_fma_first(), the bfloat16 multipliers leave every M to the float32 ones and past
+// their rows to the GEMM route (on the Xeon measured: slower than both at M = 16-64,
+// benchmarks/README.md, "Float32 kernels past 15 rows"), unless TORCH_QMM_CPU_NO_F32_CHUNKS
+// steps the float32 kernels aside.
 static const char* bf16_multiplier(const GgufArgs& a, int64_t ggml_type) {
   if (a.avoid_bf16 || a.M < 1 || bf16_yields(a, ggml_type)) return nullptr;
+  if (float32_fma_first() && !f32_chunks_avoided()) return nullptr;
   const int64_t limit = ggml_type == Q4K::kType ? Q4K::max_rows(a.x_bf16_terms)
                         : ggml_type == Q6K::kType ? Q6K::max_rows(a.x_bf16_terms) : 0;
   if (a.M > limit || !x_in_range(a.x, a.M * a.K)) return nullptr;

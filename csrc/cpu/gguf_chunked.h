@@ -19,14 +19,16 @@ struct GgufArgs {
 // The chunk multiplier that takes these operands, or null: "f32-q4k" / "f32-q6k" (AVX-512
 // float32 FMAs, gguf_f32.cpp), "bf16x1/2/3" (AVX512_BF16 dot products, this file's .cpp: M up to
 // the type's max_rows for the bfloat16 terms of x, not avoided) or "avx2-q4k" / "avx2-q6k" (AVX2
-// + FMA, gguf_avx2.cpp); Q4_K or Q6_K, x in range, the float32 kernels up to
-// kGgufFloat32MaxRows rows. Which goes first: gguf_chunked.cpp, gguf_chunked_multiplier.
+// + FMA, gguf_avx2.cpp); Q4_K or Q6_K, x in range, the float32 kernels up to kGgufF32MaxRows /
+// kGgufAvx2MaxRows rows. Which goes first: gguf_chunked.cpp, gguf_chunked_multiplier.
 const char* gguf_chunked_multiplier(const GgufArgs& a, int64_t ggml_type);
 void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y);
 
-// Rows of x up to which the float32 GGUF chunk kernels (AVX2, AVX-512) serve a call (below the
-// GEMM route).
-constexpr int64_t kGgufFloat32MaxRows = 15;
+// Rows of x up to which the float32 GGUF chunk kernels serve a call: the AVX-512 ones beat the
+// GEMM route to about 48 rows on the Xeon measured (Q6_K by 7% at 32; benchmarks/README.md,
+// "Float32 kernels past 15 rows"); the AVX2 ones stop where the GEMM route starts.
+constexpr int64_t kGgufF32MaxRows = 32;
+constexpr int64_t kGgufAvx2MaxRows = 15;
 // Each: its name where it serves (TORCH_QMM_CPU_NO_F32_CHUNKS / _NO_AVX2_CHUNKS unset), else null.
 const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type);
 void gguf_f32(const GgufArgs& a, int64_t ggml_type, float* y);

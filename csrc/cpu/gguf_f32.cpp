@@ -231,7 +231,7 @@ struct Q6K {
 }  // namespace
 
 const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type) {
-  if (f32_chunks_avoided() || a.M < 1 || a.M > kGgufFloat32MaxRows) return nullptr;
+  if (f32_chunks_avoided() || a.M < 1 || a.M > kGgufF32MaxRows) return nullptr;
   if (ggml_type != Q4K::kType && ggml_type != Q6K::kType) return nullptr;
   if (!x_in_range(a.x, a.M * a.K)) return nullptr;
   return ggml_type == Q4K::kType ? "f32-q4k" : "f32-q6k";

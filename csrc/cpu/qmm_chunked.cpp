@@ -183,12 +183,11 @@ void run_bf16(const QmmArgs& a, float* y) {
 }
 #endif
 
-// Whether the float32 multiplier (4-bit and 8-bit) takes `a`'s rows: up to the GEMM routes,
-// unless TORCH_QMM_CPU_NO_F32_CHUNKS=1 steps it aside (then the AVX2 kernels serve, as on CPUs
-// without AVX-512).
-bool f32_serves(const QmmArgs& a) {
-  return (a.bits == 4 || a.bits == 8) && a.M >= 1 && a.M <= avx2_affine_max_rows && !f32_chunks_avoided();
-}
+// Whether the float32 multiplier is there for `a`'s format (4-bit and 8-bit), unless
+// TORCH_QMM_CPU_NO_F32_CHUNKS=1 steps it aside (then the AVX2 kernels serve, as on CPUs without
+// AVX-512); and whether it takes `a`'s rows, up to f32_affine_max_rows.
+bool f32_format(const QmmArgs& a) { return (a.bits == 4 || a.bits == 8) && !f32_chunks_avoided(); }
+bool f32_serves(const QmmArgs& a) { return f32_format(a) && a.M >= 1 && a.M <= f32_affine_max_rows(a.bits); }
 
 #if defined(__AVX512BF16__)
 // Whether the float32 kernels go first for `a`: float32 x (three bfloat16 terms) on every CPU,
@@ -201,8 +200,13 @@ bool float32_first(const QmmArgs& a) {
   return f32_serves(a) && float32_fma_first();
 }
 
-// Whether the bfloat16 multipliers are in play for `a`.
-bool bf16_chunks(const QmmArgs& a) { return !a.avoid_bf16 && !float32_first(a); }
+// Whether the bfloat16 multipliers are in play for `a`: not where float32_fma_first() and the
+// float32 multiplier is there for the format, at any M: on the Xeon measured they lose to it,
+// and past its rows to the GEMM route (1.4-2.7x at M = 16-64: benchmarks/README.md, "Float32
+// kernels past 15 rows").
+bool bf16_chunks(const QmmArgs& a) {
+  return !a.avoid_bf16 && !float32_first(a) && !(float32_fma_first() && f32_format(a));
+}
 #endif
 
 // The AVX-512 affine multiplier that serves `a`, or null.

@@ -75,8 +75,9 @@ constexpr int64_t kGemmMinRows = 16;
 // is null where none applies (then qmm_t_chunked must not be called):
 //   affine on AVX-512, bits 2/3/4/5/6/8 (qmm_chunked.cpp): "bf16x3", "bf16x2", "bf16x1" (x as
 //     that many bfloat16 terms, up to chunked_max_rows rows), "f32" (float32 FMAs, bits 4 and
-//     8 up to avx2_affine_max_rows rows: first for float32 x, and for 16-bit x where
-//     float32_fma_first()); K of at least one chunk, x in range (chunk::x_in_range);
+//     8 up to f32_affine_max_rows rows: first for float32 x, and for 16-bit x where
+//     float32_fma_first(), which also keeps bits 4 and 8 from the bfloat16 ones at any M);
+//     K of at least one chunk, x in range (chunk::x_in_range);
 //   then, on AVX2 + FMA (avx2_chunked.cpp), K of at least one chunk of the multiplier
 //     (chunk_avx2.h): "avx2-u4" / "avx2-u8" (affine 4-bit / 8-bit, up to avx2_affine_max_rows rows, x in
 //     range), and
@@ -87,6 +88,10 @@ void qmm_t_chunked(const QmmArgs& a, float* y);
 
 // Rows of x up to which the AVX2 chunk kernels serve a call (benchmarks/README.md).
 constexpr int64_t avx2_affine_max_rows = kGemmMinRows - 1;
+// Rows of x up to which the AVX-512 float32 affine multiplier serves a call: about where it stops
+// beating the GEMM route on the Xeon measured (benchmarks/README.md, "Float32 kernels past 15
+// rows"); 8-bit decodes twice the work per code.
+constexpr int64_t f32_affine_max_rows(int bits) { return bits == 8 ? 16 : 24; }
 constexpr int64_t fp_chunked_max_rows = 16;
 // TORCH_QMM_CPU_NO_AVX2_CHUNKS=1: the AVX2 chunk kernels (affine, fp, GGUF) step aside (A/B
 // against the fused / generic routes: python -m torch_qmm bench --peers no_avx2_chunks).
