@@ -15,9 +15,9 @@
 // dequantized x up to float32 rounding, with the bound of the affine path (docs/activation-
 // quantization.md): |y - W x| <= sum_b (d_b / 2) * sum_{i in b} |w_i| (+ rounding).
 //
-// Kernels, on the chunk driver (chunk_driver.h; a chunk is one super-block): Avx512Kernel<Fmt>
+// Kernels, on the chunk driver (chunk_driver.h; a chunk is one super-block): VecKernel<Fmt, true>
 // ("int8x/avx512bw-q4k", "int8x/avx512bw-q6k": the same integer products on 64 bytes at a time,
-// where built for AVX512BW, unless TORCH_QMM_CPU_NO_INT8_512=1), Avx2Kernel<Fmt> ("int8x/avx2-q4k",
+// where built for AVX512BW, unless TORCH_QMM_CPU_NO_INT8_512=1), VecKernel<Fmt, false> ("int8x/avx2-q4k",
 // "int8x/avx2-q6k") and ScalarKernel<Fmt> (portable; CPUs without AVX2 and
 // TORCH_QMM_CPU_NO_AVX2_CHUNKS=1). x with Inf or NaN, or a result that is not finite, takes the
 // exact gguf_qmm.
@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "../gguf_format.h"
 #include "../gguf_validate.h"
@@ -351,11 +352,13 @@ __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* const (
       _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + 4 * Fmt::kBlockBytes + off, _MM_HINT_T0);
 }
 
-template <typename Fmt>
-struct Avx2Kernel : Base<Fmt, false> {
-  using Acc = __m256;
-  using Base<Fmt, false>::Base;
-  static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
+// The vector kernels: 256-bit (WIDE false: x in natural order, Fmt::block, Fmt::tile_rows) and
+// 512-bit (WIDE true: x in WideX, Fmt::block512, tiles of 2 W rows).
+template <typename Fmt, bool WIDE>
+struct VecKernel : Base<Fmt, WIDE> {
+  using Acc = std::conditional_t<WIDE, __m512, __m256>;
+  using Base<Fmt, WIDE>::Base;
+  static constexpr int tile_rows(int mb) { return WIDE ? 2 : Fmt::tile_rows(mb); }
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t c,
                                                    const int8_t* const (&xc)[MB], const float* const (&side)[MB],
@@ -363,33 +366,18 @@ struct Avx2Kernel : Base<Fmt, false> {
     const uint8_t* blk[R];
     for (int r = 0; r < R; ++r) blk[r] = row[r] + c * Fmt::kBlockBytes;
     prefetch_ahead<Fmt, R>(blk);
-    Fmt::template block<R, MB>(blk, xc, side, acc);
+    if constexpr (WIDE)
+      Fmt::template block512<R, MB>(blk, xc, side, acc);
+    else
+      Fmt::template block<R, MB>(blk, xc, side, acc);
   }
-  static Acc zero() { return _mm256_setzero_ps(); }
+  static Acc zero() { return Acc{}; }
   static float reduce(Acc v) { return hsum(v); }
 };
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr bool kHave512 = true;
-// The 512-bit kernel: x in WideX, Fmt::block512.
-template <typename Fmt>
-struct Avx512Kernel : Base<Fmt, true> {
-  using Acc = __m512;
-  using Base<Fmt, true>::Base;
-  static constexpr int tile_rows(int) { return 2; }
-  template <int R, int MB>
-  __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t c,
-                                                   const int8_t* const (&xc)[MB], const float* const (&side)[MB],
-                                                   Acc (&acc)[R][MB]) const {
-    const uint8_t* blk[R];
-    for (int r = 0; r < R; ++r) blk[r] = row[r] + c * Fmt::kBlockBytes;
-    prefetch_ahead<Fmt, R>(blk);
-    Fmt::template block512<R, MB>(blk, xc, side, acc);
-  }
-  static Acc zero() { return _mm512_setzero_ps(); }
-  static float reduce(Acc v) { return _mm512_reduce_add_ps(v); }
-};
 #else
 constexpr bool kHave512 = false;
 #endif
@@ -423,10 +411,10 @@ void gguf_int8x(const float* x, const uint8_t* blocks, int64_t ggml_type, int64_
     using Fmt = decltype(fmt);
     const int bits = vector_bits();
 #if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__)
-    if (bits == 512) return chunk::run(Avx512Kernel<Fmt>(blocks, K), x, M, N, K, y);
+    if (bits == 512) return chunk::run(VecKernel<Fmt, true>(blocks, K), x, M, N, K, y);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-    if (bits == 256) return chunk::run(Avx2Kernel<Fmt>(blocks, K), x, M, N, K, y);
+    if (bits == 256) return chunk::run(VecKernel<Fmt, false>(blocks, K), x, M, N, K, y);
 #endif
     chunk::run(ScalarKernel<Fmt>(blocks, K), x, M, N, K, y);
   });
