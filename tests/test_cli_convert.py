@@ -365,6 +365,29 @@ def test_the_cli_prints_no_traceback_unless_debug(tmp_path):
     assert p.returncode == 1 and "Traceback" in p.stderr and "GGUFFormatError" in p.stderr
 
 
+_SIGNAL_SCRIPT = r"""
+import os, signal, sys
+from torch_qmm.interop import output_folder
+from torch_qmm.__main__ import main
+sig = getattr(signal, sys.argv[1])
+output_folder._umask_modes = lambda folder, umask: os.kill(os.getpid(), sig)  # once every file is written
+sys.exit(main(["convert", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.parametrize("sig, code, word", [("SIGTERM", 143, "terminated"), ("SIGINT", 130, "interrupted")])
+def test_a_signal_while_writing_leaves_nothing_behind(hf_folder, tmp_path, sig, code, word):
+    """kill / timeout (SIGTERM) and Ctrl-C (SIGINT) in the middle of writing: the partial output is
+    removed, the destination is not created, and the exit code says which signal."""
+    dst = tmp_path / "parent" / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    p = subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT, sig, str(hf_folder), str(dst), "--bits", "4"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == code, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].endswith(word) and "Traceback" not in p.stderr
+    assert not (tmp_path / "parent").exists(), list((tmp_path / "parent").iterdir())
+
+
 _MEMORY_SCRIPT = r"""
 import contextlib, io, json, os, sys, threading, time
 import torch_qmm.interop.cli_convert  # noqa: F401  (imports done before the baseline)

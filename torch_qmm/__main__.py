@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import traceback
 
@@ -27,6 +28,15 @@ SUBCOMMANDS = {
 _DEBUG_HELP = "on an error, print the full traceback instead of one line"
 
 
+class Terminated(BaseException):
+    """SIGTERM (kill, timeout, a CI runner), raised wherever the command is, so that it unwinds as
+    Ctrl-C does: partial outputs are removed on the way out."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns its exit code: 0 done, 1 a bad input file or failed run, 2 a bad
     argument (argparse's own usage errors exit with 2 through SystemExit)."""
@@ -43,12 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         modules[name] = module
     args = parser.parse_args(argv)
     try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread (an embedding program): SIGTERM stays as it is
+        previous = None
+    try:
         return int(modules[args.command].run(args) or 0)
-    except KeyboardInterrupt:  # partial outputs were already removed on the way out
+    except (KeyboardInterrupt, Terminated) as e:  # partial outputs were already removed on the way out
         if args.debug:
             raise
-        print(f"{parsers[args.command].prog}: interrupted", file=sys.stderr)
-        return 130
+        killed = isinstance(e, Terminated)
+        print(f"{parsers[args.command].prog}: {'terminated' if killed else 'interrupted'}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if killed else signal.SIGINT)
     except Exception as e:  # one line per error; the traceback only when asked
         if args.debug:
             traceback.print_exc()
@@ -56,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             hint = "" if isinstance(e, (ValueError, OSError)) else " (unexpected: re-run with --debug and report it)"
             print(f"{parsers[args.command].prog}: error: {one_line(e)}{hint}", file=sys.stderr)
         return exit_code(e)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
