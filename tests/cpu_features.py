@@ -49,11 +49,12 @@ HAS_GGUF_INT8_512 = HAS_AVX512
 def int8_affine_route(bits: int, k: int, no_512: bool | None = None) -> str:
     """The route of qmm_int8_activations for finite x [m, k] under the environment (`no_512`
     None: TORCH_QMM_CPU_NO_INT8_512 decides): bits 4 and 8 from K of one chunk (512-bit: 64
-    bytes; 256-bit: 32), else the portable kernel."""
+    bytes, where K holds an even number of 256-bit chunks; 256-bit: 32), else the portable kernel."""
     no_512 = env_on("TORCH_QMM_CPU_NO_INT8_512") if no_512 is None else no_512
     if HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS") and bits in (4, 8):
         codes_per_byte = 8 // bits
-        if HAS_INT8_512 and not no_512 and k >= 64 * codes_per_byte:
+        even = (k // (32 * codes_per_byte)) % 2 == 0
+        if HAS_INT8_512 and not no_512 and k >= 64 * codes_per_byte and even:
             return f"int8x/avx512vnni-512-u{bits}"
         if k >= 32 * codes_per_byte:
             return f"int8x/{DOT_ISA}-u{bits}"

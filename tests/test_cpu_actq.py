@@ -46,7 +46,8 @@ def make(N, K, bits, group_size, dtype=torch.float32, seed=0):
 
 CASES = [  # (bits, group_size, K): K tails past the last whole chunk of 4-bit codes (64 codes at
     # 256 bits, 128 at 512: K = 96 has a 32-code tail at 256 bits and is below one 512-bit chunk;
-    # 160 / 192 / 224 leave 32 / 64 / 96 codes at 512 bits) and of 8-bit (32 / 64: K = 96)
+    # 160 leaves 32 codes at 512 bits; 192 / 224, an odd number of 256-bit chunks, take those)
+    # and of 8-bit (32 / 64: K = 96 takes three 256-bit chunks)
     (4, 32, 256), (4, 64, 512), (4, 128, 512), (4, 32, 96), (4, 32, 160), (4, 64, 192), (4, 32, 224),
     (8, 32, 256), (8, 64, 256), (8, 128, 512), (8, 32, 96),
     (2, 64, 256), (3, 32, 256), (5, 128, 256), (6, 64, 256),

@@ -169,6 +169,7 @@ struct Zmm {
 template <typename V>
 struct U4Codes {
   static constexpr int kBits = 4, kShift = 0, kBytes = V::kBytes, kCodes = 2 * kBytes;
+  static int32_t code_at(const uint8_t* row, int64_t k) { return (row[k / 2] >> (4 * (k % 2))) & 15; }
   static void place(int64_t b, const int8_t* q, int8_t* xc) {
     constexpr int kBlocksPerChunk = kBytes / 16;
     int8_t* chunk = xc + (b / kBlocksPerChunk) * kCodes + (b % kBlocksPerChunk) * 16;
@@ -228,6 +229,7 @@ struct U4Codes {
 template <typename V>
 struct U8Codes {
   static constexpr int kBits = 8, kShift = -128, kBytes = V::kBytes, kCodes = kBytes;
+  static int32_t code_at(const uint8_t* row, int64_t k) { return row[k]; }
   static void place(int64_t b, const int8_t* q, int8_t* xc) {
     for (int i = 0; i < kBlock; ++i) xc[b * kBlock + i] = q[i];
   }
@@ -393,7 +395,7 @@ struct DotKernel {
       const float* q = rest + groups + tb * kBlock;
       const int64_t k = k0 + tb * kBlock;
       int32_t dot = 0;
-      for (int i = 0; i < kBlock; ++i) dot += (int32_t(unpack_element(row(n), k + i, C::kBits)) + C::kShift) * int32_t(q[i]);
+      for (int i = 0; i < kBlock; ++i) dot += (C::code_at(row(n), k + i) + C::kShift) * int32_t(q[i]);
       t += float(dot) * (w.scale(n * groups + k / G) * rest[groups + tail + tb]);
     }
     return t + offset_sum<C::kShift>(w.biases + n * groups, w.scales + n * groups, rest, groups);
@@ -430,15 +432,18 @@ void with_scale_type(at::ScalarType dtype, F&& f) {
 }
 
 // The vector kernels serve bits 4 and 8 from K of one chunk (the portable kernel the rest):
-// 512-bit chunks where built for AVX512_VNNI + AVX512BW and TORCH_QMM_CPU_NO_INT8_512 is unset,
-// else 256-bit ones; none with TORCH_QMM_CPU_NO_AVX2_CHUNKS=1.
+// 512-bit chunks where built for AVX512_VNNI + AVX512BW, TORCH_QMM_CPU_NO_INT8_512 is unset and
+// they leave no longer K tail than 256-bit ones would (an odd number of 256-bit chunks leaves
+// half a 512-bit chunk to rest(), code by code: 4-bit K = 576 took 6.5x the 256-bit time at
+// M = 8), else 256-bit ones; none with TORCH_QMM_CPU_NO_AVX2_CHUNKS=1.
 enum class Width { kNone, k256, k512 };
 
 Width vector_width(const QmmArgs& a) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (env_set("TORCH_QMM_CPU_NO_AVX2_CHUNKS") || (a.bits != 4 && a.bits != 8)) return Width::kNone;
   const int64_t codes_per_byte = 8 / a.bits;
-  if (kHaveDot512 && !env_set("TORCH_QMM_CPU_NO_INT8_512") && a.K >= 64 * codes_per_byte) return Width::k512;
+  const bool even = (a.K / (32 * codes_per_byte)) % 2 == 0;
+  if (kHaveDot512 && !env_set("TORCH_QMM_CPU_NO_INT8_512") && a.K >= 64 * codes_per_byte && even) return Width::k512;
   if (a.K >= 32 * codes_per_byte) return Width::k256;
 #endif
   (void)a;
