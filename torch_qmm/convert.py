@@ -131,7 +131,9 @@ def quantize_model(
             group_size None: the mode's defaults (MLX's; affine 4 / 64).
         filter_fn: (qualified name, layer) -> bool; only layers it accepts are converted. It is
             also asked about the layers that are already quantized (QuantLinear, GGUFLinear).
-        dtype: compute dtype of the quantized layers (default: each layer's weight dtype).
+        dtype: compute dtype of the quantized layers (default: each layer's weight dtype). Their
+            input must come in that dtype, as for nn.Linear: with another dtype than the model's,
+            cast the model too (model.to(dtype)).
         progress: show a tqdm bar (default: when there are many layers).
         method: a name of torch_qmm.quantizers.names(): "rtn" (MLX's round-to-nearest, bit for
             bit), "mse", "awq", "gptq", "gptq-clip", "awq-gptq"; or torch_qmm.quantizers.GPTQ(...) /
