@@ -274,4 +274,16 @@ MUTANTS: list[Mutant] = [
     Mutant("bf16-gemm-at-high-precision", "csrc/cpu/bf16_gemm.cpp",
            "a.x_bf16_terms == 1 && !a.avoid_bf16", "a.x_bf16_terms <= 2 && !a.avoid_bf16",
            ("tests/test_cpu_bf16_gemm.py", "-k", "conditions"), "the bfloat16 GEMM taken for float32 x at 'high'"),
+    # ---- C++: the row limits and order of the CPU chunk routes (--cpp) ---------------------------
+    Mutant("f32-affine-4-bit-to-15-rows", "csrc/cpu/qmm_kernels.h",
+           "return bits == 8 ? 16 : 24;", "return bits == 8 ? 16 : 15;",
+           (RC, "-k", "b4 and float32 and M24"), "the float32 affine kernel stops at 15 rows for 4-bit"),
+    Mutant("bf16-chunks-not-displaced-on-intel", "csrc/cpu/qmm_chunked.cpp",
+           "return !a.avoid_bf16 && !float32_first(a) && !(float32_fma_first() && f32_format(a));",
+           "return !a.avoid_bf16 && !float32_first(a);",
+           (RC, "-k", "b4 and float16 and M25"), "on Intel the bfloat16 chunk kernels take 4-bit rows past the float32 kernel's"),
+    Mutant("gguf-f32-to-15-rows", "csrc/cpu/gguf_chunked.h",
+           "constexpr int64_t kGgufF32MaxRows = 32;", "constexpr int64_t kGgufF32MaxRows = 15;",
+           ("tests/test_cpu_gguf_float32.py", "-k", "match_gguf_dequantize and f32"),
+           "the AVX-512 float32 GGUF kernels stop at 15 rows"),
 ]
