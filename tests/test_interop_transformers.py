@@ -198,3 +198,28 @@ def test_modules_to_not_convert_naming_a_parent_keeps_its_children_float(float_f
                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
     assert isinstance(model.model.layers[1].self_attn.q_proj, QuantLinear)
     assert isinstance(model.model.layers[1].mlp.down_proj, QuantLinear)
+
+
+@pytest.mark.parametrize("kwargs", [dict(bits=4, group_size=64), dict(bits={"*": 4, "model.layers.0.mlp.down_proj": 8}, group_size=64),
+                                    dict(mode="mxfp4")], ids=["b4", "per-layer-bits", "mxfp4"])
+def test_quantize_model_then_save_pretrained_reloads_the_same_layers(float_folder, tmp_path, kwargs):
+    """quantize_model on a transformers model records its layers' torch_qmm config, so that
+    save_pretrained + from_pretrained give back exactly these layers (the head too: quantize_model
+    quantizes it) and the same logits, not float layers with fresh weights."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder)
+    quantize_model(model, **kwargs)
+    assert isinstance(model.lm_head, QuantLinear)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == "torch_qmm"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert _formats(reloaded) == _formats(model)
+    _assert_same_state(reloaded, model)
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, model(IDS).logits)
+
+
+def test_quantize_model_warns_when_one_config_cannot_hold_the_layers(float_folder):
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder)
+    quantize_model(model, bits=4, group_size=64, filter_fn=lambda name, _: "mlp" in name)
+    with pytest.warns(UserWarning, match="save_pretrained cannot record"):
+        quantize_model(model, bits=4, group_size=32, filter_fn=lambda name, _: "mlp" not in name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from typing import Callable, Iterable
 
@@ -107,6 +108,23 @@ def _already_quantized(model: nn.Module, filter_fn, bits, group_size: int, mode:
             "only the others"
         )
     return same
+
+
+def _record_for_transformers(model: nn.Module) -> None:
+    """A transformers model quantized here (not by its own from_pretrained, whose quantizer records
+    the config itself) gets the torch_qmm quantization_config of its layers, so that save_pretrained
+    writes a folder that reloads into them; where none can describe them, a warning says so."""
+    transformers = sys.modules.get("transformers")  # a transformers model means transformers is imported
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return
+    if getattr(model, "hf_quantizer", None) is not None:
+        return
+    from .interop.transformers import record_quantization_config
+
+    why_not = record_quantization_config(model)
+    if why_not is not None:
+        warnings.warn(f"save_pretrained cannot record this model's torch_qmm layers: {why_not}; a reload would "
+                      "build float layers. Save with torch_qmm.interop.save_mlx instead", stacklevel=3)
 
 
 def quantize_model(
@@ -245,6 +263,7 @@ def quantize_model(
         setattr(parent, child, quantized)
         summary.converted.append(name)
     summary.model_bytes_before, summary.model_bytes_after = model_before, _model_bytes(model)
+    _record_for_transformers(model)
     if summary.skipped:
         warnings.warn(
             "quantize_model skipped "

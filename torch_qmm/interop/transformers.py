@@ -133,6 +133,31 @@ def _without_expert_converters(conversions: list, model) -> list:
     return [c for c in conversions if not builds_expert_weight(c)]
 
 
+def _float_layers(model) -> set[str]:
+    """The layers a torch_qmm config could quantize that are float: nn.Linear and fused experts."""
+    return {n for n, m in model.named_modules() if type(m) is nn.Linear} | {n for n, _ in fused_experts(model)}
+
+
+def record_quantization_config(model) -> str | None:
+    """Sets `model.config.quantization_config` to the TorchQmmConfig of its layers as they are, so
+    that transformers' save_pretrained writes a folder from_pretrained rebuilds them from (exactly
+    these layers quantized, each with its bits). Returns why not where one config cannot hold them
+    (group sizes or modes that differ between layers), leaving the config as it was."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    layers |= {n: m.down_proj for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)}
+    if not layers:
+        return None
+    formats = {(m.group_size, m.mode) for m in layers.values()}
+    if len(formats) > 1:
+        return f"its layers have more than one group size / mode ({sorted(formats)})"
+    (group_size, mode), = formats
+    bits = {n: m.bits for n, m in layers.items()}
+    model.config.quantization_config = TorchQmmConfig(
+        bits=next(iter(bits.values())) if len(set(bits.values())) == 1 else bits, group_size=group_size, mode=mode,
+        modules_to_not_convert=sorted(_float_layers(model)))
+    return None
+
+
 def _skipped(name: str, skip: list[str]) -> bool:
     return any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skip)
 
@@ -202,11 +227,7 @@ class TorchQmmHfQuantizer(HfQuantizer):
         if getattr(model, "_weight_conversions", None) is not None:
             model._weight_conversions = _without_expert_converters(model._weight_conversions, model)
         # Record every float layer so that a reload rebuilds exactly these QuantLinears.
-        cfg.modules_to_not_convert = sorted(
-            set(self.modules_to_not_convert)
-            | {n for n, m in model.named_modules() if type(m) is nn.Linear}
-            | {n for n, _ in fused_experts(model)}
-        )
+        cfg.modules_to_not_convert = sorted(set(self.modules_to_not_convert) | _float_layers(model))
         return model
 
     def update_weight_conversions(self, weight_conversions, model):
