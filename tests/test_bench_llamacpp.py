@@ -94,6 +94,38 @@ def test_bench_peer_llamacpp_reports_ratios_in_table_and_json(monkeypatch, tmp_p
     assert "x llamacpp" in capsys.readouterr().out
 
 
+def test_bench_rounds_time_every_peer_again_and_report_the_median_of_the_rounds(monkeypatch, tmp_path):
+    """--rounds 3: ggml is run again in each round (once per case and round: the float32 and
+    bfloat16 rows of a round share it), and each cell is the median of its three round medians,
+    which the JSON keeps in the order run."""
+    row = parse_perf_output(FIXTURE.read_text())[0]
+    ggml_us = iter([3000.0, 1000.0, 1500.0])  # median 1.5 ms, mean 1.83
+    calls = []
+
+    def fake_time_case(binary, case, threads):
+        calls.append(case.ggml_type)
+        return {**row, "us_per_run": next(ggml_us), "how": "test-file"}
+
+    monkeypatch.setattr(llamacpp_peer, "ensure_binary", lambda log=print: tmp_path / "test-backend-ops")
+    monkeypatch.setattr(llamacpp_peer, "time_case", fake_time_case)
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--device", "cpu", "--shapes", "64x512", "--m", "1", "--gguf", "Q4_K", "--dtype",
+               "float32,bfloat16", "--peers", "llamacpp", "--hot", "--threads", "1", "--repeats", "2",
+               "--rounds", "3", "--no-plot", "--output", str(out)])
+    assert rc == 0
+    assert calls == ["q4_K"] * 3
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["rounds"] == 3
+    for rec in doc["results"]:
+        rounds = rec["round_times_ms"]
+        assert [r["llamacpp"] for r in rounds] == [3.0, 1.0, 1.5]
+        assert rec["times_ms"]["llamacpp"] == 1.5
+        ours = sorted(r["torch_qmm"] for r in rounds)
+        assert rec["times_ms"]["torch_qmm"] == pytest.approx(ours[1], abs=1e-4)
+        assert rec["min_ms"]["torch_qmm"] <= ours[0] + 1e-4
+        assert rec["samples"]["torch_qmm"] == 3 * 2
+
+
 def test_bench_peer_llamacpp_unavailable_is_reported_not_fatal(monkeypatch, tmp_path, capsys):
     def unavailable(log=print):
         raise llamacpp_peer.LlamaCppUnavailable("building ggml's test-backend-ops needs cmake, not found on PATH")

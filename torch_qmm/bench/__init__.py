@@ -28,7 +28,7 @@ from ..cli_errors import UsageError
 from ..devices import best_device
 from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from . import llamacpp_peer, metalsim_traffic, mlx_peer
-from .kernels import FP_MODES, Config, run_config
+from .kernels import FP_MODES, Config, merge_rounds, run_config
 from .model import format_model, run_model
 from .report import (copy_bandwidth_gbps, default_result_path, format_table, last_level_cache_bytes, machine_info,
                      save_json, save_model_plot, save_plot, write_json)
@@ -133,6 +133,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as 2 (high) or 1 (medium) bfloat16 terms instead of 3")
     parser.add_argument("--repeats", type=_positive, default=10,
                         help="timed rounds per config (fewer for calls slower than 2 s; default: %(default)s)")
+    parser.add_argument("--rounds", type=_positive, default=1,
+                        help="passes over all configs, one after the other; each cell is then the median of its "
+                             "rounds' medians (the JSON keeps each round's), so that one slow minute of a shared "
+                             "machine moves no cell alone; the llamacpp peer is timed again in every round "
+                             "(default: %(default)s)")
     parser.add_argument("--mlx-max-m", type=_positive, default=16,
                         help="time MLX only up to this M: its CPU quantized_matmul takes seconds per call beyond "
                              "(default: %(default)s)")
@@ -207,18 +212,26 @@ def run(args: argparse.Namespace) -> int:
     cache = 0 if args.hot else last_level_cache_bytes()  # 0: one weight copy (kernels.copies_for)
     info["hot"] = bool(args.hot)
     info["activations"] = args.activations  # torch_qmm's calls: None exact, "int8" quantized x
+    info["rounds"] = args.rounds
     peer_ok = (lambda p: p in args.peers) if args.peers else (lambda p: True)
-    results = []
     llamacpp = _LlamaCpp() if args.peers and "llamacpp" in args.peers else None
-    for cfg in configs(args, device):
-        r = run_config(cfg, args.repeats, cache, peer_ok,
-                       explicit=lambda p: bool(args.peers) and p in args.peers and p in EXPLICIT_PEERS,
-                       activations=args.activations)
+    cfgs = configs(args, device)
+    rounds: list[list] = [[] for _ in cfgs]
+    for i in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {i + 1} of {args.rounds}", flush=True)
         if llamacpp is not None:
-            llamacpp.add(r)
-        results.append(r)
-        print(f"  {cfg.n}x{cfg.k} M={cfg.m} {cfg.label} {cfg.dtype}: {r.times_ms['torch_qmm']:.3f} ms "
-              f"({r.gbps():.1f} GB/s); {_speedups(r)}", flush=True)
+            llamacpp.new_round()
+        for cfg, timed in zip(cfgs, rounds):
+            r = run_config(cfg, args.repeats, cache, peer_ok,
+                           explicit=lambda p: bool(args.peers) and p in args.peers and p in EXPLICIT_PEERS,
+                           activations=args.activations)
+            if llamacpp is not None:
+                llamacpp.add(r)
+            timed.append(r)
+            print(f"  {cfg.n}x{cfg.k} M={cfg.m} {cfg.label} {cfg.dtype}: {r.times_ms['torch_qmm']:.3f} ms "
+                  f"({r.gbps():.1f} GB/s); {_speedups(r)}", flush=True)
+    results = [merge_rounds(timed) for timed in rounds]
     if peer_ok("mlx"):
         _add_mlx(results, args, cache)
     skipped = {p: why for r in results for p, why in r.skipped.items()}
@@ -283,8 +296,11 @@ class _LlamaCpp:
             self.error = str(e)
             print(f"peer llamacpp not run: {e}")
         self.threads = torch.get_num_threads()
-        self.done: dict = {}
+        self.done: dict = {}  # case -> ggml's output, this round (its x is float32 for every dtype row)
         self.cases: dict = {}
+
+    def new_round(self) -> None:
+        self.done = {}
 
     def add(self, r) -> None:
         c = r.config

@@ -64,6 +64,8 @@ class Result:
     weight_bytes: dict[str, int]  # implementation -> bytes of weights read per call
     skipped: dict[str, str]  # implementation -> why it did not run
     load_average: float | None = None  # 1-minute load average when the config was timed
+    # With --rounds R > 1: each round's median times (implementation -> ms), in the order run.
+    round_times_ms: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
     def gbps(self, impl: str = OURS) -> float:
         return self.weight_bytes[impl] / (self.times_ms[impl] * 1e-3) / 1e9
@@ -72,6 +74,24 @@ class Result:
         """Peer time / torch_qmm time (> 1: torch_qmm is faster)."""
         ours = self.times_ms[OURS]
         return {p: t / ours for p, t in self.times_ms.items() if p != OURS}
+
+
+def merge_rounds(rounds: list[Result]) -> Result:
+    """One config's Results from several passes over the run (--rounds) as one: each
+    implementation's time is the median of its rounds' medians, min_ms its fastest call of all,
+    samples their sum, load_average the highest; an implementation skipped in any round is skipped (with that round's
+    reason). The rounds' medians stay in round_times_ms."""
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+    skipped = {k: v for r in rounds for k, v in r.skipped.items()}
+    impls = [k for k in first.times_ms if k not in skipped and all(k in r.times_ms for r in rounds)]
+    loads = [r.load_average for r in rounds if r.load_average is not None]
+    return Result(first.config, {k: statistics.median(r.times_ms[k] for r in rounds) for k in impls},
+                  {k: min(r.min_ms[k] for r in rounds) for k in impls},
+                  {k: sum(r.samples[k] for r in rounds) for k in impls},
+                  {k: first.weight_bytes[k] for k in impls}, skipped, max(loads) if loads else None,
+                  [{k: r.times_ms[k] for k in impls} for r in rounds])
 
 
 # An implementation prepared for one config: a call using weight copy i, its weight bytes.

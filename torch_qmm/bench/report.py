@@ -111,6 +111,8 @@ def result_record(r: Result, copy_gbps: float) -> dict:
         "speedup_vs": {k: round(v, 3) for k, v in r.speedups().items()},
         "skipped": r.skipped,
         "load_average": r.load_average,
+        **({"round_times_ms": [{k: round(v, 4) for k, v in t.items()} for t in r.round_times_ms]}
+           if r.round_times_ms else {}),
     }
 
 
