@@ -246,15 +246,19 @@ def test_gguf_requantize_rest_uses_the_flags_for_layers_without_an_exact_form(gg
 
 
 def test_gguf_to_transformers_reports_why_the_embedding_is_float(gguf_path, tmp_path, capsys):
-    """The transformers format keeps the embedding float even under --requantize all; the report
-    says so instead of suggesting --requantize rest (refused for that format)."""
+    """The transformers format keeps the embedding float, and under --requantize all the output
+    head too; the report says why instead of suggesting --requantize rest (which would not
+    quantize them either)."""
     assert main(["convert", str(gguf_path), str(tmp_path / "hf"), "--requantize", "all", "--bits", "8",
                  "--group-size", "32"]) == 0
     report = _report(capsys.readouterr().out)
     assert report["model.layers.0.self_attn.q_proj"] == "re-quantized Q8_0 -> affine b8 gs32"
     assert report["model.embed_tokens"] == (
-        "decoded Q4_0 -> float float32 (as gguf decodes it; the transformers format keeps the embedding and the "
-        "output head float; --format mlx keeps them quantized)")
+        "decoded Q4_0 -> float float32 (as gguf decodes it; the transformers format keeps the embedding float; "
+        "--format mlx keeps it quantized)")
+    assert report["lm_head"] == (
+        "decoded Q8_0 -> float float32 (as gguf decodes it; --requantize all leaves the output head float in the "
+        "transformers format; without --requantize it stays Q8_0, exact)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -297,12 +301,235 @@ def test_gguf_to_transformers_of_a_tied_model_keeps_the_head_tied_to_the_file_em
     torch.testing.assert_close(model(ids).logits, hidden @ embedding.T)
 
 
+# --- GGUF -> transformers keeps the exact layers -------------------------------------------------
+
+# One layer of every kind: exact affine forms (Q8_0, Q4_0, Q4_K, Q5_1), none (Q6_K) and float (F16, F32).
+_HF_MIX = {"q_proj": T.Q8_0, "k_proj": T.Q4_K, "v_proj": T.Q6_K, "o_proj": T.Q4_0, "gate_proj": T.Q5_1,
+           "up_proj": T.F16, "embed": T.Q4_0, "lm_head": T.Q6_K}
+_EXACT = {"q_proj": (8, "Q8_0"), "k_proj": (4, "Q4_K"), "o_proj": (4, "Q4_0"), "gate_proj": (5, "Q5_1")}
+_FLOAT = {"v_proj": "Q6_K", "up_proj": "F16", "down_proj": "F32"}
+
+
+def _module(model, key: str):
+    return model.get_submodule(key.removesuffix(".weight"))
+
+
+def _gguf_reference(path, tied: bool, dtype=torch.float32):
+    """The GGUF model as load_gguf_llama builds it (GGUFLinear / QuantLinear / QuantEmbedding)."""
+    from torch_qmm.interop.gguf import GGUFFile
+    from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
+
+    f = GGUFFile(path)
+    model = transformers.LlamaForCausalLM(llama_config_from_gguf(f)).eval()
+    load_gguf_llama(model, f, dtype=dtype)
+    return model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def hf_mix_gguf(request, tmp_path_factory):
+    """(path, held, tied): a llama GGUF of _HF_MIX; held: hf name -> gguf.quants.dequantize of the
+    file's tensor (float32, the Q/K permutation undone)."""
+    tied = request.param
+    path = tmp_path_factory.mktemp("hfmix") / "m.gguf"
+    held = write_llama_gguf(hf_model(tied=tied), path, _HF_MIX, np.random.default_rng(11))
+    return path, held, tied
+
+
+def test_gguf_to_transformers_is_lossless_by_default(hf_mix_gguf, tmp_path, capsys):
+    """No flag: the folder from_pretrained reloads holds the file's weights. Compared with gguf's
+    own decoder (held), in float64: Q8_0 / Q4_0 / Q5_1 decode as d*q (+ m), exact in float32 too,
+    so they are equal in float64; Q4_K decodes as d*sc*q - dmin*m, exact products but a float32
+    subtraction in gguf, so our exact float64 value rounds to gguf's float32 one (within half a
+    float32 ulp, and bit for bit once rounded)."""
+    import torch_qmm.interop.transformers  # noqa: F401  (registers the quantizer for from_pretrained)
+    from torch_qmm import reference
+    from torch_qmm.nn import QuantLinear
+
+    path, held, tied = hf_mix_gguf
+    out = tmp_path / "hf"
+    assert main(["convert", str(path), str(out)]) == 0
+    report = _report(capsys.readouterr().out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    for key, want in held.items():
+        module = _module(model, key)
+        proj = key.split(".")[-2]
+        if key.endswith("_proj.weight") and proj in _EXACT:
+            bits, kind = _EXACT[proj]
+            assert isinstance(module, QuantLinear), key
+            assert (module.bits, module.group_size, module.mode, module.scales.dtype) == (
+                bits, 32, "affine", torch.float32), key
+            w = reference.dequantize(module.qweight, module.scales, module.biases, bits, 32)
+            if kind == "Q4_K":
+                ulp = torch.finfo(torch.float32).eps * want.double().abs().clamp_min(torch.finfo(torch.float32).tiny)
+                assert ((w - want.double()).abs() <= ulp / 2).all(), key
+                assert torch.equal(w.float(), want), key
+            else:
+                assert torch.equal(w, want.double()), key
+            assert report[key.removesuffix(".weight")] == f"lossless {kind} -> affine b{bits} gs32"
+        elif key.endswith(".weight") and want.dim() == 2:  # the float layers: the embedding, Q6_K, F16, F32, head
+            assert type(module) in (torch.nn.Linear, torch.nn.Embedding), key
+            assert torch.equal(module.weight.detach(), want), key
+        else:  # norms
+            assert torch.equal(model.get_parameter(key).detach(), want), key
+    assert report["model.layers.1.self_attn.v_proj"].startswith("decoded Q6_K -> float float32 (as gguf decodes it;")
+    assert report["model.layers.1.mlp.up_proj"] == "kept F16 -> float float32"
+    assert report["model.embed_tokens"].startswith("decoded Q4_0 -> float float32 (as gguf decodes it; the "
+                                                   "transformers format keeps the embedding float")
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert torch.equal(model.lm_head.weight.detach(), held["model.embed_tokens.weight"])
+        assert report["lm_head"] == "tied to the embedding (float float32)"
+    else:
+        assert report["lm_head"].startswith("decoded Q6_K -> float float32 (as gguf decodes it; no exact affine "
+                                             "form, and the transformers format quantizes no output head")
+    saved = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert saved["quant_method"] == "torch_qmm" and (saved["group_size"], saved["mode"]) == (32, "affine")
+    assert len(saved["bits"]) == 4 * 2  # the four exact projections of both layers, each with its bits
+
+    # The logits of the GGUF model as load_gguf_llama builds it. Both hold the same weights exactly;
+    # they differ only in their float32 kernels' summation order (gguf_qmm for Q4_K / Q6_K, the
+    # affine kernel, F.linear), a few float32 ulps of sums over 256 or 512 terms per layer: 1e-4 of
+    # the largest logit is a hundred times that, and far below the effect of one rounded weight.
+    ids = torch.tensor([[1, 5, 9, 95, 0, 33, 33, 2]])
+    with torch.no_grad():
+        got, want = model(ids).logits, _gguf_reference(path, tied)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_gguf_requantize_rest_to_transformers_quantizes_the_rest_and_keeps_the_exact_layers(
+        hf_mix_gguf, tmp_path, capsys):
+    """--requantize rest --bits 6: the Q6_K / F16 / F32 linear layers become 6-bit layers of group
+    size 32 (rtn of gguf's decoded weights, MLX's quantizer); the exact layers keep the file's
+    values, the embedding and the output head stay float."""
+    import torch_qmm.interop.transformers  # noqa: F401
+    from torch_qmm import reference
+    from torch_qmm.nn import QuantLinear
+    from torch_qmm.ops import quantize
+
+    path, held, tied = hf_mix_gguf
+    out = tmp_path / "hf"
+    assert main(["convert", str(path), str(out), "--requantize", "rest", "--bits", "6"]) == 0
+    report = _report(capsys.readouterr().out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    for layer in range(2):
+        for proj, kind in _FLOAT.items():
+            key = f"model.layers.{layer}.{'self_attn' if proj == 'v_proj' else 'mlp'}.{proj}"
+            m = model.get_submodule(key)
+            assert isinstance(m, QuantLinear) and (m.bits, m.group_size) == (6, 32), key
+            wq, scales, biases = quantize(held[f"{key}.weight"], group_size=32, bits=6)
+            assert torch.equal(m.qweight, wq) and torch.equal(m.scales, scales) and torch.equal(m.biases, biases), key
+            assert report[key] == f"re-quantized {kind} -> affine b6 gs32"
+        for proj, (bits, kind) in _EXACT.items():
+            key = f"model.layers.{layer}.{'mlp' if proj == 'gate_proj' else 'self_attn'}.{proj}"
+            m = model.get_submodule(key)
+            assert isinstance(m, QuantLinear) and (m.bits, m.group_size) == (bits, 32), key
+            w = reference.dequantize(m.qweight, m.scales, m.biases, bits, 32).float()
+            assert torch.equal(w, held[f"{key}.weight"]), key
+            assert report[key] == f"lossless {kind} -> affine b{bits} gs32"
+    assert type(model.model.embed_tokens) is torch.nn.Embedding and type(model.lm_head) is torch.nn.Linear
+    assert torch.equal(model.model.embed_tokens.weight.detach(), held["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head.weight.detach(), held["model.embed_tokens.weight" if tied else "lm_head.weight"])
+
+
+def test_gguf_requantize_rest_to_transformers_takes_any_group_size_without_exact_layers(tmp_path, capsys):
+    """A float GGUF has no exact layer for the rest to join: --group-size 64 is used as asked."""
+    import torch_qmm.interop.transformers  # noqa: F401
+    from torch_qmm.nn import QuantLinear
+
+    path = tmp_path / "f.gguf"
+    write_llama_gguf(hf_model(tied=False), path, {"proj": T.F16}, np.random.default_rng(2))
+    assert main(["convert", str(path), str(tmp_path / "hf"), "--requantize", "rest", "--group-size", "64"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    q = model.model.layers[0].mlp.down_proj
+    assert isinstance(q, QuantLinear) and (q.bits, q.group_size) == (4, 64)
+
+
+def test_gguf_to_transformers_refuses_to_write_a_folder_its_config_cannot_describe(hf_mix_gguf, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Should layers of two group sizes reach the writer, the run fails naming why and leaves no
+    folder (from_pretrained would rebuild some of them wrong)."""
+    from torch_qmm.interop import cli_convert
+
+    monkeypatch.setattr(cli_convert, "_rest_group_size", lambda args, f, group_size: group_size)
+    path, _, _ = hf_mix_gguf
+    assert main(["convert", str(path), str(tmp_path / "hf"), "--requantize", "rest", "--group-size", "64"]) == 1
+    err = capsys.readouterr().err
+    assert "a transformers quantization_config cannot describe the converted layers" in err
+    assert "more than one group size" in err and "--format mlx" in err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gguf_to_transformers_with_a_16_bit_dtype_names_the_layers_no_longer_exact(hf_mix_gguf, tmp_path, capsys,
+                                                                                   dtype):
+    """Q4_K scales d*sc and biases dmin*m have up to 17 significant bits: rounded in float16 and
+    bfloat16. The other types' float16 d (and m) are exact in float16 but rounded in bfloat16. The
+    report names exactly those layers, and the folder holds the rounded scales."""
+    import torch_qmm.interop.transformers  # noqa: F401
+    from torch_qmm.interop.gguf import GGUFFile, q4_k_to_affine, to_blocks
+    from torch_qmm.interop.gguf_llama import unpermute_rows
+    from torch_qmm.nn import QuantLinear
+
+    path, _, tied = hf_mix_gguf
+    out = tmp_path / "hf"
+    assert main(["convert", str(path), str(out), "--dtype", dtype]) == 0
+    text = capsys.readouterr().out
+    report = _report(text)
+    rounded_types = {"Q4_K"} if dtype == "float16" else {"Q4_K", "Q8_0", "Q4_0", "Q5_1"}
+    for layer in range(2):
+        for proj, (bits, kind) in _EXACT.items():
+            key = f"model.layers.{layer}.{'mlp' if proj == 'gate_proj' else 'self_attn'}.{proj}"
+            how = f"{kind} scales rounded to {dtype}" if kind in rounded_types else "lossless"
+            assert report[key] == f"{how} {kind} -> affine b{bits} gs32", key
+    names = ", ".join(sorted(rounded_types))
+    assert f"({names} scales/biases rounded to the --dtype: use --dtype float32 for exact {names} layers)" in text
+    assert report["model.layers.0.mlp.down_proj"] == f"kept F32 -> float {dtype} (rounded to {dtype})"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    k = model.model.layers[0].self_attn.k_proj
+    assert isinstance(k, QuantLinear) and k.scales.dtype == getattr(torch, dtype)
+    _, s32, _ = q4_k_to_affine(to_blocks(GGUFFile(path).tensors["blk.0.attn_k.weight"]), 128, 256)
+    assert torch.equal(k.scales, s32[unpermute_rows(128, 2)].to(k.scales.dtype))  # K's rows in transformers' order
+
+    # Logits: 16-bit arithmetic rounds every activation (float16 keeps 11 significant bits, bfloat16
+    # 8), so neither model gives the float32 logits. The GGUF model in the same dtype (Q4_K blocks
+    # exact) measures that arithmetic's error; the folder's model, whose rounded scales add a
+    # smaller one, stays within twice it of the float32 logits of the file.
+    ids = torch.tensor([[1, 5, 9, 95, 0, 33, 33, 2]])
+    with torch.no_grad():
+        exact = _gguf_reference(path, tied)(ids).logits
+        same_dtype = _gguf_reference(path, tied, getattr(torch, dtype))(ids).logits.float()
+        got = model.eval()(ids).logits.float()
+    assert (got - exact).abs().max() <= 2 * (same_dtype - exact).abs().max()
+
+
+def test_affine_exact_checks_every_float16_field_of_the_blocks():
+    """d (and Q4_1's m) must survive the cast: d = 1 + 2^-10 needs 11 significant bits (float16
+    has them, bfloat16 has 8); d = 0.5 is exact in every dtype."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from torch_qmm.interop.gguf import GGUFTensor, affine_exact
+
+    def blocks(ggml_type, d, m=0.0):
+        b = np.zeros((2, GGML_QUANT_SIZES[ggml_type][1]), np.uint8)
+        b[1, 0:2] = np.array([d], "<f2").view(np.uint8)
+        b[1, 2:4] = np.array([m], "<f2").view(np.uint8)  # Q4_1's m; Q8_0 / Q4_0 codes
+        return GGUFTensor("w", int(ggml_type), (1, 64), b.reshape(1, -1))
+
+    assert affine_exact(blocks(T.Q8_0, 1 + 2**-10), torch.float16)
+    assert not affine_exact(blocks(T.Q8_0, 1 + 2**-10), torch.bfloat16)
+    assert affine_exact(blocks(T.Q8_0, 0.5, m=1 + 2**-10), torch.bfloat16)  # those bytes are codes there
+    assert not affine_exact(blocks(T.Q4_1, 0.5, m=1 + 2**-10), torch.bfloat16)
+    assert affine_exact(blocks(T.Q4_1, 0.5, m=0.25), torch.bfloat16)
+    assert affine_exact(blocks(T.Q4_0, 1 + 2**-10), torch.float32)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--format", "mlx", "--bits", "3", "--group-size", "128"],
      "--bits and --group-size apply only to re-quantization"),
     (["--format", "mlx", "--bits", "3"], "--bits applies only to re-quantization"),
-    ([], "GGUF -> transformers re-quantizes every layer"),
-    (["--format", "transformers", "--requantize", "rest"], "GGUF -> transformers re-quantizes every layer"),
+    (["--bits", "8"], "--bits applies only to re-quantization"),
+    (["--requantize", "rest", "--group-size", "64"], "so --group-size 64 cannot join them. Pass --group-size 32"),
+    (["--requantize", "rest", "--mode", "mxfp4"], "so --mode mxfp4 cannot join them. Pass --mode affine"),
 ])
 def test_gguf_flags_that_do_not_apply_are_usage_errors(gguf_path, tmp_path, argv, message, capsys):
     assert main(["convert", str(gguf_path), str(tmp_path / "out"), *argv]) == 2
@@ -319,7 +546,7 @@ def test_float_folder_report_names_the_format_used(hf_folder, tmp_path, capsys):
     assert main(["convert", str(hf_folder), str(tmp_path / "out"), "--bits", "8", "--group-size", "32"]) == 0
     report = _report(capsys.readouterr().out)
     assert report["model.layers.0.mlp.up_proj"] == "quantized float -> affine b8 gs32"
-    assert report["lm_head"].startswith("kept float")
+    assert report["lm_head"] == "tied to the embedding (float float32)"  # hf_folder's model is tied
 
 
 # --- E20: one line, exit codes, no traceback ---------------------------------------------------

@@ -108,14 +108,13 @@ MUTANTS: list[Mutant] = [
            "    exact = torch.equal(scales.float(), s32) and torch.equal(biases.float(), b32)",
            "    exact = torch.equal(scales.float(), s32)", CLI,
            "a Q4_K layer whose biases were rounded by --dtype is reported lossless"),
-    Mutant("g2-cli-transformers-requantize-rest-accepted", "torch_qmm/interop/cli_convert.py",
-           '    if args.format == "transformers" and args.requantize != "all":',
-           '    if args.format == "transformers" and not args.requantize:', CLI,
-           "GGUF -> transformers with --requantize rest is accepted (and silently re-quantizes every layer)"),
+    Mutant("g2-cli-transformers-requantize-rest-drops-exact-layers", "torch_qmm/interop/cli_convert.py",
+           "keep_affine=True, float_embedding=True)", 'keep_affine=args.requantize is None, float_embedding=True)', CLI,
+           "GGUF -> transformers with --requantize rest silently re-quantizes the exact layers too (lossy)"),
     Mutant("g2-cli-gguf-head-not-retied", "torch_qmm/interop/cli_convert.py",
-           "    if not keep_affine and config.tie_word_embeddings:\n"
+           "    if float_embedding and config.tie_word_embeddings:\n"
            "        model.lm_head.weight = model.model.embed_tokens.weight\n", "", CLI,
-           "GGUF -> transformers of a tied model: the output head stays a freshly initialised Linear"),
+           "GGUF -> transformers of a tied model: the output head is left untied (an empty Linear)"),
     # ---- inspect CLI (torch_qmm/interop/cli_inspect.py) --------------------------------------------
     Mutant("g2-inspect-lexicographic-order", "torch_qmm/interop/cli_inspect.py",
            '(0, int(part), "") if part.isdigit()', "(0, 0, part) if part.isdigit()", CLI,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,8 +16,8 @@ from ..cli_errors import UsageError
 from ..convert import quantize_model
 from ..formats import FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..nn import QuantLinear, resolve_format
-from .gguf import GGUFFile, dequantize, q4_k_to_affine
-from .gguf_types import Q4_K, type_name
+from .gguf import GGUFFile, GGUFTensor, affine_exact, dequantize, q4_k_to_affine
+from .gguf_types import AFFINE_TYPES, Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from .output_folder import check_destination, side_file_source, staged_output
 
@@ -26,6 +27,7 @@ Convert a model to a torch_qmm or MLX folder.
     python -m torch_qmm convert ./Llama-3.2-1B ./out --bits 4 --group-size 64   # transformers folder
     python -m torch_qmm convert ./Llama-3.2-1B ./out-mlx --format mlx           # MLX folder (mlx_lm)
     python -m torch_qmm convert ./model.Q8_0.gguf ./out-mlx --format mlx        # GGUF, lossless
+    python -m torch_qmm convert ./model.Q8_0.gguf ./out-hf                      # GGUF, lossless (transformers)
     python -m torch_qmm convert ./Llama-3.2-1B ./out-mxfp4 --format mlx --mode mxfp4
 
 A transformers folder (float weights) is quantized with --mode / --bits / --group-size (bits and
@@ -34,14 +36,18 @@ except the output head (--format transformers, reloadable with from_pretrained a
 torch_qmm.interop.transformers), or the linear layers and the embedding (--format mlx, as
 mlx.nn.quantize does; a tied output head reuses the quantized embedding).
 
-A llama-family GGUF file keeps its quantization where the MLX format can hold it exactly:
+A llama-family GGUF file keeps its quantization where the output format can hold it exactly:
 Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit, Q4_K becomes
 bits 4 / group size 32 (exact with float32 scales, the default for GGUF; --dtype float16/bfloat16
-rounds them and the output says which layers). Layers without an exact affine form (Q6_K, float)
-stay float unless --requantize asks otherwise; --bits/--group-size apply only with --requantize.
-The transformers format holds one format for all layers, so GGUF -> transformers always
-re-quantizes and needs --requantize all. Both formats get tokenizer files built (by transformers)
-from the GGUF's tokenizer metadata. The output lists what happened to every layer.
+rounds them, and bfloat16 the others' float16 scales; the output says which layers). Layers
+without an exact affine form (Q6_K, float) stay float unless --requantize asks otherwise:
+rest quantizes them with --bits/--group-size, all re-quantizes every layer (lossy); --bits and
+--group-size apply only with --requantize. The transformers format keeps the embedding float
+(decoded exactly; a tied output head stays tied to it) and an exact output head, and quantizes
+no other head; its quantization_config holds one group size and mode, so there --requantize rest
+quantizes with the exact layers' group size 32 and refuses another. Both formats get tokenizer
+files built (by transformers) from the GGUF's tokenizer metadata. The output lists what happened
+to every layer.
 
 DST must not exist or be empty (or pass --overwrite); it is written to a temporary folder next to
 it and moved into place when complete, and never inside the source."""
@@ -66,11 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "affine; for GGUF only with --requantize)")
     parser.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=None,
                         help="weights per scale/bias of the layers quantized by this run (default: the mode's, "
-                             "64 for affine; for GGUF only with --requantize)")
+                             "64 for affine; for GGUF only with --requantize, and 32 for GGUF -> transformers "
+                             "with --requantize rest: the exact layers')")
     parser.add_argument("--requantize", choices=["rest", "all"], default=None,
                         help="GGUF only. rest: quantize the layers without an exact affine form (Q6_K, float) "
                              "to --bits/--group-size, keep the others exact; all: re-quantize every layer from "
-                             "its decoded weights (lossy). Default: no re-quantization")
+                             "its decoded weights (lossy). Default: no re-quantization (lossless)")
     parser.add_argument("--dtype", choices=list(_DTYPES), default=None,
                         help="dtype of the float weights and of scales/biases (default: the source's; float32 "
                              "for GGUF)")
@@ -85,8 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _float_linear(layer: nn.Module, dtype: torch.dtype) -> nn.Linear:
     """nn.Linear with the exact weights of a QuantLinear / GGUFLinear (for re-quantization)."""
     if isinstance(layer, GGUFLinear):
-        from .gguf import GGUFTensor
-
         t = GGUFTensor("", layer.ggml_type, (layer.out_features, layer.in_features), layer.blocks.numpy())
         w = dequantize(t)
     else:
@@ -115,10 +120,11 @@ def _q4_k_affine(blocks, n: int, k: int, dtype: torch.dtype, name: str):
     return wq, scales, biases, exact
 
 
-def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype) -> dict[str, bool]:
-    """Replaces Q4_K GGUFLinear layers and Q4_K embeddings (decoded to float by the loader) with
-    their affine form; a float output tied to such an embedding becomes TiedQuantLinear.
-    Returns {module name: exact}."""
+def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
+                            embeddings: bool = True) -> dict[str, bool]:
+    """Replaces Q4_K GGUFLinear layers and (with `embeddings`) Q4_K embeddings (decoded to float by
+    the loader) with their affine form; a float output tied to such an embedding becomes
+    TiedQuantLinear. Returns {module name: exact}."""
     from .gguf_llama import hf_name
 
     exact: dict[str, bool] = {}
@@ -134,7 +140,7 @@ def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype) -
                 with torch.no_grad():
                     layer.bias.copy_(m.bias)
             _replace(model, name, layer)
-    for gname, t in f.tensors.items():
+    for gname, t in f.tensors.items() if embeddings else ():
         module_name = (hf_name(gname) or "").rpartition(".")[0]
         if t.ggml_type != Q4_K or not gname.endswith(".weight") or not module_name:
             continue
@@ -169,43 +175,66 @@ def _uninitialized(model_class, config) -> nn.Module:
     return model.eval()
 
 
-def _gguf_types(f: GGUFFile) -> dict[str, str]:
-    """{transformers module name: GGUF type name of its weight}."""
+def _weight_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
+    """{transformers module name: the GGUF tensor of its weight}."""
     from .gguf_llama import hf_name
 
     out = {}
     for gname, t in f.tensors.items():
         name = hf_name(gname)
-        if name and name.endswith(".weight") and len(t.shape) == 2:
-            out[name.rpartition(".")[0]] = type_name(t.ggml_type)
+        if name and name.endswith(".weight"):
+            out[name.rpartition(".")[0]] = t
     return out
 
 
-def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool):
-    """The GGUF model as a transformers model. keep_affine (MLX output): affine layers stay, Q4_K
-    layers become exact affine ones; everything else becomes float.
-    Returns (model, {Q4_K module: exact}, {module: GGUF type})."""
+def _gguf_types(f: GGUFFile) -> dict[str, str]:
+    """{transformers module name: GGUF type name of its weight} (matrices only)."""
+    return {name: type_name(t.ggml_type) for name, t in _weight_tensors(f).items() if len(t.shape) == 2}
+
+
+# The GGUF types a layer keeps exactly as an affine layer of group size 32.
+_EXACT_TYPES = AFFINE_TYPES + (Q4_K,)
+
+
+def _exact_linears(f: GGUFFile) -> dict[str, str]:
+    """{module: GGUF type} of the linear layers the transformers format keeps exact (affine, group
+    size 32): every matrix of an exact type but the embedding, which that format keeps float."""
+    return {name: type_name(t.ggml_type) for name, t in _weight_tensors(f).items()
+            if len(t.shape) == 2 and t.ggml_type in _EXACT_TYPES and t.name != "token_embd.weight"}
+
+
+def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embedding: bool = False):
+    """The GGUF model as a transformers model. keep_affine: the affine layers stay, Q4_K layers
+    become exact affine ones, everything else becomes float; without it every layer is float.
+    float_embedding (the transformers format, which has no quantized embedding; implied without
+    keep_affine): the embedding is float, decoded from the file by gguf, and a tied output head is
+    an nn.Linear tied to it.
+    Returns (model, {quantized module: exact in dtype}, {module: GGUF type})."""
     from transformers import LlamaForCausalLM
 
     from .gguf_llama import llama_config_from_gguf, load_gguf_llama
 
+    float_embedding = float_embedding or not keep_affine
     config = llama_config_from_gguf(f)  # checked against the tensors before anything is built
     model = _uninitialized(LlamaForCausalLM, config)
     print(load_gguf_llama(model, f, dtype=dtype, progress=True))  # strict: every parameter comes from the file
-    q4_k_exact = _q4_k_to_affine_modules(model, f, dtype) if keep_affine else {}
+    exact = _q4_k_to_affine_modules(model, f, dtype, embeddings=not float_embedding) if keep_affine else {}
+    tensors = _weight_tensors(f)
     for name, m in list(model.named_modules()):
         if isinstance(m, GGUFLinear) or (isinstance(m, QuantLinear) and not keep_affine):
             _replace(model, name, _float_linear(m, dtype))
-        elif isinstance(m, QuantEmbedding) and not keep_affine:
+        elif isinstance(m, QuantEmbedding) and float_embedding:
             emb = nn.Embedding(m.num_embeddings, m.embedding_dim, dtype=dtype)
             with torch.no_grad():
-                emb.weight.copy_(reference.dequantize(m.qweight, m.scales, m.biases, m.bits, m.group_size))
+                emb.weight.copy_(dequantize(tensors[name]))  # gguf's float32 decode, rounded once to dtype
             _replace(model, name, emb)
-        elif isinstance(m, TiedQuantLinear) and not keep_affine:
-            _replace(model, name, nn.Linear(m.in_features, m.out_features, bias=False, dtype=dtype))
-    if not keep_affine and config.tie_word_embeddings:
+        elif isinstance(m, TiedQuantLinear) and float_embedding:  # its weight is the embedding's, tied below
+            _replace(model, name, nn.Linear(m.in_features, m.out_features, bias=False, dtype=dtype, device="meta"))
+        elif isinstance(m, (QuantLinear, QuantEmbedding)) and tensors[name].ggml_type in AFFINE_TYPES:
+            exact[name] = affine_exact(tensors[name], dtype)
+    if float_embedding and config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model, q4_k_exact, _gguf_types(f)
+    return model, exact, _gguf_types(f)
 
 
 def _calibration(args: argparse.Namespace, is_gguf: bool):
@@ -254,24 +283,62 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str 
         if tied and isinstance(emb, QuantEmbedding):
             _replace(model, out_name, TiedQuantLinear(emb))
             done.add(out_name)
-    # The layers kept exact (QuantLinear, GGUFLinear) are left out: only float ones are quantized.
-    summary = quantize_model(model, bits=bits, group_size=group_size, progress=True, method=method,
-                             calibration=calibration, filter_fn=lambda _, m: type(m) is nn.Linear, mode=mode)
-    return done | set(summary.converted)
+    return done | _quantize_float_linears(model, bits, group_size, method, calibration, mode)
 
 
-# Why a GGUF-quantized layer was written as float, per output format.
-_WHY_DECODED = {
-    "mlx": "no exact affine form: --requantize rest quantizes it",
-    "transformers": "the transformers format keeps the embedding and the output head float; "
-                    "--format mlx keeps them quantized",
-}
+def _quantize_float_linears(model: nn.Module, bits: int, group_size: int, method: str, calibration, mode: str,
+                            keep: set[str] = frozenset()) -> set[str]:
+    """Quantizes the float nn.Linear layers of `model` but those named in `keep`; the layers kept
+    exact (QuantLinear, GGUFLinear) are left as they are. Returns the names quantized."""
+    with warnings.catch_warnings():
+        # quantize_model records a transformers quantization_config and warns where one config cannot
+        # hold the layers; the callers write (MLX) or check (transformers) the format themselves.
+        warnings.filterwarnings("ignore", message="save_pretrained cannot record")
+        summary = quantize_model(model, bits=bits, group_size=group_size, progress=True, method=method,
+                                 calibration=calibration, mode=mode,
+                                 filter_fn=lambda name, m: type(m) is nn.Linear and name not in keep)
+    return set(summary.converted)
 
 
-def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[str],
-                  q4_k_exact: dict[str, bool], output_format: str) -> list[tuple[str, str]]:
-    """[(module name, what happened)] for every linear layer and embedding of the written model."""
+def _output_head(model: nn.Module) -> str | None:
+    """The module name of the model's output head (transformers' get_output_embeddings)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((name for name, m in model.named_modules() if head is not None and m is head), None)
+
+
+_LOSSLESS_CASTS = {("F16", torch.float32), ("BF16", torch.float32), ("F32", torch.float32), ("F16", torch.float16),
+                   ("BF16", torch.bfloat16)}
+
+
+def _why_float(name: str, m: nn.Module, src: str, output_format: str, requantize: str | None, head: str | None,
+               group_size: int) -> str:
+    """Why a GGUF-quantized layer was written as float."""
+    if output_format == "transformers":
+        if isinstance(m, nn.Embedding):
+            return "the transformers format keeps the embedding float; --format mlx keeps it quantized"
+        if name == head:
+            if src in {type_name(t) for t in _EXACT_TYPES}:
+                return (f"--requantize all leaves the output head float in the transformers format; without "
+                        f"--requantize it stays {src}, exact")
+            return ("no exact affine form, and the transformers format quantizes no output head; --format mlx "
+                    "--requantize rest does")
+    if requantize:
+        width = m.embedding_dim if isinstance(m, nn.Embedding) else m.in_features
+        if width % group_size:
+            return f"its {width} inputs are not a multiple of --group-size {group_size}"
+        return "left float by quantize_model (its warning says why)"
+    return "no exact affine form: --requantize rest quantizes it"
+
+
+def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[str], exact: dict[str, bool],
+                  output_format: str, requantize: str | None = None,
+                  group_size: int = 64) -> list[tuple[str, str]]:
+    """[(module name, what happened)] for every linear layer and embedding of the written model.
+    exact: {quantized module: whether its scales/biases survived the --dtype}; quantized_now: the
+    layers this run quantized."""
     rows = []
+    head = _output_head(model)
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, m in model.named_modules():
         src = origin.get(name, "float")
         if isinstance(m, TiedQuantLinear):
@@ -284,18 +351,27 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             continue
         if isinstance(m, TiedQuantLinear):
             how = fmt
+        elif type(m) is nn.Linear and id(m.weight) in embedding_weights:
+            how = f"tied to the embedding ({fmt})"
         elif name in quantized_now:
             how = f"{'re-quantized' if src != 'float' else 'quantized'} {src} -> {fmt}"
         elif isinstance(m, (QuantLinear, QuantEmbedding)):
-            exact = q4_k_exact.get(name, True)
-            how = f"{'lossless' if exact else 'Q4_K scales rounded to ' + str(m.scales.dtype)[6:]} {src} -> {fmt}"
+            rounded = "" if exact.get(name, True) else f"{src} scales rounded to {str(m.scales.dtype)[6:]}"
+            how = f"{rounded or 'lossless'} {src} -> {fmt}"
         elif src in ("float", "F32", "F16", "BF16"):
             how = f"kept {fmt}" if src == "float" else f"kept {src} -> {fmt}"
+            if src != "float" and (src, m.weight.dtype) not in _LOSSLESS_CASTS:
+                how += f" (rounded to {str(m.weight.dtype)[6:]})"
         else:
-            exact = "as gguf decodes it" if m.weight.dtype == torch.float32 else f"rounded to {str(m.weight.dtype)[6:]}"
-            how = f"decoded {src} -> {fmt} ({exact}; {_WHY_DECODED[output_format]})"
+            decoded = "as gguf decodes it" if m.weight.dtype == torch.float32 else f"rounded to {str(m.weight.dtype)[6:]}"
+            why = _why_float(name, m, src, output_format, requantize, head, group_size)
+            how = f"decoded {src} -> {fmt} ({decoded}; {why})"
         rows.append((name, how))
     return rows
+
+
+def _rounded_scales(how: str) -> bool:
+    return " scales rounded to " in how.split(" -> ")[0]
 
 
 def _print_report(rows: list[tuple[str, str]]) -> None:
@@ -304,9 +380,12 @@ def _print_report(rows: list[tuple[str, str]]) -> None:
         print(f"  {name:<{width}}  {how}")
     counts: dict[str, int] = {}
     for _, how in rows:
-        kind = how.split(" ")[0]
+        kind = "rounded" if _rounded_scales(how) else how.split(" ")[0]
         counts[kind] = counts.get(kind, 0) + 1
     print("layers: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    rounded = ", ".join(sorted({how.split(" ")[0] for _, how in rows if _rounded_scales(how)}))
+    if rounded:
+        print(f"  ({rounded} scales/biases rounded to the --dtype: use --dtype float32 for exact {rounded} layers)")
 
 
 def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
@@ -325,14 +404,29 @@ def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
             raise UsageError(f"--requantize applies to GGUF sources only; {args.src} is a float transformers folder, "
                              "which is always quantized with --bits/--group-size")
         return
-    if args.format == "transformers" and args.requantize != "all":
-        raise UsageError(f"{args.src}: the transformers format holds one format for all layers, so GGUF -> "
-                         "transformers re-quantizes every layer (lossy). Use --format mlx for the exact layers, or "
-                         "--requantize all [--bits B --group-size G] to re-quantize")
     if flags and not args.requantize:
         verb = "apply" if len(flags) > 1 else "applies"
         raise UsageError(f"{' and '.join(flags)} {verb} only to re-quantization: {args.src} keeps its own formats "
                          "(lossless) unless --requantize rest|all is given")
+
+
+def _rest_group_size(args: argparse.Namespace, f: GGUFFile, group_size: int) -> int:
+    """The group size --requantize rest quantizes with for the transformers format: one
+    quantization_config holds one group size and mode, so where the file has layers kept exact
+    (affine, group size 32) the others join them (--group-size defaults to 32 there); another
+    --group-size or --mode is a UsageError."""
+    exact = _exact_linears(f)
+    if not exact:
+        return group_size
+    if args.mode == "affine" and args.group_size in (None, 32):
+        return 32
+    asked, fix = ((f"--group-size {args.group_size}", "--group-size 32 (the default here)") if args.mode == "affine"
+                  else (f"--mode {args.mode}", "--mode affine"))
+    types = ", ".join(sorted(set(exact.values())))
+    raise UsageError(f"{args.src}: --requantize rest keeps {len(exact)} layers exact ({types}: affine, group size 32) "
+                     f"and a transformers folder's quantization_config holds one group size and mode for all "
+                     f"quantized layers, so {asked} cannot join them. Pass {fix}, or --requantize all to "
+                     "re-quantize every layer, or --format mlx, which holds both")
 
 
 def _check_transformers_folder(src: Path) -> None:
@@ -366,7 +460,7 @@ def from_pretrained(path: Path, **kwargs):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .transformers import TorchQmmConfig  # registers the quantizer
+    from .transformers import TorchQmmConfig, record_quantization_config  # registers the quantizer
 
     src: Path = args.src
     if not src.exists():
@@ -386,21 +480,35 @@ def run(args: argparse.Namespace) -> int:
                       and not f.name.endswith(_WEIGHT_SUFFIXES)]
 
     gguf = GGUFFile(src) if is_gguf else None  # read once: the weights, config and tokenizer come from it
+    if is_gguf and args.format == "transformers" and args.requantize == "rest":
+        group_size = _rest_group_size(args, gguf, group_size)
     with staged_output(args.dst) as out:
         origin: dict[str, str] = {}
-        q4_k_exact: dict[str, bool] = {}
+        exact: dict[str, bool] = {}
         quantized_now: set[str] = set()
         if args.format == "mlx":
             from .mlx import save_mlx
 
             if is_gguf:
-                model, q4_k_exact, origin = _load_gguf(gguf, dtype or torch.float32,
-                                                       keep_affine=args.requantize != "all")
+                model, exact, origin = _load_gguf(gguf, dtype or torch.float32, keep_affine=args.requantize != "all")
             else:
                 model = from_pretrained(src, dtype=dtype or "auto")
             if not is_gguf or args.requantize:
                 quantized_now = _quantize_for_mlx(model, bits, group_size, args.method, calibration, args.mode)
             save_mlx(model, out, config=model.config.to_dict())
+        elif is_gguf and args.requantize != "all":
+            # The exact layers as they are, the embedding float (the transformers format has no
+            # quantized embedding); --requantize rest quantizes the float linear layers but the head.
+            model, exact, origin = _load_gguf(gguf, dtype or torch.float32, keep_affine=True, float_embedding=True)
+            model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
+            if args.requantize == "rest":
+                quantized_now = _quantize_float_linears(model, bits, group_size, args.method, calibration, args.mode,
+                                                        keep={_output_head(model)})
+            why_not = record_quantization_config(model)
+            if why_not is not None:
+                raise ValueError(f"{src}: a transformers quantization_config cannot describe the converted layers: "
+                                 f"{why_not}; convert with --format mlx")
+            model.save_pretrained(out)
         else:
             cfg = TorchQmmConfig(bits=bits, group_size=group_size, method=args.method, calibration=calibration,
                                  mode=args.mode)
@@ -425,11 +533,10 @@ def run(args: argparse.Namespace) -> int:
             for name, f in side_files:
                 if not (out / name).exists():
                     shutil.copyfile(f, out / name)
-        rows = _layer_report(model, origin, quantized_now, q4_k_exact, args.format)
+        rows = _layer_report(model, origin, quantized_now, exact, args.format, args.requantize if is_gguf else None,
+                             group_size)
     _print_report(rows)
-    if any("rounded" in how for _, how in rows):
-        print("  (Q4_K scales/biases rounded to the --dtype: use --dtype float32 for exact Q4_K layers)")
-    formats = sorted({how.split(" -> ")[-1] for _, how in rows})
+    formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how else how for _, how in rows})
     print(f"wrote {args.dst} ({args.format}): {len(rows)} layers; formats: {'; '.join(formats)}")
     return 0
 

@@ -54,7 +54,8 @@ from .gguf_header import GGUFFormatError, read_header
 from .gguf_header import value as metadata_value
 from .modules import GGUFLinear, QuantEmbedding
 
-__all__ = ["GGUFFile", "GGUFTensor", "dequantize", "to_affine", "q4_k_to_affine", "to_blocks", "linear_from_gguf"]
+__all__ = ["GGUFFile", "GGUFTensor", "dequantize", "to_affine", "affine_exact", "q4_k_to_affine", "to_blocks",
+           "linear_from_gguf"]
 
 Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles
 
@@ -213,6 +214,23 @@ def to_affine(
         raise ValueError(f"{t.source}: tensor {t.name!r}: its finite scales/biases overflow {dtype}; convert with "
                          "dtype=torch.float32")
     return wq, scales, biases, bits, 32
+
+
+def affine_exact(t: GGUFTensor, dtype: torch.dtype) -> bool:
+    """Whether to_affine(t, dtype) keeps the weights of a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 matrix
+    exactly: its float16 fields (d at bytes 0-1 of every block, and m at bytes 2-3 for Q4_1 / Q5_1)
+    all survive the cast to dtype. The other biases (-8 d, -16 d, -128 d) are d times a power of
+    two, exact where d is (to_affine refuses an overflow). True in float32 and float16; bfloat16
+    (8 significant bits) rounds most float16 values."""
+    _require(t, AFFINE_TYPES, "affine_exact")
+    _, block_bytes = block_info(t.ggml_type)
+    blocks = t.raw.reshape(-1, block_bytes)
+    fields = [blocks[:, 0:2]] + ([blocks[:, 2:4]] if t.ggml_type in (Q4_1, Q5_1) else [])
+    for field in fields:
+        values = torch.from_numpy(np.ascontiguousarray(field).view("<f2").astype(np.float32)).reshape(-1)
+        if not torch.equal(values.to(dtype).float(), values):
+            return False
+    return True
 
 
 def _q4_k_affine64(blocks, N: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
