@@ -37,6 +37,7 @@
 #include "../gguf_format.h"
 #include "../gguf_validate.h"
 #include "actq_x.h"
+#include "chunk_avx2.h"
 #include "chunk_driver.h"
 #include "hsum.h"
 #include "gguf_fields.h"
@@ -305,6 +306,7 @@ struct Base {
   static constexpr int64_t kLanesPerBlock = WIDE ? 8 : 1, kScaleFloats = kXBlocks * kLanesPerBlock;
   static constexpr int64_t kXPerChunk = kSuper, kSidePerChunk = kScaleFloats + Fmt::kSums;
   static constexpr int kMaxXBlock = 4;
+  static constexpr int64_t slab_bytes(int) { return 0; }  // one pass over K (chunk_driver.h)
   const uint8_t* blocks;
   int64_t chunks, row_bytes, rest_floats = 0;
   Base(const uint8_t* w, int64_t K) : blocks(w), chunks(K / kSuper), row_bytes(chunks * Fmt::kBlockBytes) {}
@@ -324,7 +326,7 @@ struct Base {
     }
   }
   template <int R>
-  void start_tile(int64_t) const {}
+  void start_tile(int64_t, int64_t, int64_t) const {}
   float rest(int64_t, const float*) const { return 0.0f; }
 };
 
@@ -344,12 +346,11 @@ struct ScalarKernel : Base<Fmt, false> {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Prefetch the R rows' super-blocks 4 ahead of blk (every cache line of one).
+// Prefetch the super-blocks of the next tile (R rows on) at blk's column: the next tile takes the
+// same slab of chunks next (chunk_driver.h).
 template <typename Fmt, int R>
-__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* const (&blk)[R]) {
-  for (int r = 0; r < R; ++r)
-    for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + 4 * Fmt::kBlockBytes + off, _MM_HINT_T0);
+__attribute__((always_inline)) inline void prefetch_next_tile(const uint8_t* const (&blk)[R], int64_t row_bytes) {
+  for (int r = 0; r < R; ++r) chunk::prefetch_range(blk[r], R * row_bytes, Fmt::kBlockBytes);
 }
 
 // The vector kernels: 256-bit (WIDE false: x in natural order, Fmt::block, Fmt::tile_rows) and
@@ -365,7 +366,7 @@ struct VecKernel : Base<Fmt, WIDE> {
                                                    Acc (&acc)[R][MB]) const {
     const uint8_t* blk[R];
     for (int r = 0; r < R; ++r) blk[r] = row[r] + c * Fmt::kBlockBytes;
-    prefetch_ahead<Fmt, R>(blk);
+    prefetch_next_tile<Fmt, R>(blk, this->row_bytes);
     if constexpr (WIDE)
       Fmt::template block512<R, MB>(blk, xc, side, acc);
     else

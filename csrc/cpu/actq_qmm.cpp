@@ -40,6 +40,7 @@
 #include "actq_dot.h"
 #include "actq_x.h"
 #include "chunk.h"
+#include "chunk_avx2.h"
 #include "chunk_driver.h"
 #include "hsum.h"
 #include "qmm_kernels.h"
@@ -84,6 +85,7 @@ struct ScalarKernel {
   using Acc = float;
   static constexpr int64_t kXPerChunk = kBlock, kSidePerChunk = 1;
   static constexpr int kMaxXBlock = 4;
+  static constexpr int64_t slab_bytes(int) { return 0; }  // one pass over K (chunk_driver.h)
   static constexpr int tile_rows(int) { return 1; }
 
   const QmmArgs& a;
@@ -101,7 +103,7 @@ struct ScalarKernel {
         [&](int64_t b, float d) { side[b] = d; });
   }
   template <int R>
-  void start_tile(int64_t) const {}
+  void start_tile(int64_t, int64_t, int64_t) const {}
   template <int R, int MB>
   inline void chunk(int64_t n, const uint8_t* const (&row)[R], int64_t c, const X* const (&xc)[MB],
                     const float* const (&sc)[MB], Acc (&acc)[R][MB]) const {
@@ -340,6 +342,7 @@ struct DotKernel {
   using Acc = typename V::F;
   static constexpr int64_t kXPerChunk = C::kCodes, kSidePerChunk = V::kLanes;
   static constexpr int kMaxXBlock = 4;
+  static constexpr int64_t slab_bytes(int) { return 0; }  // one pass over K (chunk_driver.h)
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 4 : 2; }
 
   const QmmArgs& a;
@@ -366,7 +369,7 @@ struct DotKernel {
         });
   }
   template <int R>
-  void start_tile(int64_t) const {}
+  void start_tile(int64_t, int64_t, int64_t) const {}
 
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t n, const uint8_t* const (&row)[R], int64_t c,
@@ -380,7 +383,7 @@ struct DotKernel {
     }
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = row[r] + c * C::kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + 512, _MM_HINT_T0);
+      chunk::prefetch_range(row[r], R * row_bytes + c * C::kBytes, C::kBytes);  // the next tile's chunk c
       const auto wv = C::decode(V::load(p));
       const Acc sw = C::template scale_lanes<G>(w, (n + r) * groups + c * C::kCodes / G);
       for (int m = 0; m < MB; ++m) acc[r][m] = V::fmadd(V::cvt(C::dot(wv, xv[m])), V::mul(sw, dx[m]), acc[r][m]);

@@ -95,6 +95,7 @@ struct Avx2Kernel {
   static constexpr int kGroupsPerChunk = kCodes >= G ? kCodes / G : 1;
   static constexpr int64_t kXPerChunk = C::kXPerChunk, kSidePerChunk = S::kBiases ? kGroupsPerChunk : 0;
   static constexpr int kMaxXBlock = 4;
+  static constexpr int64_t slab_bytes(int) { return 0; }  // one pass over K (chunk_driver.h)
   // W rows per tile for MB rows of x (registers: kHalves * R * MB partial sums, R * MB
   // accumulators and the chunk's vectors).
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
@@ -137,19 +138,20 @@ struct Avx2Kernel {
     return t + p;
   }
 
-  // W streams from memory a whole tile ahead of its use: the next tile's rows [n+R, n+2R) follow
-  // this tile's in memory, and chunk() prefetches their chunk c while it multiplies chunk c here;
-  // their scales (and biases) are prefetched here.
+  // W streams from memory a tile ahead of its use: chunk() prefetches chunk c of the next tile's
+  // rows [n+R, n+2R) while it multiplies chunk c here (the next tile takes the same slab of
+  // chunks next); the scales (and biases) of the slab's groups in those rows are prefetched here.
   template <int R>
-  void start_tile(int64_t n) const {
-    sc.prefetch((n + R) * groups, R * groups);
+  void start_tile(int64_t n, int64_t c0, int64_t c1) const {
+    const int64_t g0 = c0 * kCodes / G, g1 = std::min(groups, (c1 * kCodes + G - 1) / G);
+    for (int r = 0; r < R; ++r) sc.prefetch((n + R + r) * groups + g0, g1 - g0);
   }
 
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t n, const uint8_t* const (&row)[R], int64_t c,
                                                    const X* const (&xc)[MB], const float* const (&side)[MB],
                                                    Acc (&acc)[R][MB]) const {
-    prefetch_range(row[0], R * row_bytes + c * R * C::kBytes, R * C::kBytes);  // start_tile
+    for (int r = 0; r < R; ++r) prefetch_range(row[r], R * row_bytes + c * C::kBytes, C::kBytes);
     const uint8_t* w[R];
     for (int r = 0; r < R; ++r) w[r] = row[r] + c * C::kBytes;
     __m256 p[R][MB][kHalves];

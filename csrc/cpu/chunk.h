@@ -122,14 +122,17 @@ inline __m512 chunk_lanes(const T* s) {
   return _mm512_permutexvar_ps(_mm512_load_si512(idx.i), v);
 }
 
-// The next tile's scales and biases (rows [n+R, n+2R)): 2*R more streams than the hardware
-// prefetcher follows well.
+// The next tile's scales and biases (rows [n+R, n+2R)) of groups [g0, g1): 2*R more streams
+// than the hardware prefetcher follows well.
 template <typename T, int R>
-inline void prefetch_params(const QmmArgs& a, int64_t n, int64_t groups) {
-  const int64_t next = (n + R) * groups * int64_t(sizeof(T));  // byte offset of the next tile's rows
-  for (int64_t off = 0; off < R * groups * int64_t(sizeof(T)); off += 64) {
-    prefetch_l2(a.scales, next + off);
-    prefetch_l2(a.biases, next + off);
+inline void prefetch_params(const QmmArgs& a, int64_t n, int64_t groups, int64_t g0, int64_t g1) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t first = ((n + R + r) * groups + g0) * int64_t(sizeof(T));  // byte offsets
+    const int64_t last = ((n + R + r) * groups + g1) * int64_t(sizeof(T));
+    for (int64_t off = first & ~int64_t(63); off < last; off += 64) {
+      prefetch_l2(a.scales, off);
+      prefetch_l2(a.biases, off);
+    }
   }
 }
 

@@ -218,15 +218,17 @@ struct Q6K {
   }
 };
 
-// 8 float32 lanes; the next tile's blocks b (rows [n + R, n + 2R) follow this tile's in memory)
-// prefetched into L1 as one range, so W streams a whole tile ahead of its use.
+// 8 float32 lanes; block b of each row of the next tile (R rows on) prefetched into L1, so W
+// streams a tile ahead of its use (the next tile takes the same slab of blocks next).
 struct GgufYmm {
   using Acc = __m256;
   static Acc zero() { return _mm256_setzero_ps(); }
+  // K slabs at 4 rows of x, where x traffic bounds these kernels (chunk_driver.h).
+  static constexpr int64_t slab_bytes(int mb) { return mb >= 4 ? chunk::kSlabBytes : 0; }
   template <int R>
   __attribute__((always_inline)) static inline void prefetch(const uint8_t* const (&row)[R], int64_t b, int64_t row_bytes,
                                                              int64_t block_bytes) {
-    chunk::prefetch_range(row[0], R * row_bytes + b * R * block_bytes, R * block_bytes);
+    for (int r = 0; r < R; ++r) chunk::prefetch_range(row[r], R * row_bytes + b * block_bytes, block_bytes);
   }
 };
 

@@ -10,7 +10,8 @@
 //   tile_rows(mb)                             W rows per tile at mb rows of x
 //   prepare(x, xc, side)                      one super-block of an x row (256 floats)
 //   block<R, MB>(blk, xc, side, acc)          acc[r][m] += super-block blk[r] times x row m
-// Vec, the family's vector width: using Acc; zero(), reduce(acc); and
+// Vec, the family's vector width: using Acc; zero(), reduce(acc); slab_bytes(mb) (chunk_driver.h);
+// and
 //   prefetch<R>(row, b, row_bytes, block_bytes)   the next tile's blocks, ahead of their use
 #pragma once
 
@@ -32,6 +33,7 @@ struct GgufChunkKernel {
   using Acc = typename Vec::Acc;
   static constexpr int64_t kXPerChunk = Fmt::kXPerBlock, kSidePerChunk = Fmt::kSide;
   static constexpr int kMaxXBlock = 4;
+  static constexpr int64_t slab_bytes(int mb) { return Vec::slab_bytes(mb); }
   static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
 
   const GgufArgs& a;
@@ -43,7 +45,7 @@ struct GgufChunkKernel {
     for (int64_t b = 0; b < chunks; ++b) Fmt::prepare(x + 256 * b, xc + b * kXPerChunk, side + kSidePerChunk * b);
   }
   template <int R>
-  void start_tile(int64_t) const {}
+  void start_tile(int64_t, int64_t, int64_t) const {}
 
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t b,
@@ -71,6 +73,7 @@ bool run_gguf_chunks(const GgufArgs& a, int64_t ggml_type, float* y) {
 struct GgufZmm {
   using Acc = __m512;
   static Acc zero() { return _mm512_setzero_ps(); }
+  static constexpr int64_t slab_bytes(int) { return 0; }  // one pass over K: slabs not measured on AVX-512
   template <int R>
   __attribute__((always_inline)) static inline void prefetch(const uint8_t* const (&row)[R], int64_t b, int64_t row_bytes,
                                                              int64_t block_bytes) {

@@ -72,6 +72,7 @@ struct AffineKernel {
   static constexpr int kBits = C::kBits, kCodes = kCodesPerChunk<kBits>;
   static constexpr int64_t kXPerChunk = C::kXPerChunk, kSidePerChunk = 0;
   static constexpr int kMaxXBlock = C::kMaxXBlock;
+  static constexpr int64_t slab_bytes(int) { return 0; }  // one pass over K (chunk_driver.h)
   // W rows per tile for MB rows of x (registers: 2 * R * MB accumulators).
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 4 : 2; }
 
@@ -96,7 +97,9 @@ struct AffineKernel {
   }
 
   template <int R>
-  void start_tile(int64_t n) const { prefetch_params<T, R>(a, n, groups); }
+  void start_tile(int64_t n, int64_t c0, int64_t c1) const {
+    prefetch_params<T, R>(a, n, groups, c0 * kCodes / G, std::min(groups, (c1 * kCodes + G - 1) / G));
+  }
 
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t n, const uint8_t* const (&row)[R], int64_t c,

@@ -282,6 +282,11 @@ MUTANTS: list[Mutant] = [
            "return !a.avoid_bf16 && !float32_first(a) && !(float32_fma_first() && f32_format(a));",
            "return !a.avoid_bf16 && !float32_first(a);",
            (RC, "-k", "b4 and float16 and M25"), "on Intel the bfloat16 chunk kernels take 4-bit rows past the float32 kernel's"),
+    # ---- C++: the chunk driver's K slabs (--cpp) ---------------------------------------------
+    Mutant("slab-accumulators-not-carried", "csrc/cpu/chunk_driver.h",
+           "for (int m = 0; m < MB; ++m) acc[r][m] = partial[r * MB + m];",
+           "for (int m = 0; m < MB; ++m) acc[r][m] = Kern::zero();",
+           ("tests/test_cpu_slabs.py",), "each slab starts its tiles' sums from zero (the earlier slabs lost)"),
     Mutant("gguf-f32-to-15-rows", "csrc/cpu/gguf_chunked.h",
            "constexpr int64_t kGgufF32MaxRows = 32;", "constexpr int64_t kGgufF32MaxRows = 15;",
            ("tests/test_cpu_gguf_float32.py", "-k", "match_gguf_dequantize and f32"),
