@@ -96,3 +96,14 @@ def test_gguf_chunk_kernels_give_the_same_sums_under_every_slab_budget(monkeypat
                 return gguf_matmul(x, blocks, ggml_type, N, K)
 
         under_every_budget(monkeypatch, call)
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "16k", "99999999999999999999"])
+def test_a_slab_budget_that_is_not_a_byte_count_is_a_clear_error(monkeypatch, value):
+    gen = torch.Generator().manual_seed(3)
+    wq, scales, biases = quantize(torch.randn(N, 256, generator=gen), 32, 4)
+    x = torch.randn(4, 256, generator=gen)
+    assert torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, 4, 32).startswith("chunked/")
+    monkeypatch.setenv("TORCH_QMM_CPU_SLAB_BYTES", value)
+    with pytest.raises(ValueError, match=f"TORCH_QMM_CPU_SLAB_BYTES must be a byte count .*got '{value}'"):
+        quantized_matmul(x, wq, scales, biases, transpose=True, group_size=32, bits=4)

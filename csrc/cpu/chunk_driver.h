@@ -49,9 +49,11 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -146,13 +148,18 @@ PreparedX<Kern> prepare_x(const Kern& kern, const float* x, int64_t M, int64_t K
 // only the speed differs.
 constexpr int64_t kSlabBytes = 16 * 1024;
 
-// TORCH_QMM_CPU_SLAB_BYTES, or -1 where unset (each kernel's own slab_bytes).
+// TORCH_QMM_CPU_SLAB_BYTES, or -1 where unset (each kernel's own slab_bytes); a value that is not
+// a byte count is an error (ValueError), never silently the default.
 inline int64_t slab_bytes_override() {
   const char* v = std::getenv("TORCH_QMM_CPU_SLAB_BYTES");
   if (v == nullptr || v[0] == '\0') return -1;
   char* end = nullptr;
+  errno = 0;
   const long long b = std::strtoll(v, &end, 10);
-  return end != v && *end == '\0' && b >= 0 ? int64_t(b) : -1;
+  TORCH_CHECK_VALUE(end != v && *end == '\0' && errno == 0 && b >= 0,
+                    "environment variable TORCH_QMM_CPU_SLAB_BYTES must be a byte count (0: one pass over K), got '",
+                    v, "'");
+  return int64_t(b);
 }
 
 // Whole chunks per slab at MB rows of x (at least one; all of them for a budget of 0).
