@@ -17,7 +17,7 @@ import torch
 import torch_qmm
 from torch_qmm.ops import gguf_matmul, quantize, quantized_matmul
 
-from cpu_features import HAS_AVX2
+from cpu_features import HAS_AVX2, HAS_BF16, fma_first
 from gguf_helpers import random_k_blocks
 
 pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="the chunk kernels need AVX2 (other CPUs take the fused ones)")
@@ -75,10 +75,21 @@ def test_fp_mode_chunk_kernels_give_the_same_sums_under_every_slab_budget(monkey
         under_every_budget(monkeypatch, lambda: quantized_matmul(x, wq, scales, None, transpose=True, mode=mode))
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+# Families stepped aside (environment switches of csrc/cpu/qmm_kernels.h), so that each GGUF chunk
+# family this CPU has meets every budget: the AVX-512 float32 kernels, then the AVX2 ones, and
+# the AVX512_BF16 dot-product kernels where both step aside (up to their row limits).
+STEP_ASIDE = {"all-families": [], "no-f32-chunks": ["TORCH_QMM_CPU_NO_F32_CHUNKS"],
+              "bf16-chunks": ["TORCH_QMM_CPU_NO_F32_CHUNKS", "TORCH_QMM_CPU_NO_AVX2_CHUNKS"]}
+
+
+# The int8 kernels are one family (the switches above do not move them).
+@pytest.mark.parametrize("int8,aside", [(False, aside) for aside in STEP_ASIDE] + [(True, "all-families")],
+                         ids=[f"exact-{aside}" for aside in STEP_ASIDE] + ["int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("ggml_type", [12, 14], ids=["Q4_K", "Q6_K"])
-def test_gguf_chunk_kernels_give_the_same_sums_under_every_slab_budget(monkeypatch, ggml_type, dtype, int8):
+def test_gguf_chunk_kernels_give_the_same_sums_under_every_slab_budget(monkeypatch, ggml_type, dtype, int8, aside):
+    for variable in STEP_ASIDE[aside]:
+        monkeypatch.setenv(variable, "1")
     rng = np.random.default_rng(ggml_type)
     K = 256 * 11
     blocks = torch.from_numpy(random_k_blocks(ggml_type, N, K, rng))
@@ -89,6 +100,13 @@ def test_gguf_chunk_kernels_give_the_same_sums_under_every_slab_budget(monkeypat
             assert route.startswith("int8x/") and route != "int8x/scalar", route
         else:
             route = torch.ops.torch_qmm._gguf_cpu_route(x, blocks, ggml_type, N, K)
+            if aside == "bf16-chunks":
+                # The bfloat16 kernels take M=1 wherever the CPU has them (and they go first);
+                # past their row limits (3 terms of float32 x) the fused route takes the call.
+                if m == 1 and HAS_BF16 and not fma_first():
+                    assert route.startswith("chunked/bf16x"), route
+                if not route.startswith("chunked/"):
+                    continue
             assert route.startswith("chunked/"), route
 
         def call():

@@ -44,8 +44,9 @@
 // short runs of each row (the next tile's run prefetched while this one is multiplied), which
 // only pays where x traffic is the bound: measured on Zen 3 (4096 x 14336, 2 threads), the AVX2
 // Q4_K / Q6_K kernels at 4 rows of x gain 15-20% (Q4_K float32 M=4: 6.6 -> 5.3 ms, M=8: 12.8 ->
-// 10.3), while at 1-2 rows of x, and for the affine AVX2 and the int8 kernels at any rows, slabs
-// lose 2-35%: those take the whole K in one pass (their slab_bytes).
+// 10.3), and the AVX-512 bfloat16 ones (Zen 4) 25-30%; at 1-2 rows of x, and for the affine,
+// the AVX-512 float32 and the int8 kernels at any rows, slabs lose 0-40%: those take the whole K
+// in one pass (their slab_bytes).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -261,7 +261,7 @@ struct Terms {
 
 template <int P>
 bool run_terms(const GgufArgs& a, int64_t ggml_type, float* y) {
-  return run_gguf_chunks<GgufZmm, Terms<Q4K, P>, Terms<Q6K, P>>(a, ggml_type, y);
+  return run_gguf_chunks<GgufZmmSlabs, Terms<Q4K, P>, Terms<Q6K, P>>(a, ggml_type, y);
 }
 
 }  // namespace
