@@ -27,14 +27,15 @@ ops = torch.ops.torch_qmm
 SLACK = 2.0**-20
 
 
-def quantize_x(x: torch.Tensor):
-    """(x_deq float64, d per element float64): x [M, K] float32 in blocks of 32."""
+def quantize_x(x: torch.Tensor, block: int = 32):
+    """(x_deq float64, d per element float64): x [M, K] float32 in blocks of `block` along K (32
+    for the affine formats, 256 for the GGUF ones)."""
     M, K = x.shape
-    xb = x.to(torch.float32).reshape(M, K // 32, 32)
+    xb = x.to(torch.float32).reshape(M, K // block, block)
     d = xb.abs().amax(-1, keepdim=True) / 127.0  # float32, as the definition
     q = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, 1.0)), 0.0).clamp(-127, 127)
     x_deq = (q.double() * d.double()).reshape(M, K)
-    return x_deq, d.double().expand(M, K // 32, 32).reshape(M, K)
+    return x_deq, d.double().expand(M, K // block, block).reshape(M, K)
 
 
 def make(N, K, bits, group_size, dtype=torch.float32, seed=0):

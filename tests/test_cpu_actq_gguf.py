@@ -1,8 +1,8 @@
 """The opt-in int8-activation gguf_qmm (csrc/cpu/actq_gguf.cpp): Q4_K and Q6_K blocks times x
-quantized to int8 per block of 32.
+quantized to int8 per super-block of 256 (X_BLOCK; llama.cpp's q8_K granularity).
 
 Oracles (independent of the kernels): gguf-py's dequantize for W (float64), and x's int8
-quantization written from its definition in tests/test_cpu_actq.py (quantize_x).
+quantization written from its definition in tests/test_cpu_actq.py (quantize_x, blocks of 256).
 
 Bounds checked, as for the affine int8 path (tests/test_cpu_actq.py):
 - against the exact product W x: |y - W x| <= sum over blocks b of (d_b / 2) * sum_{i in b} |w_i|
@@ -25,6 +25,7 @@ from test_cpu_actq import SLACK, quantize_x
 
 ops = torch.ops.torch_qmm
 KIND = {Q4_K: "q4k", Q6_K: "q6k"}
+X_BLOCK = 256  # x values per int8 scale: one super-block
 
 
 @pytest.fixture(params=["512", "256"])
@@ -49,7 +50,7 @@ def case(ggml_type, n: int, k: int, seed: int = 0):
 def check_bounds(y, x, w):
     y = y.double()
     exact = x.double() @ w.T
-    x_deq, d = quantize_x(x)
+    x_deq, d = quantize_x(x, X_BLOCK)
     step = (d / 2) @ w.abs().T
     slack = SLACK * ((x.double().abs() + d) @ w.abs().T)
     err = (y - exact).abs()
@@ -103,7 +104,7 @@ def test_half_dtypes_round_once(dtype, ggml_type, width):
     x = torch.randn(3, K).to(dtype)
     y = ops.gguf_qmm_int8_activations(x, blocks, int(ggml_type), N, K)
     assert y.dtype == dtype
-    x_deq, _ = quantize_x(x.float())
+    x_deq, _ = quantize_x(x.float(), X_BLOCK)
     ref = x_deq @ w.T
     tol = 2 * SLACK * (x_deq.abs() @ w.abs().T) + torch.finfo(dtype).eps / 2 * ref.abs()
     assert ((y.double() - ref).abs() <= tol).all()
@@ -187,6 +188,6 @@ def test_ties_round_half_to_even(ggml_type, width):
     N, K = 9, 256
     blocks, w = case(ggml_type, N, K, seed=4)
     x = _tie_x(K)
-    x_deq, _ = quantize_x(x)
+    x_deq, _ = quantize_x(x, X_BLOCK)
     y = ops.gguf_qmm_int8_activations(x, blocks, int(ggml_type), N, K).double()
     assert ((y - x_deq @ w.T).abs() <= SLACK * (x_deq.abs() @ w.abs().T)).all()

@@ -1,6 +1,7 @@
 """Opt-in activation quantization of quantized_matmul, after llama.cpp: x quantized to int8 per
-block of 32 along K (one float32 scale per block, round to nearest even), multiplied with the
-weight codes in integer arithmetic. Faster on CPUs at small M, approximate: the bound and the
+block along K (one float32 scale per block, round to nearest even; blocks of 32 for the affine
+formats, of one 256-weight super-block for GGUF Q4_K / Q6_K), multiplied with the weight codes in
+integer arithmetic. Faster on CPUs at small M, approximate: the bound and the
 measured error are in docs/activation-quantization.md. Never the default.
 
     with torch_qmm.activation_quantization("int8"):

@@ -164,7 +164,7 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K
         x: float32/float16/bfloat16 [..., K], K a multiple of 256.
         blocks: uint8 [N, K/256 * block_bytes] (144 bytes per Q4_K super-block, 210 per Q6_K),
             each row the super-blocks of one row of W as llama.cpp writes them.
-        activations: "int8": x quantized to int8 per block of 32 (torch_qmm.activations; CPU
+        activations: "int8": x quantized to int8 per super-block of 256 (torch_qmm.activations; CPU
             only; approximate). None: torch_qmm.activation_quantization's setting for CPU calls,
             else exact.
 

@@ -45,6 +45,29 @@ __attribute__((always_inline)) inline __m256i dot4x2(__m256i u0, __m256i s0, __m
 #endif
 }
 
+// acc[l] + p[2l] * c[2l] + p[2l + 1] * c[2l + 1] (signed int16 pairs into int32): vpdpwssd where
+// the CPU has VNNI, else vpmaddwd and an add (the same integers while no sum passes 2^31).
+__attribute__((always_inline)) inline __m256i dot2_16(__m256i acc, __m256i p, __m256i c) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, p, c);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, p, c);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, c));
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// dot2_16 on 512 bits (vpdpwssd zmm with AVX512_VNNI).
+__attribute__((always_inline)) inline __m512i dot2_16_512(__m512i acc, __m512i p, __m512i c) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, p, c);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, c));
+#endif
+}
+#endif
+
 // The 512-bit kernels (actq_qmm.cpp: "int8x/avx512vnni-512-*"): vpdpbusd on zmm, 64 bytes per
 // instruction, where the CPU has AVX512_VNNI and AVX512BW (the latter for the byte operations
 // around it). TORCH_QMM_CPU_NO_INT8_512=1 keeps the 256-bit kernels above.

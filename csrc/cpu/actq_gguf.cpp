@@ -1,19 +1,21 @@
-// CPU gguf_qmm_int8_activations: gguf_qmm (Q4_K, Q6_K) with x quantized to int8 per block of 32
-// along K (actq_x.h, the quantizer of the affine int8 path) and multiplied with the weight codes
-// in integer arithmetic, after llama.cpp's q4_K / q6_K dot products (there x is quantized per
-// super-block, q8_K; here per block of 32, q8_0's granularity, for one error bound with the
-// affine path). An opt-in approximation, as qmm_int8_activations (actq_qmm.cpp).
+// CPU gguf_qmm_int8_activations: gguf_qmm (Q4_K, Q6_K) with x quantized to int8 per super-block
+// of 256 along K (actq_x.h; llama.cpp's q8_K granularity) and multiplied with the weight codes in
+// integer arithmetic, after llama.cpp's q4_K / q6_K dot products. An opt-in approximation, as
+// qmm_int8_activations (actq_qmm.cpp), whose x blocks are of 32.
 //
-// With d_b the scale and q_b the codes of x block b (32 weights of one super-block):
-//   Q4_K (sub-blocks of 32 = the x blocks; w = d*sc_s*q - dmin*m_s, q in 0..15):
-//     y += d * sum_s d_s * (sc_s * sum_i q_i q_s,i)  -  sum_s dmin*m_s * X_s,   X_s = d_s * sum_i q_s,i
-//   Q6_K (sub-blocks of 16, two per x block; w = d*sc_s*(q - 32), q in 0..63):
-//     y += d * sum_b d_b * (sum_{s in b} sc_s * sum_i q_i q_b,i)  -  sum_s d*sc_s * 32 * X_s,
-//     X_s = d_b * sum_{i in s} q_b,i
-// The parenthesized sums are int32 (exact: vpmaddubsw pairs of codes and x below 2^15, then
-// vpmaddwd against the integer sub-block scales); the rest float32. So y is W times the
-// dequantized x up to float32 rounding, with the bound of the affine path (docs/activation-
-// quantization.md): |y - W x| <= sum_b (d_b / 2) * sum_{i in b} |w_i| (+ rounding).
+// With d_x the scale and q_i the codes of x over one super-block:
+//   Q4_K (sub-blocks s of 32; w = d*sc_s*q - dmin*m_s, q in 0..15):
+//     y += d * d_x * (sum_s sc_s * sum_{i in s} q_i qx_i)  -  sum_s dmin*m_s * X_s
+//   Q6_K (sub-blocks s of 16; w = d*sc_s*(q - 32), q in 0..63):
+//     y += d * (d_x * (sum_s sc_s * sum_{i in s} q_i qx_i)  -  sum_s sc_s * 32 * X_s)
+//   X_s = d_x * sum_{i in s} qx_i, the sum of the dequantized x over sub-block s.
+// The parenthesized sum over the whole super-block is int32 (vpmaddubsw pairs of codes and x
+// below 2^15, then vpmaddwd or vpdpwssd against the integer sub-block scales, added up; at most
+// 8 * 63 * 32 * 15 * 127 for Q4_K and 16 * 128 * 16 * 63 * 127 for Q6_K, below 2^31), so one
+// float multiply per super-block, W row and x row carries the scales; the rest float32. So y is
+// W times the dequantized x up to float32 rounding, with the bound of the affine path over blocks
+// of 256 (docs/activation-quantization.md): |y - W x| <= sum_b (d_b / 2) * sum_{i in b} |w_i|
+// (+ rounding).
 //
 // Kernels, on the chunk driver (chunk_driver.h; a chunk is one super-block): VecKernel<Fmt, true>
 // ("int8x/avx512bw-q4k", "int8x/avx512bw-q6k": the same integer products on 64 bytes at a time,
@@ -36,6 +38,7 @@
 
 #include "../gguf_format.h"
 #include "../gguf_validate.h"
+#include "actq_dot.h"
 #include "actq_x.h"
 #include "chunk_avx2.h"
 #include "chunk_driver.h"
@@ -52,21 +55,22 @@ namespace cpu {
 namespace actq {
 namespace {
 
-constexpr int64_t kSuper = gguf::kQK_K, kXBlocks = kSuper / kBlock;  // 8 x blocks per super-block
+constexpr int64_t kSuper = gguf::kQK_K, kRuns = kSuper / kBlock;  // 8 runs of 32 codes per super-block
 
 using gguf_fields::f16_at;
 
-// Side data per super-block and x row: the 8 x scales d_b, then Fmt::kSums offset sums X_s.
+// Side data per super-block and x row: the x scale d_x at 0, then Fmt::kSums offset sums X_s
+// from kSumsAt.
+constexpr int64_t kSumsAt = 1;
 // Q4_K: the codes of weight 32s + i are bits 4*(s%2).. of byte 32*(s/2) + i of qs.
 struct Q4K {
   static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kSums = 8;
+  static constexpr int kSub = 32;  // weights per sub-block, each with its offset sum X_s
+  static constexpr float offset_factor = 1.0f;
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
   // The 512-bit layout of x (WideX): the sub-blocks in the order 64 bytes of qs bring them, low
   // nibbles then high ones: bytes 0-63 hold sub-blocks 0, 2 (low) and 1, 3 (high), 64-127 4, 6, 5, 7.
-  static constexpr int kWideOrder[kXBlocks] = {0, 2, 1, 3, 4, 6, 5, 7};
-  static void sums(const int8_t* q, const float* d, float* out) {
-    for (int s = 0; s < 8; ++s) out[s] = d[s] * float(block_sum(q + 32 * s));
-  }
+  static constexpr int kWideOrder[kRuns] = {0, 2, 1, 3, 4, 6, 5, 7};
   static void scales_mins(const uint8_t* blk, uint8_t (&sc)[8], uint8_t (&mn)[8]) {
     const gguf_fields::Q4kScaleBytes b = gguf_fields::q4k_scale_bytes(blk + 4);
     std::memcpy(sc, b.scale, 8);  // bytes in memory order: sub-blocks 0..7 (little-endian)
@@ -76,15 +80,16 @@ struct Q4K {
   static float scalar(const uint8_t* blk, const int8_t* xq, const float* side) {
     uint8_t sc[8], mn[8];
     scales_mins(blk, sc, mn);
-    float t = 0.0f, mins = 0.0f;
+    int32_t t = 0;
+    float mins = 0.0f;
     for (int s = 0; s < 8; ++s) {
       const uint8_t* qs = blk + kQs + 32 * (s / 2);
       int32_t dot = 0;
       for (int i = 0; i < 32; ++i) dot += int32_t((qs[i] >> (4 * (s % 2))) & 0xF) * int32_t(xq[32 * s + i]);
-      t += side[s] * float(int32_t(sc[s]) * dot);
-      mins += float(mn[s]) * side[8 + s];
+      t += int32_t(sc[s]) * dot;
+      mins += float(mn[s]) * side[kSumsAt + s];
     }
-    return f16_at(blk) * t - f16_at(blk + 2) * mins;
+    return float(t) * (f16_at(blk) * side[0]) - f16_at(blk + 2) * mins;
   }
 #if defined(__AVX2__) && defined(__FMA__)
   template <int R, int MB>
@@ -97,8 +102,8 @@ struct Q4K {
       std::memcpy(sc, sm.scale, 8);
       const __m256i mn = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(sm.min[1]), int(sm.min[0])));
       const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(f16_at(blk[r] + 2)));
-      __m256 t[MB];
-      for (int m = 0; m < MB; ++m) t[m] = _mm256_setzero_ps();
+      __m256i t[MB];
+      for (int m = 0; m < MB; ++m) t[m] = _mm256_setzero_si256();
       for (int run = 0; run < 4; ++run) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQs + 32 * run));
         const __m256i q[2] = {_mm256_and_si256(w, nibble), _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble)};
@@ -107,14 +112,14 @@ struct Q4K {
           const __m256i scale = _mm256_set1_epi16(int16_t(sc[s]));
           for (int m = 0; m < MB; ++m) {
             const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + 32 * s));
-            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[half], x), scale);
-            t[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(side[m] + s), t[m]);
+            t[m] = dot2_16(t[m], _mm256_maddubs_epi16(q[half], x), scale);
           }
         }
       }
-      const __m256 d = _mm256_set1_ps(f16_at(blk[r]));
+      const float d = f16_at(blk[r]);
       for (int m = 0; m < MB; ++m)
-        acc[r][m] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(side[m] + 8), _mm256_fmadd_ps(t[m], d, acc[r][m]));
+        acc[r][m] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(side[m] + kSumsAt),
+                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[m]), _mm256_set1_ps(d * side[m][0]), acc[r][m]));
     }
   }
 #endif
@@ -131,8 +136,7 @@ struct Q4K {
     return _mm_unpacklo_epi32(low6, high);
   }
   // 512 bits: pair k of x positions (kWideOrder[2k], kWideOrder[2k + 1]) meets the low (k even) or
-  // high (k odd) nibbles of qs bytes 64 (k / 2) .. + 63; side: WideX (16 lanes of x scales per pair,
-  // then the 8 offset sums).
+  // high (k odd) nibbles of qs bytes 64 (k / 2) .. + 63.
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block512(const uint8_t* const (&blk)[R], const int8_t* const (&xc)[MB],
                                                              const float* const (&side)[MB], __m512 (&acc)[R][MB]) {
@@ -149,46 +153,39 @@ struct Q4K {
       const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
       const __m256i mn = _mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8));
       const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(f16_at(blk[r] + 2)));
-      __m512 t[MB];
-      for (int m = 0; m < MB; ++m) t[m] = _mm512_setzero_ps();
+      __m512i t[MB];
+      for (int m = 0; m < MB; ++m) t[m] = _mm512_setzero_si512();
       for (int j = 0; j < 2; ++j) {
         const __m512i w = _mm512_loadu_si512(blk[r] + kQs + 64 * j);
         const __m512i q[2] = {_mm512_and_si512(w, nibble), _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble)};
         for (int h = 0; h < 2; ++h) {
           const int k = 2 * j + h;
           const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(idx.w[k]), sc16);
-          for (int m = 0; m < MB; ++m) {
-            const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(q[h], _mm512_loadu_si512(xc[m] + 64 * k)), scale);
-            t[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(side[m] + 16 * k), t[m]);
-          }
+          for (int m = 0; m < MB; ++m)
+            t[m] = dot2_16_512(t[m], _mm512_maddubs_epi16(q[h], _mm512_loadu_si512(xc[m] + 64 * k)), scale);
         }
       }
-      const __m512 d = _mm512_set1_ps(f16_at(blk[r]));
+      const float d = f16_at(blk[r]);
       const __m512 mins16 = _mm512_zextps256_ps512(mins);
       for (int m = 0; m < MB; ++m)
-        acc[r][m] = _mm512_fnmadd_ps(mins16, _mm512_zextps256_ps512(_mm256_loadu_ps(side[m] + 64)),
-                                     _mm512_fmadd_ps(t[m], d, acc[r][m]));
+        acc[r][m] = _mm512_fnmadd_ps(mins16, _mm512_zextps256_ps512(_mm256_loadu_ps(side[m] + kSumsAt)),
+                                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]), _mm512_set1_ps(d * side[m][0]), acc[r][m]));
     }
   }
 #endif
 };
 
-// Q6_K: x block b = 4h + f holds weights 128h + 32f + i, whose code is nibble f / 2 of ql byte
+// Q6_K: run b = 4h + f of 32 x codes holds weights 128h + 32f + i, whose code is nibble f / 2 of ql byte
 // 64h + 32 (f % 2) + i with bits 2f, 2f + 1 of qh byte 32h + i above it (dequantize_row_q6_K's
 // order); bytes 0-15 lie in sub-block 2b, 16-31 in 2b + 1.
 struct Q6K {
   static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208, kSums = 16;
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
-  // 64 bytes of ql (half h) hold x blocks 4h, 4h + 1 (low nibbles) and 4h + 2, 4h + 3 (high):
+  // 64 bytes of ql (half h) hold x runs 4h, 4h + 1 (low nibbles) and 4h + 2, 4h + 3 (high):
   // the natural order.
-  static constexpr int kWideOrder[kXBlocks] = {0, 1, 2, 3, 4, 5, 6, 7};
-  static void sums(const int8_t* q, const float* d, float* out) {
-    for (int s = 0; s < 16; ++s) {
-      int32_t t = 0;
-      for (int i = 0; i < 16; ++i) t += q[16 * s + i];
-      out[s] = 32.0f * (d[s / 2] * float(t));
-    }
-  }
+  static constexpr int kWideOrder[kRuns] = {0, 1, 2, 3, 4, 5, 6, 7};
+  static constexpr int kSub = 16;
+  static constexpr float offset_factor = 32.0f;  // the offset q - 32
   static int code(const uint8_t* blk, int b, int i) {
     const int h = b / 4, f = b % 4;
     const int lo = (blk[64 * h + 32 * (f % 2) + i] >> (4 * (f / 2))) & 0xF;
@@ -197,14 +194,12 @@ struct Q6K {
   }
   static float scalar(const uint8_t* blk, const int8_t* xq, const float* side) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + kScales);
-    float t = 0.0f, offsets = 0.0f;
-    for (int b = 0; b < 8; ++b) {
-      int32_t dot = 0;
-      for (int i = 0; i < 32; ++i) dot += int32_t(sc[2 * b + i / 16]) * code(blk, b, i) * int32_t(xq[32 * b + i]);
-      t += side[b] * float(dot);
-    }
-    for (int s = 0; s < 16; ++s) offsets += float(sc[s]) * side[8 + s];
-    return f16_at(blk + kD) * (t - offsets);
+    int32_t t = 0;
+    float offsets = 0.0f;
+    for (int b = 0; b < 8; ++b)
+      for (int i = 0; i < 32; ++i) t += int32_t(sc[2 * b + i / 16]) * code(blk, b, i) * int32_t(xq[32 * b + i]);
+    for (int s = 0; s < 16; ++s) offsets += float(sc[s]) * side[kSumsAt + s];
+    return f16_at(blk + kD) * (float(t) * side[0] - offsets);
   }
 #if defined(__AVX2__) && defined(__FMA__)
   template <int R, int MB>
@@ -216,10 +211,8 @@ struct Q6K {
       const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
       const __m256 s_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
       const __m256 s_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
-      __m256 t[MB];
-      for (int m = 0; m < MB; ++m)  // the hoisted -32, in units of d
-        t[m] = _mm256_fnmadd_ps(s_hi, _mm256_loadu_ps(side[m] + 16),
-                                _mm256_fnmadd_ps(s_lo, _mm256_loadu_ps(side[m] + 8), _mm256_setzero_ps()));
+      __m256i it[MB];
+      for (int m = 0; m < MB; ++m) it[m] = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
         const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQh + 32 * h));
         // Bits 2f, 2f + 1 of each qh byte moved to bits 4, 5 (16-bit shifts; the mask drops what
@@ -235,20 +228,24 @@ struct Q6K {
             const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * b + 1]), _mm_set1_epi16(sc[2 * b]));
             for (int m = 0; m < MB; ++m) {
               const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + 32 * b));
-              const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale);
-              t[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(side[m] + b), t[m]);
+              it[m] = dot2_16(it[m], _mm256_maddubs_epi16(q, x), scale);
             }
           }
         }
       }
       const __m256 d = _mm256_set1_ps(f16_at(blk[r] + kD));
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(t[m], d, acc[r][m]);
+      for (int m = 0; m < MB; ++m) {  // the hoisted -32, in units of d
+        const __m256 offsets = _mm256_fmadd_ps(s_hi, _mm256_loadu_ps(side[m] + kSumsAt + 8),
+                                               _mm256_mul_ps(s_lo, _mm256_loadu_ps(side[m] + kSumsAt)));
+        const __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(it[m]), _mm256_set1_ps(side[m][0]), offsets);
+        acc[r][m] = _mm256_fmadd_ps(t, d, acc[r][m]);
+      }
     }
   }
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  // 512 bits: pair k = 2h + p of x blocks (2k, 2k + 1) is the low (p = 0) or high (p = 1) nibbles
-  // of ql bytes 64h .. 64h + 63, with the qh bits of x blocks 4h + 2p (bytes 0-31) and 4h + 2p + 1
+  // 512 bits: pair k = 2h + p of x runs (2k, 2k + 1) is the low (p = 0) or high (p = 1) nibbles
+  // of ql bytes 64h .. 64h + 63, with the qh bits of x runs 4h + 2p (bytes 0-31) and 4h + 2p + 1
   // (32-63) from qh bytes 32h .. 32h + 31 in both halves; its 4 sub-blocks 4k .. 4k + 3 take 16
   // bytes each.
   template <int R, int MB>
@@ -269,9 +266,8 @@ struct Q6K {
       const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + kScales));
       const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
       const __m512 sf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8));
-      __m512 t[MB];
-      for (int m = 0; m < MB; ++m)  // the hoisted -32, in units of d
-        t[m] = _mm512_fnmadd_ps(sf, _mm512_loadu_ps(side[m] + 64), _mm512_setzero_ps());
+      __m512i it[MB];
+      for (int m = 0; m < MB; ++m) it[m] = _mm512_setzero_si512();
       for (int h = 0; h < 2; ++h) {
         const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + kQh + 32 * h)));
         const __m512i ql = _mm512_loadu_si512(blk[r] + 64 * h);
@@ -282,29 +278,29 @@ struct Q6K {
         for (int p = 0; p < 2; ++p) {
           const int k = 2 * h + p;
           const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(idx.w[k]), sc16);
-          for (int m = 0; m < MB; ++m) {
-            const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(q[p], _mm512_loadu_si512(xc[m] + 64 * k)), scale);
-            t[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(side[m] + 16 * k), t[m]);
-          }
+          for (int m = 0; m < MB; ++m)
+            it[m] = dot2_16_512(it[m], _mm512_maddubs_epi16(q[p], _mm512_loadu_si512(xc[m] + 64 * k)), scale);
         }
       }
       const __m512 d = _mm512_set1_ps(f16_at(blk[r] + kD));
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(t[m], d, acc[r][m]);
+      for (int m = 0; m < MB; ++m) {  // the hoisted -32, in units of d
+        const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(it[m]), _mm512_set1_ps(side[m][0]),
+                                         _mm512_mul_ps(sf, _mm512_loadu_ps(side[m] + kSumsAt)));
+        acc[r][m] = _mm512_fmadd_ps(t, d, acc[r][m]);
+      }
     }
   }
 #endif
 };
 
-// What the kernels share: W rows of super-blocks, x quantized per block of 32, side data per
-// super-block: x scales, then Fmt::kSums offset sums. K is whole super-blocks: nothing for rest().
-// Two layouts of x: natural (WIDE false: the AVX2 and portable kernels; side: the 8 scales d_b)
-// and WideX (WIDE true, the 512-bit kernels: block Fmt::kWideOrder[p] at position p; side: 8 lanes
-// of d per position, so that pair k of positions has its 16 lanes at side + 16k).
+// What the kernels share: W rows of super-blocks, x quantized per super-block, side data per
+// super-block: the x scale, then Fmt::kSums offset sums. K is whole super-blocks: nothing for
+// rest(). Two layouts of x: natural (WIDE false: the AVX2 and portable kernels) and WideX (WIDE
+// true, the 512-bit kernels: run Fmt::kWideOrder[p] of 32 codes at position p).
 template <typename Fmt, bool WIDE>
 struct Base {
   using X = int8_t;
-  static constexpr int64_t kLanesPerBlock = WIDE ? 8 : 1, kScaleFloats = kXBlocks * kLanesPerBlock;
-  static constexpr int64_t kXPerChunk = kSuper, kSidePerChunk = kScaleFloats + Fmt::kSums;
+  static constexpr int64_t kXPerChunk = kSuper, kSidePerChunk = kSumsAt + Fmt::kSums;
   static constexpr int kMaxXBlock = 4;
   static constexpr int64_t slab_bytes(int) { return 0; }  // one pass over K (chunk_driver.h)
   const uint8_t* blocks;
@@ -314,14 +310,13 @@ struct Base {
   void prepare_row(const float* x, X* xc, float* side, float*) const {
     for (int64_t c = 0; c < chunks; ++c) {
       int8_t q[kSuper];
-      float d[kXBlocks];
       float* sd = side + c * kSidePerChunk;
-      for (int b = 0; b < kXBlocks; ++b) d[b] = quantize_block(x + c * kSuper + b * kBlock, q + b * kBlock);
-      Fmt::sums(q, d, sd + kScaleFloats);
-      for (int p = 0; p < kXBlocks; ++p) {
+      const float d = quantize_block(x + c * kSuper, q, kSuper);
+      sd[0] = d;
+      for (int s = 0; s < Fmt::kSums; ++s) sd[kSumsAt + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, Fmt::kSub)));
+      for (int p = 0; p < kRuns; ++p) {
         const int b = WIDE ? Fmt::kWideOrder[p] : p;
         std::memcpy(xc + c * kSuper + p * kBlock, q + b * kBlock, kBlock);
-        for (int l = 0; l < kLanesPerBlock; ++l) sd[p * kLanesPerBlock + l] = d[b];
       }
     }
   }

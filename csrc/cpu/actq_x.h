@@ -1,5 +1,7 @@
-// The activation quantizer of the int8-activation qmm (actq_qmm.cpp): x cut into blocks of 32
-// along K, each block stored as int8 codes and one float32 scale, as llama.cpp's Q8_0 activations.
+// The activation quantizer of the int8-activation qmm: x cut into blocks along K, each block
+// stored as int8 codes and one float32 scale: blocks of 32 for the affine formats (actq_qmm.cpp),
+// as llama.cpp's Q8_0 activations, and of one GGUF super-block, 256, for Q4_K / Q6_K
+// (actq_gguf.cpp), as its Q8_K ones.
 // Portable C++ (no intrinsics): every ISA variant of the kernels quantizes x the same way, so they
 // differ only in how the integer dot products are formed, never in the codes.
 #pragma once
@@ -11,27 +13,27 @@ namespace torch_qmm {
 namespace cpu {
 namespace actq {
 
-constexpr int kBlock = 32;  // x values per scale
+constexpr int kBlock = 32;  // x values per scale (affine)
 
 // q[i] = x[i] / d rounded to nearest (ties to even; the default rounding mode), d = max|x| / 127,
-// both computed in float32, so |x[i] - q[i] * d| <= d / 2 + |x[i]| * 2^-24. Returns d; a block
-// whose d is 0 (all zeros, or max|x| below 127 * 2^-149, where d underflows) gets q = 0 and d = 0.
-// x must be finite (the op sends other x to the exact kernels).
-inline float quantize_block(const float* x, int8_t* q) {
+// both computed in float32, so |x[i] - q[i] * d| <= d / 2 + |x[i]| * 2^-24, for the n values of a
+// block. Returns d; a block whose d is 0 (all zeros, or max|x| below 127 * 2^-149, where d
+// underflows) gets q = 0 and d = 0. x must be finite (the op sends other x to the exact kernels).
+inline float quantize_block(const float* x, int8_t* q, int n = kBlock) {
   float amax = 0.0f;
-  for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
   const float d = amax / 127.0f;
-  for (int i = 0; i < kBlock; ++i) {
+  for (int i = 0; i < n; ++i) {
     const float v = d > 0.0f ? std::nearbyint(x[i] / d) : 0.0f;
     q[i] = int8_t(std::fmin(std::fmax(v, -127.0f), 127.0f));
   }
   return d > 0.0f ? d : 0.0f;
 }
 
-// The sum of a block's codes (|sum| <= 32 * 127: exact in int32 and in float32).
-inline int32_t block_sum(const int8_t* q) {
+// The sum of n codes (|sum| <= n * 127: exact in int32, and in float32 for n <= 2^17).
+inline int32_t block_sum(const int8_t* q, int n = kBlock) {
   int32_t s = 0;
-  for (int i = 0; i < kBlock; ++i) s += q[i];
+  for (int i = 0; i < n; ++i) s += q[i];
   return s;
 }
 
