@@ -37,6 +37,9 @@ TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 # Environment switches a case may set: float32-only kernels; the AVX-512 float32 chunk kernels
 # stepped aside (the AVX2 ones then serve, as on CPUs without AVX-512).
 NO_BF16, NO_F32 = "TORCH_QMM_CPU_NO_BF16", "TORCH_QMM_CPU_NO_F32_CHUNKS"
+# The route order of Intel cores (the float32 multipliers before the bfloat16 ones for 16-bit x),
+# forced so that every CPU checks both orders.
+FMA_FIRST = "TORCH_QMM_CPU_FMA_FIRST"
 
 
 def chunk_codes(bits: int) -> int:
@@ -76,6 +79,11 @@ def _cases():
             # Past the AVX-512 chunk, with the AVX-512 float32 kernels stepped aside.
             for M in (1, 3, GEMM_MIN_ROWS - 1):
                 cases.append((bits, 32, dtype, True, M, 37, k_main, NO_F32))
+        # Intel's order for 16-bit x: the float32 kernel up to its last row, then its bits stay
+        # off the bfloat16 kernels (the fused or GEMM route takes the call).
+        if bits in F32_MAX_ROWS and dtype != torch.float32:
+            for M in (1, F32_MAX_ROWS[bits], F32_MAX_ROWS[bits] + 1):
+                cases.append((bits, 32, dtype, True, M, 37, k_main, FMA_FIRST))
         # The fused tile: float32-only kernels (TORCH_QMM_CPU_NO_BF16=1), M >= 3 walks K in
         # 1024-code chunks: K at and across one chunk, 4-row blocks and their tails.
         for M, K in ((3, 1056), (5, 1024), (7, 2080)):
@@ -95,13 +103,13 @@ CASES = _cases()
 def _id(c):
     bits, gs, dtype, transpose, M, N, K, switch = c
     return (f"b{bits}-gs{gs}-{str(dtype).split('.')[1]}-{'T' if transpose else 'N'}-M{M}-N{N}-K{K}"
-            + {None: "", NO_BF16: "-nobf16", NO_F32: "-nof32"}[switch])
+            + {None: "", NO_BF16: "-nobf16", NO_F32: "-nof32", FMA_FIRST: "-fmafirst"}[switch])
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_cpu_route_is_exact_at_its_boundaries(case, monkeypatch):
     bits, gs, dtype, transpose, M, N, K, switch = case
-    for name in (NO_BF16, NO_F32):
+    for name in (NO_BF16, NO_F32, FMA_FIRST):
         monkeypatch.delenv(name, raising=False)
     if switch:
         monkeypatch.setenv(switch, "1")
@@ -152,7 +160,7 @@ def test_cpu_route_sums_sparse_x_within_a_few_roundings(case, monkeypatch):
     from torch_qmm import reference
 
     bits, gs, dtype, transpose, M, N, K, switch = case
-    for name in (NO_BF16, NO_F32):
+    for name in (NO_BF16, NO_F32, FMA_FIRST):
         monkeypatch.delenv(name, raising=False)
     if switch:
         monkeypatch.setenv(switch, "1")
