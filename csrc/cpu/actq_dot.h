@@ -23,6 +23,18 @@ constexpr const char* kDotIsa = "avxvnni";
 constexpr const char* kDotIsa = "avx2";
 #endif
 
+// acc[l] + p[2l] * c[2l] + p[2l + 1] * c[2l + 1] (signed int16 pairs into int32): vpdpwssd where
+// the CPU has VNNI, else vpmaddwd and an add (the same integers while no sum passes 2^31).
+__attribute__((always_inline)) inline __m256i dot2_16(__m256i acc, __m256i p, __m256i c) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, p, c);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, p, c);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, c));
+#endif
+}
+
 // acc[l] + sum over i < 4 of u[4l + i] * s[4l + i] (u unsigned, s signed).
 __attribute__((always_inline)) inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -30,7 +42,7 @@ __attribute__((always_inline)) inline __m256i dot4(__m256i acc, __m256i u, __m25
 #elif defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  return dot2_16(acc, _mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
 
@@ -45,17 +57,6 @@ __attribute__((always_inline)) inline __m256i dot4x2(__m256i u0, __m256i s0, __m
 #endif
 }
 
-// acc[l] + p[2l] * c[2l] + p[2l + 1] * c[2l + 1] (signed int16 pairs into int32): vpdpwssd where
-// the CPU has VNNI, else vpmaddwd and an add (the same integers while no sum passes 2^31).
-__attribute__((always_inline)) inline __m256i dot2_16(__m256i acc, __m256i p, __m256i c) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, p, c);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, p, c);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, c));
-#endif
-}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // dot2_16 on 512 bits (vpdpwssd zmm with AVX512_VNNI).

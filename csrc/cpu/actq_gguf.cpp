@@ -313,7 +313,8 @@ struct Base {
       float* sd = side + c * kSidePerChunk;
       const float d = quantize_block(x + c * kSuper, q, kSuper);
       sd[0] = d;
-      for (int s = 0; s < Fmt::kSums; ++s) sd[kSumsAt + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, Fmt::kSub)));
+      for (int s = 0; s < Fmt::kSums; ++s)
+        sd[kSumsAt + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, Fmt::kSub)));
       for (int p = 0; p < kRuns; ++p) {
         const int b = WIDE ? Fmt::kWideOrder[p] : p;
         std::memcpy(xc + c * kSuper + p * kBlock, q + b * kBlock, kBlock);
