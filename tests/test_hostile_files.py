@@ -448,6 +448,87 @@ def test_inspect_sorts_layers_naturally(tmp_path, capsys):
         [f"blk.{i}.w" for i in (0, 1, 2, 10, 11)]
 
 
+def _verify_gguf(tmp_path, name: str, poison) -> Path:
+    """A GGUF of one tensor of each family (Q8_0, Q4_K, Q6_K, F16, F32) with `poison(name, blocks)`
+    applied to the raw array of tensor `name` (None: all valid)."""
+    from gguf_helpers import random_k_blocks, write_gguf
+
+    rng = np.random.default_rng(5)
+    arrays = {
+        "q8.weight": (quants_q8_0(rng.standard_normal((8, 64)).astype(np.float32)), T.Q8_0),
+        "q4k.weight": (random_k_blocks(T.Q4_K, 6, 512, rng), T.Q4_K),
+        "q6k.weight": (random_k_blocks(T.Q6_K, 6, 256, rng), T.Q6_K),
+        "f16.weight": (rng.standard_normal((4, 32)).astype(np.float16).view(np.uint8), T.F16),
+        "norm.weight": (rng.standard_normal(32).astype(np.float32), None),
+    }
+    if name is not None:
+        poison(name, arrays[name][0])
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(path, arrays)
+    return path
+
+
+def quants_q8_0(w: np.ndarray) -> np.ndarray:
+    from gguf import quants
+
+    return quants.quantize(w, T.Q8_0)
+
+
+NAN_F16 = np.array([np.nan], "<f2").view(np.uint8)
+
+
+@pytest.mark.parametrize("name, poison, what", [
+    ("q8.weight", lambda n, a: a.__setitem__((7, slice(34 + 0, 34 + 2)), NAN_F16), "block scales"),  # row 7, block 1 d
+    ("q4k.weight", lambda n, a: a.__setitem__((5, slice(144 + 2, 144 + 4)), NAN_F16), "block scales"),  # dmin
+    ("q6k.weight", lambda n, a: a.__setitem__((3, slice(208, 210)), NAN_F16), "block scales"),
+    ("f16.weight", lambda n, a: a.__setitem__((3, slice(62, 64)), np.array([np.inf], "<f2").view(np.uint8)), "values"),
+    ("norm.weight", lambda n, a: a.__setitem__(31, np.nan), "values"),
+])
+def test_inspect_verify_finds_gguf_values_that_are_not_finite(tmp_path, capsys, name, poison, what):
+    """Headers alone cannot see a NaN scale; --verify decodes every tensor (the last row poisoned,
+    so a check that stops early or skips a slice passes it) and names the tensor."""
+    path = _verify_gguf(tmp_path, name, poison)
+    assert main(["inspect", str(path)]) == 0  # the header is valid
+    capsys.readouterr()
+    assert main(["inspect", str(path), "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert f"tensor {name!r}" in err and f"NaN or Inf {what}" in err and str(path) in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_inspect_verify_passes_a_valid_gguf_and_bounds_each_slice(tmp_path, capsys, monkeypatch):
+    from torch_qmm.interop import gguf as gguf_module
+
+    path = _verify_gguf(tmp_path, None, None)
+    assert main(["inspect", str(path), "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["info"]["verified"] == 5
+    # one row per slice: a NaN in the last row of each tensor is still found
+    seen = []
+    real = gguf_module.gguf_quants.dequantize
+    monkeypatch.setattr(gguf_module.gguf_quants, "dequantize", lambda a, t: seen.append(a.shape[0]) or real(a, t))
+    poisoned = _verify_gguf(tmp_path, "q4k.weight", lambda n, a: a.__setitem__((5, slice(0, 2)), NAN_F16))
+    with pytest.raises(GGUFFormatError, match="'q4k.weight'"):
+        gguf_module.check_finite(GGUFFile(poisoned).tensors["q4k.weight"], slice_bytes=1)
+    assert seen == [1] * 6
+
+
+def test_inspect_verify_finds_safetensors_values_that_are_not_finite(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    scales = torch.ones(300, 4, dtype=torch.bfloat16)
+    good = {"l.weight": torch.zeros(300, 2, dtype=torch.int32), "l.scales": scales, "l.biases": scales.clone()}
+    save_file(good, str(tmp_path / "good.safetensors"))
+    assert main(["inspect", str(tmp_path / "good.safetensors"), "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["info"]["verified"] == 2  # the codes are not float
+    scales[299, 3] = float("nan")
+    save_file({**good, "l.scales": scales}, str(tmp_path / "bad.safetensors"))
+    assert main(["inspect", str(tmp_path / "bad.safetensors")]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "bad.safetensors"), "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert "bad.safetensors: tensor 'l.scales' (BF16) holds NaN or Inf" in err and len(err.splitlines()) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # The fuzz: a few hundred mutants in a fresh process, bounded in time and memory.
 

@@ -23,7 +23,9 @@ FILE: a .gguf file, a .safetensors file, or a model folder (MLX, torch_qmm/trans
 A layer saved from torch_qmm's modules (save_pretrained, or a state_dict written with safetensors)
 shows the format its `_extra_state` tensor holds (noting where config.json says otherwise).
 Nothing is loaded beyond headers (GGUF tensor infos, safetensors headers, config.json) and those
-few-byte format tensors, and each is checked first: a corrupt file is an error naming it."""
+few-byte format tensors, and each is checked first: a corrupt file is an error naming it.
+--verify also reads every tensor's data, a slice of rows at a time, and fails (exit code 1) naming
+the first tensor whose values or block scales are not finite."""
 
 _INTEGER_DTYPES = ("I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64")
 
@@ -31,6 +33,8 @@ _INTEGER_DTYPES = ("I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, help=".gguf file, .safetensors file or model folder")
     parser.add_argument("--json", action="store_true", help="print the table as JSON instead of text")
+    parser.add_argument("--verify", action="store_true",
+                        help="also read every tensor and check that its values / block scales are finite")
 
 
 def natural_key(name: str) -> tuple:
@@ -42,13 +46,29 @@ def _join(layer: str, leaf: str) -> str:
     return f"{layer}.{leaf}" if layer else leaf
 
 
-def _rows_gguf(path: Path) -> tuple[list[dict], dict]:
-    from .gguf import GGUFFile
+def _rows_gguf(path: Path, verify: bool) -> tuple[list[dict], dict]:
+    from .gguf import GGUFFile, check_finite
 
     f = GGUFFile(path)
-    rows = [{"layer": t.name, "format": t.type_name, "shape": list(t.shape), "bytes": t.nbytes}
-            for t in sorted(f.tensors.values(), key=lambda t: natural_key(t.name))]
-    return rows, {"container": "gguf", "architecture": f.architecture}
+    tensors = sorted(f.tensors.values(), key=lambda t: natural_key(t.name))
+    rows = [{"layer": t.name, "format": t.type_name, "shape": list(t.shape), "bytes": t.nbytes} for t in tensors]
+    info = {"container": "gguf", "architecture": f.architecture}
+    if verify:
+        info.update(_verified([(t.name, t.type_name, check_finite(t)) for t in tensors]))
+    return rows, info
+
+
+def _verified(results: list[tuple[str, str, bool]]) -> dict:
+    """The report of --verify: how many tensors were checked finite and which were not decodable
+    (by type); a tensor that is not finite raised before this."""
+    skipped = defaultdict(int)
+    for _, kind, checked in results:
+        if not checked:
+            skipped[kind] += 1
+    report = {"verified": sum(checked for *_, checked in results)}
+    if skipped:
+        report["not verified"] = ", ".join(f"{count} {kind}" for kind, count in sorted(skipped.items()))
+    return report
 
 
 def _saved_format(ckpt, key: str) -> tuple:
@@ -99,7 +119,7 @@ def _torch_qmm_quantization(qc: dict, where: str):
     return parse_quantization({"quantization": {**top, **layers}}, where)
 
 
-def _rows_safetensors(path: Path) -> tuple[list[dict], dict]:
+def _rows_safetensors(path: Path, verify: bool) -> tuple[list[dict], dict]:
     from .safetensors_io import Checkpoint
 
     ckpt = Checkpoint(path)
@@ -149,6 +169,10 @@ def _rows_safetensors(path: Path) -> tuple[list[dict], dict]:
                 key = _join(layer, leaf)
                 rows.append({"layer": key, "format": ckpt.dtype_name(key), "shape": list(ckpt.shape(key)),
                              "bytes": ckpt.nbytes(key)})
+    if verify:  # floating tensors only: codes of any value are valid
+        info.update(_verified([(key, ckpt.dtype_name(key), ckpt.check_finite(key))
+                               for key in sorted(ckpt.keys(), key=natural_key)]))
+        info.pop("not verified", None)
     return rows, info
 
 
@@ -157,9 +181,9 @@ def run(args: argparse.Namespace) -> int:
     if not path.exists():
         raise UsageError(f"{path} does not exist")
     if path.is_file() and path.suffix == ".gguf":
-        rows, info = _rows_gguf(path)
+        rows, info = _rows_gguf(path, args.verify)
     else:
-        rows, info = _rows_safetensors(path)
+        rows, info = _rows_safetensors(path, args.verify)
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for r in rows:
         kind = r["format"].split(" (")[0]

@@ -10,6 +10,7 @@ Layout (safetensors spec): u64 little-endian header length n, n bytes of JSON
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -31,6 +32,7 @@ _ITEMSIZE = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }
+_FLOAT_DTYPES = {name: size for name, size in _ITEMSIZE.items() if name.startswith(("F", "BF"))}
 # Refuse absurd headers before reading them (the reference implementation caps at 100 MB too).
 _MAX_HEADER_BYTES = 100 * 2**20
 
@@ -181,6 +183,27 @@ class Checkpoint:
                 return f.get_tensor(name)
         except SafetensorError as e:  # what our header checks do not cover (file changed since?)
             raise ValueError(f"{file}: tensor {name!r}: {e}") from None
+
+    def check_finite(self, name: str, slice_bytes: int = 64 << 20) -> bool:
+        """Reads a floating tensor a slice of rows at a time (at most about `slice_bytes` each)
+        and raises ValueError naming the file and tensor at the first value that is not finite.
+        Returns False, reading nothing, for an integer or bool tensor."""
+        file, shape = self.where[name], self.shape(name)
+        if self.dtype_name(name) not in _FLOAT_DTYPES:
+            return False
+        per_row = max(1, math.prod(shape[1:])) * _FLOAT_DTYPES[self.dtype_name(name)]
+        step = max(1, slice_bytes // per_row)
+        try:
+            with safe_open(file, framework="pt") as f:
+                view = f.get_slice(name)
+                for r in range(0, shape[0] if shape else 1, step):
+                    part = view[r:r + step] if shape else view[:]
+                    if not torch.isfinite(part.float() if part.element_size() == 1 else part).all():
+                        raise ValueError(f"{file}: tensor {name!r} ({self.dtype_name(name)}) holds NaN or Inf: "
+                                         "the file is corrupt (a model's weights, scales and biases are finite)")
+        except SafetensorError as e:
+            raise ValueError(f"{file}: tensor {name!r}: {e}") from None
+        return True
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.headers:
