@@ -171,7 +171,26 @@ struct Zmm {
 template <typename V>
 struct U4Codes {
   static constexpr int kBits = 4, kShift = 0, kBytes = V::kBytes, kCodes = 2 * kBytes;
-  static int32_t code_at(const uint8_t* row, int64_t k) { return (row[k / 2] >> (4 * (k % 2))) & 15; }
+  // A block of 32 codes past the last whole chunk (rest()): x as floats in the nibbles' order
+  // (x[2i] at i, x[2i + 1] at 16 + i), and the block's dot product with the 16 bytes at p, in
+  // float32 lanes (exact: |sum| <= 32 * 15 * 127 < 2^24).
+  static void place_tail(const int8_t* q, float* xt) {
+    for (int i = 0; i < 16; ++i) {
+      xt[i] = float(q[2 * i]);
+      xt[16 + i] = float(q[2 * i + 1]);
+    }
+  }
+  __attribute__((always_inline)) static inline float tail_dot(const uint8_t* p, const float* xt) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    auto eight = [&](__m128i codes, int i, __m256 acc) __attribute__((always_inline)) {
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), _mm256_loadu_ps(xt + i), acc);
+    };
+    __m256 a = eight(lo, 0, _mm256_setzero_ps()), b = eight(hi, 16, _mm256_setzero_ps());
+    a = eight(_mm_srli_si128(lo, 8), 8, a);
+    b = eight(_mm_srli_si128(hi, 8), 24, b);
+    return hsum(_mm256_add_ps(a, b));
+  }
   static void place(int64_t b, const int8_t* q, int8_t* xc) {
     constexpr int kBlocksPerChunk = kBytes / 16;
     int8_t* chunk = xc + (b / kBlocksPerChunk) * kCodes + (b % kBlocksPerChunk) * 16;
@@ -231,7 +250,20 @@ struct U4Codes {
 template <typename V>
 struct U8Codes {
   static constexpr int kBits = 8, kShift = -128, kBytes = V::kBytes, kCodes = kBytes;
-  static int32_t code_at(const uint8_t* row, int64_t k) { return row[k]; }
+  // A block of 32 codes past the last whole chunk (rest()): x as floats in natural order, and the
+  // block's dot product (q - 128) . x with the 32 bytes at p (exact: |sum| <= 32 * 128 * 127 < 2^24).
+  static void place_tail(const int8_t* q, float* xt) {
+    for (int i = 0; i < kBlock; ++i) xt[i] = float(q[i]);
+  }
+  __attribute__((always_inline)) static inline float tail_dot(const uint8_t* p, const float* xt) {
+    __m256 a = _mm256_setzero_ps();
+    for (int i = 0; i < kBlock; i += 8) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i));
+      const __m256i c = _mm256_add_epi32(_mm256_cvtepu8_epi32(q), _mm256_set1_epi32(kShift));
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_loadu_ps(xt + i), a);
+    }
+    return hsum(a);
+  }
   static void place(int64_t b, const int8_t* q, int8_t* xc) {
     for (int i = 0; i < kBlock; ++i) xc[b * kBlock + i] = q[i];
   }
@@ -328,7 +360,7 @@ float offset_sum(const T* b, const T* s, const float* xs, int64_t n) {
 // The kernel for codes C (4-bit or 8-bit, of one vector width), group size G, scales in T: per
 // chunk and row of W, the int32 dot products with each row of x, converted and multiplied by
 // (weight scale * x scale) per lane. rest(): the K tail past the last whole chunk (whole blocks of
-// 32, in integers) and the offsets, sum_g (b_g - kShift * s_g) * X_g.
+// 32, C::tail_dot) and the offsets, sum_g (b_g - kShift * s_g) * X_g.
 template <typename C, int G, typename T>
 struct DotKernel {
   using V = std::conditional_t<C::kBytes == 32, Ymm,
@@ -361,7 +393,7 @@ struct DotKernel {
         x, a.K, G, rest,
         [&](int64_t b, const int8_t* q) {
           if (b < whole) return C::place(b, q, xc);
-          for (int i = 0; i < kBlock; ++i) rest[groups + (b - whole) * kBlock + i] = float(q[i]);
+          C::place_tail(q, rest + groups + (b - whole) * kBlock);
         },
         [&](int64_t b, float d) {
           if (b < whole) return C::side(b, d, side);
@@ -395,11 +427,9 @@ struct DotKernel {
     float t = 0.0f;
     const int64_t k0 = chunks * C::kCodes;
     for (int64_t tb = 0; tb < tail / kBlock; ++tb) {
-      const float* q = rest + groups + tb * kBlock;
       const int64_t k = k0 + tb * kBlock;
-      int32_t dot = 0;
-      for (int i = 0; i < kBlock; ++i) dot += (C::code_at(row(n), k + i) + C::kShift) * int32_t(q[i]);
-      t += float(dot) * (w.scale(n * groups + k / G) * rest[groups + tail + tb]);
+      const float dot = C::tail_dot(row(n) + k * C::kBits / 8, rest + groups + tb * kBlock);
+      t += dot * (w.scale(n * groups + k / G) * rest[groups + tail + tb]);
     }
     return t + offset_sum<C::kShift>(w.biases + n * groups, w.scales + n * groups, rest, groups);
   }
