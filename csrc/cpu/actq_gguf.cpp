@@ -68,6 +68,7 @@ struct Q4K {
   static constexpr int kSub = 32;  // weights per sub-block, each with its offset sum X_s
   static constexpr float offset_factor = 1.0f;
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+  static constexpr int kWideRowsAtOne = 4;  // W rows per 512-bit tile at one row of x (VecKernel)
   // The 512-bit layout of x (WideX): the sub-blocks in the order 64 bytes of qs bring them, low
   // nibbles then high ones: bytes 0-63 hold sub-blocks 0, 2 (low) and 1, 3 (high), 64-127 4, 6, 5, 7.
   static constexpr int kWideOrder[kRuns] = {0, 2, 1, 3, 4, 6, 5, 7};
@@ -181,6 +182,7 @@ struct Q4K {
 struct Q6K {
   static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208, kSums = 16;
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+  static constexpr int kWideRowsAtOne = 8;
   // 64 bytes of ql (half h) hold x runs 4h, 4h + 1 (low nibbles) and 4h + 2, 4h + 3 (high):
   // the natural order.
   static constexpr int kWideOrder[kRuns] = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -355,9 +357,11 @@ template <typename Fmt, bool WIDE>
 struct VecKernel : Base<Fmt, WIDE> {
   using Acc = std::conditional_t<WIDE, __m512, __m256>;
   using Base<Fmt, WIDE>::Base;
-  // 512 bits: 4 W rows per tile at one row of x (more rows of W in flight where the call streams
-  // W once; Zen 4, 4096 x 14336: Q4_K M=1 1.45-2.02 -> 1.27-1.41 ms over 4 processes each), 2 above.
-  static constexpr int tile_rows(int mb) { return WIDE ? (mb == 1 ? 4 : 2) : Fmt::tile_rows(mb); }
+  // 512 bits: Fmt::kWideRowsAtOne W rows per tile at one row of x (more rows of W in flight where
+  // the call streams W once; Zen 4, 4096 x 14336, against 2 rows: Q4_K 4 rows, 1.45-2.02 -> 1.27-1.41
+  // ms over 4 processes each; against 4 rows, medians of 5 alternating processes: Q6_K 8 rows,
+  // 1.31 -> 1.17 ms, Q4_K no faster), 2 above.
+  static constexpr int tile_rows(int mb) { return WIDE ? (mb == 1 ? Fmt::kWideRowsAtOne : 2) : Fmt::tile_rows(mb); }
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t c,
                                                    const int8_t* const (&xc)[MB], const float* const (&side)[MB],
