@@ -715,3 +715,12 @@ def test_a_destination_that_is_a_file_or_a_link_is_refused(hf_folder, tmp_path, 
         assert main(["convert", str(hf_folder), str(tmp_path / dst), "--overwrite"]) == 2
         assert f"destination {tmp_path / dst} exists and is not a folder" in capsys.readouterr().err
     assert (tmp_path / "out").read_text() == "mine" and not (tmp_path / "elsewhere").exists()
+
+
+def test_a_destination_that_cannot_be_created_is_named_as_given(hf_folder, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("mine")
+    dst = tmp_path / "a-file" / "deeper" / "out"  # its parent folders cannot exist: one is a file
+    assert main(["convert", str(hf_folder), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert f"destination {dst}: cannot create a folder there" in err and ".partial-" not in err, err
+    assert len(err.splitlines()) == 1 and (tmp_path / "a-file").read_text() == "mine"

@@ -217,6 +217,17 @@ def test_structurally_corrupt_gguf_is_refused_naming_the_file(llama_gguf, tmp_pa
         assert "corrupt" in str(e.value) and "float32" not in str(e.value)  # no dtype advice for a bad file
 
 
+@pytest.mark.parametrize("name", ["NaN block scale (Q8_0)", "Inf block scale (Q4_K)"])
+def test_a_bad_scale_in_a_row_permuted_tensor_names_the_file(llama_gguf, tmp_path, capsys, name):
+    """attn_k / attn_q: loading reorders their rows (llama.cpp's permutation undone) before the
+    check, and the reordered tensor must still name the file."""
+    bad = _mutated(llama_gguf, structural_gguf_mutants(llama_gguf)[name], tmp_path / "bad.gguf")
+    assert main(["convert", str(bad), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}: tensor 'blk." in err and "corrupt" in err and "<memory>" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_gguf_with_another_power_of_two_alignment_is_read(llama_gguf, tmp_path):
     """llama.cpp accepts any power of two; a file written with alignment 64 reads the same tensors."""
     r = GGUFReader(llama_gguf)

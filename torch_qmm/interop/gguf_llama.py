@@ -257,7 +257,7 @@ def _special_token_ids(f: GGUFFile, vocab_size: int) -> dict[str, int | None]:
 
 
 def _rows_permuted(t: GGUFTensor, perm: torch.Tensor) -> GGUFTensor:
-    return GGUFTensor(t.name, t.ggml_type, t.shape, t.raw[perm.numpy()])
+    return GGUFTensor(t.name, t.ggml_type, t.shape, t.raw[perm.numpy()], t.source)
 
 
 def load_gguf_llama(

@@ -44,8 +44,12 @@ def staged_output(dst: Path) -> Iterator[Path]:
     """Yields a new empty folder next to `dst`; on success it becomes `dst` (replacing an existing
     one); on any error it is removed, with the parent folders created for it, and `dst` is untouched."""
     created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    except OSError as e:  # named by the destination asked for, not by the temporary folder's name
+        _remove_empty(created)
+        raise OSError(f"destination {dst}: cannot create a folder there ({e.strerror or e})") from None
     umask = current_umask()
     tmp.chmod(0o777 & ~umask)
     try:
@@ -60,10 +64,15 @@ def staged_output(dst: Path) -> Iterator[Path]:
             os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for p in created:  # innermost first; only if still empty
-            with contextlib.suppress(OSError):
-                p.rmdir()
+        _remove_empty(created)
         raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Removes the folders this run created for the output, innermost first, each only if empty."""
+    for p in folders:
+        with contextlib.suppress(OSError):
+            p.rmdir()
 
 
 def current_umask() -> int:
