@@ -523,6 +523,23 @@ def test_inspect_verify_passes_a_valid_gguf_and_bounds_each_slice(tmp_path, caps
     assert seen == [1] * 6
 
 
+def test_inspect_verify_says_which_tensors_it_could_not_decode(tmp_path, capsys, monkeypatch):
+    """A type the gguf package has no decoder for is reported as not verified, never as verified."""
+    from torch_qmm.interop import gguf as gguf_module
+
+    real = gguf_module.gguf_quants.dequantize
+
+    def no_k_quants(a, t):
+        if t in (T.Q4_K, T.Q6_K):
+            raise NotImplementedError(f"Dequantization for {t.name} is not yet implemented")
+        return real(a, t)
+
+    monkeypatch.setattr(gguf_module.gguf_quants, "dequantize", no_k_quants)
+    assert main(["inspect", str(_verify_gguf(tmp_path, None, None)), "--verify", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["info"]
+    assert info["verified"] == 3 and info["not verified"] == "1 Q4_K, 1 Q6_K"
+
+
 def test_inspect_verify_finds_safetensors_values_that_are_not_finite(tmp_path, capsys):
     from safetensors.torch import save_file
 
