@@ -519,7 +519,7 @@ def test_inspect_verify_passes_a_valid_gguf_and_bounds_each_slice(tmp_path, caps
     monkeypatch.setattr(gguf_module.gguf_quants, "dequantize", lambda a, t: seen.append(a.shape[0]) or real(a, t))
     poisoned = _verify_gguf(tmp_path, "q4k.weight", lambda n, a: a.__setitem__((5, slice(0, 2)), NAN_F16))
     with pytest.raises(GGUFFormatError, match="'q4k.weight'"):
-        gguf_module.check_finite(GGUFFile(poisoned).tensors["q4k.weight"], slice_bytes=1)
+        gguf_module.check_finite(GGUFFile(poisoned).tensors["q4k.weight"], 1)
     assert seen == [1] * 6
 
 

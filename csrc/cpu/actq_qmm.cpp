@@ -171,6 +171,7 @@ struct Zmm {
 template <typename V>
 struct U4Codes {
   static constexpr int kBits = 4, kShift = 0, kBytes = V::kBytes, kCodes = 2 * kBytes;
+  static constexpr bool kHasTail = true;  // one block of 32 where K % kCodes == 32
   // A block of 32 codes past the last whole chunk (rest()): x as floats in the nibbles' order
   // (x[2i] at i, x[2i + 1] at 16 + i), and the block's dot product with the 16 bytes at p, in
   // float32 lanes (exact: |sum| <= 32 * 15 * 127 < 2^24).
@@ -250,20 +251,9 @@ struct U4Codes {
 template <typename V>
 struct U8Codes {
   static constexpr int kBits = 8, kShift = -128, kBytes = V::kBytes, kCodes = kBytes;
-  // A block of 32 codes past the last whole chunk (rest()): x as floats in natural order, and the
-  // block's dot product (q - 128) . x with the 32 bytes at p (exact: |sum| <= 32 * 128 * 127 < 2^24).
-  static void place_tail(const int8_t* q, float* xt) {
-    for (int i = 0; i < kBlock; ++i) xt[i] = float(q[i]);
-  }
-  __attribute__((always_inline)) static inline float tail_dot(const uint8_t* p, const float* xt) {
-    __m256 a = _mm256_setzero_ps();
-    for (int i = 0; i < kBlock; i += 8) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i));
-      const __m256i c = _mm256_add_epi32(_mm256_cvtepu8_epi32(q), _mm256_set1_epi32(kShift));
-      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_loadu_ps(xt + i), a);
-    }
-    return hsum(a);
-  }
+  // No K tail: a chunk is one or two blocks of 32, and vector_width takes 512-bit chunks only for
+  // an even number of blocks, so K (whole blocks) leaves nothing past the last chunk.
+  static constexpr bool kHasTail = false;
   static void place(int64_t b, const int8_t* q, int8_t* xc) {
     for (int i = 0; i < kBlock; ++i) xc[b * kBlock + i] = q[i];
   }
@@ -399,7 +389,7 @@ struct DotKernel {
         x, a.K, G, rest,
         [&](int64_t b, const int8_t* q) {
           if (b < whole) return C::place(b, q, xc);
-          C::place_tail(q, rest + groups + (b - whole) * kBlock);
+          if constexpr (C::kHasTail) C::place_tail(q, rest + groups + (b - whole) * kBlock);
         },
         [&](int64_t b, float d) {
           if (b < whole) return C::side(b, d, side);
@@ -431,11 +421,12 @@ struct DotKernel {
   static float reduce(Acc v) { return V::reduce(v); }
   float rest(int64_t n, const float* rest) const {
     float t = 0.0f;
-    const int64_t k0 = chunks * C::kCodes;
-    for (int64_t tb = 0; tb < tail / kBlock; ++tb) {
-      const int64_t k = k0 + tb * kBlock;
-      const float dot = C::tail_dot(row(n) + k * C::kBits / 8, rest + groups + tb * kBlock);
-      t += dot * (w.scale(n * groups + k / G) * rest[groups + tail + tb]);
+    if constexpr (C::kHasTail) {
+      for (int64_t tb = 0; tb < tail / kBlock; ++tb) {
+        const int64_t k = chunks * C::kCodes + tb * kBlock;
+        const float dot = C::tail_dot(row(n) + k * C::kBits / 8, rest + groups + tb * kBlock);
+        t += dot * (w.scale(n * groups + k / G) * rest[groups + tail + tb]);
+      }
     }
     return t + offset_sum<C::kShift>(w.biases + n * groups, w.scales + n * groups, rest, groups);
   }

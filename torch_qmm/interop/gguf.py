@@ -54,8 +54,8 @@ from .gguf_header import GGUFFormatError, read_header
 from .gguf_header import value as metadata_value
 from .modules import GGUFLinear, QuantEmbedding
 
-__all__ = ["GGUFFile", "GGUFTensor", "check_finite", "dequantize", "to_affine", "affine_exact", "q4_k_to_affine", "to_blocks",
-           "linear_from_gguf"]
+__all__ = ["GGUFFile", "GGUFTensor", "check_finite", "dequantize", "to_affine", "affine_exact", "q4_k_to_affine",
+           "to_blocks", "linear_from_gguf"]
 
 Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles
 
@@ -153,10 +153,7 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
     return out
 
 
-VERIFY_SLICE_BYTES = 64 << 20  # float32 output per decoded slice of rows (check_finite)
-
-
-def check_finite(t: GGUFTensor, slice_bytes: int = VERIFY_SLICE_BYTES) -> bool:
+def check_finite(t: GGUFTensor, slice_bytes: int) -> bool:
     """Decodes `t` a slice of rows at a time (at most `slice_bytes` of float32 each, so memory
     stays bounded for any tensor) and raises GGUFFormatError at the first value that is not
     finite. Returns False, decoding nothing, for a type the gguf package cannot decode."""
@@ -167,14 +164,10 @@ def check_finite(t: GGUFTensor, slice_bytes: int = VERIFY_SLICE_BYTES) -> bool:
     rows, per_row = t.raw.shape[0], max(1, math.prod(t.shape[-1:]))
     step = max(1, slice_bytes // (4 * per_row))
     for r in range(0, rows, step):
-        part = np.ascontiguousarray(t.raw[r:r + step])
-        if t.ggml_type == BF16:  # Inf / NaN: every exponent bit set
-            finite = ((part.view("<u2") & 0x7F80) != 0x7F80).all()
-        else:
-            try:
-                finite = np.isfinite(gguf_quants.dequantize(part, qtype)).all()
-            except NotImplementedError:
-                return False
+        try:
+            finite = np.isfinite(gguf_quants.dequantize(np.ascontiguousarray(t.raw[r:r + step]), qtype)).all()
+        except NotImplementedError:
+            return False
         if not finite:
             raise _corrupt_values(t, "values" if t.ggml_type in FLOAT_TYPES else "block scales")
     return True

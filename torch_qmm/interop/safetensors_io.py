@@ -184,7 +184,7 @@ class Checkpoint:
         except SafetensorError as e:  # what our header checks do not cover (file changed since?)
             raise ValueError(f"{file}: tensor {name!r}: {e}") from None
 
-    def check_finite(self, name: str, slice_bytes: int = 64 << 20) -> bool:
+    def check_finite(self, name: str, slice_bytes: int) -> bool:
         """Reads a floating tensor a slice of rows at a time (at most about `slice_bytes` each)
         and raises ValueError naming the file and tensor at the first value that is not finite.
         Returns False, reading nothing, for an integer or bool tensor."""
