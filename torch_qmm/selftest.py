@@ -450,10 +450,10 @@ def _run_gguf(case: Case, runner: _Runner, gen, dtype, gguf_matmul) -> None:
     from gguf import GGMLQuantizationType
     from gguf import quants as gguf_quants
 
-    from .bench.kernels import _rand_gguf
+    from .bench.kernels import random_gguf_blocks
 
     tid = int(GGMLQuantizationType[case.ggml_type])
-    blocks = _rand_gguf(case.N, case.K, case.ggml_type, "cpu", gen)
+    blocks = random_gguf_blocks(case.N, case.K, case.ggml_type, "cpu", gen)
     w = torch.from_numpy(gguf_quants.dequantize(blocks.numpy(), GGMLQuantizationType(tid))).double()
     x = torch.randn(case.M, case.K, generator=gen).to(dtype)
     xd = x.double()

@@ -306,11 +306,11 @@ struct Base {
   static constexpr int kMaxXBlock = 4;
   static constexpr int64_t slab_bytes(int) { return 0; }  // one pass over K (chunk_driver.h)
   const uint8_t* blocks;
-  int64_t chunks, row_bytes, rest_floats = 0;
+  int64_t chunks, row_bytes, rest_floats = 0, part_chunks = 1;
   Base(const uint8_t* w, int64_t K) : blocks(w), chunks(K / kSuper), row_bytes(chunks * Fmt::kBlockBytes) {}
   const uint8_t* row(int64_t n) const { return blocks + n * row_bytes; }
-  void prepare_row(const float* x, X* xc, float* side, float*) const {
-    for (int64_t c = 0; c < chunks; ++c) {
+  void prepare_part(const float* x, int64_t c0, int64_t c1, X* xc, float* side, float*) const {
+    for (int64_t c = c0; c < c1; ++c) {
       int8_t q[kSuper];
       float* sd = side + c * kSidePerChunk;
       const float d = quantize_block(x + c * kSuper, q, kSuper);

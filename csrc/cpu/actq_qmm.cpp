@@ -63,13 +63,14 @@ struct Affine {
   float bias(int64_t i) const { return static_cast<float>(biases[i]); }
 };
 
-// One row of x quantized (actq_x.h) into a kernel's layout. place(b, q): block b's codes;
-// then rest[0 .. groups) = X_g. Returns nothing; the scales go through side(b, d).
+// Blocks [b0, b1) of one row of x quantized (actq_x.h) into a kernel's layout: place(b, q) takes
+// block b's codes, side(b, d) its scale, and xsum[g] = X_g for the groups of those blocks (b0
+// and b1 on group boundaries, so a group is summed by one call).
 template <typename Place, typename Side>
-void quantize_row(const float* x, int64_t K, int G, float* xsum, Place place, Side side) {
+void quantize_blocks(const float* x, int64_t b0, int64_t b1, int G, float* xsum, Place place, Side side) {
   int8_t q[kBlock];
-  for (int64_t g = 0; g < K / G; ++g) xsum[g] = 0.0f;
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+  for (int64_t g = b0 * kBlock / G; g < b1 * kBlock / G; ++g) xsum[g] = 0.0f;
+  for (int64_t b = b0; b < b1; ++b) {
     const float d = quantize_block(x + b * kBlock, q);
     place(b, q);
     side(b, d);
@@ -90,14 +91,14 @@ struct ScalarKernel {
 
   const QmmArgs& a;
   Affine<T> w;
-  int64_t chunks, row_bytes, groups, rest_floats;
+  int64_t chunks, row_bytes, groups, rest_floats, part_chunks = chunk::chunks_per_group(G, kBlock);
   ScalarKernel(const QmmArgs& args, Affine<T> wa)
       : a(args), w(wa), chunks(a.K / kBlock), row_bytes(a.K * a.bits / 8), groups(a.K / G), rest_floats(groups) {}
 
   const uint8_t* row(int64_t n) const { return a.wq + n * row_bytes; }
-  void prepare_row(const float* x, X* xc, float* side, float* rest) const {
-    quantize_row(
-        x, a.K, G, rest, [&](int64_t b, const int8_t* q) {
+  void prepare_part(const float* x, int64_t c0, int64_t c1, X* xc, float* side, float* rest) const {
+    quantize_blocks(
+        x, c0, c1, G, rest, [&](int64_t b, const int8_t* q) {
           for (int i = 0; i < kBlock; ++i) xc[b * kBlock + i] = q[i];
         },
         [&](int64_t b, float d) { side[b] = d; });
@@ -375,7 +376,7 @@ struct DotKernel {
 
   const QmmArgs& a;
   Affine<T> w;
-  int64_t chunks, row_bytes, groups, tail, rest_floats;
+  int64_t chunks, row_bytes, groups, tail, rest_floats, part_chunks = chunk::chunks_per_group(G, C::kCodes);
   DotKernel(const QmmArgs& args, Affine<T> wa)
       : a(args), w(wa), chunks(a.K / C::kCodes), row_bytes(a.K * C::kBits / 8), groups(a.K / G),
         tail(a.K - chunks * C::kCodes), rest_floats(groups + tail + tail / kBlock) {}
@@ -383,10 +384,10 @@ struct DotKernel {
   const uint8_t* row(int64_t n) const { return a.wq + n * row_bytes; }
 
   // rest: X_g by group, then the tail blocks' codes as floats and their scales.
-  void prepare_row(const float* x, X* xc, float* side, float* rest) const {
+  void prepare_part(const float* x, int64_t c0, int64_t c1, X* xc, float* side, float* rest) const {
     const int64_t whole = chunks * C::kCodes / kBlock;
-    quantize_row(
-        x, a.K, G, rest,
+    quantize_blocks(
+        x, c0 * C::kCodes / kBlock, c1 == chunks ? a.K / kBlock : c1 * C::kCodes / kBlock, G, rest,
         [&](int64_t b, const int8_t* q) {
           if (b < whole) return C::place(b, q, xc);
           if constexpr (C::kHasTail) C::place_tail(q, rest + groups + (b - whole) * kBlock);

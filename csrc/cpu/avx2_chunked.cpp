@@ -102,7 +102,7 @@ struct Avx2Kernel {
 
   const QmmArgs& a;
   S sc;
-  int64_t chunks, row_bytes, groups, tail, rest_floats;
+  int64_t chunks, row_bytes, groups, tail, rest_floats, part_chunks = chunk::chunks_per_group(G, kCodes);
   bool bias_in_chunks;
   Avx2Kernel(const QmmArgs& args, S scales)
       : a(args), sc(scales), chunks(a.K / kCodes), row_bytes(a.K * C::kBits / 8), groups(a.K / G),
@@ -114,19 +114,21 @@ struct Avx2Kernel {
   // xc[c][j][l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j) (exact in range); rest: the K
   // tail in natural order, then (affine) the sum of x over each group, which side holds too (at
   // the chunk where the group starts).
-  void prepare_row(const float* x, X* xc, float* side, float* rest) const {
-    for (int64_t c = 0; c < chunks; ++c)
+  void prepare_part(const float* x, int64_t c0, int64_t c1, X* xc, float* side, float* rest) const {
+    for (int64_t c = c0; c < c1; ++c)
       for (int j = 0; j < C::kVectors; ++j)
         for (int l = 0; l < 8; ++l) xc[kCodes * c + 8 * j + l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j);
-    for (int64_t k = 0; k < tail; ++k) rest[k] = x[chunks * kCodes + k];
-    if constexpr (S::kBiases)
-      for (int64_t g = 0; g < groups; ++g) {
-        float t = 0.0f;
-        for (int i = 0; i < G; ++i) t += x[g * G + i];
-        rest[tail + g] = t;
+    const bool last = c1 == chunks;
+    if (last)
+      for (int64_t k = 0; k < tail; ++k) rest[k] = x[chunks * kCodes + k];
+    if constexpr (S::kBiases) {
+      const int64_t g0 = c0 * kCodes / G, g1 = last ? groups : c1 * kCodes / G;
+      chunk::group_sums(x, G, g0, g1, rest + tail);
+      for (int64_t g = g0; g < g1; ++g) {
         const int64_t c = g * G / kCodes;
-        if (c < chunks) side[c * kGroupsPerChunk + g % kGroupsPerChunk] = t;
+        if (c < chunks) side[c * kGroupsPerChunk + g % kGroupsPerChunk] = rest[tail + g];
       }
+    }
   }
 
   // One term of the hoisted bias sum (rest() and chunk() alike): the product rounded, then added

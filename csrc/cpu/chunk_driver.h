@@ -21,8 +21,14 @@
 //   slab_bytes(mb)                 the budget of a K slab at mb x rows (kSlabBytes), or 0: the
 //                                  whole K in one pass (see Work)
 //   chunks, rest_floats            whole chunks per W row; floats per x row kept for rest()
+//   part_chunks                    where a part of a row of x may start: at multiples of this
+//                                  many chunks (whole groups of the format's side sums)
 //   row(n)                         the packed bytes of W row n
-//   prepare_row(x, xc, side, rest) one row of x (natural order, K floats) into its prepared forms
+//   prepare_part(x, c0, c1, xc, side, rest)  chunks [c0, c1) of one row of x (natural order, K
+//                                  floats; xc, side, rest: that row's prepared storage) into
+//                                  their prepared forms, with the entries of rest that the K
+//                                  range of those chunks owns; the part ending at `chunks` owns
+//                                  the K tail too. Parts write disjoint storage (see Work).
 //   start_tile<R>(n, c0, c1)       before chunks [c0, c1) of tile n (prefetches)
 //   chunk<R, MB>(n, row, c, xc, side, acc)   acc[r][m] += chunk c of W rows n+r times x row m,
 //                                  scaled (always inlined: a call sends registers through memory)
@@ -32,10 +38,13 @@
 //                                  (affine biases: sum_g b[g] * sum of x over g); 0 where none
 // so that y[m, n] = reduce(sum over chunks) + rest(n, ...). Accumulation is float32 everywhere.
 //
-// Work: W rows go out in spans (span_rows_for) from a shared counter (run), so a thread that loses
-// its core to another process leaves its share to the others. Within a span, the rows of x go in
-// blocks of 4/2/1; each block runs over the whole span, so each chunk is decoded once per block of
-// x rows. A block may walk K in slabs (slab_chunks): every tile of the span takes the slab's
+// Work, all in one parallel region (run): first x is prepared, each row in parts along K
+// (x_parts_for: at small M a row is cut into as many parts as the team has threads, so that no
+// thread prepares a whole row while the others wait; one row of K = 14336 takes 8-18 us on one
+// thread), the parts taken by the threads from a shared counter; once every part is done, W rows
+// go out in spans (span_rows_for) from a second counter, so a thread that loses its core to
+// another process leaves its share to the others. Within a span, the rows of x go in blocks of
+// 4/2/1; each block runs over the whole span, so each chunk is decoded once per block of x rows. A block may walk K in slabs (slab_chunks): every tile of the span takes the slab's
 // chunks, then the next slab, so the slab's prepared x (a few KB per row of x) stays in L1 for all
 // the span's rows, where a pass over the whole K per tile reads x from L2 again for every tile (at
 // K = 14336, 57 KB of float32 x per row: at 4 rows of x, 4 such loads per W load). The
@@ -61,6 +70,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <thread>
 #include <vector>
 
 namespace torch_qmm {
@@ -123,23 +133,61 @@ struct PreparedX {
   CacheLineVector<float> side;          // per row: chunks * kSidePerChunk
   std::vector<float> rest;              // per row: rest_floats
   int64_t x_stride = 0, side_stride = 0, rest_stride = 0;
+
+  PreparedX(const Kern& kern, int64_t M)
+      : x_stride(kern.chunks * Kern::kXPerChunk), side_stride(kern.chunks * Kern::kSidePerChunk),
+        rest_stride(kern.rest_floats) {
+    x.resize(M * x_stride);
+    side.resize(M * side_stride);
+    rest.resize(M * rest_stride);
+  }
 };
 
+// The part_chunks of a kernel whose chunks hold `codes` codes and whose side sums run over groups
+// of G codes: parts start on group boundaries (codes and G are powers of two).
+constexpr int64_t chunks_per_group(int64_t G, int64_t codes) { return G > codes ? G / codes : 1; }
+
+// sums[g] = x[g*G] + ... + x[g*G + G-1] (in that order) for the groups [g0, g1) of one row of x:
+// the hoisted bias terms of the affine kernels.
+inline void group_sums(const float* x, int G, int64_t g0, int64_t g1, float* sums) {
+  for (int64_t g = g0; g < g1; ++g) {
+    float t = 0.0f;
+    for (int i = 0; i < G; ++i) t += x[g * G + i];
+    sums[g] = t;
+  }
+}
+
+// TORCH_QMM_CPU_X_PARTS=P: every row of x prepared in P parts (at most one per part_chunks
+// chunks), read at each call; -1 where unset. The results are the same for any P (the tests
+// compare them). A value that is not a positive count is an error (ValueError).
+inline int64_t x_parts_override() {
+  const char* v = std::getenv("TORCH_QMM_CPU_X_PARTS");
+  if (v == nullptr || v[0] == '\0') return -1;
+  char* end = nullptr;
+  errno = 0;
+  const long long p = std::strtoll(v, &end, 10);
+  TORCH_CHECK_VALUE(end != v && *end == '\0' && errno == 0 && p >= 1 && p <= (1 << 20),
+                    "environment variable TORCH_QMM_CPU_X_PARTS must be a count of parts from 1 to 1048576, got '",
+                    v, "'");
+  return int64_t(p);
+}
+
+// Parts per row of x for M rows on `threads` threads: enough that every thread has one (a whole
+// row each where M >= threads), at most one per unit of part_chunks chunks (at least one part).
+inline int64_t x_parts_for(int64_t M, int64_t threads, int64_t units, int64_t override_parts) {
+  const int64_t want = override_parts > 0 ? override_parts : (threads + M - 1) / std::max<int64_t>(M, 1);
+  return std::clamp<int64_t>(want, 1, std::max<int64_t>(units, 1));
+}
+
+// Part i of `parts` of every row of x (i = row * parts + part) prepared: chunks [c0, c1), c0 and
+// c1 on multiples of part_chunks, the last part ending at `chunks` (and owning the K tail).
 template <typename Kern>
-PreparedX<Kern> prepare_x(const Kern& kern, const float* x, int64_t M, int64_t K) {
-  PreparedX<Kern> px;
-  px.x_stride = kern.chunks * Kern::kXPerChunk;
-  px.side_stride = kern.chunks * Kern::kSidePerChunk;
-  px.rest_stride = kern.rest_floats;
-  px.x.resize(M * px.x_stride);
-  px.side.resize(M * px.side_stride);
-  px.rest.resize(M * px.rest_stride);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      kern.prepare_row(x + m * K, px.x.data() + m * px.x_stride, px.side.data() + m * px.side_stride,
-                      px.rest.data() + m * px.rest_stride);
-  });
-  return px;
+void prepare_part(const Kern& kern, const float* x, int64_t K, int64_t parts, int64_t i, PreparedX<Kern>& px) {
+  const int64_t m = i / parts, p = i % parts, units = kern.chunks / kern.part_chunks;
+  const int64_t c0 = p * units / parts * kern.part_chunks;
+  const int64_t c1 = p + 1 == parts ? kern.chunks : (p + 1) * units / parts * kern.part_chunks;
+  kern.prepare_part(x + m * K, c0, c1, px.x.data() + m * px.x_stride, px.side.data() + m * px.side_stride,
+                    px.rest.data() + m * px.rest_stride);
 }
 
 // Bytes of prepared x and side data that one slab holds for the block's rows of x: half an L1 data
@@ -244,22 +292,32 @@ void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N,
   }
 }
 
-// y [M, N] float32 = x [M, K] (float32, natural order) times W, by the kernel `kern`. The threads
-// of torch's intra-op pool (at::parallel_for, OpenMP) take spans from one counter until none is
-// left. That pool is the one every torch op runs on: after an op its threads spin for a while
-// waiting for the next region, so this region starts on them at once (a thread of another pool
-// would share a core with a spinning one for as long as the spin lasts). The region ends when
-// every thread of the team has arrived: one the scheduler starts late finds no span left, but the
-// call waits for its start.
+// y [M, N] float32 = x [M, K] (float32, natural order) times W, by the kernel `kern`, in one
+// parallel region: the threads of torch's intra-op pool (at::parallel_for, OpenMP) take parts of
+// x from one counter until none is left, wait until every part is done (a part is taken only by
+// a thread that runs, so the wait ends), then take spans of W from a second counter. That pool is
+// the one every torch op runs on: after an op its threads spin for a while waiting for the next
+// region, so this region starts on them at once (a thread of another pool would share a core with
+// a spinning one for as long as the spin lasts). The region ends when every thread of the team
+// has arrived: one the scheduler starts late finds no work left, but the call waits for its start.
 template <typename Kern>
 void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
-  const PreparedX<Kern> px = prepare_x(kern, x, M, K);
+  PreparedX<Kern> px(kern, M);
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int64_t span = span_rows_for(N, threads);
   const int64_t spans = (N + span - 1) / span;
+  // The team the spans need (a call of one span runs inline, with no region); x is cut for it.
+  const int64_t team = std::min(threads, spans);
+  const int64_t parts = x_parts_for(M, team, kern.chunks / kern.part_chunks, x_parts_override());
+  const int64_t items = M * parts;
   const int64_t slab_override = slab_bytes_override();
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(threads, spans), 1, [&](int64_t, int64_t) {
+  std::atomic<int64_t> next_item{0}, items_done{0}, next{0};
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      prepare_part(kern, x, K, parts, i, px);
+      items_done.fetch_add(1, std::memory_order_release);
+    }
+    while (items_done.load(std::memory_order_acquire) < items) std::this_thread::yield();
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < spans;)
       run_span(kern, px, M, N, span, i, slab_override, y);
   });

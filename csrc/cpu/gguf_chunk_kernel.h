@@ -37,12 +37,12 @@ struct GgufChunkKernel {
   static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
 
   const GgufArgs& a;
-  int64_t chunks, row_bytes, rest_floats = 0;
+  int64_t chunks, row_bytes, rest_floats = 0, part_chunks = 1;
   explicit GgufChunkKernel(const GgufArgs& args) : a(args), chunks(a.K / 256), row_bytes(chunks * Fmt::kBlockBytes) {}
 
   const uint8_t* row(int64_t n) const { return a.blocks + n * row_bytes; }
-  void prepare_row(const float* x, X* xc, float* side, float*) const {
-    for (int64_t b = 0; b < chunks; ++b) Fmt::prepare(x + 256 * b, xc + b * kXPerChunk, side + kSidePerChunk * b);
+  void prepare_part(const float* x, int64_t c0, int64_t c1, X* xc, float* side, float*) const {
+    for (int64_t b = c0; b < c1; ++b) Fmt::prepare(x + 256 * b, xc + b * kXPerChunk, side + kSidePerChunk * b);
   }
   template <int R>
   void start_tile(int64_t, int64_t, int64_t) const {}

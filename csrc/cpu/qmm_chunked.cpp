@@ -31,27 +31,27 @@ namespace {
 
 using namespace chunk;
 
-// One row of x, whole chunks -> xw for F32Multiplier (lanes of vector j times 2^-(BITS j): exact
-// in range).
+// One row of x, whole chunks [c0, c1) -> xw for F32Multiplier (lanes of vector j times
+// 2^-(BITS j): exact in range).
 template <int BITS>
-void prepare_chunks(const float* x, int64_t chunks, float* xw, F32Multiplier<BITS>) {
+void prepare_chunks(const float* x, int64_t c0, int64_t c1, float* xw, F32Multiplier<BITS>) {
   using C = F32Multiplier<BITS>;
   constexpr int kCodes = kCodesPerChunk<BITS>;
-  for (int64_t c = 0; c < chunks; ++c)
+  for (int64_t c = c0; c < c1; ++c)
     for (int j = 0; j < C::kVectors; ++j)
       for (int l = 0; l < 16; ++l) xw[C::kXPerChunk * c + 16 * j + l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j);
 }
 
 #if defined(__AVX512BF16__)
-// One row of x, whole chunks -> P bfloat16 terms per element for Bf16Multiplier<P, BITS>, in plane
+// One row of x, whole chunks [c0, c1) -> P bfloat16 terms per element for Bf16Multiplier<P, BITS>, in plane
 // order (xb[c][plane j][term t][lane i] for code Planes::code(j, i), times 2^x_shift(j)): term t
 // = what terms 0..t-1 left, rounded to nearest even. Every float32 is the exact sum of its 3
 // terms (8 significant bits each); float16 of its first 2. Scaling by 2^x_shift is exact.
 template <int P, int BITS>
-void prepare_chunks(const float* x, int64_t chunks, uint16_t* xb, Bf16Multiplier<P, BITS>) {
+void prepare_chunks(const float* x, int64_t c0, int64_t c1, uint16_t* xb, Bf16Multiplier<P, BITS>) {
   using Geo = Planes<BITS>;
   constexpr int kCodes = kCodesPerChunk<BITS>;
-  for (int64_t c = 0; c < chunks; ++c)
+  for (int64_t c = c0; c < c1; ++c)
     for (int j = 0; j < Geo::kCount; ++j)
       for (int i = 0; i < 32; ++i) {
         float rest = x[kCodes * c + Geo::code(j, i)] * float(1 << Geo::x_shift(j));  // exact: in range
@@ -77,7 +77,7 @@ struct AffineKernel {
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 4 : 2; }
 
   const QmmArgs& a;
-  int64_t chunks, row_bytes, groups, tail, rest_floats;
+  int64_t chunks, row_bytes, groups, tail, rest_floats, part_chunks = chunks_per_group(G, kCodes);
   explicit AffineKernel(const QmmArgs& args)
       : a(args), chunks(a.K / kCodes), row_bytes(a.K * kBits / 8), groups(a.K / G),
         tail(a.K - chunks * kCodes), rest_floats(tail + groups) {}
@@ -85,15 +85,13 @@ struct AffineKernel {
   const uint8_t* row(int64_t n) const { return a.wq + n * row_bytes; }
 
   // rest: the K tail in codec order (tail floats), then the sum of x over each group.
-  void prepare_row(const float* x, X* xc, float*, float* rest) const {
-    prepare_chunks(x, chunks, xc, C{});
+  void prepare_part(const float* x, int64_t c0, int64_t c1, X* xc, float*, float* rest) const {
+    prepare_chunks(x, c0, c1, xc, C{});
     const int64_t kw = chunks * kCodes;
-    for (int64_t p = 0; p < tail; ++p) rest[p] = x[kw + codec_to_natural(kBits, p)];
-    for (int64_t g = 0; g < groups; ++g) {
-      float t = 0.0f;
-      for (int i = 0; i < G; ++i) t += x[g * G + i];
-      rest[tail + g] = t;
-    }
+    const bool last = c1 == chunks;
+    if (last)
+      for (int64_t p = 0; p < tail; ++p) rest[p] = x[kw + codec_to_natural(kBits, p)];
+    group_sums(x, G, c0 * kCodes / G, last ? groups : c1 * kCodes / G, rest + tail);
   }
 
   template <int R>

@@ -111,7 +111,7 @@ def copies_for(nbytes: int, cache_bytes: int, max_copies: int = 16) -> int:
     return max(1, min(max_copies, math.ceil(2 * cache_bytes / max(nbytes, 1))))
 
 
-def _rand_gguf(n: int, k: int, fmt: str, device: str, gen: torch.Generator) -> torch.Tensor:
+def random_gguf_blocks(n: int, k: int, fmt: str, device: str, gen: torch.Generator) -> torch.Tensor:
     """uint8 [n, k/256 * block bytes] of random blocks with small finite f16 super-block scales."""
     ggml_type = GGMLQuantizationType[fmt]
     block_bytes = GGML_QUANT_SIZES[ggml_type][1]
@@ -124,9 +124,9 @@ def _rand_gguf(n: int, k: int, fmt: str, device: str, gen: torch.Generator) -> t
 
 
 def _ours_gguf(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) -> Impl:
-    first = _rand_gguf(cfg.n, cfg.k, cfg.fmt, cfg.device, gen)
+    first = random_gguf_blocks(cfg.n, cfg.k, cfg.fmt, cfg.device, gen)
     nbytes = first.numel()
-    sets = [first] + [_rand_gguf(cfg.n, cfg.k, cfg.fmt, cfg.device, gen)
+    sets = [first] + [random_gguf_blocks(cfg.n, cfg.k, cfg.fmt, cfg.device, gen)
                       for _ in range(copies_for(nbytes, cache_bytes) - 1)]
     ggml_type = int(GGMLQuantizationType[cfg.fmt])
     cols = min(64, cfg.n)
