@@ -106,6 +106,20 @@ def test_our_moe_save_loads_in_mlx_lm(family, mode, tmp_path):
     print(f"{family} {mode}: ours -> mlx_lm {err:.2e}")
 
 
+@pytest.mark.parametrize("given", ["none", "dict"])
+def test_mlx_lm_reads_the_config_whichever_way_save_mlx_is_given_it(given, tmp_path):
+    # transformers' Qwen3-MoE config holds num_local_experts; mlx_lm's model arguments require its
+    # alias num_experts, which a config passed as a dict (to_dict) does not hold either
+    model = tiny_moe("qwen3_moe")
+    quantize_model(model, group_size=32)
+    config = model.config.to_dict() if given == "dict" else None
+    assert config is None or "num_experts" not in config
+    save_mlx(model, tmp_path, config=config)
+    theirs, _ = mlx_lm_utils.load_model(tmp_path)
+    assert theirs.args.num_experts == model.config.num_local_experts
+    assert_close(mlx_logits(theirs), torch_logits(model))
+
+
 def test_float_moe_round_trips_through_mlx_files(tmp_path):
     model = tiny_moe("qwen3_moe")
     save_mlx(model, tmp_path)  # float experts as mlx_lm's float SwitchGLU
