@@ -549,6 +549,19 @@ def test_float_folder_report_names_the_format_used(hf_folder, tmp_path, capsys):
     assert report["lm_head"] == "tied to the embedding (float float32)"  # hf_folder's model is tied
 
 
+def test_moe_folder_report_lists_the_experts_as_quantized(tmp_path, capsys):
+    from moe_helpers import LAYERS, tiny_moe
+    from torch_qmm.nn_moe import QuantFusedExperts
+
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "out"), "--group-size", "32"]) == 0
+    report = _report(capsys.readouterr().out)
+    experts = [f"model.layers.{layer}.mlp.experts" for layer in range(LAYERS)]
+    assert [report.get(name) for name in experts] == ["quantized float -> affine b4 gs32"] * LAYERS
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(isinstance(again.get_submodule(name), QuantFusedExperts) for name in experts)
+
+
 # --- E20: one line, exit codes, no traceback ---------------------------------------------------
 
 

@@ -16,6 +16,8 @@ from ..cli_errors import UsageError
 from ..convert import quantize_model
 from ..formats import FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..nn import QuantLinear, resolve_format
+from ..nn_moe import QuantFusedExperts
+from .experts import is_fused_experts, layout_of
 from .gguf import GGUFFile, GGUFTensor, affine_exact, dequantize, q4_k_to_affine
 from .gguf_types import AFFINE_TYPES, Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
@@ -31,10 +33,10 @@ Convert a model to a torch_qmm or MLX folder.
     python -m torch_qmm convert ./Llama-3.2-1B ./out-mxfp4 --format mlx --mode mxfp4
 
 A transformers folder (float weights) is quantized with --mode / --bits / --group-size (bits and
-group size default to the mode's, as MLX's; see --help): every linear layer
-except the output head (--format transformers, reloadable with from_pretrained after importing
-torch_qmm.interop.transformers), or the linear layers and the embedding (--format mlx, as
-mlx.nn.quantize does; a tied output head reuses the quantized embedding).
+group size default to the mode's, as MLX's; see --help): every linear layer and the experts of
+MoE blocks (routers stay float) except the output head (--format transformers, reloadable with
+from_pretrained after importing torch_qmm.interop.transformers), or those, the output head and the
+embedding (--format mlx, as mlx.nn.quantize does; a tied output head reuses the quantized embedding).
 
 A llama-family GGUF file keeps its quantization where the output format can hold it exactly:
 Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit, Q4_K becomes
@@ -264,8 +266,8 @@ def _calibration(args: argparse.Namespace, is_gguf: bool):
 
 def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str = "rtn",
                      calibration=None, mode: str = "affine") -> set[str]:
-    """Quantizes the float linear layers and embeddings of `model` (MLX's rule; the linear layers
-    with `method`); returns the names quantized by this call."""
+    """Quantizes the float linear layers, the fused experts of MoE blocks and the embeddings of
+    `model` (MLX's rule; the linear layers with `method`); returns the names quantized by this call."""
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     embeddings = {n: m for n, m in model.named_modules() if type(m) is nn.Embedding}
@@ -283,20 +285,22 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str 
         if tied and isinstance(emb, QuantEmbedding):
             _replace(model, out_name, TiedQuantLinear(emb))
             done.add(out_name)
-    return done | _quantize_float_linears(model, bits, group_size, method, calibration, mode)
+    return done | _quantize_float_layers(model, bits, group_size, method, calibration, mode)
 
 
-def _quantize_float_linears(model: nn.Module, bits: int, group_size: int, method: str, calibration, mode: str,
-                            keep: set[str] = frozenset()) -> set[str]:
-    """Quantizes the float nn.Linear layers of `model` but those named in `keep`; the layers kept
-    exact (QuantLinear, GGUFLinear) are left as they are. Returns the names quantized."""
+def _quantize_float_layers(model: nn.Module, bits: int, group_size: int, method: str, calibration, mode: str,
+                           keep: set[str] = frozenset()) -> set[str]:
+    """Quantizes the float nn.Linear layers and fused experts (of MoE blocks) of `model` but those
+    named in `keep`; the layers kept exact (QuantLinear, GGUFLinear) are left as they are. Returns
+    the names quantized."""
     with warnings.catch_warnings():
         # quantize_model records a transformers quantization_config and warns where one config cannot
         # hold the layers; the callers write (MLX) or check (transformers) the format themselves.
         warnings.filterwarnings("ignore", message="save_pretrained cannot record")
         summary = quantize_model(model, bits=bits, group_size=group_size, progress=True, method=method,
                                  calibration=calibration, mode=mode,
-                                 filter_fn=lambda name, m: type(m) is nn.Linear and name not in keep)
+                                 filter_fn=lambda name, m: (type(m) is nn.Linear or is_fused_experts(m))
+                                 and name not in keep)
     return set(summary.converted)
 
 
@@ -330,10 +334,20 @@ def _why_float(name: str, m: nn.Module, src: str, output_format: str, requantize
     return "no exact affine form: --requantize rest quantizes it"
 
 
+def _quant_format(m: nn.Module) -> str:
+    """The format of a quantized layer as the report shows it ("affine b4 gs64"); the experts of a
+    MoE block by their gate_up_proj's, and down_proj's too where it differs."""
+    if isinstance(m, QuantFusedExperts):
+        gate_up, down = _quant_format(m.gate_up_proj), _quant_format(m.down_proj)
+        return gate_up if gate_up == down else f"gate_up_proj {gate_up}, down_proj {down}"
+    return f"{m.mode} b{m.bits} gs{m.group_size}"
+
+
 def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[str], exact: dict[str, bool],
                   output_format: str, requantize: str | None = None,
                   group_size: int = 64) -> list[tuple[str, str]]:
-    """[(module name, what happened)] for every linear layer and embedding of the written model.
+    """[(module name, what happened)] for every linear layer, fused experts module (of a MoE block)
+    and embedding of the written model.
     exact: {quantized module: whether its scales/biases survived the --dtype}; quantized_now: the
     layers this run quantized."""
     rows = []
@@ -342,11 +356,13 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
     for name, m in model.named_modules():
         src = origin.get(name, "float")
         if isinstance(m, TiedQuantLinear):
-            fmt = f"tied to the embedding ({m._embedding.mode} b{m._embedding.bits} gs{m._embedding.group_size})"
-        elif isinstance(m, (QuantLinear, QuantEmbedding)):
-            fmt = f"{m.mode} b{m.bits} gs{m.group_size}"
+            fmt = f"tied to the embedding ({_quant_format(m._embedding)})"
+        elif isinstance(m, (QuantLinear, QuantEmbedding, QuantFusedExperts)):
+            fmt = _quant_format(m)
         elif isinstance(m, (nn.Linear, nn.Embedding)):
             fmt = f"float {str(m.weight.dtype)[6:]}"
+        elif is_fused_experts(m):
+            fmt = f"float {str(m.get_parameter(layout_of(m).gate_up).dtype)[6:]}"
         else:
             continue
         if isinstance(m, TiedQuantLinear):
@@ -355,7 +371,7 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             how = f"tied to the embedding ({fmt})"
         elif name in quantized_now:
             how = f"{'re-quantized' if src != 'float' else 'quantized'} {src} -> {fmt}"
-        elif isinstance(m, (QuantLinear, QuantEmbedding)):
+        elif isinstance(m, (QuantLinear, QuantEmbedding, QuantFusedExperts)):
             rounded = "" if exact.get(name, True) else f"{src} scales rounded to {str(m.scales.dtype)[6:]}"
             how = f"{rounded or 'lossless'} {src} -> {fmt}"
         elif src in ("float", "F32", "F16", "BF16"):
@@ -502,8 +518,8 @@ def run(args: argparse.Namespace) -> int:
             model, exact, origin = _load_gguf(gguf, dtype or torch.float32, keep_affine=True, float_embedding=True)
             model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
             if args.requantize == "rest":
-                quantized_now = _quantize_float_linears(model, bits, group_size, args.method, calibration, args.mode,
-                                                        keep={_output_head(model)})
+                quantized_now = _quantize_float_layers(model, bits, group_size, args.method, calibration, args.mode,
+                                                       keep={_output_head(model)})
             why_not = record_quantization_config(model)
             if why_not is not None:
                 raise ValueError(f"{src}: a transformers quantization_config cannot describe the converted layers: "
@@ -521,7 +537,7 @@ def run(args: argparse.Namespace) -> int:
                 shutil.rmtree(staging)
             else:
                 model = from_pretrained(src, quantization_config=cfg, dtype=dtype or "auto")
-            quantized_now = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+            quantized_now = {n for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantFusedExperts))}
             model.save_pretrained(out)
         if is_gguf:
             from .gguf_tokenizer import save_gguf_tokenizer
