@@ -549,6 +549,73 @@ def test_float_folder_report_names_the_format_used(hf_folder, tmp_path, capsys):
     assert report["lm_head"] == "tied to the embedding (float float32)"  # hf_folder's model is tied
 
 
+def test_moe_folder_report_lists_the_experts_as_quantized(tmp_path, capsys):
+    from moe_helpers import LAYERS, tiny_moe
+    from torch_qmm.nn_moe import QuantFusedExperts
+
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "out"), "--group-size", "32"]) == 0
+    report = _report(capsys.readouterr().out)
+    experts = [f"model.layers.{layer}.mlp.experts" for layer in range(LAYERS)]
+    assert [report.get(name) for name in experts] == ["quantized float -> affine b4 gs32"] * LAYERS
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(isinstance(again.get_submodule(name), QuantFusedExperts) for name in experts)
+
+
+@pytest.fixture(scope="module")
+def quantized_folder(hf_folder, tmp_path_factory):
+    """hf_folder converted by torch_qmm with a format other than the defaults: affine b8 gs32."""
+    folder = tmp_path_factory.mktemp("q") / "q8"
+    assert main(["convert", str(hf_folder), str(folder), "--bits", "8", "--group-size", "32"]) == 0
+    return folder
+
+
+@pytest.mark.parametrize("argv, asked", [
+    (["--bits", "4"], "--bits 4"),
+    (["--format", "mlx", "--bits", "4"], "--bits 4"),
+    (["--group-size", "64"], "--group-size 64"),
+    (["--format", "mlx", "--mode", "mxfp4"], "--mode mxfp4"),
+    (["--method", "mse"], "--method mse quantizes float weights"),
+])
+def test_a_folder_torch_qmm_quantized_is_not_re_quantized_to_another_format(quantized_folder, tmp_path, argv, asked,
+                                                                             capsys):
+    assert main(["convert", str(quantized_folder), str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"{quantized_folder} is already quantized by torch_qmm (affine b8 gs32)" in err and asked in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [[], ["--bits", "8", "--group-size", "32"]], ids=["defaults", "same-format"])
+def test_a_folder_torch_qmm_quantized_is_re_saved_losslessly(quantized_folder, tmp_path, argv, capsys):
+    from safetensors.torch import load_file
+
+    assert main(["convert", str(quantized_folder), str(tmp_path / "out"), *argv]) == 0
+    report = _report(capsys.readouterr().out)
+    source, written = load_file(quantized_folder / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert source.keys() == written.keys() and all(torch.equal(source[k], written[k]) for k in source)
+    layers = {k.rpartition(".")[0] for k in source if k.endswith(".qweight")}
+    assert layers and {report[n] for n in layers} == {"lossless affine b8 gs32 -> affine b8 gs32"}
+
+
+def test_a_folder_torch_qmm_quantized_to_mlx_keeps_its_layers_and_format(quantized_folder, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    assert main(["convert", str(quantized_folder), str(out), "--format", "mlx"]) == 0
+    report = _report(capsys.readouterr().out)
+    source, written = load_file(quantized_folder / "model.safetensors"), load_file(out / "model.safetensors")
+    layers = {k.rpartition(".")[0] for k in source if k.endswith(".qweight")}
+    assert layers and {report[n] for n in layers} == {"lossless affine b8 gs32 -> affine b8 gs32"}
+    for n in layers:
+        assert all(torch.equal(source[f"{n}.{a}"], written[f"{n}.{b}"])
+                   for a, b in (("qweight", "weight"), ("scales", "scales"), ("biases", "biases")))
+    # the embedding, float in the source, takes the source's format: one format in the folder
+    assert report["model.embed_tokens"] == "quantized float -> affine b8 gs32"
+    assert written["model.embed_tokens.weight"].dtype == torch.uint32
+    default, overrides = parse_quantization(json.loads((out / "config.json").read_text()))
+    assert (default.bits, default.group_size, default.mode, overrides) == (8, 32, "affine", {})
+
+
 # --- E20: one line, exit codes, no traceback ---------------------------------------------------
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_helpers import FAMILIES, VOCAB, logits, tiny_moe
+from moe_helpers import EXPERTS, FAMILIES, HIDDEN, INTER, LAYERS, VOCAB, logits, tiny_moe
+from torch_qmm.__main__ import main
 from torch_qmm.convert import quantize_model
 from torch_qmm.interop import load_mlx, save_mlx
 from torch_qmm.interop.mlx import mlx_state_dict
@@ -26,6 +27,7 @@ import mlx_lm.utils as mlx_lm_utils  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear  # noqa: E402
 
+from test_cli_convert import _report  # noqa: E402
 from test_interop_mlx_lm import assert_same_bits  # noqa: E402
 
 # float32 on both sides with the same quantized weights, summed in other orders through two
@@ -104,6 +106,48 @@ def test_our_moe_save_loads_in_mlx_lm(family, mode, tmp_path):
     assert len(switch) == 3 * 2 and {m.mode for m in switch} == {mode}
     err = assert_close(mlx_logits(theirs), torch_logits(model))
     print(f"{family} {mode}: ours -> mlx_lm {err:.2e}")
+
+
+@pytest.mark.parametrize("given", ["none", "dict"])
+def test_mlx_lm_reads_the_config_whichever_way_save_mlx_is_given_it(given, tmp_path):
+    # transformers' Qwen3-MoE config holds num_local_experts; mlx_lm's model arguments require its
+    # alias num_experts, which a config passed as a dict (to_dict) does not hold either
+    model = tiny_moe("qwen3_moe")
+    quantize_model(model, group_size=32)
+    config = model.config.to_dict() if given == "dict" else None
+    assert config is None or "num_experts" not in config
+    save_mlx(model, tmp_path, config=config)
+    theirs, _ = mlx_lm_utils.load_model(tmp_path)
+    assert theirs.args.num_experts == model.config.num_local_experts
+    assert_close(mlx_logits(theirs), torch_logits(model))
+
+
+@pytest.mark.parametrize("family, block", [("qwen3_moe", "mlp"), ("mixtral", "block_sparse_moe")])
+def test_convert_to_mlx_quantizes_the_experts_of_a_float_moe_folder(family, block, tmp_path, capsys):
+    src, out = tmp_path / "hf", tmp_path / "mlx"
+    tiny_moe(family).save_pretrained(src)
+    assert main(["convert", str(src), str(out), "--format", "mlx", "--bits", "4", "--group-size", "32"]) == 0
+    report = _report(capsys.readouterr().out)
+    for layer in range(LAYERS):
+        assert report[f"model.layers.{layer}.mlp.experts"] == "quantized float -> affine b4 gs32"
+    # stored as mlx_lm's quantized SwitchGLU: packed uint32 words, a scale and bias per 32 inputs
+    from safetensors import safe_open
+
+    (weights,) = out.glob("*.safetensors")
+    with safe_open(str(weights), "numpy") as f:
+        for layer in range(LAYERS):
+            for proj, (rows, cols) in {"gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN),
+                                       "down_proj": (HIDDEN, INTER)}.items():
+                key = f"model.layers.{layer}.{block}.switch_mlp.{proj}"
+                w, scales = f.get_slice(f"{key}.weight"), f.get_slice(f"{key}.scales")
+                assert (w.get_dtype(), w.get_shape()) == ("U32", [EXPERTS, rows, cols * 4 // 32]), key
+                assert scales.get_shape() == f.get_slice(f"{key}.biases").get_shape() == [EXPERTS, rows, cols // 32]
+    theirs, _ = mlx_lm_utils.load_model(out)
+    switch = [m for _, m in theirs.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert len(switch) == 3 * LAYERS and {(m.bits, m.group_size) for m in switch} == {(4, 32)}
+    ours = FAMILIES[family][1](transformers.AutoConfig.from_pretrained(out)).eval()
+    load_mlx(ours, out)
+    assert_close(mlx_logits(theirs), torch_logits(ours))
 
 
 def test_float_moe_round_trips_through_mlx_files(tmp_path):

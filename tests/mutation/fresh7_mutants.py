@@ -227,8 +227,8 @@ MUTANTS: list[Mutant] = [
            "an mxfp4 checkpoint whose float tensor has the wrong shape gets past the checks: copy_ then "
            "fails with a RuntimeError (or broadcasts) after the model was already changed"),
     Mutant("i7-mlx-attribute-map-read-backwards", "torch_qmm/interop/mlx.py",
-           'for alias, canonical in getattr(model.config, "attribute_map", {}).items():',
-           'for canonical, alias in getattr(model.config, "attribute_map", {}).items():', MLX_LM_MOE,
+           'for alias, canonical in (aliases or {}).items():',
+           'for canonical, alias in (aliases or {}).items():', MLX_LM_MOE,
            "save_mlx reads transformers' attribute_map the wrong way round: the aliases mlx_lm reads "
            "(Qwen3-MoE's num_experts) are not written to config.json"),
     Mutant("i7-mlx-float-experts-split-ignores-interleave", "torch_qmm/interop/mlx_experts.py",

@@ -16,6 +16,8 @@ from ..cli_errors import UsageError
 from ..convert import quantize_model
 from ..formats import FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..nn import QuantLinear, resolve_format
+from ..nn_moe import QuantFusedExperts
+from .experts import is_fused_experts, layout_of
 from .gguf import GGUFFile, GGUFTensor, affine_exact, dequantize, q4_k_to_affine
 from .gguf_types import AFFINE_TYPES, Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
@@ -31,10 +33,13 @@ Convert a model to a torch_qmm or MLX folder.
     python -m torch_qmm convert ./Llama-3.2-1B ./out-mxfp4 --format mlx --mode mxfp4
 
 A transformers folder (float weights) is quantized with --mode / --bits / --group-size (bits and
-group size default to the mode's, as MLX's; see --help): every linear layer
-except the output head (--format transformers, reloadable with from_pretrained after importing
-torch_qmm.interop.transformers), or the linear layers and the embedding (--format mlx, as
-mlx.nn.quantize does; a tied output head reuses the quantized embedding).
+group size default to the mode's, as MLX's; see --help): every linear layer and the experts of
+MoE blocks (routers stay float) except the output head (--format transformers, reloadable with
+from_pretrained after importing torch_qmm.interop.transformers), or those, the output head and the
+embedding (--format mlx, as mlx.nn.quantize does; a tied output head reuses the quantized embedding).
+A folder torch_qmm already quantized keeps its layers' format, bit for bit (the layers float in it
+that --format mlx quantizes take that format too); --mode / --bits / --group-size asking for another
+format are refused: quantized layers are not re-quantized.
 
 A llama-family GGUF file keeps its quantization where the output format can hold it exactly:
 Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit, Q4_K becomes
@@ -64,16 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output: a transformers folder with torch_qmm layers, or an MLX folder for mlx / "
                              "mlx_lm (default: %(default)s)")
     defaults = ", ".join(f"{m} {f.default_bits} / {f.default_group_size}" for m, f in FORMATS.items())
-    parser.add_argument("--mode", choices=list(FORMATS), default="affine",
-                        help="MLX's quantization mode of the layers quantized by this run (default: %(default)s); "
-                             f"the modes' default bits / group size: {defaults}")
+    parser.add_argument("--mode", choices=list(FORMATS), default=None,
+                        help="MLX's quantization mode of the layers quantized by this run (default: affine; a "
+                             f"folder torch_qmm quantized: its own); the modes' default bits / group size: {defaults}")
     parser.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=None,
                         help="bits per weight of the layers quantized by this run (default: the mode's, 4 for "
-                             "affine; for GGUF only with --requantize)")
+                             "affine; for GGUF only with --requantize); a folder torch_qmm quantized keeps its own")
     parser.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=None,
                         help="weights per scale/bias of the layers quantized by this run (default: the mode's, "
                              "64 for affine; for GGUF only with --requantize, and 32 for GGUF -> transformers "
-                             "with --requantize rest: the exact layers')")
+                             "with --requantize rest: the exact layers'); a folder torch_qmm quantized keeps its own")
     parser.add_argument("--requantize", choices=["rest", "all"], default=None,
                         help="GGUF only. rest: quantize the layers without an exact affine form (Q6_K, float) "
                              "to --bits/--group-size, keep the others exact; all: re-quantize every layer from "
@@ -264,8 +269,8 @@ def _calibration(args: argparse.Namespace, is_gguf: bool):
 
 def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str = "rtn",
                      calibration=None, mode: str = "affine") -> set[str]:
-    """Quantizes the float linear layers and embeddings of `model` (MLX's rule; the linear layers
-    with `method`); returns the names quantized by this call."""
+    """Quantizes the float linear layers, the fused experts of MoE blocks and the embeddings of
+    `model` (MLX's rule; the linear layers with `method`); returns the names quantized by this call."""
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     embeddings = {n: m for n, m in model.named_modules() if type(m) is nn.Embedding}
@@ -283,20 +288,22 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str 
         if tied and isinstance(emb, QuantEmbedding):
             _replace(model, out_name, TiedQuantLinear(emb))
             done.add(out_name)
-    return done | _quantize_float_linears(model, bits, group_size, method, calibration, mode)
+    return done | _quantize_float_layers(model, bits, group_size, method, calibration, mode)
 
 
-def _quantize_float_linears(model: nn.Module, bits: int, group_size: int, method: str, calibration, mode: str,
-                            keep: set[str] = frozenset()) -> set[str]:
-    """Quantizes the float nn.Linear layers of `model` but those named in `keep`; the layers kept
-    exact (QuantLinear, GGUFLinear) are left as they are. Returns the names quantized."""
+def _quantize_float_layers(model: nn.Module, bits: int, group_size: int, method: str, calibration, mode: str,
+                           keep: set[str] = frozenset()) -> set[str]:
+    """Quantizes the float nn.Linear layers and fused experts (of MoE blocks) of `model` but those
+    named in `keep`; the layers kept exact (QuantLinear, GGUFLinear) are left as they are. Returns
+    the names quantized."""
     with warnings.catch_warnings():
         # quantize_model records a transformers quantization_config and warns where one config cannot
         # hold the layers; the callers write (MLX) or check (transformers) the format themselves.
         warnings.filterwarnings("ignore", message="save_pretrained cannot record")
         summary = quantize_model(model, bits=bits, group_size=group_size, progress=True, method=method,
                                  calibration=calibration, mode=mode,
-                                 filter_fn=lambda name, m: type(m) is nn.Linear and name not in keep)
+                                 filter_fn=lambda name, m: (type(m) is nn.Linear or is_fused_experts(m))
+                                 and name not in keep)
     return set(summary.converted)
 
 
@@ -330,10 +337,86 @@ def _why_float(name: str, m: nn.Module, src: str, output_format: str, requantize
     return "no exact affine form: --requantize rest quantizes it"
 
 
+def _format_name(mode: str, bits, group_size: int) -> str:
+    """A format as the report and the errors show it ("affine b4 gs64")."""
+    return f"{mode} b{bits} gs{group_size}"
+
+
+def _quant_format(m: nn.Module) -> str:
+    """The format of a quantized layer ("affine b4 gs64"); the experts of a MoE block by their
+    gate_up_proj's, and down_proj's too where it differs."""
+    if isinstance(m, QuantFusedExperts):
+        gate_up, down = _quant_format(m.gate_up_proj), _quant_format(m.down_proj)
+        return gate_up if gate_up == down else f"gate_up_proj {gate_up}, down_proj {down}"
+    return _format_name(m.mode, m.bits, m.group_size)
+
+
+def _quantized_source(src: Path):
+    """The TorchQmmConfig of a transformers folder torch_qmm quantized (its config.json's
+    quantization_config), or None for any other folder."""
+    from .json_files import read_json_object
+    from .transformers import QUANT_METHOD, TorchQmmConfig
+
+    path = src / "config.json"
+    q = read_json_object(path).get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD:
+        return None
+    try:
+        return TorchQmmConfig.from_dict(q)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: 'quantization_config' does not describe a torch_qmm format: {e}") from None
+
+
+def _keep_source_format(args: argparse.Namespace, source) -> None:
+    """A folder torch_qmm quantized keeps the format of its quantized layers: they are not
+    re-quantized (quantize_model refuses that too: it would compound the rounding). --mode /
+    --bits / --group-size default to that format, and the layers this run quantizes (those float in
+    the folder: the MLX format's embedding and output head) take it; a flag asking for another
+    format, or a --method for float weights, is a UsageError naming the folder and both formats.
+    Sets args.mode, args.bits and args.group_size."""
+    per_layer = type(source.bits) is not int
+    bits = f"bits {sorted(set(source.bits.values()))} per layer" if per_layer else source.bits
+    has = _format_name(source.mode, bits, source.group_size)
+    asked = [f"{flag} {given}" for flag, given, own in (("--mode", args.mode, source.mode),
+                                                        ("--bits", args.bits, None if per_layer else source.bits),
+                                                        ("--group-size", args.group_size, source.group_size))
+             if given is not None and given != own]
+    if asked:
+        raise UsageError(f"{args.src} is already quantized by torch_qmm ({has}); {' '.join(asked)} asks for "
+                         f"another format, and convert does not re-quantize quantized layers (the rounding would "
+                         f"compound). Convert the float model instead, or leave out {', '.join(a.split()[0] for a in asked)} "
+                         "to keep the folder's format")
+    if args.method != "rtn" or args.calibration is not None:
+        raise UsageError(f"--method {args.method}{' --calibration' if args.calibration else ''} quantizes float "
+                         f"weights; {args.src} is already quantized by torch_qmm ({has}) and keeps its layers as "
+                         "they are: convert the float model instead")
+    args.mode, args.group_size = source.mode, source.group_size
+    args.bits = None if per_layer else source.bits
+
+
+def _source_layers(model: nn.Module, src: Path) -> tuple[dict[str, str], dict[str, bool]]:
+    """({module: format} of the quantized layers loaded from a folder torch_qmm quantized,
+    {module: whether their scales and biases were loaded without rounding (a --dtype cast)})."""
+    from .safetensors_io import Checkpoint
+
+    ckpt = Checkpoint(src)
+    origin, exact = {}, {}
+    for name, m in model.named_modules():
+        if isinstance(m, (QuantLinear, QuantFusedExperts)):
+            origin[name] = _quant_format(m)
+            layers = ({f"{name}.{p}": getattr(m, p) for p in ("gate_up_proj", "down_proj")}
+                      if isinstance(m, QuantFusedExperts) else {name: m})
+            exact[name] = all(layer.scales.dtype == torch.uint8  # the fp modes' scale codes, never cast
+                              or (ckpt.dtype_name(f"{key}.scales"), layer.scales.dtype) in _LOSSLESS_CASTS
+                              for key, layer in layers.items())
+    return origin, exact
+
+
 def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[str], exact: dict[str, bool],
                   output_format: str, requantize: str | None = None,
                   group_size: int = 64) -> list[tuple[str, str]]:
-    """[(module name, what happened)] for every linear layer and embedding of the written model.
+    """[(module name, what happened)] for every linear layer, fused experts module (of a MoE block)
+    and embedding of the written model.
     exact: {quantized module: whether its scales/biases survived the --dtype}; quantized_now: the
     layers this run quantized."""
     rows = []
@@ -342,11 +425,13 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
     for name, m in model.named_modules():
         src = origin.get(name, "float")
         if isinstance(m, TiedQuantLinear):
-            fmt = f"tied to the embedding ({m._embedding.mode} b{m._embedding.bits} gs{m._embedding.group_size})"
-        elif isinstance(m, (QuantLinear, QuantEmbedding)):
-            fmt = f"{m.mode} b{m.bits} gs{m.group_size}"
+            fmt = f"tied to the embedding ({_quant_format(m._embedding)})"
+        elif isinstance(m, (QuantLinear, QuantEmbedding, QuantFusedExperts)):
+            fmt = _quant_format(m)
         elif isinstance(m, (nn.Linear, nn.Embedding)):
             fmt = f"float {str(m.weight.dtype)[6:]}"
+        elif is_fused_experts(m):
+            fmt = f"float {str(m.get_parameter(layout_of(m).gate_up).dtype)[6:]}"
         else:
             continue
         if isinstance(m, TiedQuantLinear):
@@ -355,8 +440,9 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             how = f"tied to the embedding ({fmt})"
         elif name in quantized_now:
             how = f"{'re-quantized' if src != 'float' else 'quantized'} {src} -> {fmt}"
-        elif isinstance(m, (QuantLinear, QuantEmbedding)):
-            rounded = "" if exact.get(name, True) else f"{src} scales rounded to {str(m.scales.dtype)[6:]}"
+        elif isinstance(m, (QuantLinear, QuantEmbedding, QuantFusedExperts)):
+            scales = (m.down_proj if isinstance(m, QuantFusedExperts) else m).scales
+            rounded = "" if exact.get(name, True) else f"{src} scales rounded to {str(scales.dtype)[6:]}"
             how = f"{rounded or 'lossless'} {src} -> {fmt}"
         elif src in ("float", "F32", "F16", "BF16"):
             how = f"kept {fmt}" if src == "float" else f"kept {src} -> {fmt}"
@@ -468,6 +554,10 @@ def run(args: argparse.Namespace) -> int:
     is_gguf = src.is_file() and src.suffix == ".gguf"
     if not is_gguf and not (src.is_dir() and (src / "config.json").is_file()):
         raise UsageError(f"source {src} is neither a .gguf file nor a transformers folder with config.json")
+    source = None if is_gguf else _quantized_source(src)
+    if source is not None:
+        _keep_source_format(args, source)
+    args.mode = args.mode or "affine"
     _check_arguments(args, is_gguf)
     calibration = _calibration(args, is_gguf)
     check_destination(src, args.dst, args.overwrite)
@@ -493,6 +583,8 @@ def run(args: argparse.Namespace) -> int:
                 model, exact, origin = _load_gguf(gguf, dtype or torch.float32, keep_affine=args.requantize != "all")
             else:
                 model = from_pretrained(src, dtype=dtype or "auto")
+                if source is not None:
+                    origin, exact = _source_layers(model, src)
             if not is_gguf or args.requantize:
                 quantized_now = _quantize_for_mlx(model, bits, group_size, args.method, calibration, args.mode)
             save_mlx(model, out, config=model.config.to_dict())
@@ -502,8 +594,8 @@ def run(args: argparse.Namespace) -> int:
             model, exact, origin = _load_gguf(gguf, dtype or torch.float32, keep_affine=True, float_embedding=True)
             model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
             if args.requantize == "rest":
-                quantized_now = _quantize_float_linears(model, bits, group_size, args.method, calibration, args.mode,
-                                                        keep={_output_head(model)})
+                quantized_now = _quantize_float_layers(model, bits, group_size, args.method, calibration, args.mode,
+                                                       keep={_output_head(model)})
             why_not = record_quantization_config(model)
             if why_not is not None:
                 raise ValueError(f"{src}: a transformers quantization_config cannot describe the converted layers: "
@@ -519,9 +611,13 @@ def run(args: argparse.Namespace) -> int:
                 model.save_pretrained(staging)
                 model = from_pretrained(staging, quantization_config=cfg, dtype=dtype or "auto")
                 shutil.rmtree(staging)
+            elif source is not None:  # its layers as they are (the folder's config rebuilds them)
+                model = from_pretrained(src, dtype=dtype or "auto")
+                origin, exact = _source_layers(model, src)
             else:
                 model = from_pretrained(src, quantization_config=cfg, dtype=dtype or "auto")
-            quantized_now = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+            if source is None:
+                quantized_now = {n for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantFusedExperts))}
             model.save_pretrained(out)
         if is_gguf:
             from .gguf_tokenizer import save_gguf_tokenizer

@@ -27,6 +27,7 @@ import os
 import warnings
 from collections import Counter
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -397,19 +398,27 @@ def mlx_state_dict(model: nn.Module, model_type: str | None = None) -> dict[str,
     return out
 
 
-def mlx_lm_config(config: dict) -> dict:
-    """`config` (a transformers config as a dict) with the rotary-embedding fields mlx_lm reads.
+def mlx_lm_config(config: dict, aliases: Mapping[str, str] | None = None) -> dict:
+    """`config` (a transformers config as a dict) with the fields mlx_lm reads under other names:
+    the aliases of `aliases` (a transformers config's `attribute_map`, alias -> canonical name) and
+    the rotary-embedding fields.
+
+    transformers writes a field under its canonical name only (Qwen3-MoE: num_local_experts);
+    mlx_lm's model arguments may read an alias (num_experts): both are written.
 
     transformers 5 keeps the rotary embedding in `rope_parameters` ({"rope_type", "rope_theta",
     and the type's parameters}) and ignores top-level copies when it reads a config; mlx_lm's model
     arguments (models/llama.py, whose arguments mistral's also use, and others) read top-level
     `rope_theta` (default 10000) and `rope_scaling` (None or the type's parameters, as
     transformers 4 wrote them). Both are set from `rope_parameters`, so both readers build the
-    same rotary embedding; a config without `rope_parameters` is returned unchanged. The other
+    same rotary embedding; a config without `rope_parameters` gets no rotary fields. The other
     fields mlx_lm reads (hidden_size, num_key_value_heads, head_dim, rms_norm_eps,
     tie_word_embeddings, eos_token_id, ...) have the same names and meaning in both.
     """
     out = dict(config)
+    for alias, canonical in (aliases or {}).items():
+        if canonical in out and alias not in out:
+            out[alias] = out[canonical]
     rope = config.get("rope_parameters")
     if not isinstance(rope, dict):
         return out
@@ -442,19 +451,16 @@ def save_mlx(
         folder: output folder (created).
         config: the model's config to write; default: `model.config.to_dict()` for a transformers
             model. The "quantization" and "quantization_config" entries are set from the model and
-            the fields mlx_lm reads under other names are added (mlx_lm_config).
+            the fields mlx_lm reads under other names are added (mlx_lm_config, with the aliases
+            of `model.config.attribute_map` when the model has one), whichever way it is given.
         max_shard_bytes: shard size limit; several shards get model.safetensors.index.json.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    if config is None and callable(getattr(getattr(model, "config", None), "to_dict", None)):
-        config = model.config.to_dict()
-        # transformers writes a field under its canonical name only (Qwen3-MoE: num_local_experts),
-        # mlx_lm's model arguments may read an alias (num_experts): both are written.
-        for alias, canonical in getattr(model.config, "attribute_map", {}).items():
-            if canonical in config and alias not in config:
-                config[alias] = config[canonical]
-    config = mlx_lm_config(dict(config or {}))
+    model_config = getattr(model, "config", None)
+    if config is None and callable(getattr(model_config, "to_dict", None)):
+        config = model_config.to_dict()
+    config = mlx_lm_config(dict(config or {}), getattr(model_config, "attribute_map", None))
     model_type = config.get("model_type")
     q = quantization_config(model, model_type)
     for k in _QUANT_KEYS:
