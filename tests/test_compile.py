@@ -67,3 +67,29 @@ def test_compiled_with_inductor_matches_eager():
         for m in (3, 9):
             x = torch.randn(m, 64)
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_quant_linear_under_autocast_traces_whole():
+    # QuantLinear follows torch.autocast (torch_qmm.nn.follows_autocast): the region's state is
+    # read while tracing, so layers of two compute dtypes under autocast trace as one graph that
+    # computes eager's result (the graph run as traced, so bit for bit), and the same compiled
+    # module outside autocast still refuses float32 x for the bfloat16 layer.
+    torch.manual_seed(2)
+    model = nn.Sequential(QuantLinear.from_linear(nn.Linear(128, 64).to(torch.bfloat16), bits=4, group_size=64),
+                          nn.GELU(), QuantLinear.from_linear(nn.Linear(64, 32), bits=4, group_size=32))
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counting_backend)
+    x = torch.randn(6, 128)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x)
+        got = compiled(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want) and len(graphs) == 1
+    with torch.no_grad(), pytest.raises(Exception, match="must have the dtype of 'scales'"):
+        compiled(x)

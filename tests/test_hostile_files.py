@@ -354,9 +354,9 @@ def _shard_of(folder: Path, key: str) -> Path:
 
 
 @pytest.mark.parametrize("value, message", [
-    (4.7, "field 'bits' must be a JSON integer, got 4.7"),
-    ("4", "field 'bits' must be a JSON integer, got '4'"),
-    (True, "field 'bits' must be a JSON integer, got True"),
+    (4.7, "field 'bits' must be a JSON integer or null, got 4.7"),
+    ("4", "field 'bits' must be a JSON integer or null, got '4'"),
+    (True, "field 'bits' must be a JSON integer or null, got True"),
 ])
 def test_mlx_config_bits_must_be_an_integer(mlx_folder, tmp_path, value, message):
     folder = _copy(mlx_folder, tmp_path / "m")

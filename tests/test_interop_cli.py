@@ -286,3 +286,37 @@ def test_inspect_refuses_gguf_blocks_it_cannot_describe(tmp_path, capsys, ggml_t
     assert main(["inspect", str(folder)]) == 1
     err = capsys.readouterr().err
     assert re.search(message, err) and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("writer", ["mlx_lm", "torch_qmm"])
+def test_inspect_shows_stacked_experts_like_two_dimensional_weights(writer, tmp_path, capsys):
+    # MoE experts are stored stacked: words [E, N, K*bits/32], scales [E, N, K/group_size]. Their
+    # rows show the format and the logical shape [E, N, K], as a 2-D weight's do.
+    from moe_helpers import tiny_moe
+
+    if writer == "mlx_lm":  # mlx_lm quantizes and saves; its own modules are the reference
+        import mlx_lm.utils as mlx_lm_utils
+        from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+        from test_moe_mlx_lm import mlx_lm_quantized_folder
+
+        folder = mlx_lm_quantized_folder("mixtral", "affine", tmp_path)
+        theirs, _ = mlx_lm_utils.load_model(folder)
+        want = {name: (f"affine b{m.bits} gs{m.group_size} (F32)", [m.num_experts, m.output_dims, m.input_dims])
+                for name, m in theirs.named_modules() if isinstance(m, QuantizedSwitchLinear)}
+    else:  # transformers quantizes (TorchQmmConfig) and saves; the float model's expert tensors are the reference
+        model = tiny_moe("mixtral")
+        model.save_pretrained(tmp_path / "float")
+        want = {name: ("affine b4 gs32 (F32)", list(p.shape)) for name, p in model.named_parameters() if p.dim() == 3}
+        quantized = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "float", quantization_config=TorchQmmConfig(bits=4, group_size=32), dtype=torch.float32)
+        folder = tmp_path / "hf"
+        quantized.save_pretrained(folder)
+    assert len(want) == 2 * (3 if writer == "mlx_lm" else 2)
+    capsys.readouterr()
+    assert main(["inspect", str(folder), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # transformers saves Mixtral's MoE block (the model's `mlp`) under the checkpoint name block_sparse_moe
+    rows = {r["layer"]: (r["format"], r["shape"]) for r in report["layers"]}
+    rows.update({name.replace(".block_sparse_moe.", ".mlp."): row for name, row in rows.items()})
+    assert {name: rows.get(name) for name in want} == want
+    assert not any(kind == "affine" or "no config" in kind for kind in report["totals"]), report["totals"]

@@ -480,12 +480,15 @@ def test_quantization_entries_parse_as_mlx_lm_reads_them():
     from torch_qmm.interop.mlx import QuantSpec
 
     q = {"group_size": 64, "bits": 4, "a.up": True, "a.down": False, "b.up": {"group_size": 32, "bits": 8},
-         "c.up": {"group_size": 32, "bits": 4, "mode": "mxfp4"}, "note": "written by a tool"}
+         "c.up": {"group_size": 32, "bits": 4, "mode": "mxfp4"}, "note": "written by a tool",
+         # null: the mode's default (mlx.nn's), not the top-level entry's
+         "d.up": {"group_size": None, "bits": 3}, "e.up": {"group_size": None, "bits": None, "mode": "nvfp4"}}
     for key in ("quantization", "quantization_config"):
         default, overrides = parse_quantization({key: q})
         assert default == QuantSpec(4, 64, "affine")
         assert overrides == {"a.up": QuantSpec(4, 64, "affine"), "a.down": False, "b.up": QuantSpec(8, 32, "affine"),
-                             "c.up": QuantSpec(4, 32, "mxfp4")}
+                             "c.up": QuantSpec(4, 32, "mxfp4"), "d.up": QuantSpec(3, 64, "affine"),
+                             "e.up": QuantSpec(4, 16, "nvfp4")}
     assert parse_quantization({}) == (None, {})
     assert parse_quantization({"quantization": None}) == (None, {})
 
@@ -494,9 +497,9 @@ BAD_QUANTIZATION = [
     ({"a.up": True}, r"'quantization.a.up' is true but no default bits/group_size is given"),
     ({"group_size": 64}, r"'quantization': quantization entry must give 'bits' and 'group_size'"),
     ({"group_size": 64, "bits": 4, "a.up": {"bits": 8}}, r"'quantization.a.up': quantization entry must give"),
-    ({"group_size": 64, "bits": 4.0}, r"field 'bits' must be a JSON integer, got 4.0"),
-    ({"group_size": "64", "bits": 4}, r"field 'group_size' must be a JSON integer, got '64'"),
-    ({"group_size": 64, "bits": True}, r"field 'bits' must be a JSON integer, got True"),
+    ({"group_size": 64, "bits": 4.0}, r"field 'bits' must be a JSON integer or null, got 4.0"),
+    ({"group_size": "64", "bits": 4}, r"field 'group_size' must be a JSON integer or null, got '64'"),
+    ({"group_size": 64, "bits": True}, r"field 'bits' must be a JSON integer or null, got True"),
     ({"group_size": 64, "bits": 4, "quant_method": "gptq"}, r"quantization method 'gptq' is not one of MLX's formats"),
     ({"group_size": 64, "bits": 7}, r"'quantization': argument 'bits' must be"),
     ({"group_size": 64, "bits": 4, "a.up": {"group_size": 64, "bits": 4, "mode": "mxfp4"}},

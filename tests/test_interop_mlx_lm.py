@@ -14,6 +14,8 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -395,6 +397,61 @@ def test_mlx_lm_holds_bit_for_bit_what_our_loader_reads(which, gguf_mlx, hf_mlx)
     assert set(theirs) == set(ours)
     for name, t in ours.items():
         assert_same_bits(name, theirs[name], t)
+
+
+def mlx_lm_mixed_folder(hf_folder: Path, out: Path, group_size: int | None) -> Path:
+    """`mlx_lm.convert -q --quant-predicate mixed_3_6 [--q-group-size group_size]` of hf_folder,
+    with top-level rope_theta added to its config (the spelling mlx_lm's llama arguments read)."""
+    from mlx_lm.convert import convert
+
+    src = out.parent / f"{out.name}-src"
+    shutil.copytree(hf_folder, src)
+    config = json.loads((src / "config.json").read_text())
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    (src / "config.json").write_text(json.dumps(config))
+    convert(str(src), str(out), quantize=True, q_group_size=group_size, quant_predicate="mixed_3_6")
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed_mlx(tmp_path_factory, hf_folder):
+    return mlx_lm_mixed_folder(hf_folder, tmp_path_factory.mktemp("mixed") / "out", None)
+
+
+def test_mlx_lm_mixed_recipe_folder_loads_with_mlx_lm_s_group_size(mixed_mlx):
+    # Without --q-group-size the recipe writes "group_size": null per layer; mlx_lm reads null as
+    # the mode's default. Our layers must have the formats mlx_lm built and compute its logits.
+    q = json.loads((mixed_mlx / "config.json").read_text())["quantization"]
+    entries = [v for v in q.values() if isinstance(v, dict)]
+    assert entries and all(v["group_size"] is None for v in entries) and {v["bits"] for v in entries} == {3, 6}
+    theirs, _ = mlx_lm_utils.load_model(mixed_mlx)
+    held = {n: (m.bits, m.group_size, m.mode) for n, m in theirs.named_modules() if hasattr(m, "scales")}
+    ours = torch_from_mlx_folder(mixed_mlx)
+    got = {n: (m.bits, m.group_size, m.mode) for n, m in ours.named_modules() if hasattr(m, "qweight")}
+    assert got == held and len(got) == 7 * LAYERS + 2
+    ids = [int(i) for i in np.random.default_rng(4).integers(0, ours.config.vocab_size, 24)]
+    err = assert_logits_close(torch_logits(ours, ids), mlx_logits(theirs, ids))
+    print(f"mlx_lm mixed_3_6 -> ours: max |torch - mlx_lm| / max |logit| = {err:.2e}")
+    assert main(["inspect", str(mixed_mlx)]) == 0
+
+
+def test_null_group_size_that_the_stored_scales_contradict_names_the_file_and_layer(hf_folder, tmp_path):
+    # Written with group size 32, then the entries' group sizes nulled: the default (64) does not
+    # fit the stored scales, which mlx_lm refuses too.
+    out = mlx_lm_mixed_folder(hf_folder, tmp_path / "out", 32)
+    config = json.loads((out / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        for v in config[key].values():
+            if isinstance(v, dict):
+                v["group_size"] = None
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError):
+        mlx_lm_utils.load_model(out)
+    message = (re.escape(f"{out / 'model.safetensors'}: layer ") + r"'[\w.]+': config says bits=\d, group_size=64, "
+               r".*; the checkpoint has weight \[\d+, \d+\], scales \[\d+, 2\], biases \[\d+, 2\] "
+               r"\(the stored scales fit group_size=32\)$")
+    with pytest.raises(ValueError, match="^" + message):
+        torch_from_mlx_folder(out)
 
 
 @pytest.mark.parametrize("mode", ["affine", *FP_MODES])

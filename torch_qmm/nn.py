@@ -3,6 +3,8 @@ formats (the modes of torch_qmm.formats.FORMATS: affine, mxfp4, nvfp4, ...)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -78,6 +80,39 @@ def load_quantized_weight(module: nn.Module, weight: torch.Tensor, dtype: torch.
             module.biases.copy_(biases[0])
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype torch.autocast gives the input x of a linear layer: inside an enabled autocast
+    region for x's device type, the region's dtype for a float x other than float64 (which autocast
+    leaves as it is); None otherwise (and on device types autocast does not know, such as meta)."""
+    device = x.device.type
+    if (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+            and x.is_floating_point() and x.dtype != torch.float64):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
+def follows_autocast(forward):
+    """Decorates forward(self, x, ...) of a module that replaces nn.Linear so that it follows
+    torch.autocast as nn.Linear does: where autocast_dtype(x) is a dtype, x is cast to it and the
+    result has it. The quantized weights are not rounded to it: affine ones are multiplied in the
+    dtype of their scales (the dtype the ops take x in), so x is cast on to that dtype (exactly,
+    when it is wider) and the result back; the fp modes and GGUF blocks take x in any float dtype.
+    Outside autocast, forward runs unchanged."""
+
+    @functools.wraps(forward)
+    def wrapper(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        dtype = autocast_dtype(x)
+        if dtype is None:
+            return forward(self, x, *args, **kwargs)
+        x = x.to(dtype)
+        scales = getattr(self, "scales", None)
+        if scales is not None and scales.is_floating_point():
+            x = x.to(scales.dtype)
+        return forward(self, x, *args, **kwargs).to(dtype)
+
+    return wrapper
+
+
 def quantized_from(cls, weight: torch.Tensor, dtype: torch.dtype | None, *args, **kwargs) -> nn.Module:
     """cls(*args, device=weight's, dtype=dtype, **kwargs) holding the float `weight` quantized
     (load_quantized_weight): the from_float of the quantized modules. dtype: the compute dtype,
@@ -97,7 +132,8 @@ class QuantLinear(QuantFormatState, nn.Module):
     group_size, mode) as ``_extra_state`` (QuantFormatState). bits / group_size None: the mode's
     defaults (as mlx.nn.QuantizedLinear). ``.to(dtype)`` converts the float buffers (the compute
     dtype) and leaves the packed words and uint8 scales alone; inputs must have the compute dtype,
-    as with nn.Linear (fp modes: any float dtype, the output has x's). ``activations="int8"``
+    as with nn.Linear (fp modes: any float dtype, the output has x's); inside torch.autocast, x
+    and the output take the autocast dtype, as nn.Linear's do (follows_autocast). ``activations="int8"``
     (affine only): x quantized to int8 per block of 32 on every call (torch_qmm.activations; CPU,
     approximate); None: exact unless inside torch_qmm.activation_quantization.
     """
@@ -145,6 +181,7 @@ class QuantLinear(QuantFormatState, nn.Module):
                 module.bias.copy_(linear.bias.detach().to(module.bias.dtype))
         return module
 
+    @follows_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quantized_matmul(x, self.qweight, self.scales, self.biases, transpose=True,
                              group_size=self.group_size, bits=self.bits, mode=self.mode,

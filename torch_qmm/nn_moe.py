@@ -12,7 +12,8 @@ from torch import nn
 
 from . import ops
 from .format_state import QuantFormatState
-from .nn import check_positive_ints, compute_dtype_repr, quantized_from, register_quantized_weight, resolve_format
+from .nn import (check_positive_ints, compute_dtype_repr, follows_autocast, quantized_from,
+                 register_quantized_weight, resolve_format)
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert before the matmuls, so
 # that each expert's rows are read once for a run of tokens (mlx_lm's SwitchGLU sorts from 64).
@@ -25,7 +26,8 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
 
     Buffers: ``qweight`` uint32 [E, out, in*bits/32]; ``scales`` [E, out, in/group_size] (in the
     compute dtype for mode "affine", then also ``biases``; uint8 codes for the fp modes); optional
-    ``bias`` [E, out]; the format as ``_extra_state`` (QuantFormatState), as QuantLinear.
+    ``bias`` [E, out]; the format as ``_extra_state`` (QuantFormatState), as QuantLinear, which
+    it also follows in the dtypes of x and the output, torch.autocast included.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
                 module.bias.copy_(bias)
         return module
 
+    @follows_autocast
     def forward(self, x: torch.Tensor, indices: torch.Tensor, sorted_indices: bool = False) -> torch.Tensor:
         """x [..., M, in], indices (int) broadcasting with x's batch dims -> [..., M, out], as
         mlx.core.gather_qmm(x, w, ..., rhs_indices=indices, transpose=True)."""

@@ -146,11 +146,13 @@ def _rows_safetensors(path: Path, verify: bool) -> tuple[list[dict], dict]:
             known = saved or configured
             words = ckpt.shape(_join(layer, words_key))
             groups = ckpt.shape(_join(layer, "scales"))
-            if known and len(words) == 2 and len(groups) == 2:
+            # a weight [N, K*bits/32] with scales [N, K/group_size], or a stack of them (MoE
+            # experts: [E, N, K*bits/32] and [E, N, K/group_size])
+            if known and len(words) in (2, 3) and len(groups) == len(words) and words[:-1] == groups[:-1]:
                 note = (f"; config.json says {configured[2]} b{configured[0]} gs{configured[1]}"
                         if configured not in (None, known) else "")
                 fmt = f"{known[2]} b{known[0]} gs{known[1]} ({ckpt.dtype_name(_join(layer, 'scales'))}{note})"
-                shape = [words[0], groups[-1] * known[1]]
+                shape = [*words[:-1], groups[-1] * known[1]]
             else:
                 kind = "affine" if "biases" in leaves else "quantized"
                 fmt, shape = f"{kind} (no config)", list(words)

@@ -6,7 +6,9 @@ An MLX folder (as mlx.nn / mlx_lm write it):
                      "<module path>": {"group_size": .., "bits": .., "mode": ..} | false, ...}
                     A per-layer entry overrides the default; `false` means "not quantized". A
                     missing "mode" is "affine", in a per-layer entry too (mlx.nn's to_quantized
-                    default, which mlx_lm passes the entry to).
+                    default, which mlx_lm passes the entry to). "group_size" or "bits" null is the
+                    mode's default (affine 64 / 4, ...: mlx.nn's to_quantized takes None as the
+                    default); mlx_lm's mixed recipes without --q-group-size write null group sizes.
   model.safetensors or model-0000i-of-0000n.safetensors + model.safetensors.index.json
                     a quantized layer `p` stores p.weight (uint32 [out, in*bits/32]), p.scales
                     ([out, in/group_size]: float for affine, uint8 for the fp modes), p.biases
@@ -96,13 +98,13 @@ def _spec_from(entry: dict, where: str) -> QuantSpec:
         raise ValueError(f"{where}: quantization entry must give 'bits' and 'group_size', got {entry!r}")
     for field in ("bits", "group_size"):
         v = entry[field]
-        if not isinstance(v, int) or isinstance(v, bool):  # 4.7 or "4" is a corrupt config, not 4
-            raise ValueError(f"{where}: field {field!r} must be a JSON integer, got {v!r}")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):  # 4.7 or "4" is corrupt, not 4
+            raise ValueError(f"{where}: field {field!r} must be a JSON integer or null, got {v!r}")
     try:
-        resolve_format(mode, entry["bits"], entry["group_size"])
+        bits, group_size = resolve_format(mode, entry["bits"], entry["group_size"])  # null: the mode's default
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    return QuantSpec(entry["bits"], entry["group_size"], mode)
+    return QuantSpec(bits, group_size, mode)
 
 
 def parse_quantization(config: dict, where: str = "config.json") -> tuple[QuantSpec | None, dict[str, QuantSpec | bool]]:
@@ -145,10 +147,14 @@ def _check_quantized_shapes(ckpt: Checkpoint, path: str, spec: QuantSpec, rows: 
     got = {part: ckpt.shape(f"{path}.{part}") for part in parts}
     if got_w != want_w or any(shape != want_s for shape in got.values()):
         hint = ""
-        if tuple(got_w[:-1]) == lead and got_w[-1] * 32 % cols == 0:
+        if got_w != want_w and tuple(got_w[:-1]) == lead and got_w[-1] * 32 % cols == 0:
             hint = f" (the stored weight fits bits={got_w[-1] * 32 // cols})"
+        got_s = got["scales"]
+        if got_s != want_s and tuple(got_s[:-1]) == lead and got_s[-1] > 0 and cols % got_s[-1] == 0:
+            hint += f" (the stored scales fit group_size={cols // got_s[-1]})"
         raise ValueError(
-            f"{ckpt.path}: layer {path!r}: config says bits={spec.bits}, group_size={spec.group_size}, "
+            f"{ckpt.where[f'{path}.scales']}: layer {path!r}: config says bits={spec.bits}, "
+            f"group_size={spec.group_size}, "
             f"mode={spec.mode!r} for a {[*lead, cols]} weight, so weight must be {list(want_w)} and "
             f"{'/'.join(parts)} {list(want_s)}; the checkpoint has weight {list(got_w)}, "
             + ", ".join(f"{part} {list(shape)}" for part, shape in got.items()) + hint

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..format_state import FormatState, QuantFormatState
-from ..nn import check_positive_ints, quantized_from, register_quantized_weight
+from ..nn import check_positive_ints, follows_autocast, quantized_from, register_quantized_weight
 from ..ops import dequantize, gguf_matmul, quantized_matmul
 from .gguf_types import NATIVE_TYPES, block_info, type_name
 
@@ -75,8 +75,10 @@ class QuantEmbedding(QuantFormatState, nn.Module):
                           mode=self.mode, dtype=self.compute_dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
+    @follows_autocast
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] @ table.T -> [..., num_embeddings]: the tied output projection."""
+        """x [..., dim] @ table.T -> [..., num_embeddings]: the tied output projection (following
+        torch.autocast as nn.Linear does: nn.follows_autocast)."""
         return quantized_matmul(x, self.qweight, self.scales, self.biases, transpose=True,
                                 group_size=self.group_size, bits=self.bits, mode=self.mode)
 
@@ -116,7 +118,8 @@ class GGUFLinear(FormatState, nn.Module):
 
     Buffer ``blocks`` uint8 [out, in/256 * block_bytes]: each row of W is its super-blocks exactly as
     llama.cpp writes them (so a GGUF tensor's data is the buffer, no re-encoding). x may be float32,
-    float16 or bfloat16; the output has x's dtype (float32 accumulation). The GGUF type is in
+    float16 or bfloat16; the output has x's dtype (float32 accumulation; inside torch.autocast, x
+    and the output take the autocast dtype, as nn.Linear's do: nn.follows_autocast). The GGUF type is in
     state_dict as ``_extra_state`` (FormatState): the shapes cannot tell, Q4_K blocks with
     in_features=8960 have the shape of Q6_K blocks with 6144.
     """
@@ -152,6 +155,7 @@ class GGUFLinear(FormatState, nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @follows_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = gguf_matmul(x, self.blocks, self.ggml_type, self.out_features, self.in_features)
         if self.bias is not None:
