@@ -146,6 +146,61 @@ def test_torch_qmm_config_quantizes_experts_and_round_trips(family, tmp_path):
     assert torch.equal(logits(again, ids), want)
 
 
+# transformers saves a Mixtral model under its checkpoints' names (the MoE block as
+# block_sparse_moe, renamed to mlp on load); the other families under the model's own names.
+SAVED_AS = {"mixtral": (".mlp.", ".block_sparse_moe.")}
+
+
+def stored_tensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: t for f in sorted(folder.glob("*.safetensors")) for k, t in load_file(f).items()}
+
+
+@pytest.mark.parametrize("route", ["quantize_model-from-config", "quantize_model-after-from_pretrained",
+                                   "TorchQmmConfig"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_save_pretrained_stores_the_quantized_experts_and_reloads_them(family, route, tmp_path):
+    """However the model was quantized (quantize_model on a model built from its config or read by
+    from_pretrained, or TorchQmmConfig on load), save_pretrained stores every tensor of its state
+    as it is (the experts' packed words, scales and biases, no per-expert float weights) and
+    from_pretrained rebuilds it: the same tensors bit for bit, the same logits (same buffers,
+    same kernels: equal, no tolerance)."""
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    model_cls = FAMILIES[family][1]
+    q = tiny_moe(family)
+    if route != "quantize_model-from-config":
+        q.save_pretrained(tmp_path / "float")
+    if route == "TorchQmmConfig":
+        q = model_cls.from_pretrained(tmp_path / "float", quantization_config=TorchQmmConfig(bits=4, group_size=32),
+                                      dtype=torch.float32)
+    else:
+        if route == "quantize_model-after-from_pretrained":
+            q = model_cls.from_pretrained(tmp_path / "float", dtype=torch.float32)
+        quantize_model(q, bits=4, group_size=32)
+    assert sum(isinstance(m, QuantFusedExperts) for m in q.modules()) == 2
+    q.save_pretrained(tmp_path / "quantized")
+
+    stored = stored_tensors(tmp_path / "quantized")
+    state = q.state_dict()
+    old, new = SAVED_AS.get(family, (".", "."))
+    assert sorted(stored) == sorted(k.replace(old, new) for k in state)
+    for name, t in state.items():
+        s = stored[name.replace(old, new)]
+        assert s.dtype == t.dtype and torch.equal(s, t), name
+    words = stored["model.layers.0.mlp.experts.gate_up_proj.qweight".replace(old, new)]
+    assert words.dtype == torch.uint32 and words.shape == (EXPERTS, 2 * INTER, HIDDEN * 4 // 32)
+
+    again = model_cls.from_pretrained(tmp_path / "quantized", dtype=torch.float32)
+    reloaded = again.state_dict()
+    assert sorted(reloaded) == sorted(state)
+    for name, t in state.items():
+        assert reloaded[name].dtype == t.dtype and torch.equal(reloaded[name], t), name
+    ids = ids_for(6)
+    assert torch.equal(logits(again, ids), logits(q, ids))
+
+
 def test_state_dict_of_other_format_is_refused():
     _, q = quantized("olmoe", "affine")
     _, other = quantized("olmoe", "mxfp4")

@@ -133,6 +133,27 @@ def _without_expert_converters(conversions: list, model) -> list:
     return [c for c in conversions if not builds_expert_weight(c)]
 
 
+def keep_quantized_experts_on_save(model) -> None:
+    """Makes transformers' save_pretrained write `model`'s QuantFusedExperts buffers as they are.
+    save_pretrained reverts the weight conversions that read the model's checkpoint (those
+    from_pretrained recorded in `model._weight_conversions`, else the default ones of the model's
+    class), and the reverse of a merge of per-expert tensors into gate_up_proj / down_proj would
+    split the packed buffers as if they were float weights; those converters are dropped, the
+    renamings are kept (a reload applies them again)."""
+    if not any(isinstance(m, QuantFusedExperts) for m in model.modules()):
+        return
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        # What save_pretrained reverts for a model from_pretrained did not load: its class's
+        # mapping, without the prefix changes (nothing tells whether the prefix was there).
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    model._weight_conversions = _without_expert_converters(conversions, model)
+
+
 def _float_layers(model) -> set[str]:
     """The layers a torch_qmm config could quantize that are float: nn.Linear and fused experts."""
     return {n for n, m in model.named_modules() if type(m) is nn.Linear} | {n for n, _ in fused_experts(model)}
@@ -141,8 +162,10 @@ def _float_layers(model) -> set[str]:
 def record_quantization_config(model) -> str | None:
     """Sets `model.config.quantization_config` to the TorchQmmConfig of its layers as they are, so
     that transformers' save_pretrained writes a folder from_pretrained rebuilds them from (exactly
-    these layers quantized, each with its bits). Returns why not where one config cannot hold them
-    (group sizes or modes that differ between layers), leaving the config as it was."""
+    these layers quantized, each with its bits, the experts stored as their buffers:
+    keep_quantized_experts_on_save). Returns why not where one config cannot hold them (group
+    sizes or modes that differ between layers), leaving the config as it was."""
+    keep_quantized_experts_on_save(model)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     layers |= {n: m.down_proj for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)}
     if not layers:
@@ -224,8 +247,7 @@ class TorchQmmHfQuantizer(HfQuantizer):
             cfg.bits = next(iter(got.values())) if len(set(got.values())) == 1 else got
         # Saving writes QuantFusedExperts' buffers as they are: no reverse of the per-expert merge
         # that read the float checkpoint.
-        if getattr(model, "_weight_conversions", None) is not None:
-            model._weight_conversions = _without_expert_converters(model._weight_conversions, model)
+        keep_quantized_experts_on_save(model)
         # Record every float layer so that a reload rebuilds exactly these QuantLinears.
         cfg.modules_to_not_convert = sorted(set(self.modules_to_not_convert) | _float_layers(model))
         return model
