@@ -201,6 +201,24 @@ def test_save_pretrained_stores_the_quantized_experts_and_reloads_them(family, r
     assert torch.equal(logits(again, ids), logits(q, ids))
 
 
+def test_expert_converters_are_dropped_as_transformers_matches_them(tmp_path):
+    # Some families write a converter's target as a regex (deepseek_v4, kimi_linear:
+    # r"\.experts.gate_up_proj"); it is dropped when its reverse, as transformers applies it on
+    # save, would take a tensor of the quantized experts. Here Qwen3-MoE's merge in that spelling.
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    q = tiny_moe("qwen3_moe")
+    q._weight_conversions = [WeightConverter(
+        source_patterns=[r"\.experts.*.gate_proj.weight", r"\.experts.*.up_proj.weight"],
+        target_patterns=r"\.experts.gate_up_proj", operations=[MergeModulelist(dim=0), Concatenate(dim=1)])]
+    quantize_model(q, bits=4, group_size=32)
+    assert q._weight_conversions == []
+    q.save_pretrained(tmp_path)
+    stored = stored_tensors(tmp_path)
+    assert torch.equal(stored["model.layers.0.mlp.experts.gate_up_proj.qweight"],
+                       q.model.layers[0].mlp.experts.gate_up_proj.qweight)
+
+
 def test_state_dict_of_other_format_is_refused():
     _, q = quantized("olmoe", "affine")
     _, other = quantized("olmoe", "mxfp4")

@@ -19,7 +19,6 @@ reload builds exactly the saved layers.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -119,16 +118,18 @@ class TorchQmmConfig(QuantizationConfigMixin):
 
 def _without_expert_converters(conversions: list, model) -> list:
     """`conversions` without the converters that build a weight of a QuantFusedExperts (the fused
-    gate_up_proj / down_proj tensors that the quantized module replaces by its buffers)."""
+    gate_up_proj / down_proj tensors that the quantized module replaces by its buffers): those
+    whose reverse, as transformers matches it, takes one of that module's tensors."""
     from transformers.core_model_loading import WeightConverter
 
-    replaced = [f"{n}.{child}" for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)
-                for child in ("gate_up_proj", "down_proj")]
+    keys = [f"{n}.{k}" for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)
+            for k in m.state_dict(keep_vars=True)]
 
     def builds_expert_weight(c) -> bool:
-        targets = getattr(c, "_original_target_patterns", None) or []
-        return isinstance(c, WeightConverter) and any(
-            re.search(re.escape(t.strip("^$")).replace(r"\*", r"\d+"), name) for t in targets for name in replaced)
+        if not isinstance(c, WeightConverter):
+            return False
+        reverse = c.reverse_transform()
+        return any(reverse.rename_source_key(k)[1] is not None for k in keys)
 
     return [c for c in conversions if not builds_expert_weight(c)]
 
