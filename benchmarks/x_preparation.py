@@ -1,12 +1,15 @@
 """What preparing x costs a CPU chunk-kernel call at M=1, and what splitting it over the threads
 saves (csrc/cpu/chunk_driver.h: each row of x prepared in parts along K).
 
-A call at N=16 (one span of W: 16 rows, a few hundred KB at K=14336) is nearly all fixed cost:
-the parallel region, preparing x, one span of products. Each kernel family the CPU takes for
+A call at N=32 (two spans of W of 16 rows, one per thread of two; a few hundred KB at K=14336)
+is nearly all fixed cost: the parallel region, preparing x, a span of products per thread. Each kernel family the CPU takes for
 M=1 is timed with x in one part per row (TORCH_QMM_CPU_X_PARTS=1: one thread prepares the whole
 row while the others wait) and in the default parts (one per thread), in alternating order, on
-1 and 2 threads; each cell the median of many calls. Same process, same inputs, same results
-(the environment variable changes only the schedule; tests/test_cpu_slabs.py checks that).
+1 and 2 threads; each cell the median of many calls. Each call first writes x afresh on the
+calling thread (a copy from a source tensor, included in the time), as the op before a layer
+does in a model: x then sits in that core's cache, not in every core's, as it would if the same
+x were reused call after call. Same process, same inputs, same results (the environment variable
+changes only the schedule; tests/test_cpu_slabs.py checks that).
 
     PYTHONPATH=. python benchmarks/x_preparation.py [--k 14336] [--calls 2000] [--json benchmarks/results/...json]
 """
@@ -27,7 +30,7 @@ import torch_qmm
 from torch_qmm.bench.kernels import random_gguf_blocks
 from torch_qmm.ops import gguf_matmul, quantize, quantized_matmul
 
-N = 16
+N = 32  # two spans (chunk_driver.h span_rows_for): a team of two threads
 
 
 def families(K: int, gen: torch.Generator):
@@ -37,13 +40,15 @@ def families(K: int, gen: torch.Generator):
         w = torch.randn(N, K, generator=gen)
         for dtype in (torch.float32, torch.bfloat16):
             wq, s, b = quantize(w.to(dtype), 32, bits)
-            x = torch.randn(1, K, generator=gen).to(dtype)
+            src = torch.randn(1, K, generator=gen).to(dtype)
+            x = src.clone()
             for act in (None, "int8"):
                 with torch_qmm.activation_quantization(act):
                     route = (torch.ops.torch_qmm._cpu_route_int8_activations(x, wq, s, b, "affine", bits, 32) if act
                              else torch.ops.torch_qmm._cpu_route(x, wq, s, b, bits, 32))
 
-                def call(x=x, wq=wq, s=s, b=b, bits=bits, act=act):
+                def call(x=x, src=src, wq=wq, s=s, b=b, bits=bits, act=act):
+                    x.copy_(src)
                     with torch_qmm.activation_quantization(act):
                         return quantized_matmul(x, wq, s, b, transpose=True, group_size=32, bits=bits)
 
@@ -51,12 +56,14 @@ def families(K: int, gen: torch.Generator):
     for name, t in (("Q4_K", 12), ("Q6_K", 14)):
         blocks = random_gguf_blocks(N, K, name, "cpu", gen)
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(1, K, generator=gen).to(dtype)
+            src = torch.randn(1, K, generator=gen).to(dtype)
+            x = src.clone()
             for act in (None, "int8"):
                 route = (torch.ops.torch_qmm._gguf_cpu_route_int8_activations(x, blocks, t, N, K) if act
                          else torch.ops.torch_qmm._gguf_cpu_route(x, blocks, t, N, K))
 
-                def call(x=x, blocks=blocks, t=t, act=act):
+                def call(x=x, src=src, blocks=blocks, t=t, act=act):
+                    x.copy_(src)
                     with torch_qmm.activation_quantization(act):
                         return gguf_matmul(x, blocks, t, N, K)
 
