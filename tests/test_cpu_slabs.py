@@ -144,23 +144,17 @@ def test_gguf_chunk_kernels_give_the_same_sums_under_every_schedule(monkeypatch,
         under_every_schedule(monkeypatch, call)
 
 
-@pytest.mark.parametrize("value", ["abc", "-1", "16k", "99999999999999999999"])
-def test_a_slab_budget_that_is_not_a_byte_count_is_a_clear_error(monkeypatch, value):
+@pytest.mark.parametrize("variable,value,expected", [
+    *[("TORCH_QMM_CPU_SLAB_BYTES", v, "a byte count") for v in ["abc", "-1", "16k", "99999999999999999999"]],
+    *[("TORCH_QMM_CPU_X_PARTS", v, "a count of parts from 1 to 1048576") for v in ["abc", "0", "-2", "3.5", "1048577"]],
+])
+def test_a_schedule_variable_that_is_not_a_count_is_a_clear_error(monkeypatch, variable, value, expected):
     gen = torch.Generator().manual_seed(3)
     wq, scales, biases = quantize(torch.randn(N, 256, generator=gen), 32, 4)
-    x = torch.randn(4, 256, generator=gen)
-    assert torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, 4, 32).startswith("chunked/")
-    monkeypatch.setenv("TORCH_QMM_CPU_SLAB_BYTES", value)
-    with pytest.raises(ValueError, match=f"TORCH_QMM_CPU_SLAB_BYTES must be a byte count .*got '{value}'"):
-        quantized_matmul(x, wq, scales, biases, transpose=True, group_size=32, bits=4)
-
-
-@pytest.mark.parametrize("value", ["abc", "0", "-2", "3.5", "99999999999999999999"])
-def test_x_parts_that_are_not_a_count_are_a_clear_error(monkeypatch, value):
-    gen = torch.Generator().manual_seed(4)
-    wq, scales, biases = quantize(torch.randn(N, 256, generator=gen), 32, 4)
-    x = torch.randn(1, 256, generator=gen)
-    assert torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, 4, 32).startswith("chunked/")
-    monkeypatch.setenv("TORCH_QMM_CPU_X_PARTS", value)
-    with pytest.raises(ValueError, match=f"TORCH_QMM_CPU_X_PARTS must be a count of parts from 1 to 1048576, got '{value}'"):
-        quantized_matmul(x, wq, scales, biases, transpose=True, group_size=32, bits=4)
+    for m in (1, 4):
+        x = torch.randn(m, 256, generator=gen)
+        assert torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, 4, 32).startswith("chunked/")
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(ValueError, match=f"{variable} must be {expected}.*got '{value}'"):
+            quantized_matmul(x, wq, scales, biases, transpose=True, group_size=32, bits=4)
+        monkeypatch.delenv(variable)

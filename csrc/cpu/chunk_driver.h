@@ -69,6 +69,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <thread>
 #include <vector>
@@ -157,19 +158,24 @@ inline void group_sums(const float* x, int G, int64_t g0, int64_t g1, float* sum
   }
 }
 
-// TORCH_QMM_CPU_X_PARTS=P: every row of x prepared in P parts (at most one per part_chunks
-// chunks), read at each call; -1 where unset. The results are the same for any P (the tests
-// compare them). A value that is not a positive count is an error (ValueError).
-inline int64_t x_parts_override() {
-  const char* v = std::getenv("TORCH_QMM_CPU_X_PARTS");
+// The whole number in the environment variable `name`, read at each call: -1 where unset or
+// empty; a value that is not a whole number in [lo, hi] is an error (ValueError) naming the
+// variable and `what` it must be, never silently the default.
+inline int64_t env_count(const char* name, long long lo, long long hi, const char* what) {
+  const char* v = std::getenv(name);
   if (v == nullptr || v[0] == '\0') return -1;
   char* end = nullptr;
   errno = 0;
-  const long long p = std::strtoll(v, &end, 10);
-  TORCH_CHECK_VALUE(end != v && *end == '\0' && errno == 0 && p >= 1 && p <= (1 << 20),
-                    "environment variable TORCH_QMM_CPU_X_PARTS must be a count of parts from 1 to 1048576, got '",
-                    v, "'");
-  return int64_t(p);
+  const long long n = std::strtoll(v, &end, 10);
+  TORCH_CHECK_VALUE(end != v && *end == '\0' && errno == 0 && n >= lo && n <= hi, "environment variable ", name,
+                    " must be ", what, ", got '", v, "'");
+  return int64_t(n);
+}
+
+// TORCH_QMM_CPU_X_PARTS=P: every row of x prepared in P parts (at most one per part_chunks
+// chunks); -1 where unset. The results are the same for any P (the tests compare them).
+inline int64_t x_parts_override() {
+  return env_count("TORCH_QMM_CPU_X_PARTS", 1, 1 << 20, "a count of parts from 1 to 1048576");
 }
 
 // Parts per row of x for M rows on `threads` threads: enough that every thread has one (a whole
@@ -197,18 +203,10 @@ void prepare_part(const Kern& kern, const float* x, int64_t K, int64_t parts, in
 // only the speed differs.
 constexpr int64_t kSlabBytes = 16 * 1024;
 
-// TORCH_QMM_CPU_SLAB_BYTES, or -1 where unset (each kernel's own slab_bytes); a value that is not
-// a byte count is an error (ValueError), never silently the default.
+// TORCH_QMM_CPU_SLAB_BYTES, or -1 where unset (each kernel's own slab_bytes).
 inline int64_t slab_bytes_override() {
-  const char* v = std::getenv("TORCH_QMM_CPU_SLAB_BYTES");
-  if (v == nullptr || v[0] == '\0') return -1;
-  char* end = nullptr;
-  errno = 0;
-  const long long b = std::strtoll(v, &end, 10);
-  TORCH_CHECK_VALUE(end != v && *end == '\0' && errno == 0 && b >= 0,
-                    "environment variable TORCH_QMM_CPU_SLAB_BYTES must be a byte count (0: one pass over K), got '",
-                    v, "'");
-  return int64_t(b);
+  return env_count("TORCH_QMM_CPU_SLAB_BYTES", 0, std::numeric_limits<long long>::max(),
+                   "a byte count (0: one pass over K)");
 }
 
 // Whole chunks per slab at MB rows of x (at least one; all of them for a budget of 0).
