@@ -157,6 +157,25 @@ def test_bench_model_accepts_a_transformers_folder(tmp_path):
         assert t["quantized_ms"] > 0 and 0 <= t["rel_error"] < 0.5
 
 
+def test_bench_model_refuses_a_folder_torch_qmm_quantized(tmp_path, capsys):
+    """Such a folder has no float model to compare with: a usage error naming the folder, its
+    format and what --model expects, before any model is loaded or quantized."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "float")
+    assert main(["convert", str(tmp_path / "float"), str(tmp_path / "q"), "--bits", "8", "--group-size", "32"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "model_result.json"
+    argv = ["bench", "--device", "cpu", "--model", str(tmp_path / "q"), "--repeats", "1", "--output", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"argument --model: {tmp_path / 'q'} is a transformers folder quantized by torch_qmm (affine b8 gs32)" in err
+    assert "expects a float transformers folder" in err and "JSON file of ModelConfig fields" in err
+    assert not out.exists()
+
+
 def test_bench_times_mlx_in_its_own_process_and_records_how(tmp_path):
     """MLX's worker threads keep spinning after a call: it is timed in a child process after the
     in-process peers, and the JSON says so; the parent never imports mlx."""

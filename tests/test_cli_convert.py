@@ -597,6 +597,31 @@ def test_a_folder_torch_qmm_quantized_is_re_saved_losslessly(quantized_folder, t
     assert layers and {report[n] for n in layers} == {"lossless affine b8 gs32 -> affine b8 gs32"}
 
 
+_LOAD_SCRIPT = r"""
+import sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from torch_qmm.interop.cli_convert import from_pretrained
+folder = Path(sys.argv[1])
+state = from_pretrained(folder).state_dict()
+stored = {k: t for k, t in load_file(folder / "model.safetensors").items() if not k.endswith("._extra_state")}
+assert any(k.endswith(".qweight") for k in stored)
+print("differ:", sorted(k for k, t in stored.items() if k not in state or not torch.equal(state[k], t)))
+"""
+
+
+def test_from_pretrained_loads_a_folder_torch_qmm_quantized_without_importing_the_quantizer(quantized_folder):
+    """cli_convert.from_pretrained (the bench's loader too) registers quant_method "torch_qmm"
+    itself: in a fresh interpreter that never imported torch_qmm.interop.transformers, every stored
+    tensor is loaded (none initialised at random). The registration is per process, hence the child."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    p = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(quantized_folder)], capture_output=True, text=True,
+                       env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "differ: []" in p.stdout.splitlines()
+
+
 def test_a_folder_torch_qmm_quantized_to_mlx_keeps_its_layers_and_format(quantized_folder, tmp_path, capsys):
     from safetensors.torch import load_file
 

@@ -143,7 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--model", nargs="?", const="tiny", default=None, metavar="CONFIG_OR_PATH",
                         help="model benchmark instead: 'tiny' (the default when no value is given), a JSON file of "
-                             "ModelConfig fields, or a transformers model folder; reports forward times at M=1 and "
+                             "ModelConfig fields, or a transformers folder of float weights (not one torch_qmm "
+                             "quantized: there is no float model to compare with); reports forward times at M=1 and "
                              "M=128, weight memory, and the relative error ||y_q - y|| / ||y|| of the quantized "
                              "model's logits against the same model unquantized in the same dtype")
     parser.add_argument("--moe", action="store_true",

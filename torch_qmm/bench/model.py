@@ -76,10 +76,19 @@ class _LogitsOnly(nn.Module):
 
 def build_model(spec: str | None) -> tuple[nn.Module, int, dict]:
     """(model, vocabulary size, description) for `spec`: "tiny"/None, a JSON config file of
-    ModelConfig fields, or a transformers model folder (config.json + weights)."""
+    ModelConfig fields, or a transformers model folder (config.json + weights) of float weights:
+    the benchmark compares the float model with its quantized copy, so a folder torch_qmm
+    quantized, which has no float reference, is a UsageError."""
     if spec and Path(spec).is_dir():
-        from ..interop.cli_convert import from_pretrained  # optional: the `transformers` extra
+        from ..interop.cli_convert import from_pretrained, quantized_format  # optional: the `transformers` extra
 
+        if (Path(spec) / "config.json").is_file() and (fmt := quantized_format(Path(spec))):
+            from ..cli_errors import UsageError
+
+            raise UsageError(f"argument --model: {spec} is a transformers folder quantized by torch_qmm ({fmt}); "
+                             "the model benchmark compares a float model with its quantized copy and expects a "
+                             "float transformers folder (such as the one it was converted from) or a JSON file of "
+                             "ModelConfig fields")
         model = from_pretrained(Path(spec))
         return _LogitsOnly(model), model.config.vocab_size, {"path": str(spec), "type": model.config.model_type}
     cfg = load_config(spec)

@@ -367,6 +367,20 @@ def _quantized_source(src: Path):
         raise ValueError(f"{path}: 'quantization_config' does not describe a torch_qmm format: {e}") from None
 
 
+def _source_format(source) -> str:
+    """The format of a folder torch_qmm quantized, from its TorchQmmConfig, as the errors show it
+    ("affine b8 gs32"; "affine bits [4, 8] per layer gs64" where the bits differ between layers)."""
+    bits = source.bits if type(source.bits) is int else f"bits {sorted(set(source.bits.values()))} per layer"
+    return _format_name(source.mode, bits, source.group_size)
+
+
+def quantized_format(src: Path) -> str | None:
+    """The format of a transformers folder torch_qmm quantized (`_source_format`), or None for any
+    other folder."""
+    source = _quantized_source(src)
+    return None if source is None else _source_format(source)
+
+
 def _keep_source_format(args: argparse.Namespace, source) -> None:
     """A folder torch_qmm quantized keeps the format of its quantized layers: they are not
     re-quantized (quantize_model refuses that too: it would compound the rounding). --mode /
@@ -375,8 +389,7 @@ def _keep_source_format(args: argparse.Namespace, source) -> None:
     format, or a --method for float weights, is a UsageError naming the folder and both formats.
     Sets args.mode, args.bits and args.group_size."""
     per_layer = type(source.bits) is not int
-    bits = f"bits {sorted(set(source.bits.values()))} per layer" if per_layer else source.bits
-    has = _format_name(source.mode, bits, source.group_size)
+    has = _source_format(source)
     asked = [f"{flag} {given}" for flag, given, own in (("--mode", args.mode, source.mode),
                                                         ("--bits", args.bits, None if per_layer else source.bits),
                                                         ("--group-size", args.group_size, source.group_size))
@@ -535,8 +548,12 @@ def _check_transformers_folder(src: Path) -> None:
 
 
 def from_pretrained(path: Path, **kwargs):
-    """AutoModelForCausalLM.from_pretrained, its errors as ValueErrors naming the folder."""
+    """AutoModelForCausalLM.from_pretrained, its errors as ValueErrors naming the folder. A folder
+    torch_qmm quantized loads its quantized layers: importing .transformers registers quant_method
+    "torch_qmm" (without it transformers would initialise those layers at random)."""
     from transformers import AutoModelForCausalLM
+
+    from . import transformers as _  # noqa: F401
 
     try:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -546,7 +563,7 @@ def from_pretrained(path: Path, **kwargs):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .transformers import TorchQmmConfig, record_quantization_config  # registers the quantizer
+    from .transformers import TorchQmmConfig, record_quantization_config
 
     src: Path = args.src
     if not src.exists():
