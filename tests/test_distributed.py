@@ -202,3 +202,64 @@ def test_plan_kinds_without_a_style_and_models_without_a_plan_are_refused():
         tp_plan(_planned_model({"a": "sequence_parallel"}))
     with pytest.raises(ValueError, match=r"Sequential has no tensor-parallel plan \(model._tp_plan"):
         tp_plan(nn.Sequential(nn.Linear(4, 4)))
+
+
+# ---- attention heads the world size does not divide (refused before any split: no process group) -
+
+class _Mesh:
+    """A mesh of `n` ranks as far as parallelize reads it before it splits any layer: its size."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def _llama(heads: int, kv_heads: int):
+    import torch_qmm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    torch_qmm.quantize_model(model, bits=4, group_size=32)
+    return model
+
+
+def test_attention_heads_the_world_size_does_not_divide_are_refused_before_any_split():
+    from torch_qmm.distributed import parallelize, tp_plan
+
+    model = _llama(4, 1)
+    with pytest.raises(ValueError, match=r"QuantColwiseParallel: layer 'model.layers.0.self_attn' cannot be split by "
+                                         r"heads \(layer 'model.layers.0.self_attn.q_proj' is split colwise\): "
+                                         r"num_attention_heads=4 and num_key_value_heads=1 \(its config\) into "
+                                         r"world_size=2 shards of whole heads need both to be multiples of 2"):
+        parallelize(model, _Mesh(2), tp_plan(model))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"])
+def test_moe_attention_heads_are_checked_where_the_plan_splits_them(family):
+    from moe_helpers import tiny_moe  # 4 heads, 2 kv heads
+    from torch_qmm.distributed import parallelize, tp_plan
+    from torch_qmm.distributed.partition import check_whole_heads
+
+    model = tiny_moe(family)
+    plan = tp_plan(model)
+    check_whole_heads(model, plan, 2)
+    if family in ("olmoe", "gpt_oss"):  # q/k/v gathered (colwise_gather_output) or not split: whole heads
+        check_whole_heads(model, plan, 4)
+        return
+    with pytest.raises(ValueError, match=r"layer 'model.layers.0.self_attn' cannot be split by heads .*"
+                                         r"num_attention_heads=4 and num_key_value_heads=2 \(its config\) into "
+                                         r"world_size=4 "):
+        parallelize(model, _Mesh(4), plan)
+
+
+def test_attention_heads_the_world_size_divides_pass_the_check():
+    from torch_qmm.distributed import tp_plan
+    from torch_qmm.distributed.partition import check_whole_heads
+
+    model = _llama(4, 2)
+    check_whole_heads(model, tp_plan(model), 2)

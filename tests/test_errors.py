@@ -138,6 +138,19 @@ def test_dequantize_rejects_mismatched_shapes():
         torch_qmm.dequantize(wq, s, b[:, :1], group_size=64, bits=4)
 
 
+def test_dequantize_rejects_leading_dimensions_that_differ():
+    wq, s, b = torch_qmm.quantize(torch.randn(4, 16, 128), group_size=64, bits=4)
+    with pytest.raises(ValueError, match=r"argument 'scales' must have the leading dimensions and rows of 'wq' "
+                                         r"\[4, 16\] \(wq of shape \[4, 16, 16\]\), got shape \[16, 2\]"):
+        torch_qmm.dequantize(wq, s[0], b, group_size=64, bits=4)
+    with pytest.raises(ValueError, match=r"argument 'biases' must have the leading dimensions and rows of 'wq' "
+                                         r"\[4, 16\] \(wq of shape \[4, 16, 16\]\), got shape \[2, 16, 2\]"):
+        torch_qmm.dequantize(wq, s, b[:2], group_size=64, bits=4)
+    with pytest.raises(ValueError, match=r"argument 'wq' must have at least 2 dimensions \[\.\.\., rows, "
+                                         r"cols\*bits/32\], got shape \[1024\]"):
+        torch_qmm.dequantize(wq.reshape(-1), s, b, group_size=64, bits=4)
+
+
 def test_quant_linear_rejects_in_features_not_multiple_of_group_size():
     with pytest.raises(ValueError, match=r"'in_features' must be a multiple of group_size=64, got 100"):
         torch_qmm.nn.QuantLinear(100, 8, group_size=64)

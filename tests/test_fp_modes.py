@@ -51,11 +51,10 @@ def assert_quantize_exact(w: torch.Tensor, mode: str, what: str) -> None:
     assert_bits_equal(wq, mwq, f"{what}: wq vs mlx")
     assert_bits_equal(scales, rscales, f"{what}: scales vs reference")
     assert_bits_equal(wq, rwq, f"{what}: wq vs reference")
-    w2, s2 = wq.reshape(-1, wq.shape[-1]), scales.reshape(-1, scales.shape[-1])
-    for dtype in DTYPES:
-        ours = torch_qmm.dequantize(w2, s2, mode=mode, dtype=dtype)
-        assert_same_values(ours, mlx_dequantize(w2, s2, mode, dtype), f"{what}: dequantize {dtype} vs mlx")
-        assert_same_values(ours, dequantize_fp(w2, s2, mode, dtype=dtype), f"{what}: dequantize {dtype} vs reference")
+    for dtype in DTYPES:  # wq as quantize returned it (leading dimensions too), as MLX takes it
+        ours = torch_qmm.dequantize(wq, scales, mode=mode, dtype=dtype)
+        assert_same_values(ours, mlx_dequantize(wq, scales, mode, dtype), f"{what}: dequantize {dtype} vs mlx")
+        assert_same_values(ours, dequantize_fp(wq, scales, mode, dtype=dtype), f"{what}: dequantize {dtype} vs reference")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -122,6 +122,18 @@ def test_quantize_accepts_leading_dimensions():
     assert torch.equal(wq.reshape(6, 16).view(torch.int32), flat[0].view(torch.int32))
 
 
+@pytest.mark.parametrize("bits,dtype", itertools.product((3, 4), DTYPES))
+def test_dequantize_accepts_leading_dimensions_as_mlx(bits, dtype):
+    w = torch.randn(2, 3, 8, 128, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    wq, scales, biases = torch_qmm.quantize(w, group_size=32, bits=bits)
+    for out in DTYPES:
+        got = torch_qmm.dequantize(wq, scales, biases, group_size=32, bits=bits, dtype=out)
+        from_mlx = _torch(mx.dequantize(_mlx(wq), _mlx(scales), _mlx(biases), group_size=32, bits=bits,
+                                        dtype=MX_DTYPES[out]))
+        assert got.shape == from_mlx.shape == (2, 3, 8, 128)
+        assert got.dtype == out and torch.equal(_bits(got), _bits(from_mlx)), f"dequantize {dtype} -> {out} differs from MLX"
+
+
 def test_quantize_accepts_non_contiguous_weights():
     w = torch.randn(128, 64).t()  # [64, 128], strided
     got = torch_qmm.quantize(w, group_size=32, bits=4)

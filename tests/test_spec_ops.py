@@ -96,8 +96,8 @@ def test_compiled_quantize_dequantize_trace_whole(mode):
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
-    for rows in (4, 9):
-        w = torch.randn(rows, 4 * f.default_group_size)
+    for shape in ((4,), (9,), (3, 4), (2, 9)):  # leading dimensions too (a stack of experts)
+        w = torch.randn(*shape, 4 * f.default_group_size)
         assert torch.equal(compiled(w), fn(w))
 
 

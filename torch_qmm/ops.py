@@ -62,16 +62,30 @@ def dequantize(
     mode: str = "affine",
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """W [rows, cols] as ``mlx.core.dequantize``: scales * q + biases (affine) or scales * element(q).
+    """W [..., rows, cols] as ``mlx.core.dequantize``: scales * q + biases (affine) or scales * element(q).
 
     Args:
-        wq: uint32 [rows, cols*bits/32].
-        scales: [rows, cols/group_size]: float32/float16/bfloat16 (affine) or uint8 codes (fp modes).
+        wq: uint32 [..., rows, cols*bits/32] (what quantize returns for w [..., rows, cols]).
+        scales: [..., rows, cols/group_size]: float32/float16/bfloat16 (affine) or uint8 codes (fp modes).
         biases: as scales for affine; None for the fp modes.
         dtype: of the result; None: the scales' dtype (affine) or bfloat16 (fp modes), as MLX.
     """
     bits, group_size = _params(mode, bits, group_size)
-    return _ops.dequantize(wq, scales, biases, mode, bits, group_size, dtype)
+    if not isinstance(wq, torch.Tensor) or wq.dim() == 2:
+        return _ops.dequantize(wq, scales, biases, mode, bits, group_size, dtype)
+    # The op dequantizes one matrix [rows, words]. Each row is dequantized on its own, so the
+    # leading dimensions of wq [..., rows, words] are flattened into the op's rows (scales and
+    # biases alike) and restored on the result.
+    if wq.dim() < 2:
+        raise ValueError(f"dequantize: argument 'wq' must have at least 2 dimensions [..., rows, cols*bits/32], "
+                         f"got shape {list(wq.shape)}")
+    for name, t in (("scales", scales), ("biases", biases)):
+        if isinstance(t, torch.Tensor) and t.shape[:-1] != wq.shape[:-1]:
+            raise ValueError(f"dequantize: argument '{name}' must have the leading dimensions and rows of 'wq' "
+                             f"{list(wq.shape[:-1])} (wq of shape {list(wq.shape)}), got shape {list(t.shape)}")
+    flat = (t.reshape(-1, t.shape[-1]) if isinstance(t, torch.Tensor) else t for t in (wq, scales, biases))
+    w = _ops.dequantize(*flat, mode, bits, group_size, dtype)
+    return w.reshape(*wq.shape[:-1], w.shape[-1])
 
 
 def quantized_matmul(

@@ -1,16 +1,19 @@
 """What every tensor-parallel style of torch_qmm does to a layer's tensors: cut each rank's slice
 locally and wrap it as a DTensor (shard_locally, packed_local), check that a split of a quantized
-axis gives whole groups, and name the layer in a refusal."""
+axis gives whole groups and a split of an attention's projections whole heads, and name the layer
+in a refusal."""
 
 from __future__ import annotations
 
 import weakref
+from fnmatch import fnmatch
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
 # Module -> its path in the model, for messages (filled by styles.parallelize).
@@ -65,6 +68,42 @@ def check_whole_groups(module: nn.Module, style: str, cols_name: str, cols: int,
             f"world_size={world} shards of whole groups ({unit}={group_size}) needs {cols_name} to be a multiple "
             f"of {world * group_size}; a split inside a group would cut a group (and its packed uint32 words)"
         )
+
+
+def matches(pattern: str, path: str) -> bool:
+    """parallelize_module's matching of a plan key to a module path: atom by atom (a wildcard does
+    not cross a dot)."""
+    atoms, parts = pattern.split("."), path.split(".")
+    return len(atoms) == len(parts) and all(fnmatch(p, a) for a, p in zip(atoms, parts))
+
+
+def check_whole_heads(model: nn.Module, plan, world: int) -> None:
+    """A colwise split whose output stays split (transformers' "colwise" q_proj / k_proj / v_proj)
+    of a layer of an attention module (a module with `head_dim` and `config.num_attention_heads`,
+    as transformers' are) leaves each rank the heads of its slice, and the attention runs on them:
+    its config's num_attention_heads and num_key_value_heads must be multiples of the world size.
+    `plan`: parallelize_module's ({module path pattern: style}; a single style checks nothing)."""
+    if not isinstance(plan, dict):
+        return
+    seen = set()
+    for name, module in model.named_modules():
+        style = next((s for k, s in plan.items() if matches(k, name)), None)
+        if not isinstance(style, ColwiseParallel) or all(p.is_replicate() for p in style.output_layouts):
+            continue
+        attention = model.get_submodule(name.rpartition(".")[0]) if name else None
+        config = getattr(attention, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        if attention in seen or not hasattr(attention, "head_dim") or not isinstance(heads, int):
+            continue
+        seen.add(attention)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        if heads % world or kv % world:
+            raise ValueError(
+                f"{type(style).__name__}: {describe(attention)} cannot be split by heads ({describe(module)} is split "
+                f"colwise): num_attention_heads={heads} and num_key_value_heads={kv} (its config) into "
+                f"world_size={world} shards of whole heads need both to be multiples of {world}; each rank's "
+                f"attention runs on the heads of its slices of q, k and v"
+            )
 
 
 def swap_class(module: nn.Module, cls: type, split: int) -> None:

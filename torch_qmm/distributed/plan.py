@@ -7,7 +7,6 @@ name (gpt-oss's) are added."""
 from __future__ import annotations
 
 import re
-from fnmatch import fnmatch
 
 from torch import nn
 from torch.distributed.tensor import Replicate
@@ -16,6 +15,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..interop.experts import is_fused_experts
 from ..nn_moe import QuantFusedExperts
 from .experts import QuantExpertsParallel
+from .partition import matches
 from .styles import QuantColwiseParallel, QuantRowwiseParallel, ReplicatedGradAllReduce
 
 EXPERTS = "moe_tp_experts"
@@ -46,12 +46,6 @@ def _pattern(path: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)
 
 
-def _matches(pattern: str, path: str) -> bool:
-    """parallelize_module's matching: atom by atom (a wildcard does not cross a dot)."""
-    atoms, parts = pattern.split("."), path.split(".")
-    return len(atoms) == len(parts) and all(fnmatch(p, a) for a, p in zip(atoms, parts))
-
-
 def tp_plan(model: nn.Module, stage: bool | None = None) -> dict[str, ParallelStyle]:
     """{module path pattern: style} for parallelize_module, from the transformers model's own plan
     (`model._tp_plan`: transformers gathers the base model's `config.base_model_tp_plan`, prefixed
@@ -68,4 +62,4 @@ def tp_plan(model: nn.Module, stage: bool | None = None) -> dict[str, ParallelSt
     names = [n for n, _ in model.named_modules()]
     return {k: _style(v, k, stage) for k, v in plan.items()
             if not any(k.startswith(e + ".") for e in experts)  # the experts' own layers: QuantExpertsParallel's
-            and any(_matches(k, n) for n in names)}
+            and any(matches(k, n) for n in names)}

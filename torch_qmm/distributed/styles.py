@@ -53,7 +53,8 @@ from ..ops import gguf_matmul
 from ..nn_moe import QuantSwitchLinear
 from . import op_sharding  # noqa: F401  (qmm's DTensor sharding rules)
 from .experts import ShardedQuantSwitchLinear, switch_linear_placements
-from .partition import NAMES, check_whole_groups, describe, global_output, local, shard, shard_locally, swap_class
+from .partition import (NAMES, check_whole_groups, check_whole_heads, describe, global_output, local, shard,
+                        shard_locally, swap_class)
 from .staging import redistribute
 
 __all__ = ["QuantColwiseParallel", "QuantRowwiseParallel", "ReplicatedGradAllReduce", "check_whole_groups",
@@ -62,9 +63,11 @@ __all__ = ["QuantColwiseParallel", "QuantRowwiseParallel", "ReplicatedGradAllRed
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan) -> nn.Module:
     """torch.distributed.tensor.parallel.parallelize_module, with the layers' paths remembered so
-    that a refused split names the layer."""
+    that a refused split names the layer, and the attention heads checked (check_whole_heads)
+    before any layer is split."""
     for name, m in model.named_modules():
         NAMES[m] = name
+    check_whole_heads(model, plan, mesh.size())
     return parallelize_module(model, mesh, plan)
 
 
