@@ -406,3 +406,26 @@ def test_source_text_builds_are_keyed_by_content(metalsim):
     a, b = build.stage(src, None, {}, ()), build.stage(src, None, {}, ())
     assert a.key == b.key
     assert build.stage(src.replace("= 1", "= 2"), None, {}, ()).key != a.key
+
+
+def test_a_cached_whole_library_build_keeps_its_named_indices_when_another_process_stages_it(metalsim, tmp_path,
+                                                                                              monkeypatch):
+    # Two processes, one cache: A builds the whole library (its metadata: the attribute indices
+    # written as named constants read back from the library); B, which checked the cache before
+    # A finished, stages the same text and writes the staged metadata (those indices still names)
+    # after it. A third load must still get A's resolved indices, not B's names.
+    import importlib
+    build = importlib.import_module(metalsim.__name__ + "._build")
+    monkeypatch.setenv("TORCH_QMM_METALSIM_CACHE", str(tmp_path))
+    src = ("#include <metal_stdlib>\nusing namespace metal;\nconstant constexpr int OUT = 2;\n"
+           "kernel void k(device float* y [[buffer(OUT)]], uint i [[thread_position_in_grid]]) { y[i] = 5; }\n")
+    staged = build.stage(src, None, {}, ())
+    unresolved = (tmp_path / f"{staged.key}.json").read_text()
+    assert '"index": "OUT"' in unresolved  # the staged metadata holds the name
+    build.build(staged, None, False)
+    (tmp_path / f"{staged.key}.json").write_text(unresolved)  # B's stage(), written after A's build
+    _, meta = build.build(build.stage(src, None, {}, ()), None, False)
+    assert [p["index"] for p in meta["kernels"][0]["params"] if p["kind"] == "buffer"] == [2]
+    y = np.zeros(4, dtype=np.float32)
+    metalsim.compile(src).dispatch("k", buffers={2: y}, threadgroups=1, threads_per_threadgroup=4)
+    np.testing.assert_array_equal(y, 5)

@@ -283,7 +283,9 @@ def build(st: Staged, wanted, instrumented: bool, constants=None):
     clang = find_clang()
     tag = ("" if wanted is None else "-k" + "-".join(str(k) for k in sorted(wanted))) + _spec_tag(constants)
     so = cache_dir() / f"{st.key}{tag}{'-instr' if instrumented else ''}.so"
-    meta_path = so.with_suffix(".json")
+    # The build's metadata (named indices resolved) beside its library: `<so>.json`, never the
+    # staged metadata's `<key>.json`, which stage() may write again in another process (unresolved).
+    meta_path = so.with_name(so.name + ".json")
     if so.exists() and meta_path.exists():
         return so, json.loads(meta_path.read_text())
     meta = json.loads(json.dumps(st.meta))
