@@ -19,6 +19,18 @@ def test_quantize_rejects_unsupported_bits(bits):
         torch_qmm.quantize(torch.randn(4, 128), group_size=64, bits=bits)
 
 
+@pytest.mark.parametrize("name", ["bits", "group_size"])
+@pytest.mark.parametrize("op", ["quantize", "dequantize", "quantized_matmul", "gather_qmm"])
+def test_a_bool_for_bits_or_group_size_is_a_type_error_not_1(op, name):
+    wq, scales, biases = _packed("cpu", bits=4, gs=64)
+    args = {"quantize": (torch.randn(4, 128),), "dequantize": (wq, scales, biases),
+            "quantized_matmul": (torch.randn(2, 128), wq, scales, biases),
+            "gather_qmm": (torch.randn(2, 128), wq, scales, biases)}[op]
+    kwargs = {"bits": 4, "group_size": 64, name: True}
+    with pytest.raises(TypeError, match=rf"{op}: argument '{name}' must be an int or None, got the bool True"):
+        getattr(torch_qmm, op)(*args, **kwargs)
+
+
 @pytest.mark.parametrize("group_size", [0, 16, 48, 256])
 def test_quantize_rejects_unsupported_group_size(group_size):
     with pytest.raises(ValueError, match=rf"'group_size' must be one of 32, 64, 128, got {group_size}"):

@@ -402,6 +402,13 @@ def test_missing_quantization_config_is_a_clear_error(mlx_folder):
         load_mlx(TorchToy(False), mlx_folder)
 
 
+def test_a_quantized_folder_without_config_json_names_the_missing_file(mlx_folder):
+    (mlx_folder / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"stores quantized layer .* but .*config\.json does not exist \(it gives the "
+                                         r"layers' bits and group_size\)"):
+        load_mlx(TorchToy(False), mlx_folder)
+
+
 def test_unknown_mode_is_a_clear_error(mlx_folder):
     _rewrite_config(mlx_folder, quantization={"group_size": 32, "bits": 4, "mode": "mxfp6"})
     with pytest.raises(ValueError, match=r"'quantization': quantization mode 'mxfp6' is not supported \(torch_qmm "

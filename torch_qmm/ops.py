@@ -24,9 +24,13 @@ from .formats import FORMATS
 _ops = torch.ops.torch_qmm
 
 
-def _params(mode: str, bits: int | None, group_size: int | None) -> tuple[int, int]:
+def _params(op: str, mode: str, bits: int | None, group_size: int | None) -> tuple[int, int]:
     """bits / group_size with None as the mode's default. An unknown mode is left to the op,
-    whose error names the known modes (csrc/validate.cpp)."""
+    whose error names the known modes (csrc/validate.cpp); a bool (an int to the op: True would
+    be read as 1) is a TypeError naming the argument."""
+    for name, value in (("bits", bits), ("group_size", group_size)):
+        if isinstance(value, bool):
+            raise TypeError(f"{op}: argument '{name}' must be an int or None, got the bool {value}")
     f = FORMATS.get(mode) if isinstance(mode, str) else None
     if f is None:
         return (0 if bits is None else bits, 0 if group_size is None else group_size)
@@ -49,7 +53,7 @@ def quantize(w: torch.Tensor, group_size: int | None = None, bits: int | None = 
         affine: (wq uint32 [..., K*bits/32], scales [..., K/group_size], biases [..., K/group_size]),
         scales and biases in w's dtype; fp modes: (wq, scales uint8 [..., K/group_size]).
     """
-    bits, group_size = _params(mode, bits, group_size)
+    bits, group_size = _params("quantize", mode, bits, group_size)
     return tuple(_ops.quantize(w, mode, bits, group_size))
 
 
@@ -70,7 +74,7 @@ def dequantize(
         biases: as scales for affine; None for the fp modes.
         dtype: of the result; None: the scales' dtype (affine) or bfloat16 (fp modes), as MLX.
     """
-    bits, group_size = _params(mode, bits, group_size)
+    bits, group_size = _params("dequantize", mode, bits, group_size)
     if not isinstance(wq, torch.Tensor) or wq.dim() == 2:
         return _ops.dequantize(wq, scales, biases, mode, bits, group_size, dtype)
     # The op dequantizes one matrix [rows, words]. Each row is dequantized on its own, so the
@@ -113,7 +117,7 @@ def quantized_matmul(
     Returns:
         y [..., N] in x's dtype, accumulated in float32.
     """
-    bits, group_size = _params(mode, bits, group_size)
+    bits, group_size = _params("quantized_matmul", mode, bits, group_size)
     _activations.check_activations(activations)
     kind = activations
     current = _activations.current_activations() if kind is None else None
@@ -164,7 +168,7 @@ def gather_qmm(
     quantized_matmul, which agrees except for a 2-D x with a stacked w (MLX multiplies by the
     first matrix only; here y has one product per matrix).
     """
-    bits, group_size = _params(mode, bits, group_size)
+    bits, group_size = _params("gather_qmm", mode, bits, group_size)
     return _ops.gather_qmm(
         x, w, scales, biases, lhs_indices, rhs_indices, mode, bits, group_size, transpose, sorted_indices
     )

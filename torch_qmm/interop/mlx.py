@@ -234,10 +234,10 @@ def load_mlx(
         if spec is False:
             raise ValueError(f"{config_path}: 'quantization.{p}' is false but the checkpoint stores {p}.scales")
         if spec is None:
+            missing = ("has no 'quantization' with bits and group_size" if config_path.is_file()
+                       else "does not exist (it gives the layers' bits and group_size)")
             raise ValueError(
-                f"{ckpt.path}: the checkpoint stores quantized layer {p!r} ({p}.scales) but {config_path} "
-                "has no 'quantization' with bits and group_size"
-            )
+                f"{ckpt.path}: the checkpoint stores quantized layer {p!r} ({p}.scales) but {config_path} {missing}")
         return spec
 
     report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
