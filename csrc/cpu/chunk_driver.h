@@ -41,21 +41,21 @@
 // Work, all in one parallel region (run): first x is prepared, each row in parts along K
 // (x_parts_for: at small M a row is cut into as many parts as the team has threads, so that no
 // thread prepares a whole row while the others wait; one row of K = 14336 takes 8-18 us on one
-// thread), the parts taken by the threads from a shared counter; once every part is done, W rows
-// go out in spans (span_rows_for) from a second counter, so a thread that loses its core to
-// another process leaves its share to the others. Within a span, the rows of x go in blocks of
-// 4/2/1; each block runs over the whole span, so each chunk is decoded once per block of x rows. A block may walk K in slabs (slab_chunks): every tile of the span takes the slab's
-// chunks, then the next slab, so the slab's prepared x (a few KB per row of x) stays in L1 for all
-// the span's rows, where a pass over the whole K per tile reads x from L2 again for every tile (at
-// K = 14336, 57 KB of float32 x per row: at 4 rows of x, 4 such loads per W load). The
-// accumulators of every tile carry over from slab to slab (`partial`), so each y[m, n] is summed
-// over the chunks in the same order, and rounded the same, as in one pass. The price is W read in
-// short runs of each row (the next tile's run prefetched while this one is multiplied), which
-// only pays where x traffic is the bound: measured on Zen 3 (4096 x 14336, 2 threads), the AVX2
-// Q4_K / Q6_K kernels at 4 rows of x gain 15-20% (Q4_K float32 M=4: 6.6 -> 5.3 ms, M=8: 12.8 ->
-// 10.3), and the AVX-512 bfloat16 ones (Zen 4) 25-30%; at 1-2 rows of x, and for the affine,
-// the AVX-512 float32 and the int8 kernels at any rows, slabs lose 0-40%: those take the whole K
-// in one pass (their slab_bytes).
+// thread), the parts taken by the threads from a shared counter; once every part is done, W rows go
+// out in spans (span_rows_for) from a second counter, so a thread that loses its core to another
+// process leaves its share to the others. Within a span, the rows of x go in blocks of 4/2/1; each
+// block runs over the whole span, so each chunk is decoded once per block of x rows. A block may
+// walk K in slabs (slab_chunks): every tile of the span takes the slab's chunks, then the next
+// slab, so the slab's prepared x (a few KB per row of x) stays in L1 for all the span's rows, where
+// a pass over the whole K per tile reads x from L2 again for every tile (at K = 14336, 57 KB of
+// float32 x per row: at 4 rows of x, 4 such loads per W load). The accumulators of every tile carry
+// over from slab to slab (`partial`), so each y[m, n] is summed over the chunks in the same order,
+// and rounded the same, as in one pass. The price is W read in short runs of each row (the next
+// tile's run prefetched while this one is multiplied), which only pays where x traffic is the
+// bound: measured on Zen 3 (4096 x 14336, 2 threads), the AVX2 Q4_K / Q6_K kernels at 4 rows of x
+// gain 15-20% (Q4_K float32 M=4: 6.6 -> 5.3 ms, M=8: 12.8 -> 10.3), and the AVX-512 bfloat16 ones
+// (Zen 4) 25-30%; at 1-2 rows of x, and for the affine, the AVX-512 float32 and the int8 kernels at
+// any rows, slabs lose 0-40%: those take the whole K in one pass (their slab_bytes).
 #pragma once
 
 #include <ATen/Parallel.h>
