@@ -441,6 +441,33 @@ def test_config_json_that_is_not_a_json_object_is_refused(mlx_folder, tmp_path, 
     assert message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["quantization"].update(mode=[1]), r"'quantization': quantization mode \[1\] is not supported"),
+    (lambda c: c["quantization"].update(mode={"a": 1}), r"'quantization': quantization mode \{'a': 1\} is not supported"),
+    (lambda c: c["quantization"].update({"model.layers.0.mlp.up_proj": {"bits": 4, "group_size": 64, "mode": [1]}}),
+     r"'quantization.model.layers.0.mlp.up_proj': quantization mode \[1\] is not supported"),
+    (lambda c: c.update(model_type=["llama"]), r"field 'model_type' must be a string, got \['llama'\]"),
+])
+def test_config_json_fields_of_a_json_type_that_cannot_be_hashed_are_refused(mlx_folder, tmp_path, edit, message,
+                                                                            capsys):
+    """A list or dict where config.json has a name (a mode, the model type): a ValueError naming
+    config.json, not a TypeError from looking it up in a table."""
+    folder = _copy(mlx_folder, tmp_path / "m")
+
+    def both(c):
+        c.pop("quantization_config")
+        edit(c)
+
+    _edit_config(folder, both)
+    with pytest.raises(ValueError, match=message) as e:
+        load_mlx(_fresh_model(mlx_folder), folder)
+    assert str(folder / "config.json") in str(e.value)
+    if "model_type" not in message:  # inspect reads the quantization entries, not the model type
+        assert main(["inspect", str(folder)]) == 1
+        err = capsys.readouterr().err
+        assert str(folder / "config.json") in err and "unexpected" not in err and len(err.splitlines()) == 1
+
+
 def test_inspect_reads_a_tensor_name_without_a_dot(tmp_path, capsys):
     from safetensors.torch import save_file
 

@@ -91,7 +91,7 @@ class LoadReport:
 
 def _spec_from(entry: dict, where: str) -> QuantSpec:
     mode = entry.get("mode", "affine")
-    if mode not in FORMATS:
+    if not isinstance(mode, str) or mode not in FORMATS:  # (a list or dict is not hashable)
         raise ValueError(f"{where}: quantization mode {mode!r} is not supported (torch_qmm reads the modes "
                          f"{', '.join(map(repr, FORMATS))})")
     if "bits" not in entry or "group_size" not in entry:
@@ -215,6 +215,8 @@ def load_mlx(
     ckpt = Checkpoint(path)
     keys = ckpt.keys()
     model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ValueError(f"{config_path}: field 'model_type' must be a string, got {model_type!r}")
 
     if dtype is None:
         float_dtypes = Counter(_SAFETENSORS_DTYPES[ckpt.dtype_name(k)] for k in keys if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES)
