@@ -468,6 +468,63 @@ def test_config_json_fields_of_a_json_type_that_cannot_be_hashed_are_refused(mlx
         assert str(folder / "config.json") in err and "unexpected" not in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_json_with_an_integer_of_too_many_digits_names_the_file(mlx_folder, tmp_path, name, capsys):
+    """Python's json refuses integers of more than 4300 digits with a bare ValueError: it names the file."""
+    folder = _copy(mlx_folder, tmp_path / "m")
+    text = (folder / name).read_text()
+    (folder / name).write_text(text[:-1].rstrip() + ', "n": ' + "9" * 5000 + "}")
+    with pytest.raises(ValueError, match="integer string conversion") as e:
+        load_mlx(_fresh_model(mlx_folder), folder)
+    assert str(folder / name) in str(e.value)
+    assert main(["inspect", str(folder)]) == 1
+    assert str(folder / name) in capsys.readouterr().err
+
+
+def test_safetensors_header_with_an_integer_of_too_many_digits_names_the_file(tmp_path):
+    from torch_qmm.interop.safetensors_io import read_header
+
+    text = b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,4]}}'
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 4)
+    with pytest.raises(ValueError, match="integer string conversion") as e:
+        read_header(path)
+    assert str(path) in str(e.value)
+
+
+def test_a_fifo_or_folder_named_like_a_model_file_is_refused_without_waiting(mlx_folder, llama_gguf, tmp_path, capsys):
+    """open() of a FIFO waits for a writer forever: a shard, config or GGUF path that is not a
+    regular file is refused by name (run in a child process, so that a hang fails the test)."""
+    folder = _copy(mlx_folder, tmp_path / "m")
+    (folder / "model.safetensors.index.json").unlink()  # every *.safetensors file of the folder is a shard
+    os.mkfifo(folder / "extra.safetensors")
+    (tmp_path / "x.gguf").mkdir()
+    os.mkfifo(tmp_path / "y.gguf")
+    os.mkfifo(tmp_path / "config.json")
+    script = f"""
+import sys
+from pathlib import Path
+from torch_qmm.interop.gguf import GGUFFile
+from torch_qmm.interop.json_files import read_json_object
+from torch_qmm.interop.safetensors_io import Checkpoint
+for fn, path, kind in [(Checkpoint, {str(folder)!r}, "a FIFO"), (GGUFFile, {str(tmp_path / "x.gguf")!r}, "a directory"),
+                       (GGUFFile, {str(tmp_path / "y.gguf")!r}, "a FIFO"),
+                       (read_json_object, {str(tmp_path / "config.json")!r}, "a FIFO")]:
+    try:
+        fn(path)
+    except ValueError as e:
+        assert kind + ", expected a regular file" in str(e), e
+        print("refused", e)
+    else:
+        sys.exit("accepted " + path)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("refused") == 4
+    assert str(folder / "extra.safetensors") in proc.stdout
+
+
 def test_inspect_reads_a_tensor_name_without_a_dot(tmp_path, capsys):
     from safetensors.torch import save_file
 

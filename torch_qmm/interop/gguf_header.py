@@ -30,6 +30,7 @@ import struct
 from pathlib import Path
 
 from .gguf_types import GGML_TYPES, type_name
+from .json_files import check_regular_file
 
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -125,6 +126,10 @@ class _Cursor:
 def read_header(path: str | os.PathLike) -> Header:
     """Parses and checks the header of the GGUF file `path` (see the module docstring)."""
     path = Path(path)
+    try:
+        check_regular_file(path)  # open() of a FIFO would wait for a writer
+    except ValueError as e:
+        raise GGUFFormatError(str(e)) from None
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:

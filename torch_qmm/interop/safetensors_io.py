@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .json_files import read_json_object
+from .json_files import check_regular_file, read_json_object
 from .output_folder import current_umask
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -43,6 +43,7 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
     Raises ValueError naming the file and the first inconsistency found.
     """
     path = Path(path)
+    check_regular_file(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -61,6 +62,8 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
         raise ValueError(f"{path}: safetensors header is not valid JSON ({e})") from None
     except RecursionError:
         raise ValueError(f"{path}: safetensors header JSON is nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ValueError(f"{path}: safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
     metadata = header.pop("__metadata__", {})
