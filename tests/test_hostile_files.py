@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import struct
@@ -296,6 +297,92 @@ def test_rope_freq_base_zero_is_refused(llama_gguf, tmp_path):
     bad = _mutated(llama_gguf, {"patches": [[pos, struct.pack("<f", 0.0).hex()]]}, tmp_path / "bad.gguf")
     with pytest.raises(ValueError, match=r"'llama.rope.freq_base' must be a positive finite number, got 0.0"):
         check_llama_metadata(GGUFFile(bad))
+
+
+def _llama_gguf_with(src: Path, dst: Path, metadata: dict | None = None, tensors: dict | None = None) -> Path:
+    """src rewritten with `metadata` (key -> (value, GGUFValueType)) replacing or adding entries and
+    `tensors` (name -> float32 array) added."""
+    from gguf.constants import GGUFValueType
+
+    r = GGUFReader(src)
+    w = GGUFWriter(str(dst), "llama")
+    metadata = dict(metadata or {})
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in metadata:
+            continue
+        value = field.contents()
+        if isinstance(value, list):
+            w.add_array(name, value)
+            continue
+        kind = GGUFValueType.FLOAT32 if isinstance(value, float) else GGUFValueType.UINT32 if isinstance(
+            value, int) else GGUFValueType.STRING
+        w.add_key_value(name, value, kind)
+    for name, (value, kind) in metadata.items():
+        w.add_key_value(name, value, kind)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=None if t.tensor_type == T.F32 else t.tensor_type)
+    for name, array in (tensors or {}).items():
+        w.add_tensor(name, np.asarray(array, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("key, value", [("llama.attention.layer_norm_rms_epsilon", 1),
+                                        ("llama.rope.freq_base", 10000)])
+def test_float_metadata_stored_as_an_integer_builds_the_config(llama_gguf, tmp_path, key, value):
+    """llama.cpp reads a float field stored with an integer type; LlamaConfig refuses an int for a
+    float field (a StrictDataclassFieldValidationError), so the value is converted."""
+    from gguf.constants import GGUFValueType
+
+    from torch_qmm.interop.gguf_llama import llama_config_from_gguf
+
+    path = _llama_gguf_with(llama_gguf, tmp_path / "int.gguf", {key: (value, GGUFValueType.UINT32)})
+    assert GGUFFile(path).get_metadata(key) == value
+    config = llama_config_from_gguf(GGUFFile(path))
+    field = "rms_norm_eps" if "epsilon" in key else "rope_theta"
+    got = getattr(config, field, None)
+    if got is None:  # transformers 5 keeps rope_theta in rope_parameters
+        got = config.rope_parameters["rope_theta"]
+    assert got == float(value) and type(got) is float
+
+
+@pytest.mark.parametrize("name, rows", [
+    ("blk.1.attn_q.bias", 7),  # block 0 has no biases: the model built has none (an IndexError in the permutation)
+    ("blk.1.attn_q.bias", 256),  # of the right size: a bias on one layer of a model whose config says none
+    ("blk.1.ffn_up.bias", 512),
+    ("output_norm.bias", 256),  # no layer reads it: it was dropped without a word
+    ("blk.0.attn_norm.bias", 256),
+])
+def test_a_bias_the_model_has_no_place_for_is_refused(llama_gguf, tmp_path, name, rows, capsys):
+    from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
+
+    path = _llama_gguf_with(llama_gguf, tmp_path / "bias.gguf", tensors={name: np.ones(rows)})
+    f = GGUFFile(path)
+    message = rf"tensor '{re.escape(name)}' is a bias the model has no place for"
+    with pytest.raises(ValueError, match=message):
+        check_llama_metadata(f)
+    with pytest.raises(ValueError, match=message):
+        model = transformers.LlamaForCausalLM(llama_config_from_gguf(f))
+        load_gguf_llama(model, f, progress=False)
+    assert main(["convert", str(path), str(tmp_path / "out"), "--format", "mlx"]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and "no place for" in err and "unexpected" not in err
+
+
+def test_biases_of_every_block_load(llama_gguf, tmp_path):
+    from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
+
+    rows = {"attn_q": 256, "attn_k": 128, "attn_v": 128, "attn_output": 256}
+    path = _llama_gguf_with(llama_gguf, tmp_path / "bias.gguf", tensors={
+        f"blk.{i}.{p}.bias": np.full(n, i + 1.0) for i in range(2) for p, n in rows.items()})
+    f = GGUFFile(path)
+    model = transformers.LlamaForCausalLM(llama_config_from_gguf(f))
+    load_gguf_llama(model, f, progress=False)
+    assert model.config.attention_bias and not model.config.mlp_bias
+    assert torch.equal(model.model.layers[1].self_attn.o_proj.bias, torch.full((256,), 2.0))
 
 
 # ---------------------------------------------------------------------------------------------

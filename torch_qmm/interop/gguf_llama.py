@@ -124,6 +124,7 @@ def _metadata_value(f: GGUFFile, arch: str, key: str, field: str):
     else:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{where} must be a positive finite number, got {value!r}")
+        value = float(value)  # an integer type in the file (LlamaConfig's float fields refuse an int)
     return value
 
 
@@ -203,6 +204,13 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
         for flag, names in (("attention_bias", _ATTENTION), ("mlp_bias", _MLP)):
             if c[flag]:  # every projection of the kind then has a bias of its rows
                 expected.update({f"blk.{i}.{n}.bias": (expected[f"blk.{i}.{n}.weight"][0],) for n in names})
+    # load_gguf_llama reads a bias with its weight: one the model has no place for would be dropped,
+    # or given to a layer the config says has none.
+    stray = sorted(n for n in f.tensors if n.endswith(".bias") and n not in expected)
+    if stray:
+        raise ValueError(f"{f.path}: tensor {stray[0]!r} is a bias the model has no place for (it takes biases of "
+                         "the attention's or the MLP's projections, in every block when block 0 has them; here "
+                         f"attention {c['attention_bias']}, MLP {c['mlp_bias']})")
     for name, shape in expected.items():
         t = f.tensors.get(name)
         if t is None:
