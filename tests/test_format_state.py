@@ -55,3 +55,46 @@ def test_a_state_spelling_no_mode_is_refused_naming_its_codes():
                                          r"0\], this layer has bits=4, group_size=32, mode=mxfp4"):
         layer.load_state_dict(state)
     assert parse_quant_state((8, 64)) == (8, 64, "affine")
+
+
+def _layers():
+    from torch_qmm.interop.modules import GGUFLinear, QuantEmbedding
+
+    return {"affine": lambda: QuantLinear(64, 8, bits=4, group_size=32),
+            "mxfp4": lambda: QuantLinear(64, 8, mode="mxfp4"),
+            "embedding": lambda: QuantEmbedding(16, 64, 4, 32),
+            "gguf": lambda: GGUFLinear(256, 4, 12)}
+
+
+@pytest.mark.parametrize("layer, key, dtype, expected", [
+    ("affine", "qweight", torch.float32, "torch.uint32"),  # copy_ rounded the words (2^24 and up)
+    ("affine", "qweight", torch.int64, "torch.uint32"),  # wrapped modulo 2^32
+    ("affine", "qweight", torch.int32, "torch.uint32"),
+    ("affine", "scales", torch.int32, "a float dtype"),
+    ("affine", "biases", torch.bool, "a float dtype"),
+    ("affine", "bias", torch.complex64, "a float dtype"),  # the imaginary part dropped with a warning
+    ("mxfp4", "scales", torch.float32, "torch.uint8"),  # scale codes: 3.7 became 3
+    ("mxfp4", "scales", torch.int64, "torch.uint8"),  # 300 became 44
+    ("embedding", "qweight", torch.float32, "torch.uint32"),
+    ("gguf", "blocks", torch.int64, "torch.uint8"),
+])
+def test_a_state_tensor_whose_dtype_copy_would_convert_is_refused(layer, key, dtype, expected):
+    """load_state_dict copies with copy_, which converts any dtype: packed codes of another dtype
+    (rounded or wrapped) and integer values for float tensors are refused before any copy."""
+    module = _layers()[layer]()
+    state = module.state_dict()
+    state[key] = (torch.full(state[key].shape, 300) if dtype != torch.float32 else
+                  torch.full(state[key].shape, 3.7)).to(dtype)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"'{key}': expected {expected} \(this layer, .*\), got {dtype}"):
+        module.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
+def test_float_tensors_of_another_float_dtype_load_cast():
+    module = QuantLinear(64, 8, bits=4, group_size=32)
+    state = module.state_dict()
+    state["scales"] = torch.full((8, 2), 0.5, dtype=torch.float64)
+    state["bias"] = torch.ones(8, dtype=torch.bfloat16)
+    module.load_state_dict(state)
+    assert module.scales.dtype == torch.float32 and torch.equal(module.scales, torch.full((8, 2), 0.5))

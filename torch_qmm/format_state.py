@@ -59,20 +59,31 @@ class FormatState:
         key = prefix + FORMAT_STATE_KEY
         if key in state_dict:
             self._check_format_state(state_dict[key], f"{type(self).__name__} {key!r}")
-        self._check_state_shapes(state_dict, prefix)
+        self._check_state_tensors(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _check_state_shapes(self, state_dict, prefix: str) -> None:
-        """ValueError naming the key, this layer's shape and the given one when a tensor of the state
-        has another shape than the parameter or buffer it would be copied into."""
+    def _check_state_tensors(self, state_dict, prefix: str) -> None:
+        """ValueError naming the key, this layer's shape or dtype and the given one when a tensor of
+        the state has another shape than the parameter or buffer it would be copied into, or a dtype
+        that copy_ would convert into other values: packed codes and scale codes (uint32, uint8)
+        must come in exactly their dtype (float codes would be rounded, int64 ones wrapped), float
+        tensors in a float dtype (cast, as nn.Linear's weights are)."""
         for name, own in (*self._parameters.items(), *self._buffers.items()):
             given = state_dict.get(prefix + name)
-            if own is None or not isinstance(given, torch.Tensor) or given.shape == own.shape:
+            if own is None or not isinstance(given, torch.Tensor):
                 continue
-            raise ValueError(
-                f"{type(self).__name__} {prefix + name!r}: expected shape {list(own.shape)} (this layer, "
-                f"{self.describe_format(self.format_values())}), got {list(given.shape)}"
-            )
+            if given.shape != own.shape:
+                raise ValueError(
+                    f"{type(self).__name__} {prefix + name!r}: expected shape {list(own.shape)} (this layer, "
+                    f"{self.describe_format(self.format_values())}), got {list(given.shape)}"
+                )
+            if own.is_floating_point() != given.is_floating_point() or (
+                    not own.is_floating_point() and given.dtype != own.dtype):
+                expected = "a float dtype" if own.is_floating_point() else own.dtype
+                raise ValueError(
+                    f"{type(self).__name__} {prefix + name!r}: expected {expected} (this layer, "
+                    f"{self.describe_format(self.format_values())}), got {given.dtype}"
+                )
 
 
 # ---- The quantized formats of QuantLinear / QuantEmbedding ---------------------------------------
