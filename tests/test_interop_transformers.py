@@ -223,3 +223,26 @@ def test_quantize_model_warns_when_one_config_cannot_hold_the_layers(float_folde
     quantize_model(model, bits=4, group_size=64, filter_fn=lambda name, _: "mlp" in name)
     with pytest.warns(UserWarning, match="save_pretrained cannot record"):
         quantize_model(model, bits=4, group_size=32, filter_fn=lambda name, _: "mlp" not in name)
+
+
+@pytest.mark.parametrize("mode, key, dtype, stored", [
+    ("affine", "qweight", torch.float32, "torch.float32"),  # was cast to uint32: the words rounded, garbage out
+    ("affine", "qweight", torch.int32, "torch.int32"),  # was assigned as stored: qmm refused it at the first forward
+    ("affine", "scales", torch.int32, "torch.int32"),
+    ("mxfp4", "scales", torch.float32, "torch.float32"),  # scale codes rounded through float
+])
+def test_saved_tensor_of_another_dtype_is_refused_on_reload(float_folder, tmp_path, mode, key, dtype, stored):
+    """transformers casts a float checkpoint tensor to the model tensor's dtype and assigns an
+    integer one as stored: a saved layer's codes or scales in another dtype fail the load, naming
+    the tensor, instead of loading other values or failing at the first forward."""
+    from safetensors.torch import load_file, save_file
+
+    config = TorchQmmConfig(mode=mode) if mode != "affine" else TorchQmmConfig(bits=4, group_size=64)
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, quantization_config=config)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = f"model.layers.1.mlp.up_proj.{key}"
+    tensors[name] = tensors[name].to(torch.int64).to(dtype)  # the same values, another dtype
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"stores '{name}' as {stored}; the torch_qmm layer"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)

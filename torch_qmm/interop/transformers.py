@@ -217,6 +217,7 @@ class TorchQmmHfQuantizer(HfQuantizer):
         # A saved torch_qmm model: build empty QuantLinears (on the linears' device, usually meta)
         # whose buffers the checkpoint fills.
         cfg = self.quantization_config
+        self._buffer_dtypes: dict[str, torch.dtype] = {}  # of the quantized modules, checked after loading
         for name in self._eligible(model):
             linear = model.get_submodule(name)
             q = QuantLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
@@ -224,6 +225,7 @@ class TorchQmmHfQuantizer(HfQuantizer):
                             dtype=linear.weight.dtype, mode=cfg.mode)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, q)
+            self._buffer_dtypes.update({f"{name}.{k}": b.dtype for k, b in q.named_buffers()})
         for name, experts in fused_experts(model):
             if _skipped(name, self.modules_to_not_convert):
                 continue
@@ -231,10 +233,25 @@ class TorchQmmHfQuantizer(HfQuantizer):
                                     dtype=experts.get_parameter("down_proj").dtype)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, q)
+            self._buffer_dtypes.update({f"{name}.{k}": b.dtype for k, b in q.named_buffers()})
         return model
+
+    def get_new_dtype(self, converter, param, dtype):
+        # transformers casts a float checkpoint tensor to the dtype of the model's tensor: never
+        # into packed or scale codes (uint32 / uint8), which would round them into other codes.
+        # Kept as stored, a wrong dtype is refused after loading.
+        new = super().get_new_dtype(converter, param, dtype)
+        return None if new in (torch.uint32, torch.uint8) else new
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
+            # transformers assigns a checkpoint's integer tensors as stored: an int32 or int64
+            # qweight, an integer scales tensor would load and fail (or compute garbage) later.
+            for key, dtype in getattr(self, "_buffer_dtypes", {}).items():
+                got = model.get_buffer(key).dtype
+                if got != dtype:
+                    raise ValueError(f"the checkpoint stores {key!r} as {got}; the torch_qmm layer built from its "
+                                     f"quantization_config holds {dtype} there")
             return model
         cfg = self.quantization_config
         eligible = set(self._eligible(model)) | {
