@@ -161,6 +161,10 @@ BAD_CONFIGS = [
     (dict(bits={"*": 4, "a.up": 8}, group_size=48), ValueError, r"argument 'group_size' must be one of .*got 48"),
     (dict(bits=8, mode="nvfp4"), ValueError, r"argument 'bits' must be 4, got 8 \(mode 'nvfp4'\)"),
     (dict(mode="int4"), ValueError, r"argument 'mode' must be one of .*got 'int4'"),
+    # a saved config.json read back: not "'int' object is not iterable" while building the model
+    (dict(modules_to_not_convert=5), TypeError, r"argument 'modules_to_not_convert' must be a list of module names"),
+    (dict(modules_to_not_convert="lm_head"), TypeError, r"'modules_to_not_convert' must be a list .* got 'lm_head'"),
+    (dict(modules_to_not_convert=["lm_head", 3]), TypeError, r"'modules_to_not_convert' must be a list"),
 ]
 
 

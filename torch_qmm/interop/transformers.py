@@ -83,6 +83,11 @@ class TorchQmmConfig(QuantizationConfigMixin):
                 raise TypeError(f"argument 'bits' must be an int, a mapping name -> bits or MixedBits, "
                                 f"got {type(bits).__name__}")
         resolve(method)  # a registered name or GPTQ(...) / AWQ(...) options, else ValueError / TypeError
+        if modules_to_not_convert is not None and not (
+                isinstance(modules_to_not_convert, (list, tuple))
+                and all(isinstance(n, str) for n in modules_to_not_convert)):
+            raise TypeError(f"argument 'modules_to_not_convert' must be a list of module names or None, "
+                            f"got {modules_to_not_convert!r}")
         self.quant_method = QUANT_METHOD
         self.bits = default_bits if uniform else bits
         self.group_size = group_size
