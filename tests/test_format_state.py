@@ -69,7 +69,6 @@ def _layers():
 @pytest.mark.parametrize("layer, key, dtype, expected", [
     ("affine", "qweight", torch.float32, "torch.uint32"),  # copy_ rounded the words (2^24 and up)
     ("affine", "qweight", torch.int64, "torch.uint32"),  # wrapped modulo 2^32
-    ("affine", "qweight", torch.int32, "torch.uint32"),
     ("affine", "scales", torch.int32, "a float dtype"),
     ("affine", "biases", torch.bool, "a float dtype"),
     ("affine", "bias", torch.complex64, "a float dtype"),  # the imaginary part dropped with a warning
@@ -89,6 +88,23 @@ def test_a_state_tensor_whose_dtype_copy_would_convert_is_refused(layer, key, dt
     with pytest.raises(ValueError, match=rf"'{key}': expected {expected} \(this layer, .*\), got {dtype}"):
         module.load_state_dict(state)
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
+@pytest.mark.parametrize("layer, key", [("affine", "qweight"), ("mxfp4", "scales"), ("gguf", "blocks")])
+def test_codes_in_the_signed_dtype_of_their_width_load_bit_for_bit(layer, key):
+    """int32 packed words and int8 scale codes or blocks hold the same bits as uint32 / uint8 (as
+    a .view() gives them): they load unchanged, negative values included."""
+    module = _layers()[layer]()
+    state = module.state_dict()
+    bits = torch.randint(0, 256, (state[key].numel() * state[key].element_size(),),
+                         generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    bits[:4] = 255  # the most negative signed values start with these bytes
+    signed = {torch.uint32: torch.int32, torch.uint8: torch.int8}[state[key].dtype]
+    state[key] = bits.view(signed).reshape(state[key].shape)
+    assert (state[key] < 0).any()
+    module.load_state_dict(state)
+    got = module.state_dict()[key]
+    assert got.dtype != signed and torch.equal(got.view(torch.uint8).flatten(), bits)
 
 
 def test_float_tensors_of_another_float_dtype_load_cast():

@@ -10,6 +10,10 @@ import torch
 FORMAT_STATE_KEY = "_extra_state"
 
 
+# Code dtypes a state may hold for each buffer dtype: the same bits, whichever signedness.
+_SAME_BITS = {torch.uint32: (torch.uint32, torch.int32), torch.uint8: (torch.uint8, torch.int8)}
+
+
 class FormatState:
     """Mixin for modules whose buffer shapes do not tell their format: the format as integers
     (format_values(); by default the integer attributes named by FORMAT_FIELDS) goes into state_dict
@@ -66,8 +70,9 @@ class FormatState:
         """ValueError naming the key, this layer's shape or dtype and the given one when a tensor of
         the state has another shape than the parameter or buffer it would be copied into, or a dtype
         that copy_ would convert into other values: packed codes and scale codes (uint32, uint8)
-        must come in exactly their dtype (float codes would be rounded, int64 ones wrapped), float
-        tensors in a float dtype (cast, as nn.Linear's weights are)."""
+        must come in their dtype or the signed one of the same width (int32, int8: copy_ keeps the
+        bits), never float (rounded) or wider (int64: wrapped); float tensors in a float dtype
+        (cast, as nn.Linear's weights are)."""
         for name, own in (*self._parameters.items(), *self._buffers.items()):
             given = state_dict.get(prefix + name)
             if own is None or not isinstance(given, torch.Tensor):
@@ -78,7 +83,7 @@ class FormatState:
                     f"{self.describe_format(self.format_values())}), got {list(given.shape)}"
                 )
             if own.is_floating_point() != given.is_floating_point() or (
-                    not own.is_floating_point() and given.dtype != own.dtype):
+                    not own.is_floating_point() and given.dtype not in _SAME_BITS.get(own.dtype, (own.dtype,))):
                 expected = "a float dtype" if own.is_floating_point() else own.dtype
                 raise ValueError(
                     f"{type(self).__name__} {prefix + name!r}: expected {expected} (this layer, "
