@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..format_state import FormatState, QuantFormatState
 from ..nn import check_positive_ints, follows_autocast, quantized_from, register_quantized_weight
@@ -60,7 +61,9 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         if ids.dtype not in (torch.int64, torch.int32):
             raise RuntimeError(f"QuantEmbedding: argument 'ids' must be an int64 or int32 tensor, got {ids.dtype}")
         flat = ids.reshape(-1)
-        if torch.compiler.is_compiling():  # no host sync inside a graph: a checking op instead
+        # Inside a graph (no host sync) and for meta or fake ids (no values to read; nn.Embedding
+        # gives their shape): a checking op instead, which checks real values when it runs.
+        if torch.compiler.is_compiling() or flat.device.type == "meta" or is_fake(flat):
             torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
                                 f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings})")
         elif flat.numel() != 0:
