@@ -261,3 +261,33 @@ def test_every_quantized_module_names_its_format_and_compute_dtype():
     ]
     for module, text in cases:
         assert module.extra_repr() == text
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_quantized_modules_pickle_and_copy_with_their_uint32_words(mode):
+    """pickle.dumps / loads (and copy.copy / deepcopy) of each module holding packed words: the same
+    buffers, bit for bit and in their dtypes, and the same outputs. torch cannot unpickle a uint32
+    tensor by itself, so the modules pickle it as a view of the same bits."""
+    import copy
+    import pickle
+
+    from torch_qmm.interop import QuantEmbedding
+    from torch_qmm.nn_moe import QuantSwitchLinear
+
+    torch.manual_seed(0)
+    linear = QuantLinear.from_linear(nn.Linear(64, 16), mode=mode)
+    emb = QuantEmbedding.from_embedding(nn.Embedding(10, 64), mode=mode)
+    switch = QuantSwitchLinear.from_float(torch.randn(3, 16, 64), bias=torch.randn(3, 16), mode=mode)
+    model = nn.ModuleDict({"linear": linear, "emb": emb, "switch": switch})
+    x, ids, experts = torch.randn(2, 64), torch.tensor([[0, 9], [4, 4]]), torch.tensor([2, 0])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for again in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model), copy.copy(model)):
+        after = again.state_dict()
+        assert after.keys() == before.keys()
+        for k, v in before.items():
+            assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
+        assert torch.equal(again["linear"](x), linear(x))
+        assert torch.equal(again["emb"](ids), emb(ids))
+        assert torch.equal(again["switch"](x[:, None], experts), switch(x[:, None], experts))
+    for k, v in model.state_dict().items():  # the original is untouched
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
