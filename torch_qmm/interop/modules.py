@@ -46,6 +46,17 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         """The dtype of the lookups."""
         return self._compute_dtype.dtype
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+        # load_state_dict(assign=True) replaces the saved buffers by the state's tensors (their
+        # device, and for affine their float dtype, which is then the compute dtype); the unsaved
+        # dtype carrier follows them, so that a module built on the meta device works and moves
+        # (.to() cannot copy a carrier left on meta).
+        carrier, scales = self._compute_dtype, self.scales
+        dtype = scales.dtype if scales.is_floating_point() else carrier.dtype
+        if carrier.device != scales.device or carrier.dtype != dtype:
+            self._compute_dtype = torch.empty(0, dtype=dtype, device=scales.device)
+
     @classmethod
     def from_embedding(
         cls, embedding: nn.Embedding, bits: int | None = None, group_size: int | None = None,
