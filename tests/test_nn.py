@@ -291,3 +291,21 @@ def test_quantized_modules_pickle_and_copy_with_their_uint32_words(mode):
         assert torch.equal(again["switch"](x[:, None], experts), switch(x[:, None], experts))
     for k, v in model.state_dict().items():  # the original is untouched
         assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+
+
+def test_quantize_model_of_float64_weights_names_the_layers_before_changing_anything():
+    """float64 weights (no dtype= given): a TypeError naming each such layer and its dtype, with
+    the model left as it was (the layers before it were converted, then a message about an
+    argument 'dtype' the caller never passed)."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 32).double(), nn.Linear(32, 8).double())
+    with pytest.raises(TypeError, match=r"quantize_model: .*1 \(torch.float64\), 2 \(torch.float64\)\. Pass dtype="):
+        torch_qmm.quantize_model(model, bits=4, group_size=32)
+    assert [type(m) for m in model] == [nn.Linear] * 3
+    with pytest.raises(TypeError, match=r"argument 'dtype' must be one of .* got torch.float64"):
+        torch_qmm.quantize_model(model, bits=4, group_size=32, dtype=torch.float64)
+    assert [type(m) for m in model] == [nn.Linear] * 3
+    # filter_fn leaving them out, or dtype= naming a supported dtype, converts
+    torch_qmm.quantize_model(model, bits=4, group_size=32, filter_fn=lambda name, m: name == "0")
+    assert [type(m) for m in model] == [QuantLinear, nn.Linear, nn.Linear]
+    torch_qmm.quantize_model(model, bits=4, group_size=32, dtype=torch.float32)
+    assert [type(m) for m in model] == [QuantLinear] * 3 and model[2].scales.dtype == torch.float32
