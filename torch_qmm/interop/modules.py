@@ -151,11 +151,12 @@ class GGUFLinear(FormatState, nn.Module):
     ) -> None:
         super().__init__()
         check_positive_ints(in_features=in_features, out_features=out_features)
+        native = ", ".join(f"{t} ({type_name(t)})" for t in NATIVE_TYPES)
+        if not isinstance(ggml_type, int) or isinstance(ggml_type, bool):
+            raise TypeError(f"argument 'ggml_type' must be an int, one of {native}, got {ggml_type!r}")
+        ggml_type = int(ggml_type)  # an IntEnum (gguf.GGMLQuantizationType) as its value
         if ggml_type not in NATIVE_TYPES:
-            raise ValueError(
-                f"argument 'ggml_type' must be one of "
-                f"{', '.join(f'{t} ({type_name(t)})' for t in NATIVE_TYPES)}, got {ggml_type} ({type_name(ggml_type)})"
-            )
+            raise ValueError(f"argument 'ggml_type' must be one of {native}, got {ggml_type} ({type_name(ggml_type)})")
         per_block, block_bytes = block_info(ggml_type)
         if in_features % per_block != 0:
             raise ValueError(f"argument 'in_features' must be a multiple of {per_block}, got {in_features}")
