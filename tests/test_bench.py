@@ -246,3 +246,23 @@ def test_balanced_orders_give_every_implementation_every_predecessor_equally_oft
     pairs = Counter(p for o in orders for p in zip(o, o[1:]))
     if n > 1:
         assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+
+
+def test_bench_output_that_cannot_be_written_is_a_usage_error_before_the_run(tmp_path, capsys, monkeypatch):
+    """A bad --output is refused up front (exit 2, naming the argument), not after the whole run
+    as an OSError."""
+    import pytest
+
+    import torch_qmm.bench as bench
+
+    def started(*args, **kwargs):
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr(bench, "copy_bandwidth_gbps", started)
+    (tmp_path / "file").write_text("")
+    for output, message in [(str(tmp_path / "file" / "out.json"), "is not a folder"),
+                            (str(tmp_path), "(a folder)"), ("", "expected a file path")]:
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--device", "cpu", "--shapes", "64x128", "--m", "1", "--output", output])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "argument --output" in err and message in err, err

@@ -31,6 +31,19 @@ def test_a_bool_for_bits_or_group_size_is_a_type_error_not_1(op, name):
         getattr(torch_qmm, op)(*args, **kwargs)
 
 
+@pytest.mark.parametrize("value", [None, 0, 1, torch.tensor(True)], ids=repr)
+@pytest.mark.parametrize("op, name", [("quantized_matmul", "transpose"), ("gather_qmm", "transpose"),
+                                      ("gather_qmm", "sorted_indices")])
+def test_a_flag_that_is_not_a_bool_is_a_type_error(op, name, value):
+    """transpose=None must not be read as False: with a square W that is x @ W, not the default
+    x @ W.T (MLX refuses anything but a bool too)."""
+    torch.manual_seed(0)
+    wq, scales, biases = torch_qmm.quantize(torch.randn(64, 64), group_size=64, bits=4)
+    x = torch.randn(2, 64)
+    with pytest.raises(TypeError, match=rf"{op}: argument '{name}' must be a bool, got "):
+        getattr(torch_qmm, op)(x, wq, scales, biases, **{name: value})
+
+
 @pytest.mark.parametrize("group_size", [0, 16, 48, 256])
 def test_quantize_rejects_unsupported_group_size(group_size):
     with pytest.raises(ValueError, match=rf"'group_size' must be one of 32, 64, 128, got {group_size}"):

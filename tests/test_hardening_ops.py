@@ -517,3 +517,37 @@ def test_transformers_reload_checks_the_saved_format(tmp_path):
     save_file(state, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="holds bits=4, group_size=32, mode=affine, this layer has bits=8, group_size=32, mode=affine"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_quant_embedding_gives_shapes_of_meta_and_fake_ids_as_nn_embedding_does(mode):
+    """Shape propagation (meta device, FakeTensorMode) reads no id values: nn.Embedding's shape and
+    the compute dtype, no error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    emb = nn.Embedding(10, 64)
+    qemb = QuantEmbedding.from_embedding(emb, mode=mode).to(torch.float16)
+    ids = torch.tensor([[1, 2, 9], [0, 3, 3]])
+    want = emb.to("meta")(ids.to("meta")).shape
+    got = qemb.to("meta")(ids.to("meta"))
+    assert got.device.type == "meta" and got.shape == want and got.dtype == torch.float16
+    qemb = QuantEmbedding.from_embedding(nn.Embedding(10, 64), mode=mode).to(torch.float16)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        got = qemb(torch.tensor([[1, 2, 9], [0, 3, 3]]))
+    assert got.shape == want and got.dtype == torch.float16
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp8"])
+def test_quant_embedding_built_on_meta_loads_with_assign_and_moves(mode):
+    """The meta-device pattern: build on meta, load_state_dict(assign=True), then .to() and use,
+    as nn.Embedding allows. Lookups equal the saved module's (affine: in the state's float dtype)."""
+    torch.manual_seed(8)
+    saved = QuantEmbedding.from_embedding(nn.Embedding(10, 64), mode=mode).to(torch.float16)
+    ids = torch.tensor([[0, 9], [4, 4]])
+    built = QuantEmbedding(10, 64, mode=mode, device="meta")
+    built.load_state_dict(saved.state_dict(), assign=True)
+    built.to("cpu")  # refused a dtype carrier left on meta: "Cannot copy out of meta tensor"
+    got = built(ids)
+    assert got.device.type == "cpu"
+    assert got.dtype == (torch.float16 if mode == "affine" else torch.float32)
+    assert torch.equal(got.to(torch.float16), saved(ids))

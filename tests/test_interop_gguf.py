@@ -3,6 +3,8 @@ against gguf.quants.dequantize), K-quant tensors to GGUFLinear, and malformed fi
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -271,3 +273,14 @@ def test_gguf_headers_llama_cpp_refuses_are_refused_naming_what_is_wrong(tmp_pat
         f.get_metadata("t.list")
     good = GGUFFile(_patched_gguf(tmp_path / "good.gguf", arrays=[("t.list", ["ab", "cd"])]))
     assert good.get_metadata("t.list") == ["ab", "cd"]
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", 12.0, None, True], ids=repr)
+def test_gguf_linear_ggml_type_that_is_not_an_int_is_a_type_error(ggml_type):
+    """A type name or a float is refused naming the argument (a name failed as "invalid literal for
+    int()", 12.0 built a layer whose forward failed); gguf's IntEnum is its value."""
+    with pytest.raises(TypeError, match=rf"argument 'ggml_type' must be an int, one of 12 \(Q4_K\), 14 \(Q6_K\), "
+                                        rf"got {re.escape(repr(ggml_type))}"):
+        GGUFLinear(256, 8, ggml_type)
+    layer = GGUFLinear(256, 8, T.Q6_K)
+    assert type(layer.ggml_type) is int and layer.state_dict()["_extra_state"].tolist() == [14]

@@ -261,3 +261,51 @@ def test_every_quantized_module_names_its_format_and_compute_dtype():
     ]
     for module, text in cases:
         assert module.extra_repr() == text
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_quantized_modules_pickle_and_copy_with_their_uint32_words(mode):
+    """pickle.dumps / loads (and copy.copy / deepcopy) of each module holding packed words: the same
+    buffers, bit for bit and in their dtypes, and the same outputs. torch cannot unpickle a uint32
+    tensor by itself, so the modules pickle it as a view of the same bits."""
+    import copy
+    import pickle
+
+    from torch_qmm.interop import QuantEmbedding
+    from torch_qmm.nn_moe import QuantSwitchLinear
+
+    torch.manual_seed(0)
+    linear = QuantLinear.from_linear(nn.Linear(64, 16), mode=mode)
+    emb = QuantEmbedding.from_embedding(nn.Embedding(10, 64), mode=mode)
+    switch = QuantSwitchLinear.from_float(torch.randn(3, 16, 64), bias=torch.randn(3, 16), mode=mode)
+    model = nn.ModuleDict({"linear": linear, "emb": emb, "switch": switch})
+    x, ids, experts = torch.randn(2, 64), torch.tensor([[0, 9], [4, 4]]), torch.tensor([2, 0])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for again in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model), copy.copy(model)):
+        after = again.state_dict()
+        assert after.keys() == before.keys()
+        for k, v in before.items():
+            assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
+        assert torch.equal(again["linear"](x), linear(x))
+        assert torch.equal(again["emb"](ids), emb(ids))
+        assert torch.equal(again["switch"](x[:, None], experts), switch(x[:, None], experts))
+    for k, v in model.state_dict().items():  # the original is untouched
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+
+
+def test_quantize_model_of_float64_weights_names_the_layers_before_changing_anything():
+    """float64 weights (no dtype= given): a TypeError naming each such layer and its dtype, with
+    the model left as it was (the layers before it were converted, then a message about an
+    argument 'dtype' the caller never passed)."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 32).double(), nn.Linear(32, 8).double())
+    with pytest.raises(TypeError, match=r"quantize_model: .*1 \(torch.float64\), 2 \(torch.float64\)\. Pass dtype="):
+        torch_qmm.quantize_model(model, bits=4, group_size=32)
+    assert [type(m) for m in model] == [nn.Linear] * 3
+    with pytest.raises(TypeError, match=r"argument 'dtype' must be one of .* got torch.float64"):
+        torch_qmm.quantize_model(model, bits=4, group_size=32, dtype=torch.float64)
+    assert [type(m) for m in model] == [nn.Linear] * 3
+    # filter_fn leaving them out, or dtype= naming a supported dtype, converts
+    torch_qmm.quantize_model(model, bits=4, group_size=32, filter_fn=lambda name, m: name == "0")
+    assert [type(m) for m in model] == [QuantLinear, nn.Linear, nn.Linear]
+    torch_qmm.quantize_model(model, bits=4, group_size=32, dtype=torch.float32)
+    assert [type(m) for m in model] == [QuantLinear] * 3 and model[2].scales.dtype == torch.float32

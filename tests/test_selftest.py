@@ -168,12 +168,31 @@ def test_a_failing_case_is_reported_and_the_exit_code_is_1(tmp_path, capsys, mon
     assert "FAIL qmm_t_bm2" in out and doc["summary"]["failed"] == sum(not c["ok"] for c in doc["cases"])
 
 
-def test_bad_arguments_and_a_missing_device_exit_2(capsys):
+def test_bad_arguments_and_a_missing_device_exit_2(capsys, tmp_path):
     assert main(["selftest", "--device", "cpu", "--routes", "no_such_route"]) == 2
     assert "no_such_route" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["selftest", "--bits", "7"])
     assert "--bits" in capsys.readouterr().err
+    # An unknown mode is refused, not run as "no case of that mode" (only the GGUF cases, exit 0).
+    for modes in ("fp4", "mxfp4,nvfp", ""):
+        with pytest.raises(SystemExit) as exc:
+            main(["selftest", "--device", "cpu", "--modes", modes, "--routes", "gguf_qmv"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--modes" in err and repr(modes) in err and "'mxfp4'" in err, err
+    # A report that cannot be written is refused before the run
+    (tmp_path / "file").write_text("")
+    for path, message in [(tmp_path / "file" / "r.json", "is not a folder"), (tmp_path, "(a folder)")]:
+        with pytest.raises(SystemExit) as exc:
+            main(["selftest", "--device", "cpu", "--json", str(path), "--routes", "quantize"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "argument --json" in err and message in err, err
+    # Spaces after the commas are allowed in every list
+    assert main(["selftest", "--device", "cpu", "--modes", "affine, mxfp4", "--dtypes", "float32, float16",
+                 "--bits", "4", "--group-sizes", "64", "--routes", "qmv_fast"]) == 0
+    out = capsys.readouterr().out
+    assert "mxfp4" in out and "float16" in out and "4 cases, 0 failed" in out, out
     if not torch.backends.mps.is_available():
         assert main(["selftest", "--device", "mps"]) == 2
         assert "torch.backends.mps.is_available() is False" in capsys.readouterr().err

@@ -7,6 +7,10 @@ argument; `--debug` prints the traceback instead.
 
 from __future__ import annotations
 
+import argparse
+import os
+from pathlib import Path
+
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
@@ -26,3 +30,22 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, (ValueError, OSError)):
         return text
     return f"{type(error).__name__}: {text}"
+
+
+def output_file(text: str) -> Path:
+    """argparse type of an output file (a JSON report, next to it a plot), checked before the run
+    that writes it: not an existing folder, and its folder either existing and writable or to be
+    created in a writable one (the writers create missing parents). A bad path is a usage error
+    when given, not an OSError after minutes of running."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file path to write, got {text!r} (a folder)" if text else
+                                         "expected a file path to write, got ''")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(ancestor)!r} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the folder {str(ancestor)!r} is not writable")
+    return path

@@ -12,6 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .format_state import quant_state_values
+from .formats import SUPPORTED_DTYPES
 from .nn import QuantLinear, resolve_format
 
 # Show a progress bar when at least this many layers are converted.
@@ -127,6 +128,29 @@ def _record_for_transformers(model: nn.Module) -> None:
                       "build float layers. Save with torch_qmm.interop.save_mlx instead", stacklevel=3)
 
 
+def _check_compute_dtypes(dtype: torch.dtype | None, layers: list[tuple[str, nn.Module]]) -> None:
+    """TypeError, before any layer is changed, when `dtype` or (dtype None) the float weights of a
+    layer to quantize are not a dtype the quantized layers compute in (float64 weights: the layers
+    would be built and then refused one by one, leaving the model half converted)."""
+    if dtype is not None:
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"quantize_model: argument 'dtype' must be one of {SUPPORTED_DTYPES} or None, got {dtype}")
+        return
+    bad = {}
+    for name, module in layers:
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype not in SUPPORTED_DTYPES:
+                bad.setdefault(name, p.dtype)
+    if bad:
+        listed = ", ".join(f"{n or '<model>'} ({d})" for n, d in list(bad.items())[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise TypeError(
+            f"quantize_model: quantized layers compute in {', '.join(str(d) for d in SUPPORTED_DTYPES)}; these "
+            f"layers' weights have another dtype: {listed}{more}. Pass dtype= (e.g. dtype=torch.float32) and "
+            f"cast the model to it (model.to(dtype)), or leave them out with filter_fn"
+        )
+
+
 def quantize_model(
     model: nn.Module,
     bits=None,
@@ -202,10 +226,11 @@ def quantize_model(
         if type(module) is nn.Linear and (filter_fn is None or filter_fn(name, module))
         and (quantize_gates or not is_gate_linear(name))
     ]
+    experts_modules = [(n, m) for n, m in (fused_experts(model) if experts else [])
+                       if filter_fn is None or filter_fn(n, m)]
+    _check_compute_dtypes(dtype, candidates + experts_modules)
     summary = QuantizeSummary(converted=[], skipped={}, bytes_before=0, bytes_after=0, already_quantized=already)
-    for name, module in fused_experts(model) if experts else []:
-        if filter_fn is not None and not filter_fn(name, module):
-            continue
+    for name, module in experts_modules:
         if per_layer:
             summary.skipped[name] = f"fused experts are quantized by rtn with one bit width, not method={method!r}"
             continue

@@ -124,10 +124,38 @@ def parse_quant_state(values: Sequence[int]) -> tuple[int, int, str | None]:
     return bits, group_size, name if valid else None
 
 
+# The signed dtype of each unsigned one wider than a byte (the same bits, read as signed).
+_SIGNED_OF = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+_UNSIGNED_BUFFERS_KEY = "_torch_qmm_unsigned_buffers"
+
+
 class QuantFormatState(FormatState):
     """The format (bits, group_size, mode) of a QuantLinear / QuantEmbedding in state_dict: the
     buffer shapes cannot tell (qweight and scales of an 8-bit group_size=32 layer with K columns
-    have the shapes of a 4-bit group_size=64 one with 2K)."""
+    have the shapes of a 4-bit group_size=64 one with 2K).
+
+    Pickling (pickle, copy, torch.save of the module): torch pickles a uint16 / uint32 / uint64
+    tensor but cannot unpickle it outside torch.save's format ("'UntypedStorage' has no attribute
+    'dtype'"), so the packed words are pickled as a signed view of the same bits and viewed back
+    on unpickling."""
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        unsigned = {name: b.dtype for name, b in state["_buffers"].items()
+                    if type(b) is torch.Tensor and b.dtype in _SIGNED_OF}
+        if unsigned:
+            buffers = state["_buffers"].copy()
+            for name, dtype in unsigned.items():
+                buffers[name] = buffers[name].view(_SIGNED_OF[dtype])
+            state = {**state, "_buffers": buffers, _UNSIGNED_BUFFERS_KEY: unsigned}
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        unsigned = state.pop(_UNSIGNED_BUFFERS_KEY, {})
+        super().__setstate__(state)
+        for name, dtype in unsigned.items():
+            self._buffers[name] = self._buffers[name].view(dtype)
 
     FORMAT_FIELDS = ("bits", "group_size", "mode")
     bits: int

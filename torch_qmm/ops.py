@@ -37,6 +37,14 @@ def _params(op: str, mode: str, bits: int | None, group_size: int | None) -> tup
     return (f.default_bits if bits is None else bits, f.default_group_size if group_size is None else group_size)
 
 
+def _check_flags(op: str, **flags) -> None:
+    """TypeError naming the first flag that is not a bool: the ops would read None, 0 or a
+    one-element tensor by truth value (transpose=None meaning False, the other product)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{op}: argument '{name}' must be a bool, got {value!r}")
+
+
 def quantize(w: torch.Tensor, group_size: int | None = None, bits: int | None = None, mode: str = "affine"):
     """Quantizes W exactly as ``mlx.core.quantize(w, group_size, bits, mode=mode)`` (its CPU path) does.
 
@@ -118,6 +126,7 @@ def quantized_matmul(
         y [..., N] in x's dtype, accumulated in float32.
     """
     bits, group_size = _params("quantized_matmul", mode, bits, group_size)
+    _check_flags("quantized_matmul", transpose=transpose)
     _activations.check_activations(activations)
     kind = activations
     current = _activations.current_activations() if kind is None else None
@@ -169,6 +178,7 @@ def gather_qmm(
     first matrix only; here y has one product per matrix).
     """
     bits, group_size = _params("gather_qmm", mode, bits, group_size)
+    _check_flags("gather_qmm", transpose=transpose, sorted_indices=sorted_indices)
     return _ops.gather_qmm(
         x, w, scales, biases, lhs_indices, rhs_indices, mode, bits, group_size, transpose, sorted_indices
     )

@@ -47,6 +47,7 @@ from typing import Callable, Optional
 import torch
 
 from . import reference
+from .cli_errors import output_file
 from .tolerance import error_bound, route_precision
 
 DESCRIPTION = __doc__  # the --help text
@@ -534,7 +535,7 @@ def device_problem(device: str) -> Optional[str]:
 
 def _csv(kind, choices):
     def parse(text: str):
-        items = [kind(t) for t in text.split(",") if t.strip()]
+        items = [kind(t.strip()) for t in text.split(",") if t.strip()]
         bad = [i for i in items if i not in choices]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {list(choices)}, got {text!r}")
@@ -548,11 +549,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICES, default=default,
                    help=f"mps (our Metal kernels on the GPU), metalsim (the same kernels on the emulator), cpu "
                         f"(the C++ kernels); default here: {default}")
-    p.add_argument("--json", type=Path, metavar="FILE", help="write the report (cases + environment) to FILE")
+    p.add_argument("--json", type=output_file, metavar="FILE", help="write the report (cases + environment) to FILE")
     p.add_argument("--bits", type=_csv(int, BITS), default=BITS, help="e.g. 4,8 (default: all)")
     p.add_argument("--group-sizes", type=_csv(int, GROUP_SIZES), default=GROUP_SIZES, help="e.g. 64 (default: all)")
     p.add_argument("--dtypes", type=_csv(str, tuple(DTYPES)), default=tuple(DTYPES), help="e.g. float16,bfloat16 (default: all)")
-    p.add_argument("--modes", type=lambda t: set(t.split(",")), default=None,
+    from .formats import MODES
+
+    p.add_argument("--modes", type=_csv(str, MODES), default=None,
                    help="quantization modes to run, e.g. affine,mxfp4 (default: every mode a route serves)")
     p.add_argument("--routes", type=lambda t: set(t.split(",")), default=None,
                    help="routing-table rows to run (default: all; names: torch.ops.torch_qmm._routes())")

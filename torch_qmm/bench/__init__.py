@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli_errors import UsageError
+from ..cli_errors import UsageError, output_file
 from ..devices import best_device
 from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from . import llamacpp_peer, metalsim_traffic, mlx_peer
@@ -151,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mixture-of-experts benchmark instead (moe.py): gather_qmm on the expert matrices of "
                              "Qwen3-30B-A3B and gpt-oss-20b at 1, 8 and 128 tokens (--m to choose) against loops of "
                              "dense calls and MLX's gather_qmm; JSON to benchmarks/results/cpu-moe-gather-qmm.json")
-    parser.add_argument("--output", default=None,
+    parser.add_argument("--output", type=output_file, default=None,
                         help="JSON path (default: benchmarks/results/<tag>-<device>-<time>.json; the plot is "
                              "written next to it as .png)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the .png plot")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..format_state import FormatState, QuantFormatState
 from ..nn import check_positive_ints, follows_autocast, quantized_from, register_quantized_weight
@@ -45,6 +46,17 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         """The dtype of the lookups."""
         return self._compute_dtype.dtype
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+        # load_state_dict(assign=True) replaces the saved buffers by the state's tensors (their
+        # device, and for affine their float dtype, which is then the compute dtype); the unsaved
+        # dtype carrier follows them, so that a module built on the meta device works and moves
+        # (.to() cannot copy a carrier left on meta).
+        carrier, scales = self._compute_dtype, self.scales
+        dtype = scales.dtype if scales.is_floating_point() else carrier.dtype
+        if carrier.device != scales.device or carrier.dtype != dtype:
+            self._compute_dtype = torch.empty(0, dtype=dtype, device=scales.device)
+
     @classmethod
     def from_embedding(
         cls, embedding: nn.Embedding, bits: int | None = None, group_size: int | None = None,
@@ -60,7 +72,9 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         if ids.dtype not in (torch.int64, torch.int32):
             raise RuntimeError(f"QuantEmbedding: argument 'ids' must be an int64 or int32 tensor, got {ids.dtype}")
         flat = ids.reshape(-1)
-        if torch.compiler.is_compiling():  # no host sync inside a graph: a checking op instead
+        # Inside a graph (no host sync) and for meta or fake ids (no values to read; nn.Embedding
+        # gives their shape): a checking op instead, which checks real values when it runs.
+        if torch.compiler.is_compiling() or flat.device.type == "meta" or is_fake(flat):
             torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
                                 f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings})")
         elif flat.numel() != 0:
@@ -137,11 +151,12 @@ class GGUFLinear(FormatState, nn.Module):
     ) -> None:
         super().__init__()
         check_positive_ints(in_features=in_features, out_features=out_features)
+        native = ", ".join(f"{t} ({type_name(t)})" for t in NATIVE_TYPES)
+        if not isinstance(ggml_type, int) or isinstance(ggml_type, bool):
+            raise TypeError(f"argument 'ggml_type' must be an int, one of {native}, got {ggml_type!r}")
+        ggml_type = int(ggml_type)  # an IntEnum (gguf.GGMLQuantizationType) as its value
         if ggml_type not in NATIVE_TYPES:
-            raise ValueError(
-                f"argument 'ggml_type' must be one of "
-                f"{', '.join(f'{t} ({type_name(t)})' for t in NATIVE_TYPES)}, got {ggml_type} ({type_name(ggml_type)})"
-            )
+            raise ValueError(f"argument 'ggml_type' must be one of {native}, got {ggml_type} ({type_name(ggml_type)})")
         per_block, block_bytes = block_info(ggml_type)
         if in_features % per_block != 0:
             raise ValueError(f"argument 'in_features' must be a multiple of {per_block}, got {in_features}")
