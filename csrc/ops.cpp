@@ -48,7 +48,7 @@ TORCH_LIBRARY(torch_qmm, m) {
   m.def(
       "qmm_int8_activations(Tensor x, Tensor wq, Tensor scales, Tensor? biases, str mode, int bits, "
       "int group_size) -> Tensor");
-  // gguf_qmm with x quantized to int8 per block of 32: the same opt-in (csrc/cpu/actq_gguf.cpp).
+  // gguf_qmm with x quantized to int8 per super-block of 256: the same opt-in (csrc/cpu/actq_gguf.cpp).
   m.def("gguf_qmm_int8_activations(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> Tensor");
   // The format table (csrc/format_spec.h) as JSON, read once by torch_qmm/formats.py.
   m.def("_formats() -> str");
