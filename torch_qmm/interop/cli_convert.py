@@ -35,7 +35,7 @@ Convert a model to a torch_qmm or MLX folder.
 A transformers folder (float weights) is quantized with --mode / --bits / --group-size (bits and
 group size default to the mode's, as MLX's; see --help): every linear layer and the experts of
 MoE blocks (routers stay float) except the output head (--format transformers, reloadable with
-from_pretrained after importing torch_qmm.interop.transformers), or those, the output head and the
+from_pretrained after `import torch_qmm`), or those, the output head and the
 embedding (--format mlx, as mlx.nn.quantize does; a tied output head reuses the quantized embedding).
 A folder torch_qmm already quantized keeps its layers' format, bit for bit (the layers float in it
 that --format mlx quantizes take that format too); --mode / --bits / --group-size asking for another
