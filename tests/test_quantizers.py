@@ -569,6 +569,22 @@ def test_bad_arguments_are_clear_errors():
         torch_qmm.quantize_model(model, method="mse", calibration=CALIB)
 
 
+
+def test_tokenizer_outputs_are_calibration_samples():
+    """A tokenizer's output (BatchEncoding: a mapping, not a dict) is one sample's model kwargs, as
+    a dict is: the same layers as from the bare token ids; a single one (not in a list) is refused
+    with a hint."""
+    by_ids, by_encoding = _llama(), _llama()
+    torch_qmm.quantize_model(by_ids, method="gptq", calibration=CALIB, filter_fn=NOT_HEAD)
+    encodings = [transformers.BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+                 for ids in CALIB]
+    torch_qmm.quantize_model(by_encoding, method="gptq", calibration=encodings, filter_fn=NOT_HEAD)
+    a, b = by_ids.state_dict(), by_encoding.state_dict()
+    assert any(k.endswith(".qweight") for k in a) and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.endswith("_extra_state"))
+    with pytest.raises(TypeError, match=r"got a single BatchEncoding \(one sample's kwargs: pass \[it\]\)"):
+        torch_qmm.quantize_model(_llama(), method="gptq", calibration=encodings[0])
+
 # ---- convert CLI and TorchQmmConfig -----------------------------------------------------------------
 
 WORDS = "the a village river school market city train garden book walk bread".split()

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -34,10 +34,12 @@ IN_MEMORY_BYTES = 256 * 2**20
 
 def samples(calibration: Iterable) -> list[Sample]:
     """The calibration iterable as a list of model kwargs: a token-id tensor [B, T] (or [T]) becomes
-    {"input_ids": ...}; a dict is passed through as kwargs."""
-    if isinstance(calibration, (torch.Tensor, str, bytes)):
+    {"input_ids": ...}; a dict (any mapping, such as a tokenizer's BatchEncoding) is passed through
+    as kwargs."""
+    if isinstance(calibration, (torch.Tensor, str, bytes, Mapping)):
         raise TypeError("argument 'calibration' must be an iterable of model inputs (token-id tensors [1, T] "
-                        f"or dicts of model kwargs), got a single {type(calibration).__name__}")
+                        f"or dicts of model kwargs), got a single {type(calibration).__name__}"
+                        + (" (one sample's kwargs: pass [it])" if isinstance(calibration, Mapping) else ""))
     out: list[Sample] = []
     for i, item in enumerate(calibration):
         if isinstance(item, torch.Tensor):
@@ -45,7 +47,7 @@ def samples(calibration: Iterable) -> list[Sample]:
                 raise ValueError(f"argument 'calibration': item {i} must be a non-empty integer token-id tensor [1, T], "
                                  f"got {item.dtype} of shape {tuple(item.shape)}")
             out.append({"input_ids": item if item.dim() == 2 else item.unsqueeze(0)})
-        elif isinstance(item, dict):
+        elif isinstance(item, Mapping):
             out.append(dict(item))
         else:
             raise TypeError(f"argument 'calibration': item {i} must be a token-id tensor or a dict of model kwargs, "
