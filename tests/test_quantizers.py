@@ -585,6 +585,28 @@ def test_tokenizer_outputs_are_calibration_samples():
     with pytest.raises(TypeError, match=r"got a single BatchEncoding \(one sample's kwargs: pass \[it\]\)"):
         torch_qmm.quantize_model(_llama(), method="gptq", calibration=encodings[0])
 
+
+@pytest.mark.parametrize("bad_id", [96, 1000, -1])
+def test_calibration_ids_outside_the_vocabulary_are_a_clear_error(bad_id):
+    """Token ids the model's embedding (vocabulary 96) does not hold, as another tokenizer gives,
+    are a ValueError naming the sample, the id and the vocabulary size, not the embedding's bare
+    IndexError; nothing is converted."""
+    model = _llama()
+    ids = CALIB[1].clone()
+    ids[0, 5] = bad_id
+    with pytest.raises(ValueError, match=rf"argument 'calibration': sample 1 holds token id {bad_id}, outside the "
+                                         r"model's vocabulary of 96 ids"):
+        torch_qmm.quantize_model(model, method="gptq", calibration=[CALIB[0], ids])
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def test_a_calibration_sample_the_model_cannot_run_is_named():
+    """A sample whose kwargs the model's forward refuses: a ValueError naming the argument and
+    the sample, with the model's own message."""
+    with pytest.raises(ValueError, match=r"argument 'calibration': the model's forward on sample 0 failed: "
+                                         r"\w+: .*input_ids"):
+        torch_qmm.quantize_model(_llama(), method="gptq", calibration=[{"ids": CALIB[0]}])
+
 # ---- convert CLI and TorchQmmConfig -----------------------------------------------------------------
 
 WORDS = "the a village river school market city train garden book walk bread".split()

@@ -155,6 +155,19 @@ def _no_cache(model: nn.Module, kwargs: Sample) -> Sample:
     return kwargs
 
 
+def _check_token_ids(model: nn.Module, i: int, kwargs: Sample) -> None:
+    """Token ids outside the model's input embedding (another tokenizer's) are a ValueError naming
+    the sample, the id and the vocabulary size (the embedding would raise a bare IndexError)."""
+    ids = kwargs.get("input_ids")
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(ids, torch.Tensor) or ids.numel() == 0 or not isinstance(embedding, nn.Embedding):
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= embedding.num_embeddings:
+        raise ValueError(f"argument 'calibration': sample {i} holds token id {low if low < 0 else high}, outside the "
+                         f"model's vocabulary of {embedding.num_embeddings} ids (tokenized for another model?)")
+
+
 @torch.no_grad()
 def capture_block_inputs(model: nn.Module, first_block: nn.Module, data: list[Sample]) -> BlockInputs:
     """Runs the model on each sample until `first_block` and returns what it was called with."""
@@ -167,10 +180,14 @@ def capture_block_inputs(model: nn.Module, first_block: nn.Module, data: list[Sa
     handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         for i, kwargs in enumerate(data):
+            _check_token_ids(model, i, kwargs)
             try:
                 model(**_no_cache(model, kwargs))
             except _Stop:
                 continue
+            except Exception as e:
+                raise ValueError(f"argument 'calibration': the model's forward on sample {i} failed: "
+                                 f"{type(e).__name__}: {e}") from e
             raise ValueError(f"argument 'calibration': sample {i} ran through the model without reaching its blocks")
     except BaseException:
         captured.close()
