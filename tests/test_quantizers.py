@@ -666,6 +666,23 @@ def test_convert_cli_refuses_awq_without_calibration(folder_with_tokenizer, tmp_
         TorchQmmConfig(method="hqq")
 
 
+@pytest.mark.parametrize("text, tokens", [("", 0), ("village", 1)])
+def test_convert_cli_refuses_a_calibration_text_too_short_for_a_sample(folder_with_tokenizer, tmp_path, capsys,
+                                                                      text, tokens):
+    """A calibration file of fewer than 2 tokens gives no sample: one line naming the file and its
+    token count (exit 1), not an error blamed on the model folder; nothing is written."""
+    from torch_qmm.__main__ import main
+
+    (tmp_path / "short.txt").write_text(text)
+    assert main(["convert", str(folder_with_tokenizer), str(tmp_path / "o"), "--method", "gptq",
+                 "--calibration", str(tmp_path / "short.txt")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path / 'short.txt'}: calibration text" in err, err
+    assert (f"is {tokens} token long" if tokens else "empty after tokenization") in err, err
+    assert str(folder_with_tokenizer) not in err, err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_calibrated_pass_shows_a_progress_bar_per_layer(method, capsys):
     torch_qmm.quantize_model(_llama(), bits=4, group_size=32, method=method, calibration=CALIB, progress=True)

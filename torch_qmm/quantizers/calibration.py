@@ -389,5 +389,7 @@ def from_text(tokenizer, text: str, seq_len: int = 512, max_samples: int = 32) -
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError("calibration text is empty after tokenization")
+    if len(ids) < 2:
+        raise ValueError(f"calibration text is {len(ids)} token long after tokenization; a sample needs at least 2")
     windows = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)][:max_samples]
     return [torch.tensor([w], dtype=torch.int64) for w in windows if len(w) > 1]
