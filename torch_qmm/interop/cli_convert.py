@@ -459,6 +459,9 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             how = f"{rounded or 'lossless'} {src} -> {fmt}"
         elif src in ("float", "F32", "F16", "BF16"):
             how = f"kept {fmt}" if src == "float" else f"kept {src} -> {fmt}"
+            width = m.embedding_dim if isinstance(m, nn.Embedding) else getattr(m, "in_features", None)
+            if src == "float" and width is not None and width % group_size:
+                how += f" (its {width} inputs are not a multiple of --group-size {group_size})"
             if src != "float" and (src, m.weight.dtype) not in _LOSSLESS_CASTS:
                 how += f" (rounded to {str(m.weight.dtype)[6:]})"
         else:
@@ -649,7 +652,7 @@ def run(args: argparse.Namespace) -> int:
         rows = _layer_report(model, origin, quantized_now, exact, args.format, args.requantize if is_gguf else None,
                              group_size)
     _print_report(rows)
-    formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how else how for _, how in rows})
+    formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how else how.split(" (its ")[0] for _, how in rows})
     print(f"wrote {args.dst} ({args.format}): {len(rows)} layers; formats: {'; '.join(formats)}")
     return 0
 
