@@ -528,6 +528,9 @@ def test_affine_exact_checks_every_float16_field_of_the_blocks():
      "--bits and --group-size apply only to re-quantization"),
     (["--format", "mlx", "--bits", "3"], "--bits applies only to re-quantization"),
     (["--bits", "8"], "--bits applies only to re-quantization"),
+    (["--method", "mse"], "--method applies only to re-quantization"),
+    (["--format", "mlx", "--method", "gptq", "--calibration", __file__],
+     "--method and --calibration apply only to re-quantization"),
     (["--requantize", "rest", "--group-size", "64"], "so --group-size 64 cannot join them. Pass --group-size 32"),
     (["--requantize", "rest", "--mode", "mxfp4"], "so --mode mxfp4 cannot join them. Pass --mode affine"),
 ])

@@ -46,8 +46,8 @@ Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit, Q4
 bits 4 / group size 32 (exact with float32 scales, the default for GGUF; --dtype float16/bfloat16
 rounds them, and bfloat16 the others' float16 scales; the output says which layers). Layers
 without an exact affine form (Q6_K, float) stay float unless --requantize asks otherwise:
-rest quantizes them with --bits/--group-size, all re-quantizes every layer (lossy); --bits and
---group-size apply only with --requantize. The transformers format keeps the embedding float
+rest quantizes them with --bits/--group-size, all re-quantizes every layer (lossy); --bits,
+--group-size, --method and --calibration apply only with --requantize. The transformers format keeps the embedding float
 (decoded exactly; a tied output head stays tied to it) and an exact output head, and quantizes
 no other head; its quantization_config holds one group size and mode, so there --requantize rest
 quantizes with the exact layers' group size 32 and refuses another. Both formats get tokenizer
@@ -506,6 +506,8 @@ def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
             raise UsageError(f"--requantize applies to GGUF sources only; {args.src} is a float transformers folder, "
                              "which is always quantized with --bits/--group-size")
         return
+    flags += [f for f, given in (("--method", args.method != "rtn"), ("--calibration", args.calibration is not None))
+              if given]
     if flags and not args.requantize:
         verb = "apply" if len(flags) > 1 else "applies"
         raise UsageError(f"{' and '.join(flags)} {verb} only to re-quantization: {args.src} keeps its own formats "
