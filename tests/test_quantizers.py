@@ -607,6 +607,22 @@ def test_a_calibration_sample_the_model_cannot_run_is_named():
                                          r"\w+: .*input_ids"):
         torch_qmm.quantize_model(_llama(), method="gptq", calibration=[{"ids": CALIB[0]}])
 
+
+@pytest.mark.parametrize("bits", [{"*": 4, "lm_head": 8}, {"model.layers.0.mlp.up_proj": 4, "lm_head": 8, "*": 4}])
+def test_bits_naming_a_layer_left_float_says_why(bits):
+    """A per-layer bits mapping that names a layer quantize_model leaves float (here the output
+    head tied to the embedding) is a ValueError naming the layer and the reason, not only 'not
+    quantized here'; nothing is converted."""
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"argument 'bits' names layers that quantize_model leaves float: lm_head "
+                                         r"\(weight is shared with model.embed_tokens \(tied"):
+        torch_qmm.quantize_model(model, bits=bits, group_size=32)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
 # ---- convert CLI and TorchQmmConfig -----------------------------------------------------------------
 
 WORDS = "the a village river school market city train garden book walk bread".split()
