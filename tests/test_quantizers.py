@@ -699,6 +699,24 @@ def test_convert_cli_refuses_a_calibration_text_too_short_for_a_sample(folder_wi
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("data, message", [
+    (b"\0" * 4000, "not plain text (it holds NUL bytes, the first at character 0)"),
+    (b"village river\0school", "not plain text (it holds NUL bytes, the first at character 13)"),
+    (b"\xff\xfev\0i\0", "not UTF-8 text"),
+], ids=["zeros", "nul-inside", "utf-16"])
+def test_convert_cli_refuses_a_binary_calibration_file(folder_with_tokenizer, tmp_path, capsys, data, message):
+    """A --calibration file that is not plain text (NUL bytes are valid UTF-8, so a file of zeros
+    decodes) is refused in one line naming the file (exit 1); nothing is written."""
+    from torch_qmm.__main__ import main
+
+    (tmp_path / "calib.bin").write_bytes(data)
+    assert main(["convert", str(folder_with_tokenizer), str(tmp_path / "o"), "--method", "gptq",
+                 "--calibration", str(tmp_path / "calib.bin")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path / 'calib.bin'}: the --calibration file is {message}" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_calibrated_pass_shows_a_progress_bar_per_layer(method, capsys):
     torch_qmm.quantize_model(_llama(), bits=4, group_size=32, method=method, calibration=CALIB, progress=True)

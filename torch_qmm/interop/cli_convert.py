@@ -254,6 +254,9 @@ def _calibration(args: argparse.Namespace, is_gguf: bool):
         text = args.calibration.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{args.calibration}: the --calibration file is not UTF-8 text ({e})") from e
+    if "\0" in text:  # valid UTF-8 but binary: plain text holds no NUL
+        raise ValueError(f"{args.calibration}: the --calibration file is not plain text (it holds NUL bytes, the "
+                         f"first at character {text.index(chr(0))})")
     from transformers import AutoTokenizer
 
     from ..quantizers.calibration import from_text
