@@ -717,6 +717,22 @@ def test_convert_cli_refuses_a_binary_calibration_file(folder_with_tokenizer, tm
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("method", [None, "rtn", "mse"])
+def test_convert_cli_refuses_calibration_for_a_data_free_method(folder_with_tokenizer, tmp_path, capsys, method):
+    """--calibration with a data-free --method (rtn, the default, or mse) is a usage error (exit 2)
+    naming the flags, not a warning about a Python argument after the whole conversion."""
+    from torch_qmm.__main__ import main
+
+    (tmp_path / "calib.txt").write_text(" ".join(WORDS * 4))
+    argv = ["convert", str(folder_with_tokenizer), str(tmp_path / "o"), "--calibration", str(tmp_path / "calib.txt")]
+    assert main(argv + (["--method", method] if method else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"--calibration applies to the calibrated methods (awq, gptq" in err, err
+    assert f"--method {method or 'rtn'} is data-free" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_calibrated_pass_shows_a_progress_bar_per_layer(method, capsys):
     torch_qmm.quantize_model(_llama(), bits=4, group_size=32, method=method, calibration=CALIB, progress=True)

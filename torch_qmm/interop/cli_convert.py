@@ -244,10 +244,15 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
 
 def _calibration(args: argparse.Namespace, is_gguf: bool):
     """Token-id windows of --calibration (None without it); awq/gptq require it."""
+    calibrated = quantizers.resolve(args.method).calibrated
     if args.calibration is None:
-        if quantizers.resolve(args.method).calibrated:
+        if calibrated:
             raise UsageError(f"--method {args.method} needs --calibration FILE.txt (plain text)")
         return None
+    if not calibrated:
+        uses = ", ".join(n for n in quantizers.names() if quantizers.resolve(n).calibrated)
+        raise UsageError(f"--calibration applies to the calibrated methods ({uses}); --method {args.method} is "
+                         "data-free and would ignore it")
     if not args.calibration.is_file():
         raise UsageError(f"--calibration {args.calibration} is not a file")
     try:
