@@ -179,6 +179,16 @@ def test_bad_arguments_and_a_missing_device_exit_2(capsys):
         assert "torch.backends.mps.is_available() is False" in capsys.readouterr().err
 
 
+def test_a_json_report_path_that_is_a_folder_exits_2_before_running(tmp_path, capsys, monkeypatch):
+    """--json naming an existing folder is refused before any case runs (it failed with
+    'Is a directory' only after the whole run, its results lost)."""
+    monkeypatch.setattr(selftest, "run_case", lambda *a, **k: pytest.fail("a case ran"))
+    assert main(["selftest", "--device", "cpu", "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {tmp_path} is a folder" in err and str(tmp_path / "selftest.json") in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- the workflow ----------------------------------------------------------------------------------
 
 def test_the_workflow_passes_actionlint():

@@ -568,6 +568,10 @@ def run(args: argparse.Namespace) -> int:
     if args.check and args.device != "metalsim":
         print("selftest: --check is for --device metalsim", file=sys.stderr)
         return 2
+    if args.json is not None and args.json.is_dir():  # found before the run, not when its report is written
+        print(f"selftest: --json {args.json} is a folder; give the report's file name "
+              f"(e.g. {args.json / 'selftest.json'})", file=sys.stderr)
+        return 2
     if args.routes is not None:
         known = {r["route"] for r in json.loads(_ops._routes())}
         if args.routes - known:

@@ -662,7 +662,8 @@ def run(args: argparse.Namespace) -> int:
         rows = _layer_report(model, origin, quantized_now, exact, args.format, args.requantize if is_gguf else None,
                              group_size)
     _print_report(rows)
-    formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how else how.split(" (its ")[0] for _, how in rows})
+    formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how else how.split(" (its ")[0]
+                      for _, how in rows})
     print(f"wrote {args.dst} ({args.format}): {len(rows)} layers; formats: {'; '.join(formats)}")
     return 0
 
