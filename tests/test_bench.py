@@ -220,6 +220,19 @@ def test_bench_bad_values_are_usage_errors(tmp_path, capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra", [[], ["--moe"], ["--model"]], ids=["kernels", "moe", "model"])
+def test_bench_output_naming_a_folder_exits_2_before_running(tmp_path, capsys, monkeypatch, extra):
+    """--output naming an existing folder is a usage error before anything is measured (it failed
+    with 'Is a directory' only when the results were saved, after the whole run)."""
+    import torch_qmm.bench as bench
+
+    monkeypatch.setattr(bench, "copy_bandwidth_gbps", lambda *a: pytest.fail("a measurement ran"))
+    assert main(["bench", "--device", "cpu", *extra, "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"argument --output: {tmp_path} is a folder; give the JSON file's name" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_model_config_file_is_checked(tmp_path, capsys):
     for fields, message in [({"dim": 0}, "field 'dim' must be a positive integer, got 0"),
                             ({"heads": 3}, "must be a multiple of 'heads' = 3"), ({"depth": 2}, "unknown ModelConfig")]:

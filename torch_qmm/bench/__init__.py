@@ -183,6 +183,9 @@ def configs(args: argparse.Namespace, device: str) -> list[Config]:
 
 def run(args: argparse.Namespace) -> int:
     device = args.device or best_device()
+    if args.output is not None and Path(args.output).is_dir():  # found before the run, not when it is saved
+        raise UsageError(f"argument --output: {args.output} is a folder; give the JSON file's name "
+                         f"(e.g. {Path(args.output) / 'bench.json'})")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.float32_precision:
