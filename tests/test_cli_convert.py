@@ -528,6 +528,9 @@ def test_affine_exact_checks_every_float16_field_of_the_blocks():
      "--bits and --group-size apply only to re-quantization"),
     (["--format", "mlx", "--bits", "3"], "--bits applies only to re-quantization"),
     (["--bits", "8"], "--bits applies only to re-quantization"),
+    (["--method", "mse"], "--method applies only to re-quantization"),
+    (["--format", "mlx", "--method", "gptq", "--calibration", __file__],
+     "--method and --calibration apply only to re-quantization"),
     (["--requantize", "rest", "--group-size", "64"], "so --group-size 64 cannot join them. Pass --group-size 32"),
     (["--requantize", "rest", "--mode", "mxfp4"], "so --mode mxfp4 cannot join them. Pass --mode affine"),
 ])
@@ -816,3 +819,27 @@ def test_a_destination_that_cannot_be_created_is_named_as_given(hf_folder, tmp_p
     err = capsys.readouterr().err
     assert f"destination {dst}: cannot create a folder there" in err and ".partial-" not in err, err
     assert len(err.splitlines()) == 1 and (tmp_path / "a-file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("output_format", ["transformers", "mlx"])
+def test_layers_left_float_by_the_group_size_say_why(tmp_path, capsys, output_format):
+    """Layers whose inputs are not a multiple of --group-size stay float: the report says so for
+    each (hidden size 96 against --group-size 64; down_proj's 128 inputs are quantized), and the
+    summary line lists the format once."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--format", output_format,
+                 "--group-size", "64"]) == 0
+    out = capsys.readouterr().out
+    report = _report(out)
+    why = "kept float float32 (its 96 inputs are not a multiple of --group-size 64)"
+    assert report["model.layers.0.self_attn.q_proj"] == why
+    assert report["model.layers.0.mlp.up_proj"] == why
+    assert report["model.layers.0.mlp.down_proj"] == "quantized float -> affine b4 gs64"
+    if output_format == "mlx":  # the embedding and head, which the MLX format quantizes
+        assert report["model.embed_tokens"] == why
+        assert report["lm_head"] == why
+    summary = next(line for line in out.splitlines() if line.startswith("wrote "))
+    assert "affine b4 gs64; kept float float32" in summary and "(its" not in summary, summary

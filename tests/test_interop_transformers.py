@@ -250,3 +250,42 @@ def test_saved_tensor_of_another_dtype_is_refused_on_reload(float_folder, tmp_pa
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"stores '{name}' as {stored}; the torch_qmm layer"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+_RELOAD_SCRIPT = r"""
+import sys
+import torch
+from safetensors.torch import load_file
+if sys.argv[2] == "torch_qmm-first":
+    import torch_qmm
+    from transformers import AutoModelForCausalLM
+else:
+    from transformers import AutoModelForCausalLM
+    import torch_qmm
+folder = sys.argv[1]
+state = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+stored = {k: t for k, t in load_file(folder + "/model.safetensors").items() if not k.endswith("._extra_state")}
+assert any(k.endswith(".qweight") for k in stored)
+print("differ:", sorted(k for k, t in stored.items() if k not in state or not torch.equal(state[k], t)))
+"""
+
+
+@pytest.mark.parametrize("order", ["torch_qmm-first", "transformers-first"])
+def test_import_torch_qmm_is_enough_to_reload_a_saved_folder(float_folder, tmp_path, order):
+    """A fresh interpreter that imports torch_qmm (before or after transformers) and nothing of
+    its interop loads every stored tensor with AutoModelForCausalLM.from_pretrained; transformers
+    alone would only warn about the unknown quant_method and initialise float layers at random.
+    The registration is per process, hence the child."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder)
+    quantize_model(model, bits=4, group_size=64)
+    model.save_pretrained(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    p = subprocess.run([sys.executable, "-c", _RELOAD_SCRIPT, str(tmp_path), order], capture_output=True, text=True,
+                       env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "differ: []" in p.stdout.splitlines()

@@ -569,6 +569,60 @@ def test_bad_arguments_are_clear_errors():
         torch_qmm.quantize_model(model, method="mse", calibration=CALIB)
 
 
+
+def test_tokenizer_outputs_are_calibration_samples():
+    """A tokenizer's output (BatchEncoding: a mapping, not a dict) is one sample's model kwargs, as
+    a dict is: the same layers as from the bare token ids; a single one (not in a list) is refused
+    with a hint."""
+    by_ids, by_encoding = _llama(), _llama()
+    torch_qmm.quantize_model(by_ids, method="gptq", calibration=CALIB, filter_fn=NOT_HEAD)
+    encodings = [transformers.BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+                 for ids in CALIB]
+    torch_qmm.quantize_model(by_encoding, method="gptq", calibration=encodings, filter_fn=NOT_HEAD)
+    a, b = by_ids.state_dict(), by_encoding.state_dict()
+    assert any(k.endswith(".qweight") for k in a) and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.endswith("_extra_state"))
+    with pytest.raises(TypeError, match=r"got a single BatchEncoding \(one sample's kwargs: pass \[it\]\)"):
+        torch_qmm.quantize_model(_llama(), method="gptq", calibration=encodings[0])
+
+
+@pytest.mark.parametrize("bad_id", [96, 1000, -1])
+def test_calibration_ids_outside_the_vocabulary_are_a_clear_error(bad_id):
+    """Token ids the model's embedding (vocabulary 96) does not hold, as another tokenizer gives,
+    are a ValueError naming the sample, the id and the vocabulary size, not the embedding's bare
+    IndexError; nothing is converted."""
+    model = _llama()
+    ids = CALIB[1].clone()
+    ids[0, 5] = bad_id
+    with pytest.raises(ValueError, match=rf"argument 'calibration': sample 1 holds token id {bad_id}, outside the "
+                                         r"model's vocabulary of 96 ids"):
+        torch_qmm.quantize_model(model, method="gptq", calibration=[CALIB[0], ids])
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def test_a_calibration_sample_the_model_cannot_run_is_named():
+    """A sample whose kwargs the model's forward refuses: a ValueError naming the argument and
+    the sample, with the model's own message."""
+    with pytest.raises(ValueError, match=r"argument 'calibration': the model's forward on sample 0 failed: "
+                                         r"\w+: .*input_ids"):
+        torch_qmm.quantize_model(_llama(), method="gptq", calibration=[{"ids": CALIB[0]}])
+
+
+@pytest.mark.parametrize("bits", [{"*": 4, "lm_head": 8}, {"model.layers.0.mlp.up_proj": 4, "lm_head": 8, "*": 4}])
+def test_bits_naming_a_layer_left_float_says_why(bits):
+    """A per-layer bits mapping that names a layer quantize_model leaves float (here the output
+    head tied to the embedding) is a ValueError naming the layer and the reason, not only 'not
+    quantized here'; nothing is converted."""
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"argument 'bits' names layers that quantize_model leaves float: lm_head "
+                                         r"\(weight is shared with model.embed_tokens \(tied"):
+        torch_qmm.quantize_model(model, bits=bits, group_size=32)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
 # ---- convert CLI and TorchQmmConfig -----------------------------------------------------------------
 
 WORDS = "the a village river school market city train garden book walk bread".split()
@@ -626,6 +680,57 @@ def test_convert_cli_refuses_awq_without_calibration(folder_with_tokenizer, tmp_
 
     with pytest.raises(ValueError, match="argument 'method' must be one of"):
         TorchQmmConfig(method="hqq")
+
+
+@pytest.mark.parametrize("text, tokens", [("", 0), ("village", 1)])
+def test_convert_cli_refuses_a_calibration_text_too_short_for_a_sample(folder_with_tokenizer, tmp_path, capsys,
+                                                                      text, tokens):
+    """A calibration file of fewer than 2 tokens gives no sample: one line naming the file and its
+    token count (exit 1), not an error blamed on the model folder; nothing is written."""
+    from torch_qmm.__main__ import main
+
+    (tmp_path / "short.txt").write_text(text)
+    assert main(["convert", str(folder_with_tokenizer), str(tmp_path / "o"), "--method", "gptq",
+                 "--calibration", str(tmp_path / "short.txt")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path / 'short.txt'}: calibration text" in err, err
+    assert (f"is {tokens} token long" if tokens else "empty after tokenization") in err, err
+    assert str(folder_with_tokenizer) not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\0" * 4000, "not plain text (it holds NUL bytes, the first at character 0)"),
+    (b"village river\0school", "not plain text (it holds NUL bytes, the first at character 13)"),
+    (b"\xff\xfev\0i\0", "not UTF-8 text"),
+], ids=["zeros", "nul-inside", "utf-16"])
+def test_convert_cli_refuses_a_binary_calibration_file(folder_with_tokenizer, tmp_path, capsys, data, message):
+    """A --calibration file that is not plain text (NUL bytes are valid UTF-8, so a file of zeros
+    decodes) is refused in one line naming the file (exit 1); nothing is written."""
+    from torch_qmm.__main__ import main
+
+    (tmp_path / "calib.bin").write_bytes(data)
+    assert main(["convert", str(folder_with_tokenizer), str(tmp_path / "o"), "--method", "gptq",
+                 "--calibration", str(tmp_path / "calib.bin")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path / 'calib.bin'}: the --calibration file is {message}" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("method", [None, "rtn", "mse"])
+def test_convert_cli_refuses_calibration_for_a_data_free_method(folder_with_tokenizer, tmp_path, capsys, method):
+    """--calibration with a data-free --method (rtn, the default, or mse) is a usage error (exit 2)
+    naming the flags, not a warning about a Python argument after the whole conversion."""
+    from torch_qmm.__main__ import main
+
+    (tmp_path / "calib.txt").write_text(" ".join(WORDS * 4))
+    argv = ["convert", str(folder_with_tokenizer), str(tmp_path / "o"), "--calibration", str(tmp_path / "calib.txt")]
+    assert main(argv + (["--method", method] if method else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"--calibration applies to the calibrated methods (awq, gptq" in err, err
+    assert f"--method {method or 'rtn'} is data-free" in err, err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

@@ -15,6 +15,9 @@ from .ops import dequantize, gather_qmm, quantize, quantized_matmul
 from .activations import activation_quantization
 from . import formats, nn, reference
 from .convert import QuantizeSummary, quantize_model
+from . import transformers_hook
+
+transformers_hook.install()  # folders saved with torch_qmm layers reload with from_pretrained
 
 __all__ = [
     "FORMATS",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -262,6 +262,11 @@ def quantize_model(
         aliases.setdefault(f, []).append(n)
     names = [n for n, _ in candidates]
     del candidates, first_of_id
+    if isinstance(bits, Mapping):
+        left_float = {n: why_not[n] for n in bits if why_not.get(n) is not None}
+        if left_float:
+            raise ValueError("argument 'bits' names layers that quantize_model leaves float: "
+                             + "; ".join(f"{n} ({why})" for n, why in left_float.items()))
     plan = None
     if per_layer:
         from .quantizers import prepare

@@ -35,7 +35,7 @@ Convert a model to a torch_qmm or MLX folder.
 A transformers folder (float weights) is quantized with --mode / --bits / --group-size (bits and
 group size default to the mode's, as MLX's; see --help): every linear layer and the experts of
 MoE blocks (routers stay float) except the output head (--format transformers, reloadable with
-from_pretrained after importing torch_qmm.interop.transformers), or those, the output head and the
+from_pretrained after `import torch_qmm`), or those, the output head and the
 embedding (--format mlx, as mlx.nn.quantize does; a tied output head reuses the quantized embedding).
 A folder torch_qmm already quantized keeps its layers' format, bit for bit (the layers float in it
 that --format mlx quantizes take that format too); --mode / --bits / --group-size asking for another
@@ -46,8 +46,8 @@ Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit, Q4
 bits 4 / group size 32 (exact with float32 scales, the default for GGUF; --dtype float16/bfloat16
 rounds them, and bfloat16 the others' float16 scales; the output says which layers). Layers
 without an exact affine form (Q6_K, float) stay float unless --requantize asks otherwise:
-rest quantizes them with --bits/--group-size, all re-quantizes every layer (lossy); --bits and
---group-size apply only with --requantize. The transformers format keeps the embedding float
+rest quantizes them with --bits/--group-size, all re-quantizes every layer (lossy); --bits,
+--group-size, --method and --calibration apply only with --requantize. The transformers format keeps the embedding float
 (decoded exactly; a tied output head stays tied to it) and an exact output head, and quantizes
 no other head; its quantization_config holds one group size and mode, so there --requantize rest
 quantizes with the exact layers' group size 32 and refuses another. Both formats get tokenizer
@@ -244,16 +244,24 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
 
 def _calibration(args: argparse.Namespace, is_gguf: bool):
     """Token-id windows of --calibration (None without it); awq/gptq require it."""
+    calibrated = quantizers.resolve(args.method).calibrated
     if args.calibration is None:
-        if quantizers.resolve(args.method).calibrated:
+        if calibrated:
             raise UsageError(f"--method {args.method} needs --calibration FILE.txt (plain text)")
         return None
+    if not calibrated:
+        uses = ", ".join(n for n in quantizers.names() if quantizers.resolve(n).calibrated)
+        raise UsageError(f"--calibration applies to the calibrated methods ({uses}); --method {args.method} is "
+                         "data-free and would ignore it")
     if not args.calibration.is_file():
         raise UsageError(f"--calibration {args.calibration} is not a file")
     try:
         text = args.calibration.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{args.calibration}: the --calibration file is not UTF-8 text ({e})") from e
+    if "\0" in text:  # valid UTF-8 but binary: plain text holds no NUL
+        raise ValueError(f"{args.calibration}: the --calibration file is not plain text (it holds NUL bytes, the "
+                         f"first at character {text.index(chr(0))})")
     from transformers import AutoTokenizer
 
     from ..quantizers.calibration import from_text
@@ -459,6 +467,9 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             how = f"{rounded or 'lossless'} {src} -> {fmt}"
         elif src in ("float", "F32", "F16", "BF16"):
             how = f"kept {fmt}" if src == "float" else f"kept {src} -> {fmt}"
+            width = m.embedding_dim if isinstance(m, nn.Embedding) else getattr(m, "in_features", None)
+            if src == "float" and width is not None and width % group_size:
+                how += f" (its {width} inputs are not a multiple of --group-size {group_size})"
             if src != "float" and (src, m.weight.dtype) not in _LOSSLESS_CASTS:
                 how += f" (rounded to {str(m.weight.dtype)[6:]})"
         else:
@@ -503,6 +514,8 @@ def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
             raise UsageError(f"--requantize applies to GGUF sources only; {args.src} is a float transformers folder, "
                              "which is always quantized with --bits/--group-size")
         return
+    flags += [f for f, given in (("--method", args.method != "rtn"), ("--calibration", args.calibration is not None))
+              if given]
     if flags and not args.requantize:
         verb = "apply" if len(flags) > 1 else "applies"
         raise UsageError(f"{' and '.join(flags)} {verb} only to re-quantization: {args.src} keeps its own formats "
@@ -649,7 +662,8 @@ def run(args: argparse.Namespace) -> int:
         rows = _layer_report(model, origin, quantized_now, exact, args.format, args.requantize if is_gguf else None,
                              group_size)
     _print_report(rows)
-    formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how else how for _, how in rows})
+    formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how else how.split(" (its ")[0]
+                      for _, how in rows})
     print(f"wrote {args.dst} ({args.format}): {len(rows)} layers; formats: {'; '.join(formats)}")
     return 0
 

@@ -6,7 +6,7 @@ registry (`register_quantization_config` / `register_quantizer`; tested with tra
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=TorchQmmConfig(bits=4, group_size=64))
     # or TorchQmmConfig(mode="mxfp4"), TorchQmmConfig(bits=MixedBits(4.5)), TorchQmmConfig(bits={"*": 4, ...})
     model.save_pretrained(out)                      # config.json records quant_method "torch_qmm"
-    AutoModelForCausalLM.from_pretrained(out)       # reloads the QuantLinear layers (import this module first)
+    AutoModelForCausalLM.from_pretrained(out)       # reloads the QuantLinear layers (after `import torch_qmm`)
 
 Quantize-on-load: the float weights are loaded as usual, then every eligible nn.Linear is swapped
 for a QuantLinear and the fused experts of MoE blocks for a QuantFusedExperts (routers and MoE

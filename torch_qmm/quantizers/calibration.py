@@ -20,7 +20,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -34,10 +34,12 @@ IN_MEMORY_BYTES = 256 * 2**20
 
 def samples(calibration: Iterable) -> list[Sample]:
     """The calibration iterable as a list of model kwargs: a token-id tensor [B, T] (or [T]) becomes
-    {"input_ids": ...}; a dict is passed through as kwargs."""
-    if isinstance(calibration, (torch.Tensor, str, bytes)):
+    {"input_ids": ...}; a dict (any mapping, such as a tokenizer's BatchEncoding) is passed through
+    as kwargs."""
+    if isinstance(calibration, (torch.Tensor, str, bytes, Mapping)):
         raise TypeError("argument 'calibration' must be an iterable of model inputs (token-id tensors [1, T] "
-                        f"or dicts of model kwargs), got a single {type(calibration).__name__}")
+                        f"or dicts of model kwargs), got a single {type(calibration).__name__}"
+                        + (" (one sample's kwargs: pass [it])" if isinstance(calibration, Mapping) else ""))
     out: list[Sample] = []
     for i, item in enumerate(calibration):
         if isinstance(item, torch.Tensor):
@@ -45,7 +47,7 @@ def samples(calibration: Iterable) -> list[Sample]:
                 raise ValueError(f"argument 'calibration': item {i} must be a non-empty integer token-id tensor [1, T], "
                                  f"got {item.dtype} of shape {tuple(item.shape)}")
             out.append({"input_ids": item if item.dim() == 2 else item.unsqueeze(0)})
-        elif isinstance(item, dict):
+        elif isinstance(item, Mapping):
             out.append(dict(item))
         else:
             raise TypeError(f"argument 'calibration': item {i} must be a token-id tensor or a dict of model kwargs, "
@@ -153,6 +155,19 @@ def _no_cache(model: nn.Module, kwargs: Sample) -> Sample:
     return kwargs
 
 
+def _check_token_ids(model: nn.Module, i: int, kwargs: Sample) -> None:
+    """Token ids outside the model's input embedding (another tokenizer's) are a ValueError naming
+    the sample, the id and the vocabulary size (the embedding would raise a bare IndexError)."""
+    ids = kwargs.get("input_ids")
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(ids, torch.Tensor) or ids.numel() == 0 or not isinstance(embedding, nn.Embedding):
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= embedding.num_embeddings:
+        raise ValueError(f"argument 'calibration': sample {i} holds token id {low if low < 0 else high}, outside the "
+                         f"model's vocabulary of {embedding.num_embeddings} ids (tokenized for another model?)")
+
+
 @torch.no_grad()
 def capture_block_inputs(model: nn.Module, first_block: nn.Module, data: list[Sample]) -> BlockInputs:
     """Runs the model on each sample until `first_block` and returns what it was called with."""
@@ -165,10 +180,14 @@ def capture_block_inputs(model: nn.Module, first_block: nn.Module, data: list[Sa
     handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         for i, kwargs in enumerate(data):
+            _check_token_ids(model, i, kwargs)
             try:
                 model(**_no_cache(model, kwargs))
             except _Stop:
                 continue
+            except Exception as e:
+                raise ValueError(f"argument 'calibration': the model's forward on sample {i} failed: "
+                                 f"{type(e).__name__}: {e}") from e
             raise ValueError(f"argument 'calibration': sample {i} ran through the model without reaching its blocks")
     except BaseException:
         captured.close()
@@ -370,5 +389,7 @@ def from_text(tokenizer, text: str, seq_len: int = 512, max_samples: int = 32) -
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError("calibration text is empty after tokenization")
+    if len(ids) < 2:
+        raise ValueError(f"calibration text is {len(ids)} token long after tokenization; a sample needs at least 2")
     windows = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)][:max_samples]
     return [torch.tensor([w], dtype=torch.int64) for w in windows if len(w) > 1]
