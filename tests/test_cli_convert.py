@@ -843,3 +843,19 @@ def test_layers_left_float_by_the_group_size_say_why(tmp_path, capsys, output_fo
         assert report["lm_head"] == why
     summary = next(line for line in out.splitlines() if line.startswith("wrote "))
     assert "affine b4 gs64; kept float float32" in summary and "(its" not in summary, summary
+
+
+def test_a_quantizer_error_while_loading_is_not_blamed_on_transformers(hf_folder):
+    """An error torch_qmm's quantizer raises inside from_pretrained (here: calibration ids outside
+    the vocabulary) says the quantization failed, with the quantizer's own message; transformers'
+    own errors keep naming the config/weights (test above)."""
+    from torch_qmm.interop.cli_convert import from_pretrained
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    vocab = transformers.AutoConfig.from_pretrained(hf_folder).vocab_size
+    cfg = TorchQmmConfig(bits=4, group_size=32, method="gptq", calibration=[torch.tensor([[1, vocab + 5]])])
+    with pytest.raises(ValueError) as e:
+        from_pretrained(hf_folder, quantization_config=cfg)
+    message = str(e.value)
+    assert message.startswith(f"{hf_folder}: quantizing the model while loading it failed: "), message
+    assert str(vocab + 5) in message and "transformers could not build" not in message

@@ -571,8 +571,21 @@ def from_pretrained(path: Path, **kwargs):
     try:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, ZeroDivisionError) as e:
-        raise ValueError(f"{path}: transformers could not build the model from its config/weights: "
-                         f"{type(e).__name__}: {' '.join(str(e).split())[:400]}") from e
+        what = ("quantizing the model while loading it failed" if _raised_by_torch_qmm(e) else
+                "transformers could not build the model from its config/weights")
+        raise ValueError(f"{path}: {what}: {type(e).__name__}: {' '.join(str(e).split())[:400]}") from e
+
+
+def _raised_by_torch_qmm(error: BaseException) -> bool:
+    """Whether the innermost frame of `error`'s traceback is torch_qmm's own code (its quantizers,
+    called by transformers while loading), not transformers' or torch's."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
+
+
+_PACKAGE = Path(__file__).resolve().parent.parent
 
 
 def run(args: argparse.Namespace) -> int:
