@@ -42,6 +42,8 @@ CLI = _files("tests/test_cli_convert.py", "tests/test_interop_cli.py")
 BENCH = _files("tests/test_bench.py", "tests/test_bench_llamacpp.py")
 SELFTEST = _files("tests/test_selftest.py", "tests/test_cli_help.py")
 SELFTEST_STRICT = _files("tests/test_selftest.py", "tests/test_selftest_strict.py")
+ACTQ_GGUF = _files("tests/test_cpu_actq_gguf.py", "tests/test_cpu_actq.py")
+ACTQ_PARTS = _files("tests/test_cpu_actq.py", "tests/test_cpu_chunked.py")
 
 MUTANTS: list[Mutant] = [
     # ---- CLI output files (cli_errors.output_file) ----------------------------------------------
@@ -234,4 +236,18 @@ MUTANTS: list[Mutant] = [
            "    case.precision = \"highest\"", SELFTEST_STRICT,
            "every case is held to precision 'highest', the bfloat16 GEMM route's too: a correct route "
            "fails, and the report shows the wrong precision"),
+    # ---- C++ (each rebuilds the C++ scratch copy: --only-cpp) ------------------------------------
+    Mutant("x8-actq-q6k-offset-sums-over-32-codes", "csrc/cpu/actq_gguf.cpp",
+           "        sd[kSumsAt + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, Fmt::kSub)));",
+           "        sd[kSumsAt + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, kBlock)));",
+           ACTQ_GGUF,
+           "the int8-activation GGUF path sums x over 32 codes (the affine path's x block) for each "
+           "offset sum X_s, where Q6_K's sub-blocks hold 16: its -32 offsets are wrong (Q4_K, 32, is "
+           "unchanged)"),
+    Mutant("x8-actq-parts-start-mid-group", "csrc/cpu/actq_qmm.cpp",
+           "part_chunks = chunk::chunks_per_group(G, C::kCodes);",
+           "part_chunks = 1;", ACTQ_PARTS,
+           "the vector int8-activation kernels let a part of a row of x start at any chunk: at small M "
+           "(x rows cut into parts, one per thread) a part starts inside a group of 64 / 128, and that "
+           "group's x sum (the hoisted bias term) is split between the parts"),
 ]
