@@ -287,11 +287,12 @@ def test_experts_named_in_modules_to_not_convert_stay_float_through_a_reload(tmp
 def test_float64_experts_are_refused_before_any_layer_is_converted():
     """Fused experts in a dtype the quantized layers do not compute in (float64) are checked with
     the linear layers, before anything changes: a TypeError naming the experts module, the model
-    left as it was (not its linear layers converted and then the experts refused)."""
+    left as it was (not the blocks before them converted, then an error about an argument 'dtype'
+    the caller did not pass)."""
     from torch_qmm.interop.experts import fused_experts
 
     model = tiny_moe("qwen3_moe")
-    experts_name, experts = fused_experts(model)[0]
+    experts_name, experts = fused_experts(model)[-1]  # the last block's: the others come first
     experts.double()
     before = {n: type(m) for n, m in model.named_modules()}
     with pytest.raises(TypeError, match=rf"quantize_model: .*{re.escape(experts_name)} \(torch.float64\)\. Pass dtype="):

@@ -1,15 +1,16 @@
 """An eighth independent audit list (python -m tests.mutation --fresh8): realistic single bugs
-written from the product sources alone (torch_qmm/), by someone who had not read the tests, none
-of them a bug of an earlier list, concentrated on the code written or changed since 98c530c: the
+written from the product sources alone (torch_qmm/, csrc/; the Python ones by someone who had
+not read the tests), none of them a bug of an earlier list, concentrated on the code written or changed since 98c530c: the
 CLI's output-file check, the ops' flag and bits / group-size type checks and the batched
 dequantize, FormatState's dtype check and pickling, quantize_model's dtype check and its
 transformers config, the transformers quantizer's dtypes, config and import hook, calibration's
 samples and token ids, the regular-file checks, the safetensors finiteness scan, the llama
-GGUF's biases and float metadata, the MLX config's null fields and hints, QuantEmbedding's and
+GGUF's biases and float metadata, the MLX config's null fields and mode, QuantEmbedding's and
 GGUFLinear's new paths, convert's source-format, calibration and report code, the benchmark's
-rounds and selftest's precision and lists.
+rounds and selftest's precision and lists; in C++ (two, each in a .cpp file that rebuilds alone)
+the int8-activation GGUF offset sums and where a part of a row of x may start.
 
-Selections are two or three test files chosen by their names (not by reading them), the likeliest
+Selections are two test files chosen by their names (not by reading them), the likeliest
 first: pytest runs with -x, so a kill stops at the first failing test. Results:
 tests/mutation/README.md ("Audit list 8")."""
 
@@ -101,8 +102,8 @@ MUTANTS: list[Mutant] = [
     Mutant("c8-compute-dtypes-experts-unchecked", "torch_qmm/convert.py",
            "    _check_compute_dtypes(dtype, candidates + experts_modules)",
            "    _check_compute_dtypes(dtype, candidates)", CONVERT_DTYPES,
-           "float64 fused experts are not checked before converting: the linear layers are converted "
-           "and the experts then refused, the model half converted"),
+           "float64 fused experts are not checked before converting: the experts before them are "
+           "converted, then these refused with an error about an argument 'dtype' never passed"),
     Mutant("c8-quantize-model-config-not-recorded", "torch_qmm/convert.py",
            "    summary.model_bytes_before, summary.model_bytes_after = model_before, _model_bytes(model)\n    _record_for_transformers(model)\n",
            "    summary.model_bytes_before, summary.model_bytes_after = model_before, _model_bytes(model)\n",
