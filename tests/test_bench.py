@@ -266,3 +266,25 @@ def test_bench_output_that_cannot_be_written_is_a_usage_error_before_the_run(tmp
             main(["bench", "--device", "cpu", "--shapes", "64x128", "--m", "1", "--output", output])
         err = capsys.readouterr().err
         assert e.value.code == 2 and "argument --output" in err and message in err, err
+
+
+def test_merge_rounds_takes_each_cell_from_every_round_and_keeps_every_skip():
+    """--rounds: a cell is the median of its rounds' medians (not the fastest round), min_ms the
+    fastest call, samples the sum; an implementation skipped in a later round only is skipped in
+    the merged result with that round's reason, never silently dropped."""
+    from torch_qmm.bench.kernels import Config, Result, merge_rounds
+
+    cfg = Config(n=64, k=64, m=1, bits=4, group_size=64, dtype="float32")
+
+    def result(times, skipped=None, load=None):
+        return Result(cfg, dict(times), {k: v / 2 for k, v in times.items()}, {k: 10 for k in times},
+                      {k: 100 for k in times}, dict(skipped or {}), load)
+
+    merged = merge_rounds([result({"torch_qmm": 3.0, "mlx": 4.0}, load=1.0),
+                           result({"torch_qmm": 1.0}, {"mlx": "out of memory"}, load=2.5),
+                           result({"torch_qmm": 2.0, "mlx": 6.0})])
+    assert merged.times_ms == {"torch_qmm": 2.0}
+    assert merged.min_ms == {"torch_qmm": 0.5} and merged.samples == {"torch_qmm": 30}
+    assert merged.skipped == {"mlx": "out of memory"}
+    assert merged.load_average == 2.5
+    assert merged.round_times_ms == [{"torch_qmm": 3.0}, {"torch_qmm": 1.0}, {"torch_qmm": 2.0}]

@@ -444,6 +444,22 @@ def test_gguf_requantize_rest_to_transformers_takes_any_group_size_without_exact
     assert isinstance(q, QuantLinear) and (q.bits, q.group_size) == (4, 64)
 
 
+@pytest.mark.parametrize("dtype", [None, "float16", "bfloat16"])
+def test_gguf_float_layers_are_reported_rounded_exactly_when_the_dtype_rounds_them(tmp_path, capsys, dtype):
+    """BF16 and F16 tensors of a GGUF kept float: float32 holds both exactly, float16 holds F16
+    and rounds BF16, bfloat16 holds BF16 and rounds F16; the report says "rounded" for exactly
+    those casts."""
+    path = tmp_path / "f.gguf"
+    write_llama_gguf(hf_model(tied=False), path, {"up_proj": T.BF16, "down_proj": T.F16}, np.random.default_rng(3))
+    assert main(["convert", str(path), str(tmp_path / "hf"), *(["--dtype", dtype] if dtype else [])]) == 0
+    report = _report(capsys.readouterr().out)
+    dtype = dtype or "float32"
+    for src, exact_in in (("BF16", {"float32", "bfloat16"}), ("F16", {"float32", "float16"})):
+        proj = "up_proj" if src == "BF16" else "down_proj"
+        rounded = "" if dtype in exact_in else f" (rounded to {dtype})"
+        assert report[f"model.layers.0.mlp.{proj}"] == f"kept {src} -> float {dtype}{rounded}", report
+
+
 def test_gguf_to_transformers_refuses_to_write_a_folder_its_config_cannot_describe(hf_mix_gguf, tmp_path, capsys,
                                                                                    monkeypatch):
     """Should layers of two group sizes reach the writer, the run fails naming why and leaves no

@@ -728,6 +728,23 @@ def test_inspect_verify_finds_safetensors_values_that_are_not_finite(tmp_path, c
     assert "bad.safetensors: tensor 'l.scales' (BF16) holds NaN or Inf" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("row", [0, 1, 5, 6, 299])
+def test_safetensors_finite_scan_reads_every_slice_of_rows(tmp_path, row):
+    """Checkpoint.check_finite reads a few rows at a time: a NaN in any row, in the first slice, at
+    a slice's start or end or in the last one, is found (slices of 2 rows of 4 bfloat16 here)."""
+    from safetensors.torch import save_file
+
+    from torch_qmm.interop.safetensors_io import Checkpoint
+
+    scales = torch.ones(300, 4, dtype=torch.bfloat16)
+    save_file({"l.scales": scales}, str(tmp_path / "good.safetensors"))
+    assert Checkpoint(tmp_path / "good.safetensors").check_finite("l.scales", 16) is True
+    scales[row, 3] = float("inf")
+    save_file({"l.scales": scales}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match="tensor 'l.scales' \\(BF16\\) holds NaN or Inf"):
+        Checkpoint(tmp_path / "bad.safetensors").check_finite("l.scales", 16)
+
+
 # ---------------------------------------------------------------------------------------------
 # The fuzz: a few hundred mutants in a fresh process, bounded in time and memory.
 

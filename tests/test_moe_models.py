@@ -6,6 +6,7 @@ replaced by MLX's round trip of them (mx.quantize / mx.dequantize: no torch_qmm 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -281,3 +282,20 @@ def test_experts_named_in_modules_to_not_convert_stay_float_through_a_reload(tmp
     again = model_cls.from_pretrained(tmp_path / "quantized", dtype=torch.float32)
     assert [type(layer.mlp.experts).__name__ for layer in again.model.layers] == kinds
     assert torch.equal(logits(again, ids), want)
+
+
+def test_float64_experts_are_refused_before_any_layer_is_converted():
+    """Fused experts in a dtype the quantized layers do not compute in (float64) are checked with
+    the linear layers, before anything changes: a TypeError naming the experts module, the model
+    left as it was (not the blocks before them converted, then an error about an argument 'dtype'
+    the caller did not pass)."""
+    from torch_qmm.interop.experts import fused_experts
+
+    model = tiny_moe("qwen3_moe")
+    experts_name, experts = fused_experts(model)[-1]  # the last block's: the others come first
+    experts.double()
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(TypeError, match=rf"quantize_model: .*{re.escape(experts_name)} \(torch.float64\)\. Pass dtype="):
+        quantize_model(model, bits=4, group_size=64)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert all(p.dtype == torch.float64 for p in experts.parameters())
