@@ -10,8 +10,8 @@ import torch
 FORMAT_STATE_KEY = "_extra_state"
 
 
-# Code dtypes a state may hold for each buffer dtype: the same bits, whichever signedness.
-_SAME_BITS = {torch.uint32: (torch.uint32, torch.int32), torch.uint8: (torch.uint8, torch.int8)}
+# The signed dtype of each unsigned one: the same bits, read as signed.
+_SIGNED_OF = {torch.uint8: torch.int8, torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
 class FormatState:
@@ -83,7 +83,7 @@ class FormatState:
                     f"{self.describe_format(self.format_values())}), got {list(given.shape)}"
                 )
             if own.is_floating_point() != given.is_floating_point() or (
-                    not own.is_floating_point() and given.dtype not in _SAME_BITS.get(own.dtype, (own.dtype,))):
+                    not own.is_floating_point() and given.dtype not in (own.dtype, _SIGNED_OF.get(own.dtype))):
                 expected = "a float dtype" if own.is_floating_point() else own.dtype
                 raise ValueError(
                     f"{type(self).__name__} {prefix + name!r}: expected {expected} (this layer, "
@@ -124,8 +124,6 @@ def parse_quant_state(values: Sequence[int]) -> tuple[int, int, str | None]:
     return bits, group_size, name if valid else None
 
 
-# The signed dtype of each unsigned one wider than a byte (the same bits, read as signed).
-_SIGNED_OF = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 _UNSIGNED_BUFFERS_KEY = "_torch_qmm_unsigned_buffers"
 
 
@@ -142,7 +140,7 @@ class QuantFormatState(FormatState):
     def __getstate__(self):
         state = super().__getstate__()
         unsigned = {name: b.dtype for name, b in state["_buffers"].items()
-                    if type(b) is torch.Tensor and b.dtype in _SIGNED_OF}
+                    if type(b) is torch.Tensor and b.dtype in _SIGNED_OF and b.element_size() > 1}
         if unsigned:
             buffers = state["_buffers"].copy()
             for name, dtype in unsigned.items():

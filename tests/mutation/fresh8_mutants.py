@@ -81,8 +81,8 @@ MUTANTS: list[Mutant] = [
            "[3, 2, G] for wq [2, 3, words] are flattened to the same rows and used, mismatched"),
     # ---- FormatState: dtype check and pickling ---------------------------------------------------
     Mutant("f8-state-int64-codes-accepted", "torch_qmm/format_state.py",
-           "_SAME_BITS = {torch.uint32: (torch.uint32, torch.int32), torch.uint8: (torch.uint8, torch.int8)}",
-           "_SAME_BITS = {torch.uint32: (torch.uint32, torch.int32, torch.int64), torch.uint8: (torch.uint8, torch.int8)}",
+           "given.dtype not in (own.dtype, _SIGNED_OF.get(own.dtype))",
+           "given.dtype not in (own.dtype, _SIGNED_OF.get(own.dtype), torch.int64)",
            FORMAT_STATE,
            "an int64 qweight in a state dict is accepted for the uint32 words: copy_ wraps values past "
            "2^32 and reads the int64 layout as other codes"),
