@@ -45,6 +45,7 @@
 #include "hsum.h"
 #include "gguf_fields.h"
 #include "qmm_kernels.h"
+#include "x_rows.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -448,8 +449,9 @@ at::Tensor gguf_int8x_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int6
   out_shape.back() = N;
   const int64_t M = x.numel() / K;
   if (M == 0 || N == 0) return at::zeros(out_shape, x.options());
-  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  if (!cpu::all_finite(xf.data_ptr<float>(), xf.numel())) return exact_gguf_qmm(x, blocks_in, ggml_type, N, K);
+  const cpu::XRows xr = cpu::x_rows(x, M, K);
+  if (!xr.finite) return exact_gguf_qmm(x, blocks_in, ggml_type, N, K);
+  const at::Tensor& xf = xr.xf;
   const at::Tensor blocks = blocks_in.contiguous();
   at::Tensor yf = at::empty({M, N}, xf.options());
   cpu::actq::gguf_int8x(xf.data_ptr<float>(), blocks.data_ptr<uint8_t>(), ggml_type, M, N, K, yf.data_ptr<float>());
@@ -466,8 +468,7 @@ std::string gguf_int8x_cpu_route(const at::Tensor& x, const at::Tensor& blocks, 
   check_gguf_qmm(x, blocks, ggml_type, N, K);
   const int64_t M = x.numel() / K;
   if (M == 0 || N == 0) return "empty";
-  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  if (!cpu::all_finite(xf.data_ptr<float>(), xf.numel())) return "exact";
+  if (!cpu::x_rows(x, M, K).finite) return "exact";
   return "int8x/" + cpu::actq::gguf_int8x_kernel(ggml_type);
 }
 

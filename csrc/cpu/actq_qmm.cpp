@@ -44,6 +44,7 @@
 #include "chunk_driver.h"
 #include "hsum.h"
 #include "qmm_kernels.h"
+#include "x_rows.h"
 
 namespace torch_qmm {
 namespace cpu {
@@ -554,8 +555,9 @@ Int8xCall prepare(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& s
   c.wq = wq.contiguous();
   c.scales = scales.contiguous();
   c.biases = biases->contiguous();
-  c.xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  c.x_finite = cpu::all_finite(c.xf.data_ptr<float>(), c.xf.numel());
+  cpu::XRows xr = cpu::x_rows(x, M, K);
+  c.xf = std::move(xr.xf);
+  c.x_finite = xr.finite;
   cpu::QmmArgs& a = c.a;
   a.mode = f.mode;
   a.x = c.xf.data_ptr<float>();

@@ -298,7 +298,7 @@ const char* avx2_chunked_multiplier(const QmmArgs& a) {
     if (a.K >= decltype(c)::kCodes) name = decltype(c)::kName;
   });
   // The affine multiplier scales x by powers of two down to 2^-24 (x_in_range).
-  if (name != nullptr && a.mode == Mode::kAffine && !chunk::x_in_range(a.x, a.M * a.K)) return nullptr;
+  if (name != nullptr && a.mode == Mode::kAffine && !a.x_in_range) return nullptr;
   return name;
 }
 

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "../validate.h"
+#include "chunk_driver.h"
 #include "qmm_kernels.h"
 
 namespace torch_qmm {
@@ -136,6 +137,13 @@ at::Tensor gather_qmm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   const int64_t slices = (N + slice - 1) / slice;
   float* yp = yout.data_ptr<float>();
 
+  // Whether each group's rows of x are in range for the chunk kernels (QmmArgs::x_in_range).
+  std::vector<char> x_in_range(G);
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      x_in_range[g] = cpu::chunk::x_in_range(xs.const_data_ptr<float>() + groups[g].start * M * K, groups[g].count * M * K);
+  });
+
   auto run_item = [&](int64_t item) {
     const Group& g = groups[item / slices];
     const int64_t n0 = (item % slices) * slice, n = std::min(slice, N - n0);
@@ -146,6 +154,7 @@ at::Tensor gather_qmm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
     a.wq = wp + r0 * row_bytes;
     a.scales = sp + r0 * srow_bytes;
     a.biases = bp ? bp + r0 * srow_bytes : nullptr;
+    a.x_in_range = x_in_range[item / slices];
     const at::Tensor yf = cpu::qmm_float(a, xs.narrow(0, g.start * M, a.M), transpose).contiguous();
     const float* src = yf.data_ptr<float>();
     for (int64_t j = 0; j < g.count; ++j)

@@ -237,7 +237,7 @@ struct GgufYmm {
 const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type) {
   if (avx2_chunks_avoided() || a.M < 1 || a.M > kGgufAvx2MaxRows) return nullptr;
   if (ggml_type != Q4K::kType && ggml_type != Q6K::kType) return nullptr;
-  if (!x_in_range(a.x, a.M * a.K)) return nullptr;
+  if (!a.x_in_range) return nullptr;
   return ggml_type == Q4K::kType ? "avx2-q4k" : "avx2-q6k";
 }
 

@@ -14,6 +14,7 @@
 #include "chunk_driver.h"
 #include "gguf_chunk_kernel.h"
 #include "gguf_fields.h"
+#include "gguf_x.h"
 #include "qmm_kernels.h"
 
 namespace torch_qmm {
@@ -112,12 +113,7 @@ struct Q4K {
           const int c = 2 * i + (j >= 2 ? 1 : 0), run = 2 * k + c / 32;
           put_terms<P>(x[64 * run + 32 * (j % 2) + c % 32], xb + ((k * 4 + j) * P) * 32 + i);
         }
-    for (int s = 0; s < 8; ++s) {
-      float t = 0.0f;
-      for (int i = 0; i < 32; ++i) t += x[32 * s + i];
-      xs[s] = 0.0f;
-      xs[8 + s] = t;
-    }
+    _mm512_storeu_ps(xs, gguf_x::q4k_sums(x));
   }
 
   struct Idx {
@@ -183,11 +179,7 @@ struct Q6K {
         const int c = 2 * i + (j >= 4 ? 1 : 0), h = c / 32, l = c % 32;
         put_terms<P>(16.0f * x[128 * h + 32 * (j % 4) + l], xh + (j * P) * 32 + i);
       }
-    for (int s = 0; s < 16; ++s) {
-      float t = 0.0f;
-      for (int i = 0; i < 16; ++i) t += x[16 * s + i];
-      xs[s] = 32.0f * t;
-    }
+    _mm512_storeu_ps(xs, gguf_x::q6k_sums(x));
   }
 
   struct Idx {
@@ -282,7 +274,7 @@ static const char* bf16_multiplier(const GgufArgs& a, int64_t ggml_type) {
   if (float32_fma_first() && !f32_chunks_avoided()) return nullptr;
   const int64_t limit = ggml_type == Q4K::kType ? Q4K::max_rows(a.x_bf16_terms)
                         : ggml_type == Q6K::kType ? Q6K::max_rows(a.x_bf16_terms) : 0;
-  if (a.M > limit || !x_in_range(a.x, a.M * a.K)) return nullptr;
+  if (a.M > limit || !a.x_in_range) return nullptr;
   return a.x_bf16_terms == 1 ? "bf16x1" : a.x_bf16_terms == 2 ? "bf16x2" : "bf16x3";
 }
 

@@ -14,6 +14,7 @@ struct GgufArgs {
   int64_t M, N, K;
   int x_bf16_terms;       // QmmArgs::x_bf16_terms
   bool avoid_bf16;        // QmmArgs::avoid_bf16
+  bool x_in_range = false;  // QmmArgs::x_in_range
 };
 
 // The chunk multiplier that takes these operands, or null: "f32-q4k" / "f32-q6k" (AVX-512

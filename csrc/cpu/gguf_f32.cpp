@@ -17,6 +17,7 @@
 #include "chunk_driver.h"
 #include "gguf_chunk_kernel.h"
 #include "gguf_fields.h"
+#include "gguf_x.h"
 #include "qmm_kernels.h"
 
 namespace torch_qmm {
@@ -52,17 +53,24 @@ struct Q4K {
   using Field = F32Multiplier<4>;
 
   static constexpr int weight(int k, int j, int l) { return 64 * (2 * k + l / 8) + 32 * (j % 2) + 4 * (l % 8) + j / 2; }
-  // xs: lanes 0-7 zero (they meet the scales), 8-15 the sub-block sums of x (they meet the mins).
+  // xc[(8k + j) * 16 + l] = x[weight(k, j, l)] * x_factor(j); xs: lanes 0-7 zero (they meet the
+  // scales), 8-15 the sub-block sums of x (they meet the mins). For chunk k and parity p, the
+  // fields j = 2i + p take lanes 0-7 from x[128k + 32p + 4l' + i] and lanes 8-15 from 64 further
+  // on: element i of the runs of 4 of those 64 floats (gguf_x::every_fourth).
   static void prepare(const float* x, float* xc, float* xs) {
     for (int k = 0; k < 2; ++k)
-      for (int j = 0; j < 8; ++j)
-        for (int l = 0; l < 16; ++l) xc[(8 * k + j) * 16 + l] = x[weight(k, j, l)] * Field::x_factor(j);
-    for (int s = 0; s < 8; ++s) {
-      float t = 0.0f;
-      for (int i = 0; i < 32; ++i) t += x[32 * s + i];
-      xs[s] = 0.0f;
-      xs[8 + s] = t;
-    }
+      for (int p = 0; p < 2; ++p) {
+        const float* base = x + 128 * k + 32 * p;
+        const __m512 v[4] = {_mm512_loadu_ps(base), _mm512_loadu_ps(base + 16), _mm512_loadu_ps(base + 64),
+                             _mm512_loadu_ps(base + 80)};
+        __m512 f[4];
+        gguf_x::every_fourth(v, f);
+        for (int i = 0; i < 4; ++i) {
+          const int j = 2 * i + p;
+          _mm512_storeu_ps(xc + (8 * k + j) * 16, _mm512_mul_ps(f[i], _mm512_set1_ps(Field::x_factor(j))));
+        }
+      }
+    _mm512_storeu_ps(xs, gguf_x::q4k_sums(x));
   }
 
   struct Idx {
@@ -154,16 +162,21 @@ struct Q6K {
 
   static constexpr float factor(int u) { return 1.0f / float(1u << (8 * u)); }
   static constexpr int weight(int h, int p, int u, int l) { return 128 * h + 64 * p + 4 * l + u; }
+  // xc[((2h + p) * 4 + u) * 16 + l] = x[weight(h, p, u, l)] * factor(u): element u of the runs of 4
+  // of the 64 floats from 128h + 64p (gguf_x::every_fourth); xs[s] = 32 * the sum of x over
+  // sub-block s.
   static void prepare(const float* x, float* xc, float* xs) {
     for (int h = 0; h < 2; ++h)
-      for (int p = 0; p < 2; ++p)
+      for (int p = 0; p < 2; ++p) {
+        const float* base = x + 128 * h + 64 * p;
+        const __m512 v[4] = {_mm512_loadu_ps(base), _mm512_loadu_ps(base + 16), _mm512_loadu_ps(base + 32),
+                             _mm512_loadu_ps(base + 48)};
+        __m512 f[4];
+        gguf_x::every_fourth(v, f);
         for (int u = 0; u < 4; ++u)
-          for (int l = 0; l < 16; ++l) xc[((2 * h + p) * 4 + u) * 16 + l] = x[weight(h, p, u, l)] * factor(u);
-    for (int s = 0; s < 16; ++s) {
-      float t = 0.0f;
-      for (int i = 0; i < 16; ++i) t += x[16 * s + i];
-      xs[s] = 32.0f * t;
-    }
+          _mm512_storeu_ps(xc + ((2 * h + p) * 4 + u) * 16, _mm512_mul_ps(f[u], _mm512_set1_ps(factor(u))));
+      }
+    _mm512_storeu_ps(xs, gguf_x::q6k_sums(x));
   }
 
   // The 6-bit q of the 64 weights of nibble p of half h, one per byte (bits 6-7 not cleared).
@@ -233,7 +246,7 @@ struct Q6K {
 const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type) {
   if (f32_chunks_avoided() || a.M < 1 || a.M > kGgufF32MaxRows) return nullptr;
   if (ggml_type != Q4K::kType && ggml_type != Q6K::kType) return nullptr;
-  if (!x_in_range(a.x, a.M * a.K)) return nullptr;
+  if (!a.x_in_range) return nullptr;
   return ggml_type == Q4K::kType ? "f32-q4k" : "f32-q6k";
 }
 

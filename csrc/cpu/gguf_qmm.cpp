@@ -22,6 +22,7 @@
 #include "decode.h"
 #include "gguf_chunked.h"
 #include "qmm_kernels.h"
+#include "x_rows.h"
 
 namespace torch_qmm {
 namespace {
@@ -150,9 +151,11 @@ void decode_rows(const uint8_t* blocks, float* dst, int64_t r0, int64_t r1, int6
   });
 }
 
-cpu::GgufArgs args_for(const at::Tensor& xf, const at::Tensor& blocks, int64_t N, int64_t K, at::ScalarType x_dtype) {
+cpu::GgufArgs args_for(const cpu::XRows& xr, const at::Tensor& blocks, int64_t N, int64_t K, at::ScalarType x_dtype) {
+  const at::Tensor& xf = xr.xf;
   cpu::GgufArgs a;
   a.x = xf.data_ptr<float>();
+  a.x_in_range = xr.in_range;
   a.blocks = blocks.data_ptr<uint8_t>();
   a.M = xf.size(0);
   a.N = N;
@@ -170,9 +173,10 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
   if (M == 0 || N == 0) return at::zeros(out_shape, x.options());
 
   const at::Tensor blocks = blocks_in.contiguous();
-  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const cpu::XRows xr = cpu::x_rows(x, M, K);
+  const at::Tensor& xf = xr.xf;
   at::Tensor yf = at::empty({M, N}, xf.options());
-  const cpu::GgufArgs a = args_for(xf, blocks, N, K, x.scalar_type());
+  const cpu::GgufArgs a = args_for(xr, blocks, N, K, x.scalar_type());
   // The chunk kernels hoist the Q4_K mins (and Q6_K's -32) out of the dot products; where that
   // gives a non-finite value it need not be the one IEEE arithmetic on the decoded weights gives,
   // so such calls are redone by the fused / GEMM kernels below, which multiply decoded weights.
@@ -207,8 +211,7 @@ std::string gguf_qmm_cpu_route(const at::Tensor& x, const at::Tensor& blocks_in,
   const int64_t M = x.numel() / K;
   if (M == 0 || N == 0) return "empty";
   const at::Tensor blocks = blocks_in.contiguous();
-  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  if (const char* t = cpu::gguf_chunked_multiplier(args_for(xf, blocks, N, K, x.scalar_type()), ggml_type))
+  if (const char* t = cpu::gguf_chunked_multiplier(args_for(cpu::x_rows(x, M, K), blocks, N, K, x.scalar_type()), ggml_type))
     return std::string("chunked/") + t;
   return M < kGemmMinRows ? "fused" : "gemm";
 }

@@ -24,6 +24,7 @@
 #include "bf16_gemm.h"
 #include "decode.h"
 #include "qmm_kernels.h"
+#include "x_rows.h"
 
 namespace torch_qmm {
 namespace {
@@ -68,8 +69,10 @@ Call prepare(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales
   c.wq = wq.contiguous();
   c.scales = scales.contiguous();
   if (biases) c.biases = biases->contiguous();
-  c.xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  cpu::XRows xr = cpu::x_rows(x, M, K);
+  c.xf = std::move(xr.xf);
   cpu::QmmArgs& a = c.a;
+  a.x_in_range = xr.in_range;
   a.mode = f.mode;
   a.x = c.xf.data_ptr<float>();
   a.wq = reinterpret_cast<const uint8_t*>(c.wq.data_ptr());

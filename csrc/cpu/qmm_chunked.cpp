@@ -227,7 +227,7 @@ const char* affine_multiplier(const QmmArgs& a) {
   if (bf16 && name == nullptr) return nullptr;
 #endif
   if (name == nullptr && f32_serves(a)) name = F32Multiplier<4>::kName;
-  return name != nullptr && x_in_range(a.x, a.M * a.K) ? name : nullptr;
+  return name != nullptr && a.x_in_range ? name : nullptr;
 }
 
 void run_affine(const QmmArgs& a, float* y) {

@@ -42,6 +42,9 @@ struct QmmArgs {
   // Use only float32 arithmetic, as on CPUs without AVX512_BF16 (TORCH_QMM_CPU_NO_BF16=1,
   // so that tests reach those kernels on any machine).
   bool avoid_bf16 = false;
+  // Whether x passes chunk::x_in_range (chunk_driver.h), which the chunk kernels need; found once
+  // per call with x (x_rows.h). False keeps a call off them.
+  bool x_in_range = false;
 };
 
 // qmm's route (qmm.cpp, route_for: chunked, fused or GEMM by mode, M and transpose) for x
