@@ -56,11 +56,15 @@ def test_backward_into_quantized_weights_is_a_clear_error(device, operand):
         y.sum().backward()
 
 
-def test_backward_through_gguf_qmm_is_a_clear_error(device):
+def test_backward_through_gguf_qmm_int8_activations_is_a_clear_error():
+    # gguf_qmm itself is differentiable in x (tests/test_gguf_qmm_backward.py); its int8-activation
+    # twin, which GGUFLinear takes under activation_quantization("int8"), rounds x and refuses, as
+    # qmm_int8_activations does.
     blocks = torch.zeros(4, 144, dtype=torch.uint8)  # Q4_K, all-zero blocks (d = 0)
     x = torch.randn(2, 256, requires_grad=True)
-    y = torch.ops.torch_qmm.gguf_qmm(x, blocks, 12, 4, 256)
-    with pytest.raises(RuntimeError, match="gguf_qmm: no gradient"):
+    with torch_qmm.activation_quantization("int8"):
+        y = torch_qmm.ops.gguf_matmul(x, blocks, 12, 4, 256)
+    with pytest.raises(RuntimeError, match="gguf_qmm_int8_activations: no gradient"):
         y.sum().backward()
 
 

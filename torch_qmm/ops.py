@@ -19,6 +19,7 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines and implements the ops)
 from . import activations as _activations
+from . import gguf_blocks as _gguf_blocks
 from .formats import FORMATS
 
 _ops = torch.ops.torch_qmm
@@ -215,14 +216,16 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K
 # silently returns no gradient (only a deprecation warning). qmm is linear in x, so its gradient
 # with respect to x is the same product with the other transpose (as MLX's vjp):
 #   y = x @ W.T  ->  dx = dy @ W        y = x @ W  ->  dx = dy @ W.T
-# Every other gradient (packed weights, scales, biases; the other ops) raises a clear error. The
-# affine_* aliases decompose into these ops (csrc/ops.cpp) and so share their rules.
+# gather_qmm's and gguf_qmm's gradients with respect to x follow (below). Every other gradient
+# (packed weights, scales, biases, GGUF blocks; quantize, dequantize, the int8-activation ops)
+# raises a clear error. The affine_* aliases decompose into these ops (csrc/ops.cpp) and so share
+# their rules.
 
 
 def _no_grad_error(op: str, what: str) -> RuntimeError:
     return RuntimeError(
         f"torch_qmm.{op}: no gradient with respect to {what} (quantized weights are frozen; only "
-        "qmm's input x is differentiable)"
+        "the input x of qmm, gather_qmm and gguf_qmm is differentiable)"
     )
 
 
@@ -279,6 +282,42 @@ def _gather_qmm_backward(ctx, grad):
 torch.library.register_autograd("torch_qmm::gather_qmm", _gather_qmm_backward, setup_context=_gather_qmm_setup)
 
 
+# gguf_qmm's dx decodes at most this many bytes of float32 weights at a time (below).
+GGUF_DX_SLICE_BYTES = 16 << 20
+
+
+def _gguf_qmm_setup(ctx, inputs, output):
+    x, blocks, ggml_type, N, K = inputs
+    ctx.save_for_backward(blocks)
+    ctx.args = (ggml_type, N, K)
+    ctx.x_dtype = x.dtype
+
+
+def _gguf_qmm_backward(ctx, grad):
+    """y = x @ W.T with W [N, K] as GGUF blocks, so dx = dy @ W. The kernels only multiply by W.T,
+    so W is decoded here with plain tensor ops (torch_qmm.gguf_blocks, the gguf package's float32
+    weights bit for bit; any device, traceable by torch.compile) and multiplied in float32. Memory
+    stays bounded: W is decoded a slice of rows at a time, each slice at most GGUF_DX_SLICE_BYTES
+    of float32 weights (its decode's temporaries a few times that), and dx accumulates the slices'
+    products dy[:, rows] @ W[rows] in float32; it is returned in x's dtype."""
+    if ctx.needs_input_grad[1]:
+        raise _no_grad_error("gguf_qmm", "'blocks'")
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None
+    (blocks,) = ctx.saved_tensors
+    ggml_type, N, K = ctx.args
+    lead = grad.shape[:-1]
+    dy = grad.reshape(lead.numel(), N).float()
+    dx = torch.zeros(lead.numel(), K, dtype=torch.float32, device=grad.device)
+    step = max(1, GGUF_DX_SLICE_BYTES // (4 * K))
+    for n0 in range(0, N, step):
+        dx.addmm_(dy[:, n0:n0 + step], _gguf_blocks.dequantize_rows(blocks[n0:n0 + step], ggml_type))
+    return dx.to(ctx.x_dtype).reshape(*lead, K), None, None, None, None
+
+
+torch.library.register_autograd("torch_qmm::gguf_qmm", _gguf_qmm_backward, setup_context=_gguf_qmm_setup)
+
+
 def _refuse_backward(op: str, what: str):
     def backward(ctx, *grads):
         raise _no_grad_error(op, what)
@@ -290,8 +329,11 @@ torch.library.register_autograd(
     "torch_qmm::quantize", _refuse_backward("quantize", "'w' (rounding has no useful gradient)")
 )
 torch.library.register_autograd("torch_qmm::dequantize", _refuse_backward("dequantize", "'scales' or 'biases'"))
-torch.library.register_autograd("torch_qmm::gguf_qmm", _refuse_backward("gguf_qmm", "its input x"))
 torch.library.register_autograd(
     "torch_qmm::qmm_int8_activations",
     _refuse_backward("qmm_int8_activations", "its input x (int8 rounding; train with the exact path)"),
+)
+torch.library.register_autograd(
+    "torch_qmm::gguf_qmm_int8_activations",
+    _refuse_backward("gguf_qmm_int8_activations", "its input x (int8 rounding; train with the exact path)"),
 )

@@ -135,7 +135,8 @@ class GGUFLinear(FormatState, nn.Module):
     float16 or bfloat16; the output has x's dtype (float32 accumulation; inside torch.autocast, x
     and the output take the autocast dtype, as nn.Linear's do: nn.follows_autocast). The GGUF type is in
     state_dict as ``_extra_state`` (FormatState): the shapes cannot tell, Q4_K blocks with
-    in_features=8960 have the shape of Q6_K blocks with 6144.
+    in_features=8960 have the shape of Q6_K blocks with 6144. Differentiable in x (gguf_qmm's
+    backward, torch_qmm/ops.py); the blocks are frozen.
     """
 
     FORMAT_FIELDS = ("ggml_type",)

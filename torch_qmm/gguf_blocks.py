@@ -1,0 +1,80 @@
+"""GGUF K-quant blocks (Q4_K, Q6_K) decoded to float32 with plain torch ops on uint8.
+
+`dequantize_rows(blocks, ggml_type)` gives the weights gguf.quants.dequantize gives, bit for bit
+(tests/test_gguf_qmm_backward.py), on any device the tensor ops run on (CPU, MPS), and traces
+under torch.compile. gguf_qmm's backward (torch_qmm/ops.py) uses it; the kernels decode in-kernel
+(csrc/cpu, metal/gguf_format.h).
+
+Layouts (llama.cpp's block_q4_K / block_q6_K; 256 weights per super-block, one super-block after
+another along a row of W):
+  Q4_K, 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales sc_j and mins m_j of the 8 sub-blocks
+    of 32, 128 bytes of 4-bit codes q; w = (d*sc_j)*q - dmin*m_j.
+  Q6_K, 210 bytes: 128 bytes of the codes' low 4 bits, 64 bytes of their high 2 bits, 16 int8
+    scales sc_j of the sub-blocks of 16, f16 d; w = (d*sc_j)*(q - 32).
+Both are computed in float32 in the gguf package's order: d*sc_j is exact (an 11-bit significand
+times a 6- or 8-bit integer), and so is (d*sc_j)*q for Q4_K; the one rounding is the subtraction
+(Q4_K) or the product with q - 32 (Q6_K).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ggml type id -> bytes per super-block of 256 weights (ids and sizes as in
+# torch_qmm/interop/gguf_types.py, which reads them from the gguf package; the tests compare).
+BLOCK_BYTES = {12: 144, 14: 210}  # Q4_K, Q6_K
+WEIGHTS_PER_BLOCK = 256
+
+
+def _f16(two_bytes: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 1] of a little-endian float16 stored as uint8 [..., 2]."""
+    return two_bytes.contiguous().view(torch.float16).float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    rows, sb = b.shape[:2]
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [rows, sb, 1]
+    # 12 scale bytes (llama.cpp get_scale_min_k4): sub-blocks 0-3 take the low 6 bits of bytes 0-3
+    # (scale) and 4-7 (min); 4-7 take the nibbles of bytes 8-11 plus the top 2 bits of 0-3 / 4-7.
+    lo, hi, mix = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+    sc = torch.cat([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)  # [rows, sb, 8]
+    mn = torch.cat([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], dim=-1)
+    # 128 code bytes as 4 chunks of 32: sub-block 2c is chunk c's low nibbles, 2c+1 its high ones.
+    qs = b[..., 16:].reshape(rows, sb, 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, sb, 8, 32)
+    scale = (d * sc.float()).unsqueeze(-1)
+    offset = (dmin * mn.float()).unsqueeze(-1)
+    return (scale * q.float() - offset).reshape(rows, sb * WEIGHTS_PER_BLOCK)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    rows, sb = b.shape[:2]
+    # Low 4 bits: 2 halves of 64 bytes, each giving 4 chunks of 32 codes (low nibbles of bytes
+    # 0-31, of 32-63, then the high nibbles of each); high 2 bits: 2 halves of 32 bytes, bit
+    # pairs 0-1, 2-3, 4-5, 6-7 for the same 4 chunks.
+    ql = b[..., 0:128].reshape(rows, sb, 2, 1, 64)
+    ql = torch.cat([ql & 0x0F, ql >> 4], dim=3).reshape(rows, sb, 8, 32)
+    qh = b[..., 128:192].reshape(rows, sb, 2, 1, 32)
+    qh = torch.cat([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, qh >> 6], dim=3).reshape(rows, sb, 8, 32)
+    q = (ql | (qh << 4)).float() - 32  # -32..31, exact
+    sc = b[..., 192:208].view(torch.int8).float()  # [rows, sb, 16]
+    d = _f16(b[..., 208:210])
+    scale = (d * sc).unsqueeze(-1)
+    return (scale * q.reshape(rows, sb, 16, 16)).reshape(rows, sb * WEIGHTS_PER_BLOCK)
+
+
+_DECODERS = {12: _q4_k, 14: _q6_k}
+
+
+def dequantize_rows(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """Rows of W as float32 [rows, K] from their blocks uint8 [rows, K/256 * block_bytes] (a row
+    slice of what gguf_qmm takes), on the blocks' device. ggml_type: 12 (Q4_K) or 14 (Q6_K)."""
+    ggml_type = int(ggml_type)
+    if ggml_type not in _DECODERS:
+        raise ValueError(f"dequantize_rows: ggml_type must be 12 (Q4_K) or 14 (Q6_K), got {ggml_type}")
+    block_bytes = BLOCK_BYTES[ggml_type]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % block_bytes != 0:
+        raise ValueError(f"dequantize_rows: blocks must be uint8 [rows, K/256 * {block_bytes}], got "
+                         f"{blocks.dtype} of shape {list(blocks.shape)}")
+    b = blocks.reshape(blocks.shape[0], blocks.shape[1] // block_bytes, block_bytes)
+    return _DECODERS[ggml_type](b)
