@@ -41,7 +41,7 @@
 // Work, all in one parallel region (run): first x is prepared, each row in parts along K
 // (x_parts_for: at small M a row is cut into as many parts as the team has threads, so that no
 // thread prepares a whole row while the others wait; one row of K = 14336 takes 8-18 us on one
-// thread), the parts taken by the threads from a shared counter; once every part is done, W rows go
+// thread where x is rearranged value by value, as the affine and bfloat16 kernels do), the parts taken by the threads from a shared counter; once every part is done, W rows go
 // out in spans (span_rows_for) from a second counter, so a thread that loses its core to another
 // process leaves its share to the others. Within a span, the rows of x go in blocks of 4/2/1; each
 // block runs over the whole span, so each chunk is decoded once per block of x rows. A block may
