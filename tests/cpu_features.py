@@ -72,6 +72,9 @@ def int8_gguf_route(kind: str, no_512: bool | None = None) -> str:
 # Bfloat16 matrix units as torch reports them (at::cpu capabilities "amx_bf16" / "avx512_bf16"):
 # AMX-BF16, or AVX512_BF16 alone (e.g. Zen 4) counts too.
 HAS_BF16_MATRIX_UNITS = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+# AMX-BF16 tiles among them: the route then goes before the chunk kernels; with AVX512_BF16 alone
+# it serves only where no chunk kernel does (csrc/cpu/bf16_gemm.h bf16_gemm_taken).
+HAS_BF16_TILES = "amx_bf16" in cpu_flags()
 BF16_GEMM_MIN_ROWS = 16  # mirrors csrc/cpu/bf16_gemm.h kBf16GemmMinRows
 
 
@@ -82,30 +85,39 @@ def env_on(name: str) -> bool:
 
 
 def takes_bf16_gemm(m: int, x_dtype: torch.dtype, transpose: bool = True, precision: str | None = None,
-                    no_bf16: bool | None = None) -> bool:
-    """Whether CPU qmm of x [m, K] in x_dtype takes "gemm-bf16": transpose=True, m >= 16, x allowed
-    in bfloat16 (bfloat16 x, or float32 x under float32 matmul precision "medium"; `precision`
-    None: torch's current setting), TORCH_QMM_CPU_NO_BF16 unset (`no_bf16` None: the environment
-    decides), and bfloat16 matrix units (or TORCH_QMM_CPU_FORCE_BF16_GEMM=1). Its results are
+                    no_bf16: bool | None = None, *, bits: int, k: int, mode: str = "affine",
+                    no_f32: bool | None = None) -> bool:
+    """Whether CPU qmm of x [m, k] in x_dtype (in the chunk kernels' range) with weights of `mode`
+    and `bits` takes "gemm-bf16": transpose=True, m >= 16, x allowed in bfloat16 (bfloat16 x, or
+    float32 x under float32 matmul precision "medium"; `precision` None: torch's current
+    setting), TORCH_QMM_CPU_NO_BF16 and _NO_BF16_GEMM unset (`no_bf16` None: the environment
+    decides), and TORCH_QMM_CPU_FORCE_BF16_GEMM=1, or bfloat16 matrix units: AMX-BF16 tiles, or
+    AVX512_BF16 alone where no chunk kernel serves the call (chunk_route with one bfloat16 term
+    of x; `no_f32`: TORCH_QMM_CPU_NO_F32_CHUNKS as affine_chunk_route takes it). Its results are
     within the tolerance of float32 matmul precision "medium" (bf16_precision)."""
-    if not transpose or m < BF16_GEMM_MIN_ROWS:
+    if not transpose or m < BF16_GEMM_MIN_ROWS or env_on("TORCH_QMM_CPU_NO_BF16_GEMM"):
         return False
-    if env_on("TORCH_QMM_CPU_NO_BF16") if no_bf16 is None else no_bf16:
+    no_bf16 = env_on("TORCH_QMM_CPU_NO_BF16") if no_bf16 is None else no_bf16
+    if no_bf16:
         return False
-    if not (HAS_BF16_MATRIX_UNITS or env_on("TORCH_QMM_CPU_FORCE_BF16_GEMM")):
-        return False
-    if x_dtype == torch.bfloat16:
-        return True
     if x_dtype == torch.float32:
-        return (torch.get_float32_matmul_precision() if precision is None else precision) == "medium"
-    return False
+        if (torch.get_float32_matmul_precision() if precision is None else precision) != "medium":
+            return False
+    elif x_dtype != torch.bfloat16:
+        return False
+    if env_on("TORCH_QMM_CPU_FORCE_BF16_GEMM"):
+        return True
+    if not HAS_BF16_MATRIX_UNITS:
+        return False
+    return HAS_BF16_TILES or chunk_route(mode, bits, 1, m, k, no_bf16=no_bf16, no_f32=no_f32) is None
 
 
 def bf16_precision(m: int, x_dtype: torch.dtype, transpose: bool = True, precision: str = "highest",
-                   no_bf16: bool | None = None) -> str:
+                   no_bf16: bool | None = None, *, bits: int, k: int, mode: str = "affine") -> str:
     """The tolerance precision (tests/tolerance.py X_RTOL) a CPU qmm result is held to: "medium"
     where the call takes gemm-bf16 (w rounded to bfloat16 as x is at "medium"), else `precision`."""
-    return "medium" if takes_bf16_gemm(m, x_dtype, transpose, precision, no_bf16) else precision
+    taken = takes_bf16_gemm(m, x_dtype, transpose, precision, no_bf16, bits=bits, k=k, mode=mode)
+    return "medium" if taken else precision
 
 
 # ---- float32 x on the float32 chunk kernels --------------------------------------------------------
@@ -188,4 +200,23 @@ def affine_chunk_route(bits: int, terms: int, m: int, k: int, no_bf16: bool | No
             return "chunked/f32"
     if avx2_affine_serves(bits, m, k):
         return f"chunked/avx2-u{bits}"
+    return None
+
+
+# ---- every chunk route ------------------------------------------------------------------------
+FP_CHUNK_CODES = {"mxfp4": 64, "nvfp4": 64, "mxfp8": 32}  # codes per chunk of the AVX2 fp kernels
+FP_CHUNKED_MAX_ROWS = 16  # cpu::fp_chunked_max_rows
+FP_MULTIPLIERS = {"mxfp4": "chunked/avx2-e2m1", "nvfp4": "chunked/avx2-e2m1", "mxfp8": "chunked/avx2-e4m3"}
+
+
+def chunk_route(mode: str, bits: int, terms: int, m: int, k: int, no_bf16: bool | None = None,
+                no_f32: bool | None = None) -> str | None:
+    """The chunk route of CPU qmm (transpose=True, x in range) for weights of `mode` and `bits`
+    and x in `terms` bfloat16 terms, or None: affine_chunk_route for the affine mode; the AVX2
+    kernels of the fp modes from one chunk of K up to FP_CHUNKED_MAX_ROWS rows."""
+    if mode == "affine":
+        return affine_chunk_route(bits, terms, m, k, no_bf16=no_bf16, no_f32=no_f32)
+    if (HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS") and k >= FP_CHUNK_CODES[mode]
+            and 1 <= m <= FP_CHUNKED_MAX_ROWS):
+        return FP_MULTIPLIERS[mode]
     return None

@@ -2,8 +2,10 @@
 
 Taken only where bfloat16 products are allowed (bfloat16 x, or float32 x under
 torch.set_float32_matmul_precision("medium")), from kBf16GemmMinRows (16) rows, on CPUs whose
-torch reports bfloat16 matrix units (amx_bf16 / avx512_bf16); TORCH_QMM_CPU_FORCE_BF16_GEMM=1
-forces it on any CPU for these tests. Oracle: float64 x @ W.T with W from torch_qmm.reference /
+torch reports bfloat16 matrix units: with AMX-BF16 before the chunk kernels, with AVX512_BF16
+alone (e.g. Zen 4) only where no chunk kernel serves the call (tests/cpu_features.py
+takes_bf16_gemm); TORCH_QMM_CPU_FORCE_BF16_GEMM=1 forces it on any CPU for these tests,
+TORCH_QMM_CPU_NO_BF16_GEMM=1 steps it aside. Oracle: float64 x @ W.T with W from torch_qmm.reference /
 reference_fp (float64 dequantization). Bound: x and w rounded to bfloat16 (each off by <= 2^-9
 relative; bfloat16 x: exact), float32 accumulation (K * 2^-24), y rounded to bfloat16 (2^-9 |y|):
 |y - x W| <= (2^-8 + 2^-18 + K 2^-24) sum |x| |w| + 2^-9 |x W|.
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 import torch_qmm
+from cpu_features import HAS_BF16_MATRIX_UNITS, HAS_BF16_TILES, takes_bf16_gemm
 from torch_qmm import reference, reference_fp
 
 ops = torch.ops.torch_qmm
@@ -53,9 +56,43 @@ def route(x, packed):
 def test_not_taken_by_default():
     packed, _ = affine(64, 256, torch.bfloat16)
     x = torch.randn(32, 256).to(torch.bfloat16)
-    assert (route(x, packed) == "gemm-bf16") == HAS_UNITS
+    assert (route(x, packed) == "gemm-bf16") == takes_bf16_gemm(32, torch.bfloat16, bits=4, k=256)
     packed32, _ = affine(64, 256, torch.float32)
     assert route(torch.randn(32, 256), packed32) != "gemm-bf16"  # float32, precision "highest"
+
+
+def bits8(N, K):
+    w = torch.randn(N, K).to(torch.bfloat16)
+    return (*torch_qmm.quantize(w, group_size=32, bits=8), 8, 32, "affine")
+
+
+@pytest.mark.skipif(not HAS_BF16_MATRIX_UNITS, reason="no bfloat16 units: the route is only taken when forced")
+def test_with_vector_units_only_the_chunk_kernels_go_first():
+    """With AMX-BF16 tiles the route takes bfloat16 x from 16 rows; with AVX512_BF16 alone only
+    the calls no chunk kernel serves: affine 4-bit at any M (the bfloat16 chunk kernel has no row
+    limit), 8-bit past 32 rows, mxfp4 past 16 (the AVX2 fp kernels)."""
+    four, _ = affine(64, 256, torch.bfloat16)
+    fp4, _ = mxfp4(64, 256)
+    eight = bits8(64, 256)
+    x = lambda m: torch.randn(m, 256).to(torch.bfloat16)  # noqa: E731
+    cases = [(four, 16), (four, 33), (four, 200), (eight, 16), (eight, 32), (eight, 33), (fp4, 16), (fp4, 17)]
+    for packed, m in cases:
+        r = route(x(m), packed)
+        if HAS_BF16_TILES:
+            assert r == "gemm-bf16", (packed[3:], m, r)
+        else:  # AVX512_BF16 alone: the chunk kernels' rows stay theirs
+            taken = (packed is eight and m > 32) or (packed is fp4 and m > 16)
+            assert (r == "gemm-bf16") == taken, (packed[3:], m, r)
+            assert r.startswith("chunked/") != taken, (packed[3:], m, r)
+
+
+def test_no_bf16_gemm_steps_the_route_aside(monkeypatch):
+    monkeypatch.setenv("TORCH_QMM_CPU_FORCE_BF16_GEMM", "1")
+    packed = bits8(64, 256)
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    assert route(x, packed) == "gemm-bf16"
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16_GEMM", "1")
+    assert route(x, packed) == "gemm"
 
 
 def test_forced_route_conditions(monkeypatch):

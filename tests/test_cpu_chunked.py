@@ -65,7 +65,7 @@ def precision():
 
 def expected_route(tile: str, dtype: torch.dtype, precision: str = "highest", m: int = 1, bits: int = 4,
                    k: int = 512) -> str:
-    if takes_bf16_gemm(m, dtype, precision=precision, no_bf16=tile == "f32"):
+    if takes_bf16_gemm(m, dtype, precision=precision, no_bf16=tile == "f32", bits=bits, k=k):
         return "gemm-bf16"  # before the chunk kernels (tests/cpu_features.py)
     terms = TERMS.get(dtype, PRECISION_TERMS[precision])
     chunked = affine_chunk_route(bits, terms, m, k, no_bf16=tile == "f32")
@@ -79,7 +79,7 @@ def route(x, wq, scales, biases, group_size, transpose=True, bits=4) -> str:
 def check(x, wq, scales, biases, group_size, dtype, what, precision="highest", bits=4):
     """y against the float64 reference, at the tolerance of `precision` (the float32 matmul
     precision set), or "medium" where the call takes gemm-bf16."""
-    precision = bf16_precision(x.numel() // x.shape[-1], x.dtype, precision=precision)
+    precision = bf16_precision(x.numel() // x.shape[-1], x.dtype, precision=precision, bits=bits, k=x.shape[-1])
     y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=group_size, bits=bits)
     y_ref = reference.qmm(x, wq, scales, biases, bits, group_size, True)
     mag = reference.qmm_magnitude(x, wq, scales, biases, bits, group_size, True)
@@ -119,7 +119,7 @@ def test_chunk_kernels_up_to_their_row_limit(tile, bits, dtype):
     limit = MAX_ROWS[bits, TERMS.get(dtype, 3)] or 199
     if tile == "f32" and bits in F32_MAX_ROWS:
         limit = F32_MAX_ROWS[bits]
-    if tile == "bf16" and takes_bf16_gemm(limit, dtype, no_bf16=False):
+    if tile == "bf16" and takes_bf16_gemm(limit, dtype, no_bf16=False, bits=bits, k=512):
         limit = min(limit, BF16_GEMM_MIN_ROWS - 1)
     for m in [limit, limit + 1]:
         x = torch.randn(m, 512, generator=gen).to(dtype)

@@ -39,8 +39,8 @@ MULTIPLIER = "chunked/avx2-e2m1"
 pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="the fp chunk kernels need AVX2 and FMA")
 
 
-def expected_route(M: int, K: int, dtype=torch.float32) -> str:
-    if takes_bf16_gemm(M, dtype):
+def expected_route(M: int, K: int, dtype=torch.float32, mode: str = "mxfp4") -> str:
+    if takes_bf16_gemm(M, dtype, bits=4, k=K, mode=mode):
         return "gemm-bf16"
     return MULTIPLIER if K >= CHUNK and 1 <= M <= FP_MAX_ROWS else "gemm"
 
@@ -72,7 +72,7 @@ def check(x, wq, scales, mode, dtype, what):
     gs = MODES[mode]
     y_ref = reference_fp.qmm_fp(x, wq, scales, mode, gs, 4)
     mag = reference_fp.qmm_fp_magnitude(x, wq, scales, mode, gs, 4)
-    assert_matches_reference(y, y_ref, mag, dtype, what, precision=bf16_precision(x.shape[0], x.dtype))
+    assert_matches_reference(y, y_ref, mag, dtype, what, precision=bf16_precision(x.shape[0], x.dtype, bits=4, k=x.shape[-1], mode=mode))
 
 
 def _shapes():
@@ -103,7 +103,7 @@ def test_fp_chunks_match_reference(mode, dtype):
             continue
         wq, scales = random_weights(mode, N, K, gen)
         x = torch.randn(M, K, generator=gen).to(dtype)
-        assert route(x, wq, scales, mode) == expected_route(M, K, dtype), (M, N, K)
+        assert route(x, wq, scales, mode) == expected_route(M, K, dtype, mode), (M, N, K)
         check(x, wq, scales, mode, dtype, f"{mode} M={M} N={N} K={K}")
 
 
@@ -130,7 +130,7 @@ def test_fp_chunks_exact_problems_bit_for_bit(mode, dtype, monkeypatch):
         if K % MODES[mode] or K > 1024:
             continue
         x, wq, scales, expected = exact_case(mode, M, N, K, dtype, gen)
-        assert route(x, wq, scales, mode) == expected_route(M, K)
+        assert route(x, wq, scales, mode) == expected_route(M, K, mode=mode)
         y = qmm(x, wq, scales, mode)
         mism = (y != expected).sum().item()
         assert mism == 0, f"{mode} {dtype} M={M} N={N} K={K}: {mism} outputs differ from the exact product rounded once"

@@ -47,11 +47,12 @@ def check_all_m(x_all, wq, scales, biases, bits, group_size, transpose, dtype, w
     mag_all = reference.qmm_magnitude(x_all, wq, scales, biases, bits, group_size, transpose)
     for m in MS:
         route = torch.ops.torch_qmm._cpu_route(x_all[:m], wq, scales, biases, bits, group_size, transpose)
-        assert (route == "gemm-bf16") == takes_bf16_gemm(m, dtype, transpose), f"{what} M={m}: {route}"
+        k = x_all.shape[-1]
+        assert (route == "gemm-bf16") == takes_bf16_gemm(m, dtype, transpose, bits=bits, k=k), f"{what} M={m}: {route}"
         y = torch_qmm.quantized_matmul(x_all[:m], wq, scales, biases, group_size=group_size, bits=bits,
                                        transpose=transpose)
         assert_matches_reference(y, y_ref_all[:m], mag_all[:m], dtype, f"{what} M={m} ({route})",
-                                 precision=bf16_precision(m, dtype, transpose))
+                                 precision=bf16_precision(m, dtype, transpose, bits=bits, k=k))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

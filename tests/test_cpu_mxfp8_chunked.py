@@ -37,7 +37,7 @@ def route(x, wq, scales) -> str:
 
 
 def expected_route(M: int, K: int, dtype=torch.float32) -> str:
-    if takes_bf16_gemm(M, dtype):
+    if takes_bf16_gemm(M, dtype, bits=BITS, k=K, mode="mxfp8"):
         return "gemm-bf16"
     return "chunked/avx2-e4m3" if K >= CHUNK and 1 <= M <= MAX_ROWS else "gemm"
 
@@ -70,7 +70,7 @@ def test_mxfp8_chunks_match_reference(dtype):
         y = qmm(x, wq, scales)
         y_ref = reference_fp.qmm_fp(x, wq, scales, "mxfp8", GS, BITS)
         mag = reference_fp.qmm_fp_magnitude(x, wq, scales, "mxfp8", GS, BITS)
-        assert_matches_reference(y, y_ref, mag, dtype, f"mxfp8 M={M} N={N} K={K}", precision=bf16_precision(M, dtype))
+        assert_matches_reference(y, y_ref, mag, dtype, f"mxfp8 M={M} N={N} K={K}", precision=bf16_precision(M, dtype, bits=BITS, k=K, mode="mxfp8"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

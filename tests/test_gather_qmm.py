@@ -121,12 +121,12 @@ def assert_mlx_agrees(theirs, y_ref, mag, dtype, what):
     assert ratio <= limit, f"{what}: MLX is {ratio:.2f} bounds from the float64 reference (limit {limit})"
 
 
-def gather_precision(x, rhs, transpose=True) -> str:
+def gather_precision(x, rhs, bits, mode, transpose=True) -> str:
     """The tolerance precision of a CPU gather_qmm result: each matrix's rows go through qmm's route
     for that many rows (x rows per pair times its pairs), so "medium" where the largest group takes
     the bfloat16 GEMM (cpu_features), else "highest"."""
     rows = int(torch.bincount(rhs.reshape(-1).long()).max()) * x.shape[-2]
-    return bf16_precision(rows, x.dtype, transpose)
+    return bf16_precision(rows, x.dtype, transpose, bits=bits, k=x.shape[-1], mode=mode)
 
 
 def moe_indices(T, k, E, seed, sort=False):
@@ -151,7 +151,7 @@ def test_moe_decode_and_prefill_match_reference_and_mlx(mode, bits, group_size, 
         rhs = moe_indices(T, k, E, seed=T)
         y_ref, mag = ex.reference(x, rhs=rhs)
         what = f"{mode} {bits}/{group_size} {dtype} transpose={transpose} T={T}"
-        assert_matches_reference(ex.ours(x, rhs=rhs), y_ref, mag, dtype, what, gather_precision(x, rhs, transpose))
+        assert_matches_reference(ex.ours(x, rhs=rhs), y_ref, mag, dtype, what, gather_precision(x, rhs, bits, mode, transpose))
         assert_mlx_agrees(ex.mlx(x, rhs=rhs), y_ref, mag, dtype, what)
 
 
@@ -166,7 +166,7 @@ def test_rows_of_w_split_across_threads(mode):
         rhs = moe_indices(T, k, 3, seed=T)
         y_ref, mag = ex.reference(x, rhs=rhs)
         assert_matches_reference(ex.ours(x, rhs=rhs), y_ref, mag, torch.bfloat16, f"{mode} T={T} k={k}",
-                                 gather_precision(x, rhs))
+                                 gather_precision(x, rhs, ex.bits, mode))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -39,8 +39,9 @@ def _check(x, packed, bits, group_size, transpose, device, what, backend_name=No
     if backend_name == "cpu":
         m = x.numel() // x.shape[-1]
         route = torch.ops.torch_qmm._cpu_route(x, wq, scales, biases, bits, group_size, transpose)
-        assert (route == "gemm-bf16") == takes_bf16_gemm(m, x.dtype, transpose), f"{what}: {route}"
-        precision = bf16_precision(m, x.dtype, transpose)
+        k = x.shape[-1]
+        assert (route == "gemm-bf16") == takes_bf16_gemm(m, x.dtype, transpose, bits=bits, k=k), f"{what}: {route}"
+        precision = bf16_precision(m, x.dtype, transpose, bits=bits, k=k)
     y = torch_qmm.quantized_matmul(
         x.to(device), wq.to(device), scales.to(device), biases.to(device), transpose=transpose,
         group_size=group_size, bits=bits,

@@ -49,7 +49,7 @@ def chunk_codes(bits: int) -> int:
 def expected_route(bits, dtype, M, K, transpose, switch) -> str:
     """`switch`: the environment switch the case sets (SWITCHES), or None."""
     no_bf16, no_f32 = switch == NO_BF16, switch == NO_F32
-    if takes_bf16_gemm(M, dtype, transpose, precision="highest", no_bf16=no_bf16):
+    if takes_bf16_gemm(M, dtype, transpose, precision="highest", no_bf16=no_bf16, bits=bits, k=K, no_f32=no_f32):
         return "gemm-bf16"
     chunked = affine_chunk_route(bits, TERMS[dtype], M, K, no_bf16=no_bf16, no_f32=no_f32) if transpose else None
     return chunked or ("fused" if M < GEMM_MIN_ROWS else "gemm")

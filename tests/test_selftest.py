@@ -123,8 +123,8 @@ def test_selftest_on_cpu_passes_in_full(tmp_path, capsys, all_cases, one_thread)
             rows = c["M"]
             if c["op"] == "gather_qmm":
                 rows *= max(c["rhs"].count(e) for e in c["rhs"])
-            bf16 = c["op"] in ("qmm", "gather_qmm") and takes_bf16_gemm(rows, selftest.DTYPES[c["dtype"]],
-                                                                       c["transpose"] in (None, True))
+            bf16 = c["op"] in ("qmm", "gather_qmm") and takes_bf16_gemm(
+                rows, selftest.DTYPES[c["dtype"]], c["transpose"] in (None, True), bits=c["bits"], k=c["K"], mode=c["mode"])
             assert c["kernel"].split(" ")[-1] == "gemm-bf16" if bf16 else "gemm-bf16" not in c["kernel"], c
             assert c["precision"] == ("medium" if bf16 else "highest"), c
     env = doc["environment"]

@@ -38,8 +38,8 @@ constexpr int64_t kTileBytes = 512 * 1024;
 // W rows per tile for K: as many as fit kTileBytes, in multiples of 16, 16 to 256.
 int64_t tile_rows(int64_t K) { return std::clamp<int64_t>(kTileBytes / (2 * K) / 16 * 16, 16, 256); }
 
-bool forced() {
-  const char* v = std::getenv("TORCH_QMM_CPU_FORCE_BF16_GEMM");
+bool env_on(const char* name) {
+  const char* v = std::getenv(name);
   return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
 
@@ -95,9 +95,21 @@ bool bf16_matrix_units() {
   return has;
 }
 
-bool bf16_gemm_taken(const QmmArgs& a, bool transpose) {
-  return transpose && a.M >= kBf16GemmMinRows && a.x_bf16_terms == 1 && !a.avoid_bf16 &&
-         (bf16_matrix_units() || forced());
+bool bf16_matrix_tiles() {
+  static const bool has = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto it = caps.find("amx_bf16");
+    return it != caps.end() && it->second.isBool() && it->second.toBool();
+  }();
+  return has;
+}
+
+bool bf16_gemm_taken(const QmmArgs& a, bool transpose, bool chunk_serves) {
+  if (!transpose || a.M < kBf16GemmMinRows || a.x_bf16_terms != 1 || a.avoid_bf16 ||
+      env_on("TORCH_QMM_CPU_NO_BF16_GEMM"))
+    return false;
+  if (env_on("TORCH_QMM_CPU_FORCE_BF16_GEMM")) return true;
+  return bf16_matrix_units() && (bf16_matrix_tiles() || !chunk_serves);
 }
 
 at::Tensor qmm_t_bf16_gemm(const QmmArgs& a) {

@@ -93,8 +93,9 @@ enum class Route { kBf16Gemm, kChunked, kFused, kGemm };
 
 // The one routing decision, for the op and for _cpu_route.
 Route route_for(const cpu::QmmArgs& a, bool transpose) {
-  if (cpu::bf16_gemm_taken(a, transpose)) return Route::kBf16Gemm;  // bf16_gemm.h: opt-in precision
-  if (transpose && cpu::qmm_t_chunked_multiplier(a) != nullptr) return Route::kChunked;
+  const bool chunked = transpose && cpu::qmm_t_chunked_multiplier(a) != nullptr;
+  if (cpu::bf16_gemm_taken(a, transpose, chunked)) return Route::kBf16Gemm;  // bf16_gemm.h: opt-in precision
+  if (chunked) return Route::kChunked;
   if (a.mode != Mode::kAffine) return Route::kGemm;
   return a.M < cpu::kGemmMinRows ? Route::kFused : Route::kGemm;
 }
