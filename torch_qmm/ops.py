@@ -16,6 +16,7 @@ exactly as real ones.
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 from . import _C  # noqa: F401  (loads the library that defines and implements the ops)
 from . import activations as _activations
@@ -134,13 +135,16 @@ def quantized_matmul(
     if current is not None:
         applies = mode == "affine" and transpose and x.device.type == "cpu"
         kind = current if applies else None
+    _check_frozen_tangents("qmm", wq=wq, scales=scales, biases=biases)
     if kind == "int8":
         if x.device.type != "cpu":
             raise ValueError(f"argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
         if not transpose:
             raise ValueError("argument 'transpose' must be True with activations='int8', got False")
+        if _has_tangent(x):
+            raise _int8_no_grad_error("qmm_int8_activations")
         return _ops.qmm_int8_activations(x, wq, scales, biases, mode, bits, group_size)
-    return _ops.qmm(x, wq, scales, biases, mode, bits, group_size, transpose)
+    return _carry_tangent(lambda t: _ops.qmm(t, wq, scales, biases, mode, bits, group_size, transpose), x)
 
 
 def gather_qmm(
@@ -180,9 +184,9 @@ def gather_qmm(
     """
     bits, group_size = _params("gather_qmm", mode, bits, group_size)
     _check_flags("gather_qmm", transpose=transpose, sorted_indices=sorted_indices)
-    return _ops.gather_qmm(
-        x, w, scales, biases, lhs_indices, rhs_indices, mode, bits, group_size, transpose, sorted_indices
-    )
+    _check_frozen_tangents("gather_qmm", w=w, scales=scales, biases=biases)
+    return _carry_tangent(lambda t: _ops.gather_qmm(t, w, scales, biases, lhs_indices, rhs_indices, mode, bits,
+                                                    group_size, transpose, sorted_indices), x)
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int,
@@ -204,11 +208,14 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K
     kind = activations
     if kind is None and x.device.type == "cpu":
         kind = _activations.current_activations()
+    _check_frozen_tangents("gguf_qmm", blocks=blocks)
     if kind == "int8":
         if x.device.type != "cpu":
             raise ValueError(f"argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
+        if _has_tangent(x):
+            raise _int8_no_grad_error("gguf_qmm_int8_activations")
         return _ops.gguf_qmm_int8_activations(x, blocks, ggml_type, N, K)
-    return _ops.gguf_qmm(x, blocks, ggml_type, N, K)
+    return _carry_tangent(lambda t: _ops.gguf_qmm(t, blocks, ggml_type, N, K), x)
 
 
 # ---- Autograd ---------------------------------------------------------------------------------
@@ -229,6 +236,52 @@ def _no_grad_error(op: str, what: str) -> RuntimeError:
     )
 
 
+_INT8_X = "its input x (int8 rounding; train with the exact path)"
+
+
+def _int8_no_grad_error(op: str) -> RuntimeError:
+    return _no_grad_error(op, _INT8_X)
+
+
+# Forward mode (torch.autograd.forward_ad, torch.func.jvp / jacfwd): torch.library's autograd
+# registration (below) has no forward-mode rule, so a dual x would pass through the ops with its
+# tangent dropped (a zero jvp, no error). The Python functions above and the backward rules below
+# carry it instead: every product is linear in its input, so the tangent of y = f(x) is
+# f(tangent of x) (the backward's dx = g(dy) likewise, for forward-over-reverse: Hessian-vector
+# products). A tangent on a quantized weight, or on x of the int8-activation ops, raises as its
+# gradient does. The raw torch.ops.torch_qmm ops do not carry tangents.
+
+
+def _no_dual_level() -> bool:
+    """True outside every dual level (forward_ad's own record, which unpack_dual reads too): no
+    tensor can carry a tangent, and the checks below cost one comparison."""
+    return _fwAD._current_level < 0
+
+
+def _check_frozen_tangents(op: str, **frozen) -> None:
+    """RuntimeError naming the first of the `frozen` tensors that carries a forward-mode tangent."""
+    if _no_dual_level():
+        return
+    for name, t in frozen.items():
+        if isinstance(t, torch.Tensor) and _fwAD.unpack_dual(t).tangent is not None:
+            raise _no_grad_error(op, f"'{name}'")
+
+
+def _has_tangent(x: torch.Tensor) -> bool:
+    return not _no_dual_level() and isinstance(x, torch.Tensor) and _fwAD.unpack_dual(x).tangent is not None
+
+
+def _carry_tangent(product, x: torch.Tensor) -> torch.Tensor:
+    """product(x) for a product linear in x; when x carries a tangent t at the current dual level,
+    the result is product(primal of x) with the tangent product(t)."""
+    if _no_dual_level() or not isinstance(x, torch.Tensor):
+        return product(x)
+    primal, tangent = _fwAD.unpack_dual(x)
+    if tangent is None:
+        return product(x)
+    return _fwAD.make_dual(product(primal), product(tangent))
+
+
 def _qmm_setup(ctx, inputs, output):
     x, wq, scales, biases, mode, bits, group_size, transpose = inputs
     ctx.save_for_backward(wq, scales, biases)
@@ -242,7 +295,7 @@ def _qmm_backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         wq, scales, biases = ctx.saved_tensors
         mode, bits, group_size, transpose = ctx.args
-        grad_x = _ops.qmm(grad, wq, scales, biases, mode, bits, group_size, not transpose)
+        grad_x = _carry_tangent(lambda t: _ops.qmm(t, wq, scales, biases, mode, bits, group_size, not transpose), grad)
     return grad_x, None, None, None, None, None, None, None
 
 
@@ -272,8 +325,8 @@ def _gather_qmm_backward(ctx, grad):
     rhs = rhs.long() if rhs is not None else torch.arange(w_batch.numel(), device=dev).reshape(w_batch)
     lhs, rhs = torch.broadcast_tensors(lhs, rhs)
     M, N = grad.shape[-2:]
-    dz = _ops.gather_qmm(grad.reshape(-1, M, N), w, scales, biases, None, rhs.reshape(-1), mode, bits, group_size,
-                         not transpose, sorted_indices)
+    dz = _carry_tangent(lambda t: _ops.gather_qmm(t, w, scales, biases, None, rhs.reshape(-1), mode, bits,
+                                                  group_size, not transpose, sorted_indices), grad.reshape(-1, M, N))
     dx = torch.zeros((x_batch.numel(),) + tuple(dz.shape[1:]), dtype=torch.float32, device=dev)
     dx.index_add_(0, lhs.reshape(-1), dz.float())
     return (dx.to(grad.dtype).reshape(x_shape),) + (None,) * 10
@@ -331,9 +384,9 @@ torch.library.register_autograd(
 torch.library.register_autograd("torch_qmm::dequantize", _refuse_backward("dequantize", "'scales' or 'biases'"))
 torch.library.register_autograd(
     "torch_qmm::qmm_int8_activations",
-    _refuse_backward("qmm_int8_activations", "its input x (int8 rounding; train with the exact path)"),
+    _refuse_backward("qmm_int8_activations", _INT8_X),
 )
 torch.library.register_autograd(
     "torch_qmm::gguf_qmm_int8_activations",
-    _refuse_backward("gguf_qmm_int8_activations", "its input x (int8 rounding; train with the exact path)"),
+    _refuse_backward("gguf_qmm_int8_activations", _INT8_X),
 )

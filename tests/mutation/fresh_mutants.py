@@ -120,8 +120,8 @@ MUTANTS: list[Mutant] = [
            "CPU Q6_K decode (GEMM path, M >= 16): the last run of 32 weights of each half uses run 3's scale"),
     # ---- Python ops and modules ----------------------------------------------------------------
     Mutant("f-ops-backward-same-transpose", "torch_qmm/ops.py",
-           "grad_x = _ops.qmm(grad, wq, scales, biases, mode, bits, group_size, not transpose)",
-           "grad_x = _ops.qmm(grad, wq, scales, biases, mode, bits, group_size, transpose)", OPS,
+           "_ops.qmm(t, wq, scales, biases, mode, bits, group_size, not transpose), grad)",
+           "_ops.qmm(t, wq, scales, biases, mode, bits, group_size, transpose), grad)", OPS,
            "dx = dy @ W.T instead of dy @ W: a shape error, or a wrong gradient for square W"),
     Mutant("f-ops-backward-biases-grad-not-refused", "torch_qmm/ops.py",
            "    if any(ctx.needs_input_grad[1:4]):", "    if any(ctx.needs_input_grad[1:3]):", OPS,
