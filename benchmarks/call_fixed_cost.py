@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 import torch_qmm
 from torch_qmm.bench.kernels import random_gguf_blocks
+from x_preparation import median_us  # this folder: the script's own
 
 N = 16  # one span (csrc/cpu/chunk_driver.h span_rows_for: at least 16 rows)
 
@@ -42,15 +41,10 @@ def calls(K: int, gen: torch.Generator):
     return out
 
 
-def median_us(call, n: int) -> float:
+def warm_median_us(call, n: int) -> float:
     for _ in range(n // 10):
         call()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        call()
-        times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
+    return median_us(call, n)
 
 
 def main() -> None:
@@ -61,7 +55,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout instead of lines")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    result = {name: round(median_us(call, args.calls), 2) for name, call in calls(args.k, torch.Generator().manual_seed(0))}
+    result = {name: round(warm_median_us(call, args.calls), 2) for name, call in calls(args.k, torch.Generator().manual_seed(0))}
     if args.json:
         print(json.dumps({"threads": args.threads, "k": args.k, "n": N, "median_us": result}))
     else:
