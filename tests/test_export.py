@@ -1,5 +1,6 @@
 """torch.export of quantized modules: the exported program, with a dynamic number of rows, gives
-the module's outputs, also after torch.export.save / load (the torch_qmm ops are in the graph)."""
+the module's outputs, also after torch.export.save / load (the torch_qmm ops are in the graph).
+torch.jit: trace records the ops; script is refused with an error naming the module."""
 
 from __future__ import annotations
 
@@ -117,3 +118,28 @@ def test_exported_experts_with_dynamic_tokens(strict):
                 err = ((got - want).abs().max() / want.abs().max()).item()
                 assert err < 1e-5, (n, err)
             assert torch.equal(ep.module()(*inputs(n)), experts(*inputs(n))), n
+
+
+def test_jit_script_is_a_clear_error_and_trace_records_the_ops():
+    torch.manual_seed(0)
+    embedding = QuantEmbedding.from_embedding(torch.nn.Embedding(100, 64), bits=4, group_size=32)
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 64), bits=3, group_size=32)
+    model = torch.nn.Sequential(embedding, torch.nn.ReLU(), layer, TiedQuantLinear(embedding))
+    with pytest.raises(RuntimeError, match=r"torch.jit.script cannot compile QuantEmbedding: its forward runs Python "
+                                           r"that TorchScript does not support; torch.export.export \(or "
+                                           r"torch.jit.trace\) records its torch_qmm ops instead"):
+        torch.jit.script(model)
+    with pytest.raises(RuntimeError, match=r"torch.jit.script cannot compile GGUFLinear"):
+        torch.jit.script(LAYERS["q4_k"]())
+    traced = torch.jit.trace(model, (torch.randint(0, 100, (2, 7)),))
+    buf = io.BytesIO()
+    torch.jit.save(traced, buf)
+    buf.seek(0)
+    loaded = torch.jit.load(buf)
+    ids = torch.randint(0, 100, (3, 5))
+    assert torch.equal(loaded(ids), model(ids))
+    # the traced graph refuses ids out of range, as a traced nn.Embedding does (no wrapped -1)
+    for bad in (-1, 100):
+        ids[1, 2] = bad
+        with pytest.raises(RuntimeError, match="index out of range"):
+            loaded(ids)
