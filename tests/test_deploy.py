@@ -1,11 +1,13 @@
-"""torch.export of quantized modules: the exported program, with a dynamic number of rows, gives
-the module's outputs, also after torch.export.save / load (the torch_qmm ops are in the graph).
-torch.jit: trace records the ops; script is refused with an error naming the module."""
+"""Serving a quantized model. torch.export: the exported program, with a dynamic number of rows,
+gives the module's outputs, also after torch.export.save / load (the torch_qmm ops are in the
+graph). torch.jit: trace records the ops; script is refused with an error naming the module.
+Threads: concurrent calls give the results of calls made one at a time."""
 
 from __future__ import annotations
 
 import copy
 import io
+import threading
 
 import numpy as np
 import pytest
@@ -143,3 +145,42 @@ def test_jit_script_is_a_clear_error_and_trace_records_the_ops():
         ids[1, 2] = bad
         with pytest.raises(RuntimeError, match="index out of range"):
             loaded(ids)
+
+
+def test_concurrent_calls_from_threads_give_the_sequential_results(threads):
+    # A server's request threads share one model: each call must be what it is alone, whatever
+    # other calls (other M, so other kernels; int8 activations in one thread) run beside it.
+    torch.manual_seed(0)
+    layers = {kind: make() for kind, make in LAYERS.items()}
+    calls = [(kind, torch.randn(m, layer.in_features), int8) for kind, layer in layers.items()
+             for m in (1, 3, 17, 64) for int8 in ((False, True) if kind == "affine" else (False,))]
+
+    def call(kind, x, int8):
+        with torch_qmm.activation_quantization("int8" if int8 else None):
+            return layers[kind](x)
+
+    want = [call(*c) for c in calls]
+    assert not torch.equal(want[0], call(*calls[0][:2], True))  # the int8 calls differ from the exact ones
+    start = threading.Barrier(4)
+    got: dict[tuple[int, int, int], torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def serve(worker: int) -> None:
+        try:
+            start.wait()
+            for r in range(3):
+                for i in range(len(calls)):
+                    j = (i * 7 + worker * 5 + r) % len(calls)
+                    got[worker, r, j] = call(*calls[j])
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    workers = [threading.Thread(target=serve, args=(w,)) for w in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert not errors and not any(w.is_alive() for w in workers)
+    assert len(got) == 4 * 3 * len(calls)
+    for (worker, r, j), y in got.items():
+        assert torch.equal(y, want[j]), (worker, calls[j][0], calls[j][1].shape[0], calls[j][2])
