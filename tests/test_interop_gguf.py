@@ -91,6 +91,29 @@ def test_float_tensors_and_embeddings(gguf_file):
     assert torch.equal(emb_k(ids).double(), expected["Q4_K"][0][ids])
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_block_tensors_decode_a_slice_of_rows_at_a_time(gguf_file, monkeypatch, qtype):
+    # The gguf package's decode holds several arrays of the float32 size of its input at once: a
+    # whole table (a float embedding decoded from Q6_K) would peak at ~5x the table.
+    import torch_qmm.interop.gguf as gguf_module
+
+    path, expected = gguf_file
+    budget = 4 * 512 * 5  # float32 bytes: 5 rows of 512 (Q6_K), 13 of 192 (Q4_1)
+    monkeypatch.setattr(gguf_module, "DECODE_SLICE_BYTES", budget)
+    decode, decoded = quants.dequantize, []
+
+    def recording(data, qt):
+        decoded.append(data.shape[0])
+        return decode(data, qt)
+
+    monkeypatch.setattr(quants, "dequantize", recording)
+    t = GGUFFile(path).tensors[qtype.name]
+    got = dequantize(t)
+    assert got.dtype == torch.float32 and torch.equal(got.double(), expected[qtype.name][0])
+    assert sum(decoded) == t.shape[0] and len(decoded) > 1
+    assert max(decoded) * 4 * t.shape[1] <= budget, decoded
+
+
 def test_float16_overflow_is_reported(tmp_path):
     # Q8_0 with d = 1024: the bias -128*d overflows float16 (exact in float32).
     block = np.zeros((1, 34), dtype=np.uint8)

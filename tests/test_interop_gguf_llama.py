@@ -280,6 +280,17 @@ def test_missing_tensors_and_shapes_the_config_disagrees_with_are_errors(tmp_pat
         load_gguf_llama(model, path)
 
 
+def test_a_model_on_the_meta_device_is_a_clear_error(tmp_path):
+    # Copies into meta tensors keep nothing: the norms would stay on meta beside the real layers.
+    path = _small_llama_file(tmp_path)
+    with torch.device("meta"):
+        model = _llama_for(path)
+    with pytest.raises(ValueError, match=r"load_gguf_llama: argument 'model' must have its parameters and buffers "
+                                         r"in memory \(a model built on the CPU\), got 'model.embed_tokens.weight' "
+                                         r"on the meta device"):
+        load_gguf_llama(model, path)
+
+
 def test_a_file_with_some_attention_biases_missing_is_refused(tmp_path):
     write_llama_gguf(hf_model(False, attention_bias=True), tmp_path / "m.gguf", {}, np.random.default_rng(0),
                      drop=("blk.1.attn_output.bias",))

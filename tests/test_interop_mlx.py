@@ -460,6 +460,15 @@ def test_architecture_mismatch_is_a_clear_error(mlx_folder):
         load_mlx(Other(), mlx_folder)
 
 
+def test_a_model_on_the_meta_device_is_a_clear_error(mlx_folder):
+    # Copies into meta tensors keep nothing: the "loaded" model would run on meta, without weights.
+    with torch.device("meta"):
+        model = TorchToy(False)
+    with pytest.raises(ValueError, match=r"load_mlx: argument 'model' must have its parameters and buffers in "
+                                         r"memory \(a model built on the CPU\), got 'embed.weight' on the meta device"):
+        load_mlx(model, mlx_folder)
+
+
 def test_index_naming_a_missing_shard_is_a_clear_error(tmp_path):
     quant = {"group_size": 64, "bits": 4}
     _save_mlx_checkpoint(_mlx_quantized_toy(False, torch.float32, quant), tmp_path, quant, shards=2)

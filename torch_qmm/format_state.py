@@ -18,7 +18,8 @@ class FormatState:
     """Mixin for modules whose buffer shapes do not tell their format: the format as integers
     (format_values(); by default the integer attributes named by FORMAT_FIELDS) goes into state_dict
     (``_extra_state``, an int32 vector), and loading a state that holds other values raises
-    ValueError before any buffer is copied.
+    ValueError before any buffer is copied. torch.jit.script of such a module (or of a model holding
+    one) raises a RuntimeError saying so; torch.export and torch.jit.trace record its ops.
     """
 
     FORMAT_FIELDS: tuple[str, ...] = ()
@@ -57,6 +58,14 @@ class FormatState:
                 f"{where}: the state holds {self.describe_format(values)}, this layer has "
                 f"{self.describe_format(self.format_values())}; build the layer with the saved format to load it"
             )
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on the module and each submodule before compiling any of them.
+        raise RuntimeError(
+            f"torch.jit.script cannot compile {type(self).__name__}: its forward runs Python that TorchScript does "
+            "not support; torch.export.export (or torch.jit.trace) records its torch_qmm ops instead (import "
+            "torch_qmm before loading what it saves)"
+        )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Checked before torch copies the buffers, so a refused state leaves the module unchanged.

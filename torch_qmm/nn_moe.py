@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import ops
 from .format_state import QuantFormatState
@@ -168,7 +169,7 @@ class QuantFusedExperts(nn.Module):
         SwitchGLU, including its sort of the (token, expert) pairs by expert)."""
         x = x.unsqueeze(-2).unsqueeze(-2)  # [T, 1, 1, H]: one row per token, broadcast over k
         idx, order = indices, None
-        do_sort = indices.numel() >= SORT_MIN_PAIRS
+        do_sort = sorts_pairs(indices.numel())
         if do_sort:
             k = indices.shape[-1]
             flat = indices.reshape(-1)
@@ -193,6 +194,16 @@ class QuantFusedExperts(nn.Module):
     def join_gate_and_up(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The inverse of gate_and_up_rows."""
         return join_gate_up(gate, up, self.interleaved)
+
+
+def sorts_pairs(pairs) -> bool:
+    """Whether QuantFusedExperts sorts `pairs` (token, expert) pairs by expert: from
+    SORT_MIN_PAIRS on. Sorting changes the speed, not the result, so under torch.export, where the
+    count may be symbolic (a dynamic number of tokens), it sorts unless the count is known to be
+    smaller: a choice depending on the count would specialize the exported program to one side."""
+    if torch.compiler.is_exporting():
+        return not statically_known_true(pairs < SORT_MIN_PAIRS)
+    return bool(pairs >= SORT_MIN_PAIRS)
 
 
 def split_gate_up(t: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -191,8 +191,8 @@ MUTANTS: list[Mutant] = [
            "load_state_dict(assign=True) of float16 affine scales leaves the compute dtype carrier "
            "float32: the embedding returns float32 rows for a float16 table"),
     Mutant("e8-embedding-fake-ids-read", "torch_qmm/interop/modules.py",
-           "        if torch.compiler.is_compiling() or flat.device.type == \"meta\" or is_fake(flat):",
-           "        if torch.compiler.is_compiling() or flat.device.type == \"meta\":", EMBEDDING_FAKE,
+           "        if torch.compiler.is_compiling() or tracing or flat.device.type == \"meta\" or is_fake(flat):",
+           "        if torch.compiler.is_compiling() or tracing or flat.device.type == \"meta\":", EMBEDDING_FAKE,
            "fake ids (FakeTensorMode, torch.export's tracing) take the eager range check, which reads "
            "their values: a data-dependent error instead of the checking op"),
     Mutant("e8-gguf-linear-bool-type-accepted", "torch_qmm/interop/modules.py",

@@ -146,11 +146,30 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
             raise _corrupt_values(t, "values")
         return out
     else:
-        values = gguf_quants.dequantize(t.raw, GGMLQuantizationType(t.ggml_type))
+        return _decode_in_slices(t)
     out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(t.shape)  # a writable copy
     if not torch.isfinite(out).all():
-        raise _corrupt_values(t, "values" if t.ggml_type in FLOAT_TYPES else "block scales")
+        raise _corrupt_values(t, "values")
     return out
+
+
+# The gguf package's decode holds several arrays of the size of what it decodes at once (about 5x
+# the float32 result for Q4_1): blocks are decoded this many float32 bytes of rows at a time.
+DECODE_SLICE_BYTES = 32 * 2**20
+
+
+def _decode_in_slices(t: GGUFTensor) -> torch.Tensor:
+    """dequantize of a block type: each slice of rows decoded by the gguf package into the result."""
+    qtype = GGMLQuantizationType(t.ggml_type)
+    rows, row = t.raw.shape[0], (t.shape[-1] if t.shape else 1)  # raw: one row of W's blocks per row
+    out = torch.empty(rows, row, dtype=torch.float32)
+    step = max(1, DECODE_SLICE_BYTES // (4 * row))
+    for r in range(0, rows, step):
+        values = gguf_quants.dequantize(np.ascontiguousarray(t.raw[r:r + step]), qtype)
+        if not np.isfinite(values).all():
+            raise _corrupt_values(t, "block scales")
+        out[r:r + step] = torch.from_numpy(values.reshape(-1, row))
+    return out.reshape(t.shape)
 
 
 def check_finite(t: GGUFTensor, slice_bytes: int) -> bool:

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from ..nn import QuantLinear
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
-from .mlx import LoadReport
+from .mlx import LoadReport, check_model_has_storage
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 
 LLAMA_FAMILY = ("llama", "mistral")
@@ -285,6 +285,7 @@ def load_gguf_llama(
     Raises:
         ValueError when the file disagrees with the model (names, shapes, head counts).
     """
+    check_model_has_storage(model, "load_gguf_llama")
     f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = getattr(model, "config", None)
     n_head = getattr(config, "num_attention_heads", None)

@@ -172,6 +172,18 @@ def _check_quantized_shapes(ckpt: Checkpoint, path: str, spec: QuantSpec, rows: 
                              f"got {stored}")
 
 
+def check_model_has_storage(model: nn.Module, loader: str) -> None:
+    """ValueError naming the first parameter or buffer of `model` on the meta device: the loaders
+    copy the checkpoint into the model's tensors, and a copy into a meta tensor keeps no data (the
+    model would run on meta, or fail later where it mixes them with real ones)."""
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.is_meta:
+            raise ValueError(
+                f"{loader}: argument 'model' must have its parameters and buffers in memory (a model built "
+                f"on the CPU), got {name!r} on the meta device"
+            )
+
+
 def _check_dtype(ckpt: Checkpoint, key: str, dst: torch.Tensor) -> None:
     """A stored tensor's dtype must suit its role: any float dtype for a float parameter (cast on
     load), exactly the buffer's dtype otherwise."""
@@ -207,6 +219,7 @@ def load_mlx(
     Raises:
         ValueError for malformed files and for configs that disagree with the tensors.
     """
+    check_model_has_storage(model, "load_mlx")
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     config_path = folder / "config.json"

@@ -74,7 +74,11 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         flat = ids.reshape(-1)
         # Inside a graph (no host sync) and for meta or fake ids (no values to read; nn.Embedding
         # gives their shape): a checking op instead, which checks real values when it runs.
-        if torch.compiler.is_compiling() or flat.device.type == "meta" or is_fake(flat):
+        # torch.jit.trace records neither check (the op has no output it keeps, a host check runs on
+        # the traced call's ids only): there the rows are read with index_select, which refuses ids
+        # out of range when the traced graph runs (indexing would wrap negative ones).
+        tracing = torch.jit.is_tracing()
+        if torch.compiler.is_compiling() or tracing or flat.device.type == "meta" or is_fake(flat):
             torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
                                 f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings})")
         elif flat.numel() != 0:
@@ -84,9 +88,10 @@ class QuantEmbedding(QuantFormatState, nn.Module):
                 raise IndexError(
                     f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings}), got {bad}"
                 )
-        biases = None if self.biases is None else self.biases[flat]
-        rows = dequantize(self.qweight[flat], self.scales[flat], biases, group_size=self.group_size, bits=self.bits,
-                          mode=self.mode, dtype=self.compute_dtype)
+        rows_of = (lambda t: t.index_select(0, flat)) if tracing else (lambda t: t[flat])
+        biases = None if self.biases is None else rows_of(self.biases)
+        rows = dequantize(rows_of(self.qweight), rows_of(self.scales), biases, group_size=self.group_size,
+                          bits=self.bits, mode=self.mode, dtype=self.compute_dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     @follows_autocast
