@@ -283,7 +283,7 @@ MUTANTS: list[Mutant] = [
            ("tests/test_cpu_actq.py", "-k", "int8_step"),
            "the 4-bit K tail past the last whole chunk leaves out its last 8 odd codes"),
     Mutant("bf16-gemm-at-high-precision", "csrc/cpu/bf16_gemm.cpp",
-           "a.x_bf16_terms == 1 && !a.avoid_bf16", "a.x_bf16_terms <= 2 && !a.avoid_bf16",
+           "a.x_bf16_terms != 1 || a.avoid_bf16", "a.x_bf16_terms > 2 || a.avoid_bf16",
            ("tests/test_cpu_bf16_gemm.py", "-k", "conditions"), "the bfloat16 GEMM taken for float32 x at 'high'"),
     # ---- C++: the row limits and order of the CPU chunk routes (--cpp) ---------------------------
     Mutant("f32-affine-4-bit-to-15-rows", "csrc/cpu/qmm_kernels.h",
