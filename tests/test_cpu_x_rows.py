@@ -108,3 +108,31 @@ def test_x_of_16_bits_enters_the_kernels_exactly():
         y = torch.ops.torch_qmm.affine_qmm(x.float(), wq, s, b, 4, 64, True)
         y16 = torch.ops.torch_qmm.affine_qmm(x, wq.clone(), s.to(dtype), b.to(dtype), 4, 64, True)
         assert torch.equal(y16.float(), y.to(dtype).float())
+
+
+
+# Rows of x far below 2^-98 that the chunk kernels lose (scaled down by their multipliers, float32;
+# flushed as subnormals by vdpbf16ps, bfloat16) while the fused / GEMM kernels keep them: values in
+# [LOW, 2 LOW), nonzero products of float32 normal range with the weights here.
+LOW = {torch.float32: 2.0**-125, torch.bfloat16: 2.0**-129}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("row", [1, 3])
+def test_gather_finds_x_out_of_range_in_any_row_of_a_pair(dtype, row):
+    """gather_qmm checks x's range per group of pairs (one flag per matrix taken) over every row of
+    every pair in the group: here each pair has its own matrix and M = 4 rows, and one row of pair 1
+    (not its first) is all far below 2^-98. The result against the float64 reference, each row held
+    to its own magnitude (tests/tolerance.py: float32's absolute term is 2^-150)."""
+    E, Mg, Ng, Kg = 3, 4, 20, 512
+    g = torch.Generator().manual_seed(11)
+    wq, s, b = torch_qmm.quantize(torch.randn(E, Ng, Kg, generator=g), group_size=64, bits=4)
+    s, b = s.to(dtype), b.to(dtype)
+    x = torch.randn(E, Mg, Kg, generator=g)
+    x[1, row] = (1 + torch.rand(Kg, generator=g)) * LOW[dtype]
+    x = x.to(dtype)
+    y = torch_qmm.gather_qmm(x, wq, s, b, rhs_indices=torch.arange(E), group_size=64, bits=4)
+    for p in range(E):
+        args = (wq[p], s[p], b[p], 4, 64, True)
+        assert_matches_reference(y[p], reference.qmm(x[p], *args), reference.qmm_magnitude(x[p], *args), dtype,
+                                 f"pair {p}")
