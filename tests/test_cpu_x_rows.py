@@ -136,3 +136,22 @@ def test_gather_finds_x_out_of_range_in_any_row_of_a_pair(dtype, row):
         args = (wq[p], s[p], b[p], 4, 64, True)
         assert_matches_reference(y[p], reference.qmm(x[p], *args), reference.qmm_magnitude(x[p], *args), dtype,
                                  f"pair {p}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_strided_x_of_16_bits_is_converted_row_by_row(dtype, affine_w):
+    """16-bit x is converted in the pass from its elements in [M, K] order whatever its strides: a
+    transposed x (stride 1 along M) and one stepped along K, for qmm and gguf_qmm, against the
+    float64 reference."""
+    wq, s, b = (t.to(dtype) if t.is_floating_point() else t for t in affine_w)
+    raw = random_k_blocks(Q4_K, N, K, np.random.default_rng(8))
+    w_gguf = torch.from_numpy(quants.dequantize(raw, Q4_K)).double()
+    g = torch.Generator().manual_seed(9)
+    for what, x in (("transposed", torch.randn(K, M, generator=g).to(dtype).t()),
+                    ("stepped", torch.randn(M, 2 * K, generator=g).to(dtype)[:, ::2])):
+        assert not x.is_contiguous()
+        y = torch.ops.torch_qmm.affine_qmm(x, wq, s, b, 4, 64, True)
+        assert_matches_reference(y, reference.qmm(x, wq, s, b, 4, 64, True),
+                                 reference.qmm_magnitude(x, wq, s, b, 4, 64, True), dtype, f"qmm {what}")
+        y = torch.ops.torch_qmm.gguf_qmm(x, torch.from_numpy(raw), int(Q4_K), N, K)
+        assert_matches_reference(y, x.double() @ w_gguf.T, k_quant_magnitude(x, raw, Q4_K), dtype, f"gguf {what}")
