@@ -129,6 +129,26 @@ def test_tangents_the_products_cannot_carry_are_clear_errors():
             torch_qmm.ops.gguf_matmul(xd, blocks, 12, 8, 256, activations="int8")
 
 
+@pytest.mark.parametrize("frozen", ["scales", "biases"])
+@pytest.mark.parametrize("product", ["qmm", "gather_qmm"])
+def test_a_tangent_on_the_scales_or_biases_of_either_affine_product_is_refused(product, frozen):
+    # The float operands of the quantized weights are frozen (no gradient, so no tangent): a
+    # tangent on any of them is an error naming it, for gather_qmm as for quantized_matmul, not
+    # dropped (the product of x alone is not the jvp then).
+    wq, scales, biases = _affine(8, 64, 6)
+    x = torch.randn(2, 64)
+    if product == "gather_qmm":
+        wq, scales, biases, x = wq[None], scales[None], biases[None], x[None]
+    with fwAD.dual_level():
+        operands = {"scales": scales, "biases": biases}
+        operands[frozen] = fwAD.make_dual(operands[frozen], torch.ones_like(operands[frozen]))
+        with pytest.raises(RuntimeError, match=f"torch_qmm.{product}: no gradient with respect to '{frozen}'"):
+            if product == "qmm":
+                torch_qmm.quantized_matmul(x, wq, operands["scales"], operands["biases"], group_size=32, bits=4)
+            else:
+                torch_qmm.gather_qmm(x, wq, operands["scales"], operands["biases"], group_size=32, bits=4)
+
+
 @pytest.mark.parametrize("product", ["qmm", "gather_qmm", "gguf_qmm"])
 def test_double_backward_matches_float64(product):
     # L = sum(f(x)^2), g = dL/dx = 2 f(x) @ W, H = sum(g^2): dH/dx = 8 x W.T W W.T W, through four

@@ -108,3 +108,50 @@ def test_x_of_16_bits_enters_the_kernels_exactly():
         y = torch.ops.torch_qmm.affine_qmm(x.float(), wq, s, b, 4, 64, True)
         y16 = torch.ops.torch_qmm.affine_qmm(x, wq.clone(), s.to(dtype), b.to(dtype), 4, 64, True)
         assert torch.equal(y16.float(), y.to(dtype).float())
+
+
+
+# Rows of x far below 2^-98 that the chunk kernels lose (scaled down by their multipliers, float32;
+# flushed as subnormals by vdpbf16ps, bfloat16) while the fused / GEMM kernels keep them: values in
+# [LOW, 2 LOW), nonzero products of float32 normal range with the weights here.
+LOW = {torch.float32: 2.0**-125, torch.bfloat16: 2.0**-129}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("row", [1, 3])
+def test_gather_finds_x_out_of_range_in_any_row_of_a_pair(dtype, row):
+    """gather_qmm checks x's range per group of pairs (one flag per matrix taken) over every row of
+    every pair in the group: here each pair has its own matrix and M = 4 rows, and one row of pair 1
+    (not its first) is all far below 2^-98. The result against the float64 reference, each row held
+    to its own magnitude (tests/tolerance.py: float32's absolute term is 2^-150)."""
+    E, Mg, Ng, Kg = 3, 4, 20, 512
+    g = torch.Generator().manual_seed(11)
+    wq, s, b = torch_qmm.quantize(torch.randn(E, Ng, Kg, generator=g), group_size=64, bits=4)
+    s, b = s.to(dtype), b.to(dtype)
+    x = torch.randn(E, Mg, Kg, generator=g)
+    x[1, row] = (1 + torch.rand(Kg, generator=g)) * LOW[dtype]
+    x = x.to(dtype)
+    y = torch_qmm.gather_qmm(x, wq, s, b, rhs_indices=torch.arange(E), group_size=64, bits=4)
+    for p in range(E):
+        args = (wq[p], s[p], b[p], 4, 64, True)
+        assert_matches_reference(y[p], reference.qmm(x[p], *args), reference.qmm_magnitude(x[p], *args), dtype,
+                                 f"pair {p}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_strided_x_of_16_bits_is_converted_row_by_row(dtype, affine_w):
+    """16-bit x is converted in the pass from its elements in [M, K] order whatever its strides: a
+    transposed x (stride 1 along M) and one stepped along K, for qmm and gguf_qmm, against the
+    float64 reference."""
+    wq, s, b = (t.to(dtype) if t.is_floating_point() else t for t in affine_w)
+    raw = random_k_blocks(Q4_K, N, K, np.random.default_rng(8))
+    w_gguf = torch.from_numpy(quants.dequantize(raw, Q4_K)).double()
+    g = torch.Generator().manual_seed(9)
+    for what, x in (("transposed", torch.randn(K, M, generator=g).to(dtype).t()),
+                    ("stepped", torch.randn(M, 2 * K, generator=g).to(dtype)[:, ::2])):
+        assert not x.is_contiguous()
+        y = torch.ops.torch_qmm.affine_qmm(x, wq, s, b, 4, 64, True)
+        assert_matches_reference(y, reference.qmm(x, wq, s, b, 4, 64, True),
+                                 reference.qmm_magnitude(x, wq, s, b, 4, 64, True), dtype, f"qmm {what}")
+        y = torch.ops.torch_qmm.gguf_qmm(x, torch.from_numpy(raw), int(Q4_K), N, K)
+        assert_matches_reference(y, x.double() @ w_gguf.T, k_quant_magnitude(x, raw, Q4_K), dtype, f"gguf {what}")
