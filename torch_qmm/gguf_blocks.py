@@ -1,7 +1,7 @@
 """GGUF K-quant blocks (Q4_K, Q6_K) decoded to float32 with plain torch ops on uint8.
 
 `dequantize_rows(blocks, ggml_type)` gives the weights gguf.quants.dequantize gives, bit for bit
-(tests/test_gguf_qmm_backward.py), on any device the tensor ops run on (CPU, MPS), and traces
+(tests/test_gguf_qmm_backward.py), with tensor ops only (nothing device-specific; tested on CPU), and traces
 under torch.compile. gguf_qmm's backward (torch_qmm/ops.py) uses it; the kernels decode in-kernel
 (csrc/cpu, metal/gguf_format.h).
 
