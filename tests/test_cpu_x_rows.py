@@ -96,18 +96,22 @@ def test_int8_routes_find_nan_anywhere(dtype, place, affine_w):
 
 def test_x_of_16_bits_enters_the_kernels_exactly():
     """bfloat16 / float16 x converted in the pass: every value, including subnormals of float16,
-    meets the weights as itself (exact products and weights: the result is exact)."""
+    meets the weights as itself. Weights 1 and -2 on 128 columns, x multiples of 2^-3 (row 0 of
+    float16 x: the subnormal 2^-20): every product and partial sum is exact in float32, so the
+    result is the float64 product rounded once to x's dtype, bit for bit."""
     for dtype in (torch.bfloat16, torch.float16):
-        x = (torch.randint(-8, 9, (M, K), generator=torch.Generator().manual_seed(7)).to(dtype) * 2.0**-3).to(dtype)
+        x = (torch.randint(-8, 9, (M, K), generator=torch.Generator().manual_seed(7)) * 2.0**-3).to(dtype)
         if dtype == torch.float16:
-            x[0, :64] = torch.tensor(2.0**-20, dtype=dtype)  # subnormal float16
+            x[0, :128] = torch.tensor(2.0**-20, dtype=dtype)  # subnormal float16
         w = torch.zeros(N, K)
         w[:, :64] = 1.0
         w[:, 64:128] = -2.0
-        wq, s, b = torch_qmm.quantize(w, group_size=64, bits=4)
-        y = torch.ops.torch_qmm.affine_qmm(x.float(), wq, s, b, 4, 64, True)
-        y16 = torch.ops.torch_qmm.affine_qmm(x, wq.clone(), s.to(dtype), b.to(dtype), 4, 64, True)
-        assert torch.equal(y16.float(), y.to(dtype).float())
+        wq, s, b = torch_qmm.quantize(w.to(dtype), group_size=64, bits=4)
+        w64 = reference.dequantize(wq, s, b, 4, 64).double()
+        assert torch.equal(w64, w.double()), "the premise: these weights quantize exactly"
+        y = torch.ops.torch_qmm.affine_qmm(x, wq, s, b, 4, 64, True)
+        expected = (x.double() @ w64.T).to(dtype)
+        assert torch.equal(y, expected), f"{dtype}: {(y.double() - expected.double()).abs().max()}"
 
 
 
