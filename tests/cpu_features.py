@@ -29,6 +29,7 @@ def cpu_flags() -> set[str]:
 NATIVE = os.environ.get("TORCH_QMM_PORTABLE", "0") != "1" and platform.machine() == "x86_64"
 HAS_AVX512 = NATIVE and {"avx512f", "avx512bw"} <= cpu_flags()
 HAS_BF16 = HAS_AVX512 and "avx512_bf16" in cpu_flags()
+HAS_VL = HAS_AVX512 and "avx512vl" in cpu_flags()  # the GGUF panel kernels (csrc/cpu/gguf_panel.cpp)
 HAS_VBMI = HAS_AVX512 and "avx512vbmi" in cpu_flags()  # bit-stream chunks (bits 3/5/6) gather with vpermb
 HAS_AVX2 = NATIVE and {"avx2", "fma"} <= cpu_flags()
 

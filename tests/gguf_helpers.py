@@ -110,7 +110,7 @@ def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType |
 
 
 from tolerance import assert_matches_reference  # noqa: E402,F401  (re-exported for the GGUF tests)
-from cpu_features import HAS_AVX2, HAS_AVX512, HAS_BF16, env_on, fma_first  # noqa: E402
+from cpu_features import HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VL, env_on, fma_first  # noqa: E402
 
 
 def k_quant_terms(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray]:
@@ -163,6 +163,23 @@ GGUF_F32_MAX_ROWS = 32  # cpu::kGgufF32MaxRows
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
 GGUF_AVX2_NAMES = {Q4_K: "chunked/avx2-q4k", Q6_K: "chunked/avx2-q6k"}
 GGUF_F32_NAMES = {Q4_K: "chunked/f32-q4k", Q6_K: "chunked/f32-q6k"}
+# Within the AVX-512 float32 family, the panel kernels (csrc/cpu/gguf_panel.cpp; AVX-512 VL) take
+# the whole groups of 16 rows of x and a last group of at least GGUF_PANEL_MIN_GROUP_ROWS rows
+# (unless TORCH_QMM_CPU_NO_PANEL=1); the route is named after them where they take any row.
+GGUF_PANEL_NAMES = {Q4_K: "chunked/f32-panel-q4k", Q6_K: "chunked/f32-panel-q6k"}
+GGUF_PANEL_MIN_GROUP_ROWS = 14  # kPanelMinGroupRows, csrc/cpu/gguf_f32.cpp
+
+
+def gguf_panel_rows(m: int) -> int:
+    """The rows of a call of m rows (in the float32 family) that the panel kernels take."""
+    if not HAS_VL or env_on("TORCH_QMM_CPU_NO_PANEL"):
+        return 0
+    last = m % 16
+    return m - last + (last if last >= GGUF_PANEL_MIN_GROUP_ROWS else 0)
+
+
+def gguf_f32_name(ggml_type, m: int) -> str:
+    return GGUF_PANEL_NAMES[ggml_type] if gguf_panel_rows(m) > 0 else GGUF_F32_NAMES[ggml_type]
 
 
 def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True) -> str:
@@ -172,14 +189,14 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True) -> st
     f32_family = HAS_AVX512 and not env_on("TORCH_QMM_CPU_NO_F32_CHUNKS")
     f32 = x_in_range and 1 <= m <= GGUF_F32_MAX_ROWS and f32_family
     if f32 and (terms == 3 or ggml_type == Q6_K or fma_first()):
-        return GGUF_F32_NAMES[ggml_type]
+        return gguf_f32_name(ggml_type, m)
     avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
     yields = (avx2 and (terms == 3 or ggml_type == Q6_K)) or (fma_first() and f32_family)
     if (x_in_range and HAS_BF16 and not env_on("TORCH_QMM_CPU_NO_BF16") and not yields
             and m <= GGUF_BF16_MAX_ROWS[ggml_type, terms]):
         return f"chunked/bf16x{terms}"
     if f32:
-        return GGUF_F32_NAMES[ggml_type]
+        return gguf_f32_name(ggml_type, m)
     if avx2:
         return GGUF_AVX2_NAMES[ggml_type]
     return "fused" if m < 16 else "gemm"

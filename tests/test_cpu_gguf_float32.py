@@ -1,7 +1,8 @@
 """The GGUF Q4_K / Q6_K chunk kernels that keep x exact with float32 FMAs, one family per
 instruction set: AVX-512 ("f32-q4k", "f32-q6k", csrc/cpu/gguf_f32.cpp) and AVX2 ("avx2-q4k",
 "avx2-q6k", csrc/cpu/gguf_avx2.cpp). Each test runs on both (the `family` fixture steps the other
-kernels aside through their environment switches) and first checks, with
+kernels aside through their environment switches, the AVX-512 panel kernels too: those are
+tests/test_cpu_gguf_panel.py's) and first checks, with
 torch.ops.torch_qmm._gguf_cpu_route, that the call reached the kernel it means to test.
 
 Reference: gguf.quants.dequantize (the gguf package) in float64. Tolerance: tests/tolerance.py,
@@ -27,7 +28,8 @@ TYPES = [Q4_K, Q6_K]
 # name: (built here, environment that steps the other chunk kernels aside, route names, rows of x
 # up to which the family serves)
 FAMILIES = {
-    "f32": (HAS_AVX512, {"TORCH_QMM_CPU_FMA_FIRST": "1"}, GGUF_F32_NAMES, GGUF_F32_MAX_ROWS),
+    "f32": (HAS_AVX512, {"TORCH_QMM_CPU_FMA_FIRST": "1", "TORCH_QMM_CPU_NO_PANEL": "1"}, GGUF_F32_NAMES,
+            GGUF_F32_MAX_ROWS),
     "avx2": (HAS_AVX2, {"TORCH_QMM_CPU_NO_F32_CHUNKS": "1", "TORCH_QMM_CPU_NO_BF16": "1"}, GGUF_AVX2_NAMES,
              GGUF_AVX2_MAX_ROWS),
 }

@@ -18,7 +18,7 @@ struct GgufArgs {
 };
 
 // The chunk multiplier that takes these operands, or null: "f32-q4k" / "f32-q6k" (AVX-512
-// float32 FMAs, gguf_f32.cpp), "bf16x1/2/3" (AVX512_BF16 dot products, this file's .cpp: M up to
+// float32 FMAs, gguf_f32.cpp; "f32-panel-q4k" / "f32-panel-q6k" where the panel kernels take rows), "bf16x1/2/3" (AVX512_BF16 dot products, this file's .cpp: M up to
 // the type's max_rows for the bfloat16 terms of x, not avoided) or "avx2-q4k" / "avx2-q6k" (AVX2
 // + FMA, gguf_avx2.cpp); Q4_K or Q6_K, x in range, the float32 kernels up to kGgufF32MaxRows /
 // kGgufAvx2MaxRows rows. Which goes first: gguf_chunked.cpp, gguf_chunked_multiplier.
@@ -35,6 +35,14 @@ const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type);
 void gguf_f32(const GgufArgs& a, int64_t ggml_type, float* y);
 const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type);
 void gguf_avx2(const GgufArgs& a, int64_t ggml_type, float* y);
+// The panel kernels (gguf_panel.cpp): Q4_K / Q6_K with float32 FMAs whose lanes are 16 rows of x,
+// for 1 to kGgufF32MaxRows rows. Inside the AVX-512 float32 family (gguf_f32.cpp, panel_rows) they
+// take the whole groups of 16 rows of a call and a last group of 14-15, the chunk kernels the rest;
+// the family is then named "f32-panel-q4k" / "f32-panel-q6k". Built with AVX-512 F/BW/VL;
+// TORCH_QMM_CPU_NO_PANEL=1 steps them aside (the float32 chunk kernels then take every row).
+bool gguf_panel_built();
+bool gguf_panel_avoided();
+void gguf_panel(const GgufArgs& a, int64_t ggml_type, float* y);
 
 }  // namespace cpu
 }  // namespace torch_qmm

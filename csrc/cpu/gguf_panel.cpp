@@ -1,0 +1,261 @@
+// Q4_K and Q6_K x float32 for groups of 16 rows of x (gguf_f32.cpp decides which rows), with
+// AVX-512 FMAs whose lanes are rows of x. The chunk kernels (gguf_f32.cpp) put 16 values of K in
+// the lanes of a vector, so each FMA reads a vector of x, R * MB of them per 16 weights of a tile
+// of R W rows and MB x rows: at 16 rows of x that traffic (x of 16 rows at K = 14336 is 917 KB, in
+// L2) bounds them, not the FMAs. Here a lane is a row of x: x is laid out once per call as
+// xt[k] = [x[m0][k], ..., x[m0 + 15][k]] per group of 16 rows (missing rows zero), and a tile of
+// R W rows decodes one super-block of each row into an L1 scratch of floats, then for each k
+// multiplies the broadcast weight w[r][k] by xt[k] into R accumulators: one load of x per k for
+// all R rows, one FMA per weight and 16 rows of x (the register-blocked outer product of GEMM
+// microkernels). A super-block is decoded once for every group of x.
+//
+// Exactness: the decoded weights are exact in float32, so each FMA adds w * x rounded once, as
+// the chunk kernels' products are. Q6_K: d*sc*(q - 32) has at most 11 + 7 + 5 significant bits.
+// Q4_K: d*sc*q (11 + 6 + 4 bits); its offsets -dmin*m[s] (17 bits) are 8 more weights per
+// super-block, met by the sums of x over the sub-blocks (gguf_x::q4k_sums, the chunk kernels'
+// sums). Each super-block's products are summed in a chain of their own, then added to the row's
+// total: the error of sums of 264 terms, then of K / 256 of them, not of one chain over K. A
+// row of x gets the same result in any group, lane or thread split.
+#include "gguf_chunked.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <thread>
+
+#include "../gguf_format.h"
+#include "chunk_driver.h"
+#include "gguf_fields.h"
+#include "gguf_x.h"
+#include "qmm_kernels.h"
+
+namespace torch_qmm {
+namespace cpu {
+
+bool gguf_panel_avoided() {
+  const char* v = std::getenv("TORCH_QMM_CPU_NO_PANEL");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+namespace {
+
+// The 16 float32 lanes of a zmm: 16 rows of x.
+struct Lanes {
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_load_ps(p); }
+  static void store(float* p, V v) { _mm512_store_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V fma_bcast(const float* w, V x, V acc) { return _mm512_fmadd_ps(_mm512_set1_ps(*w), x, acc); }
+};
+constexpr int kLanes = 16;
+
+// A format provides: kType, kBlockBytes; kPerBlock, the weights per super-block in the scratch
+// (256, then the offsets Q4_K hoists); weight(k), the weight of the super-block that scratch
+// entry k < 256 holds (x is laid out in that order); decode(blk, w), the kPerBlock entries of one
+// super-block (w aligned to 64 bytes); side(x, out), x's entries past 256 for one super-block.
+
+// Q4_K (144 bytes: d, dmin f16; 12 bytes of scales and mins; 128 bytes of nibbles): the 32 bytes
+// at 16 + 32J hold weights 64J + i (low nibbles, sub-block 2J) and 64J + 32 + i (high nibbles,
+// 2J + 1). Scratch: d*sc[s]*q in natural order, then -dmin*m[s] for s = 0..7.
+struct Q4K {
+  static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kPerBlock = 256 + 8;
+  static constexpr int weight(int k) { return k; }
+  static void decode(const uint8_t* blk, float* w) {
+    alignas(64) float sv[16];  // d*sc[0..7], dmin*m[0..7]
+    _mm512_store_ps(sv, gguf_fields::q4k_scale_vector(blk));
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int J = 0; J < 4; ++J) {
+      const __m512 lo_s = _mm512_set1_ps(sv[2 * J]), hi_s = _mm512_set1_ps(sv[2 * J + 1]);
+      for (int i = 0; i < 2; ++i) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 32 * J + 16 * i)));
+        _mm512_store_ps(w + 64 * J + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), lo_s));
+        _mm512_store_ps(w + 64 * J + 32 + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), hi_s));
+      }
+    }
+    _mm256_store_ps(w + 256, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_load_ps(sv + 8)));
+  }
+  static void side(const float* x, float* out) {
+    alignas(64) float s[16];
+    _mm512_store_ps(s, gguf_x::q4k_sums(x));  // lanes 8-15: the sums of sub-blocks 0-7
+    for (int i = 0; i < 8; ++i) out[i] = s[8 + i];
+  }
+};
+
+// Q6_K (210 bytes: ql[128], qh[64], 16 int8 scales, d f16): weight 128h + 64p + c (c < 64) is
+// q = (nibble p of ql[64h + c]) | (field 2p + c / 32 of qh[32h + c % 32]) << 4 (llama.cpp's
+// dequantize_row_q6_K order), in sub-block (weight) / 16, valued d*sc*(q - 32). Decoded as
+// gguf_f32.cpp's Q6_K chunks are read: per (h, p) a vector of the 64 q, one per byte; byte u of
+// dword lane l (weight 128h + 64p + 4l + u) masked in place is q * 2^(8u), which times
+// d*sc * 2^-8u less 32*d*sc (one FMA, exact) is the weight. So the scratch holds the weights in
+// the order k = 16 * (4 * (2h + p) + u) + l.
+struct Q6K {
+  static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kPerBlock = 256;
+  static constexpr int weight(int k) {
+    const int l = k % 16, u = (k / 16) % 4, hp = k / 64;
+    return 64 * hp + 4 * l + u;
+  }
+  static void decode(const uint8_t* blk, float* w) {
+    const __m512 sv = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
+        _mm512_set1_ps(gguf_fields::f16_at(blk + 208)));  // d*sc[s], exact
+    const __m512 neg = _mm512_mul_ps(sv, _mm512_set1_ps(-32.0f));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+      for (int p = 0; p < 2; ++p) {
+        // Lanes 0-7 (c < 32) take field 2p of qh (bits 4p), lanes 8-15 field 2p + 1 (bits
+        // 4p + 2): shifted to bits 4-5 and merged under the nibble mask (bits 6-7 left over).
+        const __m512i lo = p == 0 ? l : _mm512_srli_epi32(l, 4);
+        const __m512i hi = p == 0 ? _mm512_sllv_epi32(qh, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2))
+                                  : _mm512_srlv_epi32(qh, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2));
+        const __m512i q = _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x0F), 0xE4);
+        // Lane l lies in sub-block 8h + 4p + l / 4.
+        const __m512i sub = _mm512_add_epi32(
+            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(8 * h + 4 * p));
+        const __m512 s = _mm512_permutexvar_ps(sub, sv), ns = _mm512_permutexvar_ps(sub, neg);
+        for (int u = 0; u < 4; ++u) {
+          const __m512 su = _mm512_mul_ps(s, _mm512_set1_ps(1.0f / float(1u << (8 * u))));
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(int(0x3Fu << (8 * u)))));
+          _mm512_store_ps(w + 16 * (4 * (2 * h + p) + u), _mm512_fmadd_ps(f, su, ns));
+        }
+      }
+    }
+  }
+  static void side(const float*, float*) {}
+};
+
+constexpr int kTileRows = 8;  // W rows per tile: 8 accumulators and 8 totals in registers
+constexpr int kMaxGroups = kGgufF32MaxRows / kLanes;
+
+// Floats of scratch per decoded W row: kPerBlock rounded up to whole cache lines (the decoders
+// store aligned vectors), and one line more, so that rows do not lie a multiple of 1 KB apart
+// (loads from one row would wait on stores to another with the same address bits below 4 KB).
+template <typename Fmt>
+constexpr int64_t scratch_stride() { return (Fmt::kPerBlock + 15) / 16 * 16 + 16; }
+
+// Rows [m0, m0 + 16) of x (those below M; the other lanes zero), super-block b, laid out for the
+// panel: kPerBlock vectors of 16 floats (x in the order of weight(k), then the side entries).
+template <typename Fmt>
+void prepare_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t b, float* xt) {
+  alignas(64) float side[16];
+  float* out = xt + b * Fmt::kPerBlock * kLanes;
+  for (int j = 0; j < kLanes; ++j) {
+    const int64_t m = m0 + j;
+    if (m >= M) {
+      for (int64_t k = 0; k < Fmt::kPerBlock; ++k) out[k * kLanes + j] = 0.0f;
+      continue;
+    }
+    const float* xr = x + m * K + 256 * b;
+    for (int k = 0; k < 256; ++k) out[k * kLanes + j] = xr[Fmt::weight(k)];
+    Fmt::side(xr, side);
+    for (int64_t k = 256; k < Fmt::kPerBlock; ++k) out[k * kLanes + j] = side[k - 256];
+  }
+}
+
+// part[r] += scratch entries [k0, k1) of W row r times xt[k0, k1).
+template <typename Fmt, int R>
+__attribute__((always_inline)) inline void multiply(const float* w, const float* xb, int64_t k0, int64_t k1,
+                                                    Lanes::V (&part)[R]) {
+  for (int64_t k = k0; k < k1; ++k) {
+    const Lanes::V xv = Lanes::load(xb + k * kLanes);
+    for (int r = 0; r < R; ++r) part[r] = Lanes::fma_bcast(w + r * scratch_stride<Fmt>() + k, xv, part[r]);
+  }
+}
+
+// W rows [n, n + R) times every group of 16 rows of x, into y. The scratch holds two super-blocks
+// of the R rows: while one is multiplied by the first group, in R slices of its 256 weights, the
+// next one is decoded a row after each slice, so that the decoding (integer and conversion work)
+// runs beside the FMAs rather than between tiles of them. Each super-block's products go into
+// part[], then into the row's total (in memory, one per group).
+template <typename Fmt, int R>
+void tile(const GgufArgs& a, int64_t groups, const float* xt, int64_t group_floats, int64_t n, float* scratch,
+          float* y) {
+  constexpr int64_t kStride = scratch_stride<Fmt>(), kSlice = 256 / R;
+  // Each row's super-block kAhead blocks on is fetched while this one is decoded: the rows of a
+  // tile are R streams of W that the hardware prefetchers do not run far enough ahead on.
+  constexpr int64_t kAhead = 4;
+  const int64_t blocks_per_row = a.K / 256, row_bytes = blocks_per_row * Fmt::kBlockBytes;
+  auto decode = [&](int64_t b, int r, float* w) __attribute__((always_inline)) {
+    const uint8_t* row = a.blocks + (n + r) * row_bytes;
+    if (b + kAhead < blocks_per_row)
+      for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + (b + kAhead) * Fmt::kBlockBytes + off), _MM_HINT_T0);
+    Fmt::decode(row + b * Fmt::kBlockBytes, w + r * kStride);
+  };
+  alignas(64) float total[kMaxGroups][R * kLanes] = {};
+  for (int r = 0; r < R; ++r) decode(0, r, scratch);
+  for (int64_t b = 0; b < blocks_per_row; ++b) {
+    const float* w = scratch + (b % 2) * R * kStride;
+    float* next = scratch + ((b + 1) % 2) * R * kStride;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xb = xt + g * group_floats + b * Fmt::kPerBlock * kLanes;
+      Lanes::V part[R];
+      for (int r = 0; r < R; ++r) part[r] = Lanes::zero();
+      for (int c = 0; c < R; ++c) {
+        multiply<Fmt, R>(w, xb, c * kSlice, (c + 1) * kSlice, part);
+        if (g == 0 && b + 1 < blocks_per_row) decode(b + 1, c, next);
+      }
+      multiply<Fmt, R>(w, xb, 256, Fmt::kPerBlock, part);
+      for (int r = 0; r < R; ++r)
+        Lanes::store(total[g] + r * kLanes, Lanes::add(Lanes::load(total[g] + r * kLanes), part[r]));
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kLanes && kLanes * g + j < a.M; ++j) y[(kLanes * g + j) * a.N + n + r] = total[g][r * kLanes + j];
+}
+
+// y [M, N] = x times W in one parallel region, as chunk::run does: the threads lay out x (items of
+// one super-block of one group of 16 rows) from one counter, wait until all of it is done, then
+// take spans of W rows from another.
+template <typename Fmt>
+void run(const GgufArgs& a, float* y) {
+  const int64_t groups = (a.M + kLanes - 1) / kLanes, bpr = a.K / 256, group_floats = bpr * Fmt::kPerBlock * kLanes;
+  chunk::CacheLineVector<float> xt(groups * group_floats);
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t span = chunk::span_rows_for(a.N, threads), spans = (a.N + span - 1) / span;
+  const int64_t team = std::min(threads, spans), items = groups * bpr;
+  std::atomic<int64_t> next_item{0}, items_done{0}, next_span{0};
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t g = i / bpr, b = i % bpr;
+      prepare_block<Fmt>(a.x, a.M, a.K, kLanes * g, b, xt.data() + g * group_floats);
+      items_done.fetch_add(1, std::memory_order_release);
+    }
+    while (items_done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+    chunk::CacheLineVector<float> scratch(2 * kTileRows * scratch_stride<Fmt>());
+    for (int64_t s; (s = next_span.fetch_add(1, std::memory_order_relaxed)) < spans;) {
+      const int64_t n0 = s * span, n1 = std::min(a.N, n0 + span);
+      int64_t n = n0;
+      for (; n + kTileRows <= n1; n += kTileRows) tile<Fmt, kTileRows>(a, groups, xt.data(), group_floats, n, scratch.data(), y);
+      for (; n < n1; ++n) tile<Fmt, 1>(a, groups, xt.data(), group_floats, n, scratch.data(), y);
+    }
+  });
+}
+
+}  // namespace
+
+bool gguf_panel_built() { return true; }
+
+void gguf_panel(const GgufArgs& a, int64_t ggml_type, float* y) {
+  TORCH_CHECK(a.M >= 1 && a.M <= kGgufF32MaxRows && a.K % 256 == 0, "gguf_qmm: the panel kernels take 1 to ",
+              kGgufF32MaxRows, " rows of x and whole super-blocks, got M = ", a.M, ", K = ", a.K);
+  if (ggml_type == Q4K::kType) return run<Q4K>(a, y);
+  if (ggml_type == Q6K::kType) return run<Q6K>(a, y);
+  TORCH_CHECK(false, "gguf_qmm: no panel kernel for ggml type ", ggml_type);
+}
+
+#else  // without AVX-512 F/BW/VL: the chunk kernels serve these rows (gguf_f32.cpp, gguf_avx2.cpp)
+
+bool gguf_panel_built() { return false; }
+void gguf_panel(const GgufArgs&, int64_t, float*) { TORCH_CHECK(false, "gguf_qmm: the panel kernels need AVX-512"); }
+
+#endif
+
+}  // namespace cpu
+}  // namespace torch_qmm
