@@ -200,7 +200,7 @@ def _gate_up_part(read, keys: list[str], dst: torch.Tensor, interleaved: bool, c
 
 
 def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, device, quantized: dict[str, str],
-                 key_of, experts: dict[str, str] | None = None) -> ShardedLoadReport:
+                 key_of, experts: dict[str, str] | None = None, loader: str = "load_mlx_sharded") -> ShardedLoadReport:
     """Partitions `model` by `plan`, allocates each rank's slices and reads them. key_of: model
     key -> checkpoint key; experts: {QuantFusedExperts path: mlx_lm path} stored as mlx_lm's
     three SwitchLinear layers."""
@@ -241,8 +241,8 @@ def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, dev
             local.copy_(part)
             report.bytes_read += part.numel() * part.element_size()
             report.bytes_total += sum(ckpt.nbytes(key) for key in ks)
-    compute_buffers(model, torch.device(device), f"load_mlx_sharded: {ckpt.path}")
-    check_no_meta(model, "load_mlx_sharded", ckpt.path)
+    compute_buffers(model, torch.device(device), f"{loader}: {ckpt.path}")
+    check_no_meta(model, loader, ckpt.path)
     return report
 
 
@@ -254,8 +254,10 @@ def _checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
 
 def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh, plan,
                      dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> ShardedLoadReport:
-    """Loads an MLX model folder into `model` (parameters on meta, see empty_parameters),
-    partitioned by `plan` (parallelize_module's plan, e.g. tp_plan(model)) over `mesh`; each rank
+    """Loads an MLX model folder into `model` (parameters on meta, see empty_parameters; or built
+    wholly on meta, `with torch.device("meta")`: the buffers it computes rather than stores, a
+    rotary embedding's frequencies, are then computed after the load by the model's transformers
+    initialization, torch_qmm.interop.meta.compute_buffers), partitioned by `plan` (parallelize_module's plan, e.g. tp_plan(model)) over `mesh`; each rank
     reads only its slices. Every model tensor must be in the checkpoint and every checkpoint tensor
     used (the format of a quantized layer comes from config.json). The quantized experts of a MoE
     block (mlx_lm's switch_mlp gate_proj / up_proj / down_proj, the names by config.json's
@@ -309,4 +311,4 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         quantized[name] = f"{new.mode} b{new.bits} gs{new.group_size}"
-    return _load_slices(model, ckpt, mesh, plan, device, quantized, lambda k: k)
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, lambda k: k, loader="load_pretrained_sharded")
