@@ -121,6 +121,12 @@ def test_device_is_for_meta_built_models(tmp_path):
     with pytest.raises(ValueError, match=r"load_gguf_llama: argument 'device' applies to a model built on the meta "
                                          r"device .* move it with model.to\('cpu'\) instead"):
         load_gguf_llama(model, tmp_path / "m.gguf", device="cpu")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf_model(False).config)
+    with pytest.raises(ValueError, match=r"load_gguf_llama: argument 'device' must be a device that holds values"):
+        load_gguf_llama(model, tmp_path / "m.gguf", device="meta")
+    load_gguf_llama(model, tmp_path / "m.gguf", device=torch.device("cpu"))
+    assert meta_tensors(model) == [] and model.lm_head.weight.device == torch.device("cpu")
 
 
 # ---------------------------------------------------------------- MLX

@@ -34,7 +34,11 @@ def resolve_device(model: nn.Module, device: torch.device | str | None, loader: 
     model has no meta tensor (the load then copies into the model's own tensors, where they are,
     and `device` must not be given: move such a model with .to())."""
     if has_meta(model):
-        return torch.device(device if device is not None else "cpu")
+        target = torch.device(device if device is not None else "cpu")
+        if target.type == "meta":
+            raise ValueError(f"{loader}: argument 'device' must be a device that holds values (the model's tensors "
+                             "are created there from the file), got 'meta'")
+        return target
     if device is not None:
         raise ValueError(f"{loader}: argument 'device' applies to a model built on the meta device (where its "
                          f"tensors are then created); this model has its tensors in memory already: move it "
