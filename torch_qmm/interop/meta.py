@@ -53,12 +53,16 @@ class MetaTensors:
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.device = device
+        # id(meta tensor) -> its owners; the tensors are kept referenced, so no id is reused while
+        # a loader replaces modules (dropping their meta tensors) and builds new ones.
         self._owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        self._kept: list[torch.Tensor] = []
         for module in model.modules():
             for table in (module._parameters, module._buffers):
                 for name, t in table.items():
                     if t is not None and t.is_meta:
                         self._owners.setdefault(id(t), []).append((module, name))
+                        self._kept.append(t)
         self._done: dict[int, torch.Tensor] = {}
 
     def real(self, module: nn.Module, name: str) -> torch.Tensor:
@@ -72,7 +76,10 @@ class MetaTensors:
         new = torch.empty(t.shape, dtype=t.dtype, device=self.device)
         if isinstance(t, nn.Parameter):
             new = nn.Parameter(new, requires_grad=t.requires_grad)
-        for owner, leaf in self._owners.get(id(t), [(module, name)]):
+        owners = self._owners.get(id(t), [])
+        if not any(owner is module and leaf == name for owner, leaf in owners):
+            owners = [*owners, (module, name)]
+        for owner, leaf in owners:
             table = owner._parameters if leaf in owner._parameters else owner._buffers
             table[leaf] = new
         self._done[id(t)] = new
