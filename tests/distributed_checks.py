@@ -422,7 +422,14 @@ def check_load_mlx(rank: int, world: int, mesh) -> dict:
     replicated = sum(t.numel() * t.element_size() for k, t in model.state_dict().items()
                      if not isinstance(t, DTensor) and not k.endswith("_extra_state"))
     meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    # built wholly on meta (buffers too): the rotary frequencies are computed after the load
+    with torch.device("meta"):
+        meta_built = LlamaForCausalLM(config).eval()
+    load_mlx_sharded(meta_built, folder, mesh, tp_plan(meta_built))
+    with torch.no_grad():
+        meta_built_equal = torch.equal(meta_built(ids).logits, got)
     return {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+            "meta_built_equal": meta_built_equal,
             "bytes_read": report.bytes_read, "bytes_total": report.bytes_total, "quantized": len(report.quantized),
             "replicated_bytes": replicated, "meta_left": meta,
             "embed_local": list(model.model.embed_tokens.qweight.to_local().shape),

@@ -129,6 +129,7 @@ def test_mlx_checkpoint_loads_into_each_ranks_slices(ranks):
         assert v["max_diff"] <= STACK_RTOL * v["scale"], v
         assert v["quantized"] == 16  # 15 linear layers and the embedding
         assert v["meta_left"] == []
+        assert v["meta_built_equal"]  # a model built wholly on meta loads to the same logits
         # each rank read its share of every sharded tensor and the replicated ones (norms) whole
         sharded = v["bytes_total"] - v["replicated_bytes"]
         assert v["bytes_read"] == sharded // world + v["replicated_bytes"], v

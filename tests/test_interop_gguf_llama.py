@@ -280,15 +280,26 @@ def test_missing_tensors_and_shapes_the_config_disagrees_with_are_errors(tmp_pat
         load_gguf_llama(model, path)
 
 
-def test_a_model_on_the_meta_device_is_a_clear_error(tmp_path):
-    # Copies into meta tensors keep nothing: the norms would stay on meta beside the real layers.
+def test_a_model_on_the_meta_device_loads_and_one_the_file_cannot_fill_is_a_clear_error(tmp_path):
+    # Built on meta, the model gets every tensor from the file (the rotary frequencies computed from
+    # the config): the float-built load's outputs (tests/test_load_meta.py checks more).
     path = _small_llama_file(tmp_path)
+    want = _llama_for(path)
+    load_gguf_llama(want, path)
     with torch.device("meta"):
         model = _llama_for(path)
-    with pytest.raises(ValueError, match=r"load_gguf_llama: argument 'model' must have its parameters and buffers "
-                                         r"in memory \(a model built on the CPU\), got 'model.embed_tokens.weight' "
-                                         r"on the meta device"):
-        load_gguf_llama(model, path)
+    load_gguf_llama(model, path)
+    ids = torch.tensor([[1, 5, 9, 95]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want(ids).logits)
+    # A tensor the file does not hold would stay on meta: refused, named (strict names it first).
+    path = _small_llama_file(tmp_path / "b", drop=("output_norm.weight",))
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf_model(False).config)
+    with pytest.raises(ValueError, match=r"load_gguf_llama: .*m.gguf: the model was built on the meta device and 1 of "
+                                         r"its tensors have no values after the load \(the file does not hold "
+                                         r"them\): \['model.norm.weight'\]"):
+        load_gguf_llama(model, path, strict=False)
 
 
 def test_a_file_with_some_attention_biases_missing_is_refused(tmp_path):

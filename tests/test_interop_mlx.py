@@ -460,13 +460,28 @@ def test_architecture_mismatch_is_a_clear_error(mlx_folder):
         load_mlx(Other(), mlx_folder)
 
 
-def test_a_model_on_the_meta_device_is_a_clear_error(mlx_folder):
-    # Copies into meta tensors keep nothing: the "loaded" model would run on meta, without weights.
+def test_a_model_on_the_meta_device_loads_and_one_the_file_cannot_fill_is_a_clear_error(mlx_folder):
+    # Built on meta, the model gets every tensor from the file: the float-built load's outputs.
+    want = TorchToy(False)
+    load_mlx(want, mlx_folder)
     with torch.device("meta"):
         model = TorchToy(False)
-    with pytest.raises(ValueError, match=r"load_mlx: argument 'model' must have its parameters and buffers in "
-                                         r"memory \(a model built on the CPU\), got 'embed.weight' on the meta device"):
-        load_mlx(model, mlx_folder)
+    load_mlx(model, mlx_folder)
+    ids = torch.tensor([[1, 5, 9, 95]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), want(ids))
+    # A tensor the file does not hold would stay on meta: refused, named (strict names it first).
+    class Other(TorchToy):
+        def __init__(self):
+            super().__init__(False)
+            self.extra = nn.Linear(4, 4)
+
+    with torch.device("meta"):
+        model = Other()
+    with pytest.raises(ValueError, match=r"load_mlx: .*: the model was built on the meta device and 2 of its tensors "
+                                         r"have no values after the load \(the file does not hold them\): "
+                                         r"\['extra.weight', 'extra.bias'\]"):
+        load_mlx(model, mlx_folder, strict=False)
 
 
 def test_index_naming_a_missing_shard_is_a_clear_error(tmp_path):

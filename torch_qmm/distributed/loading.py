@@ -5,6 +5,8 @@ and every rank then reads from the safetensors files only the slice its DTensors
 
     with empty_parameters():
         model = LlamaForCausalLM(config)            # parameters on meta, buffers real
+    # or `with torch.device("meta"):`, buffers too: the computed ones (rotary frequencies) are
+    # computed again after the load (torch_qmm.interop.meta.compute_buffers)
     report = load_mlx_sharded(model, "mlx-model", mesh, tp_plan(model))
     # or load_pretrained_sharded(model, folder, ...) for transformers' save of a torch_qmm model
 """
@@ -27,6 +29,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..format_state import FORMAT_STATE_KEY
 from ..interop.json_files import read_json_object
 from ..interop.mlx import _SAFETENSORS_DTYPES, QuantSpec, _check_dtype, _check_quantized_shapes, parse_quantization
+from ..interop.meta import check_no_meta, compute_buffers
 from ..interop.modules import QuantEmbedding
 from ..interop.safetensors_io import Checkpoint
 from ..nn import QuantLinear
@@ -136,11 +139,15 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
-    """Uninitialised storage on `device` for every meta parameter and buffer (a DTensor's local slice)."""
+    """Uninitialised storage on `device` for every meta parameter and persistent buffer (a
+    DTensor's local slice), which the checkpoint then fills. Non-persistent buffers are in no
+    checkpoint: they stay on meta here and are computed after the load (compute_buffers)."""
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, t in table.items():
                 if t is None or t.device.type != "meta":
+                    continue
+                if table is module._buffers and name in module._non_persistent_buffers_set:
                     continue
                 if isinstance(t, DTensor):
                     local = torch.empty(t._local_tensor.shape, dtype=t.dtype, device=device)
@@ -193,7 +200,7 @@ def _gate_up_part(read, keys: list[str], dst: torch.Tensor, interleaved: bool, c
 
 
 def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, device, quantized: dict[str, str],
-                 key_of, experts: dict[str, str] | None = None) -> ShardedLoadReport:
+                 key_of, experts: dict[str, str] | None = None, loader: str = "load_mlx_sharded") -> ShardedLoadReport:
     """Partitions `model` by `plan`, allocates each rank's slices and reads them. key_of: model
     key -> checkpoint key; experts: {QuantFusedExperts path: mlx_lm path} stored as mlx_lm's
     three SwitchLinear layers."""
@@ -234,6 +241,8 @@ def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, dev
             local.copy_(part)
             report.bytes_read += part.numel() * part.element_size()
             report.bytes_total += sum(ckpt.nbytes(key) for key in ks)
+    compute_buffers(model, torch.device(device), f"{loader}: {ckpt.path}")
+    check_no_meta(model, loader, ckpt.path)
     return report
 
 
@@ -245,8 +254,10 @@ def _checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
 
 def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh, plan,
                      dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> ShardedLoadReport:
-    """Loads an MLX model folder into `model` (parameters on meta, see empty_parameters),
-    partitioned by `plan` (parallelize_module's plan, e.g. tp_plan(model)) over `mesh`; each rank
+    """Loads an MLX model folder into `model` (parameters on meta, see empty_parameters; or built
+    wholly on meta, `with torch.device("meta")`: the buffers it computes rather than stores, a
+    rotary embedding's frequencies, are then computed after the load by the model's transformers
+    initialization, torch_qmm.interop.meta.compute_buffers), partitioned by `plan` (parallelize_module's plan, e.g. tp_plan(model)) over `mesh`; each rank
     reads only its slices. Every model tensor must be in the checkpoint and every checkpoint tensor
     used (the format of a quantized layer comes from config.json). The quantized experts of a MoE
     block (mlx_lm's switch_mlp gate_proj / up_proj / down_proj, the names by config.json's
@@ -300,4 +311,4 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         quantized[name] = f"{new.mode} b{new.bits} gs{new.group_size}"
-    return _load_slices(model, ckpt, mesh, plan, device, quantized, lambda k: k)
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, lambda k: k, loader="load_pretrained_sharded")

@@ -2,6 +2,7 @@
 
     from torch_qmm.interop import load_mlx, save_mlx
     load_mlx(model, "path/to/mlx-model")          # MLX-quantized folder -> QuantLinear layers
+                                                   # (the model may be built on the meta device)
     save_mlx(model, "out")                         # readable by mlx / mlx_lm
 """
 

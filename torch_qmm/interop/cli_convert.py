@@ -168,18 +168,6 @@ def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
     return exact
 
 
-def _uninitialized(model_class, config) -> nn.Module:
-    """The model without initializing its weights: built on the meta device, then given
-    uninitialized CPU storage, whose pages stay untouched (not resident) for the layers the loader
-    replaces; the rotary embedding, whose buffers are computed rather than loaded, is built for real."""
-    with torch.device("meta"):
-        model = model_class(config)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives every parameter its own storage: tie the output head again
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    return model.eval()
-
-
 def _weight_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
     """{transformers module name: the GGUF tensor of its weight}."""
     from .gguf_llama import hf_name
@@ -221,8 +209,9 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
 
     float_embedding = float_embedding or not keep_affine
     config = llama_config_from_gguf(f)  # checked against the tensors before anything is built
-    model = _uninitialized(LlamaForCausalLM, config)
-    print(load_gguf_llama(model, f, dtype=dtype, progress=True))  # strict: every parameter comes from the file
+    with torch.device("meta"):  # every tensor comes from the file (strict), the rotary frequencies from the config
+        model = LlamaForCausalLM(config).eval()
+    print(load_gguf_llama(model, f, dtype=dtype, progress=True))
     exact = _q4_k_to_affine_modules(model, f, dtype, embeddings=not float_embedding) if keep_affine else {}
     tensors = _weight_tensors(f)
     for name, m in list(model.named_modules()):

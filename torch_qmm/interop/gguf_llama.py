@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 
 from ..nn import QuantLinear
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
-from .mlx import LoadReport, check_model_has_storage
+from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
+from .mlx import LoadReport
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 
 LLAMA_FAMILY = ("llama", "mistral")
@@ -274,6 +275,7 @@ def load_gguf_llama(
     dtype: torch.dtype = torch.float32,
     strict: bool = True,
     progress: bool | None = None,
+    device: torch.device | str | None = None,
 ) -> LoadReport:
     """Loads a llama-family GGUF file into a transformers model (e.g. LlamaForCausalLM built from
     `llama_config_from_gguf`), in place.
@@ -282,10 +284,29 @@ def load_gguf_llama(
     the file's blocks) or stay nn.Linear (F32/F16/BF16); the embedding becomes a QuantEmbedding
     (block types) or a float table; without output.weight the output layer is tied to it.
 
+    The model may be built on the meta device (``with torch.device("meta"): model =
+    LlamaForCausalLM(llama_config_from_gguf(f))``), which costs no memory: the quantized layers
+    are then built from the file's blocks, the other tensors the file holds (norms, a float
+    embedding or output layer, biases) are created from it on `device`, the rotary embedding's
+    frequencies are computed again from the config (torch_qmm.interop.meta.compute_buffers) and
+    any tensor still without values is a ValueError naming it; the load then peaks near the
+    file's size instead of the float model's. A model built in memory is filled where it is, as
+    before.
+
+    Args:
+        model: the transformers model, modified in place (its float tensors cast to `dtype`).
+        path: the GGUF file (or an open GGUFFile).
+        dtype: the compute dtype.
+        strict: every model tensor must come from the file and every file tensor be used.
+        progress: tqdm bar (default: for more than 32 tensors).
+        device: where a model built on the meta device gets its tensors (default: the CPU);
+            only for such a model (one in memory is moved with .to()).
+
     Raises:
-        ValueError when the file disagrees with the model (names, shapes, head counts).
+        ValueError when the file disagrees with the model (names, shapes, head counts), and for a
+        model built on meta whose tensors the file does not all give.
     """
-    check_model_has_storage(model, "load_gguf_llama")
+    target = resolve_device(model, device, "load_gguf_llama")
     f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = getattr(model, "config", None)
     n_head = getattr(config, "num_attention_heads", None)
@@ -293,6 +314,7 @@ def load_gguf_llama(
     if n_head is None:
         raise ValueError("the model has no config.num_attention_heads (needed to undo the Q/K permutation)")
     model.to(dtype)
+    meta = MetaTensors(model, target) if target is not None else None
     report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
     biases = {hf_name(n): t for n, t in f.tensors.items() if n.endswith(".bias")}
     loaded: set[str] = set()
@@ -325,7 +347,7 @@ def load_gguf_llama(
             if bias is not None and perm is not None:  # qwen-style q/k biases follow their rows
                 bias = bias[perm]
             new = linear_from_gguf(t, bias=bias, dtype=dtype)
-            _replace(model, module_name, new)
+            _replace(model, module_name, new if target is None else new.to(target))
             loaded.update({name} | ({f"{module_name}.bias"} if bias is not None else set()))
             if isinstance(new, (QuantLinear, GGUFLinear)):
                 report.quantized[module_name] = t.type_name
@@ -338,6 +360,8 @@ def load_gguf_llama(
                     f"[{module.num_embeddings}, {module.embedding_dim}] (config disagrees with the file)"
                 )
             new = embedding_from_gguf(t, dtype=dtype)
+            if target is not None:
+                new = new.to(target)
             tied = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight is module.weight]
             _replace(model, module_name, new)
             if isinstance(new, QuantEmbedding):
@@ -360,7 +384,7 @@ def load_gguf_llama(
                     f"{list(state[name].shape)} (config disagrees with the file)"
                 )
             with torch.no_grad():
-                state[name].copy_(value)
+                (state[name] if meta is None else meta.real_key(model, name)).copy_(value)
             loaded.add(name)
             report.float_tensors += 1
         elif strict:
@@ -369,6 +393,10 @@ def load_gguf_llama(
         missing = sorted(k for k in state if k not in loaded and not _covered(k, loaded))
         if missing:
             raise ValueError(f"{f.path}: the file has no tensors for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if target is not None:
+        compute_buffers(model, target, f"load_gguf_llama: {f.path}")
+        check_no_meta(model, "load_gguf_llama", f.path)
+        model.to(target)  # the tensors the model had in memory before (a model only partly on meta)
     return report
 
 

@@ -42,6 +42,7 @@ from ..nn_moe import QuantFusedExperts
 from ..ops import dequantize
 from .experts import fused_experts
 from .mlx_experts import experts_specs, float_experts_tensors, from_mlx_key, load_experts, split_experts, to_mlx_key
+from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .modules import QuantEmbedding, TiedQuantLinear
 from .json_files import read_json_object
 from .safetensors_io import Checkpoint, save_sharded
@@ -172,18 +173,6 @@ def _check_quantized_shapes(ckpt: Checkpoint, path: str, spec: QuantSpec, rows: 
                              f"got {stored}")
 
 
-def check_model_has_storage(model: nn.Module, loader: str) -> None:
-    """ValueError naming the first parameter or buffer of `model` on the meta device: the loaders
-    copy the checkpoint into the model's tensors, and a copy into a meta tensor keeps no data (the
-    model would run on meta, or fail later where it mixes them with real ones)."""
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        if t.is_meta:
-            raise ValueError(
-                f"{loader}: argument 'model' must have its parameters and buffers in memory (a model built "
-                f"on the CPU), got {name!r} on the meta device"
-            )
-
-
 def _check_dtype(ckpt: Checkpoint, key: str, dst: torch.Tensor) -> None:
     """A stored tensor's dtype must suit its role: any float dtype for a float parameter (cast on
     load), exactly the buffer's dtype otherwise."""
@@ -202,6 +191,7 @@ def load_mlx(
     dtype: torch.dtype | None = None,
     strict: bool = True,
     progress: bool | None = None,
+    device: torch.device | str | None = None,
 ) -> LoadReport:
     """Loads an MLX model folder (or one .safetensors file next to its config.json) into `model`.
 
@@ -209,17 +199,29 @@ def load_mlx(
     layers the checkpoint stores quantized become QuantLinear / QuantEmbedding, an output layer tied
     to a quantized embedding becomes TiedQuantLinear.
 
+    The model may be built on the meta device (``with torch.device("meta"): model =
+    AutoModelForCausalLM.from_config(config)``), which costs no memory: the quantized layers (and
+    MoE experts) are then built from the checkpoint's tensors, every other tensor it holds
+    (norms, float embeddings, routers, biases) is created from it on `device`, the buffers a
+    transformers model computes rather than stores (a rotary embedding's frequencies) are
+    computed again from the config (torch_qmm.interop.meta.compute_buffers) and any tensor still
+    without values is a ValueError naming it; the load then peaks near the checkpoint's size
+    instead of the float model's. A model built in memory is filled where it is, as before.
+
     Args:
         model: the torch model, modified in place (its float parameters are cast to `dtype`).
         path: folder with config.json and safetensors shards.
         dtype: compute dtype of the model (default: the dtype of the checkpoint's float tensors).
         strict: every model tensor must be in the checkpoint and every checkpoint tensor used.
         progress: tqdm bar (default: for more than 32 tensors).
+        device: where a model built on the meta device gets its tensors (default: the CPU);
+            only for such a model (one in memory is moved with .to()).
 
     Raises:
-        ValueError for malformed files and for configs that disagree with the tensors.
+        ValueError for malformed files, for configs that disagree with the tensors, and for a
+        model built on meta whose tensors the checkpoint does not all give.
     """
-    check_model_has_storage(model, "load_mlx")
+    dev = resolve_device(model, device, "load_mlx")
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     config_path = folder / "config.json"
@@ -235,6 +237,7 @@ def load_mlx(
         float_dtypes = Counter(_SAFETENSORS_DTYPES[ckpt.dtype_name(k)] for k in keys if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES)
         dtype = float_dtypes.most_common(1)[0][0] if float_dtypes else torch.float32
     model.to(dtype)
+    meta = MetaTensors(model, dev) if dev is not None else None
 
     # Ties between an embedding and output layers, seen before any layer is replaced.
     embedding_of = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
@@ -258,7 +261,7 @@ def load_mlx(
     report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
     # The experts of MoE blocks (mlx_lm's SwitchGLU tensors) first: they fill whole modules.
     experts_keys, report.quantized, experts_done = load_experts(model, ckpt, model_type, spec_of, dtype,
-                                                                _check_quantized_shapes)
+                                                                _check_quantized_shapes, meta)
     keys = [k for k in keys if k not in experts_keys]
     report.bytes_read += sum(ckpt.nbytes(k) for k in experts_keys)
     quantized_paths = [k[: -len(".scales")] for k in keys if k.endswith(".scales")]
@@ -300,13 +303,13 @@ def load_mlx(
                                                           else ("weight", "scales"))]
             w = dequantize(*parts, group_size=spec.group_size, bits=spec.bits, mode=spec.mode, dtype=torch.float32)
             with torch.no_grad():
-                module.weight.copy_(w)
+                (module.weight if meta is None else meta.real(module, "weight")).copy_(w)
             dequantized.update(f"{p}.{part}" for part in ("weight", "scales", "biases") if f"{p}.{part}" in ckpt)
             report.dequantized.append(mp)
             continue
         else:
             raise ValueError(f"{ckpt.path}: quantized layer {p!r} is a {type(module).__name__}, expected nn.Linear or nn.Embedding")
-        _replace(model, mp, new.to(module.weight.device))
+        _replace(model, mp, new.to(module.weight.device if dev is None else dev))
         renamed[f"{p}.weight"] = f"{mp}.qweight"
         report.quantized[mp] = str(spec)
     keys = [k for k in keys if k not in dequantized]
@@ -341,7 +344,7 @@ def load_mlx(
             if target not in state:
                 continue
             t = ckpt.get(key)
-            dst = state[target]
+            dst = state[target] if meta is None else meta.real_key(model, target)
             if tuple(t.shape) != tuple(dst.shape):
                 raise ValueError(
                     f"{ckpt.path}: tensor {key!r} has shape {list(t.shape)}, the model expects {list(dst.shape)}"
@@ -350,6 +353,10 @@ def load_mlx(
             report.bytes_read += t.numel() * t.element_size()
             if not key.endswith((".scales", ".biases")) and target == key:
                 report.float_tensors += 1
+    if dev is not None:
+        compute_buffers(model, dev, f"load_mlx: {ckpt.path}")
+        check_no_meta(model, "load_mlx", ckpt.path)
+        model.to(dev)  # the tensors the model had in memory before (a model only partly on meta)
     return report
 
 

@@ -115,11 +115,13 @@ def empty_stored_experts(ckpt, experts: nn.Module, prefix: str, spec_of, dtype: 
 
 
 def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype: torch.dtype,
-                 check_shapes) -> tuple[set[str], dict[str, str], list[str]]:
+                 check_shapes, meta=None) -> tuple[set[str], dict[str, str], list[str]]:
     """Fills the fused experts modules of `model` from an MLX checkpoint: quantized SwitchLinear
     tensors make a QuantFusedExperts (replacing the module), float ones fill its parameters.
     spec_of(mlx path) -> QuantSpec; check_shapes(ckpt, path, spec, rows, cols) checks the stored
-    shapes and dtypes. Returns (checkpoint keys used, {module path: format} of the quantized, the
+    shapes and dtypes. meta: the MetaTensors of a model built on the meta device (the new
+    QuantFusedExperts are created on its device, float expert weights get storage there before
+    they are filled). Returns (checkpoint keys used, {module path: format} of the quantized, the
     paths of the experts modules filled)."""
     used: set[str] = set()
     quantized: dict[str, str] = {}
@@ -132,7 +134,8 @@ def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype:
             continue
         filled.append(name)
         if any(has.values()):
-            new, fmt = empty_stored_experts(ckpt, experts, prefix, spec_of, dtype, check_shapes)
+            new, fmt = empty_stored_experts(ckpt, experts, prefix, spec_of, dtype, check_shapes,
+                                            device=None if meta is None else meta.device)
             for layer, projs in ((new.gate_up_proj, ("gate_proj", "up_proj")), (new.down_proj, ("down_proj",))):
                 for leaf, stored in (("qweight", "weight"), ("scales", "scales"), ("biases", "biases"), ("bias", "bias")):
                     dst = getattr(layer, leaf)
@@ -156,6 +159,9 @@ def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype:
             setattr(model.get_submodule(parent) if parent else model, child, new)
             quantized[name] = fmt
         else:
+            if meta is not None:
+                for weight in layout.weight_names:
+                    meta.real(experts, weight)
             gate_up, down, gate_up_bias, down_bias = float_weights(experts, layout)
             for dst, projs, leaf in ((gate_up, ("gate_proj", "up_proj"), "weight"), (down, ("down_proj",), "weight"),
                                      (gate_up_bias, ("gate_proj", "up_proj"), "bias"),

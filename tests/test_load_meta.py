@@ -1,0 +1,402 @@
+"""Loading a quantized checkpoint into a model built on the meta device (load_mlx, load_gguf_llama):
+the loaded model computes bit for bit what the same file loaded into a model built in float
+computes, holds no meta tensor, and the load peaks near the file's size instead of the float
+model's. Files without a tensor the model needs, and computed buffers no initialization can
+compute, are errors naming them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from torch_qmm.convert import quantize_model
+from torch_qmm.interop import QuantEmbedding, TiedQuantLinear, load_mlx, save_mlx
+from torch_qmm.interop.gguf import GGUFFile
+from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
+from torch_qmm.interop.meta import compute_buffers, meta_tensors
+from torch_qmm.nn import QuantLinear
+from torch_qmm.nn_moe import QuantFusedExperts
+
+transformers = pytest.importorskip("transformers")
+
+from test_interop_gguf_llama import MIXES, hf_model, write_llama_gguf  # noqa: E402
+
+IDS = torch.tensor([[1, 5, 9, 95, 0, 33, 33, 2, 17, 64, 3, 80]])
+TESTS = Path(__file__).parent
+
+
+def logits(model: nn.Module, ids: torch.Tensor = IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def assert_same_model(meta_built: nn.Module, float_built: nn.Module) -> None:
+    """Same modules, same tensors bit for bit (the non-persistent buffers included), none on meta."""
+    assert meta_tensors(meta_built) == []
+    assert [type(m) for m in meta_built.modules()] == [type(m) for m in float_built.modules()]
+    a = dict(meta_built.named_buffers(remove_duplicate=False))
+    b = dict(float_built.named_buffers(remove_duplicate=False))
+    a.update(meta_built.state_dict())
+    b.update(float_built.state_dict())
+    assert set(a) == set(b)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].device == b[k].device, k
+            assert torch.equal(a[k], b[k]), k
+
+
+def assert_rotary_matters(model: nn.Module, want: torch.Tensor) -> None:
+    """The logit comparison sees a wrong rotary embedding: frequencies off by 4 units in the last
+    place of their dtype (about 5e-7 relative in float32, 3e-2 in bfloat16) change the logits. So
+    equal logits of the meta-built model mean its recomputed frequencies are the float-built one's."""
+    rotary = model.model.rotary_emb
+    saved = rotary.inv_freq.clone()
+    with torch.no_grad():
+        rotary.inv_freq.mul_(1 + 4 * torch.finfo(saved.dtype).eps)
+    try:
+        assert not torch.equal(rotary.inv_freq, saved)
+        assert not torch.equal(logits(model), want)
+    finally:
+        with torch.no_grad():
+            rotary.inv_freq.copy_(saved)
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_gguf_meta_built_load_equals_the_float_built_load(tmp_path, mix, tied, dtype):
+    write_llama_gguf(hf_model(tied), tmp_path / "m.gguf", MIXES[mix], np.random.default_rng(1))
+    f = GGUFFile(tmp_path / "m.gguf")
+    float_built = transformers.LlamaForCausalLM(llama_config_from_gguf(f)).eval()
+    load_gguf_llama(float_built, f, dtype=dtype)
+    with torch.device("meta"):
+        meta_built = transformers.LlamaForCausalLM(llama_config_from_gguf(f)).eval()
+    report = load_gguf_llama(meta_built, f, dtype=dtype)
+
+    want = logits(float_built)
+    assert torch.equal(logits(meta_built), want)
+    assert_rotary_matters(meta_built, want)
+    assert_same_model(meta_built, float_built)
+    if tied:  # the output layer is the embedding's table, one tensor
+        assert report.tied == ["lm_head -> model.embed_tokens"]
+        if isinstance(meta_built.lm_head, TiedQuantLinear):
+            assert meta_built.lm_head.embedding is meta_built.model.embed_tokens
+        else:
+            assert meta_built.lm_head.weight is meta_built.model.embed_tokens.weight
+
+
+def test_gguf_meta_built_model_without_a_tensor_in_the_file_names_it(tmp_path):
+    write_llama_gguf(hf_model(False), tmp_path / "m.gguf", MIXES["q8_0"], np.random.default_rng(1),
+                     drop=("blk.1.ffn_norm.weight",))
+    config = hf_model(False).config
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match=r"m.gguf: the file has no tensors for "
+                                         r"\['model.layers.1.post_attention_layernorm.weight'\]"):
+        load_gguf_llama(model, tmp_path / "m.gguf")
+    # without strict, the norm the file lacks is still on meta after the load: an error naming it
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match=r"load_gguf_llama: .*m.gguf: the model was built on the meta device and 1 "
+                                         r"of its tensors have no values after the load \(the file does not hold "
+                                         r"them\): \['model.layers.1.post_attention_layernorm.weight'\]"):
+        load_gguf_llama(model, tmp_path / "m.gguf", strict=False)
+
+
+def test_device_is_for_meta_built_models(tmp_path):
+    write_llama_gguf(hf_model(False), tmp_path / "m.gguf", {}, np.random.default_rng(1))
+    model = transformers.LlamaForCausalLM(hf_model(False).config)
+    with pytest.raises(ValueError, match=r"load_gguf_llama: argument 'device' applies to a model built on the meta "
+                                         r"device .* move it with model.to\('cpu'\) instead"):
+        load_gguf_llama(model, tmp_path / "m.gguf", device="cpu")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf_model(False).config)
+    with pytest.raises(ValueError, match=r"load_gguf_llama: argument 'device' must be a device that holds values"):
+        load_gguf_llama(model, tmp_path / "m.gguf", device="meta")
+    load_gguf_llama(model, tmp_path / "m.gguf", device=torch.device("cpu"))
+    assert meta_tensors(model) == [] and model.lm_head.weight.device == torch.device("cpu")
+
+
+# ---------------------------------------------------------------- MLX
+
+
+def _llama_config(tied: bool):
+    # llama3 rotary scaling, so that the frequencies are computed by their rope type, not the default
+    return transformers.LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )
+
+
+def _saved_llama(folder: Path, tied: bool, dtype: torch.dtype, quantized_embedding: bool) -> Path:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama_config(tied)).eval().to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    quantize_model(model, bits=4, group_size=32)
+    if quantized_embedding:
+        model.model.embed_tokens = QuantEmbedding.from_embedding(model.model.embed_tokens, bits=8, group_size=32)
+        if tied:
+            model.lm_head = TiedQuantLinear(model.model.embed_tokens)
+    save_mlx(model, folder)
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:quantize_model skipped lm_head")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied,quantized_embedding", [(False, False), (True, False), (True, True)])
+def test_mlx_meta_built_load_equals_the_float_built_load(tmp_path, tied, quantized_embedding, dtype):
+    folder = _saved_llama(tmp_path, tied, dtype, quantized_embedding)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    float_built = transformers.AutoModelForCausalLM.from_config(config).eval()
+    load_mlx(float_built, folder)
+    with torch.device("meta"):
+        meta_built = transformers.AutoModelForCausalLM.from_config(config).eval()
+    report = load_mlx(meta_built, folder)
+
+    assert meta_built.model.rotary_emb.rope_type == "llama3"
+    want = logits(float_built)
+    assert torch.equal(logits(meta_built), want)
+    assert_rotary_matters(meta_built, want)
+    assert_same_model(meta_built, float_built)
+    assert isinstance(meta_built.model.layers[0].mlp.down_proj, QuantLinear)
+    if tied and quantized_embedding:
+        assert report.tied == ["lm_head -> model.embed_tokens"]
+        assert meta_built.lm_head.embedding is meta_built.model.embed_tokens
+    elif tied:
+        assert meta_built.lm_head.weight is meta_built.model.embed_tokens.weight
+
+
+def test_mlx_folder_written_by_mlx_loads_into_a_meta_built_model(tmp_path):
+    mx = pytest.importorskip("mlx.core")  # noqa: F841
+    from test_interop_mlx import TorchToy, _mlx_quantized_toy, _save_mlx_checkpoint
+
+    quant = {"group_size": 64, "bits": 4}
+    _save_mlx_checkpoint(_mlx_quantized_toy(True, torch.float32, quant), tmp_path, quant)
+    float_built = TorchToy(True)
+    load_mlx(float_built, tmp_path)
+    with torch.device("meta"):
+        meta_built = TorchToy(True)
+    load_mlx(meta_built, tmp_path)
+    assert_same_model(meta_built, float_built)
+    ids = IDS.clamp(max=95)
+    with torch.no_grad():
+        assert torch.equal(meta_built(ids), float_built(ids))
+
+
+@pytest.mark.parametrize("case", ["mlx_lm_qwen3_moe", "float_qwen3_moe", "quantized_gpt_oss"])
+def test_mlx_moe_meta_built_load_equals_the_float_built_load(tmp_path, case):
+    pytest.importorskip("mlx_lm")
+    from moe_helpers import FAMILIES, tiny_moe
+
+    if case == "mlx_lm_qwen3_moe":  # written by mlx_lm: quantized experts, the router dequantized
+        from test_moe_mlx_lm import mlx_lm_quantized_folder
+
+        folder = mlx_lm_quantized_folder("qwen3_moe", "affine", tmp_path)
+        family = "qwen3_moe"
+    else:
+        family = case.split("_", 1)[1]
+        model = tiny_moe(family)
+        if case.startswith("quantized"):
+            quantize_model(model, group_size=32)
+        folder = tmp_path / "mlx"
+        save_mlx(model, folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    float_built = FAMILIES[family][1](config).eval()
+    report = load_mlx(float_built, folder)
+    with torch.device("meta"):
+        meta_built = FAMILIES[family][1](config).eval()
+    assert load_mlx(meta_built, folder).quantized == report.quantized
+    assert any(isinstance(m, QuantFusedExperts) for m in meta_built.modules()) == (case != "float_qwen3_moe")
+    ids = IDS.clamp(max=config.vocab_size - 1)
+    assert torch.equal(logits(meta_built, ids), logits(float_built, ids))
+    assert_same_model(meta_built, float_built)
+
+
+def test_mlx_meta_built_model_without_a_tensor_in_the_checkpoint_names_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _saved_llama(tmp_path, False, torch.float32, False)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "mlx"})
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"with0: checkpoint does not match the model: missing "
+                                         r"\['model.norm.weight'\]"):
+        load_mlx(model, folder)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"load_mlx: .*with0: the model was built on the meta device "
+                                         r"and 1 of its tensors have no values after the load .*"
+                                         r"\['model.norm.weight'\]"):
+        load_mlx(model, folder, strict=False)
+
+
+class _Scaled(nn.Module):
+    """A layer with a buffer it computes at construction and no transformers model to recompute it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 64), persistent=False)
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_computed_buffer_nothing_can_recompute_is_an_error(tmp_path):
+    save_mlx(_Scaled(), tmp_path)
+    with torch.device("meta"):
+        model = _Scaled()
+    with pytest.raises(ValueError, match=r"load_mlx: .*c0: the model was built on the meta device and its "
+                                         r"computed buffers \['scale'\] are in no file; they could not be computed "
+                                         r"again .* Build the model with its buffers in memory"):
+        load_mlx(model, tmp_path)
+    # with its buffers in memory (parameters only on meta) it loads, the buffer as built
+    from torch_qmm.distributed import empty_parameters
+
+    with empty_parameters():
+        model = _Scaled()
+    load_mlx(model, tmp_path)
+    assert meta_tensors(model) == [] and torch.equal(model.scale, _Scaled().scale)
+
+
+def test_an_initialization_that_writes_part_of_a_buffer_is_an_error():
+    # The check behind compute_buffers: an init that leaves any element as it was is refused.
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("freq", torch.ones(8), persistent=False)
+
+    class Model(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.half = Half()
+
+        def _init_weights(self, module):
+            if isinstance(module, Half):
+                module.freq[:4] = 2.0
+
+    with torch.device("meta"):
+        model = Model(transformers.PretrainedConfig())
+    with pytest.raises(ValueError, match=r"computed buffers \['half.freq'\] are in no file"):
+        compute_buffers(model, torch.device("cpu"), "here")
+
+
+# ---------------------------------------------------------------- peak memory
+
+
+def smollm2_gguf() -> Path:
+    from test_interop_mlx_lm import smollm2_gguf as find
+
+    return find()
+
+
+_MEASURE = textwrap.dedent("""
+    import json, sys, torch, transformers
+    from torch_qmm.interop.gguf import GGUFFile
+    from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
+    from torch_qmm.interop import load_mlx
+
+    def status(field):  # kB
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+    kind, how, path = sys.argv[1:4]
+    if kind == "gguf":
+        config = llama_config_from_gguf(GGUFFile(path))
+    else:
+        config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):  # imports the model's code: not part of either load
+        transformers.AutoModelForCausalLM.from_config(config)
+    open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
+    before = status("VmRSS")
+    if how == "meta":
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    if kind == "gguf":
+        load_gguf_llama(model, path, progress=False)
+    else:
+        load_mlx(model, path, progress=False)
+    held = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+    print(json.dumps({"peak": status("VmHWM") - before, "rss": status("VmRSS") - before, "held": held}))
+""")
+
+
+def _peak(kind: str, how: str, path: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _MEASURE, kind, how, str(path)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+needs_proc = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                                reason="the peak RSS is reset through Linux's /proc/self/clear_refs")
+
+
+@needs_proc
+def test_meta_built_gguf_load_peaks_near_the_file_size():
+    # SmolLM2-135M-Instruct Q4_1 (94 MiB file), float32; peak RSS over the model's construction
+    # and load, each in a child process. Measured (x86-64, 2 cores): float-built +727 MiB,
+    # meta-built +214 MiB = the loaded model (110 MiB: the file's blocks as QuantLinear /
+    # QuantEmbedding buffers, scales and biases in float32) + the file's pages, mapped while it is
+    # read (94 MiB) + ~8 MiB of one tensor's conversion. Bounds from the file's size: the
+    # meta-built load below 2.5x (model ~1.2x + mapped file 1x), the float-built one above 5x
+    # (4 bytes a weight against ~4.5 bits).
+    path = smollm2_gguf()
+    size = path.stat().st_size
+    meta = _peak("gguf", "meta", path)
+    floated = _peak("gguf", "float", path)
+    print(f"file {size / 2**20:.0f} MiB, peak: meta-built +{meta['peak'] / 2**20:.0f} MiB, "
+          f"float-built +{floated['peak'] / 2**20:.0f} MiB; {meta}, {floated}")
+    assert floated["peak"] > 5 * size
+    assert meta["peak"] < 2.5 * size
+
+
+@needs_proc
+def test_meta_built_mlx_load_peaks_near_the_checkpoint_size(tmp_path):
+    # SmolLM2-135M's GGUF loaded (meta-built) and saved as an MLX folder (Q4_1 -> affine 4-bit
+    # gs32, the Q8_0 embedding -> affine 8-bit gs32, bfloat16 scales; 94 MiB of safetensors),
+    # loaded as bfloat16. Measured: float-built +624 MiB (the model is built in float32, then
+    # cast), meta-built +125 MiB = the loaded model (94 MiB, the checkpoint's tensors) + one
+    # tensor read at a time. Bounds from the checkpoint's size: meta-built below 2x, float-built
+    # above 5x.
+    path = smollm2_gguf()
+    f = GGUFFile(path)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(llama_config_from_gguf(f))
+    load_gguf_llama(model, f, dtype=torch.bfloat16, progress=False)
+    folder = tmp_path / "mlx"
+    save_mlx(model, folder)
+    del model
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    meta = _peak("mlx", "meta", folder)
+    floated = _peak("mlx", "float", folder)
+    print(f"checkpoint {size / 2**20:.0f} MiB, peak: meta-built +{meta['peak'] / 2**20:.0f} MiB, "
+          f"float-built +{floated['peak'] / 2**20:.0f} MiB; {meta}, {floated}")
+    assert floated["peak"] > 5 * size
+    assert meta["peak"] < 2 * size
