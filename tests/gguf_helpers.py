@@ -178,6 +178,16 @@ def gguf_panel_rows(m: int) -> int:
     return m - last + (last if last >= GGUF_PANEL_MIN_GROUP_ROWS else 0)
 
 
+# bfloat16 x (one term) of 14+ rows: the bfloat16 panel kernels take gguf_panel_rows(m) rows ahead
+# of every family where AVX512_BF16 serves and the bfloat16 products go first (not fma_first()).
+GGUF_BF16_PANEL_NAMES = {Q4_K: "chunked/bf16x1-panel-q4k", Q6_K: "chunked/bf16x1-panel-q6k"}
+
+
+def gguf_bf16_panel_serves(terms: int, m: int, x_in_range: bool = True) -> bool:
+    return (terms == 1 and x_in_range and HAS_BF16 and m <= GGUF_F32_MAX_ROWS and gguf_panel_rows(m) > 0
+            and not env_on("TORCH_QMM_CPU_NO_BF16") and not fma_first())
+
+
 def gguf_f32_name(ggml_type, m: int) -> str:
     return GGUF_PANEL_NAMES[ggml_type] if gguf_panel_rows(m) > 0 else GGUF_F32_NAMES[ggml_type]
 
@@ -186,6 +196,8 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True) -> st
     """The route _gguf_cpu_route names for x [m, K] of `dtype` (float32 under precision "highest"),
     under the current environment."""
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
+    if gguf_bf16_panel_serves(terms, m, x_in_range):
+        return GGUF_BF16_PANEL_NAMES[ggml_type]
     f32_family = HAS_AVX512 and not env_on("TORCH_QMM_CPU_NO_F32_CHUNKS")
     f32 = x_in_range and 1 <= m <= GGUF_F32_MAX_ROWS and f32_family
     if f32 and (terms == 3 or ggml_type == Q6_K or fma_first()):

@@ -43,6 +43,21 @@ void gguf_avx2(const GgufArgs& a, int64_t ggml_type, float* y);
 bool gguf_panel_built();
 bool gguf_panel_avoided();
 void gguf_panel(const GgufArgs& a, int64_t ggml_type, float* y);
+// The bfloat16 panel kernels (gguf_panel.cpp): Q4_K / Q6_K for bfloat16 x (one exact term) with
+// AVX512_BF16 dot products, lanes again 16 rows of x, for 1 to kGgufF32MaxRows rows; gguf_chunked
+// gives them whole groups of 16 rows and a last group of 14-15 ahead of every other family
+// ("bf16x1-panel-q4k" / "bf16x1-panel-q6k"), unless TORCH_QMM_CPU_NO_PANEL=1 or the bfloat16
+// kernels are avoided.
+bool gguf_panel_bf16_built();
+void gguf_panel_bf16(const GgufArgs& a, int64_t ggml_type, float* y);
+// Rows of a call of M rows the panel kernels take: whole groups of 16, and a last group from
+// kGgufPanelMinGroupRows rows (a group costs them as much for 1 row as for 16; below 14 the chunk
+// kernels cost less for those rows).
+constexpr int64_t kGgufPanelMinGroupRows = 14;
+inline int64_t gguf_panel_group_rows(int64_t M) {
+  const int64_t last = M % 16;
+  return M - last + (last >= kGgufPanelMinGroupRows ? last : 0);
+}
 
 }  // namespace cpu
 }  // namespace torch_qmm

@@ -243,17 +243,13 @@ struct Q6K {
 
 }  // namespace
 
-// Rows of a call the panel kernels (gguf_panel.cpp) take: every whole group of 16, and the last
-// group where it has at least kPanelMinGroupRows rows; the chunk kernels take the rest. A group
-// of 16 costs the panel the same for 1 row as for 16, and the chunk kernels about 6% more per row
-// than it at 14 (Zen 4, 4096 x 14336, 2 threads, float32 x: Q4_K / Q6_K chunk M = 12, 14, 16:
-// 9.5 / 10.0, 11.3 / 11.8, 12.5 / 13.0 ms; panel 10.5-10.8 / 11.2 for any of them).
-constexpr int64_t kPanelMinGroupRows = 14;
-
+// Rows of a call the panel kernels (gguf_panel.cpp) take (gguf_panel_group_rows), the chunk
+// kernels the rest. At 14 rows the chunk kernels cost about 6% more than a panel group (Zen 4,
+// 4096 x 14336, 2 threads, float32 x: Q4_K / Q6_K chunk M = 12, 14, 16: 9.5 / 10.0, 11.3 / 11.8,
+// 12.5 / 13.0 ms; panel 10.5-10.8 / 11.2 for any of them).
 static int64_t panel_rows(const GgufArgs& a) {
   if (!gguf_panel_built() || gguf_panel_avoided()) return 0;
-  const int64_t last = a.M % 16;
-  return a.M - last + (last >= kPanelMinGroupRows ? last : 0);
+  return gguf_panel_group_rows(a.M);
 }
 
 const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type) {
