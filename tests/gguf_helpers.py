@@ -157,7 +157,8 @@ def k_quant_magnitude(x: torch.Tensor, blocks, ggml_type) -> torch.Tensor:
 # three. The AVX-512 float32 kernels go first for float32 x (three terms), for Q6_K, and for 16-bit
 # x where cpu_features.fma_first(); else after the bfloat16 ones. The bfloat16 kernels yield to the
 # AVX2 ones, where those serve, for float32 x and Q6_K, and where fma_first() serve no M unless
-# the AVX-512 float32 kernels are stepped aside.
+# the AVX-512 float32 kernels are stepped aside. The panel kernels (below) take groups of 16 rows
+# from 14 rows on: inside the float32 family, and for bfloat16 x ahead of every family.
 GGUF_BF16_MAX_ROWS = {(Q4_K, 3): 16, (Q4_K, 2): 32, (Q4_K, 1): 128, (Q6_K, 3): 2, (Q6_K, 2): 4, (Q6_K, 1): 32}
 GGUF_F32_MAX_ROWS = 32  # cpu::kGgufF32MaxRows
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
