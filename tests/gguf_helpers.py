@@ -161,6 +161,8 @@ def k_quant_magnitude(x: torch.Tensor, blocks, ggml_type) -> torch.Tensor:
 # from 14 rows on: inside the float32 family, and for bfloat16 x ahead of every family.
 GGUF_BF16_MAX_ROWS = {(Q4_K, 3): 16, (Q4_K, 2): 32, (Q4_K, 1): 128, (Q6_K, 3): 2, (Q6_K, 2): 4, (Q6_K, 1): 32}
 GGUF_F32_MAX_ROWS = 32  # cpu::kGgufF32MaxRows
+GGUF_PANEL_MAX_ROWS = 128  # cpu::kGgufPanelMaxRows: the float32 family takes up to this many rows where
+                           # the panel kernels take rows (all but the last 13 or fewer)
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
 GGUF_AVX2_NAMES = {Q4_K: "chunked/avx2-q4k", Q6_K: "chunked/avx2-q6k"}
 GGUF_F32_NAMES = {Q4_K: "chunked/f32-q4k", Q6_K: "chunked/f32-q6k"}
@@ -185,7 +187,7 @@ GGUF_BF16_PANEL_NAMES = {Q4_K: "chunked/bf16x1-panel-q4k", Q6_K: "chunked/bf16x1
 
 
 def gguf_bf16_panel_serves(terms: int, m: int, x_in_range: bool = True) -> bool:
-    return (terms == 1 and x_in_range and HAS_BF16 and m <= GGUF_F32_MAX_ROWS and gguf_panel_rows(m) > 0
+    return (terms == 1 and x_in_range and HAS_BF16 and m <= GGUF_PANEL_MAX_ROWS and gguf_panel_rows(m) > 0
             and not env_on("TORCH_QMM_CPU_NO_BF16") and not fma_first())
 
 
@@ -200,7 +202,8 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True) -> st
     if gguf_bf16_panel_serves(terms, m, x_in_range):
         return GGUF_BF16_PANEL_NAMES[ggml_type]
     f32_family = HAS_AVX512 and not env_on("TORCH_QMM_CPU_NO_F32_CHUNKS")
-    f32 = x_in_range and 1 <= m <= GGUF_F32_MAX_ROWS and f32_family
+    f32 = x_in_range and f32_family and (1 <= m <= GGUF_F32_MAX_ROWS
+                                         or (m <= GGUF_PANEL_MAX_ROWS and gguf_panel_rows(m) > 0))
     if f32 and (terms == 3 or ggml_type == Q6_K or fma_first()):
         return gguf_f32_name(ggml_type, m)
     avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")

@@ -25,8 +25,9 @@ from gguf_helpers import random_k_blocks
 
 TYPES = [Q4_K, Q6_K]
 # Around the group edges: 13 (no panel), 14-16 (one group), 17 (16 + 1 row on the other kernels),
-# 29 (16 + 13), 30-32 (two groups).
-ROWS = [13, 14, 15, 16, 17, 29, 30, 31, 32]
+# 29 (16 + 13), 30-32 (two groups), 77 (four groups + 13), 128 (eight), 129 (past the panels: the
+# GEMM route).
+ROWS = [13, 14, 15, 16, 17, 29, 30, 31, 32, 77, 128, 129]
 
 # name: (built here, environment that makes the family reach it, route names, dtypes of x it takes)
 PANELS = {
@@ -77,12 +78,12 @@ def test_panel_matches_gguf_dequantize(panel, ggml_type):
     for dtype in panel["dtypes"]:
         for n, k in [(8, 256), (130, 512), (261, 768)]:
             blocks, w = _blocks(ggml_type, n, k, seed=n + k)
-            x_all = torch.randn(32, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+            x_all = torch.randn(129, k, generator=torch.Generator().manual_seed(n)).to(dtype)
             for m in ROWS:
                 x = x_all[:m]
                 r = route(x, blocks, n, k, ggml_type)
                 assert r == expected_gguf_route(dtype, m, ggml_type), f"M={m}: {r}"
-                assert (r == panel[ggml_type]) == (m >= 14), f"M={m}: {r}"
+                assert (r == panel[ggml_type]) == (14 <= m <= 128), f"M={m}: {r}"
                 check(x, blocks, w, n, k, ggml_type, f"{ggml_type.name} {r} M={m} N={n} K={k} {dtype}")
 
 

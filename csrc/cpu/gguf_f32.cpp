@@ -252,11 +252,17 @@ static int64_t panel_rows(const GgufArgs& a) {
   return gguf_panel_group_rows(a.M);
 }
 
+// Up to kGgufF32MaxRows rows, and up to kGgufPanelMaxRows where the panel kernels take all but
+// the last 13 or fewer (they beat the GEMM route there: Zen 4, 4096 x 14336, 2 threads, float32
+// x, M = 64 / 128: Q4_K 68-119 / 104-153 ms on the GEMM route in two runs, 37.6 / 74.6 here; Q6_K
+// 65-113 / 103-148 -> 37.2 / 75.0).
 const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type) {
-  if (f32_chunks_avoided() || a.M < 1 || a.M > kGgufF32MaxRows) return nullptr;
+  if (f32_chunks_avoided() || a.M < 1) return nullptr;
   if (ggml_type != Q4K::kType && ggml_type != Q6K::kType) return nullptr;
   if (!a.x_in_range) return nullptr;
-  if (panel_rows(a) > 0) return ggml_type == Q4K::kType ? "f32-panel-q4k" : "f32-panel-q6k";
+  const int64_t panel = a.M <= kGgufPanelMaxRows ? panel_rows(a) : 0;
+  if (panel > 0) return ggml_type == Q4K::kType ? "f32-panel-q4k" : "f32-panel-q6k";
+  if (a.M > kGgufF32MaxRows) return nullptr;
   return ggml_type == Q4K::kType ? "f32-q4k" : "f32-q6k";
 }
 

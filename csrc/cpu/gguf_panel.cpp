@@ -291,7 +291,7 @@ struct Q6KBf16 : Bf16Pairs {
 #endif
 
 constexpr int kTileRows = 8;  // W rows per tile: 8 accumulators and 8 chains in registers
-constexpr int kMaxGroups = kGgufF32MaxRows / kLanes;
+constexpr int kMaxGroups = kGgufPanelMaxRows / kLanes;
 
 // W rows [n, n + R) times every group of 16 rows of x, into y. The scratch holds two super-blocks
 // of the R rows: while one is multiplied by the first group, in R slices, the next one is
@@ -312,7 +312,8 @@ void tile(const GgufArgs& a, int64_t groups, const uint8_t* xt, int64_t group_by
         _mm_prefetch(reinterpret_cast<const char*>(row + (b + kAhead) * Kern::kBlockBytes + off), _MM_HINT_T0);
     Kern::decode(row + b * Kern::kBlockBytes, w + r * Kern::kScratchBytes);
   };
-  alignas(64) float total[kMaxGroups][R * kLanes] = {};
+  alignas(64) float total[kMaxGroups][R * kLanes];
+  for (int64_t g = 0; g < groups; ++g) std::fill_n(total[g], R * kLanes, 0.0f);
   for (int r = 0; r < R; ++r) decode(0, r, scratch);
   for (int64_t b = 0; b < blocks_per_row; ++b) {
     const uint8_t* w = scratch + (b % 2) * R * Kern::kScratchBytes;
@@ -370,8 +371,8 @@ void run(const GgufArgs& a, float* y) {
 bool gguf_panel_built() { return true; }
 
 static void check_rows(const GgufArgs& a) {
-  TORCH_CHECK(a.M >= 1 && a.M <= kGgufF32MaxRows && a.K % 256 == 0, "gguf_qmm: the panel kernels take 1 to ",
-              kGgufF32MaxRows, " rows of x and whole super-blocks, got M = ", a.M, ", K = ", a.K);
+  TORCH_CHECK(a.M >= 1 && a.M <= kGgufPanelMaxRows && a.K % 256 == 0, "gguf_qmm: the panel kernels take 1 to ",
+              kGgufPanelMaxRows, " rows of x and whole super-blocks, got M = ", a.M, ", K = ", a.K);
 }
 
 void gguf_panel(const GgufArgs& a, int64_t ggml_type, float* y) {
