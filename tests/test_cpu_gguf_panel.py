@@ -73,10 +73,10 @@ def check(x, blocks, w, n, k, ggml_type, what):
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_panel_matches_gguf_dequantize(panel, ggml_type):
-    """N with whole tiles of 8 W rows and without (tiles of 1; spans of 128 at N = 261), 1-3
-    super-blocks per row, every dtype of x the panel takes."""
+    """N of one W row, of whole tiles of 8 W rows and not (tiles of 1; spans of 128 at N = 261),
+    1-3 super-blocks per row, every dtype of x the panel takes."""
     for dtype in panel["dtypes"]:
-        for n, k in [(8, 256), (130, 512), (261, 768)]:
+        for n, k in [(1, 256), (8, 256), (130, 512), (261, 768)]:
             blocks, w = _blocks(ggml_type, n, k, seed=n + k)
             x_all = torch.randn(129, k, generator=torch.Generator().manual_seed(n)).to(dtype)
             for m in ROWS:
