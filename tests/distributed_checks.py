@@ -454,7 +454,7 @@ def check_load_mlx_tied(rank: int, world: int, mesh) -> dict:
         folder = os.path.join(SCRATCH, f"mlx-llama-tied-{embedding}")
         if rank == 0:
             torch.manual_seed(0)
-            source = LlamaForCausalLM(config).eval()
+            source = LlamaForCausalLM(copy.deepcopy(config)).eval()  # quantize_model records its format in the config
             torch_qmm.quantize_model(source, bits=4, group_size=32)  # the tied head stays float, tied
             if embedding == "quantized":
                 source.model.embed_tokens = QuantEmbedding.from_embedding(source.model.embed_tokens, group_size=32)
@@ -464,7 +464,7 @@ def check_load_mlx_tied(rank: int, world: int, mesh) -> dict:
         peer, _ = load_model(Path(folder))
         want = torch.from_numpy(np.array(peer(mx.array(ids.numpy())).astype(mx.float32)))
         with empty_parameters():
-            model = LlamaForCausalLM(config).eval()
+            model = LlamaForCausalLM(copy.deepcopy(config)).eval()
         load_mlx_sharded(model, folder, mesh, tp_plan(model))
         with torch.no_grad():
             got = model(ids).logits
@@ -472,6 +472,27 @@ def check_load_mlx_tied(rank: int, world: int, mesh) -> dict:
                           "head": type(model.lm_head).__name__,
                           "head_local": list((model.lm_head.qweight if embedding == "quantized"
                                               else model.lm_head.weight).to_local().shape)}
+    # transformers' save_pretrained of the tied model quantized by TorchQmmConfig (the head float and
+    # tied, stored once as the embedding), against transformers' from_pretrained in one process.
+    from torch_qmm.distributed import load_pretrained_sharded
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    folder = os.path.join(SCRATCH, "hf-llama-tied")
+    if rank == 0:
+        torch.manual_seed(0)
+        LlamaForCausalLM(copy.deepcopy(config)).eval().save_pretrained(folder + "-float")
+        LlamaForCausalLM.from_pretrained(folder + "-float", quantization_config=TorchQmmConfig(
+            bits=4, group_size=32)).save_pretrained(folder)
+    dist.barrier()
+    single = LlamaForCausalLM.from_pretrained(folder).eval()
+    with empty_parameters():
+        model = LlamaForCausalLM(copy.deepcopy(config)).eval()
+    load_pretrained_sharded(model, folder, mesh, tp_plan(model))
+    with torch.no_grad():
+        want, got = single(ids).logits, model(ids).logits
+    out["pretrained"] = {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+                         "head": type(model.lm_head).__name__,
+                         "head_local": list(model.lm_head.weight.to_local().shape)}
     return out
 
 

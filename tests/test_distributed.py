@@ -123,8 +123,9 @@ def test_tiny_llama_with_its_tp_plan(ranks):
         assert v["o_local"] == [v["o_full"][0], v["o_full"][1] // world]
 
 
-def test_mlx_checkpoint_with_a_tied_head_loads_as_mlx_lm_reads_it(ranks):
-    # The checkpoint holds no lm_head tensors: the head reads the embedding's, split colwise.
+def test_checkpoints_with_a_tied_head_load_as_their_peers_read_them(ranks):
+    # The checkpoints hold no lm_head tensors: the head reads the embedding's, split colwise. MLX
+    # folders against mlx_lm; a save_pretrained folder against transformers' from_pretrained.
     world, values = _values(ranks, "load_mlx_tied")
     for v in values:
         for embedding, c in v.items():
@@ -132,6 +133,8 @@ def test_mlx_checkpoint_with_a_tied_head_loads_as_mlx_lm_reads_it(ranks):
         assert v["quantized"]["head"] == "QuantLinear"
         assert v["float"]["head"] == "Linear"
         assert v["float"]["head_local"] == [64, 128]  # 64 * world vocabulary rows split over world ranks
+        assert v["pretrained"]["head"] == "Linear"
+        assert v["pretrained"]["head_local"] == [64, 128]
 
 
 def test_mlx_checkpoint_loads_into_each_ranks_slices(ranks):
