@@ -52,6 +52,23 @@ def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.nd
     return blocks.reshape(n, -1)
 
 
+def q4k_every_scale_byte(blocks: np.ndarray, n: int) -> np.ndarray:
+    """Q4_K blocks of n rows (one super-block each) whose 12 packed scale / min bytes sweep 0..255
+    over the rows: every 6-bit scale and min, high bits included."""
+    raw = blocks.reshape(n, 144).copy()
+    raw[:, 4:16] = (np.arange(n)[:, None] * 7 + np.arange(12)[None, :] * 31) % 256
+    return raw.reshape(n, -1)
+
+
+def q6k_signed_scales_and_full_high_fields(blocks: np.ndarray, n: int) -> np.ndarray:
+    """Q6_K blocks of n rows (two super-blocks each) with int8 sub-block scales of both signs
+    (-128 included) and all four qh fields at their maximum in every third super-block."""
+    raw = blocks.reshape(n * 2, 210).copy()
+    raw[:, 192:208] = (np.arange(n * 2)[:, None] * 11 + np.arange(16)[None, :] * 17) % 256
+    raw[::3, 128:192] = 0xFF
+    return raw.reshape(n, -1)
+
+
 def exact_x(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """float32 [m, k] of multiples of 1/8 in [-8, 8] (exact in float16 and bfloat16 too)."""
     return (rng.integers(-64, 65, size=(m, k)) / 8.0).astype(np.float32)

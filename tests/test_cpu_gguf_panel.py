@@ -21,7 +21,7 @@ from gguf import quants
 from cpu_features import HAS_BF16, HAS_VL
 from gguf_helpers import GGUF_BF16_PANEL_NAMES, GGUF_PANEL_NAMES, Q4_K, Q6_K, assert_matches_reference
 from gguf_helpers import exact_k_blocks, exact_x, expected_gguf_route, gguf_panel_rows, k_quant_magnitude
-from gguf_helpers import random_k_blocks
+from gguf_helpers import q4k_every_scale_byte, q6k_signed_scales_and_full_high_fields, random_k_blocks
 
 TYPES = [Q4_K, Q6_K]
 # Around the group edges: 13 (no panel), 14-16 (one group), 17 (16 + 1 row on the other kernels),
@@ -104,13 +104,7 @@ def test_exact_operands_give_the_exact_sum(panel, ggml_type):
 def test_q4k_scales_and_mins_use_all_six_bits(panel):
     """Every 6-bit scale and min (high bits from the packed bytes): scale bytes sweeping 0..255."""
     n, k = 256, 256
-
-    def sweep(blocks):
-        raw = blocks.reshape(n, 144).copy()
-        raw[:, 4:16] = (np.arange(n)[:, None] * 7 + np.arange(12)[None, :] * 31) % 256
-        return raw.reshape(n, -1)
-
-    blocks, w = _blocks(Q4_K, n, k, seed=4, edit=sweep)
+    blocks, w = _blocks(Q4_K, n, k, seed=4, edit=lambda b: q4k_every_scale_byte(b, n))
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(5)).to(panel["dtype"])
     assert route(x, blocks, n, k, Q4_K) == panel[Q4_K]
     check(x, blocks, w, n, k, Q4_K, "all scale bytes")
@@ -120,14 +114,7 @@ def test_q6k_negative_scales_and_every_high_field(panel):
     """int8 sub-block scales of both signs (-128 included) and all four qh fields at their maximum
     in every third super-block."""
     n, k = 64, 512
-
-    def edit(blocks):
-        raw = blocks.reshape(n * 2, 210).copy()
-        raw[:, 192:208] = (np.arange(n * 2)[:, None] * 11 + np.arange(16)[None, :] * 17) % 256
-        raw[::3, 128:192] = 0xFF
-        return raw.reshape(n, -1)
-
-    blocks, w = _blocks(Q6_K, n, k, seed=6, edit=edit)
+    blocks, w = _blocks(Q6_K, n, k, seed=6, edit=lambda b: q6k_signed_scales_and_full_high_fields(b, n))
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(7)).to(panel["dtype"])
     assert route(x, blocks, n, k, Q6_K) == panel[Q6_K]
     check(x, blocks, w, n, k, Q6_K, "scales and high fields")

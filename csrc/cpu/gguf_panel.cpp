@@ -95,20 +95,11 @@ struct Q6K {
     return 64 * hp + 4 * l + u;
   }
   static void decode(const uint8_t* blk, float* w) {
-    const __m512 sv = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
-        _mm512_set1_ps(gguf_fields::f16_at(blk + 208)));  // d*sc[s], exact
-    const __m512 neg = _mm512_mul_ps(sv, _mm512_set1_ps(-32.0f));
+    const __m512 sv = gguf_fields::q6k_scale_vector(blk), neg = _mm512_mul_ps(sv, _mm512_set1_ps(-32.0f));
     for (int h = 0; h < 2; ++h) {
-      const __m512i l = _mm512_loadu_si512(blk + 64 * h);
-      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
       for (int p = 0; p < 2; ++p) {
-        // Lanes 0-7 (c < 32) take field 2p of qh (bits 4p), lanes 8-15 field 2p + 1 (bits
-        // 4p + 2): shifted to bits 4-5 and merged under the nibble mask (bits 6-7 left over).
-        const __m512i lo = p == 0 ? l : _mm512_srli_epi32(l, 4);
-        const __m512i hi = p == 0 ? _mm512_sllv_epi32(qh, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2))
-                                  : _mm512_srlv_epi32(qh, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2));
-        const __m512i q = _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x0F), 0xE4);
+        // Bits 6-7 of each byte are left over; the masks below take bits 0-5.
+        const __m512i q = p == 0 ? gguf_fields::q6k_q_bytes<0>(blk, h) : gguf_fields::q6k_q_bytes<1>(blk, h);
         // Lane l lies in sub-block 8h + 4p + l / 4.
         const __m512i sub = _mm512_add_epi32(
             _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(8 * h + 4 * p));
@@ -262,18 +253,11 @@ struct Q6KBf16 : Bf16Pairs {
   static void decode(const uint8_t* blk, uint8_t* w) {
     alignas(64) static constexpr Table kTable = table();
     const __m512i lo_table = _mm512_load_si512(kTable.e), hi_table = _mm512_load_si512(kTable.e + 32);
-    _mm512_store_ps(reinterpret_cast<float*>(w + 512),
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
-                                  _mm512_set1_ps(gguf_fields::f16_at(blk + 208))));
+    _mm512_store_ps(reinterpret_cast<float*>(w + 512), gguf_fields::q6k_scale_vector(blk));
     for (int h = 0; h < 2; ++h) {
-      const __m512i l = _mm512_loadu_si512(blk + 64 * h);
-      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
       for (int p = 0; p < 2; ++p) {
-        // Byte c: weight 128h + 64p + c (bytes c < 32 take field 2p of qh, the others 2p + 1).
-        const __m512i lo = p == 0 ? l : _mm512_srli_epi32(l, 4);
-        const __m512i hi = p == 0 ? _mm512_sllv_epi32(qh, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2))
-                                  : _mm512_srlv_epi32(qh, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2));
-        const __m512i q = _mm512_and_si512(_mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x0F), 0xE4),
+        // Byte c: the q of weight 128h + 64p + c.
+        const __m512i q = _mm512_and_si512(p == 0 ? gguf_fields::q6k_q_bytes<0>(blk, h) : gguf_fields::q6k_q_bytes<1>(blk, h),
                                            _mm512_set1_epi8(0x3F));
         for (int i = 0; i < 2; ++i) {
           const __m512i words = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, i));
