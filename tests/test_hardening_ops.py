@@ -76,8 +76,8 @@ def test_every_affine_cpu_route_runs_under_every_thread_local_mode(mode, threads
 def test_every_gguf_cpu_route_runs_under_every_thread_local_mode(mode, threads):
     n, k = 64, 512
     routes = set()
-    # chunked (AVX512_BF16 or AVX2) / fused, chunked (AVX2) / fused, gemm
-    for ggml_type, m in [(Q4_K, 1), (Q6_K, 4), (Q4_K, 40)]:
+    # chunked (AVX512_BF16 or AVX2) / fused, chunked (AVX2) / fused, gemm (past the panel kernels' 128 rows)
+    for ggml_type, m in [(Q4_K, 1), (Q6_K, 4), (Q4_K, 140)]:
         blocks = random_k_blocks(ggml_type, n, k, np.random.default_rng(m))
         w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
         blocks = torch.from_numpy(blocks)

@@ -18,10 +18,13 @@ struct GgufArgs {
 };
 
 // The chunk multiplier that takes these operands, or null: "f32-q4k" / "f32-q6k" (AVX-512
-// float32 FMAs, gguf_f32.cpp; "f32-panel-q4k" / "f32-panel-q6k" where the panel kernels take rows), "bf16x1/2/3" (AVX512_BF16 dot products, this file's .cpp: M up to
-// the type's max_rows for the bfloat16 terms of x, not avoided) or "avx2-q4k" / "avx2-q6k" (AVX2
-// + FMA, gguf_avx2.cpp); Q4_K or Q6_K, x in range, the float32 kernels up to kGgufF32MaxRows /
-// kGgufAvx2MaxRows rows. Which goes first: gguf_chunked.cpp, gguf_chunked_multiplier.
+// float32 FMAs, gguf_f32.cpp; "f32-panel-q4k" / "f32-panel-q6k" where the panel kernels take
+// rows), "bf16x1/2/3" (AVX512_BF16 dot products, this file's .cpp: M up to the type's max_rows for
+// the bfloat16 terms of x, not avoided; "bf16x1-panel-q4k" / "-q6k" where the bfloat16 panel
+// kernels take rows) or "avx2-q4k" / "avx2-q6k" (AVX2 + FMA, gguf_avx2.cpp); Q4_K or Q6_K, x in
+// range, the float32 kernels up to kGgufF32MaxRows rows (kGgufPanelMaxRows where the panel kernels
+// take rows), the AVX2 ones up to kGgufAvx2MaxRows. Which goes first: gguf_chunked.cpp,
+// gguf_chunked_multiplier.
 const char* gguf_chunked_multiplier(const GgufArgs& a, int64_t ggml_type);
 void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y);
 
