@@ -147,8 +147,10 @@ MUTANTS: list[Mutant] = [
            ("tests/test_deploy.py", "-k", "experts"),
            "an exported MoE block chooses to sort by its symbolic token count (refused, or specialized)"),
     Mutant("loaders-fill-meta-models", "torch_qmm/interop/mlx.py",
-           "        if t.is_meta:", "        if t.is_meta and False:",
-           (MLX, "-k", "meta_device"), "load_mlx 'loads' into meta tensors, keeping nothing"),
+           "        check_no_meta(model, \"load_mlx\", ckpt.path)\n", "",
+           (MLX, "-k", "meta_device"),
+           "load_mlx into a model built on meta does not check what the file left on meta: those "
+           "tensors keep no values and are not named"),
     Mutant("gguf-decode-whole-tensor", "torch_qmm/interop/gguf.py",
            "    step = max(1, DECODE_SLICE_BYTES // (4 * row))", "    step = rows",
            ("tests/test_interop_gguf.py", "-k", "slice_of_rows"), "a table decoded at once (~5x its float32 size)"),
