@@ -436,6 +436,73 @@ def check_load_mlx(rank: int, world: int, mesh) -> dict:
             "embed_full": list(model.model.embed_tokens.qweight.shape)}
 
 
+def check_load_mlx_tied(rank: int, world: int, mesh) -> dict:
+    """MLX folders of a llama whose output layer is tied to the embedding (stored once, as the
+    embedding; Llama-3.2-1B and SmolLM2 are such models), the embedding quantized (a tied
+    QuantLinear head) or float, loaded into each rank's slices, against mlx_lm's logits of the
+    same folder."""
+    from pathlib import Path
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.utils import load_model
+
+    import torch_qmm
+    from torch_qmm.distributed import empty_parameters, load_mlx_sharded, tp_plan
+    from torch_qmm.interop import QuantEmbedding, TiedQuantLinear, save_mlx
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64 * world, hidden_size=128, intermediate_size=64 * world * 2,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                         tie_word_embeddings=True, max_position_embeddings=64)
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(9))
+    out = {}
+    for embedding in ("quantized", "float"):
+        folder = os.path.join(SCRATCH, f"mlx-llama-tied-{embedding}")
+        if rank == 0:
+            torch.manual_seed(0)
+            source = LlamaForCausalLM(copy.deepcopy(config)).eval()  # quantize_model records its format in the config
+            torch_qmm.quantize_model(source, bits=4, group_size=32)  # the tied head stays float, tied
+            if embedding == "quantized":
+                source.model.embed_tokens = QuantEmbedding.from_embedding(source.model.embed_tokens, group_size=32)
+                source.lm_head = TiedQuantLinear(source.model.embed_tokens)
+            save_mlx(source, folder)
+        dist.barrier()
+        peer, _ = load_model(Path(folder))
+        want = torch.from_numpy(np.array(peer(mx.array(ids.numpy())).astype(mx.float32)))
+        with empty_parameters():
+            model = LlamaForCausalLM(copy.deepcopy(config)).eval()
+        load_mlx_sharded(model, folder, mesh, tp_plan(model))
+        with torch.no_grad():
+            got = model(ids).logits
+        out[embedding] = {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+                          "head": type(model.lm_head).__name__,
+                          "head_local": list((model.lm_head.qweight if embedding == "quantized"
+                                              else model.lm_head.weight).to_local().shape)}
+    # transformers' save_pretrained of the tied model quantized by TorchQmmConfig (the head float and
+    # tied, stored once as the embedding), against transformers' from_pretrained in one process.
+    from torch_qmm.distributed import load_pretrained_sharded
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    folder = os.path.join(SCRATCH, "hf-llama-tied")
+    if rank == 0:
+        torch.manual_seed(0)
+        LlamaForCausalLM(copy.deepcopy(config)).eval().save_pretrained(folder + "-float")
+        LlamaForCausalLM.from_pretrained(folder + "-float", quantization_config=TorchQmmConfig(
+            bits=4, group_size=32)).save_pretrained(folder)
+    dist.barrier()
+    single = LlamaForCausalLM.from_pretrained(folder).eval()
+    with empty_parameters():
+        model = LlamaForCausalLM(copy.deepcopy(config)).eval()
+    load_pretrained_sharded(model, folder, mesh, tp_plan(model))
+    with torch.no_grad():
+        want, got = single(ids).logits, model(ids).logits
+    out["pretrained"] = {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+                         "head": type(model.lm_head).__name__,
+                         "head_local": list(model.lm_head.weight.to_local().shape)}
+    return out
+
+
 CHECKS = {
     "layers": check_layers,
     "mlp": check_mlp,
@@ -445,6 +512,7 @@ CHECKS = {
     "embedding": check_embedding,
     "llama": check_llama,
     "load_mlx": check_load_mlx,
+    "load_mlx_tied": check_load_mlx_tied,
     "gguf": check_gguf,
     "load_pretrained": check_load_pretrained,
 }

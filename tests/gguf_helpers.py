@@ -52,6 +52,23 @@ def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.nd
     return blocks.reshape(n, -1)
 
 
+def q4k_every_scale_byte(blocks: np.ndarray, n: int) -> np.ndarray:
+    """Q4_K blocks of n rows (one super-block each) whose 12 packed scale / min bytes sweep 0..255
+    over the rows: every 6-bit scale and min, high bits included."""
+    raw = blocks.reshape(n, 144).copy()
+    raw[:, 4:16] = (np.arange(n)[:, None] * 7 + np.arange(12)[None, :] * 31) % 256
+    return raw.reshape(n, -1)
+
+
+def q6k_signed_scales_and_full_high_fields(blocks: np.ndarray, n: int) -> np.ndarray:
+    """Q6_K blocks of n rows (two super-blocks each) with int8 sub-block scales of both signs
+    (-128 included) and all four qh fields at their maximum in every third super-block."""
+    raw = blocks.reshape(n * 2, 210).copy()
+    raw[:, 192:208] = (np.arange(n * 2)[:, None] * 11 + np.arange(16)[None, :] * 17) % 256
+    raw[::3, 128:192] = 0xFF
+    return raw.reshape(n, -1)
+
+
 def exact_x(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """float32 [m, k] of multiples of 1/8 in [-8, 8] (exact in float16 and bfloat16 too)."""
     return (rng.integers(-64, 65, size=(m, k)) / 8.0).astype(np.float32)
@@ -157,9 +174,12 @@ def k_quant_magnitude(x: torch.Tensor, blocks, ggml_type) -> torch.Tensor:
 # three. The AVX-512 float32 kernels go first for float32 x (three terms), for Q6_K, and for 16-bit
 # x where cpu_features.fma_first(); else after the bfloat16 ones. The bfloat16 kernels yield to the
 # AVX2 ones, where those serve, for float32 x and Q6_K, and where fma_first() serve no M unless
-# the AVX-512 float32 kernels are stepped aside.
+# the AVX-512 float32 kernels are stepped aside. The panel kernels (below) take groups of 16 rows
+# from 14 rows on: inside the float32 family, and for bfloat16 x ahead of every family.
 GGUF_BF16_MAX_ROWS = {(Q4_K, 3): 16, (Q4_K, 2): 32, (Q4_K, 1): 128, (Q6_K, 3): 2, (Q6_K, 2): 4, (Q6_K, 1): 32}
 GGUF_F32_MAX_ROWS = 32  # cpu::kGgufF32MaxRows
+GGUF_PANEL_MAX_ROWS = 128  # cpu::kGgufPanelMaxRows: the float32 family takes up to this many rows where
+                           # the panel kernels take rows (all but the last 13 or fewer)
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
 GGUF_AVX2_NAMES = {Q4_K: "chunked/avx2-q4k", Q6_K: "chunked/avx2-q6k"}
 GGUF_F32_NAMES = {Q4_K: "chunked/f32-q4k", Q6_K: "chunked/f32-q6k"}
@@ -178,6 +198,16 @@ def gguf_panel_rows(m: int) -> int:
     return m - last + (last if last >= GGUF_PANEL_MIN_GROUP_ROWS else 0)
 
 
+# bfloat16 x (one term) of 14+ rows: the bfloat16 panel kernels take gguf_panel_rows(m) rows ahead
+# of every family where AVX512_BF16 serves and the bfloat16 products go first (not fma_first()).
+GGUF_BF16_PANEL_NAMES = {Q4_K: "chunked/bf16x1-panel-q4k", Q6_K: "chunked/bf16x1-panel-q6k"}
+
+
+def gguf_bf16_panel_serves(terms: int, m: int, x_in_range: bool = True) -> bool:
+    return (terms == 1 and x_in_range and HAS_BF16 and m <= GGUF_PANEL_MAX_ROWS and gguf_panel_rows(m) > 0
+            and not env_on("TORCH_QMM_CPU_NO_BF16") and not fma_first())
+
+
 def gguf_f32_name(ggml_type, m: int) -> str:
     return GGUF_PANEL_NAMES[ggml_type] if gguf_panel_rows(m) > 0 else GGUF_F32_NAMES[ggml_type]
 
@@ -186,8 +216,11 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True) -> st
     """The route _gguf_cpu_route names for x [m, K] of `dtype` (float32 under precision "highest"),
     under the current environment."""
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
+    if gguf_bf16_panel_serves(terms, m, x_in_range):
+        return GGUF_BF16_PANEL_NAMES[ggml_type]
     f32_family = HAS_AVX512 and not env_on("TORCH_QMM_CPU_NO_F32_CHUNKS")
-    f32 = x_in_range and 1 <= m <= GGUF_F32_MAX_ROWS and f32_family
+    f32 = x_in_range and f32_family and (1 <= m <= GGUF_F32_MAX_ROWS
+                                         or (m <= GGUF_PANEL_MAX_ROWS and gguf_panel_rows(m) > 0))
     if f32 and (terms == 3 or ggml_type == Q6_K or fma_first()):
         return gguf_f32_name(ggml_type, m)
     avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")

@@ -176,6 +176,27 @@ def test_bench_model_refuses_a_folder_torch_qmm_quantized(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_bench_model_refuses_an_mlx_folder(tmp_path, capsys):
+    """An MLX folder (config.json "quantization", as save_mlx and mlx_lm write it) has no float
+    model either: a usage error saying so, not transformers' message about a quant_method."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torch_qmm.convert import quantize_model
+    from torch_qmm.interop import save_mlx
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64)
+    model = LlamaForCausalLM(config)
+    quantize_model(model, bits=4, group_size=32)
+    save_mlx(model, tmp_path / "mlx")
+    argv = ["bench", "--device", "cpu", "--model", str(tmp_path / "mlx"), "--repeats", "1", "--output",
+            str(tmp_path / "r.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"argument --model: {tmp_path / 'mlx'} is an MLX folder quantized by mlx_lm" in err
+    assert "expects a float transformers folder" in err and "quant_method" not in err
+
+
 def test_bench_times_mlx_in_its_own_process_and_records_how(tmp_path):
     """MLX's worker threads keep spinning after a call: it is timed in a child process after the
     in-process peers, and the JSON says so; the parent never imports mlx."""

@@ -20,7 +20,8 @@ from gguf import quants
 
 from cpu_features import HAS_AVX2, HAS_AVX512
 from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_AVX2_NAMES, GGUF_F32_MAX_ROWS, GGUF_F32_NAMES, Q4_K, Q6_K
-from gguf_helpers import assert_matches_reference, expected_gguf_route, k_quant_magnitude, random_k_blocks
+from gguf_helpers import assert_matches_reference, expected_gguf_route, k_quant_magnitude, q4k_every_scale_byte
+from gguf_helpers import q6k_signed_scales_and_full_high_fields, random_k_blocks
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TYPES = [Q4_K, Q6_K]
@@ -83,13 +84,7 @@ def test_float32_kernels_match_gguf_dequantize(family, ggml_type, dtype):
 def test_q4k_scales_and_mins_use_all_six_bits(family):
     """Every 6-bit scale and min (high bits from the packed bytes): scale bytes sweeping 0..255."""
     n, k = 256, 256
-
-    def sweep(blocks):
-        raw = blocks.reshape(n, 144).copy()
-        raw[:, 4:16] = (np.arange(n)[:, None] * 7 + np.arange(12)[None, :] * 31) % 256
-        return raw.reshape(n, -1)
-
-    blocks, w = _case(Q4_K, n, k, seed=4, raw_edit=sweep)
+    blocks, w = _case(Q4_K, n, k, seed=4, raw_edit=lambda b: q4k_every_scale_byte(b, n))
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
     assert route(x, blocks, n, k, Q4_K) == family[Q4_K]
     check(x, blocks, w, n, k, Q4_K, torch.float32, "all scale bytes")
@@ -99,14 +94,7 @@ def test_q6k_negative_scales_and_every_high_field(family):
     """int8 sub-block scales of both signs (-128 included) and all four qh fields at their maximum
     in every third super-block."""
     n, k = 64, 512
-
-    def edit(blocks):
-        raw = blocks.reshape(n * 2, 210).copy()
-        raw[:, 192:208] = (np.arange(n * 2)[:, None] * 11 + np.arange(16)[None, :] * 17) % 256
-        raw[::3, 128:192] = 0xFF
-        return raw.reshape(n, -1)
-
-    blocks, w = _case(Q6_K, n, k, seed=6, raw_edit=edit)
+    blocks, w = _case(Q6_K, n, k, seed=6, raw_edit=lambda b: q6k_signed_scales_and_full_high_fields(b, n))
     for m in (1, 4):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
         assert route(x, blocks, n, k, Q6_K) == family[Q6_K]

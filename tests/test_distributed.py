@@ -123,6 +123,20 @@ def test_tiny_llama_with_its_tp_plan(ranks):
         assert v["o_local"] == [v["o_full"][0], v["o_full"][1] // world]
 
 
+def test_checkpoints_with_a_tied_head_load_as_their_peers_read_them(ranks):
+    # The checkpoints hold no lm_head tensors: the head reads the embedding's, split colwise. MLX
+    # folders against mlx_lm; a save_pretrained folder against transformers' from_pretrained.
+    world, values = _values(ranks, "load_mlx_tied")
+    for v in values:
+        for embedding, c in v.items():
+            assert c["max_diff"] <= STACK_RTOL * c["scale"], (embedding, c)
+        assert v["quantized"]["head"] == "QuantLinear"
+        assert v["float"]["head"] == "Linear"
+        assert v["float"]["head_local"] == [64, 128]  # 64 * world vocabulary rows split over world ranks
+        assert v["pretrained"]["head"] == "Linear"
+        assert v["pretrained"]["head_local"] == [64, 128]
+
+
 def test_mlx_checkpoint_loads_into_each_ranks_slices(ranks):
     world, values = _values(ranks, "load_mlx")
     for v in values:

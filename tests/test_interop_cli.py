@@ -320,3 +320,23 @@ def test_inspect_shows_stacked_experts_like_two_dimensional_weights(writer, tmp_
     rows.update({name.replace(".block_sparse_moe.", ".mlp."): row for name, row in rows.items()})
     assert {name: rows.get(name) for name in want} == want
     assert not any(kind == "affine" or "no config" in kind for kind in report["totals"]), report["totals"]
+
+
+@pytest.mark.parametrize("tensors", [1, 400])
+def test_inspect_into_a_pipe_nobody_reads_stops_quietly(tmp_path, tensors):
+    # `inspect ... | head`: the reader closes the pipe before the table is written. One tensor: the
+    # table is written at the final flush; 400: while the table is printed.
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    save_file({f"t{i}": torch.zeros(2, 2) for i in range(tensors)}, tmp_path / "m.safetensors")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout holding torch_qmm
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    p = subprocess.Popen([sys.executable, "-m", "torch_qmm", "inspect", str(tmp_path / "m.safetensors")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert (p.wait(timeout=120), err) == (141, "")  # 128 + SIGPIPE, as a shell's commands exit

@@ -252,6 +252,22 @@ def test_saved_tensor_of_another_dtype_is_refused_on_reload(float_folder, tmp_pa
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
+def test_torch_qmm_config_over_a_float_checkpoint_is_refused(float_folder, tmp_path):
+    """A folder whose config.json names torch_qmm while its weights are float (a config copied, or
+    recorded by quantize_model into a config object another model was built from): the load fails
+    naming the missing codes, instead of a model whose codes and scales are allocated garbage."""
+    import shutil
+
+    folder = tmp_path / "float-with-torch_qmm-config"
+    shutil.copytree(float_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "torch_qmm", "bits": 4, "group_size": 32, "mode": "affine"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"makes 'model\.layers\.0\.self_attn\.q_proj' and \d+ more torch_qmm "
+                                         r"layers, but the checkpoint holds no torch_qmm codes"):
+        transformers.AutoModelForCausalLM.from_pretrained(folder)
+
+
 _RELOAD_SCRIPT = r"""
 import sys
 import torch

@@ -453,6 +453,16 @@ needs_proc = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
                                 reason="the peak RSS is reset through Linux's /proc/self/clear_refs")
 
 
+
+def _peaks(kind: str, path, size: int) -> tuple[int, int]:
+    """Peak bytes of a load of `path` into a meta-built and a float-built model (each in a child
+    process), printed with the file's size."""
+    meta, floated = _peak(kind, "meta", path), _peak(kind, "float", path)
+    print(f"{kind} {size / 2**20:.0f} MiB, peak: meta-built +{meta['peak'] / 2**20:.0f} MiB, "
+          f"float-built +{floated['peak'] / 2**20:.0f} MiB; {meta}, {floated}")
+    return meta["peak"], floated["peak"]
+
+
 @needs_proc
 def test_meta_built_gguf_load_peaks_near_the_file_size():
     # SmolLM2-135M-Instruct Q4_1 (94 MiB file), float32; peak RSS over the model's construction
@@ -464,12 +474,9 @@ def test_meta_built_gguf_load_peaks_near_the_file_size():
     # (4 bytes a weight against ~4.5 bits).
     path = smollm2_gguf()
     size = path.stat().st_size
-    meta = _peak("gguf", "meta", path)
-    floated = _peak("gguf", "float", path)
-    print(f"file {size / 2**20:.0f} MiB, peak: meta-built +{meta['peak'] / 2**20:.0f} MiB, "
-          f"float-built +{floated['peak'] / 2**20:.0f} MiB; {meta}, {floated}")
-    assert floated["peak"] > 5 * size
-    assert meta["peak"] < 2.5 * size
+    meta, floated = _peaks("gguf", path, size)
+    assert floated > 5 * size
+    assert meta < 2.5 * size
 
 
 @needs_proc
@@ -489,9 +496,6 @@ def test_meta_built_mlx_load_peaks_near_the_checkpoint_size(tmp_path):
     save_mlx(model, folder)
     del model
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    meta = _peak("mlx", "meta", folder)
-    floated = _peak("mlx", "float", folder)
-    print(f"checkpoint {size / 2**20:.0f} MiB, peak: meta-built +{meta['peak'] / 2**20:.0f} MiB, "
-          f"float-built +{floated['peak'] / 2**20:.0f} MiB; {meta}, {floated}")
-    assert floated["peak"] > 5 * size
-    assert meta["peak"] < 2 * size
+    meta, floated = _peaks("mlx", folder, size)
+    assert floated > 5 * size
+    assert meta < 2 * size

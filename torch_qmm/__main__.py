@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import signal
 import sys
 import traceback
@@ -37,6 +39,16 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+def _stdout_reader_gone() -> bool:
+    """True when stdout is a pipe whose reading end is closed (`... | head` has read enough)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll on this platform, or stdout is no file
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns its exit code: 0 done, 1 a bad input file or failed run, 2 a bad
     argument (argparse's own usage errors exit with 2 through SystemExit)."""
@@ -57,13 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:  # not the main thread (an embedding program): SIGTERM stays as it is
         previous = None
     try:
-        return int(modules[args.command].run(args) or 0)
+        code = int(modules[args.command].run(args) or 0)
+        sys.stdout.flush()  # a closed stdout pipe shows here, not at the interpreter's exit
+        return code
     except (KeyboardInterrupt, Terminated) as e:  # partial outputs were already removed on the way out
         if args.debug:
             raise
         killed = isinstance(e, Terminated)
         print(f"{parsers[args.command].prog}: {'terminated' if killed else 'interrupted'}", file=sys.stderr)
         return 128 + (signal.SIGTERM if killed else signal.SIGINT)
+    except BrokenPipeError:
+        if args.debug or not _stdout_reader_gone():
+            raise
+        # The reader of stdout stopped reading (`inspect ... | head`): stop quietly, as a shell's
+        # commands do (exit 128 + SIGPIPE); stdout goes to devnull so that the interpreter's final
+        # flush raises nothing either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except Exception as e:  # one line per error; the traceback only when asked
         if args.debug:
             traceback.print_exc()

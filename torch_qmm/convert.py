@@ -191,8 +191,9 @@ def quantize_model(
 
     Skipped with a warning: layers whose in_features is not a multiple of group_size, layers whose
     weight (or bias) another module shares (a tied output head stays tied to its float embedding),
-    and layers whose parent reads their .weight instead of calling them (nn.MultiheadAttention's
-    out_proj; nn.TransformerEncoderLayer's linear1/linear2, read by its fast path).
+    and layers whose parent reads their .weight instead of calling them (nn.TransformerEncoderLayer's
+    linear1/linear2, read by its fast path). Only nn.Linear itself is converted, not its subclasses:
+    nn.MultiheadAttention's out_proj (a NonDynamicallyQuantizableLinear) stays float without a warning.
 
     Already quantized layers (that filter_fn accepts) are left as they are when they have the asked
     bits (an int) and group_size (summary.already_quantized, so a repeated call is a no-op); in any

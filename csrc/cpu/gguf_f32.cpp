@@ -29,8 +29,6 @@ namespace {
 using namespace chunk;
 
 
-using gguf_fields::f16_at;
-
 // Per-lane index tables (vpermps) into a block's 16-lane scale vector.
 struct LaneIdx {
   alignas(64) int32_t i[16];
@@ -156,7 +154,7 @@ struct Q4K {
 // y -= sum_s d*sc[s] * 32 * (sum of x over sub-block s).
 struct Q6K {
   using X = float;
-  static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208;
+  static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210;
   static constexpr int64_t kXPerBlock = 256, kSide = 16;
   static constexpr int tile_rows(int mb) { return Q4K::tile_rows(mb); }
 
@@ -179,19 +177,6 @@ struct Q6K {
     _mm512_storeu_ps(xs, gguf_x::q6k_sums(x));
   }
 
-  // The 6-bit q of the 64 weights of nibble p of half h, one per byte (bits 6-7 not cleared).
-  template <int P>
-  __attribute__((always_inline)) static inline __m512i q_bytes(const uint8_t* blk, int h) {
-    const __m512i l = _mm512_loadu_si512(blk + 64 * h);
-    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQh + 32 * h)));
-    const __m512i lo = P == 0 ? l : _mm512_srli_epi32(l, 4);
-    // Lanes 0-7 hold t = 0 (field 2P at bits 4P), lanes 8-15 t = 1 (bits 4P + 2): to bits 4-5.
-    const __m512i hi = P == 0 ? _mm512_sllv_epi32(qh, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2))
-                              : _mm512_srlv_epi32(qh, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2));
-    // Bitwise select: nibble bits (mask 0x0F) from lo, the rest from hi.
-    return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x0F), 0xE4);
-  }
-
   struct Idx {
     LaneIdx sub[2][2];  // [h][p]
   };
@@ -209,8 +194,7 @@ struct Q6K {
     alignas(64) static constexpr Idx kIdx = idx();
     __m512 sv[R];
     for (int r = 0; r < R; ++r) {
-      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + kScales))));
-      sv[r] = _mm512_mul_ps(sc, _mm512_set1_ps(f16_at(blk[r] + kD)));
+      sv[r] = gguf_fields::q6k_scale_vector(blk[r]);
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
     }
     for (int h = 0; h < 2; ++h) {
@@ -218,7 +202,7 @@ struct Q6K {
       for_each_index([&](auto pc) __attribute__((always_inline)) {
         constexpr int p = decltype(pc)::value;
         __m512i q[R];
-        for (int r = 0; r < R; ++r) q[r] = q_bytes<p>(blk[r], h);
+        for (int r = 0; r < R; ++r) q[r] = gguf_fields::q6k_q_bytes<p>(blk[r], h);
         __m512 ch[R][MB];
         for (int r = 0; r < R; ++r)
           for (int m = 0; m < MB; ++m) ch[r][m] = _mm512_setzero_ps();
@@ -243,24 +227,26 @@ struct Q6K {
 
 }  // namespace
 
-// Rows of a call the panel kernels (gguf_panel.cpp) take: every whole group of 16, and the last
-// group where it has at least kPanelMinGroupRows rows; the chunk kernels take the rest. A group
-// of 16 costs the panel the same for 1 row as for 16, and the chunk kernels about 6% more per row
-// than it at 14 (Zen 4, 4096 x 14336, 2 threads, float32 x: Q4_K / Q6_K chunk M = 12, 14, 16:
-// 9.5 / 10.0, 11.3 / 11.8, 12.5 / 13.0 ms; panel 10.5-10.8 / 11.2 for any of them).
-constexpr int64_t kPanelMinGroupRows = 14;
-
+// Rows of a call the panel kernels (gguf_panel.cpp) take (gguf_panel_group_rows), the chunk
+// kernels the rest. At 14 rows the chunk kernels cost about 6% more than a panel group (Zen 4,
+// 4096 x 14336, 2 threads, float32 x: Q4_K / Q6_K chunk M = 12, 14, 16: 9.5 / 10.0, 11.3 / 11.8,
+// 12.5 / 13.0 ms; panel 10.5-10.8 / 11.2 for any of them).
 static int64_t panel_rows(const GgufArgs& a) {
   if (!gguf_panel_built() || gguf_panel_avoided()) return 0;
-  const int64_t last = a.M % 16;
-  return a.M - last + (last >= kPanelMinGroupRows ? last : 0);
+  return gguf_panel_group_rows(a.M);
 }
 
+// Up to kGgufF32MaxRows rows, and up to kGgufPanelMaxRows where the panel kernels take all but
+// the last 13 or fewer (they beat the GEMM route there: Zen 4, 4096 x 14336, 2 threads, float32
+// x, M = 64 / 128: Q4_K 68-119 / 104-153 ms on the GEMM route in two runs, 37.6 / 74.6 here; Q6_K
+// 65-113 / 103-148 -> 37.2 / 75.0).
 const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type) {
-  if (f32_chunks_avoided() || a.M < 1 || a.M > kGgufF32MaxRows) return nullptr;
+  if (f32_chunks_avoided() || a.M < 1) return nullptr;
   if (ggml_type != Q4K::kType && ggml_type != Q6K::kType) return nullptr;
   if (!a.x_in_range) return nullptr;
-  if (panel_rows(a) > 0) return ggml_type == Q4K::kType ? "f32-panel-q4k" : "f32-panel-q6k";
+  const int64_t panel = a.M <= kGgufPanelMaxRows ? panel_rows(a) : 0;
+  if (panel > 0) return ggml_type == Q4K::kType ? "f32-panel-q4k" : "f32-panel-q6k";
+  if (a.M > kGgufF32MaxRows) return nullptr;
   return ggml_type == Q4K::kType ? "f32-q4k" : "f32-q6k";
 }
 

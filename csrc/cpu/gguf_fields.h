@@ -1,7 +1,7 @@
 // Scalar fields of GGUF super-blocks that every CPU GGUF kernel reads (gguf_chunked.cpp,
 // gguf_avx2.cpp, gguf_f32.cpp, actq_gguf.cpp): f16 values at a byte address, and Q4_K's 8 six-bit
 // scales and mins unpacked 4 bytes at a time (gguf::q4k_scale_min for all j at once); on AVX-512,
-// all of a Q4_K block's scales and mins as one vector.
+// all of a Q4_K block's scales and mins as one vector, and Q6_K's codes and scales.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -60,6 +60,29 @@ inline __m512 q4k_scale_vector(const uint8_t* blk) {
   // d for lanes 0-7, dmin for 8-15.
   const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(v));
   return _mm512_mul_ps(f, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), dd));
+}
+
+// Q6_K (210 bytes: ql[128], qh[64], 16 int8 scales, d f16; llama.cpp's dequantize_row_q6_K
+// order): weight 128h + 64p + c (c = 0..63) has q = (nibble p of ql[64h + c]) | (field 2p + c / 32
+// of qh[32h + c % 32]) << 4. Byte c of the result: that q, in bits 0-5 (bits 6-7 are left over
+// from qh: mask them where they matter). The qh half is broadcast to both 32-byte halves and
+// shifted per half so that its field sits at bits 4-5, then merged under the nibble mask.
+template <int P>
+__attribute__((always_inline)) inline __m512i q6k_q_bytes(const uint8_t* blk, int h) {
+  const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+  const __m512i lo = P == 0 ? l : _mm512_srli_epi32(l, 4);
+  // Lanes 0-7 hold c < 32 (field 2P at bits 4P), lanes 8-15 c >= 32 (field 2P + 1, bits 4P + 2).
+  const __m512i hi = P == 0 ? _mm512_sllv_epi32(qh, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2))
+                            : _mm512_srlv_epi32(qh, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2));
+  // Bitwise select: nibble bits (mask 0x0F) from lo, the rest from hi.
+  return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x0F), 0xE4);
+}
+
+// Q6_K: d*sc[s] for its 16 sub-blocks (exact: 11 by 8 bits).
+inline __m512 q6k_scale_vector(const uint8_t* blk) {
+  const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
+  return _mm512_mul_ps(sc, _mm512_set1_ps(f16_at(blk + 208)));
 }
 #endif
 

@@ -19,14 +19,17 @@
 #include "gguf_chunked.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include "../gguf_format.h"
+#include "chunk.h"
 #include "chunk_driver.h"
 #include "gguf_fields.h"
 #include "gguf_x.h"
@@ -43,15 +46,7 @@ bool gguf_panel_avoided() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 namespace {
 
-// The 16 float32 lanes of a zmm: 16 rows of x.
-struct Lanes {
-  using V = __m512;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_load_ps(p); }
-  static void store(float* p, V v) { _mm512_store_ps(p, v); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V fma_bcast(const float* w, V x, V acc) { return _mm512_fmadd_ps(_mm512_set1_ps(*w), x, acc); }
-};
+// A vector of 16 float32 lanes holds 16 rows of x.
 constexpr int kLanes = 16;
 
 // A format provides: kType, kBlockBytes; kPerBlock, the weights per super-block in the scratch
@@ -100,20 +95,11 @@ struct Q6K {
     return 64 * hp + 4 * l + u;
   }
   static void decode(const uint8_t* blk, float* w) {
-    const __m512 sv = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
-        _mm512_set1_ps(gguf_fields::f16_at(blk + 208)));  // d*sc[s], exact
-    const __m512 neg = _mm512_mul_ps(sv, _mm512_set1_ps(-32.0f));
+    const __m512 sv = gguf_fields::q6k_scale_vector(blk), neg = _mm512_mul_ps(sv, _mm512_set1_ps(-32.0f));
     for (int h = 0; h < 2; ++h) {
-      const __m512i l = _mm512_loadu_si512(blk + 64 * h);
-      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
       for (int p = 0; p < 2; ++p) {
-        // Lanes 0-7 (c < 32) take field 2p of qh (bits 4p), lanes 8-15 field 2p + 1 (bits
-        // 4p + 2): shifted to bits 4-5 and merged under the nibble mask (bits 6-7 left over).
-        const __m512i lo = p == 0 ? l : _mm512_srli_epi32(l, 4);
-        const __m512i hi = p == 0 ? _mm512_sllv_epi32(qh, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2))
-                                  : _mm512_srlv_epi32(qh, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2));
-        const __m512i q = _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x0F), 0xE4);
+        // Bits 6-7 of each byte are left over; the masks below take bits 0-5.
+        const __m512i q = p == 0 ? gguf_fields::q6k_q_bytes<0>(blk, h) : gguf_fields::q6k_q_bytes<1>(blk, h);
         // Lane l lies in sub-block 8h + 4p + l / 4.
         const __m512i sub = _mm512_add_epi32(
             _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(8 * h + 4 * p));
@@ -129,80 +115,203 @@ struct Q6K {
   static void side(const float*, float*) {}
 };
 
-constexpr int kTileRows = 8;  // W rows per tile: 8 accumulators and 8 totals in registers
-constexpr int kMaxGroups = kGgufF32MaxRows / kLanes;
-
-// Floats of scratch per decoded W row: kPerBlock rounded up to whole cache lines (the decoders
-// store aligned vectors), and one line more, so that rows do not lie a multiple of 1 KB apart
-// (loads from one row would wait on stores to another with the same address bits below 4 KB).
+// The float32 kernels: Fmt's weights as floats, x as float32 lanes.
 template <typename Fmt>
-constexpr int64_t scratch_stride() { return (Fmt::kPerBlock + 15) / 16 * 16 + 16; }
+struct F32 {
+  static constexpr int64_t kType = Fmt::kType, kBlockBytes = Fmt::kBlockBytes;
+  // Floats of scratch per W row: kPerBlock rounded up to whole cache lines (the decoders store
+  // aligned vectors), and one line more, so that rows do not lie a multiple of 1 KB apart (loads
+  // from one row would wait on stores to another with the same address bits below 4 KB).
+  static constexpr int64_t kStride = (Fmt::kPerBlock + 15) / 16 * 16 + 16;
+  static constexpr int64_t kScratchBytes = 4 * kStride, kXtBytes = 4 * Fmt::kPerBlock * kLanes;
 
-// Rows [m0, m0 + 16) of x (those below M; the other lanes zero), super-block b, laid out for the
-// panel: kPerBlock vectors of 16 floats (x in the order of weight(k), then the side entries).
-template <typename Fmt>
-void prepare_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t b, float* xt) {
-  alignas(64) float side[16];
-  float* out = xt + b * Fmt::kPerBlock * kLanes;
-  for (int j = 0; j < kLanes; ++j) {
-    const int64_t m = m0 + j;
-    if (m >= M) {
-      for (int64_t k = 0; k < Fmt::kPerBlock; ++k) out[k * kLanes + j] = 0.0f;
-      continue;
-    }
-    const float* xr = x + m * K + 256 * b;
-    for (int k = 0; k < 256; ++k) out[k * kLanes + j] = xr[Fmt::weight(k)];
-    Fmt::side(xr, side);
+  // Lane j of xt: x in the order of weight(k), then the side entries (xr null: zeros).
+  static void prepare(const float* xr, int j, uint8_t* xt) {
+    float* out = reinterpret_cast<float*>(xt);
+    alignas(64) float side[16] = {};
+    if (xr != nullptr) Fmt::side(xr, side);
+    for (int k = 0; k < 256; ++k) out[k * kLanes + j] = xr != nullptr ? xr[Fmt::weight(k)] : 0.0f;
     for (int64_t k = 256; k < Fmt::kPerBlock; ++k) out[k * kLanes + j] = side[k - 256];
   }
-}
+  static void decode(const uint8_t* blk, uint8_t* w) { Fmt::decode(blk, reinterpret_cast<float*>(w)); }
 
-// part[r] += scratch entries [k0, k1) of W row r times xt[k0, k1).
-template <typename Fmt, int R>
-__attribute__((always_inline)) inline void multiply(const float* w, const float* xb, int64_t k0, int64_t k1,
-                                                    Lanes::V (&part)[R]) {
-  for (int64_t k = k0; k < k1; ++k) {
-    const Lanes::V xv = Lanes::load(xb + k * kLanes);
-    for (int r = 0; r < R; ++r) part[r] = Lanes::fma_bcast(w + r * scratch_stride<Fmt>() + k, xv, part[r]);
+  // part[r] += entries [k0, k1) of W row r times xt[k0, k1).
+  template <int R>
+  __attribute__((always_inline)) static inline void entries(const float* w, const float* xt, int64_t k0, int64_t k1,
+                                                            __m512 (&part)[R]) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m512 xv = _mm512_load_ps(xt + k * kLanes);
+      for (int r = 0; r < R; ++r) part[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * kStride + k]), xv, part[r]);
+    }
   }
-}
+  // Slice c of R of the super-block's weights into part (the last slice with the side entries).
+  template <int R>
+  __attribute__((always_inline)) static inline void multiply(const uint8_t* w, const uint8_t* xb, int c,
+                                                             __m512 (&part)[R]) {
+    const float* wf = reinterpret_cast<const float*>(w);
+    const float* xf = reinterpret_cast<const float*>(xb);
+    entries<R>(wf, xf, c * 256 / R, (c + 1) * 256 / R, part);
+    if (c == R - 1) entries<R>(wf, xf, 256, Fmt::kPerBlock, part);
+  }
+};
+
+#if defined(__AVX512BF16__)
+// The bfloat16 kernels, for bfloat16 x (exact in one term): a lane of x holds a pair of
+// consecutive values of K as bfloat16, W holds the unscaled codes as bfloat16 (exact: small
+// integers), and vdpbf16ps adds the two products of a pair per lane (32 products per
+// instruction, twice the FMAs'). Each sub-block's dot products go into a chain of their own,
+// scaled once by the sub-block's scale (one FMA per 16 pairs for Q4_K, per 8 for Q6_K).
+using chunk::bf16_of;
+
+// The bfloat16 bits of the integer v (|v| < 256; exact).
+constexpr uint16_t bf16_of_signed(int v) { return v < 0 ? uint16_t(0x8000 | bf16_of(-v)) : bf16_of(v); }
+
+// Shared by both formats: x as pairs (xt: 128 pairs x 16 lanes x 2 bfloat16, then Side vectors of
+// 16 floats); a W row's scratch: 256 bfloat16 codes (natural order), then its float scales.
+struct Bf16Pairs {
+  static constexpr int64_t kPairBytes = 128 * kLanes * 4;
+  static void prepare_pairs(const float* xr, int j, uint8_t* xt) {
+    uint16_t* out = reinterpret_cast<uint16_t*>(xt);
+    // x rounded to nearest even, as QmmArgs::x_bf16_terms = 1 asks (exact for bfloat16 x).
+    for (int k = 0; k < 256; ++k)
+      out[(k / 2) * 2 * kLanes + 2 * j + k % 2] = xr != nullptr ? c10::BFloat16(xr[k]).x : uint16_t(0);
+  }
+  // Chains of dot products over the pairs [p0, p1) of a sub-block, into part[r] scaled by
+  // scales[r][s].
+  template <int R>
+  __attribute__((always_inline)) static inline void sub_block(const uint8_t* w, int64_t stride, const uint8_t* xb,
+                                                              int64_t p0, int64_t p1, int64_t scales_at, int s,
+                                                              __m512 (&part)[R]) {
+    __m512 chain[R];
+    for (int r = 0; r < R; ++r) chain[r] = _mm512_setzero_ps();
+    for (int64_t p = p0; p < p1; ++p) {
+      const __m512bh xv = (__m512bh)_mm512_load_si512(xb + p * 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, w + r * stride + 4 * p, 4);
+        chain[r] = _mm512_dpbf16_ps(chain[r], (__m512bh)_mm512_set1_epi32(pair), xv);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* sc = reinterpret_cast<const float*>(w + r * stride + scales_at);
+      part[r] = _mm512_fmadd_ps(chain[r], _mm512_set1_ps(sc[s]), part[r]);
+    }
+  }
+};
+
+// Q4_K: codes q (natural order, as Q4K above), scratch floats d*sc[0..7] then -dmin*m[0..7]; x
+// side: the 8 sub-block sums of x (gguf_x::q4k_sums, float32), met by the -dmin*m in float32.
+struct Q4KBf16 : Bf16Pairs {
+  static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144;
+  static constexpr int64_t kScratchBytes = 512 + 64 + 64, kXtBytes = kPairBytes + 8 * 64;
+  static void prepare(const float* xr, int j, uint8_t* xt) {
+    prepare_pairs(xr, j, xt);
+    alignas(64) float s[16] = {};
+    if (xr != nullptr) _mm512_store_ps(s, gguf_x::q4k_sums(xr));
+    float* side = reinterpret_cast<float*>(xt + kPairBytes);
+    for (int i = 0; i < 8; ++i) side[i * kLanes + j] = s[8 + i];
+  }
+  static void decode(const uint8_t* blk, uint8_t* w) {
+    alignas(64) static constexpr chunk::Planes<4>::Table kTable = chunk::Planes<4>::table();
+    const __m512i table = _mm512_load_si512(kTable.e);
+    const __m512 sv = gguf_fields::q4k_scale_vector(blk);
+    _mm512_store_ps(reinterpret_cast<float*>(w + 512), _mm512_mask_sub_ps(sv, __mmask16(0xFF00), _mm512_setzero_ps(), sv));
+    for (int J = 0; J < 4; ++J) {
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * J)));
+      _mm512_store_si512(w + 128 * J, _mm512_permutexvar_epi16(_mm512_and_si512(b, _mm512_set1_epi16(15)), table));
+      _mm512_store_si512(w + 128 * J + 64, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table));
+    }
+  }
+  template <int R>
+  __attribute__((always_inline)) static inline void multiply(const uint8_t* w, const uint8_t* xb, int c,
+                                                             __m512 (&part)[R]) {
+    for (int s = c * 8 / R; s < (c + 1) * 8 / R; ++s) sub_block<R>(w, kScratchBytes, xb, 16 * s, 16 * s + 16, 512, s, part);
+    if (c == R - 1)
+      for (int s = 0; s < 8; ++s) {
+        const __m512 xs = _mm512_load_ps(reinterpret_cast<const float*>(xb + kPairBytes) + s * kLanes);
+        for (int r = 0; r < R; ++r) {
+          const float* mins = reinterpret_cast<const float*>(w + r * kScratchBytes + 512) + 8;
+          part[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[s]), xs, part[r]);
+        }
+      }
+  }
+};
+
+// Q6_K: codes q - 32 (natural order, as the layout at Q6K above), scratch floats d*sc[0..15].
+struct Q6KBf16 : Bf16Pairs {
+  static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210;
+  static constexpr int64_t kScratchBytes = 512 + 64 + 64, kXtBytes = kPairBytes;
+  static void prepare(const float* xr, int j, uint8_t* xt) { prepare_pairs(xr, j, xt); }
+  struct Table {
+    alignas(64) uint16_t e[64];
+  };
+  static constexpr Table table() {
+    Table t{};
+    for (int e = 0; e < 64; ++e) t.e[e] = bf16_of_signed(e - 32);
+    return t;
+  }
+  static void decode(const uint8_t* blk, uint8_t* w) {
+    alignas(64) static constexpr Table kTable = table();
+    const __m512i lo_table = _mm512_load_si512(kTable.e), hi_table = _mm512_load_si512(kTable.e + 32);
+    _mm512_store_ps(reinterpret_cast<float*>(w + 512), gguf_fields::q6k_scale_vector(blk));
+    for (int h = 0; h < 2; ++h) {
+      for (int p = 0; p < 2; ++p) {
+        // Byte c: the q of weight 128h + 64p + c.
+        const __m512i q = _mm512_and_si512(p == 0 ? gguf_fields::q6k_q_bytes<0>(blk, h) : gguf_fields::q6k_q_bytes<1>(blk, h),
+                                           _mm512_set1_epi8(0x3F));
+        for (int i = 0; i < 2; ++i) {
+          const __m512i words = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, i));
+          _mm512_store_si512(w + 2 * (128 * h + 64 * p + 32 * i), _mm512_permutex2var_epi16(lo_table, words, hi_table));
+        }
+      }
+    }
+  }
+  template <int R>
+  __attribute__((always_inline)) static inline void multiply(const uint8_t* w, const uint8_t* xb, int c,
+                                                             __m512 (&part)[R]) {
+    for (int s = c * 16 / R; s < (c + 1) * 16 / R; ++s) sub_block<R>(w, kScratchBytes, xb, 8 * s, 8 * s + 8, 512, s, part);
+  }
+};
+#endif
+
+constexpr int kTileRows = 8;  // W rows per tile: 8 accumulators and 8 chains in registers
+constexpr int kMaxGroups = kGgufPanelMaxRows / kLanes;
 
 // W rows [n, n + R) times every group of 16 rows of x, into y. The scratch holds two super-blocks
-// of the R rows: while one is multiplied by the first group, in R slices of its 256 weights, the
-// next one is decoded a row after each slice, so that the decoding (integer and conversion work)
-// runs beside the FMAs rather than between tiles of them. Each super-block's products go into
+// of the R rows: while one is multiplied by the first group, in R slices, the next one is
+// decoded a row after each slice, so that the decoding (integer and conversion work) runs beside
+// the multiplications rather than between tiles of them. Each super-block's products go into
 // part[], then into the row's total (in memory, one per group).
-template <typename Fmt, int R>
-void tile(const GgufArgs& a, int64_t groups, const float* xt, int64_t group_floats, int64_t n, float* scratch,
+template <typename Kern, int R>
+void tile(const GgufArgs& a, int64_t groups, const uint8_t* xt, int64_t group_bytes, int64_t n, uint8_t* scratch,
           float* y) {
-  constexpr int64_t kStride = scratch_stride<Fmt>(), kSlice = 256 / R;
   // Each row's super-block kAhead blocks on is fetched while this one is decoded: the rows of a
   // tile are R streams of W that the hardware prefetchers do not run far enough ahead on.
   constexpr int64_t kAhead = 4;
-  const int64_t blocks_per_row = a.K / 256, row_bytes = blocks_per_row * Fmt::kBlockBytes;
-  auto decode = [&](int64_t b, int r, float* w) __attribute__((always_inline)) {
+  const int64_t blocks_per_row = a.K / 256, row_bytes = blocks_per_row * Kern::kBlockBytes;
+  auto decode = [&](int64_t b, int r, uint8_t* w) __attribute__((always_inline)) {
     const uint8_t* row = a.blocks + (n + r) * row_bytes;
     if (b + kAhead < blocks_per_row)
-      for (int64_t off = 0; off < Fmt::kBlockBytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row + (b + kAhead) * Fmt::kBlockBytes + off), _MM_HINT_T0);
-    Fmt::decode(row + b * Fmt::kBlockBytes, w + r * kStride);
+      for (int64_t off = 0; off < Kern::kBlockBytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + (b + kAhead) * Kern::kBlockBytes + off), _MM_HINT_T0);
+    Kern::decode(row + b * Kern::kBlockBytes, w + r * Kern::kScratchBytes);
   };
-  alignas(64) float total[kMaxGroups][R * kLanes] = {};
+  alignas(64) float total[kMaxGroups][R * kLanes];
+  for (int64_t g = 0; g < groups; ++g) std::fill_n(total[g], R * kLanes, 0.0f);
   for (int r = 0; r < R; ++r) decode(0, r, scratch);
   for (int64_t b = 0; b < blocks_per_row; ++b) {
-    const float* w = scratch + (b % 2) * R * kStride;
-    float* next = scratch + ((b + 1) % 2) * R * kStride;
+    const uint8_t* w = scratch + (b % 2) * R * Kern::kScratchBytes;
+    uint8_t* next = scratch + ((b + 1) % 2) * R * Kern::kScratchBytes;
     for (int64_t g = 0; g < groups; ++g) {
-      const float* xb = xt + g * group_floats + b * Fmt::kPerBlock * kLanes;
-      Lanes::V part[R];
-      for (int r = 0; r < R; ++r) part[r] = Lanes::zero();
+      const uint8_t* xb = xt + g * group_bytes + b * Kern::kXtBytes;
+      __m512 part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
       for (int c = 0; c < R; ++c) {
-        multiply<Fmt, R>(w, xb, c * kSlice, (c + 1) * kSlice, part);
+        Kern::template multiply<R>(w, xb, c, part);
         if (g == 0 && b + 1 < blocks_per_row) decode(b + 1, c, next);
       }
-      multiply<Fmt, R>(w, xb, 256, Fmt::kPerBlock, part);
       for (int r = 0; r < R; ++r)
-        Lanes::store(total[g] + r * kLanes, Lanes::add(Lanes::load(total[g] + r * kLanes), part[r]));
+        _mm512_store_ps(total[g] + r * kLanes, _mm512_add_ps(_mm512_load_ps(total[g] + r * kLanes), part[r]));
     }
   }
   for (int64_t g = 0; g < groups; ++g)
@@ -213,10 +322,10 @@ void tile(const GgufArgs& a, int64_t groups, const float* xt, int64_t group_floa
 // y [M, N] = x times W in one parallel region, as chunk::run does: the threads lay out x (items of
 // one super-block of one group of 16 rows) from one counter, wait until all of it is done, then
 // take spans of W rows from another.
-template <typename Fmt>
+template <typename Kern>
 void run(const GgufArgs& a, float* y) {
-  const int64_t groups = (a.M + kLanes - 1) / kLanes, bpr = a.K / 256, group_floats = bpr * Fmt::kPerBlock * kLanes;
-  chunk::CacheLineVector<float> xt(groups * group_floats);
+  const int64_t groups = (a.M + kLanes - 1) / kLanes, bpr = a.K / 256, group_bytes = bpr * Kern::kXtBytes;
+  chunk::CacheLineVector<uint8_t> xt(groups * group_bytes);
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int64_t span = chunk::span_rows_for(a.N, threads), spans = (a.N + span - 1) / span;
   const int64_t team = std::min(threads, spans), items = groups * bpr;
@@ -224,16 +333,19 @@ void run(const GgufArgs& a, float* y) {
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
     for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t g = i / bpr, b = i % bpr;
-      prepare_block<Fmt>(a.x, a.M, a.K, kLanes * g, b, xt.data() + g * group_floats);
+      for (int j = 0; j < kLanes; ++j) {
+        const int64_t m = kLanes * g + j;
+        Kern::prepare(m < a.M ? a.x + m * a.K + 256 * b : nullptr, j, xt.data() + g * group_bytes + b * Kern::kXtBytes);
+      }
       items_done.fetch_add(1, std::memory_order_release);
     }
     while (items_done.load(std::memory_order_acquire) < items) std::this_thread::yield();
-    chunk::CacheLineVector<float> scratch(2 * kTileRows * scratch_stride<Fmt>());
+    chunk::CacheLineVector<uint8_t> scratch(2 * kTileRows * Kern::kScratchBytes);
     for (int64_t s; (s = next_span.fetch_add(1, std::memory_order_relaxed)) < spans;) {
       const int64_t n0 = s * span, n1 = std::min(a.N, n0 + span);
       int64_t n = n0;
-      for (; n + kTileRows <= n1; n += kTileRows) tile<Fmt, kTileRows>(a, groups, xt.data(), group_floats, n, scratch.data(), y);
-      for (; n < n1; ++n) tile<Fmt, 1>(a, groups, xt.data(), group_floats, n, scratch.data(), y);
+      for (; n + kTileRows <= n1; n += kTileRows) tile<Kern, kTileRows>(a, groups, xt.data(), group_bytes, n, scratch.data(), y);
+      for (; n < n1; ++n) tile<Kern, 1>(a, groups, xt.data(), group_bytes, n, scratch.data(), y);
     }
   });
 }
@@ -242,18 +354,42 @@ void run(const GgufArgs& a, float* y) {
 
 bool gguf_panel_built() { return true; }
 
+static void check_rows(const GgufArgs& a) {
+  TORCH_CHECK(a.M >= 1 && a.M <= kGgufPanelMaxRows && a.K % 256 == 0, "gguf_qmm: the panel kernels take 1 to ",
+              kGgufPanelMaxRows, " rows of x and whole super-blocks, got M = ", a.M, ", K = ", a.K);
+}
+
 void gguf_panel(const GgufArgs& a, int64_t ggml_type, float* y) {
-  TORCH_CHECK(a.M >= 1 && a.M <= kGgufF32MaxRows && a.K % 256 == 0, "gguf_qmm: the panel kernels take 1 to ",
-              kGgufF32MaxRows, " rows of x and whole super-blocks, got M = ", a.M, ", K = ", a.K);
-  if (ggml_type == Q4K::kType) return run<Q4K>(a, y);
-  if (ggml_type == Q6K::kType) return run<Q6K>(a, y);
+  check_rows(a);
+  if (ggml_type == Q4K::kType) return run<F32<Q4K>>(a, y);
+  if (ggml_type == Q6K::kType) return run<F32<Q6K>>(a, y);
   TORCH_CHECK(false, "gguf_qmm: no panel kernel for ggml type ", ggml_type);
 }
+
+#if defined(__AVX512BF16__)
+bool gguf_panel_bf16_built() { return true; }
+
+void gguf_panel_bf16(const GgufArgs& a, int64_t ggml_type, float* y) {
+  check_rows(a);
+  if (ggml_type == Q4KBf16::kType) return run<Q4KBf16>(a, y);
+  if (ggml_type == Q6KBf16::kType) return run<Q6KBf16>(a, y);
+  TORCH_CHECK(false, "gguf_qmm: no bfloat16 panel kernel for ggml type ", ggml_type);
+}
+#else
+bool gguf_panel_bf16_built() { return false; }
+void gguf_panel_bf16(const GgufArgs&, int64_t, float*) {
+  TORCH_CHECK(false, "gguf_qmm: the bfloat16 panel kernels need AVX512_BF16");
+}
+#endif
 
 #else  // without AVX-512 F/BW/VL: the chunk kernels serve these rows (gguf_f32.cpp, gguf_avx2.cpp)
 
 bool gguf_panel_built() { return false; }
 void gguf_panel(const GgufArgs&, int64_t, float*) { TORCH_CHECK(false, "gguf_qmm: the panel kernels need AVX-512"); }
+bool gguf_panel_bf16_built() { return false; }
+void gguf_panel_bf16(const GgufArgs&, int64_t, float*) {
+  TORCH_CHECK(false, "gguf_qmm: the bfloat16 panel kernels need AVX512_BF16");
+}
 
 #endif
 

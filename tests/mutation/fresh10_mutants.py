@@ -139,7 +139,7 @@ MUTANTS: list[Mutant] = [
            "    return 64 * hp + 16 * u + l;", PANEL,
            "x is laid out for Q6_K in the natural order within each 64 weights (16u + l) while the "
            "decoder stores weight 4l + u at scratch entry 16u + l: weights and x are mismatched"),
-    Mutant("k10-q6k-high-field-3-of-2", "csrc/cpu/gguf_panel.cpp",
+    Mutant("k10-q6k-high-field-3-of-2", "csrc/cpu/gguf_fields.h",
            ": _mm512_srlv_epi32(qh, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2));",
            ": _mm512_srlv_epi32(qh, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0));", PANEL,
            "for p = 1 the Q6_K weights with c >= 32 take field 2 of qh (bits 4-5) as their high bits "
@@ -150,8 +150,8 @@ MUTANTS: list[Mutant] = [
            "the Q6_K scales of the high-nibble half (p = 1) are read from sub-blocks 8h + 2 + l / 4 "
            "instead of 8h + 4 + l / 4"),
     Mutant("k10-partial-sum-replaces-total", "csrc/cpu/gguf_panel.cpp",
-           "Lanes::store(total[g] + r * kLanes, Lanes::add(Lanes::load(total[g] + r * kLanes), part[r]));",
-           "Lanes::store(total[g] + r * kLanes, part[r]);", PANEL,
+           "_mm512_store_ps(total[g] + r * kLanes, _mm512_add_ps(_mm512_load_ps(total[g] + r * kLanes), part[r]));",
+           "_mm512_store_ps(total[g] + r * kLanes, part[r]);", PANEL,
            "each super-block's partial sums replace the row's total instead of being added to it: "
            "y holds the last super-block's products only"),
     Mutant("k10-next-decode-of-this-block", "csrc/cpu/gguf_panel.cpp",
@@ -160,13 +160,13 @@ MUTANTS: list[Mutant] = [
            "the super-block decoded beside the FMAs is this one again, not the next: from the second "
            "super-block on, every block multiplies the weights of the one before"),
     Mutant("k10-x-layout-ignores-group", "csrc/cpu/gguf_panel.cpp",
-           "    const float* xr = x + m * K + 256 * b;",
-           "    const float* xr = x + j * K + 256 * b;", PANEL,
+           "Kern::prepare(m < a.M ? a.x + m * a.K + 256 * b : nullptr,",
+           "Kern::prepare(m < a.M ? a.x + j * a.K + 256 * b : nullptr,", PANEL,
            "x is laid out from row j of the group's lanes without the group's first row m0: every "
            "group of 16 rows of x holds rows 0-15"),
     Mutant("k10-last-row-of-span-skipped", "csrc/cpu/gguf_panel.cpp",
-           "      for (; n < n1; ++n) tile<Fmt, 1>(",
-           "      for (; n + 1 < n1; ++n) tile<Fmt, 1>(", PANEL,
+           "      for (; n < n1; ++n) tile<Kern, 1>(",
+           "      for (; n + 1 < n1; ++n) tile<Kern, 1>(", PANEL,
            "the W rows of a span past its tiles of 8 are taken one at a time up to the last but one: "
            "a span of N not a multiple of 8 leaves its last row of y unwritten"),
     Mutant("k10-prefetch-past-the-row", "csrc/cpu/gguf_panel.cpp",
@@ -175,9 +175,9 @@ MUTANTS: list[Mutant] = [
            "the prefetch of the super-block kAhead on also runs when that block is the first past the "
            "row (the next W row's, or past the end of W for the last row)"),
     # gguf_f32.cpp
-    Mutant("k10-panel-last-group-of-14-to-chunks", "csrc/cpu/gguf_f32.cpp",
-           "  return a.M - last + (last >= kPanelMinGroupRows ? last : 0);",
-           "  return a.M - last + (last > kPanelMinGroupRows ? last : 0);", PANEL_ROUTE,
+    Mutant("k10-panel-last-group-of-14-to-chunks", "csrc/cpu/gguf_chunked.h",
+           "  return M - last + (last >= kGgufPanelMinGroupRows ? last : 0);",
+           "  return M - last + (last > kGgufPanelMinGroupRows ? last : 0);", PANEL_ROUTE,
            "a last group of exactly 14 rows goes to the chunk kernels, not the panel (off by one)"),
     Mutant("k10-rest-x-offset-in-floats-of-a-row", "csrc/cpu/gguf_f32.cpp",
            "  rest.x = a.x + panel * a.K;",

@@ -258,7 +258,7 @@ MUTANTS: list[Mutant] = [
            "t.odd[k].i[l] = t.even[k].i[l] + 1;", "t.odd[k].i[l] = t.even[k].i[l];",
            ("tests/test_cpu_gguf_float32.py", "-k", "f32 and Q4_K and dequantize"),
            "the AVX-512 Q4_K kernel scales high nibbles by the low nibbles' sub-block"),
-    Mutant("f32-q6k-high-field-shift", "csrc/cpu/gguf_f32.cpp",
+    Mutant("f32-q6k-high-field-shift", "csrc/cpu/gguf_fields.h",
            "_mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2)",
            "_mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4)",
            ("tests/test_cpu_gguf_float32.py", "-k", "f32 and Q6_K and dequantize"),

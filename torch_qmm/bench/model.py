@@ -82,18 +82,31 @@ def build_model(spec: str | None) -> tuple[nn.Module, int, dict]:
     if spec and Path(spec).is_dir():
         from ..interop.cli_convert import from_pretrained, quantized_format  # optional: the `transformers` extra
 
-        if (Path(spec) / "config.json").is_file() and (fmt := quantized_format(Path(spec))):
-            from ..cli_errors import UsageError
+        from ..cli_errors import UsageError
 
+        expects = ("the model benchmark compares a float model with its quantized copy and expects a float "
+                   "transformers folder (such as the one it was converted from) or a JSON file of ModelConfig fields")
+        if (Path(spec) / "config.json").is_file() and (fmt := quantized_format(Path(spec))):
             raise UsageError(f"argument --model: {spec} is a transformers folder quantized by torch_qmm ({fmt}); "
-                             "the model benchmark compares a float model with its quantized copy and expects a "
-                             "float transformers folder (such as the one it was converted from) or a JSON file of "
-                             "ModelConfig fields")
+                             + expects)
+        if (Path(spec) / "config.json").is_file() and _mlx_quantized(Path(spec) / "config.json"):
+            raise UsageError(f"argument --model: {spec} is an MLX folder quantized by mlx_lm (its config.json has "
+                             f"'quantization'); {expects}")
         model = from_pretrained(Path(spec))
         return _LogitsOnly(model), model.config.vocab_size, {"path": str(spec), "type": model.config.model_type}
     cfg = load_config(spec)
     torch.manual_seed(0)
     return TinyTransformer(cfg), cfg.vocab, dataclasses.asdict(cfg)
+
+
+def _mlx_quantized(config_json: Path) -> bool:
+    """Whether a config.json is mlx_lm's for quantized weights: a "quantization" entry, or a
+    "quantization_config" without transformers' "quant_method"."""
+    from ..interop.json_files import read_json_object
+
+    config = read_json_object(config_json)
+    qc = config.get("quantization_config")
+    return isinstance(config.get("quantization"), dict) or (isinstance(qc, dict) and "quant_method" not in qc)
 
 
 def load_config(spec: str | None) -> ModelConfig:

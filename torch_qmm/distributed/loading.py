@@ -138,6 +138,38 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
     return quantized, experts
 
 
+def _tied_heads(model: nn.Module) -> dict[str, str]:
+    """{output layer path: embedding path} of the nn.Linear layers whose weight is an embedding's
+    (a tied head), seen before any layer is replaced."""
+    embedding_of = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    return {n: embedding_of[id(m.weight)] for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and id(m.weight) in embedding_of}
+
+
+def _untie_heads(model: nn.Module, ckpt: Checkpoint, tied: dict[str, str], quantized: dict[str, str],
+                 dtype: torch.dtype) -> dict[str, str]:
+    """A checkpoint stores a tied head only as its embedding. The plan splits the head and the
+    embedding with different styles (e.g. lm_head colwise, the embedding by vocabulary rows), so
+    each becomes a layer of its own that reads the embedding's tensors: a QuantLinear in the
+    embedding's format where the embedding is quantized, else the float weight. Returns
+    {model key of the head: model key of the embedding tensor it reads}."""
+    alias: dict[str, str] = {}
+    for out, emb in tied.items():
+        if f"{out}.weight" in ckpt or f"{out}.scales" in ckpt:
+            continue  # stored untied: read as it is
+        embedding = model.get_submodule(emb)
+        if isinstance(embedding, QuantEmbedding):
+            head = QuantLinear(embedding.embedding_dim, embedding.num_embeddings, bias=False, bits=embedding.bits,
+                               group_size=embedding.group_size, device="meta", dtype=dtype, mode=embedding.mode)
+            parent, _, child = out.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, head)
+            quantized[out] = quantized[emb]
+            alias.update({f"{out}.{t}": f"{emb}.{t}" for t in ("qweight", "scales", "biases")})
+        else:
+            alias[f"{out}.weight"] = f"{emb}.weight"
+    return alias
+
+
 def _materialize(model: nn.Module, device: torch.device) -> None:
     """Uninitialised storage on `device` for every meta parameter and persistent buffer (a
     DTensor's local slice), which the checkpoint then fills. Non-persistent buffers are in no
@@ -262,7 +294,9 @@ def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh
     used (the format of a quantized layer comes from config.json). The quantized experts of a MoE
     block (mlx_lm's switch_mlp gate_proj / up_proj / down_proj, the names by config.json's
     model_type) become a QuantFusedExperts, each rank reading its rows of gate_proj and up_proj and
-    its columns of down_proj. dtype: the compute dtype
+    its columns of down_proj. An output layer tied to the embedding (stored once, as the
+    embedding) becomes a layer of its own reading the embedding's tensors, each split as the plan
+    says (a rank holds its slices of that table twice). dtype: the compute dtype
     (default: the checkpoint's most common float dtype); device: where the slices go.
     """
     path = Path(path)
@@ -272,10 +306,13 @@ def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh
     model.to(dtype)
     config = read_json_object(folder / "config.json") if (folder / "config.json").is_file() else {}
     model_type = config.get("model_type")
+    tied = _tied_heads(model)
     quantized, experts = _quantized_layers(model, ckpt, folder / "config.json", dtype)
+    alias = _untie_heads(model, ckpt, tied, quantized, dtype)
     weights = {f"{p}.qweight": f"{p}.weight" for p in quantized}
 
     def key_of(k: str) -> str:
+        k = alias.get(k, k)
         return to_mlx_key(weights.get(k, k), model_type)
 
     return _load_slices(model, ckpt, mesh, plan, device, quantized, key_of, experts)
@@ -298,6 +335,7 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
     dtype = dtype or _checkpoint_dtype(ckpt)
     model.to(dtype)
     bits = q.get("bits")
+    tied = _tied_heads(model)
     quantized = {}
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear or f"{name}.qweight" not in ckpt:
@@ -311,4 +349,6 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         quantized[name] = f"{new.mode} b{new.bits} gs{new.group_size}"
-    return _load_slices(model, ckpt, mesh, plan, device, quantized, lambda k: k, loader="load_pretrained_sharded")
+    alias = _untie_heads(model, ckpt, tied, quantized, dtype)
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, lambda k: alias.get(k, k),
+                        loader="load_pretrained_sharded")

@@ -191,6 +191,35 @@ def _skipped(name: str, skip: list[str]) -> bool:
     return any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skip)
 
 
+def _check_checkpoint_holds(files, buffers: Mapping[str, torch.dtype]) -> None:
+    """ValueError for a safetensors checkpoint that holds no torch_qmm codes at all (no '.qweight'
+    tensor) while its config.json's quantization_config makes torch_qmm layers: a float
+    checkpoint under a torch_qmm config (a config copied, or recorded by quantize_model into the
+    config object another model was built from). transformers would leave those layers' codes and
+    scales as allocated, garbage, and name them only in its load report. Read from the files'
+    headers (keys only). Checkpoints that are not all safetensors are left to transformers; single
+    tensors missing from a torch_qmm checkpoint too (its keys may be renamed on the way in)."""
+    files = [str(f) for f in (files or [])]
+    if not files or not buffers or not all(f.endswith(".safetensors") for f in files):
+        return
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            keys.update(h.keys())
+    if any(k.endswith(".qweight") for k in keys):
+        return
+    first = next(iter(buffers))
+    layer = first.rpartition(".")[0]
+    raise ValueError(
+        f"{files[0]}: config.json's quantization_config (quant_method 'torch_qmm') makes {layer!r} and "
+        f"{len({k.rpartition('.')[0] for k in buffers}) - 1} more torch_qmm layers, but the checkpoint holds no "
+        "torch_qmm codes (no '.qweight' tensor): a float checkpoint. To quantize it on load, remove "
+        "quantization_config from its config.json and pass TorchQmmConfig(...) as quantization_config"
+    )
+
+
 @register_quantizer(QUANT_METHOD)
 class TorchQmmHfQuantizer(HfQuantizer):
     """Swaps nn.Linear for torch_qmm.nn.QuantLinear (quantize on load, or load saved QuantLinears)."""
@@ -213,7 +242,8 @@ class TorchQmmHfQuantizer(HfQuantizer):
             if type(m) is nn.Linear and not _skipped(name, skip) and m.in_features % gs == 0
         ]
 
-    def _process_model_before_weight_loading(self, model, keep_in_fp32_modules=None, **kwargs):
+    def _process_model_before_weight_loading(self, model, keep_in_fp32_modules=None, checkpoint_files=None,
+                                             **kwargs):
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, self.quantization_config.modules_to_not_convert, keep_in_fp32_modules
         )
@@ -239,6 +269,7 @@ class TorchQmmHfQuantizer(HfQuantizer):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, q)
             self._buffer_dtypes.update({f"{name}.{k}": b.dtype for k, b in q.named_buffers()})
+        _check_checkpoint_holds(checkpoint_files, self._buffer_dtypes)
         return model
 
     def get_new_dtype(self, converter, param, dtype):
