@@ -279,12 +279,15 @@ def test_computed_buffer_nothing_can_recompute_is_an_error(tmp_path):
     assert meta_tensors(model) == [] and torch.equal(model.scale, _Scaled().scale)
 
 
-def test_an_initialization_that_writes_part_of_a_buffer_is_an_error():
-    # The check behind compute_buffers: an init that leaves any element as it was is refused.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_an_initialization_that_writes_part_of_a_buffer_is_an_error(dtype):
+    # The check behind compute_buffers: an init that leaves any element as it was is refused, for
+    # integer and bool buffers too (whose fills, unlike a float NaN, equal themselves: the two runs
+    # must start from different fills for the kept elements to differ).
     class Half(nn.Module):
         def __init__(self):
             super().__init__()
-            self.register_buffer("freq", torch.ones(8), persistent=False)
+            self.register_buffer("freq", torch.ones(8, dtype=dtype), persistent=False)
 
     class Model(transformers.PreTrainedModel):
         config_class = transformers.PretrainedConfig
@@ -295,12 +298,104 @@ def test_an_initialization_that_writes_part_of_a_buffer_is_an_error():
 
         def _init_weights(self, module):
             if isinstance(module, Half):
-                module.freq[:4] = 2.0
+                module.freq[:4] = True if dtype == torch.bool else 2
 
     with torch.device("meta"):
         model = Model(transformers.PretrainedConfig())
     with pytest.raises(ValueError, match=r"computed buffers \['half.freq'\] are in no file"):
         compute_buffers(model, torch.device("cpu"), "here")
+
+
+def test_recomputing_a_buffer_leaves_the_loaded_parameters_of_its_module_alone():
+    # A module with a loaded parameter beside its computed buffer, whose initialization (as
+    # transformers' do) writes the parameter in place too: only the buffer may be written, the
+    # parameter keeps the values the file gave it.
+    class ScaledLinear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(4, 8))
+            self.register_buffer("scale", torch.arange(1.0, 5.0), persistent=False)
+
+    class Model(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.layer = ScaledLinear()
+
+        def _init_weights(self, module):
+            if isinstance(module, ScaledLinear):
+                module.weight.normal_()
+                module.scale.copy_(torch.arange(1.0, 5.0))
+
+    with torch.device("meta"):
+        model = Model(transformers.PretrainedConfig())
+    loaded = torch.linspace(-1.0, 1.0, 32).reshape(4, 8)
+    model.layer.weight = nn.Parameter(loaded.clone())  # as a loader fills it
+    assert compute_buffers(model, torch.device("cpu"), "here") == ["layer.scale"]
+    assert torch.equal(model.layer.weight, loaded)
+    assert torch.equal(model.layer.scale, torch.arange(1.0, 5.0))
+    assert meta_tensors(model) == []
+
+
+def test_a_buffer_is_computed_by_the_innermost_transformers_model_that_holds_it():
+    # A composite model (a transformers model inside another, as a multimodal one holds its language
+    # model): the outer model's initialization does not know the inner one's modules; the inner
+    # model's computes the buffer, as it did when the model was built in memory.
+    class Freq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", 10000.0 ** -torch.arange(0.0, 1.0, 0.125), persistent=False)
+
+    class Inner(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.freq = Freq()
+
+        def _init_weights(self, module):
+            if isinstance(module, Freq):
+                module.inv_freq.copy_(10000.0 ** -torch.arange(0.0, 1.0, 0.125))
+
+    class Outer(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.inner = Inner(config)
+
+        def _init_weights(self, module):
+            pass
+
+    float_built = Outer(transformers.PretrainedConfig())
+    with torch.device("meta"):
+        model = Outer(transformers.PretrainedConfig())
+    assert compute_buffers(model, torch.device("cpu"), "here") == ["inner.freq.inv_freq"]
+    assert torch.equal(model.inner.freq.inv_freq, float_built.inner.freq.inv_freq)
+
+
+class _Counted(nn.Module):
+    """A layer with a persistent buffer: the file holds it, nothing computes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.register_buffer("steps", torch.arange(4.0))
+
+
+def test_meta_built_model_without_a_persistent_buffer_in_the_checkpoint_names_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_mlx(_Counted(), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["steps"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "mlx"})
+    with torch.device("meta"):
+        model = _Counted()
+    with pytest.raises(ValueError, match=r"load_mlx: .*: the model was built on the meta device and 1 of its "
+                                         r"tensors have no values after the load .*\['steps'\]"):
+        load_mlx(model, tmp_path, strict=False)
 
 
 # ---------------------------------------------------------------- peak memory
