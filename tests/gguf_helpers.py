@@ -171,8 +171,9 @@ def k_quant_magnitude(x: torch.Tensor, blocks, ggml_type) -> torch.Tensor:
 # ones up to GGUF_BF16_MAX_ROWS[type, bfloat16 terms of x] rows (unless TORCH_QMM_CPU_NO_BF16=1),
 # the AVX2 ones up to GGUF_AVX2_MAX_ROWS rows (unless TORCH_QMM_CPU_NO_AVX2_CHUNKS=1); then the
 # fused decode below 16 rows (cpu::kGemmMinRows), the GEMM from there. x out of range skips all
-# three. The AVX-512 float32 kernels go first for float32 x (three terms), for Q6_K, and for 16-bit
-# x where cpu_features.fma_first(); else after the bfloat16 ones. The bfloat16 kernels yield to the
+# three. The AVX-512 float32 kernels go first for float32 x (three terms), for Q6_K, for 16-bit x
+# where cpu_features.fma_first(), and for float16 x where the float32 panel kernels take rows; else
+# after the bfloat16 ones. The bfloat16 kernels yield to the
 # AVX2 ones, where those serve, for float32 x and Q6_K, and where fma_first() serve no M unless
 # the AVX-512 float32 kernels are stepped aside. The panel kernels (below) take groups of 16 rows
 # from 14 rows on: inside the float32 family, and for bfloat16 x ahead of every family.
@@ -221,7 +222,7 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True) -> st
     f32_family = HAS_AVX512 and not env_on("TORCH_QMM_CPU_NO_F32_CHUNKS")
     f32 = x_in_range and f32_family and (1 <= m <= GGUF_F32_MAX_ROWS
                                          or (m <= GGUF_PANEL_MAX_ROWS and gguf_panel_rows(m) > 0))
-    if f32 and (terms == 3 or ggml_type == Q6_K or fma_first()):
+    if f32 and (terms == 3 or ggml_type == Q6_K or fma_first() or (terms == 2 and gguf_panel_rows(m) > 0)):
         return gguf_f32_name(ggml_type, m)
     avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
     yields = (avx2 and (terms == 3 or ggml_type == Q6_K)) or (fma_first() and f32_family)

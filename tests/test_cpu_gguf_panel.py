@@ -204,3 +204,18 @@ def test_float32_x_at_medium_precision_takes_the_bfloat16_panel(ggml_type, monke
         finally:
             torch.set_float32_matmul_precision(before)
         assert_matches_reference(y, y_chunk.double(), mag, torch.float32, "x rounded as bf16x1 rounds it")
+
+
+def test_float16_x_of_q4k_takes_the_float32_panel_where_it_takes_rows(monkeypatch):
+    """float16 x (two bfloat16 terms) of Q4_K: the float32 family goes first where its panel
+    kernels take rows (from 14), the bfloat16 chunk kernels below; the results against float64."""
+    if not (HAS_VL and HAS_BF16):
+        pytest.skip("the order concerns CPUs with both the float32 panel and AVX512_BF16")
+    monkeypatch.setenv("TORCH_QMM_CPU_FMA_FIRST", "0")
+    n, k = 40, 512
+    blocks, w = _blocks(Q4_K, n, k, seed=19)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(20)).half()
+    assert route(x[:13], blocks, n, k, Q4_K) == "chunked/bf16x2"
+    for m in (14, 16, 20):
+        assert route(x[:m], blocks, n, k, Q4_K) == GGUF_PANEL_NAMES[Q4_K] == expected_gguf_route(torch.float16, m, Q4_K)
+        check(x[:m], blocks, w, n, k, Q4_K, f"float16 M={m}")
