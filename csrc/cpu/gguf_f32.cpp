@@ -59,10 +59,8 @@ struct Q4K {
     for (int k = 0; k < 2; ++k)
       for (int p = 0; p < 2; ++p) {
         const float* base = x + 128 * k + 32 * p;
-        const __m512 v[4] = {_mm512_loadu_ps(base), _mm512_loadu_ps(base + 16), _mm512_loadu_ps(base + 64),
-                             _mm512_loadu_ps(base + 80)};
         __m512 f[4];
-        gguf_x::every_fourth(v, f);
+        gguf_x::every_fourth_at(base, 64, f);
         for (int i = 0; i < 4; ++i) {
           const int j = 2 * i + p;
           _mm512_storeu_ps(xc + (8 * k + j) * 16, _mm512_mul_ps(f[i], _mm512_set1_ps(Field::x_factor(j))));
@@ -167,10 +165,8 @@ struct Q6K {
     for (int h = 0; h < 2; ++h)
       for (int p = 0; p < 2; ++p) {
         const float* base = x + 128 * h + 64 * p;
-        const __m512 v[4] = {_mm512_loadu_ps(base), _mm512_loadu_ps(base + 16), _mm512_loadu_ps(base + 32),
-                             _mm512_loadu_ps(base + 48)};
         __m512 f[4];
-        gguf_x::every_fourth(v, f);
+        gguf_x::every_fourth_at(base, 32, f);
         for (int u = 0; u < 4; ++u)
           _mm512_storeu_ps(xc + ((2 * h + p) * 4 + u) * 16, _mm512_mul_ps(f[u], _mm512_set1_ps(factor(u))));
       }

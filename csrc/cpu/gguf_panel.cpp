@@ -274,6 +274,15 @@ struct Q6KBf16 : Bf16Pairs {
 };
 #endif
 
+// The skeleton below (tile, run) takes a kernel Kern (F32<Fmt>, Q4KBf16, Q6KBf16) that provides:
+//   kType, kBlockBytes        the GGUF type; bytes per super-block
+//   kXtBytes                  laid-out x per super-block and group of 16 rows (whole cache lines)
+//   kScratchBytes             decoded W per row and super-block (whole cache lines)
+//   prepare(xr, j, xt)        one row's super-block of x (256 floats; null: a missing row, zeros)
+//                             into lane j of that super-block's xt
+//   decode(blk, w)            one super-block of one W row into its scratch
+//   multiply<R>(w, xb, c, part)  slice c of R of the super-block (W rows at w, kScratchBytes
+//                             apart; x at xb) added to part[r], the last slice with the side terms
 constexpr int kTileRows = 8;  // W rows per tile: 8 accumulators and 8 chains in registers
 constexpr int kMaxGroups = kGgufPanelMaxRows / kLanes;
 

@@ -62,6 +62,13 @@ __attribute__((always_inline)) inline void every_fourth(const __m512 (&v)[4], __
   }
 }
 
+// every_fourth of the 64 floats at base, base + 16, base + at, base + at + 16 (two runs of 32).
+__attribute__((always_inline)) inline void every_fourth_at(const float* base, int at, __m512 (&out)[4]) {
+  const __m512 v[4] = {_mm512_loadu_ps(base), _mm512_loadu_ps(base + 16), _mm512_loadu_ps(base + at),
+                       _mm512_loadu_ps(base + at + 16)};
+  every_fourth(v, out);
+}
+
 }  // namespace gguf_x
 }  // namespace cpu
 }  // namespace torch_qmm
