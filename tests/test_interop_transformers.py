@@ -268,6 +268,30 @@ def test_torch_qmm_config_over_a_float_checkpoint_is_refused(float_folder, tmp_p
         transformers.AutoModelForCausalLM.from_pretrained(folder)
 
 
+@pytest.mark.parametrize("drop", [
+    ["model.layers.1.mlp.up_proj.scales"],
+    ["model.layers.0.self_attn.k_proj.qweight", "model.layers.0.self_attn.k_proj.scales",
+     "model.layers.0.self_attn.k_proj.biases"],
+])
+def test_saved_model_missing_tensors_is_refused(float_folder, tmp_path, drop):
+    """A torch_qmm checkpoint without some of its layers' tensors (a file cut short by hand, or
+    saved from another model): the load fails naming them, instead of leaving them as
+    transformers allocates them (uninitialized memory)."""
+    from safetensors.torch import load_file, save_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        float_folder, quantization_config=TorchQmmConfig(bits=4, group_size=64))
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in drop:
+        del tensors[name]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    layer = drop[0].rpartition(".")[0]
+    with pytest.raises(ValueError, match=rf"lacks {len(drop)} tensor\(s\) of 1 torch_qmm layer\(s\).*"
+                                         rf"'{drop[0]}' \(layers: {layer}\)"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
 _RELOAD_SCRIPT = r"""
 import sys
 import torch

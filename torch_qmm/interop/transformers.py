@@ -220,6 +220,24 @@ def _check_checkpoint_holds(files, buffers: Mapping[str, torch.dtype]) -> None:
     )
 
 
+def _check_every_buffer_loaded(model, buffers: Mapping[str, torch.dtype]) -> None:
+    """ValueError naming the torch_qmm layers whose codes or scales the checkpoint did not hold.
+    transformers marks each tensor it loads from the checkpoint (`_is_hf_initialized`, after any
+    renaming of checkpoint keys) and allocates the missing ones empty, unmarked: garbage that its
+    load report only names. Where no tensor of these layers is marked at all (a way of loading
+    that does not mark them), nothing can be told apart and nothing is checked."""
+    missing = [k for k in buffers if not getattr(model.get_buffer(k), "_is_hf_initialized", False)]
+    if not missing or len(missing) == len(buffers):
+        return
+    layers = sorted({k.rpartition(".")[0] for k in missing})
+    raise ValueError(
+        f"the checkpoint lacks {len(missing)} tensor(s) of {len(layers)} torch_qmm layer(s) its "
+        f"quantization_config makes, e.g. {missing[0]!r} (layers: {', '.join(layers[:4])}"
+        f"{', ...' if len(layers) > 4 else ''}); they would hold uninitialized memory. The checkpoint is "
+        "incomplete or was saved from another model"
+    )
+
+
 @register_quantizer(QUANT_METHOD)
 class TorchQmmHfQuantizer(HfQuantizer):
     """Swaps nn.Linear for torch_qmm.nn.QuantLinear (quantize on load, or load saved QuantLinears)."""
@@ -281,6 +299,7 @@ class TorchQmmHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
+            _check_every_buffer_loaded(model, getattr(self, "_buffer_dtypes", {}))
             # transformers assigns a checkpoint's integer tensors as stored: an int32 or int64
             # qweight, an integer scales tensor would load and fail (or compute garbage) later.
             for key, dtype in getattr(self, "_buffer_dtypes", {}).items():
