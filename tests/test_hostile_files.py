@@ -261,6 +261,70 @@ def test_a_49_byte_file_declaring_a_huge_array_fails_fast_in_the_cli(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def _gguf_of_tensors(path: Path, tensors: list[tuple[str, list[int], int]]) -> Path:
+    """A GGUF file (version 3, no metadata, alignment 32) of tensors given as (name, ggml dims
+    ne, ggml type), each holding no bytes: every one has a dim of 0."""
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 0)
+    for name, ne, ggml_type in tensors:
+        out += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(ne))
+        out += b"".join(struct.pack("<Q", d) for d in ne) + struct.pack("<IQ", ggml_type, 0)
+    path.write_bytes(out + b"\0" * (-len(out) % 32))
+    return path
+
+
+_ZERO_DIM_SCRIPT = """
+import sys, time
+from torch_qmm.__main__ import main
+from torch_qmm.interop.gguf import GGUFFile, check_finite, dequantize
+from torch_qmm.interop.safetensors_io import Checkpoint
+t0 = time.perf_counter()
+f = GGUFFile(sys.argv[1])
+for t in f.tensors.values():
+    assert dequantize(t).shape == t.shape, t.name
+    assert check_finite(t, 1 << 20) is True, t.name
+ckpt = Checkpoint(sys.argv[2])
+assert ckpt.check_finite("a", 1 << 20) is True
+assert main(["inspect", sys.argv[1], "--verify"]) == 0
+assert main(["inspect", sys.argv[2], "--verify"]) == 0
+print("seconds", time.perf_counter() - t0)
+"""
+
+
+def test_tensors_with_a_dim_of_zero_hold_no_values_and_are_verified_at_once(tmp_path):
+    """A dim of 0 (the header allows it, as llama.cpp's does) makes a tensor of no values, however
+    large its other dims: dequantize gives the empty tensor (it divided by the row length: a
+    ZeroDivisionError, or a numpy "array is too big") and --verify checks nothing (it walked
+    2^62 empty rows, a step at a time: no end). In a child process, so that a hang fails the test."""
+    from safetensors.torch import save_file  # noqa: F401  (the safetensors file is written by hand)
+
+    gguf = _gguf_of_tensors(tmp_path / "z.gguf", [("q8.weight", [0, 1000], int(T.Q8_0)),
+                                                  ("q4k.weight", [0, 7], int(T.Q4_K)),
+                                                  ("f32.weight", [0, 2**62], int(T.F32)),
+                                                  ("f16.weight", [2**40, 0], int(T.F16))])
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2**62, 0], "data_offsets": [0, 0]},
+                         "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    st = tmp_path / "z.safetensors"
+    st.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.run([sys.executable, "-c", _ZERO_DIM_SCRIPT, str(gguf), str(st)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("ne", [[0, 1000], [32, 0], [32, 4, 2]])
+def test_a_gguf_tensor_that_is_no_matrix_is_refused_as_a_layer_naming_the_file(tmp_path, ne):
+    from torch_qmm.interop.gguf import embedding_from_gguf, linear_from_gguf
+
+    path = _gguf_of_tensors(tmp_path / "z.gguf", [("w.weight", ne, int(T.Q8_0))])
+    if 0 not in ne:  # 256 values of Q8_0: 8 blocks of 34 bytes
+        path.write_bytes(path.read_bytes() + b"\0" * (8 * 34))
+    t = GGUFFile(path).tensors["w.weight"]
+    for fn, what in ((linear_from_gguf, "a linear weight"), (embedding_from_gguf, "an embedding table")):
+        with pytest.raises(ValueError, match=rf"tensor 'w.weight': {what} must be \[") as e:
+            fn(t)
+        assert str(path) in str(e.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Metadata that disagrees with the tensors: refused before the model is built.
 

@@ -136,6 +136,8 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
     """float32 tensor of `t`'s shape, decoded by the gguf package (the reference decoder).
     Raises GGUFFormatError when the decoded values are not all finite (a corrupt file)."""
     _require(t, SUPPORTED_TYPES, "dequantize")
+    if math.prod(t.shape) == 0:  # a dim of 0 (the header allows it): no values, whatever the other dims
+        return torch.empty(t.shape, dtype=torch.float32)
     if t.ggml_type == F32:
         values = t.raw.view(np.float32)
     elif t.ggml_type == F16:
@@ -180,6 +182,8 @@ def check_finite(t: GGUFTensor, slice_bytes: int) -> bool:
         qtype = GGMLQuantizationType(t.ggml_type)
     except ValueError:
         return False
+    if math.prod(t.shape) == 0:  # no values to check (rows of 0 values, or 0 rows)
+        return True
     rows, per_row = t.raw.shape[0], max(1, math.prod(t.shape[-1:]))
     step = max(1, slice_bytes // (4 * per_row))
     for r in range(0, rows, step):
@@ -358,13 +362,17 @@ def to_blocks(t: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(blocks)
 
 
+def _check_matrix(t: GGUFTensor, what: str, expected: str) -> None:
+    if len(t.shape) != 2 or 0 in t.shape:
+        raise ValueError(f"{t.source}: tensor {t.name!r}: {what} must be {expected}, got shape {list(t.shape)}")
+
+
 def linear_from_gguf(
     t: GGUFTensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
     """The layer for a GGUF weight [N, K]: QuantLinear (32-weight block types, lossless),
     GGUFLinear (Q4_K / Q6_K) or nn.Linear (F32 / F16 / BF16)."""
-    if len(t.shape) != 2:
-        raise ValueError(f"tensor {t.name!r}: a linear weight must be 2-D, got shape {list(t.shape)}")
+    _check_matrix(t, "a linear weight", "[out_features >= 1, in_features >= 1]")
     n, k = t.shape
     if t.ggml_type in AFFINE_TYPES:
         wq, scales, biases, bits, gs = to_affine(t, dtype)
@@ -390,6 +398,7 @@ def linear_from_gguf(
 def embedding_from_gguf(t: GGUFTensor, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The embedding for a GGUF table [vocab, dim]: QuantEmbedding for the lossless block types,
     nn.Embedding (decoded once) for float and K-quant tables."""
+    _check_matrix(t, "an embedding table", "[vocab >= 1, dim >= 1]")
     n, k = t.shape
     if t.ggml_type in AFFINE_TYPES:
         wq, scales, biases, bits, gs = to_affine(t, dtype)

@@ -194,6 +194,8 @@ class Checkpoint:
         file, shape = self.where[name], self.shape(name)
         if self.dtype_name(name) not in _FLOAT_DTYPES:
             return False
+        if math.prod(shape) == 0:  # a dim of 0: no values, however many rows the other dims give
+            return True
         per_row = max(1, math.prod(shape[1:])) * _FLOAT_DTYPES[self.dtype_name(name)]
         step = max(1, slice_bytes // per_row)
         try:
