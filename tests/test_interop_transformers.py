@@ -156,6 +156,11 @@ BAD_CONFIGS = [
     (dict(bits=4, mixed_bits={"average": 4.5, "low": 4, "high": 6}), ValueError,
      r"argument 'mixed_bits' must be a dict \(average, low, high\) and comes without 'bits'"),
     (dict(mixed_bits=[4.5, 4, 6]), ValueError, r"argument 'mixed_bits' must be a dict"),
+    # config.json's mixed_bits of other JSON types: not "'<=' not supported between 'int' and 'str'"
+    (dict(mixed_bits={"average": "4.5"}), TypeError, r"MixedBits average must be a number of bits, got '4.5'"),
+    (dict(mixed_bits={"average": True}), TypeError, r"MixedBits average must be a number of bits, got True"),
+    (dict(mixed_bits={"average": 4.5, "low": 4.0}), TypeError, r"MixedBits low must be an integer .* got 4.0"),
+    (dict(mixed_bits={"average": 4.5, "high": [6]}), TypeError, r"MixedBits high must be an integer .* got \[6\]"),
     (dict(bits={"*": 4}, mode="mxfp4"), ValueError,
      r"argument 'bits': per-layer bits are for mode 'affine', got mode='mxfp4'"),
     (dict(bits={"*": 4, "a.up": 8}, group_size=48), ValueError, r"argument 'group_size' must be one of .*got 48"),

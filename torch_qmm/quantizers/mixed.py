@@ -10,6 +10,7 @@ weight error |D|^2 / |W|^2 without calibration), between round-to-nearest at the
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -30,6 +31,16 @@ class MixedBits:
     average: float
     low: int | None = None
     high: int | None = None
+
+    def __post_init__(self) -> None:
+        # A config.json read back (TorchQmmConfig's mixed_bits) may hold any JSON value here.
+        if isinstance(self.average, bool) or not isinstance(self.average, numbers.Real):
+            raise TypeError(f"argument 'bits': MixedBits average must be a number of bits, got {self.average!r}")
+        for name in ("low", "high"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise TypeError(f"argument 'bits': MixedBits {name} must be an integer number of bits or None, "
+                                f"got {value!r}")
 
     def widths(self) -> tuple[int, int]:
         low = self.low if self.low is not None else max((b for b in SUPPORTED_BITS if b <= self.average), default=None)
