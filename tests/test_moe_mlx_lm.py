@@ -208,6 +208,19 @@ EXPERT_FILE_EDITS = {  # family, quantized, edit, message
     "float-weight-shape": ("qwen3_moe", False,
                            lambda t: t.__setitem__(f"{PREFIX}.up_proj.weight", t[f"{PREFIX}.up_proj.weight"][:, :32].contiguous()),
                            r"have shapes \[\[4, 64, 64\], \[4, 32, 64\]\], the experts model\.layers\.1\.mlp\.experts take"),
+    # a float tensor's bytes under an integer dtype: copy_ converted the integers (garbage weights)
+    "float-weight-as-integers": ("qwen3_moe", False,
+                                 lambda t: t.__setitem__(f"{PREFIX}.up_proj.weight", t[f"{PREFIX}.up_proj.weight"].view(torch.int32)),
+                                 rf"tensor '{PREFIX}\.up_proj\.weight' is I32, but the model's tensor is torch\.float32"),
+    "bias-as-integers": ("gpt_oss", True,
+                         lambda t: t.__setitem__("model.layers.1.mlp.experts.gate_proj.bias",
+                                                 t["model.layers.1.mlp.experts.gate_proj.bias"].view(torch.int32)),
+                         r"tensor 'model\.layers\.1\.mlp\.experts\.gate_proj\.bias' is I32, but the model's tensor is "
+                         r"torch\.float32"),
+    "float-bias-as-integers": ("gpt_oss", False,
+                               lambda t: t.__setitem__("model.layers.0.mlp.experts.down_proj.bias",
+                                                       t["model.layers.0.mlp.experts.down_proj.bias"].view(torch.int32)),
+                               r"tensor 'model\.layers\.0\.mlp\.experts\.down_proj\.bias' is I32"),
 }
 
 

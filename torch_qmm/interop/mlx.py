@@ -261,7 +261,7 @@ def load_mlx(
     report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
     # The experts of MoE blocks (mlx_lm's SwitchGLU tensors) first: they fill whole modules.
     experts_keys, report.quantized, experts_done = load_experts(model, ckpt, model_type, spec_of, dtype,
-                                                                _check_quantized_shapes, meta)
+                                                                _check_quantized_shapes, _check_dtype, meta)
     keys = [k for k in keys if k not in experts_keys]
     report.bytes_read += sum(ckpt.nbytes(k) for k in experts_keys)
     quantized_paths = [k[: -len(".scales")] for k in keys if k.endswith(".scales")]

@@ -115,11 +115,13 @@ def empty_stored_experts(ckpt, experts: nn.Module, prefix: str, spec_of, dtype: 
 
 
 def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype: torch.dtype,
-                 check_shapes, meta=None) -> tuple[set[str], dict[str, str], list[str]]:
+                 check_shapes, check_dtype, meta=None) -> tuple[set[str], dict[str, str], list[str]]:
     """Fills the fused experts modules of `model` from an MLX checkpoint: quantized SwitchLinear
     tensors make a QuantFusedExperts (replacing the module), float ones fill its parameters.
     spec_of(mlx path) -> QuantSpec; check_shapes(ckpt, path, spec, rows, cols) checks the stored
-    shapes and dtypes. meta: the MetaTensors of a model built on the meta device (the new
+    shapes and dtypes of the quantized layers; check_dtype(ckpt, key, dst) that of each stored
+    tensor read into `dst` (a float one must be stored as a float: copy_ would convert the
+    integers of another dtype into other values). meta: the MetaTensors of a model built on the meta device (the new
     QuantFusedExperts are created on its device, float expert weights get storage there before
     they are filled). Returns (checkpoint keys used, {module path: format} of the quantized, the
     paths of the experts modules filled)."""
@@ -147,6 +149,8 @@ def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype:
                         continue
                     if not all(present):
                         raise ValueError(f"{ckpt.path}: the model's experts {name} have a {leaf}; missing {keys}")
+                    for k in keys:
+                        check_dtype(ckpt, k, dst)
                     parts = [ckpt.get(k) for k in keys]
                     t = new.join_gate_and_up(*parts) if len(parts) == 2 else parts[0]
                     if tuple(t.shape) != tuple(dst.shape):
@@ -172,6 +176,8 @@ def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype:
                 missing = [k for k in keys if k not in ckpt]
                 if missing:
                     raise ValueError(f"{ckpt.path}: the experts {name} need {missing}")
+                for k in keys:
+                    check_dtype(ckpt, k, dst)
                 parts = [ckpt.get(k) for k in keys]
                 t = join_gate_up(*parts, layout.interleaved) if len(parts) == 2 else parts[0]
                 if tuple(t.shape) != tuple(dst.shape):
