@@ -592,6 +592,34 @@ def test_gguf_tokenizer_that_transformers_refuses_warns_and_writes_no_tokenizer(
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_gguf_special_token_id_of_a_float_type_warns_and_the_conversion_goes_on(tmp_path):
+    """A special token id stored as a FLOAT32 (a damaged or hand-edited file): the config drops it
+    with a warning, and transformers' tokenizer builder, which reads it into its own config, refuses
+    it with an error of huggingface_hub (StrictDataclassFieldValidationError, not a ValueError): that
+    is a tokenizer transformers cannot build, a warning and no tokenizer files, not the end of the
+    conversion with an "unexpected" error that names no file."""
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for key, value in {"llama.block_count": 1, "llama.embedding_length": 32, "llama.attention.head_count": 2}.items():
+        writer.add_uint32(key, value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(96)])
+    writer.add_token_types([1] * 96)
+    writer.add_token_merges([])
+    writer.add_float32("tokenizer.ggml.bos_token_id", 1.0)
+    _add_llama_tensors(writer, 96)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.warns(UserWarning) as w:
+        assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--format", "mlx"]) == 0
+    messages = [str(m.message) for m in w]
+    assert any("tokenizer.ggml.bos_token_id = 1.0 is not a token id" in m for m in messages), messages
+    assert any("m.gguf: transformers cannot build its 'gpt2' tokenizer (StrictDataclassFieldValidationError" in m
+               for m in messages), messages
+    assert (tmp_path / "out" / "config.json").is_file() and not (tmp_path / "out" / "tokenizer.json").exists()
+
+
 def test_gguf_rotary_scaling_that_the_config_cannot_carry_warns(tmp_path):
     # llama.cpp writes Llama 3.1-style scaling as per-frequency factors (rope_freqs.weight)
     plain = _config_gguf(tmp_path / "plain.gguf", {})
