@@ -566,6 +566,53 @@ def test_index_shard_outside_the_folder_is_refused(mlx_folder, tmp_path):
         load_mlx(_fresh_model(mlx_folder), folder)
 
 
+_SHARDED_SCRIPT = """
+import json, sys
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch_qmm.distributed import empty_parameters, load_mlx_sharded, tp_plan
+
+folder, store = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+config = json.loads(open(folder + "/config.json").read())
+for k in ("quantization", "quantization_config", "architectures", "transformers_version", "model_type"):
+    config.pop(k, None)
+with empty_parameters():
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+try:
+    load_mlx_sharded(model, folder, mesh, tp_plan(model))
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("part", ["weight", "biases"])
+def test_quantized_layer_without_its_weight_or_biases_is_refused_by_every_mlx_loader(mlx_folder, tmp_path, part):
+    """A layer stored with scales but without its packed weight or biases: load_mlx_sharded (one
+    rank, in a child process: it starts a process group) raised a KeyError naming only the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(mlx_folder, tmp_path / "m")
+    key = f"model.layers.1.mlp.down_proj.{part}"
+    shard = _shard_of(folder, key)
+    tensors = load_file(shard)
+    del tensors[key]
+    save_file(tensors, str(shard), metadata={"format": "mlx"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    del index["weight_map"][key]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = f"quantized layer 'model.layers.1.mlp.down_proj' has scales but no {key}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_mlx(_fresh_model(mlx_folder), folder)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(folder), str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"refused: {folder}: {message}" in proc.stdout, proc.stdout[-2000:]
+
+
 def test_index_listing_a_tensor_in_another_shard_than_it_is_stored_in_is_refused(mlx_folder, tmp_path):
     folder = _copy(mlx_folder, tmp_path / "m")
     index = json.loads((folder / "model.safetensors.index.json").read_text())

@@ -120,7 +120,10 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
         if not isinstance(spec, QuantSpec):
             raise ValueError(f"{ckpt.path}: the checkpoint stores quantized layer {path!r} but {config_path} gives it "
                              f"no format ({spec!r})")
-        module = model.get_submodule(path)
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"{ckpt.path}: quantized layer {path!r} does not exist in the model") from None
         if isinstance(module, nn.Linear):
             _check_quantized_shapes(ckpt, path, spec, module.out_features, module.in_features)
             new = QuantLinear(module.in_features, module.out_features, bias=f"{path}.bias" in ckpt, bits=spec.bits,

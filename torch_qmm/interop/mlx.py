@@ -144,6 +144,9 @@ def _check_quantized_shapes(ckpt: Checkpoint, path: str, spec: QuantSpec, rows: 
     want_w = (*lead, packed_words(cols, spec.bits))
     want_s = (*lead, cols // spec.group_size)
     parts = ("scales", "biases") if spec.has_biases else ("scales",)
+    for part in ("weight", *parts):
+        if f"{path}.{part}" not in ckpt:
+            raise ValueError(f"{ckpt.path}: quantized layer {path!r} has scales but no {path}.{part}")
     got_w = ckpt.shape(f"{path}.weight")
     got = {part: ckpt.shape(f"{path}.{part}") for part in parts}
     if got_w != want_w or any(shape != want_s for shape in got.values()):
