@@ -613,6 +613,19 @@ def test_quantized_layer_without_its_weight_or_biases_is_refused_by_every_mlx_lo
     assert f"refused: {folder}: {message}" in proc.stdout, proc.stdout[-2000:]
 
 
+def test_model_type_that_is_not_a_string_is_refused_by_load_mlx_sharded(mlx_folder, tmp_path):
+    """A list where config.json names the model type: load_mlx refused it, load_mlx_sharded raised
+    "unhashable type: 'list'" looking it up in the MoE naming table."""
+    folder = _copy(mlx_folder, tmp_path / "m")
+    _edit_config(folder, lambda c: c.update(model_type=["llama"]))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(folder), str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"refused: {folder / 'config.json'}: field 'model_type' must be a string, got ['llama']" in proc.stdout, \
+        proc.stdout[-2000:]
+
+
 def test_index_listing_a_tensor_in_another_shard_than_it_is_stored_in_is_refused(mlx_folder, tmp_path):
     folder = _copy(mlx_folder, tmp_path / "m")
     index = json.loads((folder / "model.safetensors.index.json").read_text())

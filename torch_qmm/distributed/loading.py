@@ -28,7 +28,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..format_state import FORMAT_STATE_KEY
 from ..interop.json_files import read_json_object
-from ..interop.mlx import _SAFETENSORS_DTYPES, QuantSpec, _check_dtype, _check_quantized_shapes, parse_quantization
+from ..interop.mlx import (_SAFETENSORS_DTYPES, QuantSpec, _check_dtype, _check_quantized_shapes, model_type_of,
+                           parse_quantization)
 from ..interop.meta import check_no_meta, compute_buffers
 from ..interop.modules import QuantEmbedding
 from ..interop.safetensors_io import Checkpoint
@@ -110,7 +111,7 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
         return spec
 
     quantized: dict[str, str] = {}
-    experts = _quantized_experts(model, ckpt, config.get("model_type"), spec_of, dtype, quantized)
+    experts = _quantized_experts(model, ckpt, model_type_of(config, config_path), spec_of, dtype, quantized)
     taken = tuple(f"{prefix}." for prefix in experts.values())
     for key in ckpt.keys():
         if not key.endswith(".scales") or key.startswith(taken):
@@ -308,7 +309,7 @@ def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh
     dtype = dtype or _checkpoint_dtype(ckpt)
     model.to(dtype)
     config = read_json_object(folder / "config.json") if (folder / "config.json").is_file() else {}
-    model_type = config.get("model_type")
+    model_type = model_type_of(config, folder / "config.json")
     tied = _tied_heads(model)
     quantized, experts = _quantized_layers(model, ckpt, folder / "config.json", dtype)
     alias = _untie_heads(model, ckpt, tied, quantized, dtype)

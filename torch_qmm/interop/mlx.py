@@ -133,6 +133,14 @@ def parse_quantization(config: dict, where: str = "config.json") -> tuple[QuantS
     return default, overrides
 
 
+def model_type_of(config: dict, config_path) -> str | None:
+    """config.json's model_type (it names the family's MoE tensors): a string, or None when absent."""
+    model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):  # (a list or dict is not hashable)
+        raise ValueError(f"{config_path}: field 'model_type' must be a string, got {model_type!r}")
+    return model_type
+
+
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_name, _, child = path.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
@@ -232,9 +240,7 @@ def load_mlx(
     default, overrides = parse_quantization(config, str(config_path))
     ckpt = Checkpoint(path)
     keys = ckpt.keys()
-    model_type = config.get("model_type")
-    if model_type is not None and not isinstance(model_type, str):
-        raise ValueError(f"{config_path}: field 'model_type' must be a string, got {model_type!r}")
+    model_type = model_type_of(config, config_path)
 
     if dtype is None:
         float_dtypes = Counter(_SAFETENSORS_DTYPES[ckpt.dtype_name(k)] for k in keys if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES)
