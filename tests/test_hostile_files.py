@@ -626,6 +626,60 @@ def test_model_type_that_is_not_a_string_is_refused_by_load_mlx_sharded(mlx_fold
         proc.stdout[-2000:]
 
 
+_PRETRAINED_SHARDED_SCRIPT = """
+import json, sys
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch_qmm.distributed import empty_parameters, load_pretrained_sharded, tp_plan
+
+store, folders = sys.argv[1], sys.argv[2:]
+dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+for folder in folders:
+    with empty_parameters():
+        model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(folder))
+    try:
+        load_pretrained_sharded(model, folder, mesh, tp_plan(model))
+        print("accepted", folder)
+    except ValueError as e:
+        print("refused:", e)
+"""
+
+
+def test_torch_qmm_quantization_config_of_other_json_types_is_refused_by_load_pretrained_sharded(tmp_path):
+    """config.json's bits / group_size of another JSON type in a transformers save of a torch_qmm
+    model: load_pretrained_sharded raised AttributeError ('str' object has no attribute 'get') or
+    the format's error without naming config.json. One child process (it starts a process group)."""
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "float")
+    transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=TorchQmmConfig(bits=4, group_size=64)).save_pretrained(tmp_path / "ok")
+    edits = {"bits-str": {"bits": "4"}, "bits-list": {"bits": [4]}, "group-size-0": {"group_size": 0},
+             "mode-list": {"mode": ["affine"]}}
+    for name, edit in edits.items():
+        _copy(tmp_path / "ok", tmp_path / name)
+        _edit_config(tmp_path / name, lambda c, edit=edit: c["quantization_config"].update(edit))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.run([sys.executable, "-c", _PRETRAINED_SHARDED_SCRIPT, str(tmp_path / "store"),
+                           *(str(tmp_path / n) for n in ("ok", *edits))], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"accepted {tmp_path / 'ok'}"
+    expected = {"bits-str": "quantization_config 'bits' must be an integer, a mapping layer -> bits or null, got '4'",
+                "bits-list": "quantization_config 'bits' must be an integer, a mapping layer -> bits or null, got [4]",
+                "group-size-0": "quantization_config of layer 'model.layers.0.self_attn.q_proj': argument 'group_size' "
+                                "must be one of (32, 64, 128), got 0",
+                "mode-list": "argument 'mode' must be one of"}
+    for line, (name, message) in zip(lines[1:], expected.items()):
+        assert line.startswith(f"refused: {tmp_path / name / 'config.json'}: ") and message in line, line
+    assert len(lines) == 1 + len(edits)
+
+
 def test_index_listing_a_tensor_in_another_shard_than_it_is_stored_in_is_refused(mlx_folder, tmp_path):
     folder = _copy(mlx_folder, tmp_path / "m")
     index = json.loads((folder / "model.safetensors.index.json").read_text())

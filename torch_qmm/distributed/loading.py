@@ -339,14 +339,20 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
     dtype = dtype or _checkpoint_dtype(ckpt)
     model.to(dtype)
     bits = q.get("bits")
+    if bits is not None and not isinstance(bits, (int, dict)):
+        raise ValueError(f"{folder / 'config.json'}: quantization_config 'bits' must be an integer, a mapping layer -> "
+                         f"bits or null, got {bits!r}")
     tied = _tied_heads(model)
     quantized = {}
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear or f"{name}.qweight" not in ckpt:
             continue
-        layer_bits = bits if isinstance(bits, int) else (bits or {}).get(name, (bits or {}).get("*"))
-        new = QuantLinear(module.in_features, module.out_features, bias=f"{name}.bias" in ckpt, bits=layer_bits,
-                          group_size=q.get("group_size"), device="meta", dtype=dtype, mode=q.get("mode", "affine"))
+        layer_bits = bits if not isinstance(bits, dict) else bits.get(name, bits.get("*"))
+        try:  # the format's checks (bits, group_size, mode and how they go together) name the argument
+            new = QuantLinear(module.in_features, module.out_features, bias=f"{name}.bias" in ckpt, bits=layer_bits,
+                              group_size=q.get("group_size"), device="meta", dtype=dtype, mode=q.get("mode", "affine"))
+        except ValueError as e:
+            raise ValueError(f"{folder / 'config.json'}: quantization_config of layer {name!r}: {e}") from None
         state_key = f"{name}.{FORMAT_STATE_KEY}"
         if state_key in ckpt:
             new._check_format_state(ckpt.get(state_key), f"{ckpt.path}: {state_key!r}")
