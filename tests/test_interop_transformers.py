@@ -292,7 +292,7 @@ def test_saved_model_missing_tensors_is_refused(float_folder, tmp_path, drop):
         del tensors[name]
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     layer = drop[0].rpartition(".")[0]
-    with pytest.raises(ValueError, match=rf"lacks {len(drop)} tensor\(s\) of 1 torch_qmm layer\(s\).*"
+    with pytest.raises(ValueError, match=rf"model\.safetensors: the checkpoint lacks {len(drop)} tensor\(s\) of 1 torch_qmm layer\(s\).*"
                                          rf"'{drop[0]}' \(layers: {layer}\)"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -220,7 +221,7 @@ def _check_checkpoint_holds(files, buffers: Mapping[str, torch.dtype]) -> None:
     )
 
 
-def _check_every_buffer_loaded(model, buffers: Mapping[str, torch.dtype]) -> None:
+def _check_every_buffer_loaded(model, buffers: Mapping[str, torch.dtype], files) -> None:
     """ValueError naming the torch_qmm layers whose codes or scales the checkpoint did not hold.
     transformers marks each tensor it loads from the checkpoint (`_is_hf_initialized`, after any
     renaming of checkpoint keys) and allocates the missing ones empty, unmarked: garbage that its
@@ -230,8 +231,10 @@ def _check_every_buffer_loaded(model, buffers: Mapping[str, torch.dtype]) -> Non
     if not missing or len(missing) == len(buffers):
         return
     layers = sorted({k.rpartition(".")[0] for k in missing})
+    files = [str(f) for f in (files or [])]
+    where = "" if not files else f"{files[0]}: " if len(files) == 1 else f"{Path(files[0]).parent} ({len(files)} files): "
     raise ValueError(
-        f"the checkpoint lacks {len(missing)} tensor(s) of {len(layers)} torch_qmm layer(s) its "
+        f"{where}the checkpoint lacks {len(missing)} tensor(s) of {len(layers)} torch_qmm layer(s) its "
         f"quantization_config makes, e.g. {missing[0]!r} (layers: {', '.join(layers[:4])}"
         f"{', ...' if len(layers) > 4 else ''}); they would hold uninitialized memory. The checkpoint is "
         "incomplete or was saved from another model"
@@ -287,6 +290,7 @@ class TorchQmmHfQuantizer(HfQuantizer):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, q)
             self._buffer_dtypes.update({f"{name}.{k}": b.dtype for k, b in q.named_buffers()})
+        self._checkpoint_files = checkpoint_files
         _check_checkpoint_holds(checkpoint_files, self._buffer_dtypes)
         return model
 
@@ -299,7 +303,7 @@ class TorchQmmHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
-            _check_every_buffer_loaded(model, getattr(self, "_buffer_dtypes", {}))
+            _check_every_buffer_loaded(model, getattr(self, "_buffer_dtypes", {}), getattr(self, "_checkpoint_files", None))
             # transformers assigns a checkpoint's integer tensors as stored: an int32 or int64
             # qweight, an integer scales tensor would load and fail (or compute garbage) later.
             for key, dtype in getattr(self, "_buffer_dtypes", {}).items():
