@@ -626,6 +626,24 @@ def test_model_type_that_is_not_a_string_is_refused_by_load_mlx_sharded(mlx_fold
         proc.stdout[-2000:]
 
 
+def test_quantized_layer_the_model_lacks_is_refused_by_load_mlx_sharded(mlx_folder, tmp_path):
+    """A checkpoint storing the quantized layers of a block the model does not have (config.json
+    says one block fewer than the checkpoint holds): load_mlx_sharded names the checkpoint and the
+    layer, as load_mlx does, not get_submodule's AttributeError. One rank, in a child process (it
+    starts a process group)."""
+    folder = _copy(mlx_folder, tmp_path / "m")
+    blocks = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    assert f"model.layers.{blocks - 1}.mlp.down_proj.scales" in json.loads(
+        (folder / "model.safetensors.index.json").read_text())["weight_map"]
+    _edit_config(folder, lambda c: c.update(num_hidden_layers=blocks - 1))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(folder), str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(rf"^refused: {re.escape(str(folder))}: quantized layer 'model\.layers\.{blocks - 1}\.[a-z_.]+' "
+                     r"does not exist in the model$", proc.stdout, re.M), proc.stdout[-2000:]
+
+
 _PRETRAINED_SHARDED_SCRIPT = """
 import json, sys
 import torch.distributed as dist
@@ -678,6 +696,51 @@ def test_torch_qmm_quantization_config_of_other_json_types_is_refused_by_load_pr
     for line, (name, message) in zip(lines[1:], expected.items()):
         assert line.startswith(f"refused: {tmp_path / name / 'config.json'}: ") and message in line, line
     assert len(lines) == 1 + len(edits)
+
+
+_PRETRAINED_BITS_SCRIPT = """
+import sys
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch_qmm.distributed import empty_parameters, load_pretrained_sharded, tp_plan
+from torch_qmm.nn import QuantLinear
+
+store, folder = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+with empty_parameters():
+    model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(folder))
+load_pretrained_sharded(model, folder, mesh, tp_plan(model))
+for name, module in model.named_modules():
+    if isinstance(module, QuantLinear):
+        print(name, module.bits)
+"""
+
+
+def test_per_layer_bits_with_a_default_are_read_by_load_pretrained_sharded(tmp_path):
+    """config.json's quantization_config bits as a mapping layer -> bits with a '*' default (a
+    config written by hand; save_pretrained names every layer): the layers the mapping names take
+    their bits, every other quantized layer the default's. One rank, in a child process (it starts
+    a process group)."""
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "float")
+    bits = {"*": 8, "model.layers.0.mlp.up_proj": 4}
+    transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=TorchQmmConfig(bits=bits, group_size=64)).save_pretrained(tmp_path / "q")
+    saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["bits"]
+    assert saved["model.layers.0.mlp.up_proj"] == 4 and len(saved) > 2  # the save names every layer
+    _edit_config(tmp_path / "q", lambda c: c["quantization_config"].update(bits=bits))  # as written by hand
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.run([sys.executable, "-c", _PRETRAINED_BITS_SCRIPT, str(tmp_path / "store"), str(tmp_path / "q")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = dict(line.split() for line in proc.stdout.splitlines())
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj"} <= set(loaded)
+    assert loaded == {name: "4" if name == "model.layers.0.mlp.up_proj" else "8" for name in loaded}
 
 
 def test_index_listing_a_tensor_in_another_shard_than_it_is_stored_in_is_refused(mlx_folder, tmp_path):

@@ -297,6 +297,53 @@ def test_saved_model_missing_tensors_is_refused(float_folder, tmp_path, drop):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
+def test_sharded_save_missing_tensors_names_the_folder_and_its_files(float_folder, tmp_path):
+    """A sharded torch_qmm checkpoint (model.safetensors.index.json and its shards) without one of
+    its layers' tensors: the error names the folder and the number of files, not one shard as if
+    it were the whole checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        float_folder, quantization_config=TorchQmmConfig(bits=4, group_size=64))
+    model.save_pretrained(tmp_path, max_shard_size="50KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2
+    key = "model.layers.1.mlp.up_proj.scales"
+    shard = tmp_path / index["weight_map"].pop(key)
+    tensors = load_file(shard)
+    del tensors[key]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError) as e:
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path} ({len(shards)} files): the checkpoint lacks 1 tensor(s) of 1 "
+                                   f"torch_qmm layer(s)"), str(e.value)
+    assert f"'{key}'" in str(e.value)
+
+
+def test_missing_tensor_check_steps_aside_when_no_tensor_is_marked_loaded():
+    """_check_every_buffer_loaded tells loaded tensors from missing ones by transformers' mark
+    (`_is_hf_initialized`). Some of a model's torch_qmm tensors marked and others not: the
+    unmarked are named. None marked (a way of loading that marks nothing): no error, since
+    nothing can be told apart."""
+    from torch_qmm.interop.transformers import _check_every_buffer_loaded
+
+    model = torch.nn.Sequential(QuantLinear(64, 8, bits=4, group_size=32), QuantLinear(64, 8, bits=4, group_size=32))
+    buffers = {n: b.dtype for n, b in model.named_buffers()}
+    assert {"0.qweight", "0.scales", "1.qweight", "1.scales"} <= set(buffers)
+    _check_every_buffer_loaded(model, buffers, ["/some/model.safetensors"])  # none marked: nothing checked
+    for name in buffers:
+        if not name.startswith("1."):
+            model.get_buffer(name)._is_hf_initialized = True
+    with pytest.raises(ValueError, match=r"^/some/model\.safetensors: the checkpoint lacks \d+ tensor\(s\) of 1 "
+                                         r"torch_qmm layer\(s\) .*\(layers: 1\)"):
+        _check_every_buffer_loaded(model, buffers, ["/some/model.safetensors"])
+    for name in buffers:
+        model.get_buffer(name)._is_hf_initialized = True
+    _check_every_buffer_loaded(model, buffers, ["/some/model.safetensors"])  # all marked: all loaded
+
+
 _RELOAD_SCRIPT = r"""
 import sys
 import torch
