@@ -303,10 +303,11 @@ class TorchQmmHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
-            _check_every_buffer_loaded(model, getattr(self, "_buffer_dtypes", {}), getattr(self, "_checkpoint_files", None))
+            buffers = getattr(self, "_buffer_dtypes", {})
+            _check_every_buffer_loaded(model, buffers, getattr(self, "_checkpoint_files", None))
             # transformers assigns a checkpoint's integer tensors as stored: an int32 or int64
             # qweight, an integer scales tensor would load and fail (or compute garbage) later.
-            for key, dtype in getattr(self, "_buffer_dtypes", {}).items():
+            for key, dtype in buffers.items():
                 got = model.get_buffer(key).dtype
                 if got != dtype:
                     raise ValueError(f"the checkpoint stores {key!r} as {got}; the torch_qmm layer built from its "
