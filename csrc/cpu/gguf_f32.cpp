@@ -35,13 +35,17 @@ struct LaneIdx {
 };
 
 // Q4_K (144 bytes: d, dmin f16; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles):
-// w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. The nibbles are two 64-byte chunks k; byte c of
-// chunk k lies in the 64-weight run J = 2k + c / 32, low nibble = weight 64J + c % 32 (sub-block
-// 2J), high nibble = weight 64J + 32 + c % 32 (sub-block 2J + 1) (llama.cpp's order). Field j
-// (0..7) of dword lane l is nibble j % 2 of byte c = 4l + j / 2: weight 64J + 32(j % 2) + 4(l % 8)
-// + j / 2 with J = 2k + l / 8. So the even fields of chunk k have lanes 0-7 in sub-block 4k and
-// 8-15 in 4k + 2, the odd ones 4k + 1 and 4k + 3: the fields of each parity are scaled by one per-lane vector. The
-// mins are hoisted: y -= sum_s dmin*m[s] * (sum of x over sub-block s).
+// w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. Byte c of the nibbles lies in the 64-weight run
+// J = c / 32: low nibble = weight 64J + c % 32 (sub-block 2J), high nibble = weight 64J + 32 +
+// c % 32 (sub-block 2J + 1) (llama.cpp's order). The two 64-byte halves of the nibbles are dealt
+// by 16-byte quarters (one vshufi64x2 each) into vectors h = 0, 1 whose 16-byte quarter J is bytes
+// 16h .. 16h + 15 of run J: dword lane l holds bytes 32J + 16h + 4(l % 4) + t (t = 0..3) of run
+// J = l / 4, and its field j (0..7) is nibble j % 2 of byte t = j / 2, weight
+// 64J + 32(j % 2) + 16h + 4(l % 4) + j / 2, in sub-block 2J + j % 2. So every field of one parity,
+// in both vectors, has lane l in the same sub-block: one chain of 8 fields per parity, scaled once
+// by a per-lane vector of the sub-block scales (two scaling FMAs per super-block, W row and x row,
+// where chunks of 64 bytes as they lie would need four). The mins are hoisted:
+// y -= sum_s dmin*m[s] * (sum of x over sub-block s).
 struct Q4K {
   using X = float;
   static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kXPerBlock = 256, kSide = 16;
@@ -50,91 +54,77 @@ struct Q4K {
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 4 : 2; }
   using Field = F32Multiplier<4>;
 
-  static constexpr int weight(int k, int j, int l) { return 64 * (2 * k + l / 8) + 32 * (j % 2) + 4 * (l % 8) + j / 2; }
-  // xc[(8k + j) * 16 + l] = x[weight(k, j, l)] * x_factor(j); xs: lanes 0-7 zero (they meet the
-  // scales), 8-15 the sub-block sums of x (they meet the mins). For chunk k and parity p, the
-  // fields j = 2i + p take lanes 0-7 from x[128k + 32p + 4l' + i] and lanes 8-15 from 64 further
-  // on: element i of the runs of 4 of those 64 floats (gguf_x::every_fourth).
+  static constexpr int weight(int h, int j, int l) { return 64 * (l / 4) + 32 * (j % 2) + 16 * h + 4 * (l % 4) + j / 2; }
+  // xc[(8h + j) * 16 + l] = x[weight(h, j, l)] * x_factor(2i) for j = 2i + p (block reads field
+  // 2i + 1 shifted down to where field 2i lies); xs: lanes 0-7 zero (they meet the scales), 8-15
+  // the sub-block sums of x (they meet the mins). For vector h and parity p, the fields j = 2i + p
+  // take lanes 4J .. 4J + 3 from the 16 floats at 64J + 32p + 16h: element i of their runs of 4
+  // (gguf_x::every_fourth).
   static void prepare(const float* x, float* xc, float* xs) {
-    for (int k = 0; k < 2; ++k)
+    for (int h = 0; h < 2; ++h)
       for (int p = 0; p < 2; ++p) {
-        const float* base = x + 128 * k + 32 * p;
+        const float* base = x + 32 * p + 16 * h;
+        const __m512 v[4] = {_mm512_loadu_ps(base), _mm512_loadu_ps(base + 64), _mm512_loadu_ps(base + 128),
+                             _mm512_loadu_ps(base + 192)};
         __m512 f[4];
-        gguf_x::every_fourth_at(base, 64, f);
+        gguf_x::every_fourth(v, f);
         for (int i = 0; i < 4; ++i) {
           const int j = 2 * i + p;
-          _mm512_storeu_ps(xc + (8 * k + j) * 16, _mm512_mul_ps(f[i], _mm512_set1_ps(Field::x_factor(j))));
+          _mm512_storeu_ps(xc + (8 * h + j) * 16, _mm512_mul_ps(f[i], _mm512_set1_ps(Field::x_factor(2 * i))));
         }
       }
     _mm512_storeu_ps(xs, gguf_x::q4k_sums(x));
   }
 
-  struct Idx {
-    LaneIdx even[2], odd[2];
-  };
-  static constexpr Idx idx() {
-    Idx t{};
-    for (int k = 0; k < 2; ++k)
-      for (int l = 0; l < 16; ++l) {
-        t.even[k].i[l] = 2 * (2 * k + l / 8);
-        t.odd[k].i[l] = t.even[k].i[l] + 1;
-      }
+  // Per parity p, lane l: the index of sub-block 2(l / 4) + p in the scale vector.
+  static constexpr LaneIdx idx(int p) {
+    LaneIdx t{};
+    for (int l = 0; l < 16; ++l) t.i[l] = 2 * (l / 4) + p;
     return t;
   }
 
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
-    alignas(64) static constexpr Idx kIdx = idx();
-    // At four rows of x each decoded field is scaled once (d*sc*q: 21 significant bits, exact)
-    // and meets x directly, which leaves registers for two W rows; below, chains of fields
-    // scaled once each cost fewer multiplies.
-    constexpr bool kScaleFirst = MB >= 4;
+    alignas(64) static constexpr LaneIdx kIdx[2] = {idx(0), idx(1)};
     __m512 sv[R];
+    __m512i w[R][2];
     for (int r = 0; r < R; ++r) {
       sv[r] = gguf_fields::q4k_scale_vector(blk[r]);
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
+      const __m512i lo = _mm512_loadu_si512(blk[r] + kQs), hi = _mm512_loadu_si512(blk[r] + kQs + 64);
+      w[r][0] = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
+      w[r][1] = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
     }
-    for (int k = 0; k < 2; ++k) {
-      __m512i w[R];
-      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_si512(blk[r] + kQs + 64 * k);
-      // The even fields, then the odd ones: one chain per (W row, x row) at a time.
-      for_each_index([&](auto oc) __attribute__((always_inline)) {
-        constexpr int odd = decltype(oc)::value;
-        const __m512i si = _mm512_load_si512(odd ? kIdx.odd[k].i : kIdx.even[k].i);
-        if constexpr (kScaleFirst) {
-          __m512 s[R];
-          for (int r = 0; r < R; ++r) s[r] = _mm512_permutexvar_ps(si, sv[r]);
-          for_each_index([&](auto ic) __attribute__((always_inline)) {
-            constexpr int j = 2 * decltype(ic)::value + odd;
-            const __m512i mask = _mm512_set1_epi32(int(15u << (4 * j)));
-            for (int r = 0; r < R; ++r) {
-              const __m512 w_scaled = _mm512_mul_ps(Field::field<j>(w[r], mask), s[r]);  // exact
-              for (int m = 0; m < MB; ++m)
-                acc[r][m] = _mm512_fmadd_ps(w_scaled, _mm512_loadu_ps(xc[m] + (8 * k + j) * 16), acc[r][m]);
-            }
-          }, std::make_integer_sequence<int, 4>{});
-          return;
-        }
-        __m512 ch[R][MB];
+    // The even fields of both vectors, then the odd ones (the vectors shifted down by a nibble, so
+    // that field 2i + 1 sits where field 2i did): one chain per (W row, x row) at a time.
+    for_each_index([&](auto pc) __attribute__((always_inline)) {
+      constexpr int p = decltype(pc)::value;
+      if constexpr (p == 1)
         for (int r = 0; r < R; ++r)
-          for (int m = 0; m < MB; ++m) ch[r][m] = _mm512_setzero_ps();
+          for (int h = 0; h < 2; ++h) w[r][h] = _mm512_srli_epi32(w[r][h], 4);
+      __m512 ch[R][MB];
+      for (int h = 0; h < 2; ++h)
         for_each_index([&](auto ic) __attribute__((always_inline)) {
-          constexpr int j = 2 * decltype(ic)::value + odd;
-          const __m512i mask = _mm512_set1_epi32(int(15u << (4 * j)));
+          constexpr int i = decltype(ic)::value, j = 2 * i + p;
+          const __m512i mask = _mm512_set1_epi32(int(15u << (8 * i)));
           __m512 xj[MB];
-          for (int m = 0; m < MB; ++m) xj[m] = _mm512_loadu_ps(xc[m] + (8 * k + j) * 16);
+          for (int m = 0; m < MB; ++m) {
+            xj[m] = _mm512_loadu_ps(xc[m] + (8 * h + j) * 16);
+            if constexpr (R > 1) in_register(xj[m]);
+          }
           for (int r = 0; r < R; ++r) {
-            const __m512 q = Field::field<j>(w[r], mask);
-            for (int m = 0; m < MB; ++m) ch[r][m] = _mm512_fmadd_ps(q, xj[m], ch[r][m]);
+            const __m512 q = Field::field<2 * i>(w[r][h], mask);
+            for (int m = 0; m < MB; ++m)
+              ch[r][m] = h == 0 && i == 0 ? _mm512_mul_ps(q, xj[m]) : _mm512_fmadd_ps(q, xj[m], ch[r][m]);
           }
         }, std::make_integer_sequence<int, 4>{});
-        for (int r = 0; r < R; ++r) {
-          const __m512 s = _mm512_permutexvar_ps(si, sv[r]);
-          for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(ch[r][m], s, acc[r][m]);
-        }
-      }, std::make_integer_sequence<int, 2>{});
-    }
+      const __m512i si = _mm512_load_si512(kIdx[p].i);
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_permutexvar_ps(si, sv[r]);
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(ch[r][m], s, acc[r][m]);
+      }
+    }, std::make_integer_sequence<int, 2>{});
   }
 };
 
@@ -154,7 +144,7 @@ struct Q6K {
   using X = float;
   static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210;
   static constexpr int64_t kXPerBlock = 256, kSide = 16;
-  static constexpr int tile_rows(int mb) { return Q4K::tile_rows(mb); }
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 4 : 2; }
 
   static constexpr float factor(int u) { return 1.0f / float(1u << (8 * u)); }
   static constexpr int weight(int h, int p, int u, int l) { return 128 * h + 64 * p + 4 * l + u; }
@@ -206,7 +196,10 @@ struct Q6K {
           constexpr int u = decltype(uc)::value;
           const __m512i mask = _mm512_set1_epi32(int(0x3Fu << (8 * u)));
           __m512 xu[MB];
-          for (int m = 0; m < MB; ++m) xu[m] = _mm512_loadu_ps(xc[m] + ((2 * h + p) * 4 + u) * 16);
+          for (int m = 0; m < MB; ++m) {
+            xu[m] = _mm512_loadu_ps(xc[m] + ((2 * h + p) * 4 + u) * 16);
+            if constexpr (R > 1) in_register(xu[m]);
+          }
           for (int r = 0; r < R; ++r) {
             const __m512 v = _mm512_cvtepu32_ps(_mm512_and_si512(q[r], mask));
             for (int m = 0; m < MB; ++m) ch[r][m] = _mm512_fmadd_ps(v, xu[m], ch[r][m]);
