@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_helpers import EXPERTS, HIDDEN, INTER, LAYERS, VOCAB, logits, tiny_moe
+from torch_qmm.interop.meta import meta_tensors
 from torch_qmm.interop.mxfp4_blocks import blocks_to_words, load_mxfp4_checkpoint, words_to_blocks
 from torch_qmm.nn_moe import QuantFusedExperts
 from torch_qmm.ops import dequantize
@@ -252,6 +253,35 @@ def test_incomplete_file_is_refused_and_leaves_the_model_unchanged(checkpoint, t
         load_mxfp4_checkpoint(model, tmp_path)
     assert key in str(e.value), str(e.value)
     _assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("edit,message", [h[1:] for h in HOSTILE + INCOMPLETE],
+                         ids=[h[0] for h in HOSTILE + INCOMPLETE])
+def test_bad_file_leaves_a_meta_built_model_as_it_was_and_loadable(checkpoint, tmp_path, edit, message):
+    # The checks run before the model changes for a model built on the meta device too: after the
+    # refusal it has its modules and meta tensors as built, and takes the good checkpoint.
+    folder, tensors, _ = checkpoint
+    bad = dict(tensors)
+    key = edit(bad)
+    (tmp_path / "bad").mkdir()
+    _write(bad, folder, tmp_path / "bad")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = transformers.GptOssForCausalLM(config).eval()
+    modules = {n: type(m) for n, m in model.named_modules()}
+    state = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+    on_meta = sorted(meta_tensors(model))
+    assert set(state) < set(on_meta)
+    with pytest.raises(ValueError, match=message) as e:
+        load_mxfp4_checkpoint(model, tmp_path / "bad")
+    assert key in str(e.value), str(e.value)
+    assert {n: type(m) for n, m in model.named_modules()} == modules
+    assert {k: (v.shape, v.dtype) for k, v in model.state_dict().items()} == state
+    assert sorted(meta_tensors(model)) == on_meta
+    load_mxfp4_checkpoint(model, folder)
+    assert meta_tensors(model) == []
+    want, _ = load_ours(folder)
+    assert torch.equal(logits(model, torch.tensor([IDS])), logits(want, torch.tensor([IDS])))
 
 
 def test_not_strict_skips_unexpected_tensors(checkpoint, tmp_path):

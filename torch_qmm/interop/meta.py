@@ -1,11 +1,12 @@
 """Loading into a model built on the meta device (``with torch.device("meta"): model = ...``).
 
 A model built on meta holds shapes and dtypes but no values, so building it costs no memory. The
-loaders (load_mlx, load_gguf_llama, load_mlx_sharded) then give it real tensors from the file
-only: quantized layers are built from the file's tensors, every other parameter or persistent
-buffer the file holds gets storage on the target device when it is filled (MetaTensors.real), and
-the buffers that no file holds because the model computes them at construction (non-persistent
-buffers, e.g. a rotary embedding's inverse frequencies) are computed again (compute_buffers).
+loaders (load_mlx, load_gguf_llama, load_mlx_sharded, load_mxfp4_checkpoint) then give it real
+tensors from the file only: quantized layers are built from the file's tensors, every other
+parameter or persistent buffer the file holds gets storage on the target device when it is filled
+(MetaTensors.real), and the buffers that no file holds because the model computes them at
+construction (non-persistent buffers, e.g. a rotary embedding's inverse frequencies) are computed
+again (compute_buffers).
 Whatever is still on meta after that is an error (check_no_meta): a loaded model never keeps a
 meta tensor or an uninitialised one.
 """

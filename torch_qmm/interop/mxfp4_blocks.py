@@ -23,6 +23,7 @@ from ..format_state import FORMAT_STATE_KEY
 from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
 from .experts import empty_quant_layers, fused_experts, layout_of, quant_experts_of
 from .json_files import read_json_object
+from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .mlx import _SAFETENSORS_DTYPES, LoadReport
 from .safetensors_io import Checkpoint
 
@@ -44,14 +45,24 @@ def words_to_blocks(words: torch.Tensor) -> torch.Tensor:
 
 
 def load_mxfp4_checkpoint(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None,
-                          strict: bool = True) -> LoadReport:
+                          strict: bool = True, device: torch.device | str | None = None) -> LoadReport:
     """Loads a transformers mxfp4 checkpoint (folder or .safetensors file) into `model` (its float
     architecture, e.g. GptOssForCausalLM(config)): the fused experts become QuantFusedExperts
     holding the stored blocks and scales bit for bit, every other tensor is loaded by name (cast to
     `dtype`, default the stored float tensors' dtype).
 
+    The model may be built on the meta device (``with torch.device("meta"): model =
+    GptOssForCausalLM(config)``), which costs no memory: the QuantFusedExperts are then built on
+    `device` (default: the CPU) from the stored blocks, so the float experts never exist; every
+    other tensor the checkpoint holds is created there from it, the buffers the model computes
+    rather than stores (the rotary embedding's frequencies) are computed again
+    (torch_qmm.interop.meta.compute_buffers) and any tensor still without values is a ValueError
+    naming it. A model built in memory is filled where it is, as before (`device` is only for a
+    model built on meta).
+
     Every name, shape and dtype is checked and the expert tensors are read before `model` changes:
     a file that does not fit raises ValueError naming the file and the tensor, `model` as it was."""
+    dev = resolve_device(model, device, "load_mxfp4_checkpoint")
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     config_path = folder / "config.json"
@@ -68,7 +79,7 @@ def load_mxfp4_checkpoint(model: nn.Module, path: str | os.PathLike, dtype: torc
     layers: dict[str, tuple[nn.Module, QuantSwitchLinear, QuantSwitchLinear]] = {}  # name -> (experts, filled)
     used: set[str] = set()
     for name, experts in fused_experts(model):
-        filled = _read_experts(ckpt, name, experts, dtype, used)
+        filled = _read_experts(ckpt, name, experts, dtype, used, dev)
         if filled is not None:
             layers[name] = (experts, *filled)
             report.quantized[name] = "mxfp4 b4 gs32"
@@ -93,6 +104,7 @@ def load_mxfp4_checkpoint(model: nn.Module, path: str | os.PathLike, dtype: torc
                              f"float ({', '.join(_SAFETENSORS_DTYPES)})")
     # Every check has passed: the model changes from here on.
     model.to(dtype)
+    meta = MetaTensors(model, dev) if dev is not None else None
     for name, (experts, gate_up, down) in layers.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, quant_experts_of(experts, gate_up, down))
@@ -100,22 +112,27 @@ def load_mxfp4_checkpoint(model: nn.Module, path: str | os.PathLike, dtype: torc
     with torch.no_grad():
         for k in rest:
             t = ckpt.get(k)
-            state[k].copy_(t)
+            (state[k] if meta is None else meta.real_key(model, k)).copy_(t)
             report.float_tensors += 1
             report.bytes_read += t.numel() * t.element_size()
+    if dev is not None:
+        compute_buffers(model, dev, f"load_mxfp4_checkpoint: {ckpt.path}")
+        check_no_meta(model, "load_mxfp4_checkpoint", ckpt.path)
+        model.to(dev)  # the tensors the model had in memory before (a model only partly on meta)
     return report
 
 
-def _read_experts(ckpt: Checkpoint, name: str, experts: nn.Module, dtype: torch.dtype,
-                  used: set[str]) -> tuple[QuantSwitchLinear, QuantSwitchLinear] | None:
+def _read_experts(ckpt: Checkpoint, name: str, experts: nn.Module, dtype: torch.dtype, used: set[str],
+                  device: torch.device | None = None) -> tuple[QuantSwitchLinear, QuantSwitchLinear] | None:
     """The experts module `name`'s (gate_up_proj, down_proj) filled from its stored blocks, scales
     and biases (their names added to `used`), None when the checkpoint stores it as float; ValueError
-    naming the file and the tensor when they do not fit. `experts` is not changed."""
+    naming the file and the tensor when they do not fit. `experts` is not changed. device: where
+    the layers are built (default: where `experts` is; given for a model built on meta)."""
     layout = layout_of(experts)
     stored = {proj: (f"{name}.{proj}_blocks", f"{name}.{proj}_scales") for proj in (layout.gate_up, layout.down)}
     if not any(b in ckpt for b, _ in stored.values()):
         return None
-    new = empty_quant_layers(experts, 4, GROUP_SIZE, "mxfp4", dtype)
+    new = empty_quant_layers(experts, 4, GROUP_SIZE, "mxfp4", dtype, device)
     for proj, layer in zip((layout.gate_up, layout.down), new):
         blocks_key, scales_key = stored[proj]
         for k in stored[proj]:
