@@ -45,16 +45,17 @@ __attribute__((always_inline)) inline __m512i plane(__m512i w, __m512i table) {
   return _mm512_permutexvar_epi16(J == 0 ? w : _mm512_srli_epi16(w, F * J), table);
 }
 
-// acc[r][m] (+)= sum over planes J in the sequence of the planes' dot products with x, each plane
-// into chains[r][m][slot(J)] (zeroed here).
+// The planes J in the sequence: each plane's dot products with x added to chains[r][m][slot(J)]
+// (zeroed first unless `carry`: then the chains go on from their values).
 template <int R, int MB, int P, int F, int kSlots, typename Slot, int... J>
 __attribute__((always_inline)) inline void dot_planes(const __m512i (&w)[R], __m512i table,
                                                       const uint16_t* const (&xc)[MB], Slot slot,
                                                       __m512 (&chains)[R][MB][kSlots],
-                                                      std::integer_sequence<int, J...>) {
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m)
-      for (int c = 0; c < kSlots; ++c) chains[r][m][c] = _mm512_setzero_ps();
+                                                      std::integer_sequence<int, J...>, bool carry = false) {
+  if (!carry)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m)
+        for (int c = 0; c < kSlots; ++c) chains[r][m][c] = _mm512_setzero_ps();
   auto step = [&](auto jc) __attribute__((always_inline)) {
     constexpr int j = decltype(jc)::value;
     __m512i v[R];
@@ -91,12 +92,14 @@ __attribute__((always_inline)) inline void nibble_chunk(const uint8_t* const (&b
 }
 
 // Q4_K (144 bytes: d, dmin f16; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles):
-// w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. The nibbles are two 64-byte chunks k; byte c of
-// chunk k lies in the 64-weight run J = 2k + c / 32, low nibble = weight 64J + c % 32 (sub-block
-// 2J), high nibble = weight 64J + 32 + c % 32 (sub-block 2J + 1) (llama.cpp's order). In the
-// 4-bit planes of chunk.h, even planes hold low nibbles and odd planes high ones: two chains per
-// (W row, x row), scaled by the sub-blocks of lanes 0-7 (J = 2k) and 8-15 (J = 2k + 1). The mins
-// are hoisted: y -= sum_s dmin*m[s] * (sum of x over sub-block s).
+// w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. Byte c of the nibbles lies in the 64-weight run
+// J = c / 32, low nibble = weight 64J + c % 32 (sub-block 2J), high nibble = weight 64J + 32 +
+// c % 32 (sub-block 2J + 1) (llama.cpp's order). As in the float32 kernel (gguf_f32.cpp), the two
+// 64-byte halves are dealt by 16-byte quarters into chunks h = 0, 1 whose quarter J is bytes
+// 16h .. 16h + 15 of run J, so lane l (bytes 4l .. 4l + 3 of a chunk) lies in run J = l / 4 in
+// both. In the 4-bit planes of chunk.h even planes hold low nibbles and odd planes high ones: two
+// chains per (W row, x row) over the whole super-block, scaled once by sub-blocks 2(l / 4) and
+// 2(l / 4) + 1. The mins are hoisted: y -= sum_s dmin*m[s] * (sum of x over sub-block s).
 struct Q4K {
   static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16;
   template <int P>
@@ -109,29 +112,30 @@ struct Q4K {
   // of x (measured against TORCH_QMM_CPU_NO_BF16=1: benchmarks/README.md, "GGUF row limits").
   static constexpr int64_t max_rows(int terms) { return terms >= 3 ? 16 : terms == 2 ? 32 : 128; }
 
-  // x of one super-block -> xb (planes of chunk k = 0, 1) and xs (lanes 8-15: sub-block sums).
+  // x of one super-block -> xb (planes of chunk h = 0, 1: word i of plane j is byte
+  // c = 2i + j / 2 of the chunk, quarter J = c / 16, nibble j % 2) and xs (lanes 8-15: sub-block
+  // sums).
   template <int P>
   static void prepare(const float* x, uint16_t* xb, float* xs) {
-    for (int k = 0; k < 2; ++k)
+    for (int h = 0; h < 2; ++h)
       for (int j = 0; j < 4; ++j)
         for (int i = 0; i < 32; ++i) {
-          const int c = 2 * i + (j >= 2 ? 1 : 0), run = 2 * k + c / 32;
-          put_terms<P>(x[64 * run + 32 * (j % 2) + c % 32], xb + ((k * 4 + j) * P) * 32 + i);
+          const int c = 2 * i + (j >= 2 ? 1 : 0), run = c / 16;
+          put_terms<P>(x[64 * run + 32 * (j % 2) + 16 * h + c % 16], xb + ((h * 4 + j) * P) * 32 + i);
         }
     _mm512_storeu_ps(xs, gguf_x::q4k_sums(x));
   }
 
   struct Idx {
-    alignas(64) int32_t even[2][16];
-    alignas(64) int32_t odd[2][16];
+    alignas(64) int32_t even[16];
+    alignas(64) int32_t odd[16];
   };
   static constexpr Idx idx() {
     Idx t{};
-    for (int k = 0; k < 2; ++k)
-      for (int l = 0; l < 16; ++l) {
-        t.even[k][l] = 2 * (2 * k + (l >= 8 ? 1 : 0));
-        t.odd[k][l] = t.even[k][l] + 1;
-      }
+    for (int l = 0; l < 16; ++l) {
+      t.even[l] = 2 * (l / 4);
+      t.odd[l] = t.even[l] + 1;
+    }
     return t;
   }
 
@@ -145,11 +149,25 @@ struct Q4K {
       sv[r] = gguf_fields::q4k_scale_vector(blk[r]);
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
     }
-    for (int k = 0; k < 2; ++k) {
+    alignas(64) static constexpr Planes<4>::Table kTable = Planes<4>::table();
+    __m512 ch[R][MB][2];
+    for (int h = 0; h < 2; ++h) {
+      __m512i w[R];
+      for (int r = 0; r < R; ++r) {
+        const __m512i lo = _mm512_loadu_si512(blk[r] + kQs), hi = _mm512_loadu_si512(blk[r] + kQs + 64);
+        w[r] = h == 0 ? _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(2, 0, 2, 0))
+                      : _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+      }
       const uint16_t* xc[MB];
-      for (int m = 0; m < MB; ++m) xc[m] = xb[m] + k * 4 * P * 32;
-      nibble_chunk<R, MB, P>(blk, kQs + 64 * k, xc, sv, _mm512_load_si512(kIdx.even[k]),
-                             _mm512_load_si512(kIdx.odd[k]), acc);
+      for (int m = 0; m < MB; ++m) xc[m] = xb[m] + h * 4 * P * 32;
+      dot_planes<R, MB, P, 4, 2>(w, _mm512_load_si512(kTable.e), xc, [](int j) { return j % 2; }, ch,
+                                 std::make_integer_sequence<int, 4>{}, h == 1);
+    }
+    const __m512i ie = _mm512_load_si512(kIdx.even), io = _mm512_load_si512(kIdx.odd);
+    for (int r = 0; r < R; ++r) {
+      const __m512 se = _mm512_permutexvar_ps(ie, sv[r]), so = _mm512_permutexvar_ps(io, sv[r]);
+      for (int m = 0; m < MB; ++m)
+        acc[r][m] = _mm512_fmadd_ps(ch[r][m][1], so, _mm512_fmadd_ps(ch[r][m][0], se, acc[r][m]));
     }
   }
 };
