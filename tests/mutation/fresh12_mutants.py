@@ -60,6 +60,11 @@ MUTANTS: list[Mutant] = [
            "the experts of a meta-built model take the dtype the model was built with (their meta "
            "float weights', read before the model is cast) instead of `dtype`: their biases and "
            "outputs are float32 in a bfloat16 load"),
+    # Equivalent on a machine whose only device that holds values is the CPU (this one: no CUDA, no
+    # MPS): resolve_device refuses device='meta', so `device` is the CPU, where the tensors a partly
+    # meta-built model had in memory already are, and model.to(device) returns every one of them
+    # unchanged. Only a second device (a partly meta-built model in CPU memory loaded with
+    # device='cuda' or 'mps') tells the two apart.
     Mutant("m12-mxfp4-partial-model-not-moved", "torch_qmm/interop/mxfp4_blocks.py",
            "        model.to(dev)  # the tensors the model had in memory before (a model only partly on meta)\n",
            "", MXFP4,
