@@ -493,6 +493,71 @@ def test_meta_built_model_without_a_persistent_buffer_in_the_checkpoint_names_it
         load_mlx(model, tmp_path, strict=False)
 
 
+class _Carrier(nn.Module):
+    """A layer with an empty non-persistent buffer (a dtype carrier: it holds no values, only a
+    dtype) and no transformers model to compute anything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.register_buffer("carrier", torch.empty(0, 3, dtype=torch.bfloat16), persistent=False)
+
+
+def test_an_empty_computed_buffer_gets_storage_without_an_initialization(tmp_path):
+    # No file holds the buffer and no initialization computes it, but it has no values to compute:
+    # it is given (empty) storage on the device, its shape and dtype kept, and the load goes on.
+    save_mlx(_Carrier(), tmp_path)
+    # moved to meta, not built there (see test_computed_buffer_nothing_can_recompute_is_an_error)
+    model = _Carrier().to("meta")
+    assert model.carrier.is_meta
+    load_mlx(model, tmp_path)
+    float_built = _Carrier()
+    load_mlx(float_built, tmp_path)
+    assert meta_tensors(model) == []
+    assert model.carrier.device == torch.device("cpu") and model.carrier.shape == (0, 3)
+    assert model.carrier.dtype == float_built.carrier.dtype
+    model = _Carrier().to("meta")
+    assert compute_buffers(model, torch.device("cpu"), "here") == []
+    assert model.carrier.device == torch.device("cpu") and model.carrier.shape == (0, 3)
+    assert model.carrier.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("error", ["item", "not-implemented", "key"])
+def test_an_initialization_that_fails_on_the_stand_ins_is_the_error_naming_the_buffer(error):
+    # compute_buffers runs the initialization with meta stand-ins for the module's parameters; one
+    # that needs their values (Tensor.item() raises a RuntimeError on meta) or fails in another way
+    # cannot compute the buffer: the ValueError naming it, whatever the initialization raised.
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4, 8))
+            self.register_buffer("scale", torch.ones(4), persistent=False)
+
+    class Model(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.layer = Scaled()
+
+        def _init_weights(self, module):
+            if isinstance(module, Scaled):
+                if error == "item":
+                    module.scale.fill_(module.weight.abs().max().item())
+                elif error == "not-implemented":
+                    raise NotImplementedError("no such rope type")
+                else:
+                    module.scale.copy_({"default": torch.ones(4)}[getattr(module, "rope_type", "yarn")])
+
+    with torch.device("meta"):
+        model = Model(transformers.PretrainedConfig())
+    model.layer.weight = nn.Parameter(torch.full((4, 8), 2.0))  # as a loader fills it
+    with pytest.raises(ValueError, match=r"here: the model was built on the meta device and its computed buffers "
+                                         r"\['layer.scale'\] are in no file; they could not be computed again"):
+        compute_buffers(model, torch.device("cpu"), "here")
+    assert torch.equal(model.layer.weight, torch.full((4, 8), 2.0))
+
+
 # ---------------------------------------------------------------- peak memory
 
 
