@@ -94,14 +94,13 @@ __attribute__((always_inline)) inline void nibble_chunk(const uint8_t* const (&b
 // Q4_K (144 bytes: d, dmin f16; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles):
 // w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. Byte c of the nibbles lies in the 64-weight run
 // J = c / 32, low nibble = weight 64J + c % 32 (sub-block 2J), high nibble = weight 64J + 32 +
-// c % 32 (sub-block 2J + 1) (llama.cpp's order). As in the float32 kernel (gguf_f32.cpp), the two
-// 64-byte halves are dealt by 16-byte quarters into chunks h = 0, 1 whose quarter J is bytes
-// 16h .. 16h + 15 of run J, so lane l (bytes 4l .. 4l + 3 of a chunk) lies in run J = l / 4 in
-// both. In the 4-bit planes of chunk.h even planes hold low nibbles and odd planes high ones: two
+// c % 32 (sub-block 2J + 1) (llama.cpp's order). As in the float32 kernel (gguf_f32.cpp), the
+// nibbles are dealt by 16-byte quarters into chunks h = 0, 1 (gguf_fields::q4k_dealt_nibbles), so
+// lane l (bytes 4l .. 4l + 3 of a chunk) lies in run J = l / 4 in both. In the 4-bit planes of chunk.h even planes hold low nibbles and odd planes high ones: two
 // chains per (W row, x row) over the whole super-block, scaled once by sub-blocks 2(l / 4) and
 // 2(l / 4) + 1. The mins are hoisted: y -= sum_s dmin*m[s] * (sum of x over sub-block s).
 struct Q4K {
-  static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16;
+  static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144;
   template <int P>
   static constexpr int64_t kXPerBlock = 2 * 4 * P * 32;
   // W rows per tile: 4 at one row of x, else 2 (at four rows of x 2 rather than 1: Zen 4,
@@ -126,24 +125,10 @@ struct Q4K {
     _mm512_storeu_ps(xs, gguf_x::q4k_sums(x));
   }
 
-  struct Idx {
-    alignas(64) int32_t even[16];
-    alignas(64) int32_t odd[16];
-  };
-  static constexpr Idx idx() {
-    Idx t{};
-    for (int l = 0; l < 16; ++l) {
-      t.even[l] = 2 * (l / 4);
-      t.odd[l] = t.even[l] + 1;
-    }
-    return t;
-  }
-
   template <int R, int MB, int P>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R],
                                                           const uint16_t* const (&xb)[MB],
                                                           const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
-    alignas(64) static constexpr Idx kIdx = idx();
     __m512 sv[R];
     for (int r = 0; r < R; ++r) {
       sv[r] = gguf_fields::q4k_scale_vector(blk[r]);
@@ -153,19 +138,15 @@ struct Q4K {
     __m512 ch[R][MB][2];
     for (int h = 0; h < 2; ++h) {
       __m512i w[R];
-      for (int r = 0; r < R; ++r) {
-        const __m512i lo = _mm512_loadu_si512(blk[r] + kQs), hi = _mm512_loadu_si512(blk[r] + kQs + 64);
-        w[r] = h == 0 ? _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(2, 0, 2, 0))
-                      : _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
-      }
+      for (int r = 0; r < R; ++r)
+        w[r] = h == 0 ? gguf_fields::q4k_dealt_nibbles<0>(blk[r]) : gguf_fields::q4k_dealt_nibbles<1>(blk[r]);
       const uint16_t* xc[MB];
       for (int m = 0; m < MB; ++m) xc[m] = xb[m] + h * 4 * P * 32;
       dot_planes<R, MB, P, 4, 2>(w, _mm512_load_si512(kTable.e), xc, [](int j) { return j % 2; }, ch,
                                  std::make_integer_sequence<int, 4>{}, h == 1);
     }
-    const __m512i ie = _mm512_load_si512(kIdx.even), io = _mm512_load_si512(kIdx.odd);
     for (int r = 0; r < R; ++r) {
-      const __m512 se = _mm512_permutexvar_ps(ie, sv[r]), so = _mm512_permutexvar_ps(io, sv[r]);
+      const __m512 se = gguf_fields::q4k_dealt_scales<0>(sv[r]), so = gguf_fields::q4k_dealt_scales<1>(sv[r]);
       for (int m = 0; m < MB; ++m)
         acc[r][m] = _mm512_fmadd_ps(ch[r][m][1], so, _mm512_fmadd_ps(ch[r][m][0], se, acc[r][m]));
     }

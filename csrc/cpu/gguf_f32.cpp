@@ -37,10 +37,10 @@ struct LaneIdx {
 // Q4_K (144 bytes: d, dmin f16; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles):
 // w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. Byte c of the nibbles lies in the 64-weight run
 // J = c / 32: low nibble = weight 64J + c % 32 (sub-block 2J), high nibble = weight 64J + 32 +
-// c % 32 (sub-block 2J + 1) (llama.cpp's order). The two 64-byte halves of the nibbles are dealt
-// by 16-byte quarters (one vshufi64x2 each) into vectors h = 0, 1 whose 16-byte quarter J is bytes
-// 16h .. 16h + 15 of run J: dword lane l holds bytes 32J + 16h + 4(l % 4) + t (t = 0..3) of run
-// J = l / 4, and its field j (0..7) is nibble j % 2 of byte t = j / 2, weight
+// c % 32 (sub-block 2J + 1) (llama.cpp's order). The nibbles are dealt by 16-byte quarters into
+// vectors h = 0, 1 (gguf_fields::q4k_dealt_nibbles): dword lane l holds bytes
+// 32J + 16h + 4(l % 4) + t (t = 0..3) of run J = l / 4, and its field j (0..7) is nibble j % 2 of
+// byte t = j / 2, weight
 // 64J + 32(j % 2) + 16h + 4(l % 4) + j / 2, in sub-block 2J + j % 2. So every field of one parity,
 // in both vectors, has lane l in the same sub-block: one chain of 8 fields per parity, scaled once
 // by a per-lane vector of the sub-block scales (two scaling FMAs per super-block, W row and x row,
@@ -48,7 +48,7 @@ struct LaneIdx {
 // y -= sum_s dmin*m[s] * (sum of x over sub-block s).
 struct Q4K {
   using X = float;
-  static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kXPerBlock = 256, kSide = 16;
+  static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kXPerBlock = 256, kSide = 16;
   // W rows per tile: 4 at one or two rows of x, 2 at four (fewer would read x from L2 at a rate it
   // does not sustain: 4 KB per super-block and W row at four rows of x).
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 4 : 2; }
@@ -76,25 +76,16 @@ struct Q4K {
     _mm512_storeu_ps(xs, gguf_x::q4k_sums(x));
   }
 
-  // Per parity p, lane l: the index of sub-block 2(l / 4) + p in the scale vector.
-  static constexpr LaneIdx idx(int p) {
-    LaneIdx t{};
-    for (int l = 0; l < 16; ++l) t.i[l] = 2 * (l / 4) + p;
-    return t;
-  }
-
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&xs)[MB], __m512 (&acc)[R][MB]) {
-    alignas(64) static constexpr LaneIdx kIdx[2] = {idx(0), idx(1)};
     __m512 sv[R];
     __m512i w[R][2];
     for (int r = 0; r < R; ++r) {
       sv[r] = gguf_fields::q4k_scale_vector(blk[r]);
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fnmadd_ps(sv[r], _mm512_loadu_ps(xs[m]), acc[r][m]);
-      const __m512i lo = _mm512_loadu_si512(blk[r] + kQs), hi = _mm512_loadu_si512(blk[r] + kQs + 64);
-      w[r][0] = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
-      w[r][1] = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+      w[r][0] = gguf_fields::q4k_dealt_nibbles<0>(blk[r]);
+      w[r][1] = gguf_fields::q4k_dealt_nibbles<1>(blk[r]);
     }
     // The even fields of both vectors, then the odd ones (the vectors shifted down by a nibble, so
     // that field 2i + 1 sits where field 2i did): one chain per (W row, x row) at a time.
@@ -119,9 +110,8 @@ struct Q4K {
               ch[r][m] = h == 0 && i == 0 ? _mm512_mul_ps(q, xj[m]) : _mm512_fmadd_ps(q, xj[m], ch[r][m]);
           }
         }, std::make_integer_sequence<int, 4>{});
-      const __m512i si = _mm512_load_si512(kIdx[p].i);
       for (int r = 0; r < R; ++r) {
-        const __m512 s = _mm512_permutexvar_ps(si, sv[r]);
+        const __m512 s = gguf_fields::q4k_dealt_scales<p>(sv[r]);
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(ch[r][m], s, acc[r][m]);
       }
     }, std::make_integer_sequence<int, 2>{});

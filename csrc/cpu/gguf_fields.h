@@ -62,6 +62,26 @@ inline __m512 q4k_scale_vector(const uint8_t* blk) {
   return _mm512_mul_ps(f, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), dd));
 }
 
+// Q4_K's 128 nibble bytes (at blk + 16) dealt by 16-byte quarters into vector h (0 or 1): its
+// quarter J is bytes 16h .. 16h + 15 of run J (the 32 bytes of weights 64J .. 64J + 63), so dword
+// lane l holds bytes 32J + 16h + 4(l % 4) + t (t = 0..3) of run J = l / 4 in both vectors. Low
+// nibbles are weights of sub-block 2J, high ones of 2J + 1, the same in every field of a lane:
+// the float32 and bfloat16 kernels sum a whole super-block per lane before scaling it once.
+template <int H>
+__attribute__((always_inline)) inline __m512i q4k_dealt_nibbles(const uint8_t* blk) {
+  const __m512i lo = _mm512_loadu_si512(blk + 16), hi = _mm512_loadu_si512(blk + 80);
+  return _mm512_shuffle_i64x2(lo, hi, H == 0 ? _MM_SHUFFLE(2, 0, 2, 0) : _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+// Lane l: the scale of sub-block 2(l / 4) + P (P = 0: low nibbles, 1: high) of the dealt vectors,
+// from sv = q4k_scale_vector(blk).
+template <int P>
+__attribute__((always_inline)) inline __m512 q4k_dealt_scales(__m512 sv) {
+  const __m512i idx = _mm512_setr_epi32(P, P, P, P, 2 + P, 2 + P, 2 + P, 2 + P, 4 + P, 4 + P, 4 + P, 4 + P,
+                                        6 + P, 6 + P, 6 + P, 6 + P);
+  return _mm512_permutexvar_ps(idx, sv);
+}
+
 // Q6_K (210 bytes: ql[128], qh[64], 16 int8 scales, d f16; llama.cpp's dequantize_row_q6_K
 // order): weight 128h + 64p + c (c = 0..63) has q = (nibble p of ql[64h + c]) | (field 2p + c / 32
 // of qh[32h + c % 32]) << 4. Byte c of the result: that q, in bits 0-5 (bits 6-7 are left over

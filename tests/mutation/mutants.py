@@ -255,7 +255,7 @@ MUTANTS: list[Mutant] = [
            "_mm256_and_si256(hi, _mm256_set1_epi8(0x10))",
            ("tests/test_cpu_gguf_float32.py", "-k", "avx2 and Q6_K and dequantize"), "Q6_K's high field loses its top bit (q >= 32)"),
     Mutant("f32-q4k-odd-scale", "csrc/cpu/gguf_f32.cpp",
-           "for (int l = 0; l < 16; ++l) t.i[l] = 2 * (l / 4) + p;", "for (int l = 0; l < 16; ++l) t.i[l] = 2 * (l / 4);",
+           "const __m512 s = gguf_fields::q4k_dealt_scales<p>(sv[r]);", "const __m512 s = gguf_fields::q4k_dealt_scales<0>(sv[r]);",
            ("tests/test_cpu_gguf_float32.py", "-k", "f32 and Q4_K and dequantize"),
            "the AVX-512 Q4_K kernel scales high nibbles by the low nibbles' sub-block"),
     Mutant("f32-q4k-odd-fields-unshifted", "csrc/cpu/gguf_f32.cpp",
