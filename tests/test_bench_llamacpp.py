@@ -126,6 +126,47 @@ def test_bench_rounds_time_every_peer_again_and_report_the_median_of_the_rounds(
         assert rec["samples"]["torch_qmm"] == 3 * 2
 
 
+def test_bench_rounds_alternate_the_order_of_the_configs(monkeypatch, tmp_path):
+    """--rounds: the second round (and every even one) runs the configurations in reverse, so that
+    no configuration always sits at the same place in the run; ggml still runs once per case and
+    round, right after the first of its configurations in that round's order, and each result keeps
+    its own rounds whatever the order."""
+    import torch_qmm.bench as bench
+
+    row = parse_perf_output(FIXTURE.read_text())[0]
+    events = []
+    real_run_config = bench.run_config
+
+    def recording_run_config(cfg, *args, **kwargs):
+        events.append(("ours", cfg.m, cfg.dtype))
+        return real_run_config(cfg, *args, **kwargs)
+
+    def fake_time_case(binary, case, threads):
+        events.append(("ggml", case.m))
+        return {**row, "us_per_run": 1000.0 * case.m, "how": "test-file"}
+
+    monkeypatch.setattr(bench, "run_config", recording_run_config)
+    monkeypatch.setattr(llamacpp_peer, "ensure_binary", lambda log=print: tmp_path / "test-backend-ops")
+    monkeypatch.setattr(llamacpp_peer, "time_case", fake_time_case)
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--device", "cpu", "--shapes", "64x512", "--m", "1,2", "--gguf", "Q4_K", "--dtype",
+               "float32,bfloat16", "--peers", "llamacpp", "--hot", "--threads", "1", "--repeats", "2",
+               "--rounds", "3", "--no-plot", "--output", str(out)])
+    assert rc == 0
+    forward = [("ours", 1, "float32"), ("ggml", 1), ("ours", 2, "float32"), ("ggml", 2),
+               ("ours", 1, "bfloat16"), ("ours", 2, "bfloat16")]
+    backward = [("ours", 2, "bfloat16"), ("ggml", 2), ("ours", 1, "bfloat16"), ("ggml", 1),
+                ("ours", 2, "float32"), ("ours", 1, "float32")]
+    assert events == forward + backward + forward
+    doc = json.loads(out.read_text())
+    assert "reversed" in doc["machine"]["round_order"]
+    cells = {(rec["m"], rec["dtype"]): rec for rec in doc["results"]}
+    assert sorted(cells) == [(1, "bfloat16"), (1, "float32"), (2, "bfloat16"), (2, "float32")]
+    for (m, _), rec in cells.items():
+        assert [r["llamacpp"] for r in rec["round_times_ms"]] == [1.0 * m] * 3
+        assert rec["samples"]["torch_qmm"] == 3 * 2
+
+
 def test_bench_peer_llamacpp_unavailable_is_reported_not_fatal(monkeypatch, tmp_path, capsys):
     def unavailable(log=print):
         raise llamacpp_peer.LlamaCppUnavailable("building ggml's test-backend-ops needs cmake, not found on PATH")

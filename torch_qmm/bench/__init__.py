@@ -134,10 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=_positive, default=10,
                         help="timed rounds per config (fewer for calls slower than 2 s; default: %(default)s)")
     parser.add_argument("--rounds", type=_positive, default=1,
-                        help="passes over all configs, one after the other; each cell is then the median of its "
-                             "rounds' medians (the JSON keeps each round's), so that one slow minute of a shared "
-                             "machine moves no cell alone; the llamacpp peer is timed again in every round "
-                             "(default: %(default)s)")
+                        help="passes over all configs, one after the other, every second pass in reverse order; "
+                             "each cell is then the median of its rounds' medians (the JSON keeps each round's, in "
+                             "the order run), so that one slow minute of a shared machine moves no cell alone; the "
+                             "llamacpp peer is timed again in every round (default: %(default)s)")
     parser.add_argument("--mlx-max-m", type=_positive, default=16,
                         help="time MLX only up to this M: its CPU quantized_matmul takes seconds per call beyond "
                              "(default: %(default)s)")
@@ -214,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
     info["hot"] = bool(args.hot)
     info["activations"] = args.activations  # torch_qmm's calls: None exact, "int8" quantized x
     info["rounds"] = args.rounds
+    info["round_order"] = "configs in order in rounds 1, 3, ...; reversed in rounds 2, 4, ..."
     peer_ok = (lambda p: p in args.peers) if args.peers else (lambda p: True)
     llamacpp = _LlamaCpp() if args.peers and "llamacpp" in args.peers else None
     cfgs = configs(args, device)
@@ -223,7 +224,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"round {i + 1} of {args.rounds}", flush=True)
         if llamacpp is not None:
             llamacpp.new_round()
-        for cfg, timed in zip(cfgs, rounds):
+        # Every other round runs the configurations in reverse, so that a slowdown tied to a place
+        # in a long run (seen, cause unknown: benchmarks/README.md) falls on each configuration alike.
+        order = range(len(cfgs)) if i % 2 == 0 else range(len(cfgs) - 1, -1, -1)
+        for cfg, timed in ((cfgs[j], rounds[j]) for j in order):
             r = run_config(cfg, args.repeats, cache, peer_ok,
                            explicit=lambda p: bool(args.peers) and p in args.peers and p in EXPLICIT_PEERS,
                            activations=args.activations)
