@@ -44,14 +44,35 @@ __attribute__((always_inline)) inline void prefetch_range(const void* base, int6
     _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + uintptr_t(offset + b)), _MM_HINT_T0);
 }
 
-struct U4Multiplier {
-  static constexpr const char* kName = "avx2-u4";
-  static constexpr int kBits = 4, kCodes = 64, kBytes = 32, kVectors = 8, kHalves = 2;
+// The affine multipliers read a chunk of 8 dwords, each of kVectors = 32 / B fields of B bits:
+// field j (all but the top one) masked in place is the code times 2^Bj, the top one is shifted
+// down. Lane l of vector j holds code kVectors * l + j.
+template <int B>
+struct DwordFieldMultiplier {
+  static constexpr int kBits = B, kVectors = 32 / B, kCodes = 8 * kVectors, kBytes = 32, kHalves = 2;
   static constexpr bool kNanCodes = false;
-  static constexpr int64_t kXPerChunk = 64;
+  static constexpr int64_t kXPerChunk = kCodes;
   static constexpr float kUnit = 1.0f;
-  static constexpr int code(int j, int l) { return 8 * l + j; }
-  static constexpr float x_factor(int j) { return j == 7 ? 1.0f : 1.0f / float(1 << (4 * j)); }
+  static constexpr int code(int j, int l) { return kVectors * l + j; }
+  static constexpr float x_factor(int j) { return j == kVectors - 1 ? 1.0f : 1.0f / float(1 << (B * j)); }
+
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void dot(const uint8_t* const (&w)[R], const float* const (&xc)[MB],
+                                                        __m256 (&p)[R][MB][kHalves]) {
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r]));
+      for (int j = 0; j < kVectors; ++j) {
+        const __m256i q = j == kVectors - 1 ? _mm256_srli_epi32(wv, 32 - B)
+                                            : _mm256_and_si256(wv, _mm256_set1_epi32(((1 << B) - 1) << (B * j)));
+        const __m256 v = _mm256_cvtepi32_ps(q);
+        for (int m = 0; m < MB; ++m) p[r][m][j % 2] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + 8 * j), p[r][m][j % 2]);
+      }
+    }
+  }
+};
+
+struct U4Multiplier : DwordFieldMultiplier<4> {
+  static constexpr const char* kName = "avx2-u4";
 
   // The scales of the chunk's lanes; scale(i): the value of its i-th group (of 64 / G; one if
   // G >= 64).
@@ -63,51 +84,19 @@ struct U4Multiplier {
     else
       sv[0] = sv[1] = _mm256_set1_ps(scale(0));
   }
-
-  template <int R, int MB>
-  __attribute__((always_inline)) static inline void dot(const uint8_t* const (&w)[R], const float* const (&xc)[MB],
-                                                        __m256 (&p)[R][MB][kHalves]) {
-    for (int r = 0; r < R; ++r) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r]));
-      for (int j = 0; j < 8; ++j) {
-        const __m256i q = j == 7 ? _mm256_srli_epi32(wv, 28) : _mm256_and_si256(wv, _mm256_set1_epi32(15 << (4 * j)));
-        const __m256 v = _mm256_cvtepi32_ps(q);
-        for (int m = 0; m < MB; ++m) p[r][m][j % 2] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + 8 * j), p[r][m][j % 2]);
-      }
-    }
-  }
 };
 
-// U8Multiplier (affine 8-bit): the chunk is 8 dwords of 4 bytes, the same trick on byte fields:
+// U8Multiplier (affine 8-bit): the same on byte fields:
 //   vector j (0..2), lane l:  w & (255 << 8j)  =  q[4l + j] * 256^j   (vector 3: w >> 24)
 // converted (exact: 8 significant bits, below 2^31), times x[32c + 4l + j] * 2^-8j (exact for
 // |x| >= 2^-98). A chunk is 32 codes, inside one group of 32, 64 or 128: one scale broadcast.
-struct U8Multiplier {
+struct U8Multiplier : DwordFieldMultiplier<8> {
   static constexpr const char* kName = "avx2-u8";
-  static constexpr int kBits = 8, kCodes = 32, kBytes = 32, kVectors = 4, kHalves = 2;
-  static constexpr bool kNanCodes = false;
-  static constexpr int64_t kXPerChunk = 32;
-  static constexpr float kUnit = 1.0f;
-  static constexpr int code(int j, int l) { return 4 * l + j; }
-  static constexpr float x_factor(int j) { return j == 3 ? 1.0f : 1.0f / float(1 << (8 * j)); }
 
   template <int G, typename Scale>
   __attribute__((always_inline)) static inline void scale_lanes(Scale scale, __m256 (&sv)[kHalves]) {
     static_assert(G == 32 || G == 64 || G == 128, "affine groups of 32, 64 or 128");
     sv[0] = sv[1] = _mm256_set1_ps(scale(0));
-  }
-
-  template <int R, int MB>
-  __attribute__((always_inline)) static inline void dot(const uint8_t* const (&w)[R], const float* const (&xc)[MB],
-                                                        __m256 (&p)[R][MB][kHalves]) {
-    for (int r = 0; r < R; ++r) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r]));
-      for (int j = 0; j < 4; ++j) {
-        const __m256i q = j == 3 ? _mm256_srli_epi32(wv, 24) : _mm256_and_si256(wv, _mm256_set1_epi32(255 << (8 * j)));
-        const __m256 v = _mm256_cvtepi32_ps(q);
-        for (int m = 0; m < MB; ++m) p[r][m][j % 2] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + 8 * j), p[r][m][j % 2]);
-      }
-    }
   }
 };
 
