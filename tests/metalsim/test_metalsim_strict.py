@@ -36,15 +36,6 @@ REJECTED = [
     ("throw", _body("if (i) throw 1;"), "exceptions"),
     ("rtti", HEAD + "struct A { int x; };\n" + _body("A a; y[i] = float(typeid(a) == typeid(a));"), "rtti|typeid"),
     ("malloc", _body("float* p = (float*)malloc(16); y[i] = p[0];"), "undeclared|malloc"),
-    # recursion: MSL has no recursive calls (found as a cycle of the call graph the kernel reaches)
-    ("recursion_direct", HEAD + "int fact(int n) { return n <= 1 ? 1 : n * fact(n - 1); }\n"
-     + _body("y[i] = float(fact(int(i)));"), r"recursive function calls .*fact\(int\) -> fact\(int\)"),
-    ("recursion_tail", HEAD + "int count(int n, int acc) { return n == 0 ? acc : count(n - 1, acc + 2); }\n"
-     + _body("y[i] = float(count(int(i), 0));"), r"recursive function calls .*count"),
-    ("recursion_mutual", HEAD + "int odd(int n);\n"
-     + "__attribute__((noinline)) int even(int n) { return n == 0 ? 1 : odd(n - 1); }\n"
-     + "__attribute__((noinline)) int odd(int n) { return n == 0 ? 0 : even(n - 1); }\n"
-     + _body("y[i] = float(even(int(i)));"), r"recursive function calls .*(even|odd)\(int\) -> (odd|even)\(int\)"),
     # a call through a function pointer chosen at run time (not a [[visible]] function)
     ("function_pointer_call", HEAD + "float twice(float x) { return 2 * x; }\nfloat thrice(float x) { return 3 * x; }\n"
      + _body("float (*f)(float) = y[i] > 0 ? &twice : &thrice; y[i] = f(y[i]);"), "through a function pointer"),
@@ -94,3 +85,20 @@ def test_what_metal_allows_stays_allowed_calls_and_atomics(metalsim):
     lib.dispatch("k", buffers={0: y, 1: m}, threadgroups=1, threads_per_threadgroup=4)
     np.testing.assert_array_equal(y, np.arange(4) * 2)
     assert m[0] == 3 << 40
+
+
+def test_recursion_is_allowed(metalsim):
+    # compute functions may call themselves (Metal 2.4 and later): PyTorch's MPS kernels do
+    # (c10/metal/special_math.h, bessel_j1_forward(-x) for a negative argument); direct, tail
+    # and mutual recursion run
+    import numpy as np
+    src = HEAD + ("int fact(int n) { return n <= 1 ? 1 : n * fact(n - 1); }\n"
+                  "int count(int n, int acc) { return n == 0 ? acc : count(n - 1, acc + 2); }\n"
+                  "int odd(int n);\n"
+                  "__attribute__((noinline)) int even(int n) { return n == 0 ? 1 : odd(n - 1); }\n"
+                  "__attribute__((noinline)) int odd(int n) { return n == 0 ? 0 : even(n - 1); }\n"
+                  + _body("y[i] = float(fact(int(i))) + 100 * float(count(int(i), 0)) + 1000 * float(even(int(i)));"))
+    lib = metalsim.compile(src)
+    y = np.zeros(6, np.float32)
+    lib.dispatch("k", buffers={0: y}, threadgroups=1, threads_per_threadgroup=6)
+    np.testing.assert_array_equal(y, [1 + 0 + 1000, 1 + 200, 2 + 400 + 1000, 6 + 600, 24 + 800 + 1000, 120 + 1000])

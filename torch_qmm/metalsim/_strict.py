@@ -194,8 +194,6 @@ def _location(pre: str, offset: int) -> str:
 
 
 # ---- rules checked on the optimised LLVM IR of a build (every build: plain and instrumented) ----
-# Builds keep tail calls as calls (-fno-optimize-sibling-calls: LLVM's tail-recursion
-# elimination honours it), so a recursive function stays a cycle of the call graph.
 _DEFINE = re.compile(r"^define\b[^@]*@(\"[^\"]+\"|[-\w.$]+)\(")
 _CALL = re.compile(r"\b(?:call|invoke)\b(?!\s+void\s+asm)(?:[^@%;]|%\w+\s*\*|\([^()]*\))*?([@%](?:\"[^\"]+\"|[-\w.$]+))\(")
 ENTRY_PREFIX = "__msim_entry_"
@@ -213,11 +211,12 @@ def _demangle(names):
 
 
 def check_ir(ir: str) -> None:
-    """Reject recursion and calls through function pointers in the functions the kernels of a
-    build reach (its optimised IR): MSL has no recursive calls, and calls functions through
-    pointers only when they are [[visible]] functions (visible function tables, which metalsim
-    does not support). A function pointer the optimizer resolves to its target (a template
-    argument, a constant) is a direct call, as it is for Apple's compiler."""
+    """Reject calls through function pointers in the functions the kernels of a build reach
+    (its optimised IR): MSL calls functions through pointers only when they are [[visible]]
+    functions (visible function tables, which metalsim does not support). A function pointer
+    the optimizer resolves to its target (a template argument, a constant) is a direct call,
+    as it is for Apple's compiler. Recursive calls are allowed (compute functions may recurse
+    since Metal 2.4; PyTorch's bessel_j1_forward calls itself for a negative argument)."""
     from ._build import CompileError
 
     calls, indirect, cur = {}, {}, None
@@ -247,75 +246,10 @@ def check_ir(ir: str) -> None:
         todo.extend(g for g in calls[f] if g in calls)
     # the shim calls the kernel function through a pointer when not optimised (-O0)
     bad_ptr = sorted(f for f in reach if indirect[f] and "__msim_invoke" not in f)
-    cycles = _cycles({f: {g for g in calls[f] if g in reach} for f in reach})
-    if not bad_ptr and not cycles:
+    if not bad_ptr:
         return
-    names = _demangle(sorted({f for c in cycles for f in c} | set(bad_ptr)))
-    msgs = [f"error: recursive function calls are not supported by the Metal Shading Language: "
-            f"{' -> '.join(names[f] for f in c + [c[0]])}" for c in cycles]
-    msgs += [f"error: a call through a function pointer in {names[f]}: the Metal Shading Language calls "
-             f"functions through pointers only when they are [[visible]] functions (visible function "
-             f"tables), which metalsim does not support" for f in bad_ptr]
+    names = _demangle(bad_ptr)
+    msgs = [f"error: a call through a function pointer in {names[f]}: the Metal Shading Language calls "
+            f"functions through pointers only when they are [[visible]] functions (visible function "
+            f"tables), which metalsim does not support" for f in bad_ptr]
     raise CompileError("metalsim strictness: Apple's compiler rejects this:\n" + "\n".join(msgs[:20]))
-
-
-def _cycles(graph):
-    """One cycle (a list of functions) per strongly connected component of `graph` that has one
-    (Tarjan's algorithm, iterative)."""
-    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter[0]
-        counter[0] += 1
-        stack.append(root)
-        on.add(root)
-        while work:
-            v, it = work[-1]
-            w = next(it, None)
-            if w is not None:
-                if w not in index:
-                    index[w] = low[w] = counter[0]
-                    counter[0] += 1
-                    stack.append(w)
-                    on.add(w)
-                    work.append((w, iter(sorted(graph[w]))))
-                elif w in on:
-                    low[v] = min(low[v], index[w])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[v])
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                if len(comp) > 1 or v in graph[v]:
-                    out.append(_cycle_in(graph, set(comp), v))
-    return out
-
-
-def _cycle_in(graph, comp, start):
-    """A path start -> ... -> start inside the component `comp` (breadth-first)."""
-    prev, frontier = {}, [start]
-    while frontier:
-        nxt = []
-        for v in frontier:
-            for w in sorted(graph[v]):
-                if w not in comp:
-                    continue
-                if w == start:
-                    path = [v]
-                    while path[-1] != start:
-                        path.append(prev[path[-1]])
-                    return path[::-1]
-                if w not in prev:
-                    prev[w] = v
-                    nxt.append(w)
-        frontier = nxt
-    return [start]
