@@ -45,6 +45,24 @@ REJECTED = [
      "64-bit atomics"),
     ("atomic64_add", HEAD + "kernel void k(device atomic_long* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {\n"
      "  atomic_fetch_add_explicit(y, long(i), memory_order_relaxed); }\n", "64-bit atomics"),
+    # "The constant address space name refers to buffer memory objects allocated from the
+    # device memory pool but that are read-only." (Metal Shading Language Specification,
+    # address spaces: constant)
+    ("constant_pointer_write", HEAD + "kernel void k(constant float* c [[buffer(0)]], device float* y [[buffer(1)]]) "
+     "{ c[0] = 1; y[0] = c[0]; }\n", "read-only variable is not assignable"),
+    ("constant_reference_write", HEAD + "kernel void k(constant float& c [[buffer(0)]], device float* y [[buffer(1)]]) "
+     "{ c = 1; y[0] = c; }\n", "const-qualified"),
+    # "All arguments to a graphics or kernel function that are a pointer or reference to a type
+    # must be declared with an address space attribute." (specification, address spaces)
+    ("kernel_pointer_without_address_space", HEAD + "kernel void k(float* y [[buffer(0)]]) { y[0] = 1; }\n",
+     "without an address space"),
+    ("kernel_reference_without_address_space", HEAD + "kernel void k(float& c [[buffer(0)]], "
+     "device float* y [[buffer(1)]]) { y[0] = c; }\n", "without an address space"),
+    # "Variables in program scope must be declared in the constant address space."
+    # (specification, address spaces)
+    ("threadgroup_at_program_scope", HEAD + "threadgroup float g[4];\n" + _body("y[i] = g[0];"), "program scope"),
+    ("device_at_program_scope", HEAD + "namespace ns { device float g = 1; }\n" + _body("y[i] = ns::g;"),
+     "program scope"),
 ]
 
 
@@ -102,3 +120,16 @@ def test_recursion_is_allowed(metalsim):
     y = np.zeros(6, np.float32)
     lib.dispatch("k", buffers={0: y}, threadgroups=1, threads_per_threadgroup=6)
     np.testing.assert_array_equal(y, [1 + 0 + 1000, 1 + 200, 2 + 400 + 1000, 6 + 600, 24 + 800 + 1000, 120 + 1000])
+
+
+def test_address_spaces_metal_allows_stay_allowed(metalsim):
+    # functions returning pointers into an address space at program scope, constant program-scope
+    # variables, threadgroup arrays in a kernel, kernel arguments in each address space
+    src = HEAD + ("constant float table[2] = {1, 2};\n"
+                  "device float* at(device float* p, uint i) { return p + i; }\n"
+                  "template <typename T> threadgroup T* tg(threadgroup T* p) { return p; }\n"
+                  "kernel void k(device float* y [[buffer(0)]], constant float& c [[buffer(1)]],\n"
+                  "              threadgroup float* s [[threadgroup(0)]], uint i [[thread_position_in_grid]]) {\n"
+                  "  threadgroup float t[4];\n  t[i % 4] = c; tg(s)[0] = 0;\n"
+                  "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  *at(y, i) = t[i % 4] + table[1];\n}\n")
+    assert metalsim.compile(src).kernels == ["k"]

@@ -222,7 +222,10 @@ def stage(source: str, filename, defines, include_dirs) -> Staged:
     if meta_path.exists() and cpp.exists():
         return Staged(key, json.loads(meta_path.read_text()), cpp)
     _strict.check_tokens(pre)
-    staged = _staging.stage(pre)
+    try:
+        staged = _staging.stage(pre)
+    except _staging.StrictError as e:
+        raise CompileError(f"metalsim strictness: Apple's compiler rejects this:\nerror: {e}") from None
     meta = {
         "kernels": [
             {"name": k.name, "symbol": k.symbol, "function": k.function,

@@ -33,6 +33,14 @@ class StageError(ValueError):
     """The MSL source uses a construct metalsim's staging cannot handle."""
 
 
+class StrictError(StageError):
+    """The MSL source breaks a rule of the language that Apple's compiler enforces (found while
+    staging; raised to the caller as CompileError)."""
+
+
+KERNEL_PTR_SPACES = {"device", "constant", "threadgroup", "threadgroup_imageblock", "object_data"}
+
+
 BUILTINS = {
     "thread_position_in_grid": 0,
     "threadgroup_position_in_grid": 1,
@@ -303,6 +311,12 @@ def _parse_params(toks, lo, hi, fname):
                 raise StageError(f"kernel {fname}: parameter {pname!r} uses [[{name}]], which metalsim does not support")
         if p is not None and any(nm == "function_constant" for nm, _ in attrs):
             p.optional = True
+        if p is None or p.kind != "builtin":
+            words = [toks[k].text for k in range(a, b) if k not in in_group]
+            if any(w in ("*", "&", "&&") for w in words) and not KERNEL_PTR_SPACES.intersection(words):
+                raise StrictError(f"kernel {fname}: parameter {pname!r} is a pointer or reference without an "
+                                  f"address space: a kernel's pointer and reference arguments must be declared "
+                                  f"device, constant or threadgroup")
         if p is None:
             # MSL gives a resource argument without a location attribute the first free index
             p = Param(pname, "buffer", None, "buffer")

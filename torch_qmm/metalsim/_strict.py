@@ -87,8 +87,55 @@ def check_tokens(pre: str) -> None:
         elif t.text == "delete" and prev == "=":
             continue  # a deleted function, not a delete expression
         bad.append(f"{_location(pre, t.start)}: error: {KEYWORD_RULES[t.text]}")
+    bad += [f"{_location(pre, toks[i].start)}: error: {PROGRAM_SCOPE}" for i in _program_scope_variables(toks)]
     if bad:
         raise CompileError("metalsim strictness: Apple's compiler rejects this:\n" + "\n".join(bad[:20]))
+
+
+PROGRAM_SCOPE = ("a variable at program scope in the device or threadgroup address space: variables in program "
+                 "scope must be declared in the constant address space (threadgroup memory is declared in a "
+                 "kernel, or passed as a [[threadgroup(n)]] argument)")
+_DECL_START = {";", "{", "}", "static", "extern", "volatile", "const", "inline"}
+
+
+def _program_scope_variables(toks):
+    """Token indices of `device` / `threadgroup` starting a variable declaration at namespace
+    scope (outside every function and class body): `threadgroup float buf[64];`. A declaration
+    whose first top-level `(` comes before its `;`, `=`, `[` or `{` is a function (its return
+    type may be a pointer into an address space) and is not matched."""
+    stack = []  # True for a namespace (or extern "C") brace
+    parens = 0  # parameter lists and other parentheses
+    n = len(toks)
+    for i, t in enumerate(toks):
+        if t.kind == "pp":
+            continue
+        if t.text == "(":
+            parens += 1
+        elif t.text == ")":
+            parens = max(parens - 1, 0)
+        elif t.text == "{":
+            prev = toks[i - 1] if i else None
+            ns = prev is not None and (prev.text == "namespace" or (i >= 2 and toks[i - 2].text == "namespace")
+                                       or (prev.kind == "str" and i >= 2 and toks[i - 2].text == "extern"))
+            stack.append(ns)
+        elif t.text == "}":
+            if stack:
+                stack.pop()
+        elif t.text in ("device", "threadgroup") and parens == 0 and all(stack):
+            prev = toks[i - 1] if i else None
+            if prev is not None and prev.kind != "pp" and prev.text not in _DECL_START:
+                continue
+            depth = 0
+            for k in range(i + 1, n):
+                x = toks[k].text
+                if x == "<":
+                    depth += 1
+                elif x == ">" and depth:
+                    depth -= 1
+                elif depth == 0 and x in ("(", ";", "=", "[", "{"):
+                    if x != "(" and x != "{":
+                        yield i
+                    break
 
 
 BFLOAT_CONSTANT = ("implicit conversion of a float constant to bfloat: Metal converts float to bfloat only "
