@@ -3,6 +3,9 @@
 * MLX's kernel headers ship in the macOS wheel of `mlx-metal` (pip downloads it on any host
   with --platform); the version matches the installed mlx, whose CPU build is the reference.
 * llama.cpp's Metal kernels ship in the source distribution of `llama-cpp-python`.
+* PyTorch's Metal headers (c10/metal/*.h, and the kernel headers ATen/native/mps/kernels/*.h
+  of its MPS backend) ship in the macOS wheel of `torch`; the version matches the installed
+  torch, whose CPU build is the reference.
 
 Each is downloaded once per machine into TORCH_QMM_CORPUS_CACHE (default
 ~/.cache/torch_qmm/corpus), keyed by version. A failing download skips the corpus tests with
@@ -23,6 +26,7 @@ import pytest
 
 MLX_METAL_VERSION = "0.32.4"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+TORCH_VERSION = "2.13.0"
 
 
 def cache_root() -> Path:
@@ -111,6 +115,32 @@ def llama_metal() -> Path:
         return out
 
     return _materialise(f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}", fetch)
+
+
+def torch_metal() -> Path:
+    """Include root holding c10/metal/ and ATen/native/mps/kernels/ from the torch macOS wheel."""
+    prefix = "torch/include/"
+    dirs = ("c10/metal/", "ATen/native/mps/kernels/")
+
+    def fetch(td: Path) -> Path:
+        dl = td / "dl"
+        dl.mkdir()
+        whl = _download(["--only-binary=:all:", "--platform", "macosx_14_0_arm64", f"torch=={TORCH_VERSION}"],
+                        f"torch {TORCH_VERSION} (macOS wheel)", dl)
+        out = td / "tree"
+        with zipfile.ZipFile(whl) as z:
+            members = [m for m in z.namelist() if m.startswith(prefix) and m.endswith(".h") and ".." not in m
+                       and m[len(prefix):].startswith(dirs)]
+            for d in dirs:
+                if not any(m[len(prefix):].startswith(d) for m in members):
+                    raise RuntimeError(f"{whl.name} has no {prefix}{d}*.h")
+            for m in members:
+                target = out / m[len(prefix):]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(z.read(m))
+        return out
+
+    return _materialise(f"torch-{TORCH_VERSION}", fetch)
 
 
 def clear() -> None:

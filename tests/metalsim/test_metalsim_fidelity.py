@@ -383,3 +383,118 @@ def test_static_cast_half_bfloat_through_a_template_parameter(metalsim):  # G11
     np.testing.assert_array_equal(out[:, 1], b.to(torch.float16).float().numpy())
     np.testing.assert_array_equal(out[:, 2], h_to_b)
     np.testing.assert_array_equal(out[:, 3], np.arange(4) + 9)
+
+
+# ---- constructs of PyTorch's Metal kernels (c10/metal/*.h, ATen/native/mps/kernels/*.h) ----
+STDLIB_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+kernel void rel_math(device const float* x [[buffer(0)]], device const float* y [[buffer(1)]],
+                     device float* out [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  float c, ip;
+  out[i * 8 + 0] = ::metal::isunordered(x[i], y[i]) ? 1.0f : 0.0f;
+  out[i * 8 + 1] = isordered(x[i], y[i]) ? 1.0f : 0.0f;
+  out[i * 8 + 2] = ::metal::precise::sincos(x[i], c);
+  out[i * 8 + 3] = c;
+  out[i * 8 + 4] = modf(x[i], ip);
+  out[i * 8 + 5] = ip;
+  half hc;
+  out[i * 8 + 6] = float(sincos(half(x[i]), hc)) + float(hc);
+  float2 c2;
+  float2 s2 = sincos(float2(x[i], y[i]), c2);
+  out[i * 8 + 7] = s2.y + c2.y;
+}
+"""
+
+
+def test_relational_and_sincos_modf_functions(metalsim):
+    # MSL relational functions isordered / isunordered, math functions sincos (sine returned,
+    # cosine through a thread reference) and modf (fraction returned, integral part stored);
+    # PyTorch's c10/metal/utils.h and special_math.h call ::metal::isunordered and ::metal::sincos
+    lib = metalsim.compile(STDLIB_SRC)
+    x = np.array([0.5, np.nan, -2.25, 3.0], np.float32)
+    y = np.array([1.0, 2.0, np.nan, -1.5], np.float32)
+    out = np.zeros((4, 8), np.float32)
+    lib.dispatch("rel_math", buffers={0: x, 1: y, 2: out}, threadgroups=1, threads_per_threadgroup=4)
+    np.testing.assert_array_equal(out[:, 0], [0, 1, 1, 0])
+    np.testing.assert_array_equal(out[:, 1], [1, 0, 0, 1])
+    ok = ~np.isnan(x)
+    np.testing.assert_allclose(out[ok, 2], np.sin(x[ok]), rtol=1e-6)
+    np.testing.assert_allclose(out[ok, 3], np.cos(x[ok]), rtol=1e-6)
+    frac, whole = np.modf(x[ok])
+    np.testing.assert_array_equal(out[ok, 4], frac)
+    np.testing.assert_array_equal(out[ok, 5], whole)
+    h = x[ok].astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(out[ok, 6], np.sin(h) + np.cos(h), rtol=2e-3, atol=2e-3)
+    oky = ~np.isnan(y)
+    np.testing.assert_allclose(out[oky, 7], np.sin(y[oky]) + np.cos(y[oky]), rtol=1e-6)
+
+
+CTOR_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+struct Pair { float a, b; Pair(float a_, float b_) : a(a_), b(b_) {} };
+// T(a, b) with T a template parameter: a vector built from its components (PyTorch's complex
+// multiply in c10/metal/utils.h, T = float2) or a class constructed as written
+template <typename T> T make2(float a, float b) { return T(a * 2, b + 1); }
+template <typename V> using same_t = V;
+kernel void ctor2(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  float2 v = make2<float2>(float(i), 3.0f);
+  Pair p = make2<Pair>(float(i), 5.0f);
+  half4 h = make2<same_t<half2>>(1.5f, 2.0f).xyxy;
+  out[i * 6 + 0] = v.x; out[i * 6 + 1] = v.y; out[i * 6 + 2] = p.a; out[i * 6 + 3] = p.b;
+  out[i * 6 + 4] = float(h.z); out[i * 6 + 5] = float(h.w);
+}
+"""
+
+
+def test_template_parameter_constructed_from_several_arguments(metalsim):
+    lib = metalsim.compile(CTOR_SRC)
+    out = np.zeros((2, 6), np.float32)
+    lib.dispatch("ctor2", buffers={0: out}, threadgroups=1, threads_per_threadgroup=2)
+    np.testing.assert_array_equal(out, [[0, 4, 0, 6, 3, 3], [2, 4, 2, 6, 3, 3]])
+
+
+BOOLVEC_SRC = r"""
+#include <metal_stdlib>
+using namespace metal;
+static_assert(sizeof(bool2) == 2 && alignof(bool2) == 2, "bool2");
+static_assert(sizeof(bool3) == 4 && alignof(bool3) == 4 && sizeof(bool4) == 4, "bool3/bool4");
+union bool4_or_uint { bool4 b; unsigned int i; };  // MLX's reduction/ops.h
+kernel void boolvec(constant bool2& flags [[buffer(0)]], device const float4* v [[buffer(1)]],
+                    device uint* out [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  bool2 f = flags;
+  bool4 m = v[i] > 0.0f;                       // a comparison mask converts to bool4
+  bool4 n = isnan(v[i]);
+  bool4_or_uint u;
+  u.b = m;
+  bool3 t = bool3(true, f.y, m.z);
+  out[i * 8 + 0] = flags.x;
+  out[i * 8 + 1] = f.y;
+  out[i * 8 + 2] = u.i;
+  out[i * 8 + 3] = any(n) + 2 * all(m);
+  out[i * 8 + 4] = select(float4(1), float4(2), m).y;
+  out[i * 8 + 5] = t.x + 2 * t.y + 4 * t.z;
+  out[i * 8 + 6] = (!m)[3] + 2 * (m && bool4(true)).w;
+  out[i * 8 + 7] = bool2(false).r + 2 * bool2(m.x, true).g;
+}
+"""
+
+
+def test_bool_vectors_have_one_byte_per_element(metalsim):
+    # MSL's bool2 is 2 bytes (bool3 and bool4: 4), like char vectors: a `constant bool2&`
+    # argument holds one byte per flag (PyTorch's radix sort passes its flags so) and MLX's
+    # reduction ops read a bool4 as a uint through a union; components as for other vectors
+    lib = metalsim.compile(BOOLVEC_SRC)
+    v = np.array([[1, -1, np.nan, 2], [-1, -2, -3, -4]], np.float32)
+    out = np.zeros((2, 8), np.uint32)
+    lib.dispatch("boolvec", buffers={1: v, 2: out}, bytes={0: np.array([0, 1], np.uint8)},
+                 threadgroups=1, threads_per_threadgroup=2)
+    np.testing.assert_array_equal(out[:, 0], [0, 0])
+    np.testing.assert_array_equal(out[:, 1], [1, 1])
+    np.testing.assert_array_equal(out[:, 2], [0x01000001, 0])
+    np.testing.assert_array_equal(out[:, 3], [1, 0])
+    np.testing.assert_array_equal(out[:, 4], [1, 1])
+    np.testing.assert_array_equal(out[:, 5], [3, 3])
+    np.testing.assert_array_equal(out[:, 6], [2, 1])
+    np.testing.assert_array_equal(out[:, 7], [2 * 1, 2 * 1])

@@ -87,9 +87,8 @@ COMMON = ["-std=c++2b", "-fPIC", "-Xclang", "-fsycl-is-device", "-Xclang", "-aux
           "-fbfloat16-excess-precision=none", "-ffp-contract=off", "-fno-fast-math", "-fconvergent-functions",
           "-fvisibility=hidden", "-fno-exceptions", "-fno-rtti", "-Wno-unknown-attributes",
           "-Wno-ignored-attributes", "-Wno-unused-value", "-Wno-c++20-extensions", "-Wno-c++2b-extensions",
-          "-Wno-unused-command-line-argument", "-Wno-ignored-pragma-intrinsic", "-ferror-limit=30",
-          # tail calls stay calls, so recursion stays visible to _strict.check_ir
-          "-fno-optimize-sibling-calls"]
+          "-Wno-unused-command-line-argument", "-Wno-ignored-pragma-intrinsic", "-Wno-duplicate-decl-specifier",
+          "-ferror-limit=30"]
 # Instrumented build: sanitizer-coverage hooks see plain loads and stores; the compiler must not
 # turn them into accesses the hooks cannot see (memset/memcpy from loops or merged stores: the
 # -fno-builtin-mem* flags disable loop idiom recognition and MemCpyOpt; wide vector accesses from
@@ -223,7 +222,10 @@ def stage(source: str, filename, defines, include_dirs) -> Staged:
     if meta_path.exists() and cpp.exists():
         return Staged(key, json.loads(meta_path.read_text()), cpp)
     _strict.check_tokens(pre)
-    staged = _staging.stage(pre)
+    try:
+        staged = _staging.stage(pre)
+    except _staging.StrictError as e:
+        raise CompileError(f"metalsim strictness: Apple's compiler rejects this:\nerror: {e}") from None
     meta = {
         "kernels": [
             {"name": k.name, "symbol": k.symbol, "function": k.function,

@@ -33,6 +33,14 @@ class StageError(ValueError):
     """The MSL source uses a construct metalsim's staging cannot handle."""
 
 
+class StrictError(StageError):
+    """The MSL source breaks a rule of the language that Apple's compiler enforces (found while
+    staging; raised to the caller as CompileError)."""
+
+
+KERNEL_PTR_SPACES = {"device", "constant", "threadgroup", "threadgroup_imageblock", "object_data"}
+
+
 BUILTINS = {
     "thread_position_in_grid": 0,
     "threadgroup_position_in_grid": 1,
@@ -303,6 +311,12 @@ def _parse_params(toks, lo, hi, fname):
                 raise StageError(f"kernel {fname}: parameter {pname!r} uses [[{name}]], which metalsim does not support")
         if p is not None and any(nm == "function_constant" for nm, _ in attrs):
             p.optional = True
+        if p is None or p.kind != "builtin":
+            words = [toks[k].text for k in range(a, b) if k not in in_group]
+            if any(w in ("*", "&", "&&") for w in words) and not KERNEL_PTR_SPACES.intersection(words):
+                raise StrictError(f"kernel {fname}: parameter {pname!r} is a pointer or reference without an "
+                                  f"address space: a kernel's pointer and reference arguments must be declared "
+                                  f"device, constant or threadgroup")
         if p is None:
             # MSL gives a resource argument without a location attribute the first free index
             p = Param(pname, "buffer", None, "buffer")
@@ -442,6 +456,9 @@ def _looks_like_type(toks, a, b):
 # T(x) and (T)x with T one of these, a template type parameter or an alias: resolved by the
 # shim's __msim_ccast (clang refuses half <-> bfloat casts, which Metal allows explicitly)
 SCALAR_CAST_NAMES = {"bfloat", "half"}
+# keywords that end a return type before a qualified name, never a scope of it
+_NOT_A_SCOPE = {"void", "kernel", "bool", "char", "short", "int", "long", "float", "half", "bfloat", "unsigned",
+                "signed", "auto", "const", "volatile", "inline", "static", "extern"}
 _TYPE_LEAD = {"const", "volatile", "device", "constant", "threadgroup", "thread", "unsigned", "signed",
               "typename", "struct", "class", "enum"}
 
@@ -491,10 +508,11 @@ def _names_a_type(toks, a, b, type_names):
     return False
 
 
-def _functional_cast(toks, i, type_names):
+def _functional_cast(toks, i, type_names, args=1):
     """toks[i] names a type from `type_names` and starts a functional cast `T(x)` of one
     argument (not a declarator `T (*f)(...)`, a function type `T(int)`, a member or a
-    qualified name): the index of the closing parenthesis, else None."""
+    qualified name): the index of the closing parenthesis, else None. With args=2: a
+    construction `T(a, b, ...)` of two or more arguments instead, none of them a type."""
     n = len(toks)
     if i + 2 >= n or toks[i + 1].text != "(" or toks[i + 2].text == ")":
         return None
@@ -508,7 +526,12 @@ def _functional_cast(toks, i, type_names):
         close = _match(toks, i + 1, "(", ")")
     except StageError:
         return None
-    if len(_split_top(toks, i + 2, close)) != 1 or _names_a_type(toks, i + 2, close, type_names):
+    parts = _split_top(toks, i + 2, close)
+    if args == 2:
+        if len(parts) < 2 or any(b <= a or _names_a_type(toks, a, b, type_names) for a, b in parts):
+            return None
+        return close
+    if len(parts) != 1 or _names_a_type(toks, i + 2, close, type_names):
         return None
     if toks[i + 2].text in ("*", "&", "^") and close == i + 4 and toks[i + 3].kind == "id" \
             and close + 1 < n and toks[close + 1].text in ("(", "["):
@@ -559,6 +582,11 @@ def stage(text: str) -> Staged:
             elif t.text in type_names and _functional_cast(toks, i, type_names) is not None:
                 start = toks[i - 2].start if prev == "::" else t.start
                 ed.replace(start, t.end, f"__msim_ccast<{t.text}>")
+            elif t.text in type_names and _functional_cast(toks, i, type_names, args=2) is not None:
+                # T(a, b, ...) with T a template parameter or alias that may be a vector (clang's
+                # vectors have no constructor of several arguments)
+                start = toks[i - 2].start if prev == "::" else t.start
+                ed.replace(start, t.end, f"__msim_ctor<{t.text}>")
             elif t.text == "vec" and toks[i + 1].text == "<" and prev not in ("operator", "using", "struct"):
                 try:
                     k = _match_angle(toks, i + 1)
@@ -1138,7 +1166,10 @@ def _maybe_kernel(toks, lo, hi, ed, kernels, templates, ns, text, body):
                             break
                     q -= 1
                 q -= 1
-            while q - 2 >= lo and toks[q - 1].text == "::":
+            while q - 1 >= lo and toks[q - 1].text == "::":
+                if q - 2 < lo or toks[q - 2].kind != "id" or toks[q - 2].text in _NOT_A_SCOPE:
+                    q -= 1  # a leading `::` (`kernel void ::ns::f<...>(...)`): the global scope
+                    break
                 q -= 2
             fexpr = text[toks[q].start : toks[po - 1].end].strip()
         base = re.sub(r"<.*", "", fexpr).strip().split("::")[-1]

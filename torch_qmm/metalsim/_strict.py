@@ -87,8 +87,55 @@ def check_tokens(pre: str) -> None:
         elif t.text == "delete" and prev == "=":
             continue  # a deleted function, not a delete expression
         bad.append(f"{_location(pre, t.start)}: error: {KEYWORD_RULES[t.text]}")
+    bad += [f"{_location(pre, toks[i].start)}: error: {PROGRAM_SCOPE}" for i in _program_scope_variables(toks)]
     if bad:
         raise CompileError("metalsim strictness: Apple's compiler rejects this:\n" + "\n".join(bad[:20]))
+
+
+PROGRAM_SCOPE = ("a variable at program scope in the device or threadgroup address space: variables in program "
+                 "scope must be declared in the constant address space (threadgroup memory is declared in a "
+                 "kernel, or passed as a [[threadgroup(n)]] argument)")
+_DECL_START = {";", "{", "}", "static", "extern", "volatile", "const", "inline"}
+
+
+def _program_scope_variables(toks):
+    """Token indices of `device` / `threadgroup` starting a variable declaration at namespace
+    scope (outside every function and class body): `threadgroup float buf[64];`. A declaration
+    whose first top-level `(` comes before its `;`, `=`, `[` or `{` is a function (its return
+    type may be a pointer into an address space) and is not matched."""
+    stack = []  # True for a namespace (or extern "C") brace
+    parens = 0  # parameter lists and other parentheses
+    n = len(toks)
+    for i, t in enumerate(toks):
+        if t.kind == "pp":
+            continue
+        if t.text == "(":
+            parens += 1
+        elif t.text == ")":
+            parens = max(parens - 1, 0)
+        elif t.text == "{":
+            prev = toks[i - 1] if i else None
+            ns = prev is not None and (prev.text == "namespace" or (i >= 2 and toks[i - 2].text == "namespace")
+                                       or (prev.kind == "str" and i >= 2 and toks[i - 2].text == "extern"))
+            stack.append(ns)
+        elif t.text == "}":
+            if stack:
+                stack.pop()
+        elif t.text in ("device", "threadgroup") and parens == 0 and all(stack):
+            prev = toks[i - 1] if i else None
+            if prev is not None and prev.kind != "pp" and prev.text not in _DECL_START:
+                continue
+            depth = 0
+            for k in range(i + 1, n):
+                x = toks[k].text
+                if x == "<":
+                    depth += 1
+                elif x == ">" and depth:
+                    depth -= 1
+                elif depth == 0 and x in ("(", ";", "=", "[", "{"):
+                    if x != "(" and x != "{":
+                        yield i
+                    break
 
 
 BFLOAT_CONSTANT = ("implicit conversion of a float constant to bfloat: Metal converts float to bfloat only "
@@ -194,8 +241,6 @@ def _location(pre: str, offset: int) -> str:
 
 
 # ---- rules checked on the optimised LLVM IR of a build (every build: plain and instrumented) ----
-# Builds keep tail calls as calls (-fno-optimize-sibling-calls: LLVM's tail-recursion
-# elimination honours it), so a recursive function stays a cycle of the call graph.
 _DEFINE = re.compile(r"^define\b[^@]*@(\"[^\"]+\"|[-\w.$]+)\(")
 _CALL = re.compile(r"\b(?:call|invoke)\b(?!\s+void\s+asm)(?:[^@%;]|%\w+\s*\*|\([^()]*\))*?([@%](?:\"[^\"]+\"|[-\w.$]+))\(")
 ENTRY_PREFIX = "__msim_entry_"
@@ -213,11 +258,12 @@ def _demangle(names):
 
 
 def check_ir(ir: str) -> None:
-    """Reject recursion and calls through function pointers in the functions the kernels of a
-    build reach (its optimised IR): MSL has no recursive calls, and calls functions through
-    pointers only when they are [[visible]] functions (visible function tables, which metalsim
-    does not support). A function pointer the optimizer resolves to its target (a template
-    argument, a constant) is a direct call, as it is for Apple's compiler."""
+    """Reject calls through function pointers in the functions the kernels of a build reach
+    (its optimised IR): MSL calls functions through pointers only when they are [[visible]]
+    functions (visible function tables, which metalsim does not support). A function pointer
+    the optimizer resolves to its target (a template argument, a constant) is a direct call,
+    as it is for Apple's compiler. Recursive calls are allowed (compute functions may recurse
+    since Metal 2.4; PyTorch's bessel_j1_forward calls itself for a negative argument)."""
     from ._build import CompileError
 
     calls, indirect, cur = {}, {}, None
@@ -247,75 +293,10 @@ def check_ir(ir: str) -> None:
         todo.extend(g for g in calls[f] if g in calls)
     # the shim calls the kernel function through a pointer when not optimised (-O0)
     bad_ptr = sorted(f for f in reach if indirect[f] and "__msim_invoke" not in f)
-    cycles = _cycles({f: {g for g in calls[f] if g in reach} for f in reach})
-    if not bad_ptr and not cycles:
+    if not bad_ptr:
         return
-    names = _demangle(sorted({f for c in cycles for f in c} | set(bad_ptr)))
-    msgs = [f"error: recursive function calls are not supported by the Metal Shading Language: "
-            f"{' -> '.join(names[f] for f in c + [c[0]])}" for c in cycles]
-    msgs += [f"error: a call through a function pointer in {names[f]}: the Metal Shading Language calls "
-             f"functions through pointers only when they are [[visible]] functions (visible function "
-             f"tables), which metalsim does not support" for f in bad_ptr]
+    names = _demangle(bad_ptr)
+    msgs = [f"error: a call through a function pointer in {names[f]}: the Metal Shading Language calls "
+            f"functions through pointers only when they are [[visible]] functions (visible function "
+            f"tables), which metalsim does not support" for f in bad_ptr]
     raise CompileError("metalsim strictness: Apple's compiler rejects this:\n" + "\n".join(msgs[:20]))
-
-
-def _cycles(graph):
-    """One cycle (a list of functions) per strongly connected component of `graph` that has one
-    (Tarjan's algorithm, iterative)."""
-    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter[0]
-        counter[0] += 1
-        stack.append(root)
-        on.add(root)
-        while work:
-            v, it = work[-1]
-            w = next(it, None)
-            if w is not None:
-                if w not in index:
-                    index[w] = low[w] = counter[0]
-                    counter[0] += 1
-                    stack.append(w)
-                    on.add(w)
-                    work.append((w, iter(sorted(graph[w]))))
-                elif w in on:
-                    low[v] = min(low[v], index[w])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[v])
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                if len(comp) > 1 or v in graph[v]:
-                    out.append(_cycle_in(graph, set(comp), v))
-    return out
-
-
-def _cycle_in(graph, comp, start):
-    """A path start -> ... -> start inside the component `comp` (breadth-first)."""
-    prev, frontier = {}, [start]
-    while frontier:
-        nxt = []
-        for v in frontier:
-            for w in sorted(graph[v]):
-                if w not in comp:
-                    continue
-                if w == start:
-                    path = [v]
-                    while path[-1] != start:
-                        path.append(prev[path[-1]])
-                    return path[::-1]
-                if w not in prev:
-                    prev[w] = v
-                    nxt.append(w)
-        frontier = nxt
-    return [start]

@@ -170,6 +170,30 @@ MSIM_F3(fmedian3, __fmedian3f)
 MSIM_INLINE float frexp(float x, thread int &e) { return __builtin_frexpf(x, &e); }
 MSIM_INLINE half frexp(half x, thread int &e) { return (half)__builtin_frexpf((float)x, &e); }
 MSIM_BF MSIM_INLINE float frexp(T x, thread int &e) { return __builtin_frexpf((float)x, &e); }
+// sincos returns the sine and stores the cosine; modf returns the fractional part and stores
+// the integral part (both in thread memory, as MSL declares them)
+MSIM_INLINE float sincos(float x, thread float &c) { c = __builtin_cosf(x); return __builtin_sinf(x); }
+MSIM_INLINE half sincos(half x, thread half &c) {
+  c = (half)__builtin_cosf((float)x);
+  return (half)__builtin_sinf((float)x);
+}
+template <class T, int N> MSIM_INLINE vec<T, N> sincos(vec<T, N> x, thread vec<T, N> &c) {
+  vec<T, N> s;
+  for (int i = 0; i < N; i++) { T ci; s[i] = sincos(static_cast<T>(x[i]), ci); c[i] = ci; }
+  return s;
+}
+MSIM_INLINE float modf(float x, thread float &ip) { return __builtin_modff(x, &ip); }
+MSIM_INLINE half modf(half x, thread half &ip) {
+  float f;
+  float r = __builtin_modff((float)x, &f);
+  ip = (half)f;
+  return (half)r;
+}
+template <class T, int N> MSIM_INLINE vec<T, N> modf(vec<T, N> x, thread vec<T, N> &ip) {
+  vec<T, N> r;
+  for (int i = 0; i < N; i++) { T p; r[i] = modf(static_cast<T>(x[i]), p); ip[i] = p; }
+  return r;
+}
 MSIM_VEC2(min)
 MSIM_VEC2(max)
 MSIM_VEC3(clamp)
@@ -200,11 +224,26 @@ MSIM_BF MSIM_INLINE bool isinf(T x) { return __builtin_isinf((float)x); }
 MSIM_BF MSIM_INLINE bool isfinite(T x) { return __builtin_isfinite((float)x); }
 MSIM_BF MSIM_INLINE bool signbit(T x) { return __builtin_signbit((float)x); }
 #define MSIM_RELV(name)                                                        \
-  template <class T, int N> MSIM_INLINE vec<bool, N> name(vec<T, N> x) {      \
-    vec<bool, N> r;                                                           \
+  template <class T, int N> MSIM_INLINE __msim_boolvec<N> name(vec<T, N> x) { \
+    __msim_boolvec<N> r;                                                      \
     for (int i = 0; i < N; i++) r[i] = name(static_cast<T>(x[i]));           \
     return r;                                                                 \
   }
+// isordered / isunordered: both operands are numbers / at least one is NaN
+#define MSIM_ORD(T)                                                                      \
+  MSIM_INLINE bool isordered(T x, T y) { return x == x && y == y; }                      \
+  MSIM_INLINE bool isunordered(T x, T y) { return x != x || y != y; }
+MSIM_FLOATS(MSIM_ORD)
+MSIM_BF MSIM_INLINE bool isordered(T x, T y) { return x == x && y == y; }
+MSIM_BF MSIM_INLINE bool isunordered(T x, T y) { return x != x || y != y; }
+#define MSIM_ORDV(name)                                                           \
+  template <class T, int N> MSIM_INLINE __msim_boolvec<N> name(vec<T, N> x, vec<T, N> y) { \
+    __msim_boolvec<N> r;                                                          \
+    for (int i = 0; i < N; i++) r[i] = name(static_cast<T>(x[i]), static_cast<T>(y[i])); \
+    return r;                                                                     \
+  }
+MSIM_ORDV(isordered)
+MSIM_ORDV(isunordered)
 MSIM_RELV(isnan)
 MSIM_RELV(isinf)
 MSIM_RELV(isfinite)
@@ -219,7 +258,25 @@ template <class T, int N> MSIM_INLINE bool any(vec<T, N> v) {
   for (int i = 0; i < N; i++) if (v[i]) return true;
   return false;
 }
+template <int N> MSIM_INLINE bool all(__msim_boolvec<N> v) {
+  for (int i = 0; i < N; i++) if (!v[i]) return false;
+  return true;
+}
+template <int N> MSIM_INLINE bool any(__msim_boolvec<N> v) {
+  for (int i = 0; i < N; i++) if (v[i]) return true;
+  return false;
+}
 template <class T> MSIM_INLINE T select(T a, T b, bool c) { return c ? b : a; }
+template <class T, int N> MSIM_INLINE vec<T, N> select(vec<T, N> a, vec<T, N> b, __msim_boolvec<N> c) {
+  vec<T, N> r;
+  for (int i = 0; i < N; i++) r[i] = c[i] ? b[i] : a[i];
+  return r;
+}
+template <int N> MSIM_INLINE __msim_boolvec<N> select(__msim_boolvec<N> a, __msim_boolvec<N> b, __msim_boolvec<N> c) {
+  __msim_boolvec<N> r;
+  for (int i = 0; i < N; i++) r[i] = c[i] ? b[i] : a[i];
+  return r;
+}
 template <class T, int N, class C> MSIM_INLINE vec<T, N> select(vec<T, N> a, vec<T, N> b, vec<C, N> c) {
   vec<T, N> r;
   for (int i = 0; i < N; i++) r[i] = c[i] ? b[i] : a[i];
@@ -292,7 +349,8 @@ template <class T> MSIM_INLINE T rotate(T v, T i) {
   X(floor) X(ceil) X(trunc) X(round) X(rint) X(fract) X(fabs) X(saturate) X(sign) X(pow) X(powr)   \
   X(atan2) X(fmod) X(fmin) X(fmax) X(copysign) X(divide) X(step) X(fdim) X(nextafter) X(fma)       \
   X(ldexp) X(frexp) X(fmax3) X(fmin3) X(fmedian3) X(abs) X(min) X(max) X(clamp) X(mix)             \
-  X(smoothstep) X(isnan) X(isinf) X(isfinite) X(signbit) X(dot) X(length) X(distance) X(normalize)
+  X(smoothstep) X(isnan) X(isinf) X(isfinite) X(signbit) X(dot) X(length) X(distance) X(normalize) \
+  X(sincos) X(modf)
 #define MSIM_USING(name) using ::metal::name;
 namespace precise { MSIM_MATH_NAMES(MSIM_USING) }
 namespace fast { MSIM_MATH_NAMES(MSIM_USING) }

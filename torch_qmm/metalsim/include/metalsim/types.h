@@ -16,7 +16,6 @@ template <class T, int N> using vec = T __attribute__((ext_vector_type(N)));
   typedef vec<T, 4> T##4;       \
   typedef vec<T, 8> T##8;       \
   typedef vec<T, 16> T##16;
-MSIM_VEC_TYPES(bool)
 MSIM_VEC_TYPES(char)
 MSIM_VEC_TYPES(uchar)
 MSIM_VEC_TYPES(short)
@@ -28,6 +27,49 @@ MSIM_VEC_TYPES(ulong)
 MSIM_VEC_TYPES(half)
 MSIM_VEC_TYPES(float)
 MSIM_VEC_TYPES(bfloat)
+
+// ---- bool vectors: one byte per element with the size and alignment of the char vectors
+// (MSL: bool2 is 2 bytes, bool3 and bool4 are 4), components .x .y .z .w / .r .g .b .a and [i].
+// clang's own bool vectors (vec<bool, N>) pack one bit per element, so they are not used.
+template <int N> struct alignas(N) __msim_bool_elems { bool __e[N]; };
+template <> struct alignas(2) __msim_bool_elems<2> {
+  union { bool __e[2]; struct { bool x, y; }; struct { bool r, g; }; };
+};
+template <> struct alignas(4) __msim_bool_elems<3> {
+  union { bool __e[4]; struct { bool x, y, z; }; struct { bool r, g, b; }; };
+};
+template <> struct alignas(4) __msim_bool_elems<4> {
+  union { bool __e[4]; struct { bool x, y, z, w; }; struct { bool r, g, b, a; }; };
+};
+template <int N> struct __msim_boolvec : __msim_bool_elems<N> {
+  MSIM_INLINE __msim_boolvec() = default;
+  MSIM_INLINE __msim_boolvec(bool b) { for (int i = 0; i < N; i++) this->__e[i] = b; }
+  // comparison masks (clang's vector comparisons give intN) and other vectors: nonzero is true
+  template <class T> MSIM_INLINE __msim_boolvec(vec<T, N> v) {
+    for (int i = 0; i < N; i++) this->__e[i] = v[i] != 0;
+  }
+  template <class A0, class A1, class... A, std::enable_if_t<2 + sizeof...(A) == N, int> = 0>
+  MSIM_INLINE __msim_boolvec(A0 a0, A1 a1, A... a) {
+    bool v[N] = {bool(a0), bool(a1), bool(a)...};
+    for (int i = 0; i < N; i++) this->__e[i] = v[i];
+  }
+  MSIM_INLINE bool &operator[](int i) { return this->__e[i]; }
+  MSIM_INLINE const bool &operator[](int i) const { return this->__e[i]; }
+  MSIM_INLINE __msim_boolvec operator!() const { __msim_boolvec r; for (int i = 0; i < N; i++) r[i] = !(*this)[i]; return r; }
+#define MSIM_BOOLVEC_OP(op)                                                                                 \
+  friend MSIM_INLINE __msim_boolvec operator op(__msim_boolvec p, __msim_boolvec q) {                      \
+    __msim_boolvec r; for (int i = 0; i < N; i++) r[i] = p[i] op q[i]; return r;                           \
+  }
+  MSIM_BOOLVEC_OP(&&) MSIM_BOOLVEC_OP(||) MSIM_BOOLVEC_OP(==) MSIM_BOOLVEC_OP(!=) MSIM_BOOLVEC_OP(&)
+  MSIM_BOOLVEC_OP(|) MSIM_BOOLVEC_OP(^)
+#undef MSIM_BOOLVEC_OP
+};
+typedef __msim_boolvec<2> bool2;
+typedef __msim_boolvec<3> bool3;
+typedef __msim_boolvec<4> bool4;
+typedef __msim_boolvec<8> bool8;
+typedef __msim_boolvec<16> bool16;
+static_assert(sizeof(bool2) == 2 && sizeof(bool3) == 4 && alignof(bool3) == 4 && sizeof(bool4) == 4, "bool vectors");
 
 // ---- matrices: C columns of R-element vectors (MSL's floatCxR / halfCxR) ----
 template <class T, int C, int R> struct matrix {
@@ -46,6 +88,7 @@ MSIM_MATRIX_TYPES(half)
 template <class T> struct __msim_vinfo { using elem = T; static constexpr int n = 1; static constexpr bool is_vec = false; };
 template <class T, int N> struct __msim_vinfo<vec<T, N>> { using elem = T; static constexpr int n = N; static constexpr bool is_vec = true; };
 template <class T> struct __msim_vinfo<const T> : __msim_vinfo<T> {};
+template <int N> struct __msim_vinfo<__msim_boolvec<N>> { using elem = bool; static constexpr int n = N; static constexpr bool is_vec = true; };
 
 // packed 3-vectors: 3 elements, element alignment (packed 2/4-vectors are aligned typedefs)
 template <class T> struct __msim_packed3 {
@@ -163,6 +206,16 @@ template <class To, class From>
 MSIM_INLINE constexpr std::enable_if_t<__msim_is_class_arg<From> || std::is_reference_v<To>, To>
 __msim_ccast(From &&f) {
   return (To)(static_cast<From &&>(f));
+}
+
+// T(a, b, ...) with T a name the source declares as a type (template parameter, alias)
+// becomes __msim_ctor<T>(a, b, ...): a vector is built like float2(a, b), anything else is
+// constructed as written.
+template <class T, class... A> MSIM_INLINE constexpr T __msim_ctor(A &&...a) {
+  if constexpr (__msim_vinfo<T>::is_vec)
+    return __msim_make<T>(a...);
+  else
+    return T(static_cast<A &&>(a)...);
 }
 
 // ---- as_type: reinterpret the bits ----
