@@ -262,8 +262,8 @@ def check_ir(ir: str) -> None:
     (its optimised IR): MSL calls functions through pointers only when they are [[visible]]
     functions (visible function tables, which metalsim does not support). A function pointer
     the optimizer resolves to its target (a template argument, a constant) is a direct call,
-    as it is for Apple's compiler. Recursive calls are allowed (compute functions may recurse
-    since Metal 2.4; PyTorch's bessel_j1_forward calls itself for a negative argument)."""
+    as it is for Apple's compiler. Recursive calls are allowed, as Apple's compiler allows them
+    (metalsim/README.md, Strictness)."""
     from ._build import CompileError
 
     calls, indirect, cur = {}, {}, None
