@@ -5,7 +5,8 @@ integer arithmetic. Faster on CPUs at small M, approximate: the bound and the
 measured error are in docs/activation-quantization.md. Never the default.
 
     with torch_qmm.activation_quantization("int8"):
-        y = model(x)                                   # every affine CPU qmm of the block
+        y = model(x)                                   # every affine CPU qmm of the block (and GGUF's;
+                                                       # gather_qmm, the MoE experts, stays exact)
     layer = QuantLinear(..., activations="int8")       # this layer, always
 
 The setting is per thread, as torch.no_grad's: a block in one thread leaves the calls of other

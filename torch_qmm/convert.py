@@ -178,7 +178,8 @@ def quantize_model(
             cast the model too (model.to(dtype)).
         progress: show a tqdm bar (default: when there are many layers).
         method: a name of torch_qmm.quantizers.names(): "rtn" (MLX's round-to-nearest, bit for
-            bit), "mse", "awq", "gptq", "gptq-clip", "awq-gptq"; or torch_qmm.quantizers.GPTQ(...) /
+            bit), "mse", "awq", "gptq", "gptq-clip", "awq-gptq", "gptq-refit", "awq-gptq-refit"; or
+            torch_qmm.quantizers.GPTQ(...) /
             AWQ(...) options; all write the same affine format (the fp modes
             take rtn only). See torch_qmm.quantizers. `bits` may also be a mapping name -> bits or
             a MixedBits budget (affine).

@@ -29,7 +29,7 @@ namespace torch_qmm {
 namespace cpu {
 namespace {
 
-// Tile of W decoded per GEMM call: 64 x 1024 float32 = 256 KB, half of a 512 KB-1 MB L2.
+// Tile of W decoded per GEMM call: 128 x 512 float32 = 256 KB, half of a 512 KB-1 MB L2.
 // kTileN is a multiple of every group size (needed by transpose=False, where tiles span N).
 constexpr int64_t kTileN = 128;
 constexpr int64_t kTileK = 512;

@@ -5,7 +5,8 @@
     torch_qmm.quantize_model(model, bits=MixedBits(4.5, low=4, high=6), method="mse")
 
 Methods by name (torch_qmm.quantizers.names(), methods.py): rtn, mse, awq, gptq and the presets
-gptq-clip and awq-gptq; other option sets as GPTQ(...) / AWQ(...).
+gptq-clip, awq-gptq, gptq-refit and awq-gptq-refit; other option sets as GPTQ(...) / AWQ(...).
+Calibration without text: generate_calibration(model) samples it from the float model.
 """
 
 from .generated import generate_calibration
