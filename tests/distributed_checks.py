@@ -287,6 +287,33 @@ def check_embedding(rank: int, world: int, mesh) -> dict:
     return out
 
 
+
+def check_embedding_ids(rank: int, world: int, mesh) -> dict:
+    """A row-split QuantEmbedding given ids outside [0, num_embeddings): the error of the whole
+    embedding, before any rank looks up its rows (the ids are checked against the whole table,
+    not against a rank's rows, where num_embeddings itself falls outside every rank's)."""
+    from torch.distributed.tensor import Replicate
+    from torch_qmm.distributed import QuantRowwiseParallel, parallelize
+    from torch_qmm.interop.modules import QuantEmbedding
+
+    num = 8 * world
+    table = torch.randn(num, 64, generator=torch.Generator().manual_seed(7))
+    emb = QuantEmbedding.from_embedding(nn.Embedding.from_pretrained(table), group_size=32)
+    tp = parallelize(nn.ModuleDict({"e": copy.deepcopy(emb)}), mesh,
+                     {"e": QuantRowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
+    out = {"num_embeddings": num}
+    for bad in (num, num + 3, -1):
+        ids = torch.tensor([[0, bad, num - 1]])
+        errors = []
+        for layer in (tp["e"], emb):
+            try:
+                layer(ids)
+                errors.append(None)
+            except IndexError as e:
+                errors.append(str(e))
+        out[str(bad)] = {"sharded": errors[0], "whole": errors[1]}
+    return out
+
 def tiny_llama(world: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -510,6 +537,7 @@ CHECKS = {
     "refusals": check_refusals,
     "sequence_parallel": check_sequence_parallel,
     "embedding": check_embedding,
+    "embedding_ids": check_embedding_ids,
     "llama": check_llama,
     "load_mlx": check_load_mlx,
     "load_mlx_tied": check_load_mlx_tied,

@@ -87,9 +87,27 @@ def packed_bytes(model, full: bool) -> int:
                for t in (m.qweight, m.scales, m.biases) if t is not None)
 
 
+def parameter_grads(tp, single) -> dict:
+    """Each float parameter's gradient in the parallelized model (gathered when it is split)
+    against the one-process model's: {name: [max |difference|, max |single's|]}. A parameter kept
+    whole on every rank that sees only its rank's heads (Qwen3's q_norm / k_norm under
+    ReplicatedGradAllReduce) has its gradient summed over the ranks."""
+    from torch.distributed.tensor import DTensor
+
+    theirs = dict(single.named_parameters())
+    out = {}
+    for name, p in tp.named_parameters():
+        if p.grad is None and theirs[name].grad is None:
+            continue
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        want = theirs[name].grad
+        out[name] = [(g - want).abs().max().item(), want.abs().max().item()]
+    return out
+
+
 def check_models(rank: int, world: int, mesh) -> dict:
     """Each family quantized, parallelized by tp_plan, against the same model in one process:
-    logits, and gradients w.r.t. the input embeddings."""
+    logits, and gradients w.r.t. the input embeddings and the float parameters."""
     from torch_qmm.distributed import parallelize, tp_plan
 
     out = {}
@@ -107,6 +125,7 @@ def check_models(rank: int, world: int, mesh) -> dict:
         logits_tp.backward(dy)
         experts = tp.model.layers[0].mlp.experts
         out[f"{family}/{mode}"] = {
+            "grads": parameter_grads(tp, single),
             "logits_max_diff": (logits_tp - logits_single).abs().max().item(),
             "logits_scale": logits_single.abs().max().item(),
             "argmax_equal": bool(torch.equal(logits_tp.argmax(-1), logits_single.argmax(-1))),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("torch.distributed.tensor.parallel")
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from distributed_checks import spawn  # noqa: E402
@@ -109,6 +110,21 @@ def test_embedding_styles_as_pytorch_gives_nn_embedding(ranks):
             rows, words = c["full"]
             assert c["local"] == ([rows, words // world] if "/colwise/" in case else [rows // world, words]), case
 
+
+
+def test_row_split_embedding_refuses_ids_outside_the_whole_table(ranks):
+    # nn.Embedding's rule (IndexError for an id < 0 or >= num_embeddings), checked on the whole
+    # table: num_embeddings itself lies outside every rank's rows, where a check against a rank's
+    # rows alone would embed it as zeros.
+    world, values = _values(ranks, "embedding_ids")
+    num = values[0]["num_embeddings"]
+    with pytest.raises(IndexError):
+        torch.nn.Embedding(num, 4)(torch.tensor([num]))
+    for v in values:
+        for bad in (num, num + 3, -1):
+            c = v[str(bad)]
+            assert c["whole"] is not None and f"must be in [0, {num})" in c["whole"], (bad, c)
+            assert c["sharded"] == c["whole"], (bad, c)
 
 def test_tiny_llama_with_its_tp_plan(ranks):
     world, values = _values(ranks, "llama")

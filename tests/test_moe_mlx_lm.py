@@ -51,10 +51,12 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> float:
     return err
 
 
-def mlx_lm_quantized_folder(family: str, mode: str, tmp_path: Path) -> Path:
+def mlx_lm_quantized_folder(family: str, mode: str, tmp_path: Path, down: dict | None = None) -> Path:
     """A folder written by mlx_lm: the float transformers checkpoint read by mlx_lm's loader
     (whose sanitize stacks the experts), quantized by mlx_lm's quantize_model with the family's
-    own predicate (Qwen3-MoE's router 8-bit affine), saved by its save_model / save_config."""
+    own predicate (Qwen3-MoE's router 8-bit affine), saved by its save_model / save_config.
+    down: the experts' down_proj quantized with these parameters of mlx_lm's instead (as its
+    mixed recipes give down_proj more bits)."""
     hf = tmp_path / "hf"
     source = tiny_moe(family)
     source.save_pretrained(hf)
@@ -64,7 +66,15 @@ def mlx_lm_quantized_folder(family: str, mode: str, tmp_path: Path) -> Path:
     spellings = {"rope_theta": cfg.rope_parameters["rope_theta"],
                  **{alias: getattr(cfg, alias) for alias in cfg.attribute_map}}
     model, config = mlx_lm_utils.load_model(hf, model_config=spellings)
-    model, config = mlx_lm_utils.quantize_model(model, config, GROUP.get(mode), None, mode=mode)
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path, module):
+        if down is not None and path.endswith("switch_mlp.down_proj"):
+            return dict(down)
+        return True if own is None else own(path, module)
+
+    model, config = mlx_lm_utils.quantize_model(model, config, GROUP.get(mode), None, mode=mode,
+                                                quant_predicate=predicate)
     out = tmp_path / "mlx"
     mlx_lm_utils.save_model(out, model)
     mlx_lm_utils.save_config(config, out / "config.json")
@@ -93,6 +103,24 @@ def test_mlx_lm_moe_checkpoint_loads_into_our_modules(family, mode, tmp_path):
     assert switch_keys and all(k in held for k in switch_keys)
     for k in switch_keys:
         assert_same_bits(k, params[k], held[k])
+
+
+def test_mlx_lm_moe_checkpoint_with_down_proj_in_a_format_of_its_own_loads(tmp_path):
+    # gate_proj / up_proj 4-bit, group 32 (mlx_lm's defaults as passed); down_proj 6-bit, group 64
+    folder = mlx_lm_quantized_folder("qwen3_moe", "affine", tmp_path,
+                                     down={"group_size": 64, "bits": 6, "mode": "affine"})
+    theirs, _ = mlx_lm_utils.load_model(folder)
+    stored = {(n.rpartition(".")[2], m.bits, m.group_size) for n, m in theirs.named_modules()
+              if isinstance(m, QuantizedSwitchLinear)}
+    assert stored == {("gate_proj", 4, 32), ("up_proj", 4, 32), ("down_proj", 6, 64)}
+    ours = FAMILIES["qwen3_moe"][1](transformers.AutoConfig.from_pretrained(folder)).eval()
+    load_mlx(ours, folder)
+    experts = [m for m in ours.modules() if isinstance(m, QuantFusedExperts)]
+    assert len(experts) == 2
+    for m in experts:
+        assert (m.gate_up_proj.bits, m.gate_up_proj.group_size) == (4, 32)
+        assert (m.down_proj.bits, m.down_proj.group_size) == (6, 64)
+    assert_close(torch_logits(ours), mlx_logits(theirs))
 
 
 @pytest.mark.parametrize("mode", ["affine", "mxfp4", "nvfp4", "mxfp8"])

@@ -299,3 +299,60 @@ def test_float64_experts_are_refused_before_any_layer_is_converted():
         quantize_model(model, bits=4, group_size=64)
     assert {n: type(m) for n, m in model.named_modules()} == before
     assert all(p.dtype == torch.float64 for p in experts.parameters())
+
+
+def test_experts_with_a_norm_after_each_expert_stay_float():
+    """An experts module that normalizes each expert's output before the routing weights
+    (transformers' has_post_expert_norm: MuseSpark's experts) is not one QuantFusedExperts can
+    compute, which has no norm: quantize_model leaves it float, computing what it computed, while a
+    Qwen3-MoE experts module of the same shapes beside it is quantized (quantize_model reached both)."""
+    muse = pytest.importorskip("transformers.models.muse_spark.modeling_muse_spark")
+    from transformers.models.muse_spark.configuration_muse_spark import MuseSparkTextConfig
+
+    config = MuseSparkTextConfig(num_local_experts=EXPERTS, moe_hidden_size=HIDDEN, moe_intermediate_size=INTER,
+                                 hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=4)
+    torch.manual_seed(0)
+    normed = muse.MuseSparkExperts(config).eval()
+    assert normed.has_post_expert_norm
+    with torch.no_grad():
+        normed.gate_up_proj.normal_(0, HIDDEN ** -0.5)
+        normed.down_proj.normal_(0, INTER ** -0.5)
+        normed.post_expert_norm.weight.uniform_(0.7, 1.3)
+    model = nn.ModuleDict({"normed": normed, "plain": tiny_moe("qwen3_moe").model.layers[0].mlp.experts})
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(6, HIDDEN, generator=g)
+    index = torch.rand(6, EXPERTS, generator=g).argsort(-1)[:, :2]
+    weights = torch.rand(6, 2, generator=g).softmax(-1)
+    with torch.no_grad():
+        want = normed(hidden, index, weights)
+        quantize_model(model, bits=4, group_size=32)
+        got = model["normed"](hidden, index, weights)
+    assert type(model["normed"]) is muse.MuseSparkExperts and normed.gate_up_proj.dim() == 3
+    assert isinstance(model["plain"], QuantFusedExperts)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gate_and_up_rows_are_the_rows_the_gating_reads(family):
+    """QuantFusedExperts' own split of gate_up_proj's rows (used to save and load MLX's separate
+    gate_proj / up_proj and to shard the experts) is the one the model's gating reads: rows
+    joined by join_gate_and_up from a gate g and an up u go through the activation as the family's
+    gating of g and u, written here from the models' definitions (Mixtral, Qwen, OLMoE: silu(g) * u;
+    gpt-oss: g clamped above at its swiglu_limit, u clamped to +-limit, (u + 1) * g * sigmoid(1.702 g))."""
+    model, q = quantized(family, "affine")
+    experts = q.model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(2)
+    gate, up = (3 * torch.randn(EXPERTS, INTER, 5, generator=g) for _ in range(2))  # [E, I, 5 tokens]
+    rows = experts.join_gate_and_up(gate, up)  # [E, 2I, 5]
+    assert all(torch.equal(a, b) for a, b in zip(experts.gate_and_up_rows(rows), (gate, up)))
+    if family == "gpt_oss":
+        limit = model.config.swiglu_limit
+        gc, uc = gate.clamp(max=limit), up.clamp(-limit, limit)
+        want = (uc + 1) * gc * torch.sigmoid(1.702 * gc)
+    else:
+        want = torch.nn.functional.silu(gate) * up
+    with torch.no_grad():
+        got = experts.activation(rows.transpose(1, 2)).transpose(1, 2)  # [E, 5, 2I] -> [E, 5, I] -> [E, I, 5]
+    # the same float32 operations, perhaps fused or ordered otherwise: a few ulps (the rows taken
+    # in the other order would pair a gate with another feature's up, off by O(1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -51,6 +51,20 @@ def test_names_and_options_resolve_to_the_pass_that_runs_them():
     assert resolve(AWQ()).kind == "awq"
 
 
+def test_every_preset_holds_the_options_the_readme_gives_it():
+    """The README's table of methods names each calibrated preset's options as the GPTQ(...) /
+    AWQ(...) to pass for it; the registry must hold those."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| `([a-z-]+)`(?: \(default\))? \| calibration \| `((?:GPTQ|AWQ)\(.*?\))`:", readme, re.M)
+    documented = {name: eval(options, {"GPTQ": GPTQ, "AWQ": AWQ}) for name, options in rows}
+    assert {"gptq-clip", "awq-gptq", "gptq-refit", "awq-gptq-refit"} <= set(documented), rows
+    for name, options in documented.items():
+        assert resolve(name).options == options, name
+
+
 def test_a_preset_name_quantizes_as_its_options():
     """quantize_model(method="awq-gptq") writes the same triples as the options it names."""
     by_name, by_options = _llama(), _llama()
