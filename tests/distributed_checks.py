@@ -287,7 +287,6 @@ def check_embedding(rank: int, world: int, mesh) -> dict:
     return out
 
 
-
 def check_embedding_ids(rank: int, world: int, mesh) -> dict:
     """A row-split QuantEmbedding given ids outside [0, num_embeddings): the error of the whole
     embedding, before any rank looks up its rows (the ids are checked against the whole table,
@@ -313,6 +312,7 @@ def check_embedding_ids(rank: int, world: int, mesh) -> dict:
                 errors.append(str(e))
         out[str(bad)] = {"sharded": errors[0], "whole": errors[1]}
     return out
+
 
 def tiny_llama(world: int):
     from transformers import LlamaConfig, LlamaForCausalLM
