@@ -128,6 +128,17 @@ def _record_for_transformers(model: nn.Module) -> None:
                       "build float layers. Save with torch_qmm.interop.save_mlx instead", stacklevel=3)
 
 
+def record_loaded_model(model: nn.Module, loader: str) -> None:
+    """For a transformers model that `loader` filled with torch_qmm layers: records in its config
+    what save_pretrained needs (torch_qmm.interop.transformers.record_loaded_model)."""
+    transformers = sys.modules.get("transformers")  # a transformers model means transformers is imported
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return
+    from .interop.transformers import record_loaded_model as record
+
+    record(model, loader)
+
+
 def _check_compute_dtypes(dtype: torch.dtype | None, layers: list[tuple[str, nn.Module]]) -> None:
     """TypeError, before any layer is changed, when `dtype` or (dtype None) the float weights of a
     layer to quantize are not a dtype the quantized layers compute in (float64 weights: the layers

@@ -228,6 +228,8 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
             exact[name] = affine_exact(tensors[name], dtype)
     if float_embedding and config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if "quantization_config" in vars(model.config):  # load_gguf_llama's, of the layers as it loaded them:
+        del model.config.quantization_config        # each output records the converted layers itself
     return model, exact, _gguf_types(f)
 
 
@@ -541,6 +543,13 @@ def _check_transformers_folder(src: Path) -> None:
     if not isinstance(config.get("model_type"), str):
         raise ValueError(f"{src / 'config.json'}: field 'model_type' must be a string, got "
                          f"{config.get('model_type')!r}")
+    qc = config.get("quantization_config")
+    if isinstance(config.get("quantization"), dict) or (isinstance(qc, dict) and "quant_method" not in qc):
+        # mlx_lm's "quantization" entry (also written as a quantization_config without quant_method,
+        # which transformers refuses with an error about the config, not the folder's kind).
+        raise ValueError(f"{src} is an MLX folder (config.json has MLX's 'quantization' entry): convert reads "
+                         "float transformers folders, folders torch_qmm quantized and GGUF files. Load an MLX "
+                         "folder into a torch model with torch_qmm.interop.load_mlx")
     if not any(src.glob("*.safetensors")):
         pickled = sorted(f.name for f in src.iterdir() if f.name.endswith((".bin", ".pt", ".pth", ".ckpt")))
         found = f"only {', '.join(pickled)}: pickle, which convert does not load" if pickled else "none at all"
