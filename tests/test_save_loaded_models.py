@@ -121,3 +121,34 @@ def test_convert_of_an_mlx_folder_says_it_reads_no_mlx_folders(tmp_path, capsys)
         err = capsys.readouterr().err
         assert f"{tmp_path / 'mlx'} is an MLX folder" in err and "load_mlx" in err and "quant_method" not in err
         assert not (tmp_path / f"out-{fmt}").exists()
+
+
+def gpt2_folder(path):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=32)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+            "transformer.h.0.mlp.c_proj"]
+
+
+def test_quantize_model_names_the_conv1d_layers_it_leaves_float(tmp_path):
+    from torch_qmm import quantize_model
+
+    conv1d = gpt2_folder(tmp_path / "gpt2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2")
+    assert all(type(model.get_submodule(n)).__name__ == "Conv1D" for n in conv1d)
+    with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn \(a transformers Conv1D"):
+        summary = quantize_model(model, bits=4, group_size=64)
+    assert set(conv1d) <= set(summary.skipped) and not summary.converted
+
+
+@pytest.mark.parametrize("fmt", ["transformers", "mlx"])
+def test_convert_reports_the_conv1d_layers_it_leaves_float(tmp_path, fmt, capsys):
+    from torch_qmm.__main__ import main
+
+    conv1d = gpt2_folder(tmp_path / "gpt2")
+    assert main(["convert", str(tmp_path / "gpt2"), str(tmp_path / "out")] + ["--format", fmt]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in conv1d:
+        assert any(line.split() and line.split()[0] == name and "Conv1D" in line and "kept float" in line
+                   for line in lines), name

@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import quantizers, reference
 from ..cli_errors import UsageError
-from ..convert import quantize_model
+from ..convert import CONV1D_NOT_CONVERTED, is_conv1d, quantize_model
 from ..formats import FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..nn import QuantLinear, resolve_format
 from ..nn_moe import QuantFusedExperts
@@ -444,6 +444,9 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             fmt = f"float {str(m.weight.dtype)[6:]}"
         elif is_fused_experts(m):
             fmt = f"float {str(m.get_parameter(layout_of(m).gate_up).dtype)[6:]}"
+        elif is_conv1d(m):
+            rows.append((name, f"kept float {str(m.weight.dtype)[6:]} ({CONV1D_NOT_CONVERTED})"))
+            continue
         else:
             continue
         if isinstance(m, TiedQuantLinear):
