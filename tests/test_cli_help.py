@@ -57,3 +57,20 @@ def test_quantize_summary_and_progress_when_nothing_is_quantized(capsys):
     summary = quantize_model(torch.nn.Sequential(torch.nn.ReLU()), progress=True)
     assert "nan" not in str(summary) and str(summary).startswith("0 linear layers quantized")
     assert "0layer" not in capsys.readouterr().err  # no empty progress bar
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["convert", "src", "dst", "--groupsize", "64"], "python -m torch_qmm convert", "--groupsize: did you mean --group-size?"),
+    (["convert", "src", "dst", "--dtpye=float16"], "python -m torch_qmm convert", "--dtpye: did you mean --dtype?"),
+    (["inspect", "f.gguf", "--jsn"], "python -m torch_qmm inspect", "--jsn: did you mean --json?"),
+    (["bench", "--qiuck"], "python -m torch_qmm bench", "--qiuck: did you mean --quick?"),
+    (["convert", "src", "dst", "extra"], "python -m torch_qmm convert", "unrecognized arguments: extra"),
+])
+def test_a_mistyped_option_is_named_by_its_subcommand_with_the_option_meant(argv, usage, hint, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    # The subcommand's usage (its options), not the top level's list of subcommands.
+    assert err.startswith(f"usage: {usage}") and "{selftest,demo" not in err
+    assert hint in err.splitlines()[-1]

@@ -7,6 +7,7 @@ this file only lists them.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import select
@@ -49,6 +50,20 @@ def _stdout_reader_gone() -> bool:
         return False
 
 
+def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """Exits (2) through the subcommand's parser, whose usage lists the options the user meant,
+    naming each unrecognized option with the closest option it has (a mistyped `--groupsize`:
+    did you mean --group-size?)."""
+    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    hints = []
+    for arg in unknown:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns its exit code: 0 done, 1 a bad input file or failed run, 2 a bad
     argument (argparse's own usage errors exit with 2 through SystemExit)."""
@@ -63,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(parsers[name])
         parsers[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
         modules[name] = module
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _unrecognized(parsers[args.command], unknown)
     try:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     except ValueError:  # not the main thread (an embedding program): SIGTERM stays as it is

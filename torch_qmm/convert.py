@@ -128,6 +128,27 @@ def _record_for_transformers(model: nn.Module) -> None:
                       "build float layers. Save with torch_qmm.interop.save_mlx instead", stacklevel=3)
 
 
+CONV1D_NOT_CONVERTED = "a transformers Conv1D (GPT-2 style), not an nn.Linear: left float"
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (pytorch_utils.Conv1D: GPT-2-style models' linear layers, y = x @ W + b
+    with W [in, out]), which no torch_qmm module replaces."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+
+
+def record_loaded_model(model: nn.Module, loader: str) -> None:
+    """For a transformers model that `loader` filled with torch_qmm layers: records in its config
+    what save_pretrained needs (torch_qmm.interop.transformers.record_loaded_model)."""
+    transformers = sys.modules.get("transformers")  # a transformers model means transformers is imported
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return
+    from .interop.transformers import record_loaded_model as record
+
+    record(model, loader)
+
+
 def _check_compute_dtypes(dtype: torch.dtype | None, layers: list[tuple[str, nn.Module]]) -> None:
     """TypeError, before any layer is changed, when `dtype` or (dtype None) the float weights of a
     layer to quantize are not a dtype the quantized layers compute in (float64 weights: the layers
@@ -232,6 +253,9 @@ def quantize_model(
                        if filter_fn is None or filter_fn(n, m)]
     _check_compute_dtypes(dtype, candidates + experts_modules)
     summary = QuantizeSummary(converted=[], skipped={}, bytes_before=0, bytes_after=0, already_quantized=already)
+    for name, module in model.named_modules():
+        if is_conv1d(module) and (filter_fn is None or filter_fn(name, module)):
+            summary.skipped[name] = CONV1D_NOT_CONVERTED
     for name, module in experts_modules:
         if per_layer:
             summary.skipped[name] = f"fused experts are quantized by rtn with one bit width, not method={method!r}"

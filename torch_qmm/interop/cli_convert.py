@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import quantizers, reference
 from ..cli_errors import UsageError
-from ..convert import quantize_model
+from ..convert import CONV1D_NOT_CONVERTED, is_conv1d, quantize_model
 from ..formats import FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..nn import QuantLinear, resolve_format
 from ..nn_moe import QuantFusedExperts
@@ -228,6 +228,8 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
             exact[name] = affine_exact(tensors[name], dtype)
     if float_embedding and config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if "quantization_config" in vars(model.config):  # load_gguf_llama's, of the layers as it loaded them:
+        del model.config.quantization_config        # each output records the converted layers itself
     return model, exact, _gguf_types(f)
 
 
@@ -442,6 +444,9 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             fmt = f"float {str(m.weight.dtype)[6:]}"
         elif is_fused_experts(m):
             fmt = f"float {str(m.get_parameter(layout_of(m).gate_up).dtype)[6:]}"
+        elif is_conv1d(m):
+            rows.append((name, f"kept float {str(m.weight.dtype)[6:]} ({CONV1D_NOT_CONVERTED})"))
+            continue
         else:
             continue
         if isinstance(m, TiedQuantLinear):
@@ -541,6 +546,13 @@ def _check_transformers_folder(src: Path) -> None:
     if not isinstance(config.get("model_type"), str):
         raise ValueError(f"{src / 'config.json'}: field 'model_type' must be a string, got "
                          f"{config.get('model_type')!r}")
+    qc = config.get("quantization_config")
+    if isinstance(config.get("quantization"), dict) or (isinstance(qc, dict) and "quant_method" not in qc):
+        # mlx_lm's "quantization" entry (also written as a quantization_config without quant_method,
+        # which transformers refuses with an error about the config, not the folder's kind).
+        raise ValueError(f"{src} is an MLX folder (config.json has MLX's 'quantization' entry): convert reads "
+                         "float transformers folders, folders torch_qmm quantized and GGUF files. Load an MLX "
+                         "folder into a torch model with torch_qmm.interop.load_mlx")
     if not any(src.glob("*.safetensors")):
         pickled = sorted(f.name for f in src.iterdir() if f.name.endswith((".bin", ".pt", ".pth", ".ckpt")))
         found = f"only {', '.join(pickled)}: pickle, which convert does not load" if pickled else "none at all"

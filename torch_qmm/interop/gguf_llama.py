@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..convert import record_loaded_model
 from ..nn import QuantLinear
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
@@ -397,6 +398,7 @@ def load_gguf_llama(
         compute_buffers(model, target, f"load_gguf_llama: {f.path}")
         check_no_meta(model, "load_gguf_llama", f.path)
         model.to(target)  # the tensors the model had in memory before (a model only partly on meta)
+    record_loaded_model(model, "load_gguf_llama")
     return report
 
 

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..convert import record_loaded_model
 from ..formats import FORMATS, packed_words
 from ..format_state import FORMAT_STATE_KEY
 from ..nn import QuantLinear, resolve_format
@@ -43,7 +44,8 @@ from ..ops import dequantize
 from .experts import fused_experts
 from .mlx_experts import experts_specs, float_experts_tensors, from_mlx_key, load_experts, split_experts, to_mlx_key
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
-from .modules import QuantEmbedding, TiedQuantLinear
+from .gguf_types import type_name
+from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from .json_files import read_json_object
 from .safetensors_io import Checkpoint, save_sharded
 
@@ -366,6 +368,7 @@ def load_mlx(
         compute_buffers(model, dev, f"load_mlx: {ckpt.path}")
         check_no_meta(model, "load_mlx", ckpt.path)
         model.to(dev)  # the tensors the model had in memory before (a model only partly on meta)
+    record_loaded_model(model, "load_mlx")
     return report
 
 
@@ -492,6 +495,13 @@ def save_mlx(
             of `model.config.attribute_map` when the model has one), whichever way it is given.
         max_shard_bytes: shard size limit; several shards get model.safetensors.index.json.
     """
+    blocks = [f"{n} ({type_name(m.ggml_type)})" for n, m in model.named_modules() if isinstance(m, GGUFLinear)]
+    if blocks:
+        raise ValueError(
+            f"save_mlx: {', '.join(blocks[:4])}{f' and {len(blocks) - 4} more' if len(blocks) > 4 else ''} "
+            "are GGUFLinear layers (GGUF K-quant blocks), which MLX cannot read: `python -m torch_qmm convert "
+            "FILE.gguf OUT --format mlx` writes Q4_K exactly as affine 4-bit layers and the others as float "
+            "(or re-quantized, --requantize rest)")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model_config = getattr(model, "config", None)

@@ -35,6 +35,9 @@ from .experts import empty_quant_experts, fused_experts
 from ..quantizers.mixed import MixedBits
 
 QUANT_METHOD = "torch_qmm"
+# The key of a saved quantization_config that records why from_pretrained cannot rebuild the
+# folder's layers (record_loaded_model); a reload raises ValueError with it.
+NOT_RELOADABLE = "not_reloadable"
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -83,6 +86,12 @@ class TorchQmmConfig(QuantizationConfigMixin):
             else:
                 raise TypeError(f"argument 'bits' must be an int, a mapping name -> bits or MixedBits, "
                                 f"got {type(bits).__name__}")
+        if kwargs.get(NOT_RELOADABLE):  # written by record_loaded_model: this folder cannot be rebuilt
+            raise ValueError(f"from_pretrained cannot rebuild the torch_qmm layers of this folder: "
+                             f"{kwargs[NOT_RELOADABLE]}. Load the original file the way it was loaded "
+                             "(torch_qmm.interop.load_mlx / load_gguf_llama), or write the model with "
+                             "torch_qmm.interop.save_mlx; `python -m torch_qmm convert` writes a GGUF file into a "
+                             "folder from_pretrained reloads")
         resolve(method)  # a registered name or GPTQ(...) / AWQ(...) options, else ValueError / TypeError
         if modules_to_not_convert is not None and not (
                 isinstance(modules_to_not_convert, (list, tuple))
@@ -172,6 +181,10 @@ def record_quantization_config(model) -> str | None:
     these layers quantized, each with its bits, the experts stored as their buffers:
     keep_quantized_experts_on_save). Returns why not where one config cannot hold them (group
     sizes or modes that differ between layers), leaving the config as it was."""
+    others = _undescribed_layers(model)
+    if others:
+        return (f"a quantization_config describes QuantLinear layers and MoE experts, not "
+                f"{', '.join(others[:4])}{f' and {len(others) - 4} more' if len(others) > 4 else ''}")
     keep_quantized_experts_on_save(model)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     layers |= {n: m.down_proj for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)}
@@ -186,6 +199,33 @@ def record_quantization_config(model) -> str | None:
         bits=next(iter(bits.values())) if len(set(bits.values())) == 1 else bits, group_size=group_size, mode=mode,
         modules_to_not_convert=sorted(_float_layers(model)))
     return None
+
+
+def _undescribed_layers(model) -> list[str]:
+    """The torch_qmm modules outside MoE experts that TorchQmmHfQuantizer cannot rebuild
+    (QuantEmbedding, its tied output layer, GGUFLinear, QuantSwitchLinear), as "name (class)"."""
+    from ..nn_moe import QuantSwitchLinear
+    from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
+
+    experts = [n for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)]
+    return [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+            if isinstance(m, (QuantEmbedding, TiedQuantLinear, GGUFLinear, QuantSwitchLinear))
+            and not any(n.startswith(e + ".") for e in experts)]
+
+
+def record_loaded_model(model, loader: str) -> None:
+    """After `loader` (load_mlx, load_gguf_llama) filled a transformers model: its config gets the
+    TorchQmmConfig of its layers where one describes them (record_quantization_config), so that
+    save_pretrained writes a folder from_pretrained rebuilds; else a quantization_config that
+    makes that reload a ValueError saying why (instead of transformers building the layers it
+    cannot match to the checkpoint with random weights, or failing on an MLX "quantization"
+    entry read from the loaded folder's config.json)."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        return
+    why_not = record_quantization_config(model)
+    if why_not is not None:
+        model.config.quantization_config = {"quant_method": QUANT_METHOD,
+                                            NOT_RELOADABLE: f"{why_not} (the model was loaded by {loader})"}
 
 
 def _skipped(name: str, skip: list[str]) -> bool:
