@@ -188,9 +188,10 @@ MUTANTS: list[Mutant] = [
            "            groups = tuple(-(-g // t) for g, t in zip(grid, tptg))",
            "            groups = tuple(max(1, g // t) for g, t in zip(grid, tptg))", METALSIM,
            "dispatchThreads rounds the threadgroup count down: the partial edge threadgroup never runs"),
-    Mutant("g2-msim-self-recursion-missed", "torch_qmm/metalsim/_strict.py",
-           "                if len(comp) > 1 or v in graph[v]:", "                if len(comp) > 1:", METALSIM,
-           "a function that calls itself directly passes the no-recursion rule"),
+    Mutant("g2-msim-function-pointer-call-missed", "torch_qmm/metalsim/_strict.py",
+           '    bad_ptr = sorted(f for f in reach if indirect[f] and "__msim_invoke" not in f)',
+           '    bad_ptr = sorted(f for f in reach if indirect[f] and "__msim_invoke" in f)', METALSIM,
+           "a call through a function pointer left in the optimised IR passes the strictness rules"),
     # ---- benchmark bookkeeping (torch_qmm/bench/) --------------------------------------------------------
     Mutant("g2-bench-speedup-inverted", "torch_qmm/bench/kernels.py",
            "        return {p: t / ours for p, t in self.times_ms.items() if p != OURS}",
