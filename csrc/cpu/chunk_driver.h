@@ -74,6 +74,8 @@
 #include <thread>
 #include <vector>
 
+#include "work_split.h"
+
 namespace torch_qmm {
 namespace cpu {
 namespace chunk {
@@ -301,7 +303,7 @@ void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N,
 template <typename Kern>
 void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   PreparedX<Kern> px(kern, M);
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t threads = threads_for_work(M, N, K);
   const int64_t span = span_rows_for(N, threads);
   const int64_t spans = (N + span - 1) / span;
   // The team the spans need (a call of one span runs inline, with no region); x is cut for it.

@@ -335,7 +335,7 @@ template <typename Kern>
 void run(const GgufArgs& a, float* y) {
   const int64_t groups = (a.M + kLanes - 1) / kLanes, bpr = a.K / 256, group_bytes = bpr * Kern::kXtBytes;
   chunk::CacheLineVector<uint8_t> xt(groups * group_bytes);
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t threads = threads_for_work(a.M, a.N, a.K);
   const int64_t span = chunk::span_rows_for(a.N, threads), spans = (a.N + span - 1) / span;
   const int64_t team = std::min(threads, spans), items = groups * bpr;
   std::atomic<int64_t> next_item{0}, items_done{0}, next_span{0};

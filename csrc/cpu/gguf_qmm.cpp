@@ -22,6 +22,7 @@
 #include "decode.h"
 #include "gguf_chunked.h"
 #include "qmm_kernels.h"
+#include "work_split.h"
 #include "x_rows.h"
 
 namespace torch_qmm {
@@ -125,7 +126,7 @@ void qmm_fused(const float* xf, const uint8_t* blocks, float* yf, int64_t M, int
                int64_t bytes_per_block, Decode decode) {
   const int64_t nb = K / kQK_K;
   const int64_t row_bytes = nb * bytes_per_block;
-  at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, cpu::grain_for_work(N, 4, M, N, K), [&](int64_t n0, int64_t n1) {
     alignas(64) float w[kQK_K];
     std::vector<float> acc(M);
     for (int64_t n = n0; n < n1; ++n) {

@@ -24,6 +24,7 @@
 #include "bf16_gemm.h"
 #include "decode.h"
 #include "qmm_kernels.h"
+#include "work_split.h"
 #include "x_rows.h"
 
 namespace torch_qmm {
@@ -107,6 +108,13 @@ at::Tensor qmm_cpu(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
   if (c.empty) return at::zeros(c.out_shape, x.options());
   const at::Tensor yf = cpu::qmm_float(c.a, c.xf, transpose);
   return yf.to(x.scalar_type()).contiguous().reshape(c.out_shape);
+}
+
+// The threads a CPU call of x [..., K] by an N x K matrix runs on (work_split.h).
+int64_t cpu_threads(const at::Tensor& x, int64_t N, int64_t K) {
+  TORCH_CHECK_VALUE(K > 0 && N > 0 && x.numel() % K == 0, "_cpu_threads: x of ", x.numel(), " elements is not rows of K = ", K,
+                    " (N = ", N, ")");
+  return cpu::threads_for_work(x.numel() / K, N, K);
 }
 
 // Which CPU kernel qmm would run: "gemm-bf16" (bf16_gemm.h), "chunked/<multiplier>"
@@ -205,6 +213,7 @@ int x_bf16_terms_for(at::ScalarType x_dtype) {
 TORCH_LIBRARY_IMPL(torch_qmm, CPU, m) {
   m.impl("qmm", &qmm_cpu);
   m.impl("_cpu_route", &qmm_cpu_route);
+  m.impl("_cpu_threads", &cpu_threads);
 }
 
 }  // namespace torch_qmm

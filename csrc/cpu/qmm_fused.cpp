@@ -28,6 +28,7 @@
 #include "decode.h"
 #include "qmm_dispatch.h"
 #include "qmm_kernels.h"
+#include "work_split.h"
 
 namespace torch_qmm {
 namespace cpu {
@@ -171,7 +172,8 @@ void t_fused(const QmmArgs& a, float* y) {
     xsum[i] = t;
   }
   // ~64 KB of packed weights per task at 4 bits and K=4096: enough work to amortize scheduling.
-  const int64_t grain = std::max<int64_t>(kRowBlock, (int64_t(1) << 17) / std::max<int64_t>(a.K, 1));
+  const int64_t grain = grain_for_work(a.N, std::max<int64_t>(kRowBlock, (int64_t(1) << 17) / std::max<int64_t>(a.K, 1)),
+                                       a.M, a.N, a.K);
   at::parallel_for(0, a.N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t nb = n0; nb < n1; nb += kRowBlock) {
       const int64_t ne = std::min(n1, nb + kRowBlock);
@@ -246,7 +248,7 @@ void n_fused(const QmmArgs& a, float* y) {
   // Spans of 64 columns (a full cache line of 4-bit codes per packed row); N is a multiple of
   // the group size, so at most one trailing span of 32.
   const int64_t spans = (a.N + 63) / 64;
-  at::parallel_for(0, spans, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, spans, grain_for_work(spans, 1, a.M, a.N, a.K), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t c0 = i * 64;
       if (c0 + 64 <= a.N)
