@@ -196,12 +196,13 @@ void run_items(GatherCall& c, Kernel&& kernel) {
 // The exact kernels: qmm's own route for each group's rows (qmm_kernels.h, qmm_float).
 void run_exact(GatherCall& c) {
   // Whether each group's rows of x are in range for the chunk kernels (QmmArgs::x_in_range).
-  const int64_t G = int64_t(c.groups.size()), MK = c.M * c.K;
+  const int64_t G = int64_t(c.groups.size()), M = c.M, K = c.K;
   std::vector<char> x_in_range(G);
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      x_in_range[g] = cpu::chunk::x_in_range(c.xs.const_data_ptr<float>() + c.groups[g].start * MK,
-                                             c.groups[g].count * MK);
+    for (int64_t g = g0; g < g1; ++g) {
+      const Group& gr = c.groups[g];
+      x_in_range[g] = cpu::chunk::x_in_range(c.xs.const_data_ptr<float>() + gr.start * M * K, gr.count * M * K);
+    }
   });
   run_items(c, [&](int64_t g, cpu::QmmArgs a, const at::Tensor& xg) {
     a.x_in_range = x_in_range[g];
