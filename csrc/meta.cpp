@@ -58,9 +58,7 @@ at::Tensor qmm_meta(const at::Tensor& x, const at::Tensor& wq, const at::Tensor&
 at::Tensor qmm_int8_activations_meta(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                                      const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits,
                                      int64_t group_size) {
-  const char* op = "qmm_int8_activations";
-  TORCH_CHECK_VALUE(check_mode(op, mode).mode == Mode::kAffine, op, ": argument 'mode' must be 'affine' (int8 ",
-                    "activations are implemented for the affine format), got '", mode, "'");
+  check_int8_activations_mode("qmm_int8_activations", mode);
   return qmm_meta(x, wq, scales, biases, mode, bits, group_size, true);
 }
 
@@ -75,6 +73,16 @@ at::Tensor gather_qmm_meta(const at::Tensor& x, const at::Tensor& w, const at::T
   s.batch.push_back(s.M);
   s.batch.push_back(s.N);
   return at::empty_symint(s.batch, x.options());
+}
+
+// gather_qmm_int8_activations: gather_qmm's checks and shape (transpose=True) for the affine format only.
+at::Tensor gather_qmm_int8_activations_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                                            const std::optional<at::Tensor>& biases,
+                                            const std::optional<at::Tensor>& lhs_indices,
+                                            const std::optional<at::Tensor>& rhs_indices, std::string_view mode,
+                                            int64_t bits, int64_t group_size, bool sorted_indices) {
+  check_int8_activations_mode("gather_qmm_int8_activations", mode);
+  return gather_qmm_meta(x, w, scales, biases, lhs_indices, rhs_indices, mode, bits, group_size, true, sorted_indices);
 }
 
 at::Tensor gguf_qmm_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N, int64_t K) {
@@ -92,6 +100,7 @@ TORCH_LIBRARY_IMPL(torch_qmm, Meta, m) {
   m.impl("gguf_qmm", &gguf_qmm_meta);
   m.impl("qmm_int8_activations", &qmm_int8_activations_meta);
   m.impl("gguf_qmm_int8_activations", &gguf_qmm_meta);
+  m.impl("gather_qmm_int8_activations", &gather_qmm_int8_activations_meta);
 }
 
 }  // namespace torch_qmm

@@ -48,6 +48,11 @@ TORCH_LIBRARY(torch_qmm, m) {
   m.def(
       "qmm_int8_activations(Tensor x, Tensor wq, Tensor scales, Tensor? biases, str mode, int bits, "
       "int group_size) -> Tensor");
+  // gather_qmm (transpose=True) with each pair's rows of x quantized as qmm_int8_activations
+  // quantizes them: the same opt-in (csrc/cpu/gather_qmm.cpp).
+  m.def(
+      "gather_qmm_int8_activations(Tensor x, Tensor w, Tensor scales, Tensor? biases, Tensor? lhs_indices, "
+      "Tensor? rhs_indices, str mode, int bits, int group_size, bool sorted_indices) -> Tensor");
   // gguf_qmm with x quantized to int8 per super-block of 256: the same opt-in (csrc/cpu/actq_gguf.cpp).
   m.def("gguf_qmm_int8_activations(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> Tensor");
   // The format table (csrc/format_spec.h) as JSON, read once by torch_qmm/formats.py.

@@ -45,6 +45,13 @@ const FormatSpec& check_mode(const char* op, std::string_view mode) {
   return *f;
 }
 
+const FormatSpec& check_int8_activations_mode(const char* op, std::string_view mode) {
+  const FormatSpec& f = check_mode(op, mode);
+  TORCH_CHECK_VALUE(f.mode == Mode::kAffine, op, ": argument 'mode' must be 'affine' (int8 activations are ",
+                    "implemented for the affine format), got '", std::string(mode), "'");
+  return f;
+}
+
 void check_bits_and_group_size(const char* op, const FormatSpec& f, int64_t bits, int64_t group_size) {
   TORCH_CHECK_VALUE(f.bits.contains(bits), op, ": argument 'bits' must be ", choices(f.bits), ", got ", bits,
                     " (mode '", f.name, "')");

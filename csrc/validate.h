@@ -35,6 +35,9 @@ struct SymPackedShape {
 
 // The format named by `mode`; unknown names are refused with the list of known ones.
 const FormatSpec& check_mode(const char* op, std::string_view mode);
+// The format of an int8-activation op (qmm_int8_activations, gather_qmm_int8_activations): the
+// affine one, the only one its kernels implement (csrc/cpu/actq_qmm.cpp).
+const FormatSpec& check_int8_activations_mode(const char* op, std::string_view mode);
 void check_bits_and_group_size(const char* op, const FormatSpec& f, int64_t bits, int64_t group_size);
 void check_float_dtype(const char* op, const char* arg, const at::Tensor& t);
 

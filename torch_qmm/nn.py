@@ -28,6 +28,20 @@ def resolve_format(mode: str, bits: int | None, group_size: int | None) -> tuple
     return bits, group_size
 
 
+def check_module_activations(activations: str | None, mode: str) -> None:
+    """The ``activations`` argument of a quantized module (QuantLinear, QuantSwitchLinear):
+    None, or a kind of torch_qmm.activations.KINDS for mode "affine" (ValueError otherwise)."""
+    check_activations(activations)
+    if activations is not None and mode != "affine":
+        raise ValueError(f"argument 'activations' must be None for mode {mode!r} (int8 activations are "
+                         f"implemented for mode 'affine'), got {activations!r}")
+
+
+def activations_repr(module: nn.Module) -> str:
+    """", activations=..." of a quantized module with a per-layer setting, else ""."""
+    return f", activations={module.activations}" if module.activations is not None else ""
+
+
 def check_positive_ints(**sizes) -> None:
     """ValueError naming the first argument of `sizes` that is not a positive int."""
     for name, v in sizes.items():
@@ -152,10 +166,7 @@ class QuantLinear(QuantFormatState, nn.Module):
     ) -> None:
         super().__init__()
         check_positive_ints(in_features=in_features, out_features=out_features)
-        check_activations(activations)
-        if activations is not None and mode != "affine":
-            raise ValueError(f"argument 'activations' must be None for mode {mode!r} (int8 activations are "
-                             f"implemented for mode 'affine'), got {activations!r}")
+        check_module_activations(activations, mode)
         self.activations = activations
         self.in_features = in_features
         self.out_features = out_features
@@ -194,7 +205,7 @@ class QuantLinear(QuantFormatState, nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"group_size={self.group_size}, bits={self.bits}, mode={self.mode}{compute_dtype_repr(self)}"
-            + (f", activations={self.activations}" if self.activations is not None else "")
+            + activations_repr(self)
         )
 
 

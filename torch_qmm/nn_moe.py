@@ -13,8 +13,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import ops
 from .format_state import QuantFormatState
-from .nn import (check_positive_ints, compute_dtype_repr, follows_autocast, quantized_from,
-                 register_quantized_weight, resolve_format)
+from .nn import (activations_repr, check_module_activations, check_positive_ints, compute_dtype_repr,
+                 follows_autocast, quantized_from, register_quantized_weight, resolve_format)
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert before the matmuls, so
 # that each expert's rows are read once for a run of tokens (mlx_lm's SwitchGLU sorts from 64).
@@ -28,7 +28,10 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
     Buffers: ``qweight`` uint32 [E, out, in*bits/32]; ``scales`` [E, out, in/group_size] (in the
     compute dtype for mode "affine", then also ``biases``; uint8 codes for the fp modes); optional
     ``bias`` [E, out]; the format as ``_extra_state`` (QuantFormatState), as QuantLinear, which
-    it also follows in the dtypes of x and the output, torch.autocast included.
+    it also follows in the dtypes of x and the output, torch.autocast included. ``activations="int8"``
+    (affine only): each pair's rows of x quantized to int8 per block of 32 on every call
+    (gather_qmm's int8 path, torch_qmm.activations; CPU, approximate); None: exact unless inside
+    torch_qmm.activation_quantization.
     """
 
     def __init__(
@@ -42,9 +45,12 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         mode: str = "affine",
+        activations: str | None = None,
     ) -> None:
         super().__init__()
         check_positive_ints(num_experts=num_experts, in_features=in_features, out_features=out_features)
+        check_module_activations(activations, mode)
+        self.activations = activations
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         register_quantized_weight(self, (num_experts, out_features), in_features, bits, group_size, mode, device,
                                   dtype, "in_features")
@@ -58,6 +64,7 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
     def from_float(
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, bits: int | None = None,
         group_size: int | None = None, dtype: torch.dtype | None = None, mode: str = "affine",
+        activations: str | None = None,
     ) -> "QuantSwitchLinear":
         """Quantizes W [E, out, in] (MLX's rounding, per row along in); bias [E, out] or None.
         dtype: compute dtype, default the weight's."""
@@ -68,7 +75,7 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
         if bias is not None and tuple(bias.shape) != (e, out):
             raise ValueError(f"argument 'bias' must have shape [{e}, {out}], got {list(bias.shape)}")
         module = quantized_from(cls, weight, dtype, e, k, out, bias=bias is not None, bits=bits,
-                                group_size=group_size, mode=mode)
+                                group_size=group_size, mode=mode, activations=activations)
         if bias is not None:
             with torch.no_grad():
                 module.bias.copy_(bias.detach().to(module.bias.dtype))
@@ -78,7 +85,7 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
     def from_quantized(
         cls, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None = None,
         bias: torch.Tensor | None = None, bits: int | None = None, group_size: int | None = None,
-        mode: str = "affine", dtype: torch.dtype | None = None,
+        mode: str = "affine", dtype: torch.dtype | None = None, activations: str | None = None,
     ) -> "QuantSwitchLinear":
         """From MLX's tensors (QuantizedSwitchLinear's weight, scales, biases, bias; e.g. mx.quantize
         of [E, out, in] as torch tensors), kept bit for bit. dtype: compute dtype, default the float
@@ -92,7 +99,7 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
         e, out, words = qweight.shape
         k = words * 32 // bits
         module = cls(e, k, out, bias=bias is not None, bits=bits, group_size=group_size, device=qweight.device,
-                     dtype=dtype, mode=mode)
+                     dtype=dtype, mode=mode, activations=activations)
         parts = {"qweight": qweight, "scales": scales, "biases": biases}
         for name, t in parts.items():
             dst = getattr(module, name)
@@ -121,7 +128,7 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
         mlx.core.gather_qmm(x, w, ..., rhs_indices=indices, transpose=True)."""
         y = ops.gather_qmm(x, self.qweight, self.scales, self.biases, rhs_indices=indices, transpose=True,
                            group_size=self.group_size, bits=self.bits, mode=self.mode,
-                           sorted_indices=sorted_indices)
+                           sorted_indices=sorted_indices, activations=self.activations)
         if self.bias is not None:
             y = y + self.bias[indices.long()].unsqueeze(-2).to(y.dtype)
         return y
@@ -130,7 +137,7 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
         return (
             f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, group_size={self.group_size}, bits={self.bits}, mode={self.mode}"
-            f"{compute_dtype_repr(self)}"
+            f"{compute_dtype_repr(self)}{activations_repr(self)}"
         )
 
 

@@ -130,21 +130,31 @@ def quantized_matmul(
     bits, group_size = _params("quantized_matmul", mode, bits, group_size)
     _check_flags("quantized_matmul", transpose=transpose)
     _activations.check_activations(activations)
+    _check_frozen_tangents("qmm", wq=wq, scales=scales, biases=biases)
+    if _affine_activations(activations, x, mode, transpose, "qmm_int8_activations") == "int8":
+        return _ops.qmm_int8_activations(x, wq, scales, biases, mode, bits, group_size)
+    return _carry_tangent(lambda t: _ops.qmm(t, wq, scales, biases, mode, bits, group_size, transpose), x)
+
+
+def _affine_activations(activations: str | None, x, mode: str, transpose: bool, op: str) -> str | None:
+    """The activation quantization of an affine-format product (quantized_matmul, gather_qmm): the
+    `activations` argument (checked by the caller), else torch_qmm.activation_quantization's setting
+    where it applies (mode "affine", transpose=True, x on the CPU), else None (exact). An int8 call
+    (to `op`) that cannot run raises ValueError (x off the CPU, transpose=False) or the no-gradient
+    error (x carrying a forward-mode tangent); a non-affine mode is refused by the op."""
     kind = activations
     current = _activations.current_activations() if kind is None else None
     if current is not None:
         applies = mode == "affine" and transpose and x.device.type == "cpu"
         kind = current if applies else None
-    _check_frozen_tangents("qmm", wq=wq, scales=scales, biases=biases)
     if kind == "int8":
         if x.device.type != "cpu":
             raise ValueError(f"argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
         if not transpose:
             raise ValueError("argument 'transpose' must be True with activations='int8', got False")
         if _has_tangent(x):
-            raise _int8_no_grad_error("qmm_int8_activations")
-        return _ops.qmm_int8_activations(x, wq, scales, biases, mode, bits, group_size)
-    return _carry_tangent(lambda t: _ops.qmm(t, wq, scales, biases, mode, bits, group_size, transpose), x)
+            raise _int8_no_grad_error(op)
+    return kind
 
 
 def gather_qmm(
@@ -160,6 +170,7 @@ def gather_qmm(
     mode: str = "affine",
     *,
     sorted_indices: bool = False,
+    activations: str | None = None,
 ) -> torch.Tensor:
     """Quantized matmul with matrix-level gather, as ``mlx.core.gather_qmm``: y[p] = x[lhs[p]] @ W[rhs[p]].
 
@@ -174,6 +185,10 @@ def gather_qmm(
             raise ValueError (CPU) before anything is read.
         sorted_indices: a hint that rhs_indices is sorted (consecutive pairs of one matrix form a
             run); the result is the same either way.
+        activations: "int8": each pair's rows of x quantized to int8 per block of 32, as
+            quantized_matmul's (torch_qmm.activations; affine, transpose=True, CPU only;
+            approximate). None: torch_qmm.activation_quantization's setting for the calls it
+            applies to, else exact.
 
     Returns:
         y [*broadcast(lhs.shape, rhs.shape), M, N] in x's dtype, accumulated in float32.
@@ -184,7 +199,11 @@ def gather_qmm(
     """
     bits, group_size = _params("gather_qmm", mode, bits, group_size)
     _check_flags("gather_qmm", transpose=transpose, sorted_indices=sorted_indices)
+    _activations.check_activations(activations)
     _check_frozen_tangents("gather_qmm", w=w, scales=scales, biases=biases)
+    if _affine_activations(activations, x, mode, transpose, "gather_qmm_int8_activations") == "int8":
+        return _ops.gather_qmm_int8_activations(x, w, scales, biases, lhs_indices, rhs_indices, mode, bits,
+                                                group_size, sorted_indices)
     return _carry_tangent(lambda t: _ops.gather_qmm(t, w, scales, biases, lhs_indices, rhs_indices, mode, bits,
                                                     group_size, transpose, sorted_indices), x)
 
@@ -385,6 +404,10 @@ torch.library.register_autograd("torch_qmm::dequantize", _refuse_backward("dequa
 torch.library.register_autograd(
     "torch_qmm::qmm_int8_activations",
     _refuse_backward("qmm_int8_activations", _INT8_X),
+)
+torch.library.register_autograd(
+    "torch_qmm::gather_qmm_int8_activations",
+    _refuse_backward("gather_qmm_int8_activations", _INT8_X),
 )
 torch.library.register_autograd(
     "torch_qmm::gguf_qmm_int8_activations",

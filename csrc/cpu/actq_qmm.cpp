@@ -38,6 +38,7 @@
 #include "../format.h"
 #include "../validate.h"
 #include "actq_dot.h"
+#include "actq_qmm.h"
 #include "actq_x.h"
 #include "chunk.h"
 #include "chunk_avx2.h"
@@ -484,8 +485,6 @@ Width vector_width(const QmmArgs& a) {
 
 }  // namespace
 
-// The kernel qmm_int8_activations runs for `a` (x finite): "<isa>-<codes>" (256-bit),
-// "<isa>-512-<codes>" (512-bit) or "scalar".
 std::string int8x_kernel(const QmmArgs& a) {
   const Width v = vector_width(a);
   if (v == Width::kNone) return "scalar";
@@ -542,9 +541,7 @@ struct Int8xCall {
 
 Int8xCall prepare(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                   const std::optional<at::Tensor>& biases, std::string_view mode, int64_t bits, int64_t group_size) {
-  const FormatSpec& f = check_mode(kOp, mode);
-  TORCH_CHECK_VALUE(f.mode == Mode::kAffine, kOp, ": argument 'mode' must be 'affine' (int8 activations are ",
-                    "implemented for the affine format), got '", mode, "'");
+  const FormatSpec& f = check_int8_activations_mode(kOp, mode);
   const auto [N, K] = check_qmm(x, wq, scales, biases, f, bits, group_size, true);
   Int8xCall c;
   c.out_shape = x.sizes().vec();

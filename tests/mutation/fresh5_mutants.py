@@ -76,7 +76,7 @@ MUTANTS: list[Mutant] = [
            "return torch.stack((gate, up), dim=1).flatten(1, 2)", MOE + _files("tests/test_moe_mlx_lm.py"),
            "joining interleaved gate / up rows concatenates them (gate block, up block) instead of alternating"),
     Mutant("p5-quantlinear-int8-with-fp-mode-accepted", "torch_qmm/nn.py",
-           '        if activations is not None and mode != "affine":', "        if False:", NN,
+           '    if activations is not None and mode != "affine":', "    if False:", NN,
            "QuantLinear(mode='mxfp4', activations='int8') is built (and fails only at the first call)"),
     Mutant("p5-distributed-whole-groups-per-shard-unchecked", "torch_qmm/distributed/partition.py",
            "    if cols % (world * group_size) != 0:", "    if cols % group_size != 0:", DISTRIBUTED,
@@ -212,7 +212,7 @@ MUTANTS: list[Mutant] = [
            "for (int64_t m = 0; m < a.M; ++m) dst[m * a.N + p] = src[p * a.M + m];", CPU,
            "transpose=False gemm, 4 bits: y's columns left in codec order (even/odd interleave)"),
     Mutant("c5-gather-scale-row-bytes-as-float32", "csrc/cpu/gather_qmm.cpp",
-           "srow_bytes = sgroups * scales.element_size();", "srow_bytes = sgroups * 4;", CPU_GATHER,
+           "srow_bytes = scales.size(-1) * scales.element_size();", "srow_bytes = scales.size(-1) * 4;", CPU_GATHER,
            "gather_qmm's expert offset into scales / biases assumes 4-byte elements: wrong for float16, "
            "bfloat16 and the fp modes' uint8 codes"),
     Mutant("c5-dequantize-product-not-rounded", "csrc/cpu/quantize.cpp",

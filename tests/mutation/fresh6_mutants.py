@@ -65,8 +65,8 @@ MUTANTS: list[Mutant] = [
            "inside activation_quantization('int8') an fp-mode quantized_matmul is sent to the int8 op "
            "(which refuses the mode) instead of staying exact"),
     Mutant("p6-quantized-matmul-activations-unchecked", "torch_qmm/ops.py",
-           "    _activations.check_activations(activations)\n    kind = activations\n    current",
-           "    kind = activations\n    current", OP_ARGUMENTS,
+           "    _activations.check_activations(activations)\n    _check_frozen_tangents(\"qmm\",",
+           "    _check_frozen_tangents(\"qmm\",", OP_ARGUMENTS,
            "quantized_matmul(activations='int4') (a typo) runs exact instead of raising a ValueError "
            "naming 'activations'"),
     Mutant("p6-quantlinear-fp-scales-in-compute-dtype", "torch_qmm/nn.py",

@@ -107,14 +107,14 @@ MUTANTS: list[Mutant] = [
            "gather_qmm checks only w for a tangent: a tangent on the float scales or biases is "
            "silently dropped instead of refused"),
     Mutant("t9-qmm-frozen-check-after-int8", "torch_qmm/ops.py",
-           "    _check_frozen_tangents(\"qmm\", wq=wq, scales=scales, biases=biases)\n    if kind == \"int8\":",
-           "    if kind == \"int8\":", FORWARD,
+           "    _check_frozen_tangents(\"qmm\", wq=wq, scales=scales, biases=biases)\n    if _affine_activations(",
+           "    if _affine_activations(", FORWARD,
            "quantized_matmul no longer checks the frozen operands' tangents before the exact call "
            "(dropped with the move of the int8 branch): a tangent on scales / biases is dropped"),
     Mutant("t9-qmm-int8-tangent-not-refused", "torch_qmm/ops.py",
-           "        if _has_tangent(x):\n            raise _int8_no_grad_error(\"qmm_int8_activations\")\n",
+           "        if _has_tangent(x):\n            raise _int8_no_grad_error(op)\n",
            "", FORWARD_INT8,
-           "quantized_matmul with activations='int8' takes a dual x and drops its tangent "
+           "quantized_matmul (and gather_qmm) with activations='int8' take a dual x and drop its tangent "
            "(a zero jvp) instead of raising as its gradient does"),
     Mutant("t9-gguf-int8-tangent-not-refused", "torch_qmm/ops.py",
            "        if _has_tangent(x):\n            raise _int8_no_grad_error(\"gguf_qmm_int8_activations\")\n",
@@ -158,8 +158,8 @@ MUTANTS: list[Mutant] = [
            "gguf_qmm's kernel arguments never get x's in-range flag (GgufArgs::x_in_range stays "
            "false): no GGUF call takes a chunk kernel"),
     Mutant("r9-gather-range-of-first-row-per-pair", "csrc/cpu/gather_qmm.cpp",
-           "groups[g].start * M * K, groups[g].count * M * K);",
-           "groups[g].start * M * K, groups[g].count * K);", GATHER_RANGE,
+           "gr.start * M * K, gr.count * M * K);",
+           "gr.start * M * K, gr.count * K);", GATHER_RANGE,
            "each group's in-range flag looks at its first count rows of x, not count * M: with "
            "M > 1 a tiny value in a later row of a pair reaches the chunk kernels"),
     Mutant("r9-force-bf16-gemm-overrides-no-bf16-gemm", "csrc/cpu/bf16_gemm.cpp",

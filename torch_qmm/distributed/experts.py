@@ -55,7 +55,7 @@ class ShardedQuantSwitchLinear(QuantSwitchLinear):
         view = types.SimpleNamespace(
             qweight=local(self.qweight), scales=local(self.scales), biases=local(self.biases),
             bias=local(self.bias) if self.tp_split == 1 or first else None,  # a partial sum takes the bias once
-            group_size=self.group_size, bits=self.bits, mode=self.mode)
+            group_size=self.group_size, bits=self.bits, mode=self.mode, activations=self.activations)
         y = QuantSwitchLinear.forward(view, x, local(indices), sorted_indices)
         if not standalone:
             return y
