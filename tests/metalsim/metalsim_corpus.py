@@ -65,28 +65,31 @@ def _materialise(name: str, fetch) -> Path:
     return final
 
 
+def _wheel_headers(requirement: str, label: str, prefix: str, dirs: tuple[str, ...], td: Path) -> Path:
+    """The .h files under prefix + each of `dirs` in the macOS arm64 wheel of `requirement`, written
+    below td/tree with `prefix` taken off (the include root)."""
+    dl = td / "dl"
+    dl.mkdir()
+    whl = _download(["--only-binary=:all:", "--platform", "macosx_14_0_arm64", requirement], label, dl)
+    out = td / "tree"
+    with zipfile.ZipFile(whl) as z:
+        members = [m for m in z.namelist() if m.startswith(prefix) and m.endswith(".h") and ".." not in m
+                   and m[len(prefix):].startswith(dirs)]
+        for d in dirs:
+            if not any(m[len(prefix):].startswith(d) for m in members):
+                raise RuntimeError(f"{whl.name} has no {prefix}{d}*.h")
+        for m in members:
+            target = out / m[len(prefix):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(z.read(m))
+    return out
+
+
 def mlx_include() -> Path:
     """Include root holding mlx/backend/metal/kernels/ from the mlx-metal wheel."""
-    prefix = "mlx/include/"
-
-    def fetch(td: Path) -> Path:
-        dl = td / "dl"
-        dl.mkdir()
-        whl = _download(["--only-binary=:all:", "--platform", "macosx_14_0_arm64",
-                         f"mlx-metal=={MLX_METAL_VERSION}"], f"mlx-metal {MLX_METAL_VERSION}", dl)
-        out = td / "tree"
-        with zipfile.ZipFile(whl) as z:
-            members = [m for m in z.namelist() if m.startswith(prefix + "mlx/backend/metal/kernels/")
-                       and m.endswith(".h") and ".." not in m]
-            if not members:
-                raise RuntimeError(f"{whl.name} has no {prefix}mlx/backend/metal/kernels/*.h")
-            for m in members:
-                target = out / m[len(prefix):]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(z.read(m))
-        return out
-
-    return _materialise(f"mlx-metal-{MLX_METAL_VERSION}", fetch)
+    return _materialise(f"mlx-metal-{MLX_METAL_VERSION}", lambda td: _wheel_headers(
+        f"mlx-metal=={MLX_METAL_VERSION}", f"mlx-metal {MLX_METAL_VERSION}", "mlx/include/",
+        ("mlx/backend/metal/kernels/",), td))
 
 
 def llama_metal() -> Path:
@@ -119,28 +122,9 @@ def llama_metal() -> Path:
 
 def torch_metal() -> Path:
     """Include root holding c10/metal/ and ATen/native/mps/kernels/ from the torch macOS wheel."""
-    prefix = "torch/include/"
-    dirs = ("c10/metal/", "ATen/native/mps/kernels/")
-
-    def fetch(td: Path) -> Path:
-        dl = td / "dl"
-        dl.mkdir()
-        whl = _download(["--only-binary=:all:", "--platform", "macosx_14_0_arm64", f"torch=={TORCH_VERSION}"],
-                        f"torch {TORCH_VERSION} (macOS wheel)", dl)
-        out = td / "tree"
-        with zipfile.ZipFile(whl) as z:
-            members = [m for m in z.namelist() if m.startswith(prefix) and m.endswith(".h") and ".." not in m
-                       and m[len(prefix):].startswith(dirs)]
-            for d in dirs:
-                if not any(m[len(prefix):].startswith(d) for m in members):
-                    raise RuntimeError(f"{whl.name} has no {prefix}{d}*.h")
-            for m in members:
-                target = out / m[len(prefix):]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(z.read(m))
-        return out
-
-    return _materialise(f"torch-{TORCH_VERSION}", fetch)
+    return _materialise(f"torch-{TORCH_VERSION}", lambda td: _wheel_headers(
+        f"torch=={TORCH_VERSION}", f"torch {TORCH_VERSION} (macOS wheel)", "torch/include/",
+        ("c10/metal/", "ATen/native/mps/kernels/"), td))
 
 
 def clear() -> None:
