@@ -94,6 +94,19 @@ def test_bench_peer_llamacpp_reports_ratios_in_table_and_json(monkeypatch, tmp_p
     assert "x llamacpp" in capsys.readouterr().out
 
 
+def _three_rounds_of_q4k(monkeypatch, tmp_path, fake_time_case, ms: str) -> dict:
+    """The JSON of a 3-round Q4_K bench (float32 and bfloat16 x, rows `ms`) with ggml's build and
+    runs replaced by fake_time_case."""
+    monkeypatch.setattr(llamacpp_peer, "ensure_binary", lambda log=print: tmp_path / "test-backend-ops")
+    monkeypatch.setattr(llamacpp_peer, "time_case", fake_time_case)
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--device", "cpu", "--shapes", "64x512", "--m", ms, "--gguf", "Q4_K", "--dtype",
+               "float32,bfloat16", "--peers", "llamacpp", "--hot", "--threads", "1", "--repeats", "2",
+               "--rounds", "3", "--no-plot", "--output", str(out)])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
 def test_bench_rounds_time_every_peer_again_and_report_the_median_of_the_rounds(monkeypatch, tmp_path):
     """--rounds 3: ggml is run again in each round (once per case and round: the float32 and
     bfloat16 rows of a round share it), and each cell is the median of its three round medians,
@@ -106,15 +119,8 @@ def test_bench_rounds_time_every_peer_again_and_report_the_median_of_the_rounds(
         calls.append(case.ggml_type)
         return {**row, "us_per_run": next(ggml_us), "how": "test-file"}
 
-    monkeypatch.setattr(llamacpp_peer, "ensure_binary", lambda log=print: tmp_path / "test-backend-ops")
-    monkeypatch.setattr(llamacpp_peer, "time_case", fake_time_case)
-    out = tmp_path / "r.json"
-    rc = main(["bench", "--device", "cpu", "--shapes", "64x512", "--m", "1", "--gguf", "Q4_K", "--dtype",
-               "float32,bfloat16", "--peers", "llamacpp", "--hot", "--threads", "1", "--repeats", "2",
-               "--rounds", "3", "--no-plot", "--output", str(out)])
-    assert rc == 0
+    doc = _three_rounds_of_q4k(monkeypatch, tmp_path, fake_time_case, "1")
     assert calls == ["q4_K"] * 3
-    doc = json.loads(out.read_text())
     assert doc["machine"]["rounds"] == 3
     for rec in doc["results"]:
         rounds = rec["round_times_ms"]
@@ -146,19 +152,12 @@ def test_bench_rounds_alternate_the_order_of_the_configs(monkeypatch, tmp_path):
         return {**row, "us_per_run": 1000.0 * case.m, "how": "test-file"}
 
     monkeypatch.setattr(bench, "run_config", recording_run_config)
-    monkeypatch.setattr(llamacpp_peer, "ensure_binary", lambda log=print: tmp_path / "test-backend-ops")
-    monkeypatch.setattr(llamacpp_peer, "time_case", fake_time_case)
-    out = tmp_path / "r.json"
-    rc = main(["bench", "--device", "cpu", "--shapes", "64x512", "--m", "1,2", "--gguf", "Q4_K", "--dtype",
-               "float32,bfloat16", "--peers", "llamacpp", "--hot", "--threads", "1", "--repeats", "2",
-               "--rounds", "3", "--no-plot", "--output", str(out)])
-    assert rc == 0
+    doc = _three_rounds_of_q4k(monkeypatch, tmp_path, fake_time_case, "1,2")
     forward = [("ours", 1, "float32"), ("ggml", 1), ("ours", 2, "float32"), ("ggml", 2),
                ("ours", 1, "bfloat16"), ("ours", 2, "bfloat16")]
     backward = [("ours", 2, "bfloat16"), ("ggml", 2), ("ours", 1, "bfloat16"), ("ggml", 1),
                 ("ours", 2, "float32"), ("ours", 1, "float32")]
     assert events == forward + backward + forward
-    doc = json.loads(out.read_text())
     assert "reversed" in doc["machine"]["round_order"]
     cells = {(rec["m"], rec["dtype"]): rec for rec in doc["results"]}
     assert sorted(cells) == [(1, "bfloat16"), (1, "float32"), (2, "bfloat16"), (2, "float32")]
