@@ -102,10 +102,14 @@ def test_torch_special_function_half(special_lib):
     np.testing.assert_allclose(y.astype(np.float64), ref, rtol=2.0 ** -10)
 
 
+def _compiled(metalsim, inc, header):
+    """The kernels one of the corpus's kernel headers instantiates, compiled lazily."""
+    return metalsim.compile(PRELUDE + f"#include <{header}>\n", include_dirs=[inc], lazy=True)
+
+
 @pytest.fixture(scope="module")
 def attn_lib(metalsim, inc):
-    return metalsim.compile(PRELUDE + "#include <ATen/native/mps/kernels/DecodeAttention.h>\n",
-                            include_dirs=[inc], lazy=True)
+    return _compiled(metalsim, inc, "ATen/native/mps/kernels/DecodeAttention.h")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["masknone", "causal"])
@@ -141,8 +145,7 @@ def test_torch_sdpa_vector_matches_float64(attn_lib, causal):
 
 @pytest.fixture(scope="module")
 def sort_lib(metalsim, inc):
-    return metalsim.compile(PRELUDE + "#include <ATen/native/mps/kernels/SortMerge.h>\n",
-                            include_dirs=[inc], lazy=True)
+    return _compiled(metalsim, inc, "ATen/native/mps/kernels/SortMerge.h")
 
 
 @pytest.mark.parametrize("desc", [False, True], ids=["ascending", "descending"])
