@@ -155,8 +155,9 @@ void run_items(GatherCall& c, Kernel&& kernel) {
   const auto* bp = c.bc.defined() ? static_cast<const uint8_t*>(c.bc.data_ptr()) : nullptr;
 
   // Slices of N per group (transpose=True): enough items for every thread to take several, in
-  // multiples of 128 rows of W (the GEMM kernels' tile height).
-  const int64_t threads = at::get_num_threads();
+  // multiples of 128 rows of W (the GEMM kernels' tile height). The threads follow the call's
+  // work (work_split.h): every pair's rows of x times N x K.
+  const int64_t threads = cpu::threads_for_work(c.xs.size(0), N, c.K);
   const int64_t G = int64_t(c.groups.size());
   int64_t slice = N;
   if (c.transpose) {
@@ -198,12 +199,10 @@ void run_exact(GatherCall& c) {
   // Whether each group's rows of x are in range for the chunk kernels (QmmArgs::x_in_range).
   const int64_t G = int64_t(c.groups.size()), M = c.M, K = c.K;
   std::vector<char> x_in_range(G);
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const Group& gr = c.groups[g];
-      x_in_range[g] = cpu::chunk::x_in_range(c.xs.const_data_ptr<float>() + gr.start * M * K, gr.count * M * K);
-    }
-  });
+  for (int64_t g = 0; g < G; ++g) {
+    const Group& gr = c.groups[g];
+    x_in_range[g] = cpu::chunk::x_in_range(c.xs.const_data_ptr<float>() + gr.start * M * K, gr.count * M * K);
+  }
   run_items(c, [&](int64_t g, cpu::QmmArgs a, const at::Tensor& xg) {
     a.x_in_range = x_in_range[g];
     return cpu::qmm_float(a, xg, c.transpose);
