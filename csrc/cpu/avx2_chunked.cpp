@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -70,12 +71,34 @@ struct AffineScales {
   }
 };
 
+// Lanes [8i, 8i + 8) of p (float32, bfloat16 or float16) as float32.
+__attribute__((always_inline)) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((always_inline)) inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+__attribute__((always_inline)) inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// sum over g < n of b[g] * xs[g] in a fixed order: 8 lanes (lane i: the groups g = i mod 8 below
+// the last multiple of 8, each product rounded once by an FMA), their sum (hsum), then the
+// remaining groups in order. The affine kernel's hoisted bias: 8 groups per vector FMA, where one
+// product and one add per group cost as much vector-pipe work as 8 of the groups' codes.
+template <typename T>
+float bias_dot(const T* b, const float* xs, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= n; g += 8) acc = _mm256_fmadd_ps(load8(b + g), _mm256_loadu_ps(xs + g), acc);
+  float t = hsum(acc);
+  for (; g < n; ++g) t = std::fma(static_cast<float>(b[g]), xs[g], t);
+  return t;
+}
+
 // The AVX2 kernel (chunk_driver.h) for group size G, multiplier C and scales S: C's vectors times
-// x, summed per chain h (C::kHalves), then times the chain's per-lane scales; rest(): the K tail
-// and (affine) the hoisted bias, sum_g b[g] * (sum of x over group g), summed in order of g.
-// When K has no tail, that bias sum is carried along the chunks instead (Acc::bias, a scalar
-// chain per W row and x row, advanced by the groups that start in each chunk): the same terms in
-// the same order, whose latency then overlaps the vector work rather than following each tile.
+// x, summed per chain h (C::kHalves), then times the chain's per-lane scales (the chains added
+// first where they share them); rest(): the K tail and (affine) the hoisted bias, sum_g b[g] *
+// (sum of x over group g), by bias_dot.
 template <int G, typename C, typename S>
 struct Avx2Kernel {
   using X = float;
@@ -85,15 +108,10 @@ struct Avx2Kernel {
     __m256 sum;
     __m256i nan;
   };
-  struct BiasAcc {
-    __m256 sum;
-    float bias;
-  };
-  using Acc = std::conditional_t<C::kNanCodes, NanAcc, std::conditional_t<S::kBiases, BiasAcc, __m256>>;
+  using Acc = std::conditional_t<C::kNanCodes, NanAcc, __m256>;
   static constexpr int kCodes = C::kCodes, kHalves = C::kHalves;
-  // Side data per chunk (affine): the sums of x over the groups that start in the chunk.
-  static constexpr int kGroupsPerChunk = kCodes >= G ? kCodes / G : 1;
-  static constexpr int64_t kXPerChunk = C::kXPerChunk, kSidePerChunk = S::kBiases ? kGroupsPerChunk : 0;
+  static constexpr bool kHalvesShareScales = C::template halves_share_scales<G>();
+  static constexpr int64_t kXPerChunk = C::kXPerChunk, kSidePerChunk = 0;
   static constexpr int kMaxXBlock = 4;
   static constexpr int64_t slab_bytes(int) { return 0; }  // one pass over K (chunk_driver.h)
   // W rows per tile for MB rows of x (registers: kHalves * R * MB partial sums, R * MB
@@ -103,18 +121,15 @@ struct Avx2Kernel {
   const QmmArgs& a;
   S sc;
   int64_t chunks, row_bytes, groups, tail, rest_floats, part_chunks = chunk::chunks_per_group(G, kCodes);
-  bool bias_in_chunks;
   Avx2Kernel(const QmmArgs& args, S scales)
       : a(args), sc(scales), chunks(a.K / kCodes), row_bytes(a.K * C::kBits / 8), groups(a.K / G),
-        tail(a.K - chunks * kCodes), rest_floats(tail + (S::kBiases ? groups : 0)),
-        bias_in_chunks(S::kBiases && tail == 0) {}
+        tail(a.K - chunks * kCodes), rest_floats(tail + (S::kBiases ? groups : 0)) {}
 
   const uint8_t* row(int64_t n) const { return a.wq + n * row_bytes; }
 
   // xc[c][j][l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j) (exact in range); rest: the K
-  // tail in natural order, then (affine) the sum of x over each group, which side holds too (at
-  // the chunk where the group starts).
-  void prepare_part(const float* x, int64_t c0, int64_t c1, X* xc, float* side, float* rest) const {
+  // tail in natural order, then (affine) the sum of x over each group.
+  void prepare_part(const float* x, int64_t c0, int64_t c1, X* xc, float*, float* rest) const {
     for (int64_t c = c0; c < c1; ++c)
       for (int j = 0; j < C::kVectors; ++j)
         for (int l = 0; l < 8; ++l) xc[kCodes * c + 8 * j + l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j);
@@ -124,20 +139,7 @@ struct Avx2Kernel {
     if constexpr (S::kBiases) {
       const int64_t g0 = c0 * kCodes / G, g1 = last ? groups : c1 * kCodes / G;
       chunk::group_sums(x, G, g0, g1, rest + tail);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t c = g * G / kCodes;
-        if (c < chunks) side[c * kGroupsPerChunk + g % kGroupsPerChunk] = rest[tail + g];
-      }
     }
-  }
-
-  // One term of the hoisted bias sum (rest() and chunk() alike): the product rounded, then added
-  // (the empty asm keeps the compiler from fusing the two into an FMA in one place and not in the
-  // other).
-  __attribute__((always_inline)) static inline float add_bias(float t, float bias, float xsum) {
-    float p = bias * xsum;
-    __asm__("" : "+x"(p));
-    return t + p;
   }
 
   // W streams from memory a tile ahead of its use: chunk() prefetches chunk c of the next tile's
@@ -151,7 +153,7 @@ struct Avx2Kernel {
 
   template <int R, int MB>
   __attribute__((always_inline)) inline void chunk(int64_t n, const uint8_t* const (&row)[R], int64_t c,
-                                                   const X* const (&xc)[MB], const float* const (&side)[MB],
+                                                   const X* const (&xc)[MB], const float* const (&)[MB],
                                                    Acc (&acc)[R][MB]) const {
     for (int r = 0; r < R; ++r) prefetch_range(row[r], R * row_bytes + c * C::kBytes, C::kBytes);
     const uint8_t* w[R];
@@ -165,21 +167,22 @@ struct Avx2Kernel {
       const int64_t g0 = (n + r) * groups + c * kCodes / G;
       __m256 sv[kHalves];
       C::template scale_lanes<G>([&](int i) __attribute__((always_inline)) { return sc.scale(g0 + i); }, sv);
-      for (int m = 0; m < MB; ++m)
-        for (int h = 0; h < kHalves; ++h) sum_of(acc[r][m]) = _mm256_fmadd_ps(p[r][m][h], sv[h], sum_of(acc[r][m]));
+      for (int m = 0; m < MB; ++m) {
+        if constexpr (kHalvesShareScales) {
+          sum_of(acc[r][m]) = _mm256_fmadd_ps(_mm256_add_ps(p[r][m][0], p[r][m][1]), sv[0], sum_of(acc[r][m]));
+        } else {
+          for (int h = 0; h < kHalves; ++h) sum_of(acc[r][m]) = _mm256_fmadd_ps(p[r][m][h], sv[h], sum_of(acc[r][m]));
+        }
+      }
       if constexpr (C::kNanCodes) {
         const __m256i nan = C::nan_codes(w[r]);
         for (int m = 0; m < MB; ++m) acc[r][m].nan = _mm256_or_si256(acc[r][m].nan, nan);
       }
-      if constexpr (S::kBiases)
-        if (bias_in_chunks && (kCodes >= G || c * kCodes % G == 0))
-          for (int i = 0; i < kGroupsPerChunk; ++i)
-            for (int m = 0; m < MB; ++m) acc[r][m].bias = add_bias(acc[r][m].bias, sc.bias(g0 + i), side[m][i]);
     }
   }
 
   __attribute__((always_inline)) static inline __m256& sum_of(Acc& acc) {
-    if constexpr (C::kNanCodes || S::kBiases)
+    if constexpr (C::kNanCodes)
       return acc.sum;
     else
       return acc;
@@ -187,27 +190,18 @@ struct Avx2Kernel {
   static Acc zero() {
     if constexpr (C::kNanCodes)
       return NanAcc{_mm256_setzero_ps(), _mm256_setzero_si256()};
-    else if constexpr (S::kBiases)
-      return BiasAcc{_mm256_setzero_ps(), 0.0f};
     else
       return _mm256_setzero_ps();
   }
-  // The lanes' sum, plus the bias sum carried along (0 where rest() has it: adding +0 changes no
-  // sum that rest() is then added to, as rest() is never -0).
+  // The lanes' sum.
   static float reduce(Acc acc) {
     if constexpr (C::kNanCodes)
       if (!_mm256_testz_si256(acc.nan, acc.nan)) return std::numeric_limits<float>::quiet_NaN();
-    const float s = hsum(sum_of(acc));
-    if constexpr (S::kBiases)
-      return s + acc.bias;
-    else
-      return s;
+    return hsum(sum_of(acc));
   }
 
-  // The K tail of W row n (whole groups, code by code) and the hoisted bias (-0, the identity of
-  // addition, where the chunks carried it).
+  // The K tail of W row n (whole groups, code by code), then the hoisted bias.
   float rest(int64_t n, const float* xrest) const {
-    if (bias_in_chunks) return -0.0f;
     const uint8_t* wrow = row(n);
     const int64_t k0 = chunks * kCodes;
     float t = 0.0f;
@@ -216,10 +210,7 @@ struct Avx2Kernel {
       for (int64_t k = g * G; k < (g + 1) * G; ++k) p += sc.element(unpack_element(wrow, k, C::kBits)) * xrest[k - k0];
       t += p * sc.tail_scale(n * groups + g);
     }
-    if constexpr (S::kBiases) {
-      const float* xsum = xrest + tail;
-      for (int64_t g = 0; g < groups; ++g) t = add_bias(t, sc.bias(n * groups + g), xsum[g]);
-    }
+    if constexpr (S::kBiases) t += bias_dot(sc.biases + n * groups, xrest + tail, groups);
     return t;
   }
 };

@@ -55,6 +55,9 @@ struct DwordFieldMultiplier {
   static constexpr float kUnit = 1.0f;
   static constexpr int code(int j, int l) { return kVectors * l + j; }
   static constexpr float x_factor(int j) { return j == kVectors - 1 ? 1.0f : 1.0f / float(1 << (B * j)); }
+  // Whether the two chains meet the same scales (scale_lanes: sv[0] == sv[1]) for groups of G.
+  template <int G>
+  static constexpr bool halves_share_scales() { return true; }
 
   template <int R, int MB>
   __attribute__((always_inline)) static inline void dot(const uint8_t* const (&w)[R], const float* const (&xc)[MB],
@@ -117,6 +120,8 @@ struct E2m1Multiplier {
   static constexpr int kVectors = 8, kHalves = 2;
   static constexpr float kUnit = 1.0f;  // a decoded lane is its element value times kUnit
   static constexpr float x_factor(int) { return 1.0f; }
+  template <int G>
+  static constexpr bool halves_share_scales() { return G == 32; }
 
   // The scales of half h's lanes; scale(i): the value of the chunk's i-th group (G = 16 or 32).
   template <int G, typename Scale>
@@ -185,6 +190,8 @@ struct E4m3Multiplier {
   // Vector j: bytes 0-7, 16-23 (vpunpcklbw), 8-15, 24-31 (vpunpckhbw).
   static constexpr int code(int j, int l) { return 8 * (j == 0 ? 0 : j == 1 ? 2 : j == 2 ? 1 : 3) + l; }
   static constexpr float x_factor(int) { return 1.0f; }
+  template <int G>
+  static constexpr bool halves_share_scales() { return true; }
 
   template <int G, typename Scale>
   __attribute__((always_inline)) static inline void scale_lanes(Scale scale, __m256 (&sv)[kHalves]) {
