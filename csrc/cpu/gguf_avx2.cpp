@@ -96,13 +96,15 @@ struct Q4K {
     return _mm256_mul_ps(to_floats(b.min), _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(1)));
   }
 
-  // At one row of x, the tile's two W rows go through the block together (P = 2): each row's sums
-  // are one chain of dependent FMAs (the order of the sums is fixed), and the two independent
-  // chains overlap; each x vector is loaded once for both rows.
+  // At one or two rows of x, the tile's two W rows go through the block together (P = 2): each
+  // row's sums are chains of dependent FMAs (the order of the sums is fixed), and the two rows'
+  // independent chains overlap; each x vector is loaded once for both rows. (Measured on a Zen 3
+  // core, W in L3, two rows of x: 37 -> 32 cycles per W row, x row and super-block. Q6_K's
+  // block, with more registers live, lost at two rows of x: 44 -> 60.)
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
-    constexpr int P = MB == 1 && R % 2 == 0 ? 2 : 1;
+    constexpr int P = MB <= 2 && R % 2 == 0 ? 2 : 1;
     for (int r0 = 0; r0 < R; r0 += P) {
       alignas(32) float sd[P][8];
       __m256 mins[P];
