@@ -7,10 +7,13 @@
 * x parts: each row of x is prepared in parts along K (chunks on group boundaries; the last part
   owns the K tail), taken by the threads before any W is read. TORCH_QMM_CPU_X_PARTS sets the
   parts per row (1: whole rows; more than a row has units: one part per unit).
+* x blocks: the rows of x go through each span in blocks of at most 4, 2 or 1 rows (each chunk
+  decoded once per block). TORCH_QMM_CPU_X_BLOCK caps the block below the kernel's own limit.
 
 So each chunk kernel this CPU has must give bit-identical results under every schedule: one pass,
 one chunk per slab, a budget that leaves a ragged last slab, the kernel's own default, and x in
-one part, in ragged parts and in as many parts as it can take. Shapes: K of many chunks plus
+one part, in ragged parts and in as many parts as it can take, and x in blocks of one and of two
+rows. Shapes: K of many chunks plus
 (affine) a K tail, groups of one and of two chunks, spans with a ragged last tile, M in blocks of
 4, 2 and 1. That one schedule is right is the business of the kernels' own tests (against the
 float64 reference); here only the schedules are in question.
@@ -29,9 +32,11 @@ from gguf_helpers import random_k_blocks
 
 pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="the chunk kernels need AVX2 (other CPUs take the fused ones)")
 
-# (TORCH_QMM_CPU_SLAB_BYTES, TORCH_QMM_CPU_X_PARTS); None: unset (each kernel's own slabs; parts
-# for the threads this process has).
-SCHEDULES = [("0", "1"), ("1", "1"), ("5000", "1"), (None, None), ("0", "3"), ("1", "100000")]
+# (TORCH_QMM_CPU_SLAB_BYTES, TORCH_QMM_CPU_X_PARTS, TORCH_QMM_CPU_X_BLOCK); None: unset (each
+# kernel's own slabs and blocks; parts for the threads this process has).
+SCHEDULE_VARIABLES = ("TORCH_QMM_CPU_SLAB_BYTES", "TORCH_QMM_CPU_X_PARTS", "TORCH_QMM_CPU_X_BLOCK")
+SCHEDULES = [("0", "1", None), ("1", "1", None), ("5000", "1", None), (None, None, None), ("0", "3", None),
+             ("1", "100000", None), (None, None, "1"), ("5000", "3", "2"), ("0", "1", "3")]
 MS = [1, 2, 4, 7]  # blocks of x rows: 1; 2; 4; 4 + 2 + 1
 N = 45  # tiles of 2 and 4 rows leave a ragged last tile
 
@@ -40,14 +45,14 @@ def under_every_schedule(monkeypatch, call):
     """call() under each schedule; asserts all results are bit-identical and returns one."""
     results = []
     for schedule in SCHEDULES:
-        for variable, value in zip(("TORCH_QMM_CPU_SLAB_BYTES", "TORCH_QMM_CPU_X_PARTS"), schedule):
+        for variable, value in zip(SCHEDULE_VARIABLES, schedule):
             if value is None:
                 monkeypatch.delenv(variable, raising=False)
             else:
                 monkeypatch.setenv(variable, value)
         results.append(call())
     for schedule, y in zip(SCHEDULES[1:], results[1:]):
-        assert torch.equal(y, results[0]), f"(slab bytes, x parts) {schedule} differs from one pass by {(y - results[0]).abs().max()}"
+        assert torch.equal(y, results[0]), f"(slab bytes, x parts, x block) {schedule} differs from one pass by {(y - results[0]).abs().max()}"
     return results[0]
 
 
@@ -147,6 +152,7 @@ def test_gguf_chunk_kernels_give_the_same_sums_under_every_schedule(monkeypatch,
 @pytest.mark.parametrize("variable,value,expected", [
     *[("TORCH_QMM_CPU_SLAB_BYTES", v, "a byte count") for v in ["abc", "-1", "16k", "99999999999999999999"]],
     *[("TORCH_QMM_CPU_X_PARTS", v, "a count of parts from 1 to 1048576") for v in ["abc", "0", "-2", "3.5", "1048577"]],
+    *[("TORCH_QMM_CPU_X_BLOCK", v, "a count of rows of x from 1 to 4") for v in ["abc", "0", "5", "2.0"]],
 ])
 def test_a_schedule_variable_that_is_not_a_count_is_a_clear_error(monkeypatch, variable, value, expected):
     gen = torch.Generator().manual_seed(3)

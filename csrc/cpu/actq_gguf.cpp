@@ -338,7 +338,7 @@ struct ScalarKernel : Base<Fmt, false> {
   inline void chunk(int64_t, const uint8_t* const (&row)[R], int64_t c, const int8_t* const (&xc)[MB],
                     const float* const (&side)[MB], Acc (&acc)[R][MB]) const {
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) acc[r][m] += Fmt::scalar(row[r] + c * Fmt::kBlockBytes, xc[m], side[m]);
+      for (int m = 0; m < MB; ++m) acc[r][m] += chunk::rounded(Fmt::scalar(row[r] + c * Fmt::kBlockBytes, xc[m], side[m]));
   }
   static Acc zero() { return 0.0f; }
   static float reduce(Acc a) { return a; }

@@ -117,7 +117,7 @@ struct ScalarKernel {
       for (int m = 0; m < MB; ++m) {
         int32_t dot = 0;
         for (int i = 0; i < kBlock; ++i) dot += q[i] * int32_t(xc[m][i]);
-        acc[r][m] += float(dot) * (s * sc[m][0]);
+        acc[r][m] += chunk::rounded(float(dot) * (s * sc[m][0]));
       }
     }
   }

@@ -270,19 +270,33 @@ void run_block(const Kern& kern, const PreparedX<Kern>& px, int64_t N, int64_t n
                             kern.rest(n, px.rest.data() + (m0 + m) * px.rest_stride);
 }
 
+// v, rounded to float as it stands: a scalar kernel's term, kept from being fused into an FMA with
+// the add that follows (the compiler may fuse in one block size of x and not in another, and the
+// sums must not depend on it: TORCH_QMM_CPU_X_BLOCK). Portable; the scalar kernels only.
+inline float rounded(float v) {
+  volatile float t = v;
+  return t;
+}
+
 // The largest block of x rows (4, 2, 1; at most max_rows) that fits in `left`.
 inline int x_block_rows(int64_t left, int max_rows) {
-  const int b = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-  return std::min(b, max_rows);
+  return left >= 4 && max_rows >= 4 ? 4 : left >= 2 && max_rows >= 2 ? 2 : 1;
+}
+
+// TORCH_QMM_CPU_X_BLOCK=B: blocks of at most B rows of x (1, 2 or 4; a kernel's own kMaxXBlock
+// still bounds it); -1 where unset. The results are the same for any B (each y[m, n] is summed
+// over the same chunks in the same order), only the speed differs.
+inline int64_t x_block_override() {
+  return env_count("TORCH_QMM_CPU_X_BLOCK", 1, 4, "a count of rows of x from 1 to 4");
 }
 
 // Span i (of `span` W rows) times every row of x.
 template <typename Kern>
 void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N, int64_t span, int64_t i,
-              int64_t slab_override, float* y) {
+              int64_t slab_override, int max_x_block, float* y) {
   const int64_t n0 = i * span, n1 = std::min(N, n0 + span);
   for (int64_t m0 = 0; m0 < M;) {
-    const int mb = x_block_rows(M - m0, Kern::kMaxXBlock);
+    const int mb = x_block_rows(M - m0, max_x_block);
     if constexpr (Kern::kMaxXBlock >= 4)
       if (mb == 4) run_block<Kern, 4>(kern, px, N, n0, n1, m0, slab_override, y);
     if constexpr (Kern::kMaxXBlock >= 2)
@@ -311,6 +325,8 @@ void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, floa
   const int64_t parts = x_parts_for(M, team, kern.chunks / kern.part_chunks, x_parts_override());
   const int64_t items = M * parts;
   const int64_t slab_override = slab_bytes_override();
+  const int64_t x_block = x_block_override();
+  const int max_x_block = x_block > 0 ? std::min<int>(int(x_block), Kern::kMaxXBlock) : Kern::kMaxXBlock;
   std::atomic<int64_t> next_item{0}, items_done{0}, next{0};
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
     for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
@@ -319,7 +335,7 @@ void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, floa
     }
     while (items_done.load(std::memory_order_acquire) < items) std::this_thread::yield();
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < spans;)
-      run_span(kern, px, M, N, span, i, slab_override, y);
+      run_span(kern, px, M, N, span, i, slab_override, max_x_block, y);
   });
 }
 
