@@ -43,6 +43,7 @@
 #include "chunk.h"
 #include "chunk_avx2.h"
 #include "chunk_driver.h"
+#include "row_params_avx2.h"
 #include "hsum.h"
 #include "qmm_kernels.h"
 #include "x_rows.h"
@@ -305,50 +306,6 @@ struct U8Codes {
 #endif
   }
 };
-
-// 8 scales or biases from p as float32.
-template <typename T>
-__attribute__((always_inline)) inline __m256 params8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (std::is_same_v<T, c10::BFloat16>) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-#if defined(__F16C__)
-    else return _mm256_cvtph_ps(h);
-#else
-    else {
-      alignas(32) float f[8];
-      for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
-      return _mm256_load_ps(f);
-    }
-#endif
-  }
-}
-
-// The hoisted offsets of one row of W: sum over g < n of (b[g] - SHIFT * s[g]) * xs[g], in 8 lanes
-// of two accumulators (groups g = 16j + l and 16j + 8 + l), then the remainder in order.
-template <int SHIFT, typename T>
-float offset_sum(const T* b, const T* s, const float* xs, int64_t n) {
-  auto coef = [&](int64_t g) __attribute__((always_inline)) {
-    const __m256 bv = params8(b + g);
-    if constexpr (SHIFT == 0) return bv;
-    else return _mm256_fnmadd_ps(_mm256_set1_ps(float(SHIFT)), params8(s + g), bv);
-  };
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 16 <= n; g += 16) {
-    a0 = _mm256_fmadd_ps(coef(g), _mm256_loadu_ps(xs + g), a0);
-    a1 = _mm256_fmadd_ps(coef(g + 8), _mm256_loadu_ps(xs + g + 8), a1);
-  }
-  if (g + 8 <= n) {
-    a0 = _mm256_fmadd_ps(coef(g), _mm256_loadu_ps(xs + g), a0);
-    g += 8;
-  }
-  float t = Ymm::reduce(_mm256_add_ps(a0, a1));
-  for (; g < n; ++g) t += (static_cast<float>(b[g]) - float(SHIFT) * static_cast<float>(s[g])) * xs[g];
-  return t;
-}
 
 // The kernel for codes C (4-bit or 8-bit, of one vector width), group size G, scales in T: per
 // chunk and row of W, the int32 dot products with each row of x, converted and multiplied by

@@ -9,7 +9,6 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -22,6 +21,7 @@
 #include "hsum.h"
 #include "qmm_dispatch.h"
 #include "qmm_kernels.h"
+#include "row_params_avx2.h"
 
 namespace torch_qmm {
 namespace cpu {
@@ -71,34 +71,11 @@ struct AffineScales {
   }
 };
 
-// Lanes [8i, 8i + 8) of p (float32, bfloat16 or float16) as float32.
-__attribute__((always_inline)) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((always_inline)) inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-__attribute__((always_inline)) inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// sum over g < n of b[g] * xs[g] in a fixed order: 8 lanes (lane i: the groups g = i mod 8 below
-// the last multiple of 8, each product rounded once by an FMA), their sum (hsum), then the
-// remaining groups in order. The affine kernel's hoisted bias: 8 groups per vector FMA, where one
-// product and one add per group cost as much vector-pipe work as 8 of the groups' codes.
-template <typename T>
-float bias_dot(const T* b, const float* xs, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= n; g += 8) acc = _mm256_fmadd_ps(load8(b + g), _mm256_loadu_ps(xs + g), acc);
-  float t = hsum(acc);
-  for (; g < n; ++g) t = std::fma(static_cast<float>(b[g]), xs[g], t);
-  return t;
-}
-
 // The AVX2 kernel (chunk_driver.h) for group size G, multiplier C and scales S: C's vectors times
 // x, summed per chain h (C::kHalves), then times the chain's per-lane scales (the chains added
 // first where they share them); rest(): the K tail and (affine) the hoisted bias, sum_g b[g] *
-// (sum of x over group g), by bias_dot.
+// (sum of x over group g), by offset_sum (row_params_avx2.h): one 8-lane FMA per 8 groups, where
+// a product and an add per group would cost as much FMA-pipe work as 8 of the group's codes.
 template <int G, typename C, typename S>
 struct Avx2Kernel {
   using X = float;
@@ -215,7 +192,7 @@ struct Avx2Kernel {
       for (int64_t k = g * G; k < (g + 1) * G; ++k) p += sc.element(unpack_element(wrow, k, C::kBits)) * xrest[k - k0];
       t += p * sc.tail_scale(n * groups + g);
     }
-    if constexpr (S::kBiases) t += bias_dot(sc.biases + n * groups, xrest + tail, groups);
+    if constexpr (S::kBiases) t += offset_sum<0>(sc.biases + n * groups, sc.scales + n * groups, xrest + tail, groups);
     return t;
   }
 };
