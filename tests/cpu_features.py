@@ -133,15 +133,26 @@ def avx2_affine_serves(bits: int, m: int, k: int) -> bool:
             and k >= AVX2_AFFINE_CHUNKS[bits] and 1 <= m <= AVX2_AFFINE_MAX_ROWS)
 
 
-def cpu_is_intel() -> bool:
+def cpu_vendor() -> str:
+    """vendor_id of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip() == "GenuineIntel"
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return False
+    return ""
+
+
+def cpu_is_intel() -> bool:
+    return cpu_vendor() == "GenuineIntel"
+
+
+def subnormal_fields_on() -> bool:
+    """cpu::subnormal_fields_enabled(): TORCH_QMM_CPU_SUBNORMAL_FIELDS=1 or 0 says; unset, on AMD CPUs."""
+    v = os.environ.get("TORCH_QMM_CPU_SUBNORMAL_FIELDS", "")
+    return v == "1" if v else cpu_vendor() == "AuthenticAMD"
 
 
 def fma_first() -> bool:

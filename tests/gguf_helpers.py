@@ -127,7 +127,7 @@ def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType |
 
 
 from tolerance import assert_matches_reference  # noqa: E402,F401  (re-exported for the GGUF tests)
-from cpu_features import HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VL, env_on, fma_first  # noqa: E402
+from cpu_features import HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VL, env_on, fma_first, subnormal_fields_on  # noqa: E402
 
 
 def k_quant_terms(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray]:
@@ -183,6 +183,17 @@ GGUF_PANEL_MAX_ROWS = 128  # cpu::kGgufPanelMaxRows: the float32 family takes up
                            # the panel kernels take rows (all but the last 13 or fewer)
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
 GGUF_AVX2_NAMES = {Q4_K: "chunked/avx2-q4k", Q6_K: "chunked/avx2-q6k"}
+# The same kernels with the code fields taken as the bits of subnormal floats (gguf_avx2.cpp,
+# Fields<true>): where subnormal_fields_on(), for x with every nonzero |x| in [2^-57, 2^48), and for
+# Q4_K only where the rows of x go in blocks of 4 and 1 (M % 4 < 2: its 2-row block is slower so).
+GGUF_AVX2_SUBNORMAL_NAMES = {Q4_K: "chunked/avx2-q4k-subnormal", Q6_K: "chunked/avx2-q6k-subnormal"}
+SUBNORMAL_X_RANGE = (2.0**-57, 2.0**48)
+
+
+def gguf_avx2_name(ggml_type, m: int, x_in_subnormal_range: bool = True) -> str:
+    if subnormal_fields_on() and x_in_subnormal_range and (ggml_type == Q6_K or m % 4 < 2):
+        return GGUF_AVX2_SUBNORMAL_NAMES[ggml_type]
+    return GGUF_AVX2_NAMES[ggml_type]
 GGUF_F32_NAMES = {Q4_K: "chunked/f32-q4k", Q6_K: "chunked/f32-q6k"}
 # Within the AVX-512 float32 family, the panel kernels (csrc/cpu/gguf_panel.cpp; AVX-512 VL) take
 # the whole groups of 16 rows of x and a last group of at least GGUF_PANEL_MIN_GROUP_ROWS rows
@@ -213,9 +224,9 @@ def gguf_f32_name(ggml_type, m: int) -> str:
     return GGUF_PANEL_NAMES[ggml_type] if gguf_panel_rows(m) > 0 else GGUF_F32_NAMES[ggml_type]
 
 
-def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True) -> str:
+def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True, x_in_subnormal_range: bool | None = None) -> str:
     """The route _gguf_cpu_route names for x [m, K] of `dtype` (float32 under precision "highest"),
-    under the current environment."""
+    under the current environment. x_in_subnormal_range: None, as x_in_range."""
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
     if gguf_bf16_panel_serves(terms, m, x_in_range):
         return GGUF_BF16_PANEL_NAMES[ggml_type]
@@ -232,5 +243,5 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True) -> st
     if f32:
         return gguf_f32_name(ggml_type, m)
     if avx2:
-        return GGUF_AVX2_NAMES[ggml_type]
+        return gguf_avx2_name(ggml_type, m, x_in_range if x_in_subnormal_range is None else x_in_subnormal_range)
     return "fused" if m < 16 else "gemm"

@@ -17,7 +17,7 @@ import torch
 from gguf import quants
 
 from cpu_features import HAS_AVX2, HAS_BF16
-from gguf_helpers import GGUF_AVX2_NAMES, GGUF_BF16_MAX_ROWS, Q4_K, Q6_K, assert_matches_reference
+from gguf_helpers import GGUF_BF16_MAX_ROWS, Q4_K, Q6_K, assert_matches_reference, gguf_avx2_name
 from gguf_helpers import expected_gguf_route, k_quant_magnitude, random_k_blocks
 from test_cpu_chunked import TERMS
 
@@ -121,7 +121,7 @@ def test_other_inputs_take_the_fused_decode(monkeypatch):
     assert route(x, blocks, 8, 256) == "fused"
     b6, _ = _case(8, 256, seed=8, ggml_type=Q6_K)
     for b, t in ((blocks, Q4_K), (b6, Q6_K)):
-        assert route(torch.randn(1, 256), b, 8, 256, t) == (GGUF_AVX2_NAMES[t] if HAS_AVX2 else "fused")
+        assert route(torch.randn(1, 256), b, 8, 256, t) == (gguf_avx2_name(t, 1) if HAS_AVX2 else "fused")
     monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
     for b, t in ((blocks, Q4_K), (b6, Q6_K)):
         assert route(torch.randn(1, 256), b, 8, 256, t) == "fused"

@@ -19,31 +19,34 @@ import torch
 from gguf import quants
 
 from cpu_features import HAS_AVX2, HAS_AVX512
-from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_AVX2_NAMES, GGUF_F32_MAX_ROWS, GGUF_F32_NAMES, Q4_K, Q6_K
+from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_F32_MAX_ROWS, GGUF_F32_NAMES, Q4_K, Q6_K, gguf_avx2_name
 from gguf_helpers import assert_matches_reference, expected_gguf_route, k_quant_magnitude, q4k_every_scale_byte
 from gguf_helpers import q6k_signed_scales_and_full_high_fields, random_k_blocks
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TYPES = [Q4_K, Q6_K]
 
-# name: (built here, environment that steps the other chunk kernels aside, route names, rows of x
-# up to which the family serves)
+# name: (built here, environment that steps the other chunk kernels aside, the route name for
+# (ggml type, rows of x), rows of x up to which the family serves). The AVX2 family twice: with the
+# code fields converted, and taken as subnormal floats (gguf_avx2.cpp, Fields).
+AVX2_ONLY = {"TORCH_QMM_CPU_NO_F32_CHUNKS": "1", "TORCH_QMM_CPU_NO_BF16": "1"}
 FAMILIES = {
-    "f32": (HAS_AVX512, {"TORCH_QMM_CPU_FMA_FIRST": "1", "TORCH_QMM_CPU_NO_PANEL": "1"}, GGUF_F32_NAMES,
-            GGUF_F32_MAX_ROWS),
-    "avx2": (HAS_AVX2, {"TORCH_QMM_CPU_NO_F32_CHUNKS": "1", "TORCH_QMM_CPU_NO_BF16": "1"}, GGUF_AVX2_NAMES,
-             GGUF_AVX2_MAX_ROWS),
+    "f32": (HAS_AVX512, {"TORCH_QMM_CPU_FMA_FIRST": "1", "TORCH_QMM_CPU_NO_PANEL": "1"},
+            lambda t, m: GGUF_F32_NAMES[t], GGUF_F32_MAX_ROWS),
+    "avx2": (HAS_AVX2, {**AVX2_ONLY, "TORCH_QMM_CPU_SUBNORMAL_FIELDS": "0"}, gguf_avx2_name, GGUF_AVX2_MAX_ROWS),
+    "avx2-subnormal": (HAS_AVX2, {**AVX2_ONLY, "TORCH_QMM_CPU_SUBNORMAL_FIELDS": "1"}, gguf_avx2_name,
+                       GGUF_AVX2_MAX_ROWS),
 }
 
 
 @pytest.fixture(params=list(FAMILIES))
 def family(request, monkeypatch) -> dict:
-    built, env, names, max_rows = FAMILIES[request.param]
+    built, env, name, max_rows = FAMILIES[request.param]
     if not built:
         pytest.skip(f"this CPU lacks the instruction set of the {request.param} GGUF kernels")
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    return {**names, "max_rows": max_rows}
+    return {"name": name, "max_rows": max_rows}
 
 
 def _case(ggml_type, n: int, k: int, seed: int, raw_edit=None):
@@ -77,7 +80,7 @@ def test_float32_kernels_match_gguf_dequantize(family, ggml_type, dtype):
             x = x_all[:m]
             r = route(x, blocks, n, k, ggml_type)
             assert r == expected_gguf_route(dtype, m, ggml_type), f"M={m}: {r}"
-            assert (r == family[ggml_type]) == (m <= limit), f"M={m}: {r}"
+            assert (r == family["name"](ggml_type, m)) == (m <= limit), f"M={m}: {r}"
             check(x, blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} {r} M={m} N={n} K={k}")
 
 
@@ -86,7 +89,7 @@ def test_q4k_scales_and_mins_use_all_six_bits(family):
     n, k = 256, 256
     blocks, w = _case(Q4_K, n, k, seed=4, raw_edit=lambda b: q4k_every_scale_byte(b, n))
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
-    assert route(x, blocks, n, k, Q4_K) == family[Q4_K]
+    assert route(x, blocks, n, k, Q4_K) == family["name"](Q4_K, 3)
     check(x, blocks, w, n, k, Q4_K, torch.float32, "all scale bytes")
 
 
@@ -97,7 +100,7 @@ def test_q6k_negative_scales_and_every_high_field(family):
     blocks, w = _case(Q6_K, n, k, seed=6, raw_edit=lambda b: q6k_signed_scales_and_full_high_fields(b, n))
     for m in (1, 4):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
-        assert route(x, blocks, n, k, Q6_K) == family[Q6_K]
+        assert route(x, blocks, n, k, Q6_K) == family["name"](Q6_K, m)
         check(x, blocks, w, n, k, Q6_K, torch.float32, f"scales and high fields M={m}")
 
 
@@ -105,7 +108,7 @@ def test_q6k_negative_scales_and_every_high_field(family):
 def test_two_threads_batched_x_and_fallbacks(family, ggml_type, threads, monkeypatch):
     blocks, w = _case(ggml_type, 300, 1024, seed=8)
     x = torch.randn(2, 3, 1024, generator=torch.Generator().manual_seed(8))
-    assert route(x, blocks, 300, 1024, ggml_type) == family[ggml_type]
+    assert route(x, blocks, 300, 1024, ggml_type) == family["name"](ggml_type, 6)
     check(x, blocks, w, 300, 1024, ggml_type, torch.float32, "2 threads")
     tiny = torch.randn(1, 1024)
     tiny[0, 5] = 1e-35  # below 2^-98: x * 2^-28 would leave the normal range

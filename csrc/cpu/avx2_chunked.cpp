@@ -31,6 +31,17 @@ bool avx2_chunks_avoided() {
   return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
 
+bool subnormal_fields_enabled() {
+  const int64_t v = chunk::env_count("TORCH_QMM_CPU_SUBNORMAL_FIELDS", 0, 1, "0 or 1");
+  if (v >= 0) return v == 1;
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+#else
+  return false;
+#endif
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 namespace {
 

@@ -72,7 +72,12 @@
 #include <limits>
 #include <new>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #include "work_split.h"
 
@@ -93,6 +98,36 @@ inline bool x_in_range(const float* x, int64_t n) {
     std::memcpy(&u, x + k, 4);
     u &= 0x7FFFFFFFu;
     bad |= uint32_t(u - lo > hi - lo) & uint32_t(u != 0);  // u - lo wraps below 2^-98
+  }
+  return bad == 0;
+}
+
+// 2^e, exactly (e within float32's normal exponents).
+constexpr float pow2(int e) {
+  float r = 1.0f;
+  for (; e > 0; --e) r *= 2.0f;
+  for (; e < 0; ++e) r *= 0.5f;
+  return r;
+}
+
+// The kernels whose code fields are the bits of subnormal floats (gguf_avx2.cpp, Fields<true>)
+// take x times 2^(kSubnormalX - s) for a field at bit s <= 16, and sum products
+// q * x * 2^(kSubnormalX - 149). Those sums round as the unscaled ones do, and x times the factor
+// stays finite, for every nonzero |x| in [2^(23 - kSubnormalX), 2^(128 - kSubnormalX)): the
+// smallest step of a sum, ulp(x) for the smallest |x|, times 2^(kSubnormalX - 149), is at least
+// the subnormal step 2^-149. With 80: [2^-57, 2^48).
+constexpr int kSubnormalX = 80;
+
+// Whether x suits those kernels: finite, and every nonzero |x| in [2^-57, 2^48) (on the bits of
+// |x|, as x_in_range; that range lies inside x_in_range's).
+inline bool x_in_subnormal_range(const float* x, int64_t n) {
+  constexpr uint32_t lo = uint32_t(127 + 23 - kSubnormalX) << 23, hi = uint32_t(127 + 128 - kSubnormalX) << 23;
+  uint32_t bad = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    uint32_t u;
+    std::memcpy(&u, x + k, 4);
+    u &= 0x7FFFFFFFu;
+    bad |= uint32_t(u - lo >= hi - lo) & uint32_t(u != 0);  // u - lo wraps below the range
   }
   return bad == 0;
 }
@@ -306,6 +341,43 @@ void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N,
   }
 }
 
+// Kern::kSubnormalOperands, false where a kernel does not declare it: whether its operands
+// include subnormal floats that must be taken as they are.
+template <typename Kern, typename = void>
+struct SubnormalOperands : std::false_type {};
+template <typename Kern>
+struct SubnormalOperands<Kern, std::void_t<decltype(Kern::kSubnormalOperands)>>
+    : std::integral_constant<bool, Kern::kSubnormalOperands> {};
+
+// For its lifetime on this thread, subnormal operands are taken as they are: MXCSR's DAZ bit
+// (set by torch.set_flush_denormal(True), for example, per thread) cleared, and restored after.
+// Only DAZ: results that underflow are flushed as the caller's FTZ says.
+class KeepSubnormalOperands {
+ public:
+  explicit KeepSubnormalOperands(bool on) {
+#if defined(__SSE__)
+    if (on && ((saved_ = _mm_getcsr()) & kDaz) != 0) {
+      _mm_setcsr(saved_ & ~kDaz);
+      restore_ = true;
+    }
+#else
+    (void)on;
+#endif
+  }
+  ~KeepSubnormalOperands() {
+#if defined(__SSE__)
+    if (restore_) _mm_setcsr(saved_);
+#endif
+  }
+  KeepSubnormalOperands(const KeepSubnormalOperands&) = delete;
+  KeepSubnormalOperands& operator=(const KeepSubnormalOperands&) = delete;
+
+ private:
+  static constexpr unsigned kDaz = 1u << 6;
+  unsigned saved_ = 0;
+  bool restore_ = false;
+};
+
 // y [M, N] float32 = x [M, K] (float32, natural order) times W, by the kernel `kern`, in one
 // parallel region: the threads of torch's intra-op pool (at::parallel_for, OpenMP) take parts of
 // x from one counter until none is left, wait until every part is done (a part is taken only by
@@ -329,6 +401,7 @@ void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, floa
   const int max_x_block = x_block > 0 ? std::min<int>(int(x_block), Kern::kMaxXBlock) : Kern::kMaxXBlock;
   std::atomic<int64_t> next_item{0}, items_done{0}, next{0};
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    const KeepSubnormalOperands keep(SubnormalOperands<Kern>::value);
     for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
       prepare_part(kern, x, K, parts, i, px);
       items_done.fetch_add(1, std::memory_order_release);

@@ -1,9 +1,10 @@
 // Q4_K and Q6_K x float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
 // routes here where no AVX-512 kernel goes first), on the chunk driver of chunk_driver.h. A chunk is
 // one super-block of 256 weights; its code bytes are read 32 at a time as 8 dwords and cut into
-// fields by masks, as U4Multiplier does (chunk_avx2.h): a field masked in place is q * 2^s, exact
-// in float32, and meets x * 2^-s (prepared once per call, exact for |x| >= 2^-98: x_in_range), so
-// each FMA adds q * x rounded once. Every vector of decoded fields lies in at most two sub-blocks
+// fields by masks, as U4Multiplier does (chunk_avx2.h): a field masked in place is the integer
+// q * 2^s, made a float by Fields (converted, "avx2-q4k", or taken as the bits of a subnormal,
+// "avx2-q4k-subnormal"), and meets x times the matching power of two (prepared once per call), so
+// each FMA adds q * x, scaled by a power of two, rounded once; both give the same sums. Every vector of decoded fields lies in at most two sub-blocks
 // (lanes 0-3 / 4-7, or all 8 in one), so a chain of such vectors is scaled once per chain; the
 // offsets (Q4_K's mins, Q6_K's -32) are hoisted out as FMAs against sub-block sums of x.
 #include "gguf_chunked.h"
@@ -11,6 +12,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <array>
 #include <cstring>
 
 #include "../gguf_format.h"
@@ -34,14 +36,17 @@ using namespace chunk;
 
 using gguf_fields::f16_at;
 
-// Field j (0..7) of the 4-bit nibbles of a 32-byte load, in place: w & (15 << 4j) = q * 16^j
-// (j = 7: shifted down, to stay below 2^31 for the signed convert).
+// Field j (0..7) of the 4-bit nibbles of a 32-byte load w: q * 2^s, s = nibble_shift<F>(j). In
+// place (w & (15 << 4j)) while the field ends by bit F::kFieldBits; above, shifted down to bit 0
+// ((w >> 4j) & 15; j = 7 needs no mask).
+template <typename F>
+constexpr int nibble_shift(int j) { return 4 * j + 4 <= F::kFieldBits ? 4 * j : 0; }
+template <typename F>
 __attribute__((always_inline)) inline __m256 nibble_field(__m256i w, int j) {
-  const __m256i q = j == 7 ? _mm256_srli_epi32(w, 28) : _mm256_and_si256(w, _mm256_set1_epi32(15 << (4 * j)));
-  return _mm256_cvtepi32_ps(q);
+  if (nibble_shift<F>(j) == 4 * j) return F::value(_mm256_and_si256(w, _mm256_set1_epi32(15 << (4 * j))));
+  const __m256i down = _mm256_srli_epi32(w, 4 * j);
+  return F::value(j == 7 ? down : _mm256_and_si256(down, _mm256_set1_epi32(15)));
 }
-// Its factor on x: 16^-j (1 for j = 7).
-constexpr float nibble_factor(int j) { return j == 7 ? 1.0f : 1.0f / float(1 << (4 * j)); }
 
 // The scales of a block are stored once and broadcast from memory (vbroadcastss m32: a load,
 // where a broadcast from a register takes two shuffles on the vector pipes the decode needs).
@@ -50,6 +55,38 @@ template <typename T>
 __attribute__((always_inline)) inline void reload_from_memory(T& v) {
   __asm__ volatile("" : "+m"(v));
 }
+
+// How a field v = q * 2^s of code bits (a dword lane, s + 6 <= 23) becomes a float, with the factor
+// on x and on the sub-block scale that make each chain the same sum:
+//   Fields<false>: vcvtdq2ps, q * 2^s exactly; x * 2^-s (exact: x_in_range); scales as they are.
+//   Fields<true>: the bits of v as a float, the subnormal q * 2^(s - 149), with no instruction;
+//     x * 2^(kSubnormalX - s), and the chain's scale times 2^(149 - kSubnormalX). Each product is
+//     q * x * 2^(kSubnormalX - 149), so each chain is the Fields<false> one times that power of two,
+//     with the same roundings while every partial sum either is normal or lies on the subnormal
+//     grid: so for x in chunk::x_in_subnormal_range. The CPU must not treat subnormal operands as
+//     zero (chunk::run clears MXCSR.DAZ around the kernel, kSubnormalOperands), nor slow down on
+//     them: measured on Zen 3 (an FMA with a subnormal operand issues as fast as any), where
+//     dropping the 32 converts per super-block and W row gave 48 -> 43 cycles at one row of x.
+//     Where they are taken: subnormal_fields_enabled (qmm_kernels.h).
+template <bool kSub>
+struct Fields {
+  static constexpr bool kSubnormal = kSub;
+  // Bits a field may use in place: below the exponent (a subnormal's 23), or below the sign for
+  // the signed convert.
+  static constexpr int kFieldBits = kSub ? 23 : 31;
+  __attribute__((always_inline)) static inline __m256 value(__m256i v) {
+    return kSub ? _mm256_castsi256_ps(v) : _mm256_cvtepi32_ps(v);
+  }
+  static constexpr float x_factor(int s) { return kSub ? chunk::pow2(chunk::kSubnormalX - s) : chunk::pow2(-s); }
+  // x_factor(shift(i)) for i < kN, computed at compile time (pow2 is a loop).
+  template <int kN, typename Shift>
+  static constexpr std::array<float, kN> x_factors(Shift shift) {
+    std::array<float, kN> f{};
+    for (int i = 0; i < kN; ++i) f[i] = x_factor(shift(i));
+    return f;
+  }
+  static constexpr float kScaleFactor = kSub ? chunk::pow2(149 - chunk::kSubnormalX) : 1.0f;
+};
 
 // Lanes 0-3 = v[i], lanes 4-7 = v[i + 1]: one vpermps.
 __attribute__((always_inline)) inline __m256 pair_of(__m256 v, int i) {
@@ -63,17 +100,22 @@ __attribute__((always_inline)) inline __m256 pair_of(__m256 v, int i) {
 // 64J + 32 (j % 2) + 4l + j / 2: even fields are all in sub-block 2J, odd ones in 2J + 1. Two
 // chains per (W row, x row) and run, each scaled by one broadcast; the mins are hoisted:
 // y -= sum_s dmin*m[s] * (sum of x over sub-block s).
+template <typename F>
 struct Q4K {
   using X = float;
   static constexpr int64_t kType = gguf::kTypeQ4_K, kBlockBytes = 144, kQs = 16, kXPerBlock = 256, kSide = 8;
-  // W rows per tile: 2 at one or two rows of x (block() interleaves them), 1 above.
-  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+  static constexpr bool kSubnormalOperands = F::kSubnormal;
+  // W rows per tile: 8 at one row of x and 2 at two (block() takes them in pairs), 1 above. At one
+  // row, each 1 KB of prepared x per super-block comes from L2 once per 8 W rows, not per 2
+  // (one Zen 3 core, W in L3: 61 -> 48 cycles per W row and super-block).
+  static constexpr int tile_rows(int mb) { return mb == 1 ? 8 : mb <= 2 ? 2 : 1; }
 
   static constexpr int weight(int run, int j, int l) { return 64 * run + 32 * (j % 2) + 4 * l + j / 2; }
   static void prepare(const float* x, float* xc, float* xs) {
+    static constexpr std::array<float, 8> factor = F::template x_factors<8>(nibble_shift<F>);
     for (int run = 0; run < 4; ++run)
       for (int j = 0; j < 8; ++j)
-        for (int l = 0; l < 8; ++l) xc[(8 * run + j) * 8 + l] = x[weight(run, j, l)] * nibble_factor(j);
+        for (int l = 0; l < 8; ++l) xc[(8 * run + j) * 8 + l] = x[weight(run, j, l)] * factor[j];
     for (int s = 0; s < 8; ++s) {
       float t = 0.0f;
       for (int i = 0; i < 32; ++i) t += x[32 * s + i];
@@ -81,9 +123,9 @@ struct Q4K {
     }
   }
 
-  // d*sc[0..7] into sd, dmin*m[0..7] as the returned vector (products exact: 11 by 6 bits). The
-  // eight scale (min) bytes go to a vector as one 64-bit move, d and dmin by one 32-bit load and
-  // one vcvtph2ps.
+  // d*sc[0..7] * F::kScaleFactor into sd, dmin*m[0..7] as the returned vector (products exact: 11
+  // by 6 bits, and a power of two). The eight scale (min) bytes go to a vector as one 64-bit move,
+  // d and dmin by one 32-bit load and one vcvtph2ps.
   __attribute__((always_inline)) static inline __m256 scales(const uint8_t* blk, float* sd) {
     const gguf_fields::Q4kScaleBytes b = gguf_fields::q4k_scale_bytes(blk + 4);
     auto to_floats = [](const uint32_t (&v)[2]) __attribute__((always_inline)) {
@@ -92,7 +134,8 @@ struct Q4K {
     uint32_t d_dmin;
     std::memcpy(&d_dmin, blk, 4);
     const __m256 dd = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(int(d_dmin))));
-    _mm256_store_ps(sd, _mm256_mul_ps(to_floats(b.scale), _mm256_permutevar8x32_ps(dd, _mm256_setzero_si256())));
+    const __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(dd, _mm256_setzero_si256()), _mm256_set1_ps(F::kScaleFactor));
+    _mm256_store_ps(sd, _mm256_mul_ps(to_floats(b.scale), d));
     return _mm256_mul_ps(to_floats(b.min), _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(1)));
   }
 
@@ -118,10 +161,12 @@ struct Q4K {
         __m256 ch[P][MB][2];
         for (int p = 0; p < P; ++p)
           for (int m = 0; m < MB; ++m) ch[p][m][0] = ch[p][m][1] = _mm256_setzero_ps();
+#pragma GCC unroll 8
         for (int j = 0; j < 8; ++j)
           for (int m = 0; m < MB; ++m) {
             const __m256 xv = _mm256_loadu_ps(xc[m] + (8 * run + j) * 8);
-            for (int p = 0; p < P; ++p) ch[p][m][j % 2] = _mm256_fmadd_ps(nibble_field(w[p], j), xv, ch[p][m][j % 2]);
+            for (int p = 0; p < P; ++p)
+              ch[p][m][j % 2] = _mm256_fmadd_ps(nibble_field<F>(w[p], j), xv, ch[p][m][j % 2]);
           }
         for (int p = 0; p < P; ++p) {
           const __m256 se = _mm256_broadcast_ss(sd[p] + 2 * run), so = _mm256_broadcast_ss(sd[p] + 2 * run + 1);
@@ -146,21 +191,25 @@ struct Q4K {
 // sub-block 8h + 2k and lanes 4-7 in 8h + 2k + 1, k = t + 2p: per half, 4 chains k of 4 vectors
 // (u = 0..3), each scaled by one pair of scales. The -32 is hoisted: y -= sum_s d*sc[s] * 32 *
 // (sum of x over sub-block s).
+template <typename F>
 struct Q6K {
   using X = float;
   static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208;
   static constexpr int64_t kXPerBlock = 256, kSide = 16;
+  static constexpr bool kSubnormalOperands = F::kSubnormal;
   // W rows per tile: 2 at one or two rows of x (block() alternates them), 1 above.
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
 
-  static constexpr float factor(int u) { return u == 3 ? 1.0f : 1.0f / float(1 << (8 * u)); }
+  // Byte u of a dword holds its field at bit byte_shift(u) once extracted (byte 3 shifted down).
+  static constexpr int byte_shift(int u) { return u == 3 ? 0 : 8 * u; }
   static void prepare(const float* x, float* xc, float* xs) {
+    static constexpr std::array<float, 4> factor = F::template x_factors<4>(byte_shift);
     for (int h = 0; h < 2; ++h)
       for (int k = 0; k < 4; ++k) {
         const int t = k % 2, p = k / 2;
         for (int u = 0; u < 4; ++u)
           for (int l = 0; l < 8; ++l)
-            xc[((h * 4 + k) * 4 + u) * 8 + l] = x[128 * h + 64 * p + 32 * t + 4 * l + u] * factor(u);
+            xc[((h * 4 + k) * 4 + u) * 8 + l] = x[128 * h + 64 * p + 32 * t + 4 * l + u] * factor[u];
       }
     for (int s = 0; s < 16; ++s) {
       float t = 0.0f;
@@ -178,9 +227,9 @@ struct Q6K {
     const __m256i hi = up > 0 ? _mm256_slli_epi32(h, up) : up < 0 ? _mm256_srli_epi32(h, -up) : h;
     return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(0x0F)), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
   }
-  // Byte u of every dword of q (q * 2^(8u); q itself for u = 3), converted.
+  // Byte u of every dword of q (q * 2^(8u); q itself for u = 3) as F makes it a float.
   __attribute__((always_inline)) static inline __m256 byte_field(__m256i q, int u) {
-    return _mm256_cvtepi32_ps(u == 3 ? _mm256_srli_epi32(q, 24) : _mm256_and_si256(q, _mm256_set1_epi32(0x3F << (8 * u))));
+    return F::value(u == 3 ? _mm256_srli_epi32(q, 24) : _mm256_and_si256(q, _mm256_set1_epi32(0x3F << (8 * u))));
   }
 
   // At one row of x, the tile's two W rows alternate chain by chain (P = 2): each row's sums are
@@ -190,7 +239,7 @@ struct Q6K {
                                                           const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
     constexpr int P = MB == 1 && R % 2 == 0 ? 2 : 1;
     for (int r0 = 0; r0 < R; r0 += P) {
-      __m256 s_lo[P], s_hi[P];
+      __m256 s_lo[P], s_hi[P], c_lo[P], c_hi[P];  // d*sc[s] for the offsets; times F::kScaleFactor for the chains
       for (int i = 0; i < P; ++i) {
         const uint8_t* b = blk[r0 + i];
         const __m256 d = _mm256_set1_ps(f16_at(b + kD));
@@ -200,6 +249,8 @@ struct Q6K {
         for (int m = 0; m < MB; ++m)
           acc[r0 + i][m] = _mm256_fnmadd_ps(s_hi[i], _mm256_loadu_ps(xs[m] + 8),
                                             _mm256_fnmadd_ps(s_lo[i], _mm256_loadu_ps(xs[m]), acc[r0 + i][m]));
+        c_lo[i] = F::kSubnormal ? _mm256_mul_ps(s_lo[i], _mm256_set1_ps(F::kScaleFactor)) : s_lo[i];
+        c_hi[i] = F::kSubnormal ? _mm256_mul_ps(s_hi[i], _mm256_set1_ps(F::kScaleFactor)) : s_hi[i];
       }
       for (int h = 0; h < 2; ++h)
         for (int t = 0; t < 2; ++t)
@@ -213,7 +264,7 @@ struct Q6K {
                 const __m256 v = byte_field(q, u);
                 for (int m = 0; m < MB; ++m) ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((h * 4 + k) * 4 + u) * 8), ch[m]);
               }
-              const __m256 sp = pair_of(h == 0 ? s_lo[i] : s_hi[i], 2 * k);
+              const __m256 sp = pair_of(h == 0 ? c_lo[i] : c_hi[i], 2 * k);
               for (int m = 0; m < MB; ++m) acc[r0 + i][m] = _mm256_fmadd_ps(ch[m], sp, acc[r0 + i][m]);
             }
     }
@@ -234,17 +285,28 @@ struct GgufYmm {
   }
 };
 
+// Whether a call takes the Fields<true> kernels: where the CPU takes them and x is in their range;
+// for Q4_K only where the rows of x go in blocks of 4 and 1 (M % 4 < 2). One Zen 3 core, W in L3,
+// cycles per W row, x row and super-block, Fields<false> / <true>: Q4_K M=1 48 / 44.5, M=2
+// 32.2 / 35.6 (its two-row block, with 8 chains live, spills more), M=4 28.6 / 27.9; Q6_K M=1
+// 66 / 58, M=2 43.5 / 41.5, M=4 36.5 / 35, M=8 36.5 / 35.5.
+bool subnormal_fields_for(const GgufArgs& a, int64_t ggml_type) {
+  return a.x_in_subnormal_range && (ggml_type == gguf::kTypeQ6_K || a.M % 4 < 2) && subnormal_fields_enabled();
+}
+
 }  // namespace
 
 const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type) {
   if (avx2_chunks_avoided() || a.M < 1 || a.M > kGgufAvx2MaxRows) return nullptr;
-  if (ggml_type != Q4K::kType && ggml_type != Q6K::kType) return nullptr;
+  if (ggml_type != gguf::kTypeQ4_K && ggml_type != gguf::kTypeQ6_K) return nullptr;
   if (!a.x_in_range) return nullptr;
-  return ggml_type == Q4K::kType ? "avx2-q4k" : "avx2-q6k";
+  if (subnormal_fields_for(a, ggml_type)) return ggml_type == gguf::kTypeQ4_K ? "avx2-q4k-subnormal" : "avx2-q6k-subnormal";
+  return ggml_type == gguf::kTypeQ4_K ? "avx2-q4k" : "avx2-q6k";
 }
 
 void gguf_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
-  const bool ran = run_gguf_chunks<GgufYmm, Q4K, Q6K>(a, ggml_type, y);
+  const bool ran = subnormal_fields_for(a, ggml_type) ? run_gguf_chunks<GgufYmm, Q4K<Fields<true>>, Q6K<Fields<true>>>(a, ggml_type, y)
+                                           : run_gguf_chunks<GgufYmm, Q4K<Fields<false>>, Q6K<Fields<false>>>(a, ggml_type, y);
   TORCH_CHECK(ran, "gguf_qmm: no AVX2 chunk kernel for ggml type ", ggml_type, " (gguf_avx2_multiplier)");
 }
 

@@ -33,6 +33,7 @@ struct GgufChunkKernel {
   using Acc = typename Vec::Acc;
   static constexpr int64_t kXPerChunk = Fmt::kXPerBlock, kSidePerChunk = Fmt::kSide;
   static constexpr int kMaxXBlock = 4;
+  static constexpr bool kSubnormalOperands = chunk::SubnormalOperands<Fmt>::value;
   static constexpr int64_t slab_bytes(int mb) { return Vec::slab_bytes(mb); }
   static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
 

@@ -15,6 +15,7 @@ struct GgufArgs {
   int x_bf16_terms;       // QmmArgs::x_bf16_terms
   bool avoid_bf16;        // QmmArgs::avoid_bf16
   bool x_in_range = false;  // QmmArgs::x_in_range
+  bool x_in_subnormal_range = false;  // XRows::in_subnormal_range
 };
 
 // The chunk multiplier that takes these operands, or null: "f32-q4k" / "f32-q6k" (AVX-512

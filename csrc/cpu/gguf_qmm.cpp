@@ -157,6 +157,7 @@ cpu::GgufArgs args_for(const cpu::XRows& xr, const at::Tensor& blocks, int64_t N
   cpu::GgufArgs a;
   a.x = xf.data_ptr<float>();
   a.x_in_range = xr.in_range;
+  a.x_in_subnormal_range = xr.in_subnormal_range;
   a.blocks = blocks.data_ptr<uint8_t>();
   a.M = xf.size(0);
   a.N = N;

@@ -99,6 +99,11 @@ constexpr int64_t fp_chunked_max_rows = 16;
 // TORCH_QMM_CPU_NO_AVX2_CHUNKS=1: the AVX2 chunk kernels (affine, fp, GGUF) step aside (A/B
 // against the fused / generic routes: python -m torch_qmm bench --peers no_avx2_chunks).
 bool avx2_chunks_avoided();
+// Whether the AVX2 GGUF kernels take code fields as the bits of subnormal floats (gguf_avx2.cpp,
+// Fields<true>) for x in their range: TORCH_QMM_CPU_SUBNORMAL_FIELDS=1 or 0 says; unset, on AMD
+// CPUs (Zen: measured on Zen 3 with no slowdown for subnormal operands), and not on others, where
+// some take a microcode assist on them.
+bool subnormal_fields_enabled();
 // TORCH_QMM_CPU_NO_F32_CHUNKS=1: the AVX-512 float32 chunk kernels (affine, GGUF) step aside, so
 // that the AVX2 ones serve as on CPUs without AVX-512.
 bool f32_chunks_avoided();

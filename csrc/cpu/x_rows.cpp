@@ -17,19 +17,21 @@ namespace {
 // Values per work item: 32 KB of float32, a few microseconds of work.
 constexpr int64_t kGrain = 8192;
 // Flags of a range of x, or-ed over the ranges.
-constexpr int kNotFinite = 1, kOutOfRange = 2;
+constexpr int kNotFinite = 1, kOutOfRange = 2, kOutOfSubnormalRange = 4;
 
-// In range implies finite, so the common case takes one scan; Inf / NaN are looked for only in a
-// range that is not.
+// The subnormal range lies inside the range, which implies finite, so the common case takes one
+// scan; the wider range and Inf / NaN are looked for only in a range of x that is not in the
+// narrower one.
 int flags_of(const float* x, int64_t n) {
-  if (chunk::x_in_range(x, n)) return 0;
+  if (chunk::x_in_subnormal_range(x, n)) return 0;
+  if (chunk::x_in_range(x, n)) return kOutOfSubnormalRange;
   uint32_t inf_or_nan = 0;
   for (int64_t k = 0; k < n; ++k) {
     uint32_t u;
     std::memcpy(&u, x + k, 4);
     inf_or_nan |= uint32_t((u & 0x7f800000u) == 0x7f800000u);
   }
-  return kOutOfRange | (inf_or_nan ? kNotFinite : 0);
+  return kOutOfSubnormalRange | kOutOfRange | (inf_or_nan ? kNotFinite : 0);
 }
 
 // The flags of n values, item by item over the threads: item(i0, i1) gives those of [i0, i1).
@@ -80,6 +82,7 @@ XRows x_rows(const at::Tensor& x, int64_t M, int64_t K) {
   }
   r.finite = !(flags & kNotFinite);
   r.in_range = !(flags & kOutOfRange);
+  r.in_subnormal_range = !(flags & kOutOfSubnormalRange);
   return r;
 }
 

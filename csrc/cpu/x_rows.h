@@ -13,6 +13,7 @@ struct XRows {
   at::Tensor xf;          // [M, K] float32, contiguous (x itself where it already is that)
   bool finite = false;    // no Inf or NaN in x
   bool in_range = false;  // chunk::x_in_range (chunk_driver.h): finite, nonzero |x| in [2^-98, 2^100]
+  bool in_subnormal_range = false;  // chunk::x_in_subnormal_range: finite, nonzero |x| in [2^-57, 2^48)
 };
 
 // x [..., K] with M * K elements. One pass over x split over torch's threads (16-bit x converted
