@@ -97,11 +97,19 @@ struct Q4K {
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const int8_t* const (&xc)[MB],
                                                           const float* const (&side)[MB], __m256 (&acc)[R][MB]) {
+    // Byte pair s of each 128-bit lane: the int16 scale of sub-block s (vpshufb indices).
+    alignas(32) static constexpr auto pick = [] {
+      struct { int8_t b[8][32]; } t{};
+      for (int s = 0; s < 8; ++s)
+        for (int i = 0; i < 32; ++i) t.b[s][i] = int8_t(2 * s + i % 2);
+      return t;
+    }();
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < R; ++r) {
       const gguf_fields::Q4kScaleBytes sm = gguf_fields::q4k_scale_bytes(blk[r] + 4);
-      uint8_t sc[8];
-      std::memcpy(sc, sm.scale, 8);
+      // The 8 scales as int16 words 0-7 of both lanes: each sub-block's broadcast is one vpshufb.
+      const __m256i sc16 = _mm256_broadcastsi128_si256(
+          _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(uint64_t(sm.scale[1]) << 32 | sm.scale[0]))));
       const __m256i mn = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(sm.min[1]), int(sm.min[0])));
       const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(f16_at(blk[r] + 2)));
       __m256i t[MB];
@@ -111,7 +119,7 @@ struct Q4K {
         const __m256i q[2] = {_mm256_and_si256(w, nibble), _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble)};
         for (int half = 0; half < 2; ++half) {
           const int s = 2 * run + half;
-          const __m256i scale = _mm256_set1_epi16(int16_t(sc[s]));
+          const __m256i scale = _mm256_shuffle_epi8(sc16, _mm256_load_si256(reinterpret_cast<const __m256i*>(pick.b[s])));
           for (int m = 0; m < MB; ++m) {
             const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + 32 * s));
             t[m] = dot2_16(t[m], _mm256_maddubs_epi16(q[half], x), scale);
@@ -208,10 +216,20 @@ struct Q6K {
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const int8_t* const (&xc)[MB],
                                                           const float* const (&side)[MB], __m256 (&acc)[R][MB]) {
+    // For run b (mod 4): lane 0 picks int16 word 2b, lane 1 word 2b + 1 (vpshufb indices).
+    alignas(32) static constexpr auto pick = [] {
+      struct { int8_t b[4][32]; } t{};
+      for (int b = 0; b < 4; ++b)
+        for (int i = 0; i < 32; ++i) t.b[b][i] = int8_t(2 * (2 * b + i / 16) + i % 2);
+      return t;
+    }();
     const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
     for (int r = 0; r < R; ++r) {
-      const int8_t* sc = reinterpret_cast<const int8_t*>(blk[r] + kScales);
-      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + kScales));
+      // The 16 int8 scales as int16: 0-7 in both lanes of sc16[0], 8-15 in both of sc16[1], so each
+      // run's pair (sub-blocks 2b, 2b + 1) is one vpshufb.
+      const __m256i sc16[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8)),
+                               _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)))};
       const __m256 s_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
       const __m256 s_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
       __m256i it[MB];
@@ -228,7 +246,7 @@ struct Q6K {
           for (int p = 0; p < 2; ++p) {
             const int f = t2 + 2 * p, b = 4 * h + f;
             const __m256i q = _mm256_or_si256(lo[p], hi[f]);
-            const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * b + 1]), _mm_set1_epi16(sc[2 * b]));
+            const __m256i scale = _mm256_shuffle_epi8(sc16[b / 4], _mm256_load_si256(reinterpret_cast<const __m256i*>(pick.b[b % 4])));
             for (int m = 0; m < MB; ++m) {
               const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc[m] + 32 * b));
               it[m] = dot2_16(it[m], _mm256_maddubs_epi16(q, x), scale);
