@@ -89,18 +89,21 @@ namespace chunk {
 // Below, the float32 multipliers' x * 2^-28 (chunk.h; 2^-24 in chunk_avx2.h) and the bfloat16
 // terms (flushed by vdpbf16ps under 2^-126) would lose bits; above, the unscaled sums of q * x (up to 128 * 255 * |x| per group) could overflow
 // where s * q * x does not. Other x take the fused kernel, which scales before multiplying.
-// On the bits of |x| (integer compares vectorize): 0, or [2^-98, 2^100]; NaN and Inf lie above.
-inline bool x_in_range(const float* x, int64_t n) {
-  constexpr uint32_t lo = 0x0E800000u, hi = 0x71800000u;  // the bits of 2^-98 and 2^100
+// Whether the bits of every nonzero |x| lie in [lo, end) (integer compares vectorize; NaN and
+// Inf lie above any finite end).
+inline bool abs_bits_within(const float* x, int64_t n, uint32_t lo, uint32_t end) {
   uint32_t bad = 0;
   for (int64_t k = 0; k < n; ++k) {
     uint32_t u;
     std::memcpy(&u, x + k, 4);
     u &= 0x7FFFFFFFu;
-    bad |= uint32_t(u - lo > hi - lo) & uint32_t(u != 0);  // u - lo wraps below 2^-98
+    bad |= uint32_t(u - lo >= end - lo) & uint32_t(u != 0);  // u - lo wraps below lo
   }
   return bad == 0;
 }
+
+// On the bits of |x|: 0, or [2^-98, 2^100] (0x0E800000 and 0x71800000).
+inline bool x_in_range(const float* x, int64_t n) { return abs_bits_within(x, n, 0x0E800000u, 0x71800000u + 1); }
 
 // 2^e, exactly (e within float32's normal exponents).
 constexpr float pow2(int e) {
@@ -121,15 +124,9 @@ constexpr int kSubnormalX = 80;
 // Whether x suits those kernels: finite, and every nonzero |x| in [2^-57, 2^48) (on the bits of
 // |x|, as x_in_range; that range lies inside x_in_range's).
 inline bool x_in_subnormal_range(const float* x, int64_t n) {
-  constexpr uint32_t lo = uint32_t(127 + 23 - kSubnormalX) << 23, hi = uint32_t(127 + 128 - kSubnormalX) << 23;
-  uint32_t bad = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    uint32_t u;
-    std::memcpy(&u, x + k, 4);
-    u &= 0x7FFFFFFFu;
-    bad |= uint32_t(u - lo >= hi - lo) & uint32_t(u != 0);  // u - lo wraps below the range
-  }
-  return bad == 0;
+  constexpr uint32_t lo = uint32_t(127 + 23 - kSubnormalX) << 23;
+  constexpr uint32_t end = uint32_t(127 + 128 - kSubnormalX) << 23;
+  return abs_bits_within(x, n, lo, end);
 }
 
 constexpr int64_t kSpanRows = 128;  // W rows per work item at most (320 KB of 4-bit W at K=5120)
