@@ -134,17 +134,6 @@ struct Q4K {
   }
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  // gguf_fields::q4k_scale_bytes in one vector: bytes 0-7 the scales of sub-blocks 0..7, 8-15
-  // their mins (dwords: scale[0], scale[1], min[0], min[1]). Reads 16 bytes from the 12 at
-  // scales12 (the rest lie in qs, in the block).
-  __attribute__((always_inline)) static inline __m128i scales_mins(const uint8_t* scales12) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales12));  // dwords s0, s1, s2
-    const __m128i low6 = _mm_and_si128(v, _mm_set1_epi8(0x3F));                      // scale[0], min[0]
-    const __m128i s2 = _mm_srlv_epi32(_mm_shuffle_epi32(v, 0xAA), _mm_set_epi32(0, 0, 4, 0));  // s2, s2 >> 4
-    const __m128i high = _mm_or_si128(_mm_and_si128(s2, _mm_set1_epi8(0x0F)),
-                                      _mm_and_si128(_mm_srli_epi32(v, 2), _mm_set1_epi8(0x30)));  // scale[1], min[1]
-    return _mm_unpacklo_epi32(low6, high);
-  }
   // 512 bits: pair k of x positions (kWideOrder[2k], kWideOrder[2k + 1]) meets the low (k even) or
   // high (k odd) nibbles of qs bytes 64 (k / 2) .. + 63.
   template <int R, int MB>
@@ -159,7 +148,7 @@ struct Q4K {
     }();
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < R; ++r) {
-      const __m128i sm = scales_mins(blk[r] + 4);
+      const __m128i sm = _mm256_castsi256_si128(gguf_fields::q4k_scale_min_bytes(gguf_fields::q4k_head(blk[r])));
       const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
       const __m256i mn = _mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8));
       const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(f16_at(blk[r] + 2)));

@@ -1,12 +1,13 @@
 // Scalar fields of GGUF super-blocks that every CPU GGUF kernel reads (gguf_chunked.cpp,
 // gguf_avx2.cpp, gguf_f32.cpp, actq_gguf.cpp): f16 values at a byte address, and Q4_K's 8 six-bit
-// scales and mins unpacked 4 bytes at a time (gguf::q4k_scale_min for all j at once); on AVX-512,
-// all of a Q4_K block's scales and mins as one vector, and Q6_K's codes and scales.
+// scales and mins unpacked 4 bytes at a time (gguf::q4k_scale_min for all j at once); on AVX2,
+// the same bytes in one vector; on AVX-512, all of a Q4_K block's scales and mins as floats, and
+// Q6_K's codes and scales.
 #pragma once
 
 #include <c10/util/Half.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -44,21 +45,34 @@ inline Q4kScaleBytes q4k_scale_bytes(const uint8_t* scales12) {
   return r;
 }
 
+#if defined(__AVX2__)
+// The first 16 bytes of a Q4_K block (d, dmin f16, then the 12 packed bytes), in both 128-bit lanes
+// (one broadcast load).
+inline __m256i q4k_head(const uint8_t* blk) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+}
+
+// q4k_scale_bytes in vector registers, in each 128-bit lane of head = q4k_head(blk): dwords
+// [scale[0], scale[1], min[0], min[1]], so bytes 0-7 are the scales of sub-blocks 0..7 and bytes
+// 8-15 their mins. With the 12 packed bytes as dwords [s0, s1, s2] (dwords 1-3 of a lane):
+// scale[0] = s0 & 0x3F.., scale[1] = (s2 & 0x0F..) | ((s0 >> 2) & 0x30..), min[0] = s1 & 0x3F..,
+// min[1] = ((s2 >> 4) & 0x0F..) | ((s1 >> 2) & 0x30..).
+inline __m256i q4k_scale_min_bytes(__m256i head) {
+  const __m256i low = _mm256_srlv_epi32(_mm256_shuffle_epi32(head, _MM_SHUFFLE(3, 2, 3, 1)), _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4));
+  const __m256i top = _mm256_srli_epi32(_mm256_shuffle_epi32(head, _MM_SHUFFLE(2, 2, 1, 1)), 2);
+  const __m256i k6 = _mm256_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F);
+  const __m256i k2 = _mm256_setr_epi32(0, 0x30303030, 0, 0x30303030, 0, 0x30303030, 0, 0x30303030);
+  return _mm256_or_si256(_mm256_and_si256(low, k6), _mm256_and_si256(top, k2));
+}
+#endif
+
 #if defined(__AVX512F__)
-// [d*sc[0..7], dmin*m[0..7]] of the Q4_K block at blk (products exact: 11 by 6 bits), unpacked in
-// vector registers as q4k_scale_bytes does in scalar ones: the 12 packed bytes as dwords
-// [s0, s1, s2], scale[0] = s0 & 0x3F.., scale[1] = (s2 & 0x0F..) | ((s0 >> 2) & 0x30..), min[0] = s1
-// & 0x3F.., min[1] = ((s2 >> 4) & 0x0F..) | ((s1 >> 2) & 0x30..).
+// [d*sc[0..7], dmin*m[0..7]] of the Q4_K block at blk (products exact: 11 by 6 bits).
 inline __m512 q4k_scale_vector(const uint8_t* blk) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));  // d, dmin, s0, s1, s2
-  const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1)), _mm_setr_epi32(0, 0, 0, 4));
-  const __m128i top = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1)), 2);
-  // (low & [3F, 0F, 3F, 0F]) | (top & [0, 30, 0, 30]), in the order [scale0, scale1, min0, min1].
-  const __m128i bytes = _mm_or_si128(_mm_and_si128(low, _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F)),
-                                     _mm_and_si128(top, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+  const __m256i head = q4k_head(blk);
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q4k_scale_min_bytes(head))));
   // d for lanes 0-7, dmin for 8-15.
-  const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(v));
+  const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm256_castsi256_si128(head)));
   return _mm512_mul_ps(f, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), dd));
 }
 
