@@ -114,7 +114,13 @@ double driver_ns(const Options& o, int64_t block_bytes, std::mt19937& g, const c
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (auto& v : x) v = normal(g);
   at::set_num_threads(o.threads);
-  GgufArgs a{x.data(), w.data(), o.m, n, 256 * int64_t(o.blocks), 0, false, true, true};
+  GgufArgs a{};
+  a.x = x.data();
+  a.blocks = w.data();
+  a.M = o.m;
+  a.N = n;
+  a.K = 256 * int64_t(o.blocks);
+  a.x_in_range = a.x_in_subnormal_range = true;  // normal x of unit scale: in both ranges
   *route = gguf_avx2_multiplier(a, o.type);
   double best = 1e30;
   for (int rep = 0; rep < std::max(10, o.reps / 4); ++rep) {
