@@ -106,11 +106,10 @@ struct Q4K {
     }();
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < R; ++r) {
-      const gguf_fields::Q4kScaleBytes sm = gguf_fields::q4k_scale_bytes(blk[r] + 4);
+      const __m128i sm = _mm256_castsi256_si128(gguf_fields::q4k_scale_min_bytes(gguf_fields::q4k_head(blk[r])));
       // The 8 scales as int16 words 0-7 of both lanes: each sub-block's broadcast is one vpshufb.
-      const __m256i sc16 = _mm256_broadcastsi128_si256(
-          _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(uint64_t(sm.scale[1]) << 32 | sm.scale[0]))));
-      const __m256i mn = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(sm.min[1]), int(sm.min[0])));
+      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+      const __m256i mn = _mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8));
       const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(f16_at(blk[r] + 2)));
       __m256i t[MB];
       for (int m = 0; m < MB; ++m) t[m] = _mm256_setzero_si256();
