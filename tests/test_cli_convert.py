@@ -169,6 +169,70 @@ def test_an_error_while_writing_removes_the_partial_output(tmp_path, existing):
         assert list(tmp_path.iterdir()) == []  # the parents this run created are gone too
 
 
+def _hidden(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_the_working_directory_as_destination_stays_the_same_folder(hf_folder, tmp_path, monkeypatch, overwrite, capsys):
+    """`convert SRC .`: "." has no name or parent of its own; the output lands in the working
+    directory itself (the same folder, so a shell standing in it sees the files), with nothing
+    hidden left over; with --overwrite its old entries are replaced."""
+    dst = tmp_path / "work"
+    dst.mkdir()
+    if overwrite:
+        (dst / "old.txt").write_text("old")
+        (dst / "old_dir").mkdir()
+    inode = dst.stat().st_ino
+    monkeypatch.chdir(dst)
+    assert main(["convert", str(hf_folder), "."] + (["--overwrite"] if overwrite else [])) == 0, capsys.readouterr().err
+    assert dst.stat().st_ino == inode and os.path.samefile(os.getcwd(), dst)
+    assert (dst / "config.json").is_file() and (Path(".") / "config.json").is_file()
+    assert not (dst / "old.txt").exists() and not (dst / "old_dir").exists()
+    assert _hidden(dst) == [] and [p.name for p in tmp_path.iterdir()] == ["work"]
+
+
+def test_a_destination_spelled_with_dot_dot_is_the_folder_it_names(hf_folder, tmp_path, monkeypatch, capsys):
+    """`convert SRC out/sub/..` means out (not empty: it holds sub, so refused without --overwrite);
+    `out/.` means out too, and so does `out/new/..` where out/new does not exist."""
+    (tmp_path / "out" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", str(hf_folder), "out/sub/.."]) == 2
+    assert "is not empty; pass --overwrite" in capsys.readouterr().err
+    (tmp_path / "out" / "sub").rmdir()
+    assert main(["convert", str(hf_folder), "out/."]) == 0
+    assert (tmp_path / "out" / "config.json").is_file() and _hidden(tmp_path / "out") == []
+    # a missing folder before ".." is dropped with it, as the destination checks read the path
+    (tmp_path / "out2").mkdir()
+    assert main(["convert", str(hf_folder), "out2/new/.."]) == 0, capsys.readouterr().err
+    assert (tmp_path / "out2" / "config.json").is_file() and not (tmp_path / "out2" / "new").exists()
+    assert _hidden(tmp_path / "out2") == []
+
+
+def test_a_failed_move_into_an_existing_destination_puts_the_old_entries_back(tmp_path, monkeypatch):
+    """The last step into an existing folder is several renames; when one fails the new entries go
+    back out, the old ones back in, and no hidden folder stays."""
+    from torch_qmm.interop import output_folder
+
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("old")
+    (dst / "config.json").write_text("old config")
+    real_replace = os.replace
+
+    def replace(a, b):
+        if Path(b).name == "weights.bin" and Path(b).parent == dst:
+            raise OSError(28, "No space left on device")
+        return real_replace(a, b)
+
+    monkeypatch.setattr(output_folder.os, "replace", replace)
+    with pytest.raises(OSError, match="No space left"):
+        with output_folder.staged_output(dst) as partial:
+            (partial / "config.json").write_text("new config")
+            (partial / "weights.bin").write_bytes(b"new")
+    assert _tree(dst) == {"old.txt": b"old", "config.json": b"old config"} and _hidden(dst) == []
+
+
 def test_saving_keeps_files_that_only_start_like_weight_files(tmp_path):
     """Stale weight files of an earlier save are removed; the user's look-alikes are not."""
     from torch_qmm.interop.safetensors_io import save_sharded

@@ -2,10 +2,11 @@
 
 * The destination must not be the source, inside it, or contain it.
 * An existing non-empty destination is refused unless overwrite=True.
-* Everything is written to a fresh temporary folder next to the destination and moved into place
-  only when the whole conversion succeeded; on failure only that temporary folder (and the
-  parent folders this run created) is removed. With overwrite, the old destination is replaced
-  only at that last step.
+* Everything is written to a fresh temporary folder and moved into place only when the whole
+  conversion succeeded; on failure only that temporary folder (and the parent folders this run
+  created) is removed. A new destination is staged next to it; an existing folder (empty, or any
+  with overwrite) stays the same folder (it may be the working directory or a mount point): the
+  output is staged inside it, and with overwrite its old entries are deleted only at that last step.
 * The finished folder and its files get the modes the umask gives new ones (0777 / 0666 masked):
   mkdtemp makes the folder 0700, and safetensors >= 0.8 writes its files 0600 (it renames a
   private temporary file into place), which would leave the weights unreadable to other users.
@@ -41,31 +42,89 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def staged_output(dst: Path) -> Iterator[Path]:
-    """Yields a new empty folder next to `dst`; on success it becomes `dst` (replacing an existing
-    one); on any error it is removed, with the parent folders created for it, and `dst` is untouched."""
+    """Yields a new empty folder to write the output in; on success what it holds becomes `dst`'s
+    contents (replacing what an existing `dst` held); on any error it is removed, with the parent
+    folders created for it, and `dst` is as it was.
+
+    `dst` is taken as the folder it names (".", ".." or "out/.." have no usable name or parent of
+    their own). A new `dst` is staged next to it and renamed into place. An existing one (empty,
+    or any with overwrite) stays the same folder, which may be the caller's working directory or a
+    mount point: the staging folder is made inside it, its old entries are moved aside into another
+    hidden folder there, the new ones moved in, and the old ones deleted only then."""
+    where = dst.resolve()
+    with (_staged_into_existing if where.is_dir() else _staged_as_new)(where, shown=dst) as tmp:
+        yield tmp
+
+
+def _staging_folder(parent: Path, prefix: str, shown: Path) -> Path:
+    """A new empty hidden folder in `parent`; OSError named by the destination asked for (not by
+    the temporary folder's name) when it cannot be made."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    except OSError as e:
+        raise OSError(f"destination {shown}: cannot create a folder there ({e.strerror or e})") from None
+
+
+@contextlib.contextmanager
+def _staged_as_new(dst: Path, shown: Path) -> Iterator[Path]:
     created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
     try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
-    except OSError as e:  # named by the destination asked for, not by the temporary folder's name
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"destination {shown}: cannot create a folder there ({e.strerror or e})") from None
+        tmp = _staging_folder(dst.parent, f".{dst.name}.partial-", shown)
+    except OSError:
         _remove_empty(created)
-        raise OSError(f"destination {dst}: cannot create a folder there ({e.strerror or e})") from None
+        raise
     umask = current_umask()
     tmp.chmod(0o777 & ~umask)
     try:
         yield tmp
         _umask_modes(tmp, umask)
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, old / dst.name)
-            os.replace(tmp, dst)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst)
+        os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
         raise
+
+
+@contextlib.contextmanager
+def _staged_into_existing(dst: Path, shown: Path) -> Iterator[Path]:
+    tmp = _staging_folder(dst, ".partial-", shown)
+    umask = current_umask()
+    tmp.chmod(0o777 & ~umask)
+    aside: Path | None = None
+    moved_aside: list[str] = []
+    moved_in: list[str] = []
+    try:
+        yield tmp
+        _umask_modes(tmp, umask)
+        previous = [p.name for p in dst.iterdir() if p != tmp]
+        if previous:
+            aside = _staging_folder(dst, ".old-", shown)
+            for name in previous:
+                os.replace(dst / name, aside / name)
+                moved_aside.append(name)
+        for p in list(tmp.iterdir()):
+            os.replace(p, dst / p.name)
+            moved_in.append(p.name)
+    except BaseException:
+        # Back to how it was: the new entries out, the old ones in; a hidden folder still holding
+        # something (a move back failed) is left for the user rather than deleted.
+        for name in moved_in:
+            with contextlib.suppress(OSError):
+                os.replace(dst / name, tmp / name)
+        for name in moved_aside:
+            with contextlib.suppress(OSError):
+                os.replace(aside / name, dst / name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None:
+            _remove_empty([aside])
+        raise
+    tmp.rmdir()
+    if aside is not None:
+        shutil.rmtree(aside)
 
 
 def _remove_empty(folders: list[Path]) -> None:
