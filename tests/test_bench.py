@@ -309,3 +309,34 @@ def test_merge_rounds_takes_each_cell_from_every_round_and_keeps_every_skip():
     assert merged.skipped == {"mlx": "out of memory"}
     assert merged.load_average == 2.5
     assert merged.round_times_ms == [{"torch_qmm": 3.0}, {"torch_qmm": 1.0}, {"torch_qmm": 2.0}]
+
+
+def test_bench_argument_errors_of_the_run_come_before_any_timing(tmp_path, capsys, monkeypatch):
+    """K that is no whole number of the format's groups or blocks, and a GGUF file as --model, are
+    usage errors naming the argument (exit 2), raised before the copy-bandwidth measurement."""
+    import torch_qmm.bench as bench
+
+    monkeypatch.setattr(bench, "copy_bandwidth_gbps", lambda device: pytest.fail("timed before the argument error"))
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF" + bytes(60))
+    out = str(tmp_path / "o.json")
+    for argv, message in [
+        (["--shapes", "256x255", "--m", "1"], "argument --shapes: K = 255 of 256x255 is not a multiple of --group-size (64)"),
+        (["--shapes", "64x96", "--group-size", "64"], "K = 96 of 64x96 is not a multiple of --group-size (64)"),
+        (["--shapes", "64x288", "--gguf", "Q4_K"], "K = 288 of 64x288 is not a multiple of Q4_K's block size (256)"),
+        (["--shapes", "64x40", "--mode", "nvfp4"], "K = 40 of 64x40 is not a multiple of nvfp4's group size (16)"),
+    ]:
+        assert main(["bench", "--device", "cpu", *argv, "--output", out]) == 2, argv
+        assert message in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setattr(bench, "copy_bandwidth_gbps", lambda device: 1.0)
+    assert main(["bench", "--device", "cpu", "--model", str(gguf_file), "--output", out]) == 2
+    assert f"argument --model: {gguf_file} is a GGUF file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable CUDA device")
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_a_device_this_torch_lacks_is_a_usage_error(command, tmp_path, capsys):
+    """A CPU-only torch raises AssertionError for 'cuda' tensors: still an argument error (exit 2)."""
+    assert main([command, "--device", "cuda", *(["--output", str(tmp_path / "o.json")] if command == "bench" else [])]) == 2
+    assert "argument --device: 'cuda' is not a usable device here" in capsys.readouterr().err

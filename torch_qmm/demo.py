@@ -7,11 +7,10 @@ import copy
 
 import torch
 
-from .cli_errors import UsageError
 from .convert import quantize_model
 from .formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from .bench.model import ModelConfig, TinyTransformer
-from .devices import best_device, median_ms
+from .devices import best_device, check_usable, median_ms
 
 
 DESCRIPTION = """\
@@ -45,10 +44,7 @@ def _positive(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     device = args.device or best_device()
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, ValueError) as e:
-        raise UsageError(f"argument --device: {device!r} is not a usable device here ({' '.join(str(e).split())[:200]})")
+    check_usable(device)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     config = ModelConfig(dim=1024, hidden=2816, layers=4, heads=16, vocab=8192)

@@ -17,6 +17,18 @@ def best_device() -> str:
     return "cpu"
 
 
+def check_usable(device: str) -> None:
+    """UsageError naming argument --device when torch cannot make a tensor on `device` here (an
+    unknown name, a backend this torch was built without: torch raises RuntimeError, ValueError or,
+    for CUDA in a CPU-only build, AssertionError)."""
+    from .cli_errors import UsageError
+
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, ValueError, AssertionError) as e:
+        raise UsageError(f"argument --device: {device!r} is not a usable device here ({' '.join(str(e).split())[:200]})") from None
+
+
 def synchronize(device: str) -> None:
     if device == "mps":
         torch.mps.synchronize()

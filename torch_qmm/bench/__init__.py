@@ -23,9 +23,10 @@ import subprocess
 from pathlib import Path
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..cli_errors import UsageError, output_file
-from ..devices import best_device
+from ..devices import best_device, check_usable
 from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from . import llamacpp_peer, metalsim_traffic, mlx_peer
 from .kernels import FP_MODES, Config, merge_rounds, run_config
@@ -175,10 +176,23 @@ def configs(args: argparse.Namespace, device: str) -> list[Config]:
     for shape in shapes:
         n, k = (int(v) for v in shape.lower().split("x"))
         for fmt, b in formats:
+            _check_k(shape, k, fmt, args.group_size)
             for d in dtypes:
                 gs = FP_MODES[fmt][0] if fmt in FP_MODES else args.group_size
                 out += [Config(n, k, m, b, d, gs, device, fmt) for m in ms]
     return out
+
+
+def _check_k(shape: str, k: int, fmt: str, group_size: int) -> None:
+    """UsageError naming --shapes when K is not a whole number of the format's groups (blocks)."""
+    if fmt in FP_MODES:
+        group, what = FP_MODES[fmt][0], f"{fmt}'s group size"
+    elif fmt == "affine":
+        group, what = group_size, "--group-size"
+    else:
+        group, what = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][0], f"{fmt}'s block size"
+    if k % group:
+        raise UsageError(f"argument --shapes: K = {k} of {shape} is not a multiple of {what} ({group})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,10 +207,8 @@ def run(args: argparse.Namespace) -> int:
         return moe.run(args)
     if device == "metalsim":  # byte counts instead of time: metalsim_traffic.py
         return metalsim_traffic.run(args, SHAPES, MS, QUICK)
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, ValueError) as e:
-        raise UsageError(f"argument --device: {device!r} is not a usable device here ({' '.join(str(e).split())[:200]})")
+    check_usable(device)
+    cfgs = configs(args, device) if args.model is None else []  # its argument errors before any timing
     copy_gbps = copy_bandwidth_gbps(device)
     info = machine_info(device, copy_gbps)
     print(f"{info['processor']} ({info['cpu_threads']} threads), {info['os']}, torch {info['torch']}, "
@@ -217,7 +229,6 @@ def run(args: argparse.Namespace) -> int:
     info["round_order"] = "configs in order in rounds 1, 3, ...; reversed in rounds 2, 4, ..."
     peer_ok = (lambda p: p in args.peers) if args.peers else (lambda p: True)
     llamacpp = _LlamaCpp() if args.peers and "llamacpp" in args.peers else None
-    cfgs = configs(args, device)
     rounds: list[list] = [[] for _ in cfgs]
     for i in range(args.rounds):
         if args.rounds > 1:
