@@ -306,15 +306,18 @@ def test_saved_model_loads_in_mlx_and_matches(tmp_path, dtype, tied, mode):
 
 @pytest.mark.parametrize("first, second", [(40_000, 5 * 2**30), (5 * 2**30, 40_000), (40_000, 60_000)])
 def test_saving_again_into_a_folder_leaves_no_stale_weight_files(tmp_path, first, second):
-    """A second save with another shard count replaces the first one's weight files (a stale index
-    or shard would be read instead of, or together with, the new weights); other files stay."""
+    """A second save into the folder is refused unless overwrite=True; then, with another shard
+    count, it replaces the first one's weight files (a stale index or shard would be read instead
+    of, or together with, the new weights); other files stay."""
     torch.manual_seed(0)
     old, new = TorchToy(False), TorchToy(False)
     quantize_model(old, bits=4, group_size=64, progress=False)
     quantize_model(new, bits=8, group_size=32, progress=False)
     (tmp_path / "notes.txt").write_text("mine")
     save_mlx(old, tmp_path, config={"model_type": "toy"}, max_shard_bytes=first)
-    save_mlx(new, tmp_path, config={"model_type": "toy"}, max_shard_bytes=second)
+    with pytest.raises(FileExistsError, match=r"already holds a model \(config\.json, model.*pass overwrite=True"):
+        save_mlx(new, tmp_path, config={"model_type": "toy"}, max_shard_bytes=second)
+    save_mlx(new, tmp_path, config={"model_type": "toy"}, max_shard_bytes=second, overwrite=True)
     index = tmp_path / "model.safetensors.index.json"
     weights = (sorted(set(json.loads(index.read_text())["weight_map"].values())) + [index.name]
                if second < 2**20 else ["model.safetensors"])
@@ -716,3 +719,23 @@ def test_load_mlx_casts_to_the_dtype_asked_for(tmp_path):
     assert torch.equal(up.scales, stored["layers.0.up.scales"].bfloat16())
     assert torch.equal(up.bias, stored["layers.0.up.bias"].bfloat16())
     assert model(torch.tensor(IDS)).dtype == torch.bfloat16
+
+
+def test_save_mlx_keeps_a_float_checkpoint_and_accepts_a_folder_with_only_other_files(tmp_path):
+    """The float model's own folder is not replaced by its quantized save without overwrite=True;
+    a folder holding only a tokenizer saved first is a folder to save into."""
+    torch.manual_seed(0)
+    model = TorchToy(False)
+    folder = tmp_path / "float"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"float weights")
+    quantize_model(model, bits=4, group_size=64, progress=False)
+    with pytest.raises(FileExistsError, match=r"save_mlx: .*float already holds a model \(model\.safetensors\)"):
+        save_mlx(model, folder, config={"model_type": "toy"})
+    assert [p.name for p in folder.iterdir()] == ["model.safetensors"]
+    assert (folder / "model.safetensors").read_bytes() == b"float weights"
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    save_mlx(model, tok, config={"model_type": "toy"})
+    assert sorted(p.name for p in tok.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]

@@ -47,7 +47,7 @@ from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .gguf_types import type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from .json_files import read_json_object
-from .safetensors_io import Checkpoint, save_sharded
+from .safetensors_io import Checkpoint, model_files, save_sharded
 
 _QUANT_KEYS = ("quantization", "quantization_config")
 _SPEC_KEYS = {"group_size", "bits", "mode", "quant_method"}
@@ -482,18 +482,23 @@ def save_mlx(
     folder: str | os.PathLike,
     config: dict | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
 ) -> Path:
     """Saves `model` as an MLX model folder: config.json (+ quantization) and safetensors shards,
     which mlx_lm.load reads (with the tokenizer files, which are not the model's: copy them).
 
     Args:
         model: a torch model whose quantized layers are QuantLinear / QuantEmbedding.
-        folder: output folder (created).
+        folder: output folder (created). One that already holds a model (config.json, safetensors
+            weights or their index) is refused unless `overwrite`: saving a quantized model over
+            the float checkpoint it came from would lose that checkpoint. Other files (a tokenizer
+            saved first) are kept either way.
         config: the model's config to write; default: `model.config.to_dict()` for a transformers
             model. The "quantization" and "quantization_config" entries are set from the model and
             the fields mlx_lm reads under other names are added (mlx_lm_config, with the aliases
             of `model.config.attribute_map` when the model has one), whichever way it is given.
         max_shard_bytes: shard size limit; several shards get model.safetensors.index.json.
+        overwrite: replace the model files of a folder that holds them.
     """
     blocks = [f"{n} ({type_name(m.ggml_type)})" for n, m in model.named_modules() if isinstance(m, GGUFLinear)]
     if blocks:
@@ -503,6 +508,10 @@ def save_mlx(
             "FILE.gguf OUT --format mlx` writes Q4_K exactly as affine 4-bit layers and the others as float "
             "(or re-quantized, --requantize rest)")
     folder = Path(folder)
+    if not overwrite and (held := model_files(folder)):
+        raise FileExistsError(f"save_mlx: {folder} already holds a model ({', '.join(held[:3])}"
+                              f"{f' and {len(held) - 3} more' if len(held) > 3 else ''}); pass overwrite=True to "
+                              "replace it, or choose another folder")
     folder.mkdir(parents=True, exist_ok=True)
     model_config = getattr(model, "config", None)
     if config is None and callable(getattr(model_config, "to_dict", None)):

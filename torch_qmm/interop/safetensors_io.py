@@ -216,6 +216,15 @@ class Checkpoint:
                 yield name, self.get(name)
 
 
+def model_files(folder: Path) -> list[str]:
+    """The names of the model files in `folder` (config.json, safetensors weights and their index),
+    sorted; none where it is not a folder."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir()
+                  if p.name == "config.json" or p.name.endswith((".safetensors", ".safetensors.index.json")))
+
+
 def save_sharded(
     tensors: dict[str, torch.Tensor],
     folder: str | os.PathLike,
