@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import struct
 
 import numpy as np
@@ -739,3 +740,15 @@ def test_save_mlx_keeps_a_float_checkpoint_and_accepts_a_folder_with_only_other_
     (tok / "tokenizer.json").write_text("{}")
     save_mlx(model, tok, config={"model_type": "toy"})
     assert sorted(p.name for p in tok.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_loading_into_a_model_loaded_before_names_the_layer_and_says_to_build_a_new_one(tmp_path):
+    torch.manual_seed(0)
+    model = TorchToy(False)
+    quantize_model(model, bits=4, group_size=64, progress=False)
+    save_mlx(model, tmp_path, config={"model_type": "toy"})
+    loaded = TorchToy(False)
+    load_mlx(loaded, tmp_path, progress=False)
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + r": layer 'head' of the model is already a "
+                                         r"QuantLinear: load_mlx replaces the float layers of a freshly built model"):
+        load_mlx(loaded, tmp_path, progress=False)

@@ -318,6 +318,10 @@ def load_mlx(
             dequantized.update(f"{p}.{part}" for part in ("weight", "scales", "biases") if f"{p}.{part}" in ckpt)
             report.dequantized.append(mp)
             continue
+        elif isinstance(module, (QuantLinear, QuantEmbedding)):
+            raise ValueError(f"{ckpt.path}: layer {mp!r} of the model is already a {type(module).__name__}: load_mlx "
+                             "replaces the float layers of a freshly built model (load into a new model, not one "
+                             "loaded or quantized before)")
         else:
             raise ValueError(f"{ckpt.path}: quantized layer {p!r} is a {type(module).__name__}, expected nn.Linear or nn.Embedding")
         _replace(model, mp, new.to(module.weight.device if dev is None else dev))
