@@ -4,6 +4,8 @@ the file's weights as decoded by gguf.quants.dequantize."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -146,6 +148,15 @@ def test_head_count_disagreeing_with_the_file_is_an_error(tmp_path):
     config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
     config.intermediate_size = 256
     with pytest.raises(ValueError, match=r"'blk.0.ffn_gate.weight' has shape \[512, 256\], model layer .* expects \[256, 256\]"):
+        load_gguf_llama(transformers.LlamaForCausalLM(config), tmp_path / "m.gguf")
+
+
+def test_a_kv_head_count_the_q_k_rows_do_not_fit_names_the_file_tensor_and_config_field(tmp_path):
+    write_llama_gguf(hf_model(False), tmp_path / "m.gguf", {}, np.random.default_rng(0))
+    config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    config.num_key_value_heads = 3  # the file's K rows: 2 heads of 64
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "m.gguf")) + r": tensor 'blk\.0\.attn_k\.weight' does "
+                                         r"not fit the model's config\.num_key_value_heads = 3 \(cannot undo"):
         load_gguf_llama(transformers.LlamaForCausalLM(config), tmp_path / "m.gguf")
 
 

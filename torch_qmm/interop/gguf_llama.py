@@ -328,7 +328,13 @@ def load_gguf_llama(
         module_name, _, leaf = name.rpartition(".")
         perm = None
         if ".attn_q." in gname or ".attn_k." in gname:
-            perm = unpermute_rows(t.shape[0], n_head if ".attn_q." in gname else n_kv)
+            heads, field = (n_head, "num_attention_heads") if ".attn_q." in gname else (n_kv, "num_key_value_heads")
+            try:
+                perm = unpermute_rows(t.shape[0], heads)
+            except ValueError as e:
+                raise ValueError(f"{f.path}: tensor {gname!r} does not fit the model's config.{field} = {heads} "
+                                 f"({e}); build the model from this file's metadata "
+                                 "(torch_qmm.interop.gguf_llama.llama_config_from_gguf)") from None
             t = _rows_permuted(t, perm)
         try:
             module = model.get_submodule(module_name)
