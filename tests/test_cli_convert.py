@@ -886,9 +886,10 @@ def test_attention_biases_of_a_gguf_reach_both_output_formats(tmp_path, capsys):
 def test_a_destination_that_is_a_file_or_a_link_is_refused(hf_folder, tmp_path, capsys):
     (tmp_path / "out").write_text("mine")
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    for dst in ("out", "link"):
+    for dst, message in (("out", "exists and is not a folder"),
+                         ("link", f"is a symbolic link (to {tmp_path / 'elsewhere'}); convert writes only into a real folder")):
         assert main(["convert", str(hf_folder), str(tmp_path / dst), "--overwrite"]) == 2
-        assert f"destination {tmp_path / dst} exists and is not a folder" in capsys.readouterr().err
+        assert f"destination {tmp_path / dst} {message}" in capsys.readouterr().err
     assert (tmp_path / "out").read_text() == "mine" and not (tmp_path / "elsewhere").exists()
 
 

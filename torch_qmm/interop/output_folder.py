@@ -34,7 +34,10 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     if s == d or s in d.parents or d in s.parents:
         raise UsageError(f"destination {dst} is the source {src}, inside it or contains it: convert never writes "
                          "into its source; choose another output folder")
-    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
+    if dst.is_symlink():
+        raise UsageError(f"destination {dst} is a symbolic link (to {os.readlink(dst)}); convert writes only into a "
+                         "real folder: name the folder itself, or another output folder")
+    if dst.exists() and not dst.is_dir():
         raise UsageError(f"destination {dst} exists and is not a folder; choose another output folder")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise UsageError(f"destination {dst} exists and is not empty; pass --overwrite to replace it")
