@@ -1,4 +1,5 @@
-"""Which device to run on (the best present: mps > cuda > cpu), and timing on it."""
+"""Which device to run on (the best present: mps > cuda > cpu), whether a named one is usable here, and
+timing on it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import time
 from typing import Callable
 
 import torch
+
+from .cli_errors import UsageError
 
 
 def best_device() -> str:
@@ -21,8 +24,6 @@ def check_usable(device: str) -> None:
     """UsageError naming argument --device when torch cannot make a tensor on `device` here (an
     unknown name, a backend this torch was built without: torch raises RuntimeError, ValueError or,
     for CUDA in a CPU-only build, AssertionError)."""
-    from .cli_errors import UsageError
-
     try:
         torch.empty(0, device=device)
     except (RuntimeError, ValueError, AssertionError) as e:
