@@ -1132,3 +1132,32 @@ def test_fuzz_hostile_files_end_fast_in_bounded_memory_and_are_refused_cleanly(l
     print(f"\nfuzz: {len(cases)} cases, {refused} refused cleanly, {len(cases) - refused} accepted, 0 bad; "
           f"max {max_s:.2f} s per case, peak RSS {max_rss:.0f} MB (baseline {results['baseline_rss_mb']:.0f} MB), "
           f"max traced {max(r['traced_peak_bytes'] for r in results['cases']) / 2**20:.1f} MiB; wall {wall:.1f} s")
+
+
+_TRUNCATED_AFTER_OPEN = r"""
+import os, sys, transformers
+from torch_qmm.interop.gguf import GGUFFile
+from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
+f = GGUFFile(sys.argv[1])
+model = transformers.LlamaForCausalLM(llama_config_from_gguf(f))
+os.truncate(sys.argv[1], int(sys.argv[2]))  # another process cuts the file short while it is open
+try:
+    load_gguf_llama(model, f)
+except ValueError as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_a_file_cut_short_after_it_was_opened_is_an_error_not_a_crash(llama_gguf, tmp_path):
+    """Its tensors are views of the memory-mapped file: a read past the new end would kill the
+    process (SIGBUS); the loader checks the file's size before each tensor (in a child process, so
+    that a failure shows as its exit code)."""
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(llama_gguf, path)
+    size = path.stat().st_size
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    p = subprocess.run([sys.executable, "-c", _TRUNCATED_AFTER_OPEN, str(path), str(size // 2)], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    assert p.stdout.strip() == (f"GGUFFormatError {path}: the file is now {size // 2} bytes, shorter than the {size} it "
+                                "had when opened (truncated or rewritten since): open it again once it is complete")

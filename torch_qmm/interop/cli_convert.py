@@ -146,6 +146,7 @@ def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
                     layer.bias.copy_(m.bias)
             _replace(model, name, layer)
     for gname, t in f.tensors.items() if embeddings else ():
+        f.check_unchanged()
         module_name = (hf_name(gname) or "").rpartition(".")[0]
         if t.ggml_type != Q4_K or not gname.endswith(".weight") or not module_name:
             continue

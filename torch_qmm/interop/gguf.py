@@ -21,6 +21,7 @@ have at most 17 significant bits: exact in float32, rounded in float16/bfloat16.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,10 @@ class GGUFFile:
         self.path = Path(path)
         header = read_header(self.path)
         self.header = header
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")  # the checked file (never empty)
+        with open(self.path, "rb") as f:  # the checked file (never empty)
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._size = len(self._mmap)
+        self._map = np.frombuffer(self._mmap, dtype=np.uint8)
         self.tensors: dict[str, GGUFTensor] = {}
         for info in header.tensors:
             shape = tuple(reversed(info.ne))
@@ -99,6 +103,15 @@ class GGUFFile:
             rows = math.prod(shape[:-1])
             self.tensors[info.name] = GGUFTensor(info.name, info.ggml_type, shape,
                                                  raw.reshape(rows, row // per_block * block_bytes), str(self.path))
+
+    def check_unchanged(self) -> None:
+        """GGUFFormatError when the file is shorter than when it was opened (truncated or rewritten
+        in place by another process since): reading mapped bytes past its new end would kill the
+        process (SIGBUS), so the loaders check before reading each tensor."""
+        now = self._mmap.size()
+        if now < self._size:
+            raise GGUFFormatError(f"{self.path}: the file is now {now} bytes, shorter than the {self._size} it had "
+                                  "when opened (truncated or rewritten since): open it again once it is complete")
 
     @property
     def metadata(self) -> dict[str, object]:

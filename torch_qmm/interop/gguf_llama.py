@@ -322,6 +322,7 @@ def load_gguf_llama(
     state = model.state_dict()
     show = progress if progress is not None else len(f.tensors) > 32
     for gname, t in tqdm(list(f.tensors.items()), desc="loading gguf", disable=not show, unit="tensor"):
+        f.check_unchanged()
         name = hf_name(gname)
         if name is None or gname.endswith(".bias"):
             continue
