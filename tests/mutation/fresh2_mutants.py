@@ -92,6 +92,9 @@ MUTANTS: list[Mutant] = [
     Mutant("g2-json-non-object-accepted", "torch_qmm/interop/json_files.py",
            "    if not isinstance(value, dict):", "    if value is None:", SAFETENSORS,
            "a config.json holding a list passes: AttributeError later instead of a ValueError naming the file"),
+    Mutant("g2-gguf-cut-short-after-open-unchecked", "torch_qmm/interop/gguf.py",
+           "        if now < self._size:\n", "        if False:\n", GGUF,
+           "a GGUF file truncated after GGUFFile opened it kills the loading process (SIGBUS)"),
     # ---- output folder (torch_qmm/interop/output_folder.py) ------------------------------------------
     Mutant("g2-out-symlink-prefix-escape", "torch_qmm/interop/output_folder.py",
            "any(target == a or a in target.parents for a in allowed)",

@@ -246,8 +246,8 @@ MUTANTS: list[Mutant] = [
            "scale_bytes = b[:, 0:2] if t.ggml_type == Q4_K else b[:, 208:210]", GGUF_HOSTILE,
            "to_blocks checks Q4_K's d but not its dmin: a NaN / Inf dmin (a corrupt file) is accepted"),
     Mutant("i7-llama-k-unpermute-with-q-heads", "torch_qmm/interop/gguf_llama.py",
-           'perm = unpermute_rows(t.shape[0], n_head if ".attn_q." in gname else n_kv)',
-           "perm = unpermute_rows(t.shape[0], n_head)", LLAMA,
+           'else (n_kv, "num_key_value_heads")',
+           'else (n_head, "num_key_value_heads")', LLAMA,
            "the K projection's llama.cpp permutation is undone with the query head count: wrong K rows "
            "for every model with grouped-query attention (n_kv < n_head)"),
     Mutant("i7-transformers-saved-bits-collapsed-to-first", "torch_qmm/interop/transformers.py",
