@@ -940,3 +940,16 @@ def test_a_quantizer_error_while_loading_is_not_blamed_on_transformers(hf_folder
     message = str(e.value)
     assert message.startswith(f"{hf_folder}: quantizing the model while loading it failed: "), message
     assert str(vocab + 5) in message and "transformers could not build" not in message
+
+
+def test_requantize_rest_with_nothing_to_requantize_says_the_options_went_unused(tmp_path, capsys):
+    """Every linear layer of the file has an exact form: --requantize rest re-quantizes none, and
+    the --bits given is reported unused rather than silently ignored."""
+    path = tmp_path / "exact.gguf"
+    layers = {p: T.Q8_0 for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+    write_llama_gguf(hf_model(tied=False), path, {**layers, "embed": T.Q4_0, "lm_head": T.Q8_0}, np.random.default_rng(1))
+    assert main(["convert", str(path), str(tmp_path / "out"), "--format", "mlx", "--requantize", "rest",
+                 "--bits", "6"]) == 0
+    assert "--requantize rest re-quantized no layer: --bits went unused" in capsys.readouterr().out
+    assert main(["convert", str(path), str(tmp_path / "out2"), "--format", "mlx", "--requantize", "rest"]) == 0
+    assert "--requantize rest re-quantized no layer\n" in capsys.readouterr().out

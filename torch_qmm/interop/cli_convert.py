@@ -493,6 +493,13 @@ def _print_report(rows: list[tuple[str, str]]) -> None:
         print(f"  ({rounded} scales/biases rounded to the --dtype: use --dtype float32 for exact {rounded} layers)")
 
 
+def _quantizer_flags(args: argparse.Namespace) -> list[str]:
+    """The options given that only quantizing uses (for a GGUF source: only with --requantize)."""
+    return [f for f, given in (("--mode", args.mode != "affine"), ("--bits", args.bits is not None),
+                               ("--group-size", args.group_size is not None), ("--method", args.method != "rtn"),
+                               ("--calibration", args.calibration is not None)) if given]
+
+
 def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
     try:
         resolve_format(args.mode, args.bits, args.group_size)
@@ -502,15 +509,12 @@ def _check_arguments(args: argparse.Namespace, is_gguf: bool) -> None:
     if args.mode != "affine" and args.method != "rtn":
         raise UsageError(f"--method {args.method} writes the affine format; --mode {args.mode} is quantized with "
                          "--method rtn")
-    flags = [f for f, v in (("--mode", args.mode if args.mode != "affine" else None), ("--bits", args.bits),
-                            ("--group-size", args.group_size)) if v is not None]
     if not is_gguf:
         if args.requantize:
             raise UsageError(f"--requantize applies to GGUF sources only; {args.src} is a float transformers folder, "
                              "which is always quantized with --bits/--group-size")
         return
-    flags += [f for f, given in (("--method", args.method != "rtn"), ("--calibration", args.calibration is not None))
-              if given]
+    flags = _quantizer_flags(args)
     if flags and not args.requantize:
         verb = "apply" if len(flags) > 1 else "applies"
         raise UsageError(f"{' and '.join(flags)} {verb} only to re-quantization: {args.src} keeps its own formats "
@@ -677,6 +681,9 @@ def run(args: argparse.Namespace) -> int:
         rows = _layer_report(model, origin, quantized_now, exact, args.format, args.requantize if is_gguf else None,
                              group_size)
     _print_report(rows)
+    if is_gguf and args.requantize == "rest" and not quantized_now:
+        unused = _quantizer_flags(args)
+        print("--requantize rest re-quantized no layer" + (f": {', '.join(unused)} went unused" if unused else ""))
     formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how else how.split(" (its ")[0]
                       for _, how in rows})
     print(f"wrote {args.dst} ({args.format}): {len(rows)} layers; formats: {'; '.join(formats)}")
