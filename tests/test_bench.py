@@ -340,3 +340,24 @@ def test_a_device_this_torch_lacks_is_a_usage_error(command, tmp_path, capsys):
     """A CPU-only torch raises AssertionError for 'cuda' tensors: still an argument error (exit 2)."""
     assert main([command, "--device", "cuda", *(["--output", str(tmp_path / "o.json")] if command == "bench" else [])]) == 2
     assert "argument --device: 'cuda' is not a usable device here" in capsys.readouterr().err
+
+
+def test_busy_cpu_warning_above_half_the_cpus_on_cpu_only(monkeypatch):
+    from torch_qmm import devices
+
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 4)
+    assert devices.busy_cpu_warning("cpu", 2.0) is None and devices.busy_cpu_warning("cpu", None) is None
+    assert devices.busy_cpu_warning("mps", 9.0) is None
+    assert devices.busy_cpu_warning("cpu", 2.5) == ("warning: load average 2.5 on 4 CPUs: other processes share the "
+                                                    "cores and times will be noisy")
+
+
+def test_demo_says_when_its_cpu_times_are_noisy(monkeypatch, capsys):
+    """Its float / quantized ratio on a shared CPU is not the kernels' (a 'quantized slower' result
+    seen under load): a busy machine gets the bench's warning."""
+    import torch_qmm.demo as demo
+
+    monkeypatch.setattr(demo, "load_average", lambda: 1e6)
+    assert main(["demo", "--device", "cpu", "--tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "forward:" in out and out.rstrip().splitlines()[-1].startswith("warning: load average 1000000.0 on ")

@@ -10,7 +10,7 @@ import torch
 from .convert import quantize_model
 from .formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from .bench.model import ModelConfig, TinyTransformer
-from .devices import best_device, check_usable, median_ms
+from .devices import best_device, busy_cpu_warning, check_usable, load_average, median_ms
 
 
 DESCRIPTION = """\
@@ -63,4 +63,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"  relative output error ||y_q - y|| / ||y|| of the logits against the unquantized {args.dtype} model: "
           f"{rel_err:.4f}")
     print(f"  forward: {t_float:.2f} ms float, {t_quant:.2f} ms quantized ({t_float / t_quant:.2f}x)")
+    if warning := busy_cpu_warning(device, load_average()):
+        print(warning)
     return 0

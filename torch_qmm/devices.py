@@ -3,6 +3,7 @@ timing on it."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -28,6 +29,23 @@ def check_usable(device: str) -> None:
         torch.empty(0, device=device)
     except (RuntimeError, ValueError, AssertionError) as e:
         raise UsageError(f"argument --device: {device!r} is not a usable device here ({' '.join(str(e).split())[:200]})") from None
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS gives none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_cpu_warning(device: str, load: float | None) -> str | None:
+    """A warning line when CPU timings will be noisy: a load average above half the CPUs means other
+    processes share the cores (and the threads of a CPU op start late on them)."""
+    cpus = os.cpu_count() or 1
+    if device != "cpu" or load is None or load <= 0.5 * cpus:
+        return None
+    return f"warning: load average {load} on {cpus} CPUs: other processes share the cores and times will be noisy"
 
 
 def synchronize(device: str) -> None:

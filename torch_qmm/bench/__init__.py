@@ -18,7 +18,6 @@ never asserted.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..cli_errors import UsageError, output_file
-from ..devices import best_device, check_usable
+from ..devices import best_device, busy_cpu_warning, check_usable
 from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from . import llamacpp_peer, metalsim_traffic, mlx_peer
 from .kernels import FP_MODES, Config, merge_rounds, run_config
@@ -214,10 +213,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{info['processor']} ({info['cpu_threads']} threads), {info['os']}, torch {info['torch']}, "
           f"commit {info['commit']}; copy bandwidth {copy_gbps:.1f} GB/s; "
           f"float32 matmul precision {info['float32_matmul_precision']}")
-    load = info["load_average"]
-    if device == "cpu" and load is not None and load > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: load average {load} on {os.cpu_count()} CPUs: other processes share the cores and "
-              f"times will be noisy (see min_ms and load_average in the JSON)")
+    if warning := busy_cpu_warning(device, info["load_average"]):
+        print(f"{warning} (see min_ms and load_average in the JSON)")
 
     if args.model is not None:
         return _run_model(args, device, info)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..devices import load_average
 from .kernels import OURS, Result
 
 
@@ -68,7 +69,7 @@ def machine_info(device: str, copy_gbps: float | None) -> dict:
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "copy_gbps": None if copy_gbps is None else round(copy_gbps, 2),
-        "load_average": _load_average(),
+        "load_average": load_average(),
         "last_level_cache_bytes": last_level_cache_bytes(),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
@@ -80,12 +81,6 @@ def machine_info(device: str, copy_gbps: float | None) -> dict:
         info["mlx"] = None
     return info
 
-
-def _load_average() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
 
 
 def _cpu_name() -> str:
