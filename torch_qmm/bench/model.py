@@ -94,7 +94,7 @@ def build_model(spec: str | None) -> tuple[nn.Module, int, dict]:
                              f"'quantization'); {expects}")
         model = from_pretrained(Path(spec))
         return _LogitsOnly(model), model.config.vocab_size, {"path": str(spec), "type": model.config.model_type}
-    if spec and _is_gguf(Path(spec)):
+    if spec and Path(spec).suffix == ".gguf":  # as convert tells a GGUF source
         from ..cli_errors import UsageError
 
         raise UsageError(f"argument --model: {spec} is a GGUF file, whose weights are quantized: the model benchmark "
@@ -103,18 +103,6 @@ def build_model(spec: str | None) -> tuple[nn.Module, int, dict]:
     cfg = load_config(spec)
     torch.manual_seed(0)
     return TinyTransformer(cfg), cfg.vocab, dataclasses.asdict(cfg)
-
-
-def _is_gguf(path: Path) -> bool:
-    """Whether `path` is a regular file (checked first: opening a FIFO would wait) starting with
-    GGUF's magic."""
-    try:
-        if not path.is_file():
-            return False
-        with path.open("rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
 
 
 def _mlx_quantized(config_json: Path) -> bool:

@@ -59,27 +59,29 @@ def staged_output(dst: Path) -> Iterator[Path]:
         yield tmp
 
 
+def _cannot_create(shown: Path, e: OSError) -> OSError:
+    """The error of a folder that could not be made, named by the destination asked for (not by
+    the temporary folder's name)."""
+    return OSError(f"destination {shown}: cannot create a folder there ({e.strerror or e})")
+
+
 def _staging_folder(parent: Path, prefix: str, shown: Path) -> Path:
-    """A new empty hidden folder in `parent`; OSError named by the destination asked for (not by
-    the temporary folder's name) when it cannot be made."""
+    """A new empty hidden folder in `parent`."""
     try:
         return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     except OSError as e:
-        raise OSError(f"destination {shown}: cannot create a folder there ({e.strerror or e})") from None
+        raise _cannot_create(shown, e) from None
 
 
 @contextlib.contextmanager
 def _staged_as_new(dst: Path, shown: Path) -> Iterator[Path]:
     created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
     try:
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OSError(f"destination {shown}: cannot create a folder there ({e.strerror or e})") from None
-        tmp = _staging_folder(dst.parent, f".{dst.name}.partial-", shown)
-    except OSError:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    except OSError as e:
         _remove_empty(created)
-        raise
+        raise _cannot_create(shown, e) from None
     umask = current_umask()
     tmp.chmod(0o777 & ~umask)
     try:
