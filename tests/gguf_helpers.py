@@ -1,6 +1,6 @@
 """Test data for GGUF: valid random K-quant blocks and GGUF files written with gguf.GGUFWriter.
 
-gguf-py cannot quantize to Q4_K / Q6_K, so K-quant blocks are random bytes with realistic f16
+gguf-py cannot quantize to Q4_K / Q5_K / Q6_K, so K-quant blocks are random bytes with realistic f16
 super-block scales: every byte pattern is a valid block, and gguf.quants.dequantize decodes it.
 """
 
@@ -12,7 +12,7 @@ import torch
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+Q4_K, Q5_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K
 
 
 def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -20,7 +20,7 @@ def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.n
     ggml_type = GGMLQuantizationType(ggml_type)
     _, block_bytes = GGML_QUANT_SIZES[ggml_type]
     blocks = rng.integers(0, 256, size=(n, k // 256, block_bytes), dtype=np.uint8)
-    if ggml_type == Q4_K:  # d, dmin at bytes 0..3
+    if ggml_type in (Q4_K, Q5_K):  # d, dmin at bytes 0..3
         blocks[..., 0:2] = rng.uniform(2e-4, 4e-3, (n, k // 256, 1)).astype("<f2").view(np.uint8)
         blocks[..., 2:4] = rng.uniform(1e-4, 2e-3, (n, k // 256, 1)).astype("<f2").view(np.uint8)
     elif ggml_type == Q6_K:  # d at bytes 208..209

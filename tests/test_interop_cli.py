@@ -104,6 +104,34 @@ def test_convert_gguf_to_mlx_keeps_block_types_exact(gguf_path, tmp_path):
     assert torch.equal(_logits(model), _logits(from_gguf))
 
 
+def test_convert_q5_k_gguf_to_mlx_is_exact_and_mlx_decodes_the_file_weights(tmp_path, capsys):
+    # Q5_K (llama.cpp's Q5_K_M files) has an exact affine form: 5 bits, one group of 32 per
+    # sub-block, float32 scale d*sc and bias -dmin*m. MLX's own dequantize of the folder gives back
+    # the weights the gguf package decodes from the file, and load_mlx the model load_gguf_llama builds.
+    path = tmp_path / "m.gguf"
+    held = write_llama_gguf(hf_model(tied=False), path, {"proj": T.Q5_K, "embed": T.Q5_K, "lm_head": T.Q5_K},
+                            np.random.default_rng(3))
+    out = tmp_path / "mlx"
+    assert main(["convert", str(path), str(out), "--format", "mlx"]) == 0
+    assert re.search(r"model\.layers\.1\.mlp\.down_proj +lossless Q5_K -> affine b5 gs32\n", capsys.readouterr().out)
+    default, overrides = parse_quantization(json.loads((out / "config.json").read_text()))
+    assert (default.bits, default.group_size) == (5, 32) and not overrides
+    weights = mx.load(str(out / "model.safetensors"))
+    for name in ("model.layers.0.mlp.up_proj", "model.layers.1.self_attn.k_proj", "model.embed_tokens", "lm_head"):
+        assert weights[name + ".scales"].dtype == mx.float32, name
+        w = mx.dequantize(weights[name + ".weight"], weights[name + ".scales"], weights[name + ".biases"],
+                          group_size=32, bits=5)
+        want = held[name + ".weight"]
+        # gguf rounds d*sc*q - dmin*m once (d*sc*q is exact): MLX, fused or not, rounds s*q + b once too
+        assert torch.equal(torch.from_numpy(np.array(w)), want), name
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(out))
+    load_mlx(model, out)
+    from_gguf = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(out))
+    load_gguf_llama(from_gguf, GGUFFile(path))
+    assert isinstance(from_gguf.model.layers[0].mlp.up_proj, QuantLinear)
+    assert torch.equal(_logits(model), _logits(from_gguf))
+
+
 def test_convert_gguf_to_transformers(gguf_path, tmp_path):
     out = tmp_path / "hf"
     assert main(["convert", str(gguf_path), str(out), "--requantize", "all", "--bits", "8", "--group-size", "32"]) == 0

@@ -1,5 +1,5 @@
-"""GGUF files: lossless conversion of the 32-weight block types to the affine format (checked
-against gguf.quants.dequantize), K-quant tensors to GGUFLinear, and malformed files."""
+"""GGUF files: lossless conversion of the 32-weight block types and Q5_K to the affine format
+(checked against gguf.quants.dequantize), K-quant tensors to GGUFLinear, and malformed files."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from gguf.constants import GGMLQuantizationType as T
 from gguf_helpers import assert_matches_reference, k_quant_magnitude, random_k_blocks, write_gguf
 from torch_qmm import reference
 from torch_qmm.interop import GGUFLinear
-from torch_qmm.interop.gguf import GGUFFile, dequantize, embedding_from_gguf, linear_from_gguf, to_affine
+from torch_qmm.interop.gguf import (GGUFFile, affine_exact, dequantize, embedding_from_gguf, linear_from_gguf,
+                                    to_affine)
 from torch_qmm.interop.modules import QuantEmbedding
 from torch_qmm.nn import QuantLinear
 
@@ -32,7 +33,7 @@ def gguf_file(tmp_path_factory):
         q = quants.quantize(w, t)
         tensors[t.name] = (q, t)
         expected[t.name] = (torch.from_numpy(quants.dequantize(q, t)).double(), t)
-    for t in (T.Q4_K, T.Q6_K):
+    for t in (T.Q4_K, T.Q5_K, T.Q6_K):
         q = random_k_blocks(t, 19, 512, rng)
         tensors[t.name] = (q, t)
         expected[t.name] = (torch.from_numpy(quants.dequantize(q, t)).double(), t)
@@ -59,6 +60,38 @@ def test_block_types_convert_losslessly_to_affine(gguf_file, qtype, dtype):
     assert isinstance(layer, QuantLinear)
     xd = x.double()
     assert_matches_reference(layer(x), xd @ w_ref.T, xd.abs() @ w_ref.abs().T, dtype, qtype.name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_q5_k_becomes_affine_5_bit_group_32_exact_in_float32(gguf_file, dtype):
+    # Q5_K: each sub-block of 32 is one affine group, scale d*sc and bias -dmin*m (products of a
+    # float16 and a 6-bit integer, up to 17 significant bits): exact in float32, rounded below it.
+    path, expected = gguf_file
+    t = GGUFFile(path).tensors["Q5_K"]
+    wq, scales, biases, bits, gs = to_affine(t, dtype)
+    assert (bits, gs) == (5, 32) and scales.dtype == biases.dtype == dtype
+    w_file = expected["Q5_K"][0]  # the gguf package's decode: d*sc*q - dmin*m in float32
+    if dtype == torch.float32:
+        assert affine_exact(t, dtype)
+        # gguf rounds d*sc*q - dmin*m once to float32, as dequantize_rounded does with float32 scales
+        assert torch.equal(reference.dequantize_rounded(wq, scales, biases, bits, gs).double(), w_file)
+    else:
+        assert not affine_exact(t, dtype)
+        wq32, s32, b32, _, _ = to_affine(t)  # the same codes; the float32 scales rounded once
+        assert torch.equal(wq, wq32) and torch.equal(scales, s32.to(dtype)) and torch.equal(biases, b32.to(dtype))
+    layer = linear_from_gguf(t, dtype=dtype)
+    assert isinstance(layer, QuantLinear) and (layer.bits, layer.group_size) == (5, 32)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
+    assert_matches_reference(layer(x), reference.qmm(x, wq, scales, biases, bits, gs),
+                             reference.qmm_magnitude(x, wq, scales, biases, bits, gs), dtype, "Q5_K")
+
+
+def test_q5_k_embedding_rows_are_the_file_weights(gguf_file):
+    t = GGUFFile(gguf_file[0]).tensors["Q5_K"]
+    emb = embedding_from_gguf(t)
+    assert isinstance(emb, QuantEmbedding) and (emb.bits, emb.group_size) == (5, 32)
+    ids = torch.tensor([[0, 18, 5, 5]])
+    assert torch.equal(emb(ids).double(), gguf_file[1]["Q5_K"][0][ids])
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
@@ -131,7 +164,7 @@ def test_unsupported_gguf_type_lists_the_supported_ones(tmp_path):
     write_gguf(tmp_path / "q2k.gguf", {"w": (np.zeros((4, 84), dtype=np.uint8), T.Q2_K)})
     t = GGUFFile(tmp_path / "q2k.gguf").tensors["w"]
     assert t.type_name == "Q2_K" and t.shape == (4, 256)
-    with pytest.raises(ValueError, match=r"type Q2_K; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K\)"):
+    with pytest.raises(ValueError, match=r"type Q2_K; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q4_K, Q6_K\)"):
         linear_from_gguf(t)
 
 
@@ -242,7 +275,8 @@ def test_linear_from_gguf_adds_the_bias(gguf_file, qtype):
                              torch.float32, qtype.name)
 
 
-@pytest.mark.parametrize("qtype, scale_byte", [(T.Q4_0, 0), (T.Q4_K, 2), (T.Q6_K, 208)], ids=lambda v: str(v))
+@pytest.mark.parametrize("qtype, scale_byte", [(T.Q4_0, 0), (T.Q4_K, 2), (T.Q5_K, 0), (T.Q5_K, 2), (T.Q6_K, 208)],
+                         ids=lambda v: str(v))
 def test_block_scales_that_are_not_finite_are_refused_as_corrupt(tmp_path, qtype, scale_byte):
     from torch_qmm.interop.gguf_header import GGUFFormatError
 

@@ -80,7 +80,7 @@ def write_llama_gguf(model, path, types: dict[str, T], rng, extra=None, drop=())
         qtype = next((t for pattern, t in types.items() if pattern in name), T.F32) if w.ndim == 2 else T.F32
         if qtype == T.F32:
             data, stored = w, w
-        elif qtype in (T.Q4_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
+        elif qtype in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
             data = random_k_blocks(qtype, w.shape[0], w.shape[1], rng)
             stored = quants.dequantize(data, qtype)
         else:
@@ -107,6 +107,9 @@ MIXES = {
     "q8_0": {"proj": T.Q8_0, "embed": T.Q8_0, "lm_head": T.Q8_0},
     "mixed": {"q_proj": T.Q4_K, "k_proj": T.Q8_0, "v_proj": T.Q6_K, "o_proj": T.Q4_0, "gate_proj": T.Q5_1,
               "up_proj": T.Q4_K, "down_proj": T.Q6_K, "embed": T.Q4_0, "lm_head": T.Q6_K},
+    # llama.cpp's Q5_K_M recipe: Q5_K, with V and the FFN down projection (and the head) in Q6_K
+    "q5_k_m": {"q_proj": T.Q5_K, "k_proj": T.Q5_K, "v_proj": T.Q6_K, "o_proj": T.Q5_K, "gate_proj": T.Q5_K,
+               "up_proj": T.Q5_K, "down_proj": T.Q6_K, "embed": T.Q5_K, "lm_head": T.Q6_K},
 }
 
 
@@ -138,6 +141,10 @@ def test_llama_gguf_loads_into_transformers(tmp_path, mix, tied):
         assert isinstance(model.model.embed_tokens, QuantEmbedding)
         assert isinstance(model.lm_head, TiedQuantLinear if tied else GGUFLinear)
         assert report.quantized["model.layers.0.self_attn.v_proj"] == "Q6_K"
+    elif mix == "q5_k_m":  # Q5_K: exact affine 5-bit layers of group size 32
+        assert isinstance(layer.self_attn.q_proj, QuantLinear) and layer.self_attn.q_proj.bits == 5
+        assert layer.self_attn.q_proj.group_size == 32 and isinstance(model.model.embed_tokens, QuantEmbedding)
+        assert report.quantized["model.layers.0.mlp.up_proj"] == "Q5_K"
     elif mix == "f32":
         assert isinstance(layer.self_attn.q_proj, torch.nn.Linear) and not report.quantized
 

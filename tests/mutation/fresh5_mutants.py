@@ -83,10 +83,10 @@ MUTANTS: list[Mutant] = [
            "a tensor-parallel split of the quantized axis is accepted when a shard would cut a group"),
     # ---- interop (no rebuild) --------------------------------------------------------------------
     Mutant("i5-gguf-q8_0-bias-127", "torch_qmm/interop/gguf.py",
-           "        bias = -128.0 * d", "        bias = -127.0 * d", GGUF_INTEROP,
+           "        return 8, b, d, -128.0 * d", "        return 8, b, d, -127.0 * d", GGUF_INTEROP,
            "Q8_0 -> affine: codes are offset by 128 but the bias undoes only 127 (every weight off by d)"),
     Mutant("i5-q4k-affine-bias-sign", "torch_qmm/interop/gguf.py",
-           "    biases = -(dmin * mn).reshape(N, K // 32)", "    biases = (dmin * mn).reshape(N, K // 32)",
+           "        return d * sc, -(dmin * mn)", "        return d * sc, (dmin * mn)",
            GGUF_INTEROP, "q4_k_to_affine: the sub-block min is added instead of subtracted"),
     Mutant("i5-mxfp4-blocks-dtype-unchecked", "torch_qmm/interop/mxfp4_blocks.py",
            '            if ckpt.dtype_name(k) != "U8":', "            if False:", MXFP4,

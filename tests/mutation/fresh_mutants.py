@@ -145,7 +145,7 @@ MUTANTS: list[Mutant] = [
            MLX, "a config that says a layer is not quantized while the checkpoint stores its scales crashes "
            "(AttributeError on False.bits) instead of a ValueError naming config.json"),
     Mutant("f-gguf-q5_1-high-bits-offset", "torch_qmm/interop/gguf.py",
-           "nibbles(b[..., 8:24]) | (high_bits(4) << 4), f16(2)", "nibbles(b[..., 8:24]) | (high_bits(2) << 4), f16(2)",
+           "nibbles(b[..., 8:24]) | (high_bits(4) << 4)", "nibbles(b[..., 8:24]) | (high_bits(2) << 4)",
            GGUF, "Q5_1 -> affine takes the 5th bits from the m field (copy-paste from Q5_0)"),
     Mutant("f-gguf-q4k-affine-min-high-bits", "torch_qmm/interop/gguf.py",
            "    mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)",

@@ -42,9 +42,9 @@ that --format mlx quantizes take that format too); --mode / --bits / --group-siz
 format are refused: quantized layers are not re-quantized.
 
 A llama-family GGUF file keeps its quantization where the output format can hold it exactly:
-Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit, Q4_K becomes
-bits 4 / group size 32 (exact with float32 scales, the default for GGUF; --dtype float16/bfloat16
-rounds them, and bfloat16 the others' float16 scales; the output says which layers). Layers
+Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit, Q4_K and Q5_K become
+bits 4 and 5 / group size 32 (exact with float32 scales, the default for GGUF; --dtype
+float16/bfloat16 rounds them, and bfloat16 the others' float16 scales; the output says which layers). Layers
 without an exact affine form (Q6_K, float) stay float unless --requantize asks otherwise:
 rest quantizes them with --bits/--group-size, all re-quantizes every layer (lossy); --bits,
 --group-size, --method and --calibration apply only with --requantize. The transformers format keeps the embedding float

@@ -1,5 +1,5 @@
 """GGUF files (read with the `gguf` package): checked tensors, lossless conversion of the
-32-weight block types to MLX's affine format, K-quant blocks for the native gguf_qmm op.
+32-weight block types and Q5_K to MLX's affine format, K-quant blocks for the native gguf_qmm op.
 
 Lossless conversions (group_size 32, one GGUF block = one affine group; w = scale * q + bias):
   Q8_0  w = d * i8                 -> bits 8, q = i8 + 128 (sign bit flipped), scale d, bias -128 d
@@ -7,9 +7,13 @@ Lossless conversions (group_size 32, one GGUF block = one affine group; w = scal
   Q4_1  w = d * q + m              -> bits 4, scale d, bias m
   Q5_0  w = d * (q - 16)           -> bits 5, scale d, bias -16 d
   Q5_1  w = d * q + m              -> bits 5, scale d, bias m
+  Q5_K  w = d*sc_j*q - dmin*m_j   -> bits 5, one group per sub-block j of 32: scale d*sc_j,
+                                     bias -dmin*m_j (6-bit sc_j, m_j: exact in float32 only)
 d and m are float16 in the file, so scales/biases are exact in float32 (and in float16 unless
--128 d overflows, which is checked); the codes are repacked from GGUF's nibble order (byte j holds
-weights j and j + 16) into MLX's little-endian bit stream.
+-128 d overflows, which is checked; Q5_K's products of a float16 and a 6-bit integer have up to
+17 significant bits: rounded in float16); the codes are repacked from GGUF's nibble order (byte j
+holds weights j and j + 16; Q5_K: chunks of 32 bytes, low nibbles one sub-block, high the next)
+into MLX's little-endian bit stream.
 Q4_K and Q6_K stay as their block bytes (GGUFLinear / torch_qmm::gguf_qmm) by default.
 
 Q4_K also has an exact affine form (q4_k_to_affine; used by `convert --format mlx`): each
@@ -45,6 +49,7 @@ from .gguf_types import (
     Q5_0,
     Q5_1,
     Q4_K,
+    Q5_K,
     Q8_0,
     SUPPORTED_TYPES,
     block_info,
@@ -59,6 +64,7 @@ __all__ = ["GGUFFile", "GGUFTensor", "check_finite", "dequantize", "to_affine", 
            "to_blocks", "linear_from_gguf"]
 
 Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles
+Q5_K_BLOCK_BYTES = 176  # the same, with 32 bytes of 5th bits (qh) before the nibbles
 
 
 @dataclass
@@ -222,48 +228,64 @@ def _pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(packed).view("<u4").reshape(rows, k * bits // 32)
 
 
-def to_affine(
-    t: GGUFTensor, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """Converts a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 matrix losslessly to the affine format.
-
-    Returns (wq uint32 [N, K*bits/32], scales, biases [N, K/32] in `dtype`, bits, group_size=32).
-    Exact in float32; float16 is checked for overflow; bfloat16 rounds the float16 scales.
-    """
-    _require(t, AFFINE_TYPES, "to_affine")
+def _affine64(t: GGUFTensor) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(bits, block bytes [rows, groups, bytes per block], scales, biases float64 [rows, K/32]) of
+    an AFFINE_TYPES matrix: every value exact (float16 fields times integers of at most 6 bits)."""
     rows, k = t.raw.shape[0], t.shape[-1]
+    if t.ggml_type == Q5_K:
+        b = t.raw.reshape(rows, k // 256, Q5_K_BLOCK_BYTES)
+        scales, biases = _k_scales_biases64(b)
+        return 5, b, scales.reshape(rows, k // 32), biases.reshape(rows, k // 32)
     _, block_bytes = block_info(t.ggml_type)
     b = t.raw.reshape(rows, k // 32, block_bytes)
+    d = _f16_field(b, 0)
+    if t.ggml_type == Q8_0:
+        return 8, b, d, -128.0 * d
+    if t.ggml_type in (Q4_1, Q5_1):
+        return (4 if t.ggml_type == Q4_1 else 5), b, d, _f16_field(b, 2)
+    return (4 if t.ggml_type == Q4_0 else 5), b, d, (-8.0 if t.ggml_type == Q4_0 else -16.0) * d
 
-    def f16(lo: int) -> np.ndarray:
-        return b[..., lo:lo + 2].copy().view("<f2")[..., 0].astype(np.float64)
 
-    def nibbles(qs: np.ndarray) -> np.ndarray:  # GGUF: byte j holds weights j (low) and j + 16 (high)
+def _affine_codes(t: GGUFTensor, b: np.ndarray) -> np.ndarray:
+    """uint8 codes [rows, K] of an AFFINE_TYPES matrix (its blocks b as _affine64 gives them)."""
+    rows, k = t.raw.shape[0], t.shape[-1]
+
+    def nibbles(qs: np.ndarray) -> np.ndarray:  # byte j holds weights j (low) and j + 16 (high)
         return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
 
     def high_bits(lo: int) -> np.ndarray:  # Q5: bit j of the 32-bit qh is the 5th bit of weight j
         qh = b[..., lo:lo + 4].copy().view("<u4")
         return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
 
-    if t.ggml_type == Q8_0:
-        bits, d = 8, f16(0)
+    if t.ggml_type == Q5_K:
+        codes = _k_codes(b, Q5_K)
+    elif t.ggml_type == Q8_0:
         codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        bias = -128.0 * d
     elif t.ggml_type == Q4_0:
-        bits, d = 4, f16(0)
-        codes, bias = nibbles(b[..., 2:18]), -8.0 * d
+        codes = nibbles(b[..., 2:18])
     elif t.ggml_type == Q4_1:
-        bits, d = 4, f16(0)
-        codes, bias = nibbles(b[..., 4:20]), f16(2)
+        codes = nibbles(b[..., 4:20])
     elif t.ggml_type == Q5_0:
-        bits, d = 5, f16(0)
-        codes, bias = nibbles(b[..., 6:22]) | (high_bits(2) << 4), -16.0 * d
+        codes = nibbles(b[..., 6:22]) | (high_bits(2) << 4)
     else:  # Q5_1
-        bits, d = 5, f16(0)
-        codes, bias = nibbles(b[..., 8:24]) | (high_bits(4) << 4), f16(2)
+        codes = nibbles(b[..., 8:24]) | (high_bits(4) << 4)
+    return codes.reshape(rows, k)
+
+
+def to_affine(
+    t: GGUFTensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Converts a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q5_K matrix losslessly to the affine format.
+
+    Returns (wq uint32 [N, K*bits/32], scales, biases [N, K/32] in `dtype`, bits, group_size=32).
+    Exact in float32; float16 is checked for overflow (and keeps the 32-weight types exact; Q5_K's
+    17-bit scales are rounded); bfloat16 rounds. affine_exact says which.
+    """
+    _require(t, AFFINE_TYPES, "to_affine")
+    bits, b, d, bias = _affine64(t)
     if not (np.isfinite(d).all() and np.isfinite(bias).all()):
         raise _corrupt_values(t, "block scales")
-    wq = torch.from_numpy(_pack_bits(codes.reshape(rows, k), bits))
+    wq = torch.from_numpy(_pack_bits(_affine_codes(t, b), bits))
     scales = torch.from_numpy(d).to(dtype)
     biases = torch.from_numpy(bias).to(dtype)
     if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
@@ -273,20 +295,49 @@ def to_affine(
 
 
 def affine_exact(t: GGUFTensor, dtype: torch.dtype) -> bool:
-    """Whether to_affine(t, dtype) keeps the weights of a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 matrix
-    exactly: its float16 fields (d at bytes 0-1 of every block, and m at bytes 2-3 for Q4_1 / Q5_1)
-    all survive the cast to dtype. The other biases (-8 d, -16 d, -128 d) are d times a power of
-    two, exact where d is (to_affine refuses an overflow). True in float32 and float16; bfloat16
-    (8 significant bits) rounds most float16 values."""
+    """Whether to_affine(t, dtype) keeps the weights of an AFFINE_TYPES matrix exactly: every
+    scale and bias survives the cast to dtype (all are exact in float64, and in float32). True in
+    float32; in float16 for the 32-weight types (float16 fields, times powers of two) unless -128 d
+    overflows (to_affine refuses that), not for most Q5_K scales (17 bits); bfloat16 (8
+    significant bits) rounds most."""
     _require(t, AFFINE_TYPES, "affine_exact")
-    _, block_bytes = block_info(t.ggml_type)
-    blocks = t.raw.reshape(-1, block_bytes)
-    fields = [blocks[:, 0:2]] + ([blocks[:, 2:4]] if t.ggml_type in (Q4_1, Q5_1) else [])
-    for field in fields:
-        values = torch.from_numpy(np.ascontiguousarray(field).view("<f2").astype(np.float32)).reshape(-1)
-        if not torch.equal(values.to(dtype).float(), values):
+    _, _, d, bias = _affine64(t)
+    for values in (d, bias):
+        exact = torch.from_numpy(values)
+        if not torch.equal(exact.to(dtype).double(), exact):
             return False
     return True
+
+
+def _f16_field(b: np.ndarray, lo: int) -> np.ndarray:
+    """The float16 at bytes lo, lo + 1 of every block of b [..., block bytes], as float64 [...]."""
+    return b[..., lo:lo + 2].copy().view("<f2")[..., 0].astype(np.float64)
+
+
+def _k_scales_biases64(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks b [N, S, block bytes] (f16 d, f16 dmin, 12 bytes of 6-bit scales
+    and mins first in both) -> (d*sc_j, -dmin*m_j) float64 [N, S, 8], exact (17 significant bits)."""
+    d, dmin = _f16_field(b, 0)[..., None], _f16_field(b, 2)[..., None]  # [N, S, 1]
+    # 12 scale bytes (llama.cpp get_scale_min_k4): sub-blocks 0-3 take the low 6 bits of bytes 0-3
+    # (scale) and 4-7 (min); 4-7 take the nibbles of bytes 8-11 plus the top 2 bits of 0-3 / 4-7.
+    lo, hi, mix = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)  # [N, S, 8]
+    mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    with np.errstate(invalid="ignore"):  # inf * 0 in a corrupt block: NaN, refused by the callers
+        return d * sc, -(dmin * mn)
+
+
+def _k_codes(b: np.ndarray, ggml_type: int) -> np.ndarray:
+    """uint8 codes [N, S, 256] of Q4_K / Q5_K super-blocks b [N, S, block bytes]. The nibble bytes
+    (Q4_K at 16, Q5_K at 48) are 4 chunks of 32: sub-block 2c is chunk c's low nibbles, 2c + 1 its
+    high ones. Q5_K's 32 bytes qh at 16: bit j of byte l is the 5th bit of weight l of sub-block j."""
+    n, s = b.shape[:2]
+    qs = b[..., -128:].reshape(n, s, 4, 1, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(n, s, 8, 32)
+    if ggml_type == Q5_K:
+        qh = b[..., 16:48].reshape(n, s, 1, 32)
+        codes |= ((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) << 4
+    return codes.reshape(n, s, 256)
 
 
 def _q4_k_affine64(blocks, N: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -308,21 +359,11 @@ def _q4_k_affine64(blocks, N: int, K: int) -> tuple[np.ndarray, np.ndarray, np.n
         raise ValueError(f"q4_k_to_affine: blocks must be uint8 [N, K/256 * {Q4_K_BLOCK_BYTES}] = {list(expected)} "
                          f"for N={N}, K={K}, got shape {list(arr.shape)}")
     b = arr.reshape(N, K // 256, Q4_K_BLOCK_BYTES)
-    d = b[..., 0:2].copy().view("<f2")[..., 0].astype(np.float64)[..., None]  # [N, S, 1]
-    dmin = b[..., 2:4].copy().view("<f2")[..., 0].astype(np.float64)[..., None]
-    # 12 scale bytes (llama.cpp get_scale_min_k4): sub-blocks 0-3 take the low 6 bits of bytes 0-3
-    # (scale) and 4-7 (min); 4-7 take the nibbles of bytes 8-11 plus the top 2 bits of 0-3 / 4-7.
-    lo, hi, mix = b[..., 4:8], b[..., 8:12], b[..., 12:16]
-    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)  # [N, S, 8]
-    mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
-    # 128 nibble bytes as 4 chunks of 32: sub-block 2c is chunk c's low nibbles, 2c+1 its high ones.
-    qs = b[..., 16:].reshape(N, K // 256, 4, 1, 32)
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(N, K)
-    scales = (d * sc).reshape(N, K // 32)
-    biases = -(dmin * mn).reshape(N, K // 32)
+    scales, biases = _k_scales_biases64(b)
+    scales, biases = scales.reshape(N, K // 32), biases.reshape(N, K // 32)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
         raise ValueError("q4_k_to_affine: the blocks have non-finite float16 d/dmin (corrupt blocks?)")
-    return _pack_bits(codes, 4), scales, biases
+    return _pack_bits(_k_codes(b, Q4_K).reshape(N, K), 4), scales, biases
 
 
 def q4_k_to_affine(
@@ -383,7 +424,7 @@ def _check_matrix(t: GGUFTensor, what: str, expected: str) -> None:
 def linear_from_gguf(
     t: GGUFTensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
-    """The layer for a GGUF weight [N, K]: QuantLinear (32-weight block types, lossless),
+    """The layer for a GGUF weight [N, K]: QuantLinear (32-weight block types and Q5_K, lossless),
     GGUFLinear (Q4_K / Q6_K) or nn.Linear (F32 / F16 / BF16)."""
     _check_matrix(t, "a linear weight", "[out_features >= 1, in_features >= 1]")
     n, k = t.shape

@@ -281,8 +281,9 @@ def load_gguf_llama(
     """Loads a llama-family GGUF file into a transformers model (e.g. LlamaForCausalLM built from
     `llama_config_from_gguf`), in place.
 
-    Linear weights become QuantLinear (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, lossless), GGUFLinear (Q4_K/Q6_K,
-    the file's blocks) or stay nn.Linear (F32/F16/BF16); the embedding becomes a QuantEmbedding
+    Linear weights become QuantLinear (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, and Q5_K as bits 5: lossless, Q5_K
+    in float32 only), GGUFLinear (Q4_K/Q6_K, the file's blocks) or stay nn.Linear (F32/F16/BF16);
+    the embedding becomes a QuantEmbedding
     (block types) or a float table; without output.weight the output layer is tied to it.
 
     The model may be built on the meta device (``with torch.device("meta"): model =

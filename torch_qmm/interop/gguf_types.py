@@ -14,14 +14,15 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES
 }
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 F32, F16, BF16 = 0, 1, 30
 
 # Kept as blocks, multiplied by the native op torch_qmm::gguf_qmm.
 # Must match is_native_gguf_type in csrc/gguf_format.h.
 NATIVE_TYPES = (Q4_K, Q6_K)
-# Converted losslessly to the affine format (group_size 32).
-AFFINE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+# Converted losslessly to the affine format (group_size 32): one block (Q5_K: one sub-block of a
+# super-block) is one affine group.
+AFFINE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K)
 FLOAT_TYPES = (F32, F16, BF16)
 SUPPORTED_TYPES = FLOAT_TYPES + AFFINE_TYPES + NATIVE_TYPES
 
