@@ -425,7 +425,7 @@ def test_a_bias_the_model_has_no_place_for_is_refused(llama_gguf, tmp_path, name
 
     path = _llama_gguf_with(llama_gguf, tmp_path / "bias.gguf", tensors={name: np.ones(rows)})
     f = GGUFFile(path)
-    message = rf"tensor '{re.escape(name)}' is a bias the model has no place for"
+    message = rf"tensor '{re.escape(name)}' is a bias the llama model has no place for"
     with pytest.raises(ValueError, match=message):
         check_llama_metadata(f)
     with pytest.raises(ValueError, match=message):

@@ -132,6 +132,36 @@ def test_convert_q5_k_gguf_to_mlx_is_exact_and_mlx_decodes_the_file_weights(tmp_
     assert torch.equal(_logits(model), _logits(from_gguf))
 
 
+@pytest.mark.parametrize("arch, head_dim", [("qwen2", None), ("qwen3", 128)])
+def test_convert_qwen_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path, arch, head_dim):
+    # qwen2 / qwen3 files (Q5_K and Q8_0 layers exact, Q6_K decoded): mlx_lm's own qwen models read
+    # the MLX folder, transformers' Qwen classes the transformers one, and both give the logits of
+    # the GGUF model load_gguf_llama builds (float32 sums in other orders: 1e-4 of the largest logit,
+    # as in test_interop_mlx_lm.py).
+    import mlx_lm.utils as mlx_lm_utils
+
+    import torch_qmm.interop.transformers  # noqa: F401  (from_pretrained of a torch_qmm folder)
+    from test_interop_gguf_llama import QWEN_MIX, qwen_model
+    from torch_qmm.interop.gguf_llama import llama_config_from_gguf
+
+    path = tmp_path / "m.gguf"
+    write_llama_gguf(qwen_model(arch, tied=False, head_dim=head_dim), path, QWEN_MIX, np.random.default_rng(4))
+    f = GGUFFile(path)
+    ours = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+    load_gguf_llama(ours, f)
+    want = _logits(ours)[0]
+    scale = want.abs().max().item()
+    assert main(["convert", str(path), str(tmp_path / "mlx"), "--format", "mlx"]) == 0
+    mlx_model, mlx_config = mlx_lm_utils.load_model(tmp_path / "mlx")
+    assert mlx_config["model_type"] == arch
+    got = torch.from_numpy(np.array(mlx_model(mx.array(IDS.numpy())).astype(mx.float32)))[0]
+    assert (got - want).abs().max().item() < 1e-4 * scale
+    assert main(["convert", str(path), str(tmp_path / "hf")]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert reloaded.config.model_type == arch and reloaded.config.head_dim == ours.config.head_dim
+    assert (_logits(reloaded)[0] - want).abs().max().item() < 1e-4 * scale
+
+
 def test_convert_gguf_to_transformers(gguf_path, tmp_path):
     out = tmp_path / "hf"
     assert main(["convert", str(gguf_path), str(out), "--requantize", "all", "--bits", "8", "--group-size", "32"]) == 0

@@ -1,6 +1,8 @@
 """A llama GGUF file (written here as llama.cpp's converter writes it: names, Q/K permutation,
 metadata) loads into a transformers LlamaForCausalLM and gives the outputs of the same model with
-the file's weights as decoded by gguf.quants.dequantize."""
+the file's weights as decoded by gguf.quants.dequantize; so do qwen2 and qwen3 files (unpermuted,
+qwen2's q/k/v biases, qwen3's per-head q/k norms), also checked against transformers' own GGUF
+loader."""
 
 from __future__ import annotations
 
@@ -40,6 +42,25 @@ def hf_model(tied: bool, attention_bias: bool = False):
     return model
 
 
+def qwen_model(arch: str, tied: bool, head_dim: int | None = None):
+    """A random Qwen2 / Qwen3 model of the test's sizes (qwen3: head_dim may differ from
+    hidden / heads, as Qwen3-0.6B's 128 against 1024 / 16)."""
+    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    config = cls(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+                 rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=tied,
+                 head_dim=head_dim or HIDDEN // HEADS)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("_proj.bias"):
+                p.uniform_(-1.0, 1.0)
+    return model
+
+
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp convert_hf_to_gguf.py (LlamaModel.permute): rotate-half rows -> interleaved pairs.
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -49,6 +70,7 @@ GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -64,17 +86,22 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[module]}.{leaf}"
 
 
-def write_llama_gguf(model, path, types: dict[str, T], rng, extra=None, drop=()) -> dict[str, torch.Tensor]:
+def write_llama_gguf(model, path, types: dict[str, T], rng, extra=None, drop=(), metadata=None) -> dict[str, torch.Tensor]:
     """Writes model as llama.cpp would; returns hf name -> the weights the file actually holds
     (decoded by the gguf package, permutation undone by the test's own inverse). extra: more
-    float tensors (GGUF name -> array); drop: GGUF names left out."""
+    float tensors (GGUF name -> array); drop: GGUF names left out; metadata: more or other
+    entries (key after "<arch>." -> value). The architecture is the
+    model's: llama (Q / K rows permuted) or qwen2 / qwen3 (not permuted; the head dim as
+    attention.key_length / value_length, as llama.cpp writes a config's head_dim)."""
     config = model.config
+    arch = config.model_type
+    permuted = arch == "llama"
     tensors, held = {}, {}
     for name, p in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         w = p.detach().numpy().astype(np.float32)
-        n_head = HEADS if "q_proj" in name else KV_HEADS if "k_proj" in name else None
+        n_head = (HEADS if "q_proj" in name else KV_HEADS if "k_proj" in name else None) if permuted else None
         if n_head:
             w = llama_cpp_permute(w, n_head)
         qtype = next((t for pattern, t in types.items() if pattern in name), T.F32) if w.ndim == 2 else T.F32
@@ -93,12 +120,19 @@ def write_llama_gguf(model, path, types: dict[str, T], rng, extra=None, drop=())
         held[name] = torch.from_numpy(np.ascontiguousarray(stored))
     tensors = {k: v for k, v in tensors.items() if k not in drop}
     tensors.update({k: (np.asarray(v, np.float32), None) for k, v in (extra or {}).items()})
-    write_gguf(path, tensors, metadata={
-        "llama.block_count": LAYERS, "llama.context_length": 64, "llama.embedding_length": HIDDEN,
-        "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
-        "llama.attention.head_count_kv": KV_HEADS, "llama.attention.layer_norm_rms_epsilon": 1e-5,
-        "llama.rope.freq_base": 10000.0, "llama.rope.dimension_count": HIDDEN // HEADS,
-    })
+    extra_metadata, metadata = metadata, {
+        "block_count": LAYERS, "context_length": 64, "embedding_length": HIDDEN, "feed_forward_length": FFN,
+        "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS,
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "rope.freq_base": float(config.rope_parameters["rope_theta"]),
+    }
+    if permuted:
+        metadata["rope.dimension_count"] = HIDDEN // HEADS
+    else:  # and the vocabulary size for transformers' GGUF loader (which otherwise counts the tokenizer's tokens)
+        metadata["attention.key_length"] = metadata["attention.value_length"] = config.head_dim
+        metadata["vocab_size"] = VOCAB
+    metadata.update(extra_metadata or {})
+    write_gguf(path, tensors, arch=arch, metadata={f"{arch}.{k}": v for k, v in metadata.items()})
     return held
 
 
@@ -107,9 +141,12 @@ MIXES = {
     "q8_0": {"proj": T.Q8_0, "embed": T.Q8_0, "lm_head": T.Q8_0},
     "mixed": {"q_proj": T.Q4_K, "k_proj": T.Q8_0, "v_proj": T.Q6_K, "o_proj": T.Q4_0, "gate_proj": T.Q5_1,
               "up_proj": T.Q4_K, "down_proj": T.Q6_K, "embed": T.Q4_0, "lm_head": T.Q6_K},
-    # llama.cpp's Q5_K_M recipe: Q5_K, with V and the FFN down projection (and the head) in Q6_K
-    "q5_k_m": {"q_proj": T.Q5_K, "k_proj": T.Q5_K, "v_proj": T.Q6_K, "o_proj": T.Q5_K, "gate_proj": T.Q5_K,
-               "up_proj": T.Q5_K, "down_proj": T.Q6_K, "embed": T.Q5_K, "lm_head": T.Q6_K},
+    # llama.cpp's Q5_K_M recipe (Q5_K, with V, the FFN down projection and the head in Q6_K) but for
+    # Q and K, quantized by the gguf package from the model's weights: random K-quant blocks there
+    # would saturate the attention's softmax, which hides the rotary embedding from the checks of
+    # test_load_meta.py
+    "q5_k": {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.Q6_K, "o_proj": T.Q5_K, "gate_proj": T.Q5_K,
+             "up_proj": T.Q5_K, "down_proj": T.Q6_K, "embed": T.Q5_K, "lm_head": T.Q6_K},
 }
 
 
@@ -141,12 +178,75 @@ def test_llama_gguf_loads_into_transformers(tmp_path, mix, tied):
         assert isinstance(model.model.embed_tokens, QuantEmbedding)
         assert isinstance(model.lm_head, TiedQuantLinear if tied else GGUFLinear)
         assert report.quantized["model.layers.0.self_attn.v_proj"] == "Q6_K"
-    elif mix == "q5_k_m":  # Q5_K: exact affine 5-bit layers of group size 32
-        assert isinstance(layer.self_attn.q_proj, QuantLinear) and layer.self_attn.q_proj.bits == 5
-        assert layer.self_attn.q_proj.group_size == 32 and isinstance(model.model.embed_tokens, QuantEmbedding)
+    elif mix == "q5_k":  # Q5_K: exact affine 5-bit layers of group size 32
+        assert isinstance(layer.self_attn.o_proj, QuantLinear) and layer.self_attn.o_proj.bits == 5
+        assert layer.self_attn.o_proj.group_size == 32 and isinstance(model.model.embed_tokens, QuantEmbedding)
         assert report.quantized["model.layers.0.mlp.up_proj"] == "Q5_K"
     elif mix == "f32":
         assert isinstance(layer.self_attn.q_proj, torch.nn.Linear) and not report.quantized
+
+
+# A Q5_K_M-like mix for the qwen models (their biases and norms stay float32, as llama.cpp keeps
+# them), with Q and K quantized from the model's weights, as in MIXES["q5_k"].
+QWEN_MIX = {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.Q6_K, "down_proj": T.Q6_K, "proj": T.Q5_K,
+            "embed": T.Q8_0, "lm_head": T.Q6_K}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("arch, head_dim", [("qwen2", None), ("qwen3", None), ("qwen3", 128)])
+def test_qwen_gguf_loads_into_its_transformers_model(tmp_path, arch, head_dim, tied):
+    source = qwen_model(arch, tied, head_dim)
+    held = write_llama_gguf(source, tmp_path / "m.gguf", QWEN_MIX, np.random.default_rng(2))
+    f = GGUFFile(tmp_path / "m.gguf")
+    config = llama_config_from_gguf(f)
+    assert type(config) is type(source.config) and config.head_dim == source.config.head_dim
+    assert config.tie_word_embeddings == tied
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    report = load_gguf_llama(model, f)
+    assert report.quantized["model.layers.1.self_attn.o_proj"] == "Q5_K"
+    assert isinstance(model.model.layers[1].self_attn.v_proj, GGUFLinear)
+
+    expected = qwen_model(arch, tied, head_dim)  # the same architecture holding the file's weights
+    expected.load_state_dict(held, strict=False)
+    if tied:
+        expected.lm_head.weight = expected.model.embed_tokens.weight
+    ids = torch.tensor([[1, 5, 9, 95, 0, 33, 33, 2]])
+    with torch.no_grad():
+        got, want = model(ids).logits, expected(ids).logits
+    # float32 sums in other orders over at most 512 terms per layer (see the llama test above)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    # transformers' own GGUF loader reads no head dim from a qwen file: qwen2 takes hidden / heads,
+    # qwen3 its config class's default, 128. It reads the files whose head dim is that one.
+    if source.config.head_dim == {"qwen2": HIDDEN // HEADS, "qwen3": 128}[arch]:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
+        assert type(theirs.config) is type(config)
+        with torch.no_grad():
+            torch.testing.assert_close(got, theirs(ids).logits, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_a_file_of_another_architecture_than_the_model_is_an_error(tmp_path):
+    write_llama_gguf(qwen_model("qwen2", tied=False), tmp_path / "q.gguf", {}, np.random.default_rng(0))
+    f = GGUFFile(tmp_path / "q.gguf")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        k: getattr(llama_config_from_gguf(f), k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                           "num_hidden_layers", "num_attention_heads",
+                                                           "num_key_value_heads")}))
+    with pytest.raises(ValueError, match=r"q\.gguf: the file's architecture is 'qwen2' \(transformers model type "
+                                         r"'qwen2'\), the model's config is 'llama'; build the model from the file"):
+        load_gguf_llama(llama, f)
+
+
+@pytest.mark.parametrize("key", ["attention.key_length", "attention.value_length"])
+def test_a_key_or_value_length_other_than_the_rotary_dimension_is_an_error(tmp_path, key):
+    from torch_qmm.interop.gguf_llama import check_llama_metadata
+
+    same = write_llama_gguf(hf_model(False), tmp_path / "same.gguf", {}, np.random.default_rng(0),
+                            metadata={key: HIDDEN // HEADS})
+    assert check_llama_metadata(GGUFFile(tmp_path / "same.gguf"))["head_dim"] == HIDDEN // HEADS and same
+    write_llama_gguf(hf_model(False), tmp_path / "m.gguf", {}, np.random.default_rng(0), metadata={key: 32})
+    with pytest.raises(ValueError, match=rf"m\.gguf: metadata 'llama\.{key}' = 32 differs from the head dim 64 of "
+                                         r"'llama\.rope\.dimension_count'"):
+        check_llama_metadata(GGUFFile(tmp_path / "m.gguf"))
 
 
 def test_head_count_disagreeing_with_the_file_is_an_error(tmp_path):

@@ -41,7 +41,8 @@ A folder torch_qmm already quantized keeps its layers' format, bit for bit (the 
 that --format mlx quantizes take that format too); --mode / --bits / --group-size asking for another
 format are refused: quantized layers are not re-quantized.
 
-A llama-family GGUF file keeps its quantization where the output format can hold it exactly:
+A llama-family GGUF file keeps its quantization where the output format can hold it exactly
+(architectures llama, mistral, qwen2, qwen3):
 Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit, Q4_K and Q5_K become
 bits 4 and 5 / group size 32 (exact with float32 scales, the default for GGUF; --dtype
 float16/bfloat16 rounds them, and bfloat16 the others' float16 scales; the output says which layers). Layers
@@ -204,14 +205,14 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
     keep_affine): the embedding is float, decoded from the file by gguf, and a tied output head is
     an nn.Linear tied to it.
     Returns (model, {quantized module: exact in dtype}, {module: GGUF type})."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from .gguf_llama import llama_config_from_gguf, load_gguf_llama
 
     float_embedding = float_embedding or not keep_affine
     config = llama_config_from_gguf(f)  # checked against the tensors before anything is built
     with torch.device("meta"):  # every tensor comes from the file (strict), the rotary frequencies from the config
-        model = LlamaForCausalLM(config).eval()
+        model = AutoModelForCausalLM.from_config(config).eval()
     print(load_gguf_llama(model, f, dtype=dtype, progress=True))
     exact = _q4_k_to_affine_modules(model, f, dtype, embeddings=not float_embedding) if keep_affine else {}
     tensors = _weight_tensors(f)

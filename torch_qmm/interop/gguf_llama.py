@@ -1,4 +1,5 @@
-"""A llama-family GGUF file into a transformers model of the same architecture.
+"""A llama-family GGUF file (llama, mistral, qwen2, qwen3) into a transformers model of the same
+architecture.
 
 Facts from llama.cpp's convert_hf_to_gguf.py and transformers' GGUF loader
 (integrations/ggml.py, integrations/gguf/gguf_conversion_mapping.py, modeling_gguf_pytorch_utils.py):
@@ -6,13 +7,18 @@ Facts from llama.cpp's convert_hf_to_gguf.py and transformers' GGUF loader
   blk.N.{attn_q,attn_k,attn_v,attn_output} -> model.layers.N.self_attn.{q,k,v,o}_proj,
   blk.N.{ffn_gate,ffn_up,ffn_down} -> model.layers.N.mlp.{gate,up,down}_proj,
   blk.N.attn_norm -> input_layernorm, blk.N.ffn_norm -> post_attention_layernorm (no +1 offset);
-* llama.cpp permutes the rows of attn_q (n_head heads) and attn_k (n_kv_head heads) from
-  Hugging Face's rotate-half order to interleaved pairs: rows of one head go from [2, head_dim/2]
-  to [head_dim/2, 2]. We undo it as a row permutation, so it applies unchanged to quantized rows
-  (GGUF blocks never cross rows): the file's blocks are kept, only reordered.
+  qwen3's blk.N.{attn_q_norm,attn_k_norm} -> self_attn.{q_norm,k_norm};
+* for llama and mistral (whose rotary embedding llama.cpp computes on interleaved pairs) llama.cpp
+  permutes the rows of attn_q (n_head heads) and attn_k (n_kv_head heads) from Hugging Face's
+  rotate-half order to interleaved pairs: rows of one head go from [2, head_dim/2] to
+  [head_dim/2, 2]. We undo it as a row permutation, so it applies unchanged to quantized rows
+  (GGUF blocks never cross rows): the file's blocks are kept, only reordered. qwen2 and qwen3 are
+  written unpermuted (llama.cpp rotates their halves, as transformers does);
+* qwen2's q, k and v projections always have biases (its config has no flag for them);
 * config: llama.{block_count, embedding_length, feed_forward_length, attention.head_count,
   attention.head_count_kv, attention.layer_norm_rms_epsilon, rope.freq_base, context_length,
-  rope.dimension_count}; the special token ids tokenizer.ggml.{bos,eos,padding}_token_id (the
+  rope.dimension_count, attention.key_length / value_length (the head dim where it is not
+  embedding_length / head_count)}; the special token ids tokenizer.ggml.{bos,eos,padding}_token_id (the
   unknown token has no config field: it is in the tokenizer files, see gguf_tokenizer).
 """
 
@@ -22,6 +28,7 @@ import math
 import os
 import re
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,7 +41,26 @@ from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .mlx import LoadReport
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 
-LLAMA_FAMILY = ("llama", "mistral")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What differs between the llama-family architectures a GGUF file may name."""
+
+    model_type: str  # transformers' model type (its config and model classes)
+    permuted_qk: bool  # llama.cpp permuted the Q / K rows (see the module docstring)
+    bias_flags: tuple[str, ...]  # config flags that give projections biases (LlamaConfig's two)
+    fixed_biases: tuple[str, ...]  # GGUF projections that always have biases
+    qk_norm: bool  # an RMSNorm over each head of q and k (attn_q_norm / attn_k_norm)
+
+
+ARCHITECTURES = {
+    "llama": Architecture("llama", True, ("attention_bias", "mlp_bias"), (), False),
+    "mistral": Architecture("llama", True, ("attention_bias", "mlp_bias"), (), False),
+    "qwen2": Architecture("qwen2", False, (), ("attn_q", "attn_k", "attn_v"), False),
+    "qwen3": Architecture("qwen3", False, ("attention_bias",), (), True),
+}
+LLAMA_FAMILY = tuple(ARCHITECTURES)
 
 _RENAMES = [
     (r"^token_embd\.", "model.embed_tokens."),
@@ -49,6 +75,8 @@ _RENAMES = [
     (r"\.ffn_up\.", ".mlp.up_proj."),
     (r"\.ffn_down\.", ".mlp.down_proj."),
     (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.attn_q_norm\.", ".self_attn.q_norm."),
+    (r"\.attn_k_norm\.", ".self_attn.k_norm."),
     (r"\.ffn_norm\.", ".post_attention_layernorm."),
 ]
 # Not model parameters: llama.cpp's per-frequency rotary factors (Llama 3.1-style scaling), which
@@ -95,14 +123,15 @@ def unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
 
 
 def llama_config_from_gguf(f: GGUFFile):
-    """A transformers LlamaConfig from the file's metadata, checked against the tensor shapes
-    (check_llama_metadata) before anything is built from it."""
-    from transformers import LlamaConfig
+    """The transformers config of the file's architecture (LlamaConfig, Qwen2Config, Qwen3Config)
+    from its metadata, checked against the tensor shapes (check_llama_metadata) before anything is
+    built from it. ``transformers.AutoModelForCausalLM.from_config`` builds the model."""
+    from transformers import AutoConfig
 
     kwargs = check_llama_metadata(f)
     kwargs.update(_special_token_ids(f, kwargs["vocab_size"]))
     _warn_unmapped_rope(f, f.architecture)
-    return LlamaConfig(**kwargs)
+    return AutoConfig.for_model(ARCHITECTURES[f.architecture].model_type, **kwargs)
 
 
 # Metadata that must be a positive integer / a positive finite float when present.
@@ -131,7 +160,7 @@ def _metadata_value(f: GGUFFile, arch: str, key: str, field: str):
 
 
 def check_llama_metadata(f: GGUFFile) -> dict:
-    """The LlamaConfig fields of a llama-family GGUF file, after checking every one against the
+    """The config fields of a llama-family GGUF file, after checking every one against the
     tensors the file holds: each parameter of the transformers model these fields describe must be
     a tensor of exactly that shape, and every block 0 .. block_count-1 must be present. So the
     model built from the result holds no more values than the file's tensors.
@@ -146,6 +175,7 @@ def check_llama_metadata(f: GGUFFile) -> dict:
         value = _metadata_value(f, arch, key, field)
         if value is not None:
             kwargs[field] = value
+    _head_dim_from_lengths(f, arch, kwargs)
     for required in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
         if required not in kwargs:
             key = next(k for k, v in _CONFIG_KEYS.items() if v == required)
@@ -158,15 +188,34 @@ def check_llama_metadata(f: GGUFFile) -> dict:
     kwargs["vocab_size"] = embd[0]
     kwargs["tie_word_embeddings"] = "output.weight" not in f.tensors
     # Biases have no metadata key: llama.cpp stores them as optional tensors of block 0 and on
-    # (LlamaConfig has one flag for the attention's four projections and one for the MLP's three).
-    kwargs["attention_bias"] = any(f"blk.0.{p}.bias" in f.tensors for p in _ATTENTION)
-    kwargs["mlp_bias"] = any(f"blk.0.{p}.bias" in f.tensors for p in _MLP)
+    # (LlamaConfig has one flag for the attention's four projections and one for the MLP's three;
+    # Qwen3Config the attention's only; qwen2's q, k, v always have them).
+    for flag in ARCHITECTURES[arch].bias_flags:
+        kwargs[flag] = any(f"blk.0.{p}.bias" in f.tensors for p in _BIASED_BY[flag])
     _check_shapes(f, arch, kwargs)
     return kwargs
 
 
 _ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
 _MLP = ("ffn_gate", "ffn_up", "ffn_down")
+_BIASED_BY = {"attention_bias": _ATTENTION, "mlp_bias": _MLP}
+
+
+def _head_dim_from_lengths(f: GGUFFile, arch: str, kwargs: dict) -> None:
+    """head_dim from {arch}.attention.key_length / value_length (llama.cpp writes them where the
+    model's config names a head dim), which must agree with each other and with
+    rope.dimension_count: transformers' models have one head dim for q, k, v and the rotary
+    embedding."""
+    for key in ("attention.key_length", "attention.value_length"):
+        value = _metadata_value(f, arch, key, "head_dim")
+        if value is None:
+            continue
+        if "head_dim" in kwargs and kwargs["head_dim"] != value:
+            raise ValueError(f"{f.path}: metadata '{arch}.{key}' = {value} differs from the head dim "
+                             f"{kwargs['head_dim']} of '{arch}.rope.dimension_count' or key_length (a partial "
+                             "rotary embedding or different key and value heads, which the transformers model of "
+                             f"{arch!r} cannot hold)")
+        kwargs["head_dim"] = value
 
 
 def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
@@ -191,7 +240,7 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
     if ffn is None:
         raise ValueError(f"{f.path}: no '{arch}.feed_forward_length' and no blk.0.ffn_up.weight to infer it from")
     c.setdefault("intermediate_size", ffn)
-    vocab = c["vocab_size"]
+    vocab, kind = c["vocab_size"], ARCHITECTURES[arch]
     expected = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if not c["tie_word_embeddings"]:
         expected["output.weight"] = (vocab, hidden)
@@ -203,16 +252,21 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
             f"blk.{i}.ffn_down.weight": (hidden, ffn), f"blk.{i}.attn_norm.weight": (hidden,),
             f"blk.{i}.ffn_norm.weight": (hidden,),
         })
-        for flag, names in (("attention_bias", _ATTENTION), ("mlp_bias", _MLP)):
-            if c[flag]:  # every projection of the kind then has a bias of its rows
+        for flag, names in _BIASED_BY.items():
+            if c.get(flag):  # every projection of the kind then has a bias of its rows
                 expected.update({f"blk.{i}.{n}.bias": (expected[f"blk.{i}.{n}.weight"][0],) for n in names})
+        expected.update({f"blk.{i}.{n}.bias": (expected[f"blk.{i}.{n}.weight"][0],) for n in kind.fixed_biases})
+        if kind.qk_norm:
+            expected.update({f"blk.{i}.attn_q_norm.weight": (head_dim,), f"blk.{i}.attn_k_norm.weight": (head_dim,)})
     # load_gguf_llama reads a bias with its weight: one the model has no place for would be dropped,
     # or given to a layer the config says has none.
     stray = sorted(n for n in f.tensors if n.endswith(".bias") and n not in expected)
     if stray:
-        raise ValueError(f"{f.path}: tensor {stray[0]!r} is a bias the model has no place for (it takes biases of "
-                         "the attention's or the MLP's projections, in every block when block 0 has them; here "
-                         f"attention {c['attention_bias']}, MLP {c['mlp_bias']})")
+        takes = ", ".join([f"{flag} {c[flag]}" for flag in kind.bias_flags]
+                          + [f"always {', '.join(kind.fixed_biases)}"] * bool(kind.fixed_biases))
+        raise ValueError(f"{f.path}: tensor {stray[0]!r} is a bias the {arch} model has no place for (it takes "
+                         "biases of the projections its config's flags give them, in every block when block 0 has "
+                         f"them; here {takes})")
     for name, shape in expected.items():
         t = f.tensors.get(name)
         if t is None:
@@ -266,6 +320,21 @@ def _special_token_ids(f: GGUFFile, vocab_size: int) -> dict[str, int | None]:
     return out
 
 
+def _check_model_type(f: GGUFFile, config) -> Architecture:
+    """The file's architecture, which must be the model's (a llama model cannot hold qwen2's biases
+    nor read qwen's unpermuted rows as permuted ones)."""
+    arch = f.architecture
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{f.path}: architecture {arch!r} is not in the llama family {LLAMA_FAMILY}")
+    want = ARCHITECTURES[arch].model_type
+    got = getattr(config, "model_type", None)
+    if got != want:
+        raise ValueError(f"{f.path}: the file's architecture is {arch!r} (transformers model type {want!r}), the "
+                         f"model's config is {got!r}; build the model from the file: "
+                         "transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f))")
+    return ARCHITECTURES[arch]
+
+
 def _rows_permuted(t: GGUFTensor, perm: torch.Tensor) -> GGUFTensor:
     return GGUFTensor(t.name, t.ggml_type, t.shape, t.raw[perm.numpy()], t.source)
 
@@ -311,6 +380,7 @@ def load_gguf_llama(
     target = resolve_device(model, device, "load_gguf_llama")
     f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = getattr(model, "config", None)
+    arch = _check_model_type(f, config)
     n_head = getattr(config, "num_attention_heads", None)
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
     if n_head is None:
@@ -329,7 +399,7 @@ def load_gguf_llama(
             continue
         module_name, _, leaf = name.rpartition(".")
         perm = None
-        if ".attn_q." in gname or ".attn_k." in gname:
+        if arch.permuted_qk and (".attn_q." in gname or ".attn_k." in gname):
             heads, field = (n_head, "num_attention_heads") if ".attn_q." in gname else (n_kv, "num_key_value_heads")
             try:
                 perm = unpermute_rows(t.shape[0], heads)
