@@ -123,7 +123,7 @@ def bf16_precision(m: int, x_dtype: torch.dtype, transpose: bool = True, precisi
 
 # ---- float32 x on the float32 chunk kernels --------------------------------------------------------
 # The AVX2 affine chunk kernels (csrc/cpu/avx2_chunked.cpp): codes per chunk by bits, rows of x.
-AVX2_AFFINE_CHUNKS = {4: 64, 8: 32}
+AVX2_AFFINE_CHUNKS = {3: 64, 4: 64, 5: 32, 6: 32, 8: 32}
 AVX2_AFFINE_MAX_ROWS = 15  # cpu::avx2_affine_max_rows
 
 

@@ -1,5 +1,6 @@
-"""The AVX2 chunk multiplier that keeps float32 x exact for affine 8-bit ("avx2-u8",
-csrc/cpu/chunk_avx2.h); the GGUF ones are tested in test_cpu_gguf_float32.py.
+"""The AVX2 chunk multipliers that keep float32 x exact for affine 8-bit ("avx2-u8") and for the
+bit streams of 3, 5 and 6 bits ("avx2-u3", "avx2-u5", "avx2-u6"), csrc/cpu/chunk_avx2.h; the
+GGUF ones are tested in test_cpu_gguf_float32.py.
 
 Each test first checks, with torch.ops.torch_qmm._cpu_route, that the call reached the
 multiplier it means to test (on a CPU with AVX512_BF16 the bfloat16 kernels come first where
@@ -11,6 +12,7 @@ since each product q * x is rounded once and the sums are float32.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,3 +80,35 @@ def test_u8_multiplier_every_code_and_two_threads(threads):
     y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=32, bits=8)
     assert_matches_reference(y, reference.qmm(x, wq, scales, biases, 8, 32, True),
                              reference.qmm_magnitude(x, wq, scales, biases, 8, 32, True), torch.float32, "all codes")
+
+
+def _pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint32 words holding each row of codes as one little-endian bit stream (code k at bits
+    [k * bits, (k + 1) * bits)), as MLX packs them; written here from that definition."""
+    rows, k = codes.shape
+    stream = ((codes[:, :, None] >> torch.arange(bits)) & 1).to(torch.uint8).numpy().reshape(rows, k * bits)
+    packed = np.packbits(stream, axis=1, bitorder="little")
+    return torch.from_numpy(packed.copy()).view(torch.int32).view(torch.uint32).reshape(rows, k * bits // 32)
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6])
+def test_stream_multipliers_every_code_in_every_position(bits, threads):
+    """Codes that straddle bytes and dwords: row r holds code (r + 7p) mod 2^bits at position p, so
+    every code stands at every position of a chunk (32 codes; 64 for 3 bits) in some row."""
+    n, k = 2**bits, 256
+    codes = (torch.arange(n)[:, None] + 7 * torch.arange(k)[None, :]) % n
+    wq = _pack_stream(codes, bits)
+    assert torch.equal(reference.unpack(wq, bits), codes)
+    gen = torch.Generator().manual_seed(bits)
+    scales = torch.randn(n, k // 32, generator=gen) * 0.05
+    biases = torch.randn(n, k // 32, generator=gen) * 0.2
+    for m in (1, 2, 3, 5):
+        x = torch.randn(m, k, generator=gen)
+        r = affine_route(x, wq, scales, biases, bits, 32)
+        if _bf16_first(r):
+            continue
+        assert r == f"chunked/avx2-u{bits}", f"M={m}: {r}"
+        y = torch_qmm.quantized_matmul(x, wq, scales, biases, group_size=32, bits=bits)
+        assert_matches_reference(y, reference.qmm(x, wq, scales, biases, bits, 32, True),
+                                 reference.qmm_magnitude(x, wq, scales, biases, bits, 32, True), torch.float32,
+                                 f"avx2-u{bits} every code M={m}")

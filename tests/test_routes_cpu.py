@@ -72,7 +72,7 @@ def _cases():
             cases.append((bits, gs, dtype, True, M, 37, k_main, None))
         for K in sorted({chunk - 32, chunk, chunk + 32} - {0}):
             cases.append((bits, 32, dtype, True, 1, 37, K, None))
-        if bits in AVX2_CHUNKS:  # the AVX2 chunk: 64 (4-bit) or 32 (8-bit) codes
+        if bits in AVX2_CHUNKS:  # the AVX2 chunk: 64 (3-bit, 4-bit) or 32 (5, 6, 8-bit) codes
             c2 = AVX2_CHUNKS[bits]
             for M, K in itertools.product((1, 5), sorted({c2 - 32, c2, c2 + 32} - {0})):
                 cases.append((bits, 32, dtype, True, M, 37, K, None))
@@ -131,7 +131,7 @@ def test_every_cpu_route_is_reached():
     if HAS_AVX512:
         want |= {"chunked/f32"} | ({"chunked/bf16x1", "chunked/bf16x2", "chunked/bf16x3"} if HAS_BF16 else set())
     if HAS_AVX2:
-        want |= {"chunked/avx2-u4", "chunked/avx2-u8"}
+        want |= {f"chunked/avx2-u{bits}" for bits in (3, 4, 5, 6, 8)}
     assert want <= routes, f"not reached: {want - routes}"
 
 

@@ -1,6 +1,6 @@
 // The AVX2 chunk kernels, transpose=True, small M, on any x86 CPU with AVX2 and FMA (AVX-512 ones
 // included): the multipliers of chunk_avx2.h on the driver of chunk_driver.h, for affine 4-bit
-// and 8-bit (U4Multiplier, U8Multiplier) and the fp modes of csrc/format_spec.h: e2m1 elements (E2m1Multiplier: mxfp4,
+// and 8-bit (U4Multiplier, U8Multiplier), 3, 5 and 6-bit (StreamMultiplier) and the fp modes of csrc/format_spec.h: e2m1 elements (E2m1Multiplier: mxfp4,
 // nvfp4) and e4m3 elements (E4m3Multiplier: mxfp8). This file defines the one AVX2 kernel they share: x rearranged into the
 // multiplier's vector order, the per-lane scales of each chunk (fp: uint8 codes through a
 // 256-entry table, the multiplier's unit folded in; affine: the scales' float dtype), the affine
@@ -120,12 +120,12 @@ struct Avx2Kernel {
 
   const uint8_t* row(int64_t n) const { return a.wq + n * row_bytes; }
 
-  // xc[c][j][l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j) (exact in range); rest: the K
+  // xc[c][j][l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j, l) (exact in range); rest: the K
   // tail in natural order, then (affine) the sum of x over each group.
   void prepare_part(const float* x, int64_t c0, int64_t c1, X* xc, float*, float* rest) const {
     for (int64_t c = c0; c < c1; ++c)
       for (int j = 0; j < C::kVectors; ++j)
-        for (int l = 0; l < 8; ++l) xc[kCodes * c + 8 * j + l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j);
+        for (int l = 0; l < 8; ++l) xc[kCodes * c + 8 * j + l] = x[kCodes * c + C::code(j, l)] * C::x_factor(j, l);
     const bool last = c1 == chunks;
     if (last)
       for (int64_t k = 0; k < tail; ++k) rest[k] = x[chunks * kCodes + k];
@@ -245,7 +245,10 @@ bool with_multiplier(const QmmArgs& a, F&& f) {
       if (a.group_size == 128) return f(Group<128>{}, c), true;
       return false;
     };
+    if (a.bits == 3) return with_group(StreamMultiplier<3>{});
     if (a.bits == 4) return with_group(U4Multiplier{});
+    if (a.bits == 5) return with_group(StreamMultiplier<5>{});
+    if (a.bits == 6) return with_group(StreamMultiplier<6>{});
     if (a.bits == 8) return with_group(U8Multiplier{});
     return false;
   }
@@ -258,7 +261,7 @@ bool with_multiplier(const QmmArgs& a, F&& f) {
 template <int G, typename C>
 void run_avx2(const QmmArgs& a, float* y) {
   const FormatSpec& spec = format_spec(a.mode);
-  if constexpr (std::is_same_v<C, U4Multiplier> || std::is_same_v<C, U8Multiplier>) {
+  if constexpr (C::kAffine) {
     dispatch_bits_dtype(C::kBits, a.dtype, [&](auto, auto t) {
       using T = decltype(t);
       const AffineScales<T> s{static_cast<const T*>(a.scales), static_cast<const T*>(a.biases)};

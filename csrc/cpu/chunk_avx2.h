@@ -1,7 +1,7 @@
 // The AVX2 multipliers of the chunk kernels (avx2_chunked.cpp; driver: chunk_driver.h), for any
 // x86 CPU with AVX2 and FMA. A chunk is one 32-byte load of a packed row, decoded into kVectors
 // float vectors of 8 lanes; x is rearranged once per call so that every decoded lane meets its x
-// in-lane (lane l of vector j: code code(j, l) of the chunk, times x_factor(j)), with no shuffle of
+// in-lane (lane l of vector j: code code(j, l) of the chunk, times x_factor(j, l)), with no shuffle of
 // W across lanes. The partial sums of a chunk are kept in kHalves chains, each multiplied by its
 // per-lane scales (scale_lanes) once per chunk.
 //
@@ -11,6 +11,15 @@
 // |x| >= 2^-98: x_in_range), so each FMA adds q * x rounded once. Lane l holds codes 8l .. 8l+7,
 // one group: the scales are [s0 x4, s1 x4] for groups of 32, one broadcast for 64 and 128; the
 // bias is hoisted (avx2_chunked.cpp).
+//
+// StreamMultiplier<B> (affine 3, 5 and 6 bits): the row is one little-endian bit stream, so codes
+// straddle bytes and dwords. A chunk is kCodes codes (32; 64 for B = 3, so that it spans at least
+// 16 bytes), read as two 16-byte windows, each broadcast to both 128-bit lanes: one at the
+// chunk's start, one ending at its end. Vector j holds codes 8j .. 8j+7 in order; lane l's code
+// starts at bit s = B(8j + l) % 8 of byte B(8j + l) / 8: one vpshufb moves that byte and the next
+// into the low half of the lane's dword, one AND keeps the code in place (q * 2^s; s + B <= 13),
+// converted exactly, and x is prepared times 2^-s (x_factor(j, l)): each FMA adds q * x rounded
+// once, as U4Multiplier's do.
 //
 // E2m1Multiplier (mxfp4, nvfp4): a chunk is 64 e2m1 codes (byte i: code 2i in the low nibble,
 // 2i+1 in the high one). Each nibble goes through two 16-entry vpshufb tables to the high and the
@@ -50,11 +59,11 @@ __attribute__((always_inline)) inline void prefetch_range(const void* base, int6
 template <int B>
 struct DwordFieldMultiplier {
   static constexpr int kBits = B, kVectors = 32 / B, kCodes = 8 * kVectors, kBytes = 32, kHalves = 2;
-  static constexpr bool kNanCodes = false;
+  static constexpr bool kNanCodes = false, kAffine = true;
   static constexpr int64_t kXPerChunk = kCodes;
   static constexpr float kUnit = 1.0f;
   static constexpr int code(int j, int l) { return kVectors * l + j; }
-  static constexpr float x_factor(int j) { return j == kVectors - 1 ? 1.0f : 1.0f / float(1 << (B * j)); }
+  static constexpr float x_factor(int j, int /*lane*/) { return j == kVectors - 1 ? 1.0f : 1.0f / float(1 << (B * j)); }
   // Whether the two chains meet the same scales (scale_lanes: sv[0] == sv[1]) for groups of G.
   template <int G>
   static constexpr bool halves_share_scales() { return true; }
@@ -103,10 +112,81 @@ struct U8Multiplier : DwordFieldMultiplier<8> {
   }
 };
 
+template <int B>
+struct StreamMultiplier {
+  static_assert(B == 3 || B == 5 || B == 6, "bit streams of 3, 5 or 6 bits");
+  static constexpr const char* kName = B == 3 ? "avx2-u3" : B == 5 ? "avx2-u5" : "avx2-u6";
+  static constexpr int kBits = B, kCodes = B == 3 ? 64 : 32, kBytes = kCodes * B / 8, kVectors = kCodes / 8;
+  static constexpr int kHalves = 2;
+  static constexpr bool kNanCodes = false, kAffine = true;
+  static constexpr int64_t kXPerChunk = kCodes;
+  static constexpr float kUnit = 1.0f;
+  static constexpr int code(int j, int l) { return 8 * j + l; }
+  static constexpr int shift(int j, int l) { return B * code(j, l) % 8; }
+  static constexpr float x_factor(int j, int l) { return 1.0f / float(1 << shift(j, l)); }
+  // Vector j's B bytes (B * j ..) lie in window 0 (bytes 0-15) or else in window 1 (the last 16).
+  static constexpr int window(int j) { return B * j + B <= 16 ? 0 : 1; }
+  static constexpr int window_start(int j) { return window(j) == 0 ? 0 : kBytes - 16; }
+  // Chains: at 64 codes (B = 3) vectors 0-3 and 4-7 are the chunk's two groups of 32.
+  static constexpr int chain(int j) { return kVectors == 8 ? j / 4 : j % 2; }
+  template <int G>
+  static constexpr bool halves_share_scales() { return kCodes <= G; }
+
+  template <int G, typename Scale>
+  __attribute__((always_inline)) static inline void scale_lanes(Scale scale, __m256 (&sv)[kHalves]) {
+    static_assert(G == 32 || G == 64 || G == 128, "affine groups of 32, 64 or 128");
+    if constexpr (kCodes > G) {
+      sv[0] = _mm256_set1_ps(scale(0));
+      sv[1] = _mm256_set1_ps(scale(1));
+    } else {
+      sv[0] = sv[1] = _mm256_set1_ps(scale(0));
+    }
+  }
+
+  // Per vector: the vpshufb index that brings each lane's two bytes into its dword (0x80: zero),
+  // and the mask of the lane's code in place.
+  struct Tables {
+    alignas(32) uint8_t index[kVectors][32];
+    alignas(32) uint32_t mask[kVectors][8];
+  };
+  static constexpr Tables tables() {
+    Tables t{};
+    for (int j = 0; j < kVectors; ++j)
+      for (int l = 0; l < 8; ++l) {
+        const int bit = B * code(j, l), byte = bit / 8 - window_start(j), s = bit % 8;
+        // (lanes 4-7 index the high 128 bits, which hold the same window)
+        uint8_t* d = t.index[j] + 4 * l;
+        d[0] = uint8_t(byte);
+        d[1] = s + B > 8 ? uint8_t(byte + 1) : uint8_t(0x80);
+        d[2] = d[3] = 0x80;
+        t.mask[j][l] = uint32_t((1u << B) - 1) << s;
+      }
+    return t;
+  }
+  static constexpr Tables kTables = tables();
+
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void dot(const uint8_t* const (&w)[R], const float* const (&xc)[MB],
+                                                        __m256 (&p)[R][MB][kHalves]) {
+    for (int r = 0; r < R; ++r) {
+      const __m256i win[2] = {
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r]))),
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + kBytes - 16)))};
+      for (int j = 0; j < kVectors; ++j) {
+        const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTables.index[j]));
+        const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTables.mask[j]));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(win[window(j)], idx), mask));
+        for (int m = 0; m < MB; ++m)
+          p[r][m][chain(j)] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + 8 * j), p[r][m][chain(j)]);
+      }
+    }
+  }
+};
+
 struct E2m1Multiplier {
   static constexpr const char* kName = "avx2-e2m1";
   static constexpr int kBits = 4, kCodes = 64, kBytes = 32;
-  static constexpr bool kNanCodes = false;
+  static constexpr bool kNanCodes = false, kAffine = false;
   static constexpr int64_t kXPerChunk = 64;  // floats per chunk per x row
 
   // The code (0..63) in vector j (0..7), lane l (0..7) of a decoded chunk: nibble j / 4 (low,
@@ -119,7 +199,7 @@ struct E2m1Multiplier {
   static constexpr int half(int j) { return (j / 2) % 2; }
   static constexpr int kVectors = 8, kHalves = 2;
   static constexpr float kUnit = 1.0f;  // a decoded lane is its element value times kUnit
-  static constexpr float x_factor(int) { return 1.0f; }
+  static constexpr float x_factor(int, int) { return 1.0f; }
   template <int G>
   static constexpr bool halves_share_scales() { return G == 32; }
 
@@ -186,10 +266,10 @@ struct E4m3Multiplier {
   static constexpr int kBits = 8, kCodes = 32, kBytes = 32, kVectors = 4, kHalves = 2;
   static constexpr int64_t kXPerChunk = 32;
   static constexpr float kUnit = 0x1p-8f;
-  static constexpr bool kNanCodes = true;
+  static constexpr bool kNanCodes = true, kAffine = false;
   // Vector j: bytes 0-7, 16-23 (vpunpcklbw), 8-15, 24-31 (vpunpckhbw).
   static constexpr int code(int j, int l) { return 8 * (j == 0 ? 0 : j == 1 ? 2 : j == 2 ? 1 : 3) + l; }
-  static constexpr float x_factor(int) { return 1.0f; }
+  static constexpr float x_factor(int, int) { return 1.0f; }
   template <int G>
   static constexpr bool halves_share_scales() { return true; }
 

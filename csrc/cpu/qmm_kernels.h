@@ -82,8 +82,8 @@ constexpr int64_t kGemmMinRows = 16;
 //     float32_fma_first(), which also keeps bits 4 and 8 from the bfloat16 ones at any M);
 //     K of at least one chunk, x in range (chunk::x_in_range);
 //   then, on AVX2 + FMA (avx2_chunked.cpp), K of at least one chunk of the multiplier
-//     (chunk_avx2.h): "avx2-u4" / "avx2-u8" (affine 4-bit / 8-bit, up to avx2_affine_max_rows rows, x in
-//     range), and
+//     (chunk_avx2.h): "avx2-u3" / "avx2-u4" / "avx2-u5" / "avx2-u6" / "avx2-u8" (affine 3, 4, 5, 6,
+//     8 bits, up to avx2_affine_max_rows rows, x in range), and
 //     for the fp modes one multiplier per element encoding ("avx2-e2m1": mxfp4, nvfp4), up to
 //     fp_chunked_max_rows rows.
 const char* qmm_t_chunked_multiplier(const QmmArgs& a);
