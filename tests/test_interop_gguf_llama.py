@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
 from gguf_helpers import random_k_blocks, write_gguf
@@ -109,6 +110,10 @@ def write_llama_gguf(model, path, types: dict[str, T], rng, extra=None, drop=(),
             data, stored = w, w
         elif qtype in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
             data = random_k_blocks(qtype, w.shape[0], w.shape[1], rng)
+            stored = quants.dequantize(data, qtype)
+        elif qtype in (T.Q2_K, T.Q3_K):  # types torch_qmm does not read: blocks of zeros
+            per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+            data = np.zeros((w.shape[0], w.shape[1] // per_block * block_bytes), np.uint8)
             stored = quants.dequantize(data, qtype)
         else:
             data = quants.quantize(w, qtype)
@@ -247,6 +252,17 @@ def test_a_key_or_value_length_other_than_the_rotary_dimension_is_an_error(tmp_p
     with pytest.raises(ValueError, match=rf"m\.gguf: metadata 'llama\.{key}' = 32 differs from the head dim 64 of "
                                          r"'llama\.rope\.dimension_count'"):
         check_llama_metadata(GGUFFile(tmp_path / "m.gguf"))
+
+
+def test_a_file_with_types_torch_qmm_does_not_read_is_refused_before_a_model_is_built(tmp_path):
+    # llama.cpp's Q3_K_M mixes Q3_K with the K-quants torch_qmm reads: the config is refused whole,
+    # naming the types and how many tensors hold them.
+    path = tmp_path / "m.gguf"
+    write_llama_gguf(hf_model(False), path, {"q_proj": T.Q3_K, "k_proj": T.Q3_K, "v_proj": T.Q2_K, "proj": T.Q4_K},
+                     np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"m\.gguf: holds tensors of GGUF types torch_qmm does not read: Q2_K "
+                                         r"\(2 tensors\), Q3_K \(4 tensors\); it reads F32, F16"):
+        llama_config_from_gguf(GGUFFile(path))
 
 
 def test_head_count_disagreeing_with_the_file_is_an_error(tmp_path):

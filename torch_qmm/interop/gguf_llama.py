@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from ..convert import record_loaded_model
 from ..nn import QuantLinear
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
+from .gguf_types import SUPPORTED_TYPES, supported_list
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .mlx import LoadReport
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
@@ -193,7 +194,21 @@ def check_llama_metadata(f: GGUFFile) -> dict:
     for flag in ARCHITECTURES[arch].bias_flags:
         kwargs[flag] = any(f"blk.0.{p}.bias" in f.tensors for p in _BIASED_BY[flag])
     _check_shapes(f, arch, kwargs)
+    _check_types(f)
     return kwargs
+
+
+def _check_types(f: GGUFFile) -> None:
+    """Every tensor of a type torch_qmm reads, checked before a model is built: a file with others
+    (llama.cpp's Q3_K_M holds Q3_K, Q4_K, Q5_K and Q6_K) is refused naming them and how many."""
+    unread: dict[str, int] = {}
+    for t in f.tensors.values():
+        if t.ggml_type not in SUPPORTED_TYPES:
+            unread[t.type_name] = unread.get(t.type_name, 0) + 1
+    if unread:
+        found = ", ".join(f"{name} ({count} tensor{'s' * (count > 1)})" for name, count in sorted(unread.items()))
+        raise ValueError(f"{f.path}: holds tensors of GGUF types torch_qmm does not read: {found}; it reads "
+                         f"{supported_list()}")
 
 
 _ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
