@@ -613,6 +613,30 @@ def test_quantized_layer_without_its_weight_or_biases_is_refused_by_every_mlx_lo
     assert f"refused: {folder}: {message}" in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.parametrize("leaf, value", [("scales", float("nan")), ("biases", float("inf"))])
+def test_scales_or_biases_that_are_not_finite_are_refused_by_load_mlx_and_load_mlx_sharded(mlx_folder, tmp_path,
+                                                                                        leaf, value):
+    """One NaN scale (or Inf bias) of a quantized layer made every output of its rows NaN, loaded
+    without a word by load_mlx and by each rank of load_mlx_sharded that reads it."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(mlx_folder, tmp_path / "m")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    key = f"model.layers.1.mlp.down_proj.{leaf}"
+    shard = folder / index["weight_map"][key]
+    tensors = load_file(shard)
+    tensors[key][5, 1] = value
+    save_file(tensors, str(shard), metadata={"format": "mlx"})
+    message = f"{shard}: tensor '{key}' (F32) holds NaN or Inf: the file is corrupt"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_mlx(_fresh_model(mlx_folder), folder)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(folder), str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"refused: {message}" in proc.stdout, proc.stdout[-2000:]
+
+
 def test_model_type_that_is_not_a_string_is_refused_by_load_mlx_sharded(mlx_folder, tmp_path):
     """A list where config.json names the model type: load_mlx refused it, load_mlx_sharded raised
     "unhashable type: 'list'" looking it up in the MoE naming table."""

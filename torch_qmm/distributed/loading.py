@@ -231,7 +231,7 @@ def _gate_up_part(read, keys: list[str], dst: torch.Tensor, interleaved: bool, c
             raise ValueError(f"{ckpt.path}: tensor {key!r} has shape {list(ckpt.shape(key))}, the model expects "
                              f"{list(want)}")
         _check_dtype(ckpt, key, dst)
-        parts.append(read(key)[:, start:start + n])
+        parts.append(ckpt.finite_scales(key, read(key)[:, start:start + n]))
     return join_gate_up(*parts, interleaved)
 
 
@@ -272,7 +272,7 @@ def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, dev
                     raise ValueError(f"{ckpt.path}: tensor {key!r} has shape {list(ckpt.shape(key))}, the model "
                                      f"expects {list(dst.shape)}")
                 _check_dtype(ckpt, key, dst)
-                part = read(key)[_slices(dst)]
+                part = ckpt.finite_scales(key, read(key)[_slices(dst)])
             local = dst._local_tensor if isinstance(dst, DTensor) else dst
             local.copy_(part)
             report.bytes_read += part.numel() * part.element_size()

@@ -310,8 +310,8 @@ def load_mlx(
             # it stays float, the stored weight dequantized into it (the values MLX multiplies by).
             rows, cols = module.weight.shape
             _check_quantized_shapes(ckpt, p, spec, rows, cols)
-            parts = [ckpt.get(f"{p}.{part}") for part in (("weight", "scales", "biases") if spec.has_biases
-                                                          else ("weight", "scales"))]
+            parts = [ckpt.finite_scales(f"{p}.{part}", ckpt.get(f"{p}.{part}"))
+                     for part in (("weight", "scales", "biases") if spec.has_biases else ("weight", "scales"))]
             w = dequantize(*parts, group_size=spec.group_size, bits=spec.bits, mode=spec.mode, dtype=torch.float32)
             with torch.no_grad():
                 (module.weight if meta is None else meta.real(module, "weight")).copy_(w)
@@ -358,7 +358,7 @@ def load_mlx(
         for target, key in tqdm(sorted(targets.items()), desc="loading", disable=not show, unit="tensor"):
             if target not in state:
                 continue
-            t = ckpt.get(key)
+            t = ckpt.finite_scales(key, ckpt.get(key))
             dst = state[target] if meta is None else meta.real_key(model, target)
             if tuple(t.shape) != tuple(dst.shape):
                 raise ValueError(

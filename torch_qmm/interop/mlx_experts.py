@@ -151,7 +151,7 @@ def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype:
                         raise ValueError(f"{ckpt.path}: the model's experts {name} have a {leaf}; missing {keys}")
                     for k in keys:
                         check_dtype(ckpt, k, dst)
-                    parts = [ckpt.get(k) for k in keys]
+                    parts = [ckpt.finite_scales(k, ckpt.get(k)) for k in keys]
                     t = new.join_gate_and_up(*parts) if len(parts) == 2 else parts[0]
                     if tuple(t.shape) != tuple(dst.shape):
                         raise ValueError(f"{ckpt.path}: {keys} have shapes {[list(p.shape) for p in parts]}, the "

@@ -187,6 +187,18 @@ class Checkpoint:
         except SafetensorError as e:  # what our header checks do not cover (file changed since?)
             raise ValueError(f"{file}: tensor {name!r}: {e}") from None
 
+    def _non_finite(self, name: str) -> str:
+        return (f"{self.where[name]}: tensor {name!r} ({self.dtype_name(name)}) holds NaN or Inf: the file is corrupt "
+                "(a model's weights, scales and biases are finite)")
+
+    def finite_scales(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """t, read from tensor `name` (whole or a slice), after checking that the scales or biases
+        of a quantized layer (float `.scales` / `.biases`) are finite: NaN or Inf there would make
+        every output of the layer's rows NaN. ValueError naming the file and tensor."""
+        if name.endswith((".scales", ".biases")) and t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(self._non_finite(name))
+        return t
+
     def check_finite(self, name: str, slice_bytes: int) -> bool:
         """Reads a floating tensor a slice of rows at a time (at most about `slice_bytes` each)
         and raises ValueError naming the file and tensor at the first value that is not finite.
@@ -204,8 +216,7 @@ class Checkpoint:
                 for r in range(0, shape[0] if shape else 1, step):
                     part = view[r:r + step] if shape else view[:]
                     if not torch.isfinite(part.float() if part.element_size() == 1 else part).all():
-                        raise ValueError(f"{file}: tensor {name!r} ({self.dtype_name(name)}) holds NaN or Inf: "
-                                         "the file is corrupt (a model's weights, scales and biases are finite)")
+                        raise ValueError(self._non_finite(name))
         except SafetensorError as e:
             raise ValueError(f"{file}: tensor {name!r}: {e}") from None
         return True
