@@ -645,6 +645,24 @@ def test_moe_folder_report_lists_the_experts_as_quantized(tmp_path, capsys):
     assert all(isinstance(again.get_submodule(name), QuantFusedExperts) for name in experts)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_moe_folder_torch_qmm_quantized_converts_to_both_formats_keeping_its_experts(tmp_path, capsys, family):
+    # save_pretrained stores a Mixtral block under its checkpoint name (block_sparse_moe, where the
+    # model says mlp): the report looked the experts' scales up under the model's name (KeyError).
+    from moe_helpers import LAYERS, tiny_moe
+    from torch_qmm.convert import quantize_model
+
+    model = tiny_moe(family)
+    quantize_model(model, bits=4, group_size=64)
+    model.save_pretrained(tmp_path / "q")
+    for fmt in ("mlx", "transformers"):
+        capsys.readouterr()
+        assert main(["convert", str(tmp_path / "q"), str(tmp_path / fmt), "--format", fmt]) == 0
+        report = _report(capsys.readouterr().out)
+        experts = [f"model.layers.{layer}.mlp.experts" for layer in range(LAYERS)]
+        assert [report.get(name) for name in experts] == ["lossless affine b4 gs64 -> affine b4 gs64"] * LAYERS
+
+
 @pytest.fixture(scope="module")
 def quantized_folder(hf_folder, tmp_path_factory):
     """hf_folder converted by torch_qmm with a format other than the defaults: affine b8 gs32."""
