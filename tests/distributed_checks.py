@@ -358,6 +358,44 @@ def check_llama(rank: int, world: int, mesh) -> dict:
     }
 
 
+def check_tied_quant_embedding(rank: int, world: int, mesh) -> dict:
+    """A model whose output layer is tied to a QuantEmbedding's table (TiedQuantLinear, as
+    load_gguf_llama and load_mlx build a tied model): tp_plan leaves both replicated and the rest
+    split; a plan that splits the embedding alone is refused before any split, naming both."""
+    import torch_qmm
+    from torch.distributed.tensor import Replicate
+    from torch_qmm.distributed import QuantRowwiseParallel, parallelize, tp_plan
+    from torch_qmm.interop.modules import QuantEmbedding, TiedQuantLinear
+
+    model = tiny_llama(world)
+    model.config.tie_word_embeddings = True
+    torch_qmm.quantize_model(model, bits=4, group_size=32)
+    table = model.model.embed_tokens.weight.detach()
+    emb = QuantEmbedding(table.shape[0], table.shape[1], 4, 32)
+    emb.qweight.copy_(torch_qmm.quantize(table, group_size=32, bits=4)[0])
+    emb.scales.copy_(torch_qmm.quantize(table, group_size=32, bits=4)[1])
+    emb.biases.copy_(torch_qmm.quantize(table, group_size=32, bits=4)[2])
+    model.model.embed_tokens = emb
+    model.lm_head = TiedQuantLinear(emb)
+    single = copy.deepcopy(model)
+    plan = tp_plan(model)
+    out = {"head_in_plan": "lm_head" in plan, "embedding_in_plan": "model.embed_tokens" in plan,
+           "layers_in_plan": sum(k.startswith("model.layers.") for k in plan)}
+    try:
+        parallelize(copy.deepcopy(model), mesh, {**plan, "model.embed_tokens": QuantRowwiseParallel(
+            input_layouts=Replicate())})
+        out["refused"] = None
+    except NotImplementedError as e:
+        out["refused"] = str(e)
+    tp = parallelize(model, mesh, plan)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = tp(ids).logits, single(ids).logits
+    out.update(max_diff=(got - want).abs().max().item(), scale=want.abs().max().item(),
+               q_local=list(tp.model.layers[0].self_attn.q_proj.qweight.to_local().shape))
+    return out
+
+
 def check_load_pretrained(rank: int, world: int, mesh) -> dict:
     """transformers' save_pretrained of a torch_qmm-quantized tiny llama, loaded into each rank's
     slices, against from_pretrained of the same folder in one process."""
@@ -543,6 +581,7 @@ CHECKS = {
     "load_mlx_tied": check_load_mlx_tied,
     "gguf": check_gguf,
     "load_pretrained": check_load_pretrained,
+    "tied_quant_embedding": check_tied_quant_embedding,
 }
 SCRATCH = ""  # a folder all ranks share (the worker's out_dir)
 

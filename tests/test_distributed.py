@@ -153,6 +153,19 @@ def test_checkpoints_with_a_tied_head_load_as_their_peers_read_them(ranks):
         assert v["pretrained"]["head_local"] == [64, 128]
 
 
+def test_a_head_tied_to_a_quant_embedding_stays_replicated_with_its_table(ranks):
+    # tp_plan split the head tied to a QuantEmbedding (refused), and a plan without the head failed
+    # in the forward (a sharded table beside replicated tensors), naming no layer.
+    world, values = _values(ranks, "tied_quant_embedding")
+    for v in values:
+        assert not v["head_in_plan"] and not v["embedding_in_plan"] and v["layers_in_plan"] > 0
+        assert v["refused"] == ("the plan splits 'model.embed_tokens', whose table the output layer 'lm_head' shares "
+                                "(TiedQuantLinear); leave both replicated (tp_plan does), or load with "
+                                "load_mlx_sharded, which unties them")
+        assert v["max_diff"] <= STACK_RTOL * v["scale"], v
+        assert v["q_local"][0] == 128 // world  # the attention is split
+
+
 def test_mlx_checkpoint_loads_into_each_ranks_slices(ranks):
     world, values = _values(ranks, "load_mlx")
     for v in values:

@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..interop.experts import is_fused_experts
+from ..interop.modules import TiedQuantLinear
 from ..nn_moe import QuantFusedExperts
 from .experts import QuantExpertsParallel
 from .partition import matches
@@ -50,7 +51,10 @@ def tp_plan(model: nn.Module, stage: bool | None = None) -> dict[str, ParallelSt
     """{module path pattern: style} for parallelize_module, from the transformers model's own plan
     (`model._tp_plan`: transformers gathers the base model's `config.base_model_tp_plan`, prefixed
     with the base model's name, and the head's entry there). Entries that name no module of
-    `model` (a dense MLP's in a model whose blocks are all MoE) are left out."""
+    `model` (a dense MLP's in a model whose blocks are all MoE) are left out, and so are an output
+    layer tied to a QuantEmbedding's table (TiedQuantLinear: load_gguf_llama, load_mlx of a tied
+    model) and that embedding: one table cannot be split by vocabulary rows for the embedding and
+    as the head's split, so both stay replicated (load_mlx_sharded unties them instead)."""
     plan = dict(getattr(model, "_tp_plan", None) or {})
     for name, m in model.named_modules():
         if isinstance(m, QuantFusedExperts) or is_fused_experts(m):  # float ones: a loader may quantize them first
@@ -60,6 +64,13 @@ def tp_plan(model: nn.Module, stage: bool | None = None) -> dict[str, ParallelSt
                          "config.base_model_tp_plan) to build one from")
     experts = [k for k, v in plan.items() if v == EXPERTS]
     names = [n for n, _ in model.named_modules()]
+    tied = [n for pair in tied_tables(model).items() for n in pair]
     return {k: _style(v, k, stage) for k, v in plan.items()
             if not any(k.startswith(e + ".") for e in experts)  # the experts' own layers: QuantExpertsParallel's
-            and any(matches(k, n) for n in names)}
+            and any(matches(k, n) for n in names) and not any(matches(k, n) for n in tied)}
+
+
+def tied_tables(model: nn.Module) -> dict[str, str]:
+    """{output layer: its embedding} of the output layers tied to a QuantEmbedding's table."""
+    path = {id(m): n for n, m in model.named_modules()}
+    return {n: path[id(m.embedding)] for n, m in model.named_modules() if isinstance(m, TiedQuantLinear)}

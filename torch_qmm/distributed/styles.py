@@ -53,7 +53,7 @@ from ..ops import gguf_matmul
 from ..nn_moe import QuantSwitchLinear
 from . import op_sharding  # noqa: F401  (qmm's DTensor sharding rules)
 from .experts import ShardedQuantSwitchLinear, switch_linear_placements
-from .partition import (NAMES, check_whole_groups, check_whole_heads, describe, global_output, local, shard,
+from .partition import (NAMES, check_whole_groups, check_whole_heads, describe, global_output, local, matches, shard,
                         shard_locally, swap_class)
 from .staging import redistribute
 
@@ -68,7 +68,23 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan) -> nn.Module:
     for name, m in model.named_modules():
         NAMES[m] = name
     check_whole_heads(model, plan, mesh.size())
+    _check_tied_tables(model, plan)
     return parallelize_module(model, mesh, plan)
+
+
+def _check_tied_tables(model: nn.Module, plan) -> None:
+    """An embedding whose table a TiedQuantLinear output layer shares cannot be split while that
+    layer reads the whole table: refused before any layer is split (its forward would mix a
+    sharded table with replicated tensors)."""
+    from .plan import tied_tables
+
+    if not isinstance(plan, dict):
+        return
+    for head, embedding in tied_tables(model).items():
+        if any(matches(k, embedding) for k in plan) and not any(matches(k, head) for k in plan):
+            raise NotImplementedError(
+                f"the plan splits {embedding!r}, whose table the output layer {head!r} shares (TiedQuantLinear); "
+                "leave both replicated (tp_plan does), or load with load_mlx_sharded, which unties them")
 
 
 def _refuse(module: nn.Module, style: str) -> None:
