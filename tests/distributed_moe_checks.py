@@ -318,10 +318,47 @@ def check_load_mlx(rank: int, world: int, mesh) -> dict:
     return out
 
 
+def check_load_mlx_lm(rank: int, world: int, mesh) -> dict | None:
+    """Folders mlx_lm wrote (its own quantize_model: the routers quantized too, Qwen3-MoE's 8-bit;
+    Mixtral's block named block_sparse_moe) loaded into each rank's slices, against load_mlx of the
+    same folder in one process. The tiny models have 2 KV heads: world 2 only."""
+    from pathlib import Path
+
+    from test_moe_mlx_lm import mlx_lm_quantized_folder
+    from torch_qmm.distributed import empty_parameters, load_mlx_sharded, tp_plan
+    from torch_qmm.interop import load_mlx
+
+    if world != 2:
+        return None
+    out = {}
+    for family in ("mixtral", "qwen3_moe"):
+        scratch = Path(SCRATCH) / f"mlx-lm-{family}"
+        if rank == 0:
+            scratch.mkdir()
+            mlx_lm_quantized_folder(family, "affine", scratch)
+        dist.barrier()
+        folder = scratch / "mlx"
+        config = moe_helpers.tiny_moe(family).config
+        model_cls = moe_helpers.FAMILIES[family][1]
+        single = model_cls(config).eval()
+        single_report = load_mlx(single, folder)
+        with empty_parameters():
+            model = model_cls(config).eval()
+        load_mlx_sharded(model, folder, mesh, tp_plan(model))
+        ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            want, got = single(ids).logits, model(ids).logits
+        out[family] = {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+                       "routers_dequantized": len(single_report.dequantized),
+                       "router": type(model.get_submodule(single_report.dequantized[0])).__name__}
+    return out
+
+
 CHECKS = {
     "models": check_models,
     "block": check_block,
     "switch_linear": check_switch_linear,
     "refusals": check_refusals,
     "load_mlx": check_load_mlx,
+    "load_mlx_lm": check_load_mlx_lm,
 }

@@ -131,3 +131,16 @@ def test_mlx_moe_checkpoint_loads_into_each_ranks_slices(ranks):
             assert c["bytes_read"] == sharded // world + c["replicated_bytes"], (family, c)
             e, rows, words = c["gate_up_full"]
             assert c["gate_up_local"] == [e, rows // world, words], family
+
+
+def test_mlx_lm_moe_folders_load_into_each_ranks_slices(ranks):
+    # mlx_lm stores the routers quantized (load_mlx_sharded refused them: "expected nn.Linear or
+    # nn.Embedding"), and a Mixtral block as block_sparse_moe ("does not exist in the model").
+    world, values = _values(ranks, "load_mlx_lm")
+    for v in values:
+        if world != 2:
+            assert v is None
+            continue
+        for family, c in v.items():
+            assert c["max_diff"] <= STACK_RTOL * c["scale"], (family, c)
+            assert c["routers_dequantized"] == 2 and not c["router"].startswith("Quant"), (family, c)

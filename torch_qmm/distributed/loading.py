@@ -28,14 +28,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..format_state import FORMAT_STATE_KEY
 from ..interop.json_files import read_json_object
-from ..interop.mlx import (_SAFETENSORS_DTYPES, QuantSpec, _check_dtype, _check_quantized_shapes, model_type_of,
-                           parse_quantization)
+from ..interop.mlx import (_SAFETENSORS_DTYPES, QuantSpec, _check_dtype, _check_quantized_shapes, dequantized_router,
+                           is_router, model_type_of, parse_quantization)
 from ..interop.meta import check_no_meta, compute_buffers
 from ..interop.modules import QuantEmbedding
 from ..interop.safetensors_io import Checkpoint
 from ..nn import QuantLinear
 from ..interop.experts import fused_experts
-from ..interop.mlx_experts import PROJECTIONS, empty_stored_experts, mlx_experts_path, to_mlx_key
+from ..interop.mlx_experts import PROJECTIONS, empty_stored_experts, from_mlx_key, mlx_experts_path, to_mlx_key
 from ..nn_moe import join_gate_up
 from .partition import rows_of_rank
 from .styles import parallelize
@@ -96,10 +96,12 @@ def _quantized_experts(model: nn.Module, ckpt: Checkpoint, model_type: str | Non
     return experts
 
 
-def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dtype: torch.dtype
+def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dtype: torch.dtype, routers: dict
                       ) -> tuple[dict[str, str], dict[str, str]]:
     """Swaps the layers the checkpoint stores quantized for QuantLinear / QuantEmbedding /
-    QuantFusedExperts on meta; returns ({path: format}, {experts path: mlx_lm path})."""
+    QuantFusedExperts on meta; returns ({path: format}, {experts path: mlx_lm path}). The MoE
+    routers mlx_lm stores quantized stay float: routers gets {model key of the weight: its float32
+    values} (each rank reads them whole: a router is small and replicated)."""
     config = read_json_object(config_path) if config_path.is_file() else {}
     default, overrides = parse_quantization(config, str(config_path))
 
@@ -111,7 +113,8 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
         return spec
 
     quantized: dict[str, str] = {}
-    experts = _quantized_experts(model, ckpt, model_type_of(config, config_path), spec_of, dtype, quantized)
+    model_type = model_type_of(config, config_path)
+    experts = _quantized_experts(model, ckpt, model_type, spec_of, dtype, quantized)
     taken = tuple(f"{prefix}." for prefix in experts.values())
     for key in ckpt.keys():
         if not key.endswith(".scales") or key.startswith(taken):
@@ -122,9 +125,13 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
             raise ValueError(f"{ckpt.path}: the checkpoint stores quantized layer {path!r} but {config_path} gives it "
                              f"no format ({spec!r})")
         try:
-            module = model.get_submodule(path)
+            module = model.get_submodule(from_mlx_key(path + ".", model_type)[:-1])
         except AttributeError:
             raise ValueError(f"{ckpt.path}: quantized layer {path!r} does not exist in the model") from None
+        if is_router(module):
+            routers[f"{from_mlx_key(path + '.', model_type)[:-1]}.weight"] = (path, dequantized_router(ckpt, path, spec,
+                                                                                                       module))
+            continue
         if isinstance(module, nn.Linear):
             _check_quantized_shapes(ckpt, path, spec, module.out_features, module.in_features)
             new = QuantLinear(module.in_features, module.out_features, bias=f"{path}.bias" in ckpt, bits=spec.bits,
@@ -236,14 +243,18 @@ def _gate_up_part(read, keys: list[str], dst: torch.Tensor, interleaved: bool, c
 
 
 def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, device, quantized: dict[str, str],
-                 key_of, experts: dict[str, str] | None = None, loader: str = "load_mlx_sharded") -> ShardedLoadReport:
+                 key_of, experts: dict[str, str] | None = None, loader: str = "load_mlx_sharded",
+                 routers: dict | None = None) -> ShardedLoadReport:
     """Partitions `model` by `plan`, allocates each rank's slices and reads them. key_of: model
     key -> checkpoint key; experts: {QuantFusedExperts path: mlx_lm path} stored as mlx_lm's
-    three SwitchLinear layers."""
+    three SwitchLinear layers; routers: {model key: (checkpoint path, float32 values)} of the
+    routers stored quantized."""
     parallelize(model, mesh, plan)
     _materialize(model, torch.device(device))
     state = {k: v for k, v in model.state_dict(keep_vars=True).items() if k.rpartition(".")[2] != FORMAT_STATE_KEY}
     packed = _experts_keys(experts or {})
+    routers = routers or {}
+    packed.update({k: [f"{p}.{part}" for part in _stored_router_parts(ckpt, p)] for k, (p, _) in routers.items()})
     keys = {k: packed.get(k) or [key_of(k)] for k in state}  # model key -> checkpoint keys
     missing = sorted(k for k, ks in keys.items() if any(key not in ckpt for key in ks))
     used = {key for ks in keys.values() for key in ks}
@@ -263,7 +274,9 @@ def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, dev
 
         for k, dst in state.items():
             ks = keys[k]
-            if len(ks) == 2:
+            if k in routers:
+                part = routers[k][1].to(dst.dtype)[_slices(dst)]
+            elif len(ks) == 2:
                 layer = model.get_submodule(k.rpartition(".gate_up_proj.")[0])
                 part = _gate_up_part(read, ks, dst, layer.interleaved, ckpt)
             else:
@@ -282,6 +295,10 @@ def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, dev
     return report
 
 
+def _stored_router_parts(ckpt: Checkpoint, p: str) -> list[str]:
+    return [part for part in ("weight", "scales", "biases") if f"{p}.{part}" in ckpt]
+
+
 def _checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
     floats = Counter(_SAFETENSORS_DTYPES[ckpt.dtype_name(k)] for k in ckpt.keys()
                      if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES)
@@ -298,7 +315,8 @@ def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh
     used (the format of a quantized layer comes from config.json). The quantized experts of a MoE
     block (mlx_lm's switch_mlp gate_proj / up_proj / down_proj, the names by config.json's
     model_type) become a QuantFusedExperts, each rank reading its rows of gate_proj and up_proj and
-    its columns of down_proj. An output layer tied to the embedding (stored once, as the
+    its columns of down_proj; the routers mlx_lm stores quantized stay float (dequantized, as
+    load_mlx does), read whole by every rank. An output layer tied to the embedding (stored once, as the
     embedding) becomes a layer of its own reading the embedding's tensors, each split as the plan
     says (a rank holds its slices of that table twice). dtype: the compute dtype
     (default: the checkpoint's most common float dtype); device: where the slices go.
@@ -311,7 +329,8 @@ def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh
     config = read_json_object(folder / "config.json") if (folder / "config.json").is_file() else {}
     model_type = model_type_of(config, folder / "config.json")
     tied = _tied_heads(model)
-    quantized, experts = _quantized_layers(model, ckpt, folder / "config.json", dtype)
+    routers: dict = {}
+    quantized, experts = _quantized_layers(model, ckpt, folder / "config.json", dtype, routers)
     alias = _untie_heads(model, ckpt, tied, quantized, dtype)
     weights = {f"{p}.qweight": f"{p}.weight" for p in quantized}
 
@@ -319,7 +338,7 @@ def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh
         k = alias.get(k, k)
         return to_mlx_key(weights.get(k, k), model_type)
 
-    return _load_slices(model, ckpt, mesh, plan, device, quantized, key_of, experts)
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, key_of, experts, routers=routers)
 
 
 def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: DeviceMesh, plan,

@@ -305,17 +305,11 @@ def load_mlx(
             _check_quantized_shapes(ckpt, p, spec, module.num_embeddings, module.embedding_dim)
             new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size, dtype=dtype,
                                  mode=spec.mode)
-        elif isinstance(getattr(module, "weight", None), nn.Parameter) and module.weight.dim() == 2:
-            # A router of a MoE block (transformers' own module reading .weight, mlx_lm's nn.Linear):
-            # it stays float, the stored weight dequantized into it (the values MLX multiplies by).
-            rows, cols = module.weight.shape
-            _check_quantized_shapes(ckpt, p, spec, rows, cols)
-            parts = [ckpt.finite_scales(f"{p}.{part}", ckpt.get(f"{p}.{part}"))
-                     for part in (("weight", "scales", "biases") if spec.has_biases else ("weight", "scales"))]
-            w = dequantize(*parts, group_size=spec.group_size, bits=spec.bits, mode=spec.mode, dtype=torch.float32)
+        elif is_router(module):
+            w = dequantized_router(ckpt, p, spec, module)
             with torch.no_grad():
                 (module.weight if meta is None else meta.real(module, "weight")).copy_(w)
-            dequantized.update(f"{p}.{part}" for part in ("weight", "scales", "biases") if f"{p}.{part}" in ckpt)
+            dequantized.update(f"{p}.{part}" for part in router_parts(spec))
             report.dequantized.append(mp)
             continue
         elif isinstance(module, (QuantLinear, QuantEmbedding)):
@@ -374,6 +368,27 @@ def load_mlx(
         model.to(dev)  # the tensors the model had in memory before (a model only partly on meta)
     record_loaded_model(model, "load_mlx")
     return report
+
+
+def is_router(module: nn.Module) -> bool:
+    """A router of a MoE block, which mlx_lm stores quantized (its nn.Linear) and transformers'
+    model holds as a module of its own reading a 2-D .weight: it stays float."""
+    return (not isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(getattr(module, "weight", None), nn.Parameter)
+            and module.weight.dim() == 2)
+
+
+def dequantized_router(ckpt: Checkpoint, p: str, spec: QuantSpec, module: nn.Module) -> torch.Tensor:
+    """The float32 weight of the router `module` from its quantized tensors at checkpoint path p
+    (the values MLX multiplies by), after checking their shapes against the module's."""
+    rows, cols = module.weight.shape
+    _check_quantized_shapes(ckpt, p, spec, rows, cols)
+    parts = [ckpt.finite_scales(f"{p}.{part}", ckpt.get(f"{p}.{part}")) for part in router_parts(spec)]
+    return dequantize(*parts, group_size=spec.group_size, bits=spec.bits, mode=spec.mode, dtype=torch.float32)
+
+
+def router_parts(spec: QuantSpec) -> list[str]:
+    """The tensors a quantized router is stored as (after its path)."""
+    return ["weight", "scales", "biases"] if spec.has_biases else ["weight", "scales"]
 
 
 def _is_format_state(key: str) -> bool:
