@@ -425,6 +425,29 @@ def check_load_pretrained(rank: int, world: int, mesh) -> dict:
             "single_quantized": sum(isinstance(m, QuantLinear) for m in single.modules())}
 
 
+def check_load_mlx_other_folders(rank: int, world: int, mesh) -> str | None:
+    """Rank 0 given a folder of group size 32, the others one of group size 64 (of the same
+    model): every rank refuses the load, naming the folders, instead of computing wrong numbers."""
+    import torch_qmm
+    from torch_qmm.distributed import empty_parameters, load_mlx_sharded, tp_plan
+    from torch_qmm.interop import save_mlx
+
+    folders = [os.path.join(SCRATCH, f"mlx-llama-gs{gs}") for gs in (32, 64)]
+    if rank == 0:
+        for folder, gs in zip(folders, (32, 64)):
+            model = tiny_llama(world)
+            torch_qmm.quantize_model(model, bits=4, group_size=gs)
+            save_mlx(model, folder, config=model.config.to_dict())
+    dist.barrier()
+    with empty_parameters():
+        model = tiny_llama(world)
+    try:
+        load_mlx_sharded(model, folders[0] if rank == 0 else folders[1], mesh, tp_plan(model))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def check_gguf(rank: int, world: int, mesh) -> dict:
     """GGUFLinear (Q4_K, Q6_K blocks) colwise and rowwise against gguf.quants.dequantize in float64."""
     import numpy as np
@@ -582,6 +605,7 @@ CHECKS = {
     "gguf": check_gguf,
     "load_pretrained": check_load_pretrained,
     "tied_quant_embedding": check_tied_quant_embedding,
+    "load_mlx_other_folders": check_load_mlx_other_folders,
 }
 SCRATCH = ""  # a folder all ranks share (the worker's out_dir)
 

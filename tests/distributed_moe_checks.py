@@ -354,6 +354,26 @@ def check_load_mlx_lm(rank: int, world: int, mesh) -> dict | None:
     return out
 
 
+def check_load_pretrained_moe(rank: int, world: int, mesh) -> str | None:
+    """A save_pretrained folder of a quantized MoE model: load_pretrained_sharded says it does not
+    read quantized experts and what does (it told the user to quantize the experts)."""
+    from pathlib import Path
+
+    from torch_qmm.distributed import empty_parameters, load_pretrained_sharded, tp_plan
+
+    folder = Path(SCRATCH) / "pretrained-mixtral"
+    if rank == 0:
+        quantized_moe("mixtral", world).save_pretrained(folder)
+    dist.barrier()
+    with empty_parameters():
+        model = moe_helpers.FAMILIES["mixtral"][1](tiny_moe("mixtral", 32 * world, world).config).eval()
+    try:
+        load_pretrained_sharded(model, folder, mesh, tp_plan(model))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 CHECKS = {
     "models": check_models,
     "block": check_block,
@@ -361,4 +381,5 @@ CHECKS = {
     "refusals": check_refusals,
     "load_mlx": check_load_mlx,
     "load_mlx_lm": check_load_mlx_lm,
+    "load_pretrained_moe": check_load_pretrained_moe,
 }

@@ -166,6 +166,15 @@ def test_a_head_tied_to_a_quant_embedding_stays_replicated_with_its_table(ranks)
         assert v["q_local"][0] == 128 // world  # the attention is split
 
 
+def test_ranks_given_different_checkpoints_refuse_the_load(ranks):
+    # Each rank loaded its own folder without error, and together they computed wrong logits.
+    world, values = _values(ranks, "load_mlx_other_folders")
+    for message in values:
+        assert message is not None and "the ranks were given different checkpoints" in message, message
+        assert "rank 0: " in message and "mlx-llama-gs32" in message and f"rank {world - 1}: " in message
+        assert "mlx-llama-gs64" in message
+
+
 def test_mlx_checkpoint_loads_into_each_ranks_slices(ranks):
     world, values = _values(ranks, "load_mlx")
     for v in values:

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import os
 from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -249,6 +252,7 @@ def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, dev
     key -> checkpoint key; experts: {QuantFusedExperts path: mlx_lm path} stored as mlx_lm's
     three SwitchLinear layers; routers: {model key: (checkpoint path, float32 values)} of the
     routers stored quantized."""
+    _check_same_checkpoint(ckpt, mesh)
     parallelize(model, mesh, plan)
     _materialize(model, torch.device(device))
     state = {k: v for k, v in model.state_dict(keep_vars=True).items() if k.rpartition(".")[2] != FORMAT_STATE_KEY}
@@ -293,6 +297,24 @@ def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, dev
     compute_buffers(model, torch.device(device), f"{loader}: {ckpt.path}")
     check_no_meta(model, loader, ckpt.path)
     return report
+
+
+def _check_same_checkpoint(ckpt: Checkpoint, mesh: DeviceMesh) -> None:
+    """Every rank must read its slices of one checkpoint: ranks given folders of other formats or
+    configs (a path that differs from machine to machine) would each load without error and
+    compute together wrong numbers. The ranks compare a digest of the tensors' names, dtypes and
+    shapes and of config.json (two copies that differ only in their values are not told apart)."""
+    folder = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+    digest = hashlib.sha256(json.dumps([(k, ckpt.dtype_name(k), ckpt.shape(k)) for k in sorted(ckpt.keys())]).encode())
+    if (folder / "config.json").is_file():
+        digest.update((folder / "config.json").read_bytes())
+    mine = (digest.hexdigest(), str(ckpt.path))
+    every: list = [None] * mesh.size()
+    dist.all_gather_object(every, mine, group=mesh.get_group())
+    if len({d for d, _ in every}) > 1:
+        raise ValueError(f"{ckpt.path}: the ranks were given different checkpoints (tensor names, dtypes, shapes or "
+                         "config.json differ): " + "; ".join(f"rank {r}: {p} ({d[:12]})" for r, (d, p) in
+                                                             enumerate(every)))
 
 
 def _stored_router_parts(ckpt: Checkpoint, p: str) -> list[str]:
@@ -355,6 +377,12 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
         raise ValueError(f"{folder / 'config.json'}: 'quantization_config' must have quant_method 'torch_qmm', "
                          f"got {q!r}")
     ckpt = Checkpoint(folder)
+    experts = sorted(k.rpartition(".gate_up_proj.")[0] for k in ckpt.keys() if k.endswith(".gate_up_proj.qweight"))
+    if experts:
+        raise ValueError(f"{folder}: the MoE experts {experts[0]} (and {len(experts) - 1} more) are stored quantized "
+                         "(QuantFusedExperts buffers), which load_pretrained_sharded does not read: load the folder "
+                         "with from_pretrained and parallelize(model, mesh, tp_plan(model)) (each rank then reads "
+                         "the whole checkpoint), or write it with save_mlx and load that with load_mlx_sharded")
     dtype = dtype or _checkpoint_dtype(ckpt)
     model.to(dtype)
     bits = q.get("bits")
