@@ -877,6 +877,23 @@ for fn, path, kind in [(Checkpoint, {str(folder)!r}, "a FIFO"), (GGUFFile, {str(
     assert str(folder / "extra.safetensors") in proc.stdout
 
 
+def test_inspect_refuses_a_quantized_weight_its_scales_do_not_fit(mlx_folder, tmp_path, capsys):
+    """A packed weight one word short per row (scales and biases unchanged): inspect printed the
+    shape the scales give and exit 0, where load_mlx refuses the folder."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(mlx_folder, tmp_path / "m")
+    key = "model.layers.1.mlp.up_proj.weight"
+    shard = folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = load_file(shard)
+    tensors[key] = tensors[key][:, :-1].contiguous()
+    save_file(tensors, str(shard), metadata={"format": "mlx"})
+    assert main(["inspect", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert f"{shard}: layer 'model.layers.1.mlp.up_proj': weight [512, 31] does not fit its scales [512, 4]" in err, err
+    assert len(err.splitlines()) == 1
+
+
 def test_inspect_reads_a_tensor_name_without_a_dot(tmp_path, capsys):
     from safetensors.torch import save_file
 

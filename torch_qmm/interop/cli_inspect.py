@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..cli_errors import UsageError
 from ..format_state import FORMAT_STATE_KEY, QUANT_STATE_LENGTHS, parse_quant_state
+from ..formats import packed_words
 from ..nn import resolve_format
 from .gguf_types import NATIVE_TYPES, block_info, type_name
 from .json_files import read_json_object
@@ -153,6 +154,11 @@ def _rows_safetensors(path: Path, verify: bool) -> tuple[list[dict], dict]:
                         if configured not in (None, known) else "")
                 fmt = f"{known[2]} b{known[0]} gs{known[1]} ({ckpt.dtype_name(_join(layer, 'scales'))}{note})"
                 shape = [*words[:-1], groups[-1] * known[1]]
+                if words[-1] != packed_words(shape[-1], known[0]):  # the row the scales give, packed
+                    raise ValueError(f"{ckpt.where[_join(layer, words_key)]}: layer {layer!r}: {words_key} "
+                                     f"{list(words)} does not fit its scales {list(groups)}: {known[2]} b{known[0]} "
+                                     f"gs{known[1]} packs {shape[-1]} values per row in "
+                                     f"{packed_words(shape[-1], known[0])} words")
             else:
                 kind = "affine" if "biases" in leaves else "quantized"
                 fmt, shape = f"{kind} (no config)", list(words)
