@@ -319,12 +319,21 @@ def test_inspect_reads_per_layer_bits_of_a_torch_qmm_config_and_says_when_there_
     rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)["layers"]}
     assert (rows["a"]["format"], rows["a"]["shape"]) == ("affine (no config)", [32, 16])
     (folder / "config.json").write_text(json.dumps(
-        {"quantization_config": {"quant_method": "torch_qmm", "bits": {"*": 8, "b": 3}, "group_size": 32}}))
+        {"quantization_config": {"quant_method": "torch_qmm", "bits": {"*": 3, "a": 8}, "group_size": 64}}))
+    # one group size for the folder: 64, b's; a (8 bits, 16 words and 2 scales a row) is read by its
+    # own entry, b by "*"
+    assert main(["inspect", str(folder), "--json"]) == 1
+    assert "layer 'a': qweight [32, 16] does not fit its scales [32, 2]: affine b8 gs64 packs 128 values per row " \
+           "in 32 words" in capsys.readouterr().err
+    save_file({k: v for k, v in state.items() if k.split(".")[0] in ("b", "f")}, folder / "model.safetensors")
     assert main(["inspect", str(folder), "--json"]) == 0
     rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)["layers"]}
-    assert (rows["a"]["format"], rows["a"]["shape"]) == ("affine b8 gs32 (F32)", [32, 64])
-    # b's config entry says 3 bits with group size 32 ("*"'s group size): 2 groups of 32 per 6 words
-    assert (rows["b"]["format"], rows["b"]["shape"]) == ("affine b3 gs32 (F32)", [16, 64])
+    assert (rows["b"]["format"], rows["b"]["shape"]) == ("affine b3 gs64 (F32)", [16, 128])
+    (folder / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "torch_qmm", "bits": {"*": 8, "b": 3}, "group_size": 64}}))
+    assert main(["inspect", str(folder), "--json"]) == 0  # b's own entry, not "*"'s 8 bits
+    rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)["layers"]}
+    assert (rows["b"]["format"], rows["b"]["shape"]) == ("affine b3 gs64 (F32)", [16, 128])
 
 
 @pytest.mark.parametrize("ggml_type, blocks, message", [
