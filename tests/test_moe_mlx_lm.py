@@ -5,8 +5,8 @@ ours. Nobody here wrote mlx_lm's models, its quantizer or its loader."""
 
 from __future__ import annotations
 
-import copy
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -51,12 +51,14 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> float:
     return err
 
 
-def mlx_lm_quantized_folder(family: str, mode: str, tmp_path: Path, down: dict | None = None) -> Path:
+def mlx_lm_quantized_folder(family: str, mode: str, tmp_path: Path, down: dict | None = None,
+                            formats: dict | None = None) -> Path:
     """A folder written by mlx_lm: the float transformers checkpoint read by mlx_lm's loader
     (whose sanitize stacks the experts), quantized by mlx_lm's quantize_model with the family's
     own predicate (Qwen3-MoE's router 8-bit affine), saved by its save_model / save_config.
     down: the experts' down_proj quantized with these parameters of mlx_lm's instead (as its
-    mixed recipes give down_proj more bits)."""
+    mixed recipes give down_proj more bits); formats: {projection: mlx_lm's parameters, or False to
+    leave it float (as mlx_lm does where its input is smaller than the group size)}."""
     hf = tmp_path / "hf"
     source = tiny_moe(family)
     source.save_pretrained(hf)
@@ -71,6 +73,9 @@ def mlx_lm_quantized_folder(family: str, mode: str, tmp_path: Path, down: dict |
     def predicate(path, module):
         if down is not None and path.endswith("switch_mlp.down_proj"):
             return dict(down)
+        for proj, fmt in (formats or {}).items():
+            if path.endswith(f"switch_mlp.{proj}"):
+                return dict(fmt) if fmt else False
         return True if own is None else own(path, module)
 
     model, config = mlx_lm_utils.quantize_model(model, config, GROUP.get(mode), None, mode=mode,
@@ -199,17 +204,22 @@ def test_our_save_load_keeps_the_experts_bit_for_bit(tmp_path):
     assert any(isinstance(m, QuantLinear) for m in again.modules())
 
 
-def test_gate_and_up_in_different_formats_are_refused(tmp_path):
-    model = tiny_moe("qwen3_moe")
-    quantize_model(model, group_size=32)
-    save_mlx(model, tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization"]["model.layers.0.mlp.switch_mlp.up_proj"] = {"group_size": 64, "bits": 4}
-    config["quantization_config"] = config["quantization"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    fresh = copy.deepcopy(tiny_moe("qwen3_moe"))
-    with pytest.raises(ValueError, match="gate_proj and up_proj in one format"):
-        load_mlx(fresh, tmp_path)
+@pytest.mark.parametrize("formats, stored", [
+    ({"down_proj": False}, "gate_proj affine b4 gs32, up_proj affine b4 gs32, down_proj float"),
+    ({"up_proj": {"group_size": 64, "bits": 4, "mode": "affine"}},
+     "gate_proj affine b4 gs32, up_proj affine b4 gs64, down_proj affine b4 gs32"),
+], ids=["down-float", "gate-up-differ"])
+def test_experts_mlx_lm_quantized_in_parts_load_float_with_a_warning(formats, stored, tmp_path):
+    # mlx_lm leaves a SwitchLinear float where its input is smaller than the group size, and its
+    # predicates may give gate_proj and up_proj other formats: a QuantFusedExperts holds neither
+    # (load_mlx refused the folders mlx_lm itself loads). They load float, dequantized.
+    folder = mlx_lm_quantized_folder("qwen3_moe", "affine", tmp_path, formats=formats)
+    theirs, _ = mlx_lm_utils.load_model(folder)
+    ours = FAMILIES["qwen3_moe"][1](transformers.AutoConfig.from_pretrained(folder)).eval()
+    with pytest.warns(UserWarning, match=re.escape(f"the experts model.layers.0.mlp.switch_mlp store {stored}; ")):
+        load_mlx(ours, folder)
+    assert not any(isinstance(m, QuantFusedExperts) for m in ours.modules())
+    assert_close(torch_logits(ours), mlx_logits(theirs))
 
 
 def _edit_weights(folder: Path, edit) -> None:

@@ -13,10 +13,13 @@ the transformers key of a tensor to mlx_lm's, by the model_type of config.json.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from ..nn_moe import QuantFusedExperts, join_gate_up, split_gate_up
+from ..ops import dequantize
 from .experts import empty_quant_experts, expert_shapes, float_weights, fused_experts, layout_of
 
 # model_type -> (transformers key part, mlx_lm key part), applied in order to every key.
@@ -98,11 +101,11 @@ def empty_stored_experts(ckpt, experts: nn.Module, prefix: str, spec_of, dtype: 
     Checks that the three projections are all quantized, gate_proj and up_proj in one format,
     and their stored shapes (spec_of and check_shapes as for load_experts)."""
     has = {proj: f"{prefix}.{proj}.scales" in ckpt for proj in PROJECTIONS}
-    specs = {proj: spec_of(f"{prefix}.{proj}") for proj in PROJECTIONS}
+    specs = {proj: spec_of(f"{prefix}.{proj}") if has[proj] else "float" for proj in PROJECTIONS}
     if not all(has.values()) or specs["gate_proj"] != specs["up_proj"]:
         raise ValueError(
             f"{ckpt.path}: the experts {prefix}.{{gate,up,down}}_proj must all be quantized, gate_proj and "
-            f"up_proj in one format; got quantized={has}, formats {', '.join(map(str, specs.values()))}"
+            f"up_proj in one format; got {', '.join(f'{p} {specs[p]}' for p in PROJECTIONS)}"
         )
     e, hidden, inter = expert_shapes(experts, layout_of(experts))
     for proj, (rows, cols) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
@@ -135,6 +138,17 @@ def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype:
         if not any(f"{prefix}.{proj}.weight" in ckpt for proj in PROJECTIONS):
             continue
         filled.append(name)
+        specs = {proj: spec_of(f"{prefix}.{proj}") if has[proj] else None for proj in PROJECTIONS}
+        if any(has.values()) and not (all(has.values()) and specs["gate_proj"] == specs["up_proj"]):
+            # mlx_lm quantizes each SwitchLinear on its own and leaves one whose input is smaller
+            # than the group size float; a QuantFusedExperts holds gate/up in one format and down
+            # in one: such experts load float, their quantized projections dequantized.
+            warnings.warn(f"{ckpt.path}: the experts {prefix} store "
+                          + ", ".join(f"{p} {specs[p] or 'float'}" for p in PROJECTIONS)
+                          + "; torch_qmm's quantized experts hold gate_proj and up_proj in one format and all three "
+                          "quantized, so these load float (the quantized ones dequantized: the weights MLX "
+                          "multiplies by)", stacklevel=3)
+            has = {proj: False for proj in PROJECTIONS}
         if any(has.values()):
             new, fmt = empty_stored_experts(ckpt, experts, prefix, spec_of, dtype, check_shapes,
                                             device=None if meta is None else meta.device)
@@ -176,9 +190,20 @@ def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype:
                 missing = [k for k in keys if k not in ckpt]
                 if missing:
                     raise ValueError(f"{ckpt.path}: the experts {name} need {missing}")
-                for k in keys:
-                    check_dtype(ckpt, k, dst)
-                parts = [ckpt.get(k) for k in keys]
+                parts = []
+                for p, k in zip(projs, keys):
+                    spec = specs[p] if leaf == "weight" else None
+                    if spec is None:
+                        check_dtype(ckpt, k, dst)
+                        parts.append(ckpt.get(k))
+                        continue
+                    rows, cols = dst.shape[1] // len(projs), dst.shape[2]
+                    check_shapes(ckpt, f"{prefix}.{p}", spec, rows, cols, experts=dst.shape[0])
+                    stored = [ckpt.finite_scales(f"{prefix}.{p}.{t}", ckpt.get(f"{prefix}.{p}.{t}"))
+                              for t in (("weight", "scales", "biases") if spec.has_biases else ("weight", "scales"))]
+                    parts.append(dequantize(*stored, group_size=spec.group_size, bits=spec.bits, mode=spec.mode,
+                                            dtype=torch.float32))
+                    used.update(f"{prefix}.{p}.{t}" for t in ("scales", "biases") if f"{prefix}.{p}.{t}" in ckpt)
                 t = join_gate_up(*parts, layout.interleaved) if len(parts) == 2 else parts[0]
                 if tuple(t.shape) != tuple(dst.shape):
                     raise ValueError(f"{ckpt.path}: {keys} have shapes {[list(p.shape) for p in parts]}, the "
