@@ -82,8 +82,8 @@ MUTANTS: list[Mutant] = [
            "the quantized experts' stored qweight / scales / biases / bias are copied whatever their "
            "dtype (copy_ converts int32 codes or integer scales into other values)"),
     Mutant("m11-experts-float-dtype-unchecked", "torch_qmm/interop/mlx_experts.py",
-           'the experts {name} need {missing}")\n                for k in keys:\n                    check_dtype(ckpt, k, dst)\n',
-           'the experts {name} need {missing}")\n', EXPERTS,
+           "                    if spec is None:\n                        check_dtype(ckpt, k, dst)\n",
+           "                    if spec is None:\n", EXPERTS,
            "float (unquantized) experts' weights stored as integers are converted by copy_ instead of refused"),
     # ---- mlx.py: presence of a quantized layer's tensors --------------------------------------------
     Mutant("m11-mlx-weight-presence-unchecked", "torch_qmm/interop/mlx.py",
@@ -93,9 +93,10 @@ MUTANTS: list[Mutant] = [
            "bare tensor name (load_mlx, load_mlx_sharded, the MoE experts)"),
     # ---- distributed/loading.py -----------------------------------------------------------------------
     Mutant("m11-sharded-missing-layer-attributeerror", "torch_qmm/distributed/loading.py",
-           "        try:\n            module = model.get_submodule(path)\n        except AttributeError:\n"
+           "        try:\n            module = model.get_submodule(from_mlx_key(path + \".\", model_type)[:-1])\n"
+           "        except AttributeError:\n"
            "            raise ValueError(f\"{ckpt.path}: quantized layer {path!r} does not exist in the model\") from None\n",
-           "        module = model.get_submodule(path)\n", SHARDED,
+           "        module = model.get_submodule(from_mlx_key(path + \".\", model_type)[:-1])\n", SHARDED,
            "load_mlx_sharded meets a quantized layer the model lacks with get_submodule's AttributeError "
            "naming no file"),
     Mutant("m11-sharded-star-bits-ignored", "torch_qmm/distributed/loading.py",
