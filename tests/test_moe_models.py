@@ -262,7 +262,8 @@ def test_experts_stay_float_under_a_per_layer_quantizer(kw):
     with pytest.warns(UserWarning, match=r"skipped model\.layers\.0\.mlp\.experts \(fused experts are quantized by rtn"):
         summary = quantize_model(model, group_size=32, **kw)
     assert not any(isinstance(m, QuantFusedExperts) for m in model.modules())
-    want = "fused experts are quantized by rtn with one bit width, not method=" + repr(kw.get("method", "rtn"))
+    want = "fused experts are quantized by rtn with one bit width, not " + (
+        "per-layer bits" if "bits" in kw else "method=" + repr(kw["method"]))
     assert summary.skipped["model.layers.1.mlp.experts"] == want
     assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
 

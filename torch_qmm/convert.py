@@ -224,8 +224,10 @@ def quantize_model(
     """
     from .quantizers import resolve
 
-    per_layer = (resolve(method).kind != "rtn" or (bits is not None and type(bits) is not int)
-                 or calibration is not None)
+    bits_per_layer = bits is not None and type(bits) is not int
+    per_layer = resolve(method).kind != "rtn" or bits_per_layer or calibration is not None
+    experts_not_per_layer = ("fused experts are quantized by rtn with one bit width, not "
+                             + ("per-layer bits" if bits_per_layer else f"method={method!r}"))
     # Per-layer bits (a mapping or a budget) are checked by the quantizers.
     uniform_bits, group_size = resolve_format(mode, bits if bits is None or type(bits) is int else None, group_size)
     if bits is None or type(bits) is int:
@@ -258,7 +260,7 @@ def quantize_model(
             summary.skipped[name] = CONV1D_NOT_CONVERTED
     for name, module in experts_modules:
         if per_layer:
-            summary.skipped[name] = f"fused experts are quantized by rtn with one bit width, not method={method!r}"
+            summary.skipped[name] = experts_not_per_layer
             continue
         why_not = experts_not_quantizable(module, group_size)
         if why_not is not None:
