@@ -588,6 +588,16 @@ except ValueError as e:
 """
 
 
+def _sharded_load(folder: Path, tmp_path: Path) -> str:
+    """What _SHARDED_SCRIPT prints loading `folder` with load_mlx_sharded on one rank in a child
+    process (it starts a process group)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(folder), str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 @pytest.mark.parametrize("part", ["weight", "biases"])
 def test_quantized_layer_without_its_weight_or_biases_is_refused_by_every_mlx_loader(mlx_folder, tmp_path, part):
     """A layer stored with scales but without its packed weight or biases: load_mlx_sharded (one
@@ -606,11 +616,8 @@ def test_quantized_layer_without_its_weight_or_biases_is_refused_by_every_mlx_lo
     message = f"quantized layer 'model.layers.1.mlp.down_proj' has scales but no {key}"
     with pytest.raises(ValueError, match=re.escape(message)):
         load_mlx(_fresh_model(mlx_folder), folder)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(folder), str(tmp_path / "store")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"refused: {folder}: {message}" in proc.stdout, proc.stdout[-2000:]
+    stdout = _sharded_load(folder, tmp_path)
+    assert f"refused: {folder}: {message}" in stdout, stdout[-2000:]
 
 
 @pytest.mark.parametrize("leaf, value", [("scales", float("nan")), ("biases", float("inf"))])
@@ -630,11 +637,8 @@ def test_scales_or_biases_that_are_not_finite_are_refused_by_load_mlx_and_load_m
     message = f"{shard}: tensor '{key}' (F32) holds NaN or Inf: the file is corrupt"
     with pytest.raises(ValueError, match=re.escape(message)):
         load_mlx(_fresh_model(mlx_folder), folder)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(folder), str(tmp_path / "store")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"refused: {message}" in proc.stdout, proc.stdout[-2000:]
+    stdout = _sharded_load(folder, tmp_path)
+    assert f"refused: {message}" in stdout, stdout[-2000:]
 
 
 def test_model_type_that_is_not_a_string_is_refused_by_load_mlx_sharded(mlx_folder, tmp_path):
@@ -642,12 +646,9 @@ def test_model_type_that_is_not_a_string_is_refused_by_load_mlx_sharded(mlx_fold
     "unhashable type: 'list'" looking it up in the MoE naming table."""
     folder = _copy(mlx_folder, tmp_path / "m")
     _edit_config(folder, lambda c: c.update(model_type=["llama"]))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(folder), str(tmp_path / "store")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"refused: {folder / 'config.json'}: field 'model_type' must be a string, got ['llama']" in proc.stdout, \
-        proc.stdout[-2000:]
+    stdout = _sharded_load(folder, tmp_path)
+    assert f"refused: {folder / 'config.json'}: field 'model_type' must be a string, got ['llama']" in stdout, \
+        stdout[-2000:]
 
 
 def test_quantized_layer_the_model_lacks_is_refused_by_load_mlx_sharded(mlx_folder, tmp_path):
@@ -660,12 +661,9 @@ def test_quantized_layer_the_model_lacks_is_refused_by_load_mlx_sharded(mlx_fold
     assert f"model.layers.{blocks - 1}.mlp.down_proj.scales" in json.loads(
         (folder / "model.safetensors.index.json").read_text())["weight_map"]
     _edit_config(folder, lambda c: c.update(num_hidden_layers=blocks - 1))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(folder), str(tmp_path / "store")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    stdout = _sharded_load(folder, tmp_path)
     assert re.search(rf"^refused: {re.escape(str(folder))}: quantized layer 'model\.layers\.{blocks - 1}\.[a-z_.]+' "
-                     r"does not exist in the model$", proc.stdout, re.M), proc.stdout[-2000:]
+                     r"does not exist in the model$", stdout, re.M), stdout[-2000:]
 
 
 _PRETRAINED_SHARDED_SCRIPT = """
