@@ -354,24 +354,37 @@ def check_load_mlx_lm(rank: int, world: int, mesh) -> dict | None:
     return out
 
 
-def check_load_pretrained_moe(rank: int, world: int, mesh) -> str | None:
-    """A save_pretrained folder of a quantized MoE model: load_pretrained_sharded says it does not
-    read quantized experts and what does (it told the user to quantize the experts)."""
+def check_load_pretrained_moe(rank: int, world: int, mesh) -> dict:
+    """save_pretrained folders of quantized MoE models (the experts stored as QuantFusedExperts
+    buffers: gate_up packed, a Mixtral block renamed block_sparse_moe, gpt-oss' rows interleaved)
+    loaded into each rank's slices, against from_pretrained of the same folder in one process."""
     from pathlib import Path
 
-    from torch_qmm.distributed import empty_parameters, load_pretrained_sharded, tp_plan
+    from transformers import AutoModelForCausalLM
 
-    folder = Path(SCRATCH) / "pretrained-mixtral"
-    if rank == 0:
-        quantized_moe("mixtral", world).save_pretrained(folder)
-    dist.barrier()
-    with empty_parameters():
-        model = moe_helpers.FAMILIES["mixtral"][1](tiny_moe("mixtral", 32 * world, world).config).eval()
-    try:
-        load_pretrained_sharded(model, folder, mesh, tp_plan(model))
-    except ValueError as e:
-        return str(e)
-    return None
+    import torch_qmm.interop.transformers  # noqa: F401  (from_pretrained of a torch_qmm folder)
+    from torch_qmm.distributed import empty_parameters, load_pretrained_sharded, tp_plan
+    from torch_qmm.nn_moe import QuantFusedExperts
+
+    out = {}
+    for family in ("mixtral", "qwen3_moe", "gpt_oss"):
+        folder = Path(SCRATCH) / f"pretrained-{family}"
+        if rank == 0:
+            quantized_moe(family, world).save_pretrained(folder)
+        dist.barrier()
+        single = AutoModelForCausalLM.from_pretrained(folder).eval()
+        with empty_parameters():
+            model = moe_helpers.FAMILIES[family][1](tiny_moe(family, 32 * world, world).config).eval()
+        report = load_pretrained_sharded(model, folder, mesh, tp_plan(model))
+        ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            want, got = single(ids).logits, model(ids).logits
+        experts = model.model.layers[0].mlp.experts
+        out[family] = {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+                       "experts_quantized": sum(isinstance(m, QuantFusedExperts) for m in model.modules()),
+                       "gate_up_rows": holds_my_rows(experts, single.model.layers[0].mlp.experts, rank, world),
+                       "bytes_read": report.bytes_read, "bytes_total": report.bytes_total}
+    return out
 
 
 CHECKS = {

@@ -37,7 +37,7 @@ from ..interop.meta import check_no_meta, compute_buffers
 from ..interop.modules import QuantEmbedding
 from ..interop.safetensors_io import Checkpoint
 from ..nn import QuantLinear
-from ..interop.experts import fused_experts
+from ..interop.experts import empty_quant_experts, fused_experts
 from ..interop.mlx_experts import PROJECTIONS, empty_stored_experts, from_mlx_key, mlx_experts_path, to_mlx_key
 from ..nn_moe import join_gate_up
 from .partition import rows_of_rank
@@ -245,19 +245,39 @@ def _gate_up_part(read, keys: list[str], dst: torch.Tensor, interleaved: bool, c
     return join_gate_up(*parts, interleaved)
 
 
+def _packed_part(read, key: str, dst: torch.Tensor, interleaved: bool, ckpt: Checkpoint) -> torch.Tensor:
+    """This rank's part of a gate_up tensor stored whole [E, 2I, ...] (experts.packed_local's
+    layout): the rows of its intermediate features of the gate and of the up rows, read as slices
+    (interleaved rows: one run of rows; else two)."""
+    if tuple(ckpt.shape(key)) != tuple(dst.shape):
+        raise ValueError(f"{ckpt.path}: tensor {key!r} has shape {list(ckpt.shape(key))}, the model expects "
+                         f"{list(dst.shape)}")
+    _check_dtype(ckpt, key, dst)
+    inter = dst.shape[1] // 2
+    start, n = 0, inter
+    if isinstance(dst, DTensor) and not all(p.is_replicate() for p in dst.placements):
+        start, n = rows_of_rank(inter, dst.device_mesh.get_local_rank(), dst.device_mesh.size())
+    view = read(key)
+    if interleaved:
+        return ckpt.finite_scales(key, view[:, 2 * start:2 * (start + n)])
+    gate, up = view[:, start:start + n], view[:, inter + start:inter + start + n]
+    return ckpt.finite_scales(key, join_gate_up(gate, up, interleaved))
+
+
 def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, device, quantized: dict[str, str],
                  key_of, experts: dict[str, str] | None = None, loader: str = "load_mlx_sharded",
-                 routers: dict | None = None) -> ShardedLoadReport:
+                 routers: dict | None = None, packed_gate_up: dict[str, bool] | None = None) -> ShardedLoadReport:
     """Partitions `model` by `plan`, allocates each rank's slices and reads them. key_of: model
     key -> checkpoint key; experts: {QuantFusedExperts path: mlx_lm path} stored as mlx_lm's
     three SwitchLinear layers; routers: {model key: (checkpoint path, float32 values)} of the
-    routers stored quantized."""
+    routers stored quantized; packed_gate_up: {model key: interleaved} of the gate_up tensors of quantized
+    experts stored as the layer holds them (gate and up rows in one tensor)."""
     _check_same_checkpoint(ckpt, mesh)
     parallelize(model, mesh, plan)
     _materialize(model, torch.device(device))
     state = {k: v for k, v in model.state_dict(keep_vars=True).items() if k.rpartition(".")[2] != FORMAT_STATE_KEY}
     packed = _experts_keys(experts or {})
-    routers = routers or {}
+    routers, packed_gate_up = routers or {}, packed_gate_up or {}
     packed.update({k: [f"{p}.{part}" for part in _stored_router_parts(ckpt, p)] for k, (p, _) in routers.items()})
     keys = {k: packed.get(k) or [key_of(k)] for k in state}  # model key -> checkpoint keys
     missing = sorted(k for k, ks in keys.items() if any(key not in ckpt for key in ks))
@@ -280,6 +300,8 @@ def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, dev
             ks = keys[k]
             if k in routers:
                 part = routers[k][1].to(dst.dtype)[_slices(dst)]
+            elif k in packed_gate_up:
+                part = _packed_part(read, ks[0], dst, packed_gate_up[k], ckpt)
             elif len(ks) == 2:
                 layer = model.get_submodule(k.rpartition(".gate_up_proj.")[0])
                 part = _gate_up_part(read, ks, dst, layer.interleaved, ckpt)
@@ -369,20 +391,20 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
     """As load_mlx_sharded, for a folder saved by transformers' save_pretrained with torch_qmm's
     quantization_config (quant_method "torch_qmm"): the layers it stores as QuantLinear
     (`<layer>.qweight`) become QuantLinear in the saved format, checked against each layer's saved
-    format state (`_extra_state`)."""
+    format state (`_extra_state`), and the quantized experts of MoE blocks (their QuantFusedExperts
+    buffers, gate_up packed; under the names transformers' save gives them: a Mixtral block is
+    block_sparse_moe) become QuantFusedExperts, each rank reading its rows of gate_up (two runs
+    of rows, or one where they interleave) and its columns of down_proj."""
     folder = Path(folder)
     config = read_json_object(folder / "config.json")
     q = config.get("quantization_config")
     if not isinstance(q, dict) or q.get("quant_method") != "torch_qmm":
         raise ValueError(f"{folder / 'config.json'}: 'quantization_config' must have quant_method 'torch_qmm', "
                          f"got {q!r}")
+    from ..interop.transformers import stored_key  # (transformers: the folder is its save)
+
     ckpt = Checkpoint(folder)
-    experts = sorted(k.rpartition(".gate_up_proj.")[0] for k in ckpt.keys() if k.endswith(".gate_up_proj.qweight"))
-    if experts:
-        raise ValueError(f"{folder}: the MoE experts {experts[0]} (and {len(experts) - 1} more) are stored quantized "
-                         "(QuantFusedExperts buffers), which load_pretrained_sharded does not read: load the folder "
-                         "with from_pretrained and parallelize(model, mesh, tp_plan(model)) (each rank then reads "
-                         "the whole checkpoint), or write it with save_mlx and load that with load_mlx_sharded")
+    stored = stored_key(model, ckpt)
     dtype = dtype or _checkpoint_dtype(ckpt)
     model.to(dtype)
     bits = q.get("bits")
@@ -392,20 +414,38 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
     tied = _tied_heads(model)
     quantized = {}
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or f"{name}.qweight" not in ckpt:
+        if type(module) is not nn.Linear or stored(f"{name}.qweight") not in ckpt:
             continue
         layer_bits = bits if not isinstance(bits, dict) else bits.get(name, bits.get("*"))
         try:  # the format's checks (bits, group_size, mode and how they go together) name the argument
-            new = QuantLinear(module.in_features, module.out_features, bias=f"{name}.bias" in ckpt, bits=layer_bits,
+            new = QuantLinear(module.in_features, module.out_features, bias=stored(f"{name}.bias") in ckpt, bits=layer_bits,
                               group_size=q.get("group_size"), device="meta", dtype=dtype, mode=q.get("mode", "affine"))
         except ValueError as e:
             raise ValueError(f"{folder / 'config.json'}: quantization_config of layer {name!r}: {e}") from None
-        state_key = f"{name}.{FORMAT_STATE_KEY}"
+        state_key = stored(f"{name}.{FORMAT_STATE_KEY}")
         if state_key in ckpt:
             new._check_format_state(ckpt.get(state_key), f"{ckpt.path}: {state_key!r}")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         quantized[name] = f"{new.mode} b{new.bits} gs{new.group_size}"
+    gate_up = {}  # model key of a gate_up tensor stored packed -> whether its rows interleave
+    for name, module in fused_experts(model):
+        if stored(f"{name}.gate_up_proj.qweight") not in ckpt:
+            continue  # float experts: read as any float tensor
+        layer_bits = bits if not isinstance(bits, dict) else bits.get(name, bits.get("*"))
+        try:
+            new = empty_quant_experts(module, layer_bits, q.get("group_size"), q.get("mode", "affine"), dtype,
+                                      device="meta")
+        except ValueError as e:
+            raise ValueError(f"{folder / 'config.json'}: quantization_config of the experts {name!r}: {e}") from None
+        for proj in ("gate_up_proj", "down_proj"):
+            state_key = stored(f"{name}.{proj}.{FORMAT_STATE_KEY}")
+            if state_key in ckpt:
+                getattr(new, proj)._check_format_state(ckpt.get(state_key), f"{ckpt.path}: {state_key!r}")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        quantized[name] = f"{new.down_proj.mode} b{new.down_proj.bits} gs{new.down_proj.group_size}"
+        gate_up.update({f"{name}.gate_up_proj.{leaf}": new.interleaved for leaf in ("qweight", "scales", "biases", "bias")})
     alias = _untie_heads(model, ckpt, tied, quantized, dtype)
-    return _load_slices(model, ckpt, mesh, plan, device, quantized, lambda k: alias.get(k, k),
-                        loader="load_pretrained_sharded")
+    return _load_slices(model, ckpt, mesh, plan, device, quantized, lambda k: stored(alias.get(k, k)),
+                        loader="load_pretrained_sharded", packed_gate_up=gate_up)

@@ -412,9 +412,10 @@ def _source_layers(model: nn.Module, src: Path) -> tuple[dict[str, str], dict[st
     """({module: format} of the quantized layers loaded from a folder torch_qmm quantized,
     {module: whether their scales and biases were loaded without rounding (a --dtype cast)})."""
     from .safetensors_io import Checkpoint
+    from .transformers import stored_key
 
     ckpt = Checkpoint(src)
-    stored = _stored_name(model, ckpt)
+    stored = stored_key(model, ckpt)
     origin, exact = {}, {}
     for name, m in model.named_modules():
         if isinstance(m, (QuantLinear, QuantFusedExperts)):
@@ -422,31 +423,10 @@ def _source_layers(model: nn.Module, src: Path) -> tuple[dict[str, str], dict[st
             layers = ({f"{name}.{p}": getattr(m, p) for p in ("gate_up_proj", "down_proj")}
                       if isinstance(m, QuantFusedExperts) else {name: m})
             exact[name] = all(layer.scales.dtype == torch.uint8  # the fp modes' scale codes, never cast
-                              or (ckpt.dtype_name(stored(f"{key}.scales")), layer.scales.dtype) in _LOSSLESS_CASTS
+                              or (ckpt.dtype_name(stored(f"{key}.scales", required=True)),
+                                  layer.scales.dtype) in _LOSSLESS_CASTS
                               for key, layer in layers.items())
     return origin, exact
-
-
-def _stored_name(model: nn.Module, ckpt):
-    """model key -> the key the folder stores it under: transformers' save_pretrained renames some
-    modules back to their checkpoint names (a Mixtral block's mlp is block_sparse_moe), the
-    renamings of the model's class, which from_pretrained applied the other way."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-
-    renamings = [(target, source) for r in get_model_conversion_mapping(model, add_legacy=False)
-                 if isinstance(r, WeightRenaming) for source, target in zip(r.source_patterns, r.target_patterns)]
-
-    def stored(key: str) -> str:
-        if key in ckpt:
-            return key
-        for ours, theirs in renamings:
-            if ours in key and key.replace(ours, theirs) in ckpt:
-                return key.replace(ours, theirs)
-        raise ValueError(f"{ckpt.path}: no tensor {key!r} (nor under a name transformers' renamings of "
-                         f"{type(model).__name__} give it), which the loaded model has")
-
-    return stored
 
 
 def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[str], exact: dict[str, bool],

@@ -170,6 +170,32 @@ def keep_quantized_experts_on_save(model) -> None:
     model._weight_conversions = _without_expert_converters(conversions, model)
 
 
+def stored_key(model, ckpt):
+    """model key -> the key a save_pretrained folder stores it under: transformers' save renames
+    some modules back to their checkpoint names (a Mixtral block's mlp is block_sparse_moe), the
+    renamings of the model's class, which from_pretrained applies the other way. stored(key)
+    gives the key itself where the checkpoint has no such name, or with required=True raises
+    ValueError naming it."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    renamings = [(target, source) for r in get_model_conversion_mapping(model, add_legacy=False)
+                 if isinstance(r, WeightRenaming) for source, target in zip(r.source_patterns, r.target_patterns)]
+
+    def stored(key: str, required: bool = False) -> str:
+        if key in ckpt:
+            return key
+        for ours, theirs in renamings:
+            if ours in key and key.replace(ours, theirs) in ckpt:
+                return key.replace(ours, theirs)
+        if required:
+            raise ValueError(f"{ckpt.path}: no tensor {key!r} (nor under a name transformers' renamings of "
+                             f"{type(model).__name__} give it), which the loaded model has")
+        return key
+
+    return stored
+
+
 def _float_layers(model) -> set[str]:
     """The layers a torch_qmm config could quantize that are float: nn.Linear and fused experts."""
     return {n for n, m in model.named_modules() if type(m) is nn.Linear} | {n for n, _ in fused_experts(model)}
