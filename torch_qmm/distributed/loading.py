@@ -413,10 +413,14 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
                          f"bits or null, got {bits!r}")
     tied = _tied_heads(model)
     quantized = {}
+
+    def bits_of(name: str):
+        return bits if not isinstance(bits, dict) else bits.get(name, bits.get("*"))
+
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear or stored(f"{name}.qweight") not in ckpt:
             continue
-        layer_bits = bits if not isinstance(bits, dict) else bits.get(name, bits.get("*"))
+        layer_bits = bits_of(name)
         try:  # the format's checks (bits, group_size, mode and how they go together) name the argument
             new = QuantLinear(module.in_features, module.out_features, bias=stored(f"{name}.bias") in ckpt, bits=layer_bits,
                               group_size=q.get("group_size"), device="meta", dtype=dtype, mode=q.get("mode", "affine"))
@@ -432,7 +436,7 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
     for name, module in fused_experts(model):
         if stored(f"{name}.gate_up_proj.qweight") not in ckpt:
             continue  # float experts: read as any float tensor
-        layer_bits = bits if not isinstance(bits, dict) else bits.get(name, bits.get("*"))
+        layer_bits = bits_of(name)
         try:
             new = empty_quant_experts(module, layer_bits, q.get("group_size"), q.get("mode", "affine"), dtype,
                                       device="meta")
