@@ -245,9 +245,9 @@ def test_a_file_of_another_architecture_than_the_model_is_an_error(tmp_path):
 def test_a_key_or_value_length_other_than_the_rotary_dimension_is_an_error(tmp_path, key):
     from torch_qmm.interop.gguf_llama import check_llama_metadata
 
-    same = write_llama_gguf(hf_model(False), tmp_path / "same.gguf", {}, np.random.default_rng(0),
-                            metadata={key: HIDDEN // HEADS})
-    assert check_llama_metadata(GGUFFile(tmp_path / "same.gguf"))["head_dim"] == HIDDEN // HEADS and same
+    write_llama_gguf(hf_model(False), tmp_path / "same.gguf", {}, np.random.default_rng(0),
+                     metadata={key: HIDDEN // HEADS})
+    assert check_llama_metadata(GGUFFile(tmp_path / "same.gguf"))["head_dim"] == HIDDEN // HEADS
     write_llama_gguf(hf_model(False), tmp_path / "m.gguf", {}, np.random.default_rng(0), metadata={key: 32})
     with pytest.raises(ValueError, match=rf"m\.gguf: metadata 'llama\.{key}' = 32 differs from the head dim 64 of "
                                          r"'llama\.rope\.dimension_count'"):

@@ -38,7 +38,8 @@ from ..interop.modules import QuantEmbedding
 from ..interop.safetensors_io import Checkpoint
 from ..nn import QuantLinear
 from ..interop.experts import empty_quant_experts, fused_experts
-from ..interop.mlx_experts import PROJECTIONS, empty_stored_experts, from_mlx_key, mlx_experts_path, to_mlx_key
+from ..interop.mlx_experts import (PROJECTIONS, empty_stored_experts, from_mlx_key, mlx_experts_path, stored_parts,
+                                   to_mlx_key)
 from ..nn_moe import join_gate_up
 from .partition import rows_of_rank
 from .styles import parallelize
@@ -103,8 +104,9 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
                       ) -> tuple[dict[str, str], dict[str, str]]:
     """Swaps the layers the checkpoint stores quantized for QuantLinear / QuantEmbedding /
     QuantFusedExperts on meta; returns ({path: format}, {experts path: mlx_lm path}). The MoE
-    routers mlx_lm stores quantized stay float: routers gets {model key of the weight: its float32
-    values} (each rank reads them whole: a router is small and replicated)."""
+    routers mlx_lm stores quantized stay float: routers gets {model key of the weight: (its
+    checkpoint keys, its float32 values)} (each rank reads them whole: a router is small and
+    replicated)."""
     config = read_json_object(config_path) if config_path.is_file() else {}
     default, overrides = parse_quantization(config, str(config_path))
 
@@ -132,8 +134,8 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
         except AttributeError:
             raise ValueError(f"{ckpt.path}: quantized layer {path!r} does not exist in the model") from None
         if is_router(module):
-            routers[f"{from_mlx_key(path + '.', model_type)[:-1]}.weight"] = (path, dequantized_router(ckpt, path, spec,
-                                                                                                       module))
+            routers[f"{from_mlx_key(path + '.', model_type)[:-1]}.weight"] = (
+                [f"{path}.{part}" for part in stored_parts(spec)], dequantized_router(ckpt, path, spec, module))
             continue
         if isinstance(module, nn.Linear):
             _check_quantized_shapes(ckpt, path, spec, module.out_features, module.in_features)
@@ -269,7 +271,7 @@ def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, dev
                  routers: dict | None = None, packed_gate_up: dict[str, bool] | None = None) -> ShardedLoadReport:
     """Partitions `model` by `plan`, allocates each rank's slices and reads them. key_of: model
     key -> checkpoint key; experts: {QuantFusedExperts path: mlx_lm path} stored as mlx_lm's
-    three SwitchLinear layers; routers: {model key: (checkpoint path, float32 values)} of the
+    three SwitchLinear layers; routers: {model key: (checkpoint keys, float32 values)} of the
     routers stored quantized; packed_gate_up: {model key: interleaved} of the gate_up tensors of quantized
     experts stored as the layer holds them (gate and up rows in one tensor)."""
     _check_same_checkpoint(ckpt, mesh)
@@ -278,7 +280,7 @@ def _load_slices(model: nn.Module, ckpt: Checkpoint, mesh: DeviceMesh, plan, dev
     state = {k: v for k, v in model.state_dict(keep_vars=True).items() if k.rpartition(".")[2] != FORMAT_STATE_KEY}
     packed = _experts_keys(experts or {})
     routers, packed_gate_up = routers or {}, packed_gate_up or {}
-    packed.update({k: [f"{p}.{part}" for part in _stored_router_parts(ckpt, p)] for k, (p, _) in routers.items()})
+    packed.update({k: keys for k, (keys, _) in routers.items()})
     keys = {k: packed.get(k) or [key_of(k)] for k in state}  # model key -> checkpoint keys
     missing = sorted(k for k, ks in keys.items() if any(key not in ckpt for key in ks))
     used = {key for ks in keys.values() for key in ks}
@@ -337,10 +339,6 @@ def _check_same_checkpoint(ckpt: Checkpoint, mesh: DeviceMesh) -> None:
         raise ValueError(f"{ckpt.path}: the ranks were given different checkpoints (tensor names, dtypes, shapes or "
                          "config.json differ): " + "; ".join(f"rank {r}: {p} ({d[:12]})" for r, (d, p) in
                                                              enumerate(every)))
-
-
-def _stored_router_parts(ckpt: Checkpoint, p: str) -> list[str]:
-    return [part for part in ("weight", "scales", "biases") if f"{p}.{part}" in ckpt]
 
 
 def _checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:

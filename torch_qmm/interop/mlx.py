@@ -40,9 +40,9 @@ from ..formats import FORMATS, packed_words
 from ..format_state import FORMAT_STATE_KEY
 from ..nn import QuantLinear, resolve_format
 from ..nn_moe import QuantFusedExperts
-from ..ops import dequantize
 from .experts import fused_experts
-from .mlx_experts import experts_specs, float_experts_tensors, from_mlx_key, load_experts, split_experts, to_mlx_key
+from .mlx_experts import (dequantized_stored, experts_specs, float_experts_tensors, from_mlx_key, load_experts,
+                          split_experts, stored_parts, to_mlx_key)
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .gguf_types import type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
@@ -309,7 +309,7 @@ def load_mlx(
             w = dequantized_router(ckpt, p, spec, module)
             with torch.no_grad():
                 (module.weight if meta is None else meta.real(module, "weight")).copy_(w)
-            dequantized.update(f"{p}.{part}" for part in router_parts(spec))
+            dequantized.update(f"{p}.{part}" for part in stored_parts(spec))
             report.dequantized.append(mp)
             continue
         elif isinstance(module, (QuantLinear, QuantEmbedding)):
@@ -382,13 +382,7 @@ def dequantized_router(ckpt: Checkpoint, p: str, spec: QuantSpec, module: nn.Mod
     (the values MLX multiplies by), after checking their shapes against the module's."""
     rows, cols = module.weight.shape
     _check_quantized_shapes(ckpt, p, spec, rows, cols)
-    parts = [ckpt.finite_scales(f"{p}.{part}", ckpt.get(f"{p}.{part}")) for part in router_parts(spec)]
-    return dequantize(*parts, group_size=spec.group_size, bits=spec.bits, mode=spec.mode, dtype=torch.float32)
-
-
-def router_parts(spec: QuantSpec) -> list[str]:
-    """The tensors a quantized router is stored as (after its path)."""
-    return ["weight", "scales", "biases"] if spec.has_biases else ["weight", "scales"]
+    return dequantized_stored(ckpt, p, spec)
 
 
 def _is_format_state(key: str) -> bool:

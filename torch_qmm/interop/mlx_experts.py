@@ -35,6 +35,18 @@ MLX_LM_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+def stored_parts(spec) -> tuple[str, ...]:
+    """The tensors a quantized layer of format `spec` (a QuantSpec) is stored as, after its path."""
+    return ("weight", "scales", "biases") if spec.has_biases else ("weight", "scales")
+
+
+def dequantized_stored(ckpt, p: str, spec) -> torch.Tensor:
+    """float32 weight of the quantized layer stored at checkpoint path p (the values MLX
+    multiplies by; its scales and biases checked finite). Its shapes are checked by the caller."""
+    parts = [ckpt.finite_scales(f"{p}.{part}", ckpt.get(f"{p}.{part}")) for part in stored_parts(spec)]
+    return dequantize(*parts, group_size=spec.group_size, bits=spec.bits, mode=spec.mode, dtype=torch.float32)
+
+
 def to_mlx_key(key: str, model_type: str | None) -> str:
     for ours, theirs in MLX_LM_RENAMES.get(model_type, ()):
         key = key.replace(ours, theirs)
@@ -199,11 +211,8 @@ def load_experts(model: nn.Module, ckpt, model_type: str | None, spec_of, dtype:
                         continue
                     rows, cols = dst.shape[1] // len(projs), dst.shape[2]
                     check_shapes(ckpt, f"{prefix}.{p}", spec, rows, cols, experts=dst.shape[0])
-                    stored = [ckpt.finite_scales(f"{prefix}.{p}.{t}", ckpt.get(f"{prefix}.{p}.{t}"))
-                              for t in (("weight", "scales", "biases") if spec.has_biases else ("weight", "scales"))]
-                    parts.append(dequantize(*stored, group_size=spec.group_size, bits=spec.bits, mode=spec.mode,
-                                            dtype=torch.float32))
-                    used.update(f"{prefix}.{p}.{t}" for t in ("scales", "biases") if f"{prefix}.{p}.{t}" in ckpt)
+                    parts.append(dequantized_stored(ckpt, f"{prefix}.{p}", spec))
+                    used.update(f"{prefix}.{p}.{t}" for t in stored_parts(spec))
                 t = join_gate_up(*parts, layout.interleaved) if len(parts) == 2 else parts[0]
                 if tuple(t.shape) != tuple(dst.shape):
                     raise ValueError(f"{ckpt.path}: {keys} have shapes {[list(p.shape) for p in parts]}, the "
