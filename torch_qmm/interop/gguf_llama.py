@@ -1,5 +1,5 @@
-"""A llama-family GGUF file (llama, mistral, qwen2, qwen3) into a transformers model of the same
-architecture.
+"""A llama-family GGUF file (llama, mistral, qwen2, qwen3, and the mixture-of-experts qwen2moe and
+qwen3moe: gguf_moe) into a transformers model of the same architecture.
 
 Facts from llama.cpp's convert_hf_to_gguf.py and transformers' GGUF loader
 (integrations/ggml.py, integrations/gguf/gguf_conversion_mapping.py, modeling_gguf_pytorch_utils.py):
@@ -37,6 +37,8 @@ from tqdm.auto import tqdm
 from ..convert import record_loaded_model
 from ..nn import QuantLinear
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
+from .gguf_moe import (MOE_CONFIG_KEYS, MOE_RENAMES, check_experts_block, describe, expected_shapes, expert_part,
+                       experts_from_gguf, experts_module_name, moe_config, shared_gate_tensor)
 from .gguf_types import SUPPORTED_TYPES, supported_list
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .mlx import LoadReport
@@ -53,6 +55,9 @@ class Architecture:
     bias_flags: tuple[str, ...]  # config flags that give projections biases (LlamaConfig's two)
     fixed_biases: tuple[str, ...]  # GGUF projections that always have biases
     qk_norm: bool  # an RMSNorm over each head of q and k (attn_q_norm / attn_k_norm)
+    experts: bool = False  # every block a MoE block (gguf_moe)
+    shared_expert: bool = False  # a gated shared expert beside the routed ones
+    norm_topk_prob: bool | None = None  # whether llama.cpp normalizes the top-k routing weights
 
 
 ARCHITECTURES = {
@@ -60,10 +65,13 @@ ARCHITECTURES = {
     "mistral": Architecture("llama", True, ("attention_bias", "mlp_bias"), (), False),
     "qwen2": Architecture("qwen2", False, (), ("attn_q", "attn_k", "attn_v"), False),
     "qwen3": Architecture("qwen3", False, ("attention_bias",), (), True),
+    "qwen2moe": Architecture("qwen2_moe", False, (), ("attn_q", "attn_k", "attn_v"), False, experts=True,
+                             shared_expert=True, norm_topk_prob=False),
+    "qwen3moe": Architecture("qwen3_moe", False, ("attention_bias",), (), True, experts=True, norm_topk_prob=True),
 }
 LLAMA_FAMILY = tuple(ARCHITECTURES)
 
-_RENAMES = [
+_RENAMES = MOE_RENAMES + [
     (r"^token_embd\.", "model.embed_tokens."),
     (r"^output_norm\.", "model.norm."),
     (r"^output\.", "lm_head."),
@@ -137,7 +145,7 @@ def llama_config_from_gguf(f: GGUFFile):
 
 # Metadata that must be a positive integer / a positive finite float when present.
 _INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings")
+               "num_key_value_heads", "head_dim", "max_position_embeddings", *MOE_CONFIG_KEYS.values())
 _FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
 # Largest context length accepted (2^24 tokens, far beyond any llama-family model).
 _MAX_CONTEXT = 2**24
@@ -171,11 +179,15 @@ def check_llama_metadata(f: GGUFFile) -> dict:
     arch = f.architecture
     if arch not in LLAMA_FAMILY:
         raise ValueError(f"{f.path}: architecture {arch!r} is not in the llama family {LLAMA_FAMILY}")
+    kind = ARCHITECTURES[arch]
     kwargs = {}
-    for key, field in _CONFIG_KEYS.items():
+    for key, field in {**_CONFIG_KEYS, **(MOE_CONFIG_KEYS if kind.experts else {})}.items():
         value = _metadata_value(f, arch, key, field)
         if value is not None:
             kwargs[field] = value
+    if kind.experts:
+        moe_config(f, arch, kwargs, kind.shared_expert)
+        kwargs["norm_topk_prob"] = kind.norm_topk_prob
     _head_dim_from_lengths(f, arch, kwargs)
     for required in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
         if required not in kwargs:
@@ -191,7 +203,7 @@ def check_llama_metadata(f: GGUFFile) -> dict:
     # Biases have no metadata key: llama.cpp stores them as optional tensors of block 0 and on
     # (LlamaConfig has one flag for the attention's four projections and one for the MLP's three;
     # Qwen3Config the attention's only; qwen2's q, k, v always have them).
-    for flag in ARCHITECTURES[arch].bias_flags:
+    for flag in kind.bias_flags:
         kwargs[flag] = any(f"blk.0.{p}.bias" in f.tensors for p in _BIASED_BY[flag])
     _check_shapes(f, arch, kwargs)
     _check_types(f)
@@ -250,12 +262,13 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
     if len(blocks) != layers or blocks != list(range(layers)):  # (the length first: never build a huge range)
         raise ValueError(f"{f.path}: metadata '{arch}.block_count' = {layers} but the file holds tensors for "
                          f"blocks {_ranges(blocks)}")
+    vocab, kind = c["vocab_size"], ARCHITECTURES[arch]
     ffn_up = f.tensors.get("blk.0.ffn_up.weight")
     ffn = c.get("intermediate_size", ffn_up.shape[0] if ffn_up is not None and ffn_up.shape else None)
-    if ffn is None:
+    if ffn is None and not kind.experts:
         raise ValueError(f"{f.path}: no '{arch}.feed_forward_length' and no blk.0.ffn_up.weight to infer it from")
-    c.setdefault("intermediate_size", ffn)
-    vocab, kind = c["vocab_size"], ARCHITECTURES[arch]
+    if ffn is not None:
+        c.setdefault("intermediate_size", ffn)
     expected = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if not c["tie_word_embeddings"]:
         expected["output.weight"] = (vocab, hidden)
@@ -263,10 +276,13 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
         expected.update({
             f"blk.{i}.attn_q.weight": (n_head * head_dim, hidden), f"blk.{i}.attn_k.weight": (n_kv * head_dim, hidden),
             f"blk.{i}.attn_v.weight": (n_kv * head_dim, hidden), f"blk.{i}.attn_output.weight": (hidden, n_head * head_dim),
-            f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
-            f"blk.{i}.ffn_down.weight": (hidden, ffn), f"blk.{i}.attn_norm.weight": (hidden,),
-            f"blk.{i}.ffn_norm.weight": (hidden,),
+            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
         })
+        if kind.experts:
+            expected.update(expected_shapes(i, c, kind.shared_expert))
+        else:
+            expected.update({f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
+                             f"blk.{i}.ffn_down.weight": (hidden, ffn)})
         for flag, names in _BIASED_BY.items():
             if c.get(flag):  # every projection of the kind then has a bias of its rows
                 expected.update({f"blk.{i}.{n}.bias": (expected[f"blk.{i}.{n}.weight"][0],) for n in names})
@@ -406,12 +422,20 @@ def load_gguf_llama(
     biases = {hf_name(n): t for n, t in f.tensors.items() if n.endswith(".bias")}
     loaded: set[str] = set()
     state = model.state_dict()
+    experts: dict[int, dict[str, GGUFTensor]] = {}  # block -> "gate" / "up" / "down" -> tensor
     show = progress if progress is not None else len(f.tensors) > 32
     for gname, t in tqdm(list(f.tensors.items()), desc="loading gguf", disable=not show, unit="tensor"):
         f.check_unchanged()
+        part = expert_part(gname)
+        if part is not None:  # read once the block's three are known
+            experts.setdefault(part[0], {})[part[1]] = t
+            report.bytes_read += t.nbytes
+            continue
         name = hf_name(gname)
         if name is None or gname.endswith(".bias"):
             continue
+        if gname.endswith(".ffn_gate_inp_shexp.weight"):
+            t = shared_gate_tensor(t)
         module_name, _, leaf = name.rpartition(".")
         perm = None
         if arch.permuted_qk and (".attn_q." in gname or ".attn_k." in gname):
@@ -483,6 +507,9 @@ def load_gguf_llama(
             report.float_tensors += 1
         elif strict:
             raise ValueError(f"{f.path}: tensor {gname!r} -> {name!r} is not a parameter of the model")
+    for block, parts in sorted(experts.items()):
+        f.check_unchanged()
+        _load_experts(model, block, parts, dtype, f, meta, target, report, loaded, strict)
     if strict:
         missing = sorted(k for k in state if k not in loaded and not _covered(k, loaded))
         if missing:
@@ -493,6 +520,32 @@ def load_gguf_llama(
         model.to(target)  # the tensors the model had in memory before (a model only partly on meta)
     record_loaded_model(model, "load_gguf_llama")
     return report
+
+
+def _load_experts(model, block: int, parts: dict[str, GGUFTensor], dtype: torch.dtype, f: GGUFFile, meta, target,
+                  report: LoadReport, loaded: set[str], strict: bool) -> None:
+    """Block `block`'s routed experts into the model: a QuantFusedExperts, or float values in the
+    model's experts module (gguf_moe.experts_from_gguf)."""
+    name = experts_module_name(block)
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        if strict:
+            raise ValueError(f"{f.path}: tensors blk.{block}.ffn_*_exps -> {name!r}: no such module in the model") from None
+        return
+    check_experts_block(parts, block, f.path)
+    new, values = experts_from_gguf(module, parts, dtype, f"{f.path}: block {block}")
+    if new is not None:
+        _replace(model, name, new if target is None else new.to(target))
+        report.quantized[name] = describe(parts)
+        loaded.update(f"{name}.{p}" for p in ("gate_up_proj", "down_proj"))
+        return
+    with torch.no_grad():
+        for leaf, value in values.items():
+            key = f"{name}.{leaf}"
+            (module.get_parameter(leaf) if meta is None else meta.real_key(model, key)).copy_(value)
+            loaded.add(key)
+            report.float_tensors += 1
 
 
 def _covered(key: str, loaded: set[str]) -> bool:

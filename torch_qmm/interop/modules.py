@@ -1,5 +1,6 @@
 """Modules for imported checkpoints: QuantEmbedding (MLX's quantized embedding), TiedQuantLinear
-(the tied output projection through it) and GGUFLinear (GGUF K-quant blocks, kept as they are)."""
+(the tied output projection through it), GGUFLinear (GGUF K-quant blocks, kept as they are) and
+GGUFSwitchLinear (a stack of expert weights in GGUF K-quant blocks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..format_state import FormatState, QuantFormatState
 from ..nn import check_positive_ints, follows_autocast, quantized_from, register_quantized_weight
 from ..ops import dequantize, gguf_matmul, quantized_matmul
+from .gguf_gather import gguf_gather_matmul
 from .gguf_types import NATIVE_TYPES, block_info, type_name
 
 
@@ -132,7 +134,16 @@ class TiedQuantLinear(nn.Module):
         return f"tied to QuantEmbedding({self._embedding.extra_repr()})"
 
 
-class GGUFLinear(FormatState, nn.Module):
+class GGUFFormatState(FormatState):
+    """The GGUF type of a module holding GGUF blocks, as its state_dict's ``_extra_state``."""
+
+    FORMAT_FIELDS = ("ggml_type",)
+
+    def describe_format(self, values) -> str:
+        return ", ".join(f"ggml_type={v} ({type_name(v)})" for v in values)
+
+
+class GGUFLinear(GGUFFormatState, nn.Module):
     """y = x @ W.T + bias with W [out, in] kept as GGUF blocks (Q4_K, Q6_K), decoded in-kernel.
 
     Buffer ``blocks`` uint8 [out, in/256 * block_bytes]: each row of W is its super-blocks exactly as
@@ -143,8 +154,6 @@ class GGUFLinear(FormatState, nn.Module):
     in_features=8960 have the shape of Q6_K blocks with 6144. Differentiable in x (gguf_qmm's
     backward, torch_qmm/ops.py); the blocks are frozen.
     """
-
-    FORMAT_FIELDS = ("ggml_type",)
 
     def __init__(
         self,
@@ -157,20 +166,9 @@ class GGUFLinear(FormatState, nn.Module):
     ) -> None:
         super().__init__()
         check_positive_ints(in_features=in_features, out_features=out_features)
-        native = ", ".join(f"{t} ({type_name(t)})" for t in NATIVE_TYPES)
-        if not isinstance(ggml_type, int) or isinstance(ggml_type, bool):
-            raise TypeError(f"argument 'ggml_type' must be an int, one of {native}, got {ggml_type!r}")
-        ggml_type = int(ggml_type)  # an IntEnum (gguf.GGMLQuantizationType) as its value
-        if ggml_type not in NATIVE_TYPES:
-            raise ValueError(f"argument 'ggml_type' must be one of {native}, got {ggml_type} ({type_name(ggml_type)})")
-        per_block, block_bytes = block_info(ggml_type)
-        if in_features % per_block != 0:
-            raise ValueError(f"argument 'in_features' must be a multiple of {per_block}, got {in_features}")
-        self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
-        self.register_buffer(
-            "blocks",
-            torch.zeros(out_features, in_features // per_block * block_bytes, dtype=torch.uint8, device=device),
-        )
+        self.in_features, self.out_features = in_features, out_features
+        self.ggml_type, row_bytes = _native_type(ggml_type, in_features)
+        self.register_buffer("blocks", torch.zeros(out_features, row_bytes, dtype=torch.uint8, device=device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
@@ -183,11 +181,55 @@ class GGUFLinear(FormatState, nn.Module):
             y = y + self.bias.to(y.dtype)
         return y
 
-    def describe_format(self, values) -> str:
-        return ", ".join(f"ggml_type={v} ({type_name(v)})" for v in values)
-
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"format={type_name(self.ggml_type)}, bias={self.bias is not None}"
         )
+
+
+def _native_type(ggml_type, in_features: int) -> tuple[int, int]:
+    """(ggml_type as an int, bytes of one row of `in_features` weights) for a type GGUF blocks are
+    kept in (NATIVE_TYPES); TypeError / ValueError naming the argument otherwise."""
+    native = ", ".join(f"{t} ({type_name(t)})" for t in NATIVE_TYPES)
+    if not isinstance(ggml_type, int) or isinstance(ggml_type, bool):
+        raise TypeError(f"argument 'ggml_type' must be an int, one of {native}, got {ggml_type!r}")
+    ggml_type = int(ggml_type)  # an IntEnum (gguf.GGMLQuantizationType) as its value
+    if ggml_type not in NATIVE_TYPES:
+        raise ValueError(f"argument 'ggml_type' must be one of {native}, got {ggml_type} ({type_name(ggml_type)})")
+    per_block, block_bytes = block_info(ggml_type)
+    if in_features % per_block != 0:
+        raise ValueError(f"argument 'in_features' must be a multiple of {per_block}, got {in_features}")
+    return ggml_type, in_features // per_block * block_bytes
+
+
+class GGUFSwitchLinear(GGUFFormatState, nn.Module):
+    """y = x @ W[indices].T for a stack of expert weights W [num_experts, out, in] kept as GGUF
+    blocks (Q4_K, Q6_K): the GGUF counterpart of QuantSwitchLinear, which QuantFusedExperts takes
+    as either of its projections.
+
+    Buffer ``blocks`` uint8 [E, out, in/256 * block_bytes]: expert e's rows exactly as a GGUF file's
+    3-D expert tensor (llama.cpp's ``ffn_*_exps``) holds them. The GGUF type is in state_dict as
+    ``_extra_state`` (FormatState), as GGUFLinear's. forward(x [..., M, in], indices) ->
+    [..., M, out] in x's dtype: each expert's rows of x through gguf_matmul
+    (torch_qmm.interop.gguf_gather). No bias (GGUF files give the experts of these types none).
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, ggml_type: int,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        check_positive_ints(num_experts=num_experts, in_features=in_features, out_features=out_features)
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.ggml_type, row_bytes = _native_type(ggml_type, in_features)
+        self.register_buffer("blocks", torch.zeros(num_experts, out_features, row_bytes, dtype=torch.uint8,
+                                                   device=device))
+        self.register_parameter("bias", None)
+
+    @follows_autocast
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, sorted_indices: bool = False) -> torch.Tensor:
+        # sorted_indices: QuantSwitchLinear's argument; the rows are grouped by expert either way.
+        return gguf_gather_matmul(x, self.blocks, self.ggml_type, self.out_features, self.in_features, indices)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, format={type_name(self.ggml_type)}")

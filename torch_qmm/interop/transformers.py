@@ -228,14 +228,16 @@ def record_quantization_config(model) -> str | None:
 
 
 def _undescribed_layers(model) -> list[str]:
-    """The torch_qmm modules outside MoE experts that TorchQmmHfQuantizer cannot rebuild
-    (QuantEmbedding, its tied output layer, GGUFLinear, QuantSwitchLinear), as "name (class)"."""
+    """The torch_qmm modules outside MoE experts of MLX's formats that TorchQmmHfQuantizer cannot
+    rebuild (QuantEmbedding, its tied output layer, GGUFLinear, GGUFSwitchLinear, QuantSwitchLinear),
+    as "name (class)"."""
     from ..nn_moe import QuantSwitchLinear
-    from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
+    from .modules import GGUFLinear, GGUFSwitchLinear, QuantEmbedding, TiedQuantLinear
 
-    experts = [n for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)]
+    experts = [n for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)
+               and isinstance(m.gate_up_proj, QuantSwitchLinear) and isinstance(m.down_proj, QuantSwitchLinear)]
     return [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
-            if isinstance(m, (QuantEmbedding, TiedQuantLinear, GGUFLinear, QuantSwitchLinear))
+            if isinstance(m, (QuantEmbedding, TiedQuantLinear, GGUFLinear, GGUFSwitchLinear, QuantSwitchLinear))
             and not any(n.startswith(e + ".") for e in experts)]
 
 

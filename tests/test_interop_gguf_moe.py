@@ -1,0 +1,249 @@
+"""Mixture-of-experts GGUF files (qwen2moe, qwen3moe), written here as llama.cpp's converter writes
+them (3-D expert tensors ffn_{gate,up,down}_exps, the router ffn_gate_inp, qwen2moe's shared
+expert *_shexp and its 1-D gate), load into the transformers model of their architecture and give
+the outputs of the same model holding the file's weights as the gguf package decodes them, and
+those of transformers' own GGUF loader of the file. The experts stay quantized in the file's
+formats: Q4_K / Q6_K blocks as GGUFSwitchLinear, the 32-weight types and Q5_K as affine
+QuantSwitchLinear, in one QuantFusedExperts."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+
+from gguf_helpers import random_k_blocks, write_gguf
+from torch_qmm.interop.gguf import GGUFFile
+from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
+from torch_qmm.interop.modules import GGUFSwitchLinear
+from torch_qmm.nn_moe import QuantFusedExperts, QuantSwitchLinear
+
+transformers = pytest.importorskip("transformers")
+
+HEADS, KV_HEADS, HIDDEN, VOCAB, LAYERS, EXPERTS, TOP_K = 4, 2, 256, 96, 2, 4, 2
+IDS = torch.tensor([[1, 5, 9, 95, 0, 33, 33, 2, 17, 64, 80, 3]])
+
+
+def moe_model(arch: str, moe_inter: int, shared_inter: int = 512):
+    """A random Qwen2-MoE / Qwen3-MoE model; norm_topk_prob as llama.cpp computes each."""
+    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=LAYERS,
+              num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+              rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=EXPERTS,
+              num_experts_per_tok=TOP_K, moe_intermediate_size=moe_inter, head_dim=HIDDEN // HEADS,
+              norm_topk_prob=arch == "qwen3moe")
+    if arch == "qwen2moe":
+        kw["shared_expert_intermediate_size"] = shared_inter
+    config = transformers.AutoConfig.for_model({"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}[arch], **kw)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("_proj.bias"):
+                p.uniform_(-1.0, 1.0)
+            elif "experts" in name:  # transformers leaves fused experts uninitialized
+                p.normal_(0.0, 0.05)
+    return model
+
+
+_NAMES = [
+    (r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "output_norm."), (r"^lm_head\.", "output."),
+    (r"^model\.layers\.(\d+)\.", r"blk.\1."), (r"self_attn\.q_proj", "attn_q"), (r"self_attn\.k_proj", "attn_k"),
+    (r"self_attn\.v_proj", "attn_v"), (r"self_attn\.o_proj", "attn_output"), (r"self_attn\.q_norm", "attn_q_norm"),
+    (r"self_attn\.k_norm", "attn_k_norm"), (r"input_layernorm", "attn_norm"), (r"post_attention_layernorm", "ffn_norm"),
+    (r"mlp\.shared_expert_gate", "ffn_gate_inp_shexp"), (r"mlp\.shared_expert\.(gate|up|down)_proj", r"ffn_\1_shexp"),
+    (r"mlp\.gate\.", "ffn_gate_inp."),
+]
+
+
+def _gguf_name(hf: str) -> str:
+    for pattern, repl in _NAMES:
+        hf = re.sub(pattern, repl, hf)
+    return hf
+
+
+def _encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(file data, the weights it holds as gguf decodes them) of a float array [..., K]."""
+    if qtype == T.F32:
+        return w, w
+    rows = w.reshape(-1, w.shape[-1])
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
+        data = random_k_blocks(qtype, rows.shape[0], rows.shape[1], rng)
+    else:
+        data = quants.quantize(rows, qtype)
+    stored = quants.dequantize(data, qtype).reshape(w.shape)
+    return data.reshape(*w.shape[:-1], -1), stored
+
+
+def write_moe_gguf(model, path, types: dict[str, T], rng, drop=(), metadata=None) -> dict[str, torch.Tensor]:
+    """Writes model as llama.cpp's converter would (types: "gate_exps" / "up_exps" / "down_exps" /
+    a substring of a 2-D parameter name -> GGML type, F32 otherwise); returns hf name -> the values
+    the file holds."""
+    config = model.config
+    arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[config.model_type]
+    tensors, held = {}, {}
+    for name, p in model.state_dict().items():
+        w = p.detach().numpy().astype(np.float32)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            block = name.split(".")[2]
+            inter = w.shape[1] // 2
+            stored = []
+            for part, half in (("gate", w[:, :inter]), ("up", w[:, inter:])):
+                data, s = _encode(np.ascontiguousarray(half), types.get(f"{part}_exps", T.F32), rng)
+                tensors[f"blk.{block}.ffn_{part}_exps.weight"] = (data, types.get(f"{part}_exps"))
+                stored.append(s)
+            held[name] = torch.from_numpy(np.concatenate(stored, axis=1))
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            block = name.split(".")[2]
+            data, s = _encode(w, types.get("down_exps", T.F32), rng)
+            tensors[f"blk.{block}.ffn_down_exps.weight"] = (data, types.get("down_exps"))
+            held[name] = torch.from_numpy(s)
+            continue
+        qtype = next((t for pattern, t in types.items() if pattern in name), T.F32) if w.ndim == 2 else T.F32
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp stores the [1, H] gate as [H]
+            w, qtype = w.reshape(-1), T.F32
+        data, s = _encode(w, qtype, rng)
+        tensors[_gguf_name(name)] = (data, None if qtype == T.F32 else qtype)
+        held[name] = torch.from_numpy(np.ascontiguousarray(s)).reshape(p.shape)
+    tensors = {k: v for k, v in tensors.items() if k not in drop}
+    meta = {
+        "block_count": LAYERS, "context_length": 64, "embedding_length": HIDDEN,
+        "feed_forward_length": config.intermediate_size, "attention.head_count": HEADS,
+        "attention.head_count_kv": KV_HEADS, "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "rope.freq_base": float(config.rope_parameters["rope_theta"]), "attention.key_length": config.head_dim,
+        "attention.value_length": config.head_dim, "vocab_size": VOCAB, "expert_count": EXPERTS,
+        "expert_used_count": TOP_K, "expert_feed_forward_length": config.moe_intermediate_size,
+    }
+    if arch == "qwen2moe":
+        meta["expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
+    meta.update(metadata or {})
+    write_gguf(path, tensors, arch=arch, metadata={f"{arch}.{k}": v for k, v in meta.items() if v is not None})
+    return held
+
+
+K_MIX = {"gate_exps": T.Q4_K, "up_exps": T.Q4_K, "down_exps": T.Q6_K, "q_proj": T.Q8_0, "k_proj": T.Q8_0,
+         "v_proj": T.Q6_K, "o_proj": T.Q4_K, "shared_expert.": T.Q4_K, "embed": T.Q8_0, "lm_head": T.Q6_K}
+AFFINE_MIX = {"gate_exps": T.Q5_K, "up_exps": T.Q5_K, "down_exps": T.Q8_0, "proj": T.Q8_0, "embed": T.Q4_0}
+MIXED_MIX = {"gate_exps": T.Q5_K, "up_exps": T.Q5_K, "down_exps": T.Q6_K, "proj": T.Q4_0}
+
+
+def _expected(arch: str, moe_inter: int, held: dict) -> torch.nn.Module:
+    model = moe_model(arch, moe_inter)
+    model.load_state_dict(held)
+    return model
+
+
+# Sums of float32 products in other orders (the experts' at most 256 + 512 terms, over 2 layers),
+# and a routing weight that a top-k choice between near-equal router logits can make differ: rtol
+# 1e-4 of the largest logit, as the dense GGUF tests.
+def _assert_logits(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
+@pytest.mark.parametrize("mix", ["k", "affine", "mixed", "f32"])
+def test_moe_gguf_loads_into_its_transformers_model(tmp_path, arch, mix):
+    types = {"k": K_MIX, "affine": AFFINE_MIX, "mixed": MIXED_MIX, "f32": {}}[mix]
+    source = moe_model(arch, 256)
+    held = write_moe_gguf(source, tmp_path / "m.gguf", types, np.random.default_rng(3))
+    f = GGUFFile(tmp_path / "m.gguf")
+    config = llama_config_from_gguf(f)
+    assert type(config) is type(source.config)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (EXPERTS, TOP_K, 256)
+    assert config.norm_topk_prob == (arch == "qwen3moe")
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    report = load_gguf_llama(model, f)
+
+    experts = model.model.layers[1].mlp.experts
+    if mix == "f32":
+        assert not isinstance(experts, QuantFusedExperts) and not report.quantized
+    else:
+        assert isinstance(experts, QuantFusedExperts)
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        kinds = {"k": (GGUFSwitchLinear, GGUFSwitchLinear), "affine": (QuantSwitchLinear, QuantSwitchLinear),
+                 "mixed": (QuantSwitchLinear, GGUFSwitchLinear)}[mix]
+        assert (type(gate_up), type(down)) == kinds
+        assert report.quantized["model.layers.1.mlp.experts"] == {
+            "k": "experts gate Q4_K, up Q4_K, down Q6_K", "affine": "experts gate Q5_K, up Q5_K, down Q8_0",
+            "mixed": "experts gate Q5_K, up Q5_K, down Q6_K"}[mix]
+        if mix == "affine":
+            assert (gate_up.bits, gate_up.group_size, down.bits) == (5, 32, 8)
+    with torch.no_grad():
+        got = model(IDS).logits
+        want = _expected(arch, 256, held)(IDS).logits
+    _assert_logits(got, want)
+
+
+@pytest.mark.parametrize("arch, types", [
+    ("qwen3moe", K_MIX),  # transformers' own loader: Qwen3MoeConfig's default moe_intermediate_size, 768
+    ("qwen2moe", {"gate_exps": T.Q8_0, "up_exps": T.Q8_0, "down_exps": T.Q4_0, "proj": T.Q8_0}),  # 1408, 5632
+])
+def test_moe_gguf_agrees_with_transformers_gguf_loader(tmp_path, arch, types):
+    # transformers' GGUF loader takes the expert sizes from the config class's defaults (it reads no
+    # expert_feed_forward_length): the files have those sizes (Qwen2-MoE's 1408 is no multiple of
+    # 256, so its experts are of the 32-weight types).
+    defaults = {"qwen3moe": (768, 512), "qwen2moe": (1408, 5632)}[arch]
+    source = moe_model(arch, *defaults)
+    write_moe_gguf(source, tmp_path / "m.gguf", types, np.random.default_rng(4))
+    f = GGUFFile(tmp_path / "m.gguf")
+    model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+    load_gguf_llama(model, f)
+    assert isinstance(model.model.layers[0].mlp.experts, QuantFusedExperts)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
+    assert type(theirs.config) is type(model.config)
+    assert theirs.config.norm_topk_prob == model.config.norm_topk_prob
+    with torch.no_grad():
+        _assert_logits(model(IDS).logits, theirs(IDS).logits)
+
+
+def test_moe_gguf_loads_into_a_model_on_the_meta_device(tmp_path):
+    source = moe_model("qwen2moe", 256)
+    held = write_moe_gguf(source, tmp_path / "m.gguf", MIXED_MIX, np.random.default_rng(5))
+    f = GGUFFile(tmp_path / "m.gguf")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+    load_gguf_llama(model, f)
+    assert all(not t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    with torch.no_grad():
+        _assert_logits(model(IDS).logits, _expected("qwen2moe", 256, held)(IDS).logits)
+
+
+def test_experts_of_types_that_cannot_share_a_module_load_float_with_a_warning(tmp_path):
+    source = moe_model("qwen3moe", 256)
+    types = {"gate_exps": T.Q4_K, "up_exps": T.Q8_0, "down_exps": T.Q6_K}
+    held = write_moe_gguf(source, tmp_path / "m.gguf", types, np.random.default_rng(6))
+    f = GGUFFile(tmp_path / "m.gguf")
+    model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+    with pytest.warns(UserWarning, match=r"block 0: the experts are stored as gate Q4_K, up Q8_0, down Q6_K"):
+        load_gguf_llama(model, f)
+    assert not isinstance(model.model.layers[0].mlp.experts, QuantFusedExperts)
+    torch.testing.assert_close(model.model.layers[0].mlp.experts.gate_up_proj.data,
+                               held["model.layers.0.mlp.experts.gate_up_proj"], rtol=0, atol=0)
+    with torch.no_grad():
+        _assert_logits(model(IDS).logits, _expected("qwen3moe", 256, held)(IDS).logits)
+
+
+@pytest.mark.parametrize("drop, metadata, message", [
+    ((), {"expert_count": None}, r"metadata 'qwen3moe.expert_count' \(gives num_experts\) is missing"),
+    ((), {"expert_used_count": 9}, r"'qwen3moe.expert_used_count' = 9 is more than 'qwen3moe.expert_count' = 4"),
+    ((), {"expert_feed_forward_length": 512}, r"'blk.0.ffn_gate_exps.weight' has shape \[4, 256, 256\].*\[4, 512, 256\]"),
+    (("blk.1.ffn_down_exps.weight",), {}, r"no tensor 'blk.1.ffn_down_exps.weight'"),
+])
+def test_moe_metadata_disagreeing_with_the_file_is_refused_before_a_model_is_built(tmp_path, drop, metadata, message):
+    write_moe_gguf(moe_model("qwen3moe", 256), tmp_path / "m.gguf", K_MIX, np.random.default_rng(7), drop=drop,
+                   metadata=metadata)
+    with pytest.raises(ValueError, match=message):
+        llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+
+
+def test_moe_experts_infer_their_size_without_the_metadata(tmp_path):
+    write_moe_gguf(moe_model("qwen2moe", 256, 768), tmp_path / "m.gguf", K_MIX, np.random.default_rng(8),
+                   metadata={"expert_feed_forward_length": None, "expert_shared_feed_forward_length": None})
+    config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    assert (config.moe_intermediate_size, config.shared_expert_intermediate_size) == (256, 768)

@@ -1,0 +1,103 @@
+"""gguf_gather_matmul: y = x @ W[indices].T for a stack of expert weights W [E, N, K] kept as GGUF
+blocks (Q4_K, Q6_K), the gather_qmm of the GGUF formats.
+
+    y = gguf_gather_matmul(x, blocks, ggml_type, N, K, indices)   # blocks uint8 [E, N, bytes]
+
+The op ``torch_qmm::gguf_gather_qmm`` is defined here, in Python (torch.library.custom_op), on top
+of the native ``torch_qmm::gguf_qmm`` (``gguf_qmm_int8_activations`` for int8 activations): the
+(x rows, expert) pairs are grouped by expert and each expert's rows of x go through gguf_qmm once,
+on its own blocks (a view, no copy). The grouping
+depends on the values of `indices`, so the op is opaque to torch.compile (its fake kernel gives
+the output's shape) and a model holding it still compiles with fullgraph=True. It runs on every
+device gguf_qmm runs on (CPU, MPS); the blocks are frozen and x takes no gradient through it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import activations as _activations
+from .gguf_types import NATIVE_TYPES, block_info, type_name
+
+_EXACT = "exact"
+
+
+def _batch_shape(x: torch.Tensor, indices: torch.Tensor) -> torch.Size:
+    return torch.broadcast_shapes(x.shape[:-2], indices.shape)
+
+
+@torch.library.custom_op("torch_qmm::gguf_gather_qmm", mutates_args=())
+def _gguf_gather_qmm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int,
+                     indices: torch.Tensor, activations: str) -> torch.Tensor:
+    batch = _batch_shape(x, indices)
+    m = x.shape[-2]
+    rows = x.expand(*batch, m, K).reshape(-1, m, K)
+    experts = indices.expand(batch).reshape(-1)
+    y = x.new_empty(rows.shape[0], m, N)
+    if rows.shape[0] == 0:
+        return y.reshape(*batch, m, N)
+    lo, hi = int(experts.min()), int(experts.max())
+    if lo < 0 or hi >= blocks.shape[0]:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"gguf_gather_matmul: argument 'indices' must be in [0, {blocks.shape[0]}) (the experts "
+                         f"of 'blocks'), got {bad}")
+    product = torch.ops.torch_qmm.gguf_qmm if activations == _EXACT else torch.ops.torch_qmm.gguf_qmm_int8_activations
+    for e in torch.unique(experts).tolist():
+        pairs = (experts == e).nonzero().squeeze(1)
+        xe = rows.index_select(0, pairs).reshape(-1, K)
+        ye = product(xe, blocks[e], ggml_type, N, K)
+        y.index_copy_(0, pairs, ye.reshape(-1, m, N))
+    return y.reshape(*batch, m, N)
+
+
+@_gguf_gather_qmm.register_fake
+def _(x, blocks, ggml_type, N, K, indices, activations):
+    return x.new_empty(*_batch_shape(x, indices), x.shape[-2], N)
+
+
+def gguf_gather_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int,
+                       indices: torch.Tensor, activations: str | None = None) -> torch.Tensor:
+    """y[..., M, N] = x[..., M, K] @ W[indices].T, W [E, N, K] stored as GGUF blocks.
+
+    Args:
+        x: float32/float16/bfloat16 [..., M, K], K a multiple of 256.
+        blocks: uint8 [E, N, K/256 * block_bytes]: expert e's rows as llama.cpp writes them.
+        ggml_type: 12 (Q4_K) or 14 (Q6_K).
+        indices: integer tensor whose shape broadcasts with x's batch dims (x.shape[:-2]): the
+            expert of each row block of x, in [0, E).
+        activations: as gguf_matmul's ("int8": x quantized per super-block, CPU only; None: the
+            torch_qmm.activation_quantization setting on CPU, else exact).
+
+    Returns:
+        y [*broadcast(x.shape[:-2], indices.shape), M, N] in x's dtype, each expert's product
+        gguf_matmul's.
+    """
+    native = ", ".join(f"{t} ({type_name(t)})" for t in NATIVE_TYPES)
+    if isinstance(ggml_type, bool) or not isinstance(ggml_type, int) or int(ggml_type) not in NATIVE_TYPES:
+        raise ValueError(f"gguf_gather_matmul: argument 'ggml_type' must be one of {native}, got {ggml_type!r}")
+    ggml_type = int(ggml_type)
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point() or x.shape[-1] != K:
+        got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"gguf_gather_matmul: argument 'x' must be a float tensor [..., M, K={K}], got {got}")
+    per_block, block_bytes = block_info(ggml_type)
+    want = f"uint8 [E, N={N}, {K // per_block * block_bytes}] ({type_name(ggml_type)} blocks of K={K})"
+    if (not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() != 3
+            or K % per_block or tuple(blocks.shape[1:]) != (N, K // per_block * block_bytes)):
+        got = f"{blocks.dtype} {list(blocks.shape)}" if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+        raise ValueError(f"gguf_gather_matmul: argument 'blocks' must be {want}, got {got}")
+    if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.is_complex() \
+            or indices.dtype == torch.bool:
+        got = indices.dtype if isinstance(indices, torch.Tensor) else type(indices).__name__
+        raise ValueError(f"gguf_gather_matmul: argument 'indices' must be an integer tensor, got {got}")
+    try:
+        _batch_shape(x, indices)
+    except RuntimeError:
+        raise ValueError(f"gguf_gather_matmul: argument 'indices' of shape {list(indices.shape)} does not broadcast "
+                         f"with x's batch dims {list(x.shape[:-2])}") from None
+    _activations.check_activations(activations)
+    kind = activations
+    if kind is None and x.device.type == "cpu":
+        kind = _activations.current_activations()
+    if kind == "int8" and x.device.type != "cpu":
+        raise ValueError(f"gguf_gather_matmul: argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
+    return _gguf_gather_qmm(x, blocks.contiguous(), ggml_type, N, K, indices, kind or _EXACT)

@@ -1,0 +1,204 @@
+"""The mixture-of-experts parts of llama-family GGUF files (qwen2moe, qwen3moe): config fields,
+tensor names and shapes, and the routed experts as a QuantFusedExperts.
+
+Facts from llama.cpp (convert_hf_to_gguf.py's Qwen2MoeModel, src/models/qwen2moe.cpp, qwen3moe.cpp)
+and transformers' GGUF loader (integrations/ggml.py, modeling_gguf_pytorch_utils.py):
+* metadata: {arch}.expert_count (num_experts), expert_used_count (num_experts_per_tok),
+  expert_feed_forward_length (moe_intermediate_size), expert_shared_feed_forward_length
+  (qwen2moe's shared_expert_intermediate_size). Every block is a MoE block;
+* the router is blk.N.ffn_gate_inp [E, H] (transformers' mlp.gate, a TopKRouter holding a float
+  weight); the experts are 3-D tensors blk.N.ffn_{gate,up,down}_exps, [E, I, H] for gate and up,
+  [E, H, I] for down, one expert's rows after another (transformers keeps gate and up as one
+  gate_up_proj [E, 2I, H], the gate rows first); qwen2moe's shared expert is
+  blk.N.ffn_{gate,up,down}_shexp (mlp.shared_expert.{gate,up,down}_proj) gated by
+  blk.N.ffn_gate_inp_shexp [H] (mlp.shared_expert_gate, an nn.Linear(H, 1));
+* llama.cpp normalizes the top-k routing weights of qwen3moe and not those of qwen2moe
+  (norm_topk_prob, which the file does not carry).
+
+The experts keep the file's formats: Q4_K / Q6_K blocks as GGUFSwitchLinear (exact in any
+dtype), the 32-weight block types and Q5_K as affine QuantSwitchLinear (to_affine: exact in
+float32), both in one QuantFusedExperts. Gate and up share one module, so they must share a type;
+where they do not, or where some projections are float in the file, the block's experts are
+loaded float (decoded), with a warning.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..nn_moe import QuantSwitchLinear, join_gate_up
+from .experts import ExpertsLayout, expert_shapes, layout_of, quant_experts_of
+from .gguf import GGUFTensor, dequantize, to_affine, to_blocks
+from .gguf_types import AFFINE_TYPES, FLOAT_TYPES, NATIVE_TYPES, type_name
+from .modules import GGUFSwitchLinear
+
+# GGUF metadata key (after "<arch>.") -> config field, for the MoE architectures.
+MOE_CONFIG_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+
+# Applied before the dense names of gguf_llama (whose ffn_gate / ffn_up / ffn_down patterns need a
+# dot after the name, so they do not match these).
+MOE_RENAMES = [
+    (r"\.ffn_gate_inp_shexp\.", ".mlp.shared_expert_gate."),
+    (r"\.ffn_gate_inp\.", ".mlp.gate."),
+    (r"\.ffn_(gate|up|down)_shexp\.", r".mlp.shared_expert.\1_proj."),
+]
+
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+PARTS = ("gate", "up", "down")
+
+
+def expert_part(gguf_name: str) -> tuple[int, str] | None:
+    """(block, "gate" / "up" / "down") of a routed-experts tensor name, else None."""
+    m = _EXPERTS.match(gguf_name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def experts_module_name(block: int) -> str:
+    return f"model.layers.{block}.mlp.experts"
+
+
+def expected_shapes(i: int, c: dict, shared: bool) -> dict[str, tuple[int, ...]]:
+    """The MoE tensors of block i and their shapes, from the config fields c."""
+    hidden, e, inter = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
+    out = {
+        f"blk.{i}.ffn_gate_inp.weight": (e, hidden),
+        f"blk.{i}.ffn_gate_exps.weight": (e, inter, hidden),
+        f"blk.{i}.ffn_up_exps.weight": (e, inter, hidden),
+        f"blk.{i}.ffn_down_exps.weight": (e, hidden, inter),
+    }
+    if shared:
+        s = c["shared_expert_intermediate_size"]
+        out.update({
+            f"blk.{i}.ffn_gate_inp_shexp.weight": (hidden,),
+            f"blk.{i}.ffn_gate_shexp.weight": (s, hidden),
+            f"blk.{i}.ffn_up_shexp.weight": (s, hidden),
+            f"blk.{i}.ffn_down_shexp.weight": (hidden, s),
+        })
+    return out
+
+
+def moe_config(f, arch: str, kwargs: dict, shared: bool) -> None:
+    """Fills the MoE config fields the file's metadata leaves out from its block-0 tensors, and
+    refuses a file without the two expert counts."""
+    for key in ("expert_count", "expert_used_count"):
+        if MOE_CONFIG_KEYS[key] not in kwargs:
+            raise ValueError(f"{f.path}: metadata '{arch}.{key}' (gives {MOE_CONFIG_KEYS[key]}) is missing")
+    if kwargs["num_experts_per_tok"] > kwargs["num_experts"]:
+        raise ValueError(f"{f.path}: metadata '{arch}.expert_used_count' = {kwargs['num_experts_per_tok']} is more "
+                         f"than '{arch}.expert_count' = {kwargs['num_experts']}")
+    inferred = {"moe_intermediate_size": ("blk.0.ffn_gate_exps.weight", 1)}
+    if shared:
+        inferred["shared_expert_intermediate_size"] = ("blk.0.ffn_gate_shexp.weight", 0)
+    for field, (tensor, dim) in inferred.items():
+        if field in kwargs:
+            continue
+        t = f.tensors.get(tensor)
+        if t is None or len(t.shape) <= dim:
+            key = next(k for k, v in MOE_CONFIG_KEYS.items() if v == field)
+            raise ValueError(f"{f.path}: no metadata '{arch}.{key}' and no {tensor} to infer {field} from")
+        kwargs[field] = t.shape[dim]
+
+
+def shared_gate_tensor(t: GGUFTensor) -> GGUFTensor:
+    """ffn_gate_inp_shexp [H] as the [1, H] weight of the nn.Linear(H, 1) it is."""
+    if len(t.shape) == 1:
+        return GGUFTensor(t.name, t.ggml_type, (1, t.shape[0]), t.raw.reshape(1, -1), t.source)
+    return t
+
+
+def _stack(t: GGUFTensor) -> tuple[int, int, int]:
+    e, rows, cols = t.shape
+    return e, rows, cols
+
+
+def _native(t: GGUFTensor) -> GGUFSwitchLinear:
+    e, rows, cols = _stack(t)
+    layer = GGUFSwitchLinear(e, cols, rows, t.ggml_type)
+    layer.blocks.copy_(to_blocks(t).reshape(e, rows, -1))
+    return layer
+
+
+def _affine(ts: list[GGUFTensor], dtype: torch.dtype) -> QuantSwitchLinear:
+    """One QuantSwitchLinear of the experts' rows of ts (gate and up joined, gate first)."""
+    parts = []
+    for t in ts:
+        e, rows, _ = _stack(t)
+        wq, scales, biases, bits, group_size = to_affine(t, dtype)
+        parts.append([p.reshape(e, rows, -1) for p in (wq, scales, biases)])
+    joined = [join_gate_up(*tensors, interleaved=False) if len(ts) == 2 else tensors[0] for tensors in zip(*parts)]
+    return QuantSwitchLinear.from_quantized(*joined, bits=bits, group_size=group_size, dtype=dtype)
+
+
+def _quantized_layer(ts: list[GGUFTensor], dtype: torch.dtype) -> nn.Module:
+    if ts[0].ggml_type in NATIVE_TYPES:
+        if len(ts) == 1:
+            return _native(ts[0])
+        gate, up = ts
+        e, rows, cols = _stack(gate)
+        joined = GGUFTensor(gate.name, gate.ggml_type, (e, 2 * rows, cols),
+                            np.concatenate([gate.raw.reshape(e, rows, -1), up.raw.reshape(e, rows, -1)], axis=1)
+                            .reshape(e * 2 * rows, -1), gate.source)
+        return _native(joined)
+    return _affine(ts, dtype)
+
+
+def _kept_quantized(t: GGUFTensor) -> bool:
+    return t.ggml_type in NATIVE_TYPES or t.ggml_type in AFFINE_TYPES
+
+
+def experts_from_gguf(module: nn.Module, parts: dict[str, GGUFTensor], dtype: torch.dtype,
+                      where: str) -> tuple[nn.Module | None, dict[str, torch.Tensor]]:
+    """The routed experts of one block from its three GGUF tensors: (a QuantFusedExperts, {}), or
+    (None, {parameter name: float value}) where they load float into `module` (transformers'
+    experts module, whose layout must be gate rows then up rows, not transposed)."""
+    layout = layout_of(module)
+    if layout is None or layout.transposed or layout.interleaved or layout.has_bias:
+        got = "not a fused experts module" if layout is None else str(layout)
+        raise ValueError(f"{where}: the model's experts module {type(module).__name__} does not hold GGUF's experts "
+                         f"(gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I]; it is {got})")
+    gate, up, down = (parts[p] for p in PARTS)
+    e, hidden, inter = expert_shapes(module, layout)
+    for t, shape in ((gate, (e, inter, hidden)), (up, (e, inter, hidden)), (down, (e, hidden, inter))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{where}: tensor {t.name!r} has shape {list(t.shape)}, the model's experts expect "
+                             f"{list(shape)} (config disagrees with the file)")
+    if gate.ggml_type == up.ggml_type and all(_kept_quantized(t) for t in (gate, up, down)):
+        return quant_experts_of(module, _quantized_layer([gate, up], dtype), _quantized_layer([down], dtype)), {}
+    if all(t.ggml_type in FLOAT_TYPES for t in (gate, up, down)):
+        return None, float_experts(layout, gate, up, down)
+    warnings.warn(
+        f"{where}: the experts are stored as gate {gate.type_name}, up {up.type_name}, down {down.type_name}; "
+        "torch_qmm keeps experts quantized where gate and up share a type and every projection is of "
+        f"{', '.join(type_name(t) for t in AFFINE_TYPES + NATIVE_TYPES)}: this block's experts load float (decoded)",
+        stacklevel=4,
+    )
+    return None, float_experts(layout, gate, up, down)
+
+
+def float_experts(layout: ExpertsLayout, gate: GGUFTensor, up: GGUFTensor, down: GGUFTensor) -> dict[str, torch.Tensor]:
+    return {layout.gate_up: torch.cat([dequantize(gate), dequantize(up)], dim=1), layout.down: dequantize(down)}
+
+
+def describe(parts: dict[str, GGUFTensor]) -> str:
+    """The report's format of a block's experts ("experts gate Q4_K, up Q4_K, down Q6_K")."""
+    return "experts " + ", ".join(f"{p} {parts[p].type_name}" for p in PARTS)
+
+
+def check_experts_block(parts: dict[str, GGUFTensor], block: int, path) -> None:
+    missing = [f"blk.{block}.ffn_{p}_exps.weight" for p in PARTS if p not in parts]
+    if missing:
+        raise ValueError(f"{path}: block {block} has routed experts but no {', '.join(missing)}")
+    for p in PARTS:
+        if len(parts[p].shape) != 3:
+            raise ValueError(f"{path}: tensor 'blk.{block}.ffn_{p}_exps.weight' must be 3-D [experts, rows, cols], "
+                             f"got {list(parts[p].shape)}")
