@@ -11,17 +11,24 @@ import runpy
 import shutil
 import sys
 
+import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def build_mps() -> bool:
+    """Whether the MPS executor (csrc/mps/*.mm) is built: on macOS, with a torch built with MPS.
+    torch's BuildExtension accepts .mm sources only when torch.backends.mps.is_built()."""
+    return sys.platform == "darwin" and torch.backends.mps.is_built()
+
+
 def sources() -> list[str]:
     found = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
-    if sys.platform == "darwin":
-        # The MPS executor (Objective-C++) is only built on macOS. It embeds metal/'s sources, one
-        # per kernel: csrc/mps/embed_metal.py writes csrc/mps/metal_source.inc (generated, git-ignored).
+    if build_mps():
+        # The MPS executor (Objective-C++). It embeds metal/'s sources, one per kernel:
+        # csrc/mps/embed_metal.py writes csrc/mps/metal_source.inc (generated, git-ignored).
         embed = runpy.run_path(os.path.join(ROOT, "csrc", "mps", "embed_metal.py"))
         embed["write_embedded_source"]()
         # Optional: with Apple's command-line tools (`xcrun`), metal/ compiled once now into a
@@ -45,8 +52,10 @@ def compile_args() -> list[str]:
 
 
 def link_args() -> list[str]:
-    if sys.platform == "darwin":
+    if build_mps():
         return ["-framework", "Metal", "-framework", "Foundation"]
+    if sys.platform == "darwin":
+        return []
     return ["-fopenmp"]
 
 

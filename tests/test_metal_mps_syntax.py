@@ -1,7 +1,7 @@
 """The MPS executor (csrc/mps/*.mm) cannot run here (no Apple hardware). What Linux CI can
 check: the Objective-C++ parses and type-checks against the real ATen/mps headers and stub headers
 declaring exactly the Apple APIs it uses (tests/metal_mps_stubs/, written from Apple's docs), in
-both ARC and manual reference counting; the source it compiles for a kernel (the generated
+both ARC and manual reference counting, against the macOS 15 SDK's declarations and the macOS 14 SDK's; the source it compiles for a kernel (the generated
 metal_source.inc through csrc/mps/metal_kernel_source.h, built here as plain C++) is the text
 torch_qmm/metal_source.py gives and metalsim runs; and that text compiles to that kernel alone."""
 
@@ -31,17 +31,23 @@ def _clang(cxx: bool = False) -> str:
     pytest.skip("clang is needed for the Objective-C++ syntax check (apt-get install -y clang-19)")
 
 
+@pytest.mark.parametrize("sdk", [15, 14], ids=["sdk15", "sdk14"])
 @pytest.mark.parametrize("arc", [False, True], ids=["mrc", "arc"])
-def test_mps_executor_compiles_syntax_only(tmp_path, arc):
+def test_mps_executor_compiles_syntax_only(tmp_path, arc, sdk):
+    """sdk: the macOS SDK the stub headers stand for; 14 lacks MTLCompileOptions' mathMode and
+    mathFloatingPointFunctions (the executor declares them itself), 15 deprecates fastMathEnabled."""
     from torch.utils.cpp_extension import include_paths
 
     EMBED["write_embedded_source"](tmp_path / EMBED["OUTPUT"].name)
     cmd = [_clang(), "-fsyntax-only", "-x", "objective-c++", "-std=c++17", "-Wno-c++20-extensions", "-Werror=objc-method-access",
+           "-Werror=deprecated-declarations",
            "-fobjc-runtime=gnustep-2.0", "-fblocks", "-I", str(ROOT / "tests" / "metal_mps_stubs"), "-I", str(tmp_path),
            "-I", str(ROOT / "csrc"), "-I", sysconfig.get_paths()["include"]]
     cmd += [f"-I{p}" for p in include_paths()]
     if arc:
         cmd.append("-fobjc-arc")
+    if sdk == 14:
+        cmd.append("-DTQMM_STUB_MACOS_SDK_14")
     for mm in sorted((ROOT / "csrc" / "mps").glob("*.mm")):
         result = subprocess.run(cmd + [str(mm)], capture_output=True, text=True)
         assert result.returncode == 0, f"{mm.name}:\n{result.stderr[-4000:]}"

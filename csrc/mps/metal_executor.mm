@@ -27,6 +27,8 @@
 #import <Metal/Metal.h>
 #include <dlfcn.h>
 
+#include <array>
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -36,6 +38,29 @@
 
 #include "metal_kernel_source.h"  // kernel_source(name), kMetallibName
 #include "metallib_choice.h"
+
+// MTLCompileOptions' mathMode and mathFloatingPointFunctions, and their enums, are declared by the
+// macOS 15 SDK and later only (@available below is a run-time check and declares nothing). With
+// an older SDK they are declared here with the macOS 15 SDK's names and values, as ATen's
+// MPSGraphSequoiaOps.h does; the code reaches them only when running on macOS 15+, whose
+// MTLCompileOptions implements them.
+#if !defined(__MAC_15_0)
+typedef enum : NSInteger {
+  MTLMathModeSafe = 0,
+  MTLMathModeRelaxed = 1,
+  MTLMathModeFast = 2,
+} MTLMathMode;
+
+typedef enum : NSInteger {
+  MTLMathFloatingPointFunctionsFast = 0,
+  MTLMathFloatingPointFunctionsPrecise = 1,
+} MTLMathFloatingPointFunctions;
+
+@interface MTLCompileOptions ()
+@property(readwrite, nonatomic) MTLMathMode mathMode;
+@property(readwrite, nonatomic) MTLMathFloatingPointFunctions mathFloatingPointFunctions;
+@end
+#endif  // !defined(__MAC_15_0)
 
 namespace torch_qmm {
 namespace mps {
@@ -97,11 +122,18 @@ id<MTLComputePipelineState> compile_pipeline(id<MTLDevice> device, const std::st
   error_text.clear();
   @autoreleasepool {
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    // Fast math off: results must match the reference (fast math reassociates and flushes).
+    // Fast math off: results must match the reference (fast math reassociates and flushes). On
+    // macOS 15+ that is two settings, as PyTorch's compileLibrary sets them: mathMode Safe, and
+    // precise floating-point functions (exp, log, ... default to the fast variants otherwise).
+    // Before macOS 15, fastMathEnabled = NO turns both off; the macOS 15 SDK deprecates it.
     if (@available(macOS 15.0, *)) {
       options.mathMode = MTLMathModeSafe;
+      options.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
     } else {
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
       options.fastMathEnabled = NO;
+#pragma clang diagnostic pop
     }
     options.languageVersion = MTLLanguageVersion3_1;  // bfloat (macOS 14)
     NSError* error = nil;
@@ -150,6 +182,21 @@ id<MTLComputePipelineState> pipeline(id<MTLDevice> device, const std::string& na
   return slot->state;
 }
 
+// Raises unless `state` can run launch `l` as planned: the plan's threads per threadgroup fit
+// the pipeline's limit (which depends on the kernel's registers and threadgroup memory), and the
+// device's SIMD-groups are SIMD_WIDTH threads wide, as the kernels' lane arithmetic assumes.
+void check_launch(const plan::Launch& l, id<MTLComputePipelineState> state) {
+  const std::array<uint32_t, 3>& t = l.threads_per_threadgroup;
+  const uint64_t threads = uint64_t(t[0]) * t[1] * t[2];
+  const uint64_t max_threads = uint64_t([state maxTotalThreadsPerThreadgroup]);
+  TORCH_CHECK(threads <= max_threads, "torch_qmm: Metal kernel '", l.kernel, "' needs ", threads,
+              " threads per threadgroup (", t[0], "x", t[1], "x", t[2],
+              "), but its pipeline allows at most ", max_threads, " (maxTotalThreadsPerThreadgroup)");
+  const uint64_t width = uint64_t([state threadExecutionWidth]);
+  TORCH_CHECK(width == uint64_t(SIMD_WIDTH), "torch_qmm: Metal kernel '", l.kernel, "' needs SIMD-groups of ",
+              int(SIMD_WIDTH), " threads, but its pipeline's threadExecutionWidth is ", width);
+}
+
 }  // namespace
 
 void set_weight_operands(Operands& ops, const at::Tensor& wq, const at::Tensor& scales,
@@ -172,13 +219,17 @@ std::vector<plan::Launch> make_plan_checked(const plan::Problem& p) {
   }
 }
 
-// Pipelines are resolved before entering the queue so that nothing inside the block throws.
+// Pipelines are resolved and checked against their launches before entering the queue so that
+// nothing inside the block throws.
 void encode(const std::vector<plan::Launch>& launches, const Operands& operands) {
   if (launches.empty()) return;
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
   id<MTLDevice> device = stream->device();
   std::vector<id<MTLComputePipelineState>> states;
-  for (const plan::Launch& l : launches) states.push_back(pipeline(device, l.kernel));
+  for (const plan::Launch& l : launches) {
+    states.push_back(pipeline(device, l.kernel));
+    check_launch(l, states.back());
+  }
   const std::vector<plan::Launch>* lp = &launches;
   const std::vector<id<MTLComputePipelineState>>* sp = &states;
   const Operands* op = &operands;

@@ -11,7 +11,21 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
   return s;
 }
 
+// The SDK this stub stands for: the macOS 15 SDK by default, the macOS 14 SDK (Xcode 15) with
+// -DTQMM_STUB_MACOS_SDK_14, which lacks MTLMathMode, MTLMathFloatingPointFunctions and
+// MTLCompileOptions' properties of those types, and does not define __MAC_15_0 (Availability.h's
+// mark of the macOS 15 SDK, which Foundation includes).
+#ifndef TQMM_STUB_MACOS_SDK_14
+#define __MAC_15_0 150000
+#endif
+
+#ifdef __MAC_15_0
 typedef enum : NSInteger { MTLMathModeSafe = 0, MTLMathModeRelaxed = 1, MTLMathModeFast = 2 } MTLMathMode;
+typedef enum : NSInteger {
+  MTLMathFloatingPointFunctionsFast = 0,
+  MTLMathFloatingPointFunctionsPrecise = 1
+} MTLMathFloatingPointFunctions;
+#endif
 typedef enum : NSUInteger { MTLLanguageVersion3_0 = (3 << 16) + 0, MTLLanguageVersion3_1 = (3 << 16) + 1 } MTLLanguageVersion;
 
 @protocol MTLBuffer <NSObject>
@@ -21,6 +35,8 @@ typedef enum : NSUInteger { MTLLanguageVersion3_0 = (3 << 16) + 0, MTLLanguageVe
 @protocol MTLFunction <NSObject>
 @end
 @protocol MTLComputePipelineState <NSObject>
+@property(readonly) NSUInteger maxTotalThreadsPerThreadgroup;
+@property(readonly) NSUInteger threadExecutionWidth;
 @end
 @protocol MTLCommandBuffer <NSObject>
 @end
@@ -38,8 +54,13 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 @end
 
 @interface MTLCompileOptions : NSObject
-@property(readwrite, nonatomic) BOOL fastMathEnabled;  // deprecated in macOS 15: mathMode
-@property(readwrite, nonatomic) MTLMathMode mathMode;  // macOS 15+
+#ifdef __MAC_15_0
+@property(readwrite, nonatomic) BOOL fastMathEnabled __attribute__((deprecated("Use mathMode instead")));
+@property(readwrite, nonatomic) MTLMathMode mathMode;
+@property(readwrite, nonatomic) MTLMathFloatingPointFunctions mathFloatingPointFunctions;
+#else
+@property(readwrite, nonatomic) BOOL fastMathEnabled;
+#endif
 @property(readwrite, nonatomic) MTLLanguageVersion languageVersion;
 @end
 
