@@ -248,8 +248,9 @@ def check_switch_linear(rank: int, world: int, mesh) -> dict:
 def check_refusals(rank: int, world: int, mesh) -> dict:
     from torch import nn
     from torch_qmm.convert import quantize_model
-    from torch_qmm.distributed import QuantRowwiseParallel, parallelize, tp_plan
-    from torch_qmm.nn_moe import QuantSwitchLinear
+    from torch_qmm.distributed import QuantExpertsParallel, QuantRowwiseParallel, parallelize, tp_plan
+    from torch_qmm.interop.modules import GGUFSwitchLinear
+    from torch_qmm.nn_moe import QuantFusedExperts, QuantSwitchLinear
 
     out = {}
     inter = 32 * world + 32  # whole groups, not a whole number of them per rank
@@ -272,6 +273,13 @@ def check_refusals(rank: int, world: int, mesh) -> dict:
         out["switch_rowwise"] = None
     except ValueError as e:
         out["switch_rowwise"] = str(e)
+    # experts of a GGUF file (Q4_K gate_up, Q6_K down blocks): not split
+    gguf = QuantFusedExperts(GGUFSwitchLinear(2, 256, 512, 12), GGUFSwitchLinear(2, 256, 256, 14), nn.Identity())
+    try:
+        parallelize(nn.ModuleDict({"experts": gguf}), mesh, {"experts": QuantExpertsParallel()})
+        out["gguf_experts"] = None
+    except NotImplementedError as e:
+        out["gguf_experts"] = str(e)
     return out
 
 

@@ -116,6 +116,9 @@ def test_splits_that_cut_groups_are_refused(ranks):
     assert v["float_experts"] is not None and "'model.layers.0.mlp.experts'" in v["float_experts"]
     assert v["switch_rowwise"] is not None
     assert "QuantRowwiseParallel" in v["switch_rowwise"] and "'switch'" in v["switch_rowwise"]
+    assert v["gguf_experts"] is not None
+    for part in ("'experts'", "gate_up_proj (GGUFSwitchLinear)", "down_proj (GGUFSwitchLinear)", "load_mlx_sharded"):
+        assert part in v["gguf_experts"], (part, v["gguf_experts"])
 
 
 def test_mlx_moe_checkpoint_loads_into_each_ranks_slices(ranks):

@@ -162,6 +162,45 @@ def test_convert_qwen_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path
     assert (_logits(reloaded)[0] - want).abs().max().item() < 1e-4 * scale
 
 
+@pytest.mark.parametrize("arch, down", [("qwen3moe", "Q4_K"), ("qwen2moe", "Q6_K")])
+def test_convert_moe_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path, arch, down):
+    # Q4_K experts (all three projections) are written exact as affine 4-bit group-32 experts; a Q6_K
+    # down projection has no exact affine form, so that block's experts are written float, as gguf
+    # decodes them. mlx_lm's own MoE models read the MLX folder, transformers' the other, and both
+    # give the logits of the GGUF model load_gguf_llama builds (1e-4 of the largest logit, as above).
+    import mlx_lm.utils as mlx_lm_utils
+
+    import torch_qmm.interop.transformers  # noqa: F401  (from_pretrained of a torch_qmm folder)
+    from test_interop_gguf_moe import IDS as MOE_IDS, moe_model, write_moe_gguf
+    from torch_qmm.interop.gguf_llama import llama_config_from_gguf
+    from torch_qmm.nn_moe import QuantFusedExperts, QuantSwitchLinear
+
+    path = tmp_path / "m.gguf"
+    types = {"gate_exps": T.Q4_K, "up_exps": T.Q4_K, "down_exps": getattr(T, down), "proj": T.Q8_0}
+    write_moe_gguf(moe_model(arch, 256), path, types, np.random.default_rng(9))
+    f = GGUFFile(path)
+    ours = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+    load_gguf_llama(ours, f)
+    with torch.no_grad():
+        want = ours(MOE_IDS).logits[0]
+    scale = want.abs().max().item()
+    assert main(["convert", str(path), str(tmp_path / "mlx"), "--format", "mlx"]) == 0
+    mlx_model, mlx_config = mlx_lm_utils.load_model(tmp_path / "mlx")
+    assert mlx_config["model_type"] == {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}[arch]
+    got = torch.from_numpy(np.array(mlx_model(mx.array(MOE_IDS.numpy())).astype(mx.float32)))[0]
+    assert (got - want).abs().max().item() < 1e-4 * scale
+    assert main(["convert", str(path), str(tmp_path / "hf")]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    experts = reloaded.model.layers[0].mlp.experts
+    if down == "Q4_K":
+        assert isinstance(experts, QuantFusedExperts) and isinstance(experts.down_proj, QuantSwitchLinear)
+        assert (experts.down_proj.bits, experts.down_proj.group_size) == (4, 32)
+    else:
+        assert not isinstance(experts, QuantFusedExperts)
+    with torch.no_grad():
+        assert (reloaded(MOE_IDS).logits[0] - want).abs().max().item() < 1e-4 * scale
+
+
 def test_convert_gguf_to_transformers(gguf_path, tmp_path):
     out = tmp_path / "hf"
     assert main(["convert", str(gguf_path), str(out), "--requantize", "all", "--bits", "8", "--group-size", "32"]) == 0

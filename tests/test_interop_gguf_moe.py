@@ -247,3 +247,18 @@ def test_moe_experts_infer_their_size_without_the_metadata(tmp_path):
                    metadata={"expert_feed_forward_length": None, "expert_shared_feed_forward_length": None})
     config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
     assert (config.moe_intermediate_size, config.shared_expert_intermediate_size) == (256, 768)
+
+
+def test_gguf_experts_are_refused_by_the_writers_that_cannot_hold_them(tmp_path):
+    from torch_qmm.interop import save_mlx
+
+    write_moe_gguf(moe_model("qwen3moe", 256), tmp_path / "m.gguf", K_MIX, np.random.default_rng(10))
+    f = GGUFFile(tmp_path / "m.gguf")
+    model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+    load_gguf_llama(model, f)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.gate_up_proj \(Q4_K\).*GGUFSwitchLinear"):
+        save_mlx(model, tmp_path / "mlx")
+    # save_pretrained writes, and the reload says why it cannot rebuild the experts' layers
+    model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.gate_up_proj \(GGUFSwitchLinear\)"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

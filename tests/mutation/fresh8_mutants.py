@@ -196,8 +196,8 @@ MUTANTS: list[Mutant] = [
            "fake ids (FakeTensorMode, torch.export's tracing) take the eager range check, which reads "
            "their values: a data-dependent error instead of the checking op"),
     Mutant("e8-gguf-linear-bool-type-accepted", "torch_qmm/interop/modules.py",
-           "        if not isinstance(ggml_type, int) or isinstance(ggml_type, bool):",
-           "        if not isinstance(ggml_type, int):", GGUF_LINEAR,
+           "    if not isinstance(ggml_type, int) or isinstance(ggml_type, bool):",
+           "    if not isinstance(ggml_type, int):", GGUF_LINEAR,
            "GGUFLinear(ggml_type=True) is taken as type 1 (F16): a ValueError about the type, not the "
            "TypeError naming the argument"),
     Mutant("e8-gguf-linear-ignores-autocast", "torch_qmm/interop/modules.py",

@@ -120,6 +120,15 @@ class QuantExpertsParallel(ParallelStyle):
         if not isinstance(module, QuantFusedExperts):
             raise NotImplementedError(f"{style} shards a QuantFusedExperts (quantize the experts with "
                                       f"torch_qmm.quantize_model), got {describe(module)}")
+        gguf = [f"{n} ({type(m).__name__})" for n, m in (("gate_up_proj", module.gate_up_proj),
+                                                          ("down_proj", module.down_proj))
+                if not isinstance(m, QuantSwitchLinear)]
+        if gguf:
+            raise NotImplementedError(f"{style} shards experts of MLX's formats (QuantSwitchLinear); {describe(module)} "
+                                      f"holds {', '.join(gguf)}: GGUF blocks are not split across ranks. Leave the "
+                                      "experts replicated (drop them from the plan), or convert the GGUF file "
+                                      "(`python -m torch_qmm convert FILE.gguf OUT --format mlx`) and load that "
+                                      "folder with load_mlx_sharded")
         world, rank = device_mesh.size(), device_mesh.get_local_rank()
         gate_up, down = module.gate_up_proj, module.down_proj
         check_whole_groups(down, style, "in_features", down.in_features, down.group_size, world)

@@ -16,9 +16,10 @@ from ..cli_errors import UsageError
 from ..convert import CONV1D_NOT_CONVERTED, is_conv1d, quantize_model
 from ..formats import FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..nn import QuantLinear, resolve_format
-from ..nn_moe import QuantFusedExperts
+from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
 from .experts import is_fused_experts, layout_of
 from .gguf import GGUFFile, GGUFTensor, affine_exact, dequantize, q4_k_to_affine
+from .gguf_moe import block_experts, describe as describe_experts, float_experts_module
 from .gguf_types import AFFINE_TYPES, Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from .output_folder import check_destination, side_file_source, staged_output
@@ -170,6 +171,41 @@ def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
     return exact
 
 
+def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
+                        keep_affine: bool) -> tuple[dict[str, bool], dict[str, str]]:
+    """Gives the MoE experts load_gguf_llama kept quantized a form the output formats hold: with
+    keep_affine, experts whose projections all have an exact affine form (the affine types and
+    Q4_K) become affine QuantSwitchLinear layers; every other block's experts become float again,
+    as gguf decodes them. Returns ({experts: exact in dtype}, {experts: their GGUF types})."""
+    exact, origin = {}, {}
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, QuantFusedExperts):
+            continue
+        parts = block_experts(f, int(name.split(".")[2]))
+        origin[name] = describe_experts(parts)
+        kept = [_affine_switch(layer, [parts[p] for p in ps], dtype, name) if keep_affine else None
+                for layer, ps in ((m.gate_up_proj, ("gate", "up")), (m.down_proj, ("down",)))]
+        if None in kept:
+            _replace(model, name, float_experts_module(m, parts, dtype))
+            continue
+        (m.gate_up_proj, gate_up_exact), (m.down_proj, down_exact) = kept
+        exact[name] = gate_up_exact and down_exact
+    return exact, origin
+
+
+def _affine_switch(layer: nn.Module, tensors: list[GGUFTensor], dtype: torch.dtype, name: str):
+    """(an affine QuantSwitchLinear computing what `layer` does, exact in dtype) or None where the
+    GGUF type has no exact affine form."""
+    if isinstance(layer, QuantSwitchLinear):  # the affine types: to_affine(t, dtype) in the loader
+        return layer, all(affine_exact(t, dtype) for t in tensors)
+    if layer.ggml_type != Q4_K:
+        return None
+    e, out, k = layer.num_experts, layer.out_features, layer.in_features
+    wq, scales, biases, exact = _q4_k_affine(layer.blocks.reshape(e * out, -1), e * out, k, dtype, name)
+    return QuantSwitchLinear.from_quantized(wq.reshape(e, out, -1), scales.reshape(e, out, -1),
+                                            biases.reshape(e, out, -1), bits=4, group_size=32, dtype=dtype), exact
+
+
 def _weight_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
     """{transformers module name: the GGUF tensor of its weight}."""
     from .gguf_llama import hf_name
@@ -215,6 +251,8 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
         model = AutoModelForCausalLM.from_config(config).eval()
     print(load_gguf_llama(model, f, dtype=dtype, progress=True))
     exact = _q4_k_to_affine_modules(model, f, dtype, embeddings=not float_embedding) if keep_affine else {}
+    experts_exact, experts_origin = _experts_for_output(model, f, dtype, keep_affine)
+    exact.update(experts_exact)
     tensors = _weight_tensors(f)
     for name, m in list(model.named_modules()):
         if isinstance(m, GGUFLinear) or (isinstance(m, QuantLinear) and not keep_affine):
@@ -232,7 +270,7 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
         model.lm_head.weight = model.model.embed_tokens.weight
     if "quantization_config" in vars(model.config):  # load_gguf_llama's, of the layers as it loaded them:
         del model.config.quantization_config        # each output records the converted layers itself
-    return model, exact, _gguf_types(f)
+    return model, exact, {**_gguf_types(f), **experts_origin}
 
 
 def _calibration(args: argparse.Namespace, is_gguf: bool):
@@ -331,8 +369,8 @@ def _why_float(name: str, m: nn.Module, src: str, output_format: str, requantize
             return ("no exact affine form, and the transformers format quantizes no output head; --format mlx "
                     "--requantize rest does")
     if requantize:
-        width = m.embedding_dim if isinstance(m, nn.Embedding) else m.in_features
-        if width % group_size:
+        width = m.embedding_dim if isinstance(m, nn.Embedding) else getattr(m, "in_features", None)
+        if width is not None and width % group_size:
             return f"its {width} inputs are not a multiple of --group-size {group_size}"
         return "left float by quantize_model (its warning says why)"
     return "no exact affine form: --requantize rest quantizes it"
@@ -472,7 +510,8 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             if src != "float" and (src, m.weight.dtype) not in _LOSSLESS_CASTS:
                 how += f" (rounded to {str(m.weight.dtype)[6:]})"
         else:
-            decoded = "as gguf decodes it" if m.weight.dtype == torch.float32 else f"rounded to {str(m.weight.dtype)[6:]}"
+            weight = m.get_parameter(layout_of(m).gate_up) if is_fused_experts(m) else m.weight
+            decoded = "as gguf decodes it" if weight.dtype == torch.float32 else f"rounded to {str(weight.dtype)[6:]}"
             why = _why_float(name, m, src, output_format, requantize, head, group_size)
             how = f"decoded {src} -> {fmt} ({decoded}; {why})"
         rows.append((name, how))

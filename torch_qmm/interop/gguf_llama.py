@@ -383,6 +383,8 @@ def load_gguf_llama(
 
     Linear weights become QuantLinear (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, and Q5_K as bits 5: lossless, Q5_K
     in float32 only), GGUFLinear (Q4_K/Q6_K, the file's blocks) or stay nn.Linear (F32/F16/BF16);
+    the routed experts of a MoE file (qwen2moe, qwen3moe) become a QuantFusedExperts in the same
+    formats (gguf_moe: GGUFSwitchLinear for Q4_K/Q6_K);
     the embedding becomes a QuantEmbedding
     (block types) or a float table; without output.weight the output layer is tied to it.
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..nn_moe import QuantSwitchLinear, join_gate_up
+from ..nn_moe import QuantFusedExperts, QuantSwitchLinear, join_gate_up
 from .experts import ExpertsLayout, expert_shapes, layout_of, quant_experts_of
 from .gguf import GGUFTensor, dequantize, to_affine, to_blocks
 from .gguf_types import AFFINE_TYPES, FLOAT_TYPES, NATIVE_TYPES, type_name
@@ -186,7 +186,22 @@ def experts_from_gguf(module: nn.Module, parts: dict[str, GGUFTensor], dtype: to
 
 
 def float_experts(layout: ExpertsLayout, gate: GGUFTensor, up: GGUFTensor, down: GGUFTensor) -> dict[str, torch.Tensor]:
+    """{parameter name: value} of the experts as gguf decodes them (float32)."""
     return {layout.gate_up: torch.cat([dequantize(gate), dequantize(up)], dim=1), layout.down: dequantize(down)}
+
+
+def block_experts(f, block: int) -> dict[str, GGUFTensor]:
+    """The three expert tensors of block `block` of the file."""
+    return {p: f.tensors[f"blk.{block}.ffn_{p}_exps.weight"] for p in PARTS}
+
+
+def float_experts_module(experts: QuantFusedExperts, parts: dict[str, GGUFTensor], dtype: torch.dtype) -> nn.Module:
+    """The transformers experts module `experts` computes with (its GateOfExperts' module), given
+    back its float weights as gguf decodes `parts` (rounded once to dtype)."""
+    module = experts.activation.experts
+    for leaf, value in float_experts(ExpertsLayout(), *(parts[p] for p in PARTS)).items():
+        module.register_parameter(leaf, nn.Parameter(value.to(dtype), requires_grad=False))
+    return module
 
 
 def describe(parts: dict[str, GGUFTensor]) -> str:

@@ -45,7 +45,7 @@ from .mlx_experts import (dequantized_stored, experts_specs, float_experts_tenso
                           split_experts, stored_parts, to_mlx_key)
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .gguf_types import type_name
-from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
+from .modules import GGUFLinear, GGUFSwitchLinear, QuantEmbedding, TiedQuantLinear
 from .json_files import read_json_object
 from .safetensors_io import Checkpoint, model_files, save_sharded
 
@@ -513,13 +513,14 @@ def save_mlx(
         max_shard_bytes: shard size limit; several shards get model.safetensors.index.json.
         overwrite: replace the model files of a folder that holds them.
     """
-    blocks = [f"{n} ({type_name(m.ggml_type)})" for n, m in model.named_modules() if isinstance(m, GGUFLinear)]
+    blocks = [f"{n} ({type_name(m.ggml_type)})" for n, m in model.named_modules()
+              if isinstance(m, (GGUFLinear, GGUFSwitchLinear))]
     if blocks:
         raise ValueError(
             f"save_mlx: {', '.join(blocks[:4])}{f' and {len(blocks) - 4} more' if len(blocks) > 4 else ''} "
-            "are GGUFLinear layers (GGUF K-quant blocks), which MLX cannot read: `python -m torch_qmm convert "
-            "FILE.gguf OUT --format mlx` writes Q4_K exactly as affine 4-bit layers and the others as float "
-            "(or re-quantized, --requantize rest)")
+            "are GGUFLinear / GGUFSwitchLinear layers (GGUF K-quant blocks), which MLX cannot read: `python -m "
+            "torch_qmm convert FILE.gguf OUT --format mlx` writes Q4_K exactly as affine 4-bit layers and the "
+            "others as float (or re-quantized, --requantize rest)")
     folder = Path(folder)
     if not overwrite and (held := model_files(folder)):
         raise FileExistsError(f"save_mlx: {folder} already holds a model ({', '.join(held[:3])}"

@@ -207,11 +207,11 @@ def record_quantization_config(model) -> str | None:
     these layers quantized, each with its bits, the experts stored as their buffers:
     keep_quantized_experts_on_save). Returns why not where one config cannot hold them (group
     sizes or modes that differ between layers), leaving the config as it was."""
+    keep_quantized_experts_on_save(model)  # (a folder that cannot be reloaded is still written)
     others = _undescribed_layers(model)
     if others:
         return (f"a quantization_config describes QuantLinear layers and MoE experts, not "
                 f"{', '.join(others[:4])}{f' and {len(others) - 4} more' if len(others) > 4 else ''}")
-    keep_quantized_experts_on_save(model)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     layers |= {n: m.down_proj for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)}
     if not layers:
