@@ -80,10 +80,12 @@ def _encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, np.ndarray]:
     return data.reshape(*w.shape[:-1], -1), stored
 
 
-def write_moe_gguf(model, path, types: dict[str, T], rng, drop=(), metadata=None) -> dict[str, torch.Tensor]:
+def write_moe_gguf(model, path, types: dict[str, T], rng, drop=(), metadata=None,
+                   shared_gate_1d: bool = False) -> dict[str, torch.Tensor]:
     """Writes model as llama.cpp's converter would (types: "gate_exps" / "up_exps" / "down_exps" /
     a substring of a 2-D parameter name -> GGML type, F32 otherwise); returns hf name -> the values
-    the file holds."""
+    the file holds. The shared-expert gate is [1, H] as the converter writes it, or [H]
+    (shared_gate_1d), the shape llama.cpp's loader declares (it reads both)."""
     config = model.config
     arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[config.model_type]
     tensors, held = {}, {}
@@ -106,8 +108,8 @@ def write_moe_gguf(model, path, types: dict[str, T], rng, drop=(), metadata=None
             held[name] = torch.from_numpy(s)
             continue
         qtype = next((t for pattern, t in types.items() if pattern in name), T.F32) if w.ndim == 2 else T.F32
-        if name.endswith("shared_expert_gate.weight"):  # llama.cpp stores the [1, H] gate as [H]
-            w, qtype = w.reshape(-1), T.F32
+        if name.endswith("shared_expert_gate.weight"):
+            w, qtype = (w.reshape(-1) if shared_gate_1d else w), T.F32
         data, s = _encode(w, qtype, rng)
         tensors[_gguf_name(name)] = (data, None if qtype == T.F32 else qtype)
         held[name] = torch.from_numpy(np.ascontiguousarray(s)).reshape(p.shape)
@@ -187,10 +189,11 @@ def test_moe_gguf_loads_into_its_transformers_model(tmp_path, arch, mix):
 def test_moe_gguf_agrees_with_transformers_gguf_loader(tmp_path, arch, types):
     # transformers' GGUF loader takes the expert sizes from the config class's defaults (it reads no
     # expert_feed_forward_length): the files have those sizes (Qwen2-MoE's 1408 is no multiple of
-    # 256, so its experts are of the 32-weight types).
+    # 256, so its experts are of the 32-weight types). It reads the shared-expert gate as [H] only
+    # (it adds a dimension to the converter's [1, H]).
     defaults = {"qwen3moe": (768, 512), "qwen2moe": (1408, 5632)}[arch]
     source = moe_model(arch, *defaults)
-    write_moe_gguf(source, tmp_path / "m.gguf", types, np.random.default_rng(4))
+    write_moe_gguf(source, tmp_path / "m.gguf", types, np.random.default_rng(4), shared_gate_1d=True)
     f = GGUFFile(tmp_path / "m.gguf")
     model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
     load_gguf_llama(model, f)
@@ -262,3 +265,19 @@ def test_gguf_experts_are_refused_by_the_writers_that_cannot_hold_them(tmp_path)
     model.save_pretrained(tmp_path / "hf")
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.gate_up_proj \(GGUFSwitchLinear\)"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def test_the_shared_expert_gate_loads_as_h_or_1_by_h(tmp_path):
+    source = moe_model("qwen2moe", 256)
+    logits = []
+    for one_d in (False, True):
+        held = write_moe_gguf(source, tmp_path / f"m{one_d}.gguf", AFFINE_MIX, np.random.default_rng(11),
+                              shared_gate_1d=one_d)
+        f = GGUFFile(tmp_path / f"m{one_d}.gguf")
+        assert len(f.tensors["blk.0.ffn_gate_inp_shexp.weight"].shape) == (1 if one_d else 2)
+        model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+        load_gguf_llama(model, f)
+        with torch.no_grad():
+            logits.append(model(IDS).logits)
+            _assert_logits(logits[-1], _expected("qwen2moe", 256, held)(IDS).logits)
+    assert torch.equal(*logits)

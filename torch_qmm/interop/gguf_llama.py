@@ -37,8 +37,8 @@ from tqdm.auto import tqdm
 from ..convert import record_loaded_model
 from ..nn import QuantLinear
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
-from .gguf_moe import (MOE_CONFIG_KEYS, MOE_RENAMES, check_experts_block, describe, expected_shapes, expert_part,
-                       experts_from_gguf, experts_module_name, moe_config, shared_gate_tensor)
+from .gguf_moe import (MOE_CONFIG_KEYS, MOE_RENAMES, check_experts_block, checked_shape, describe, expected_shapes,
+                       expert_part, experts_from_gguf, experts_module_name, moe_config, shared_gate_tensor)
 from .gguf_types import SUPPORTED_TYPES, supported_list
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .mlx import LoadReport
@@ -302,7 +302,7 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
         t = f.tensors.get(name)
         if t is None:
             raise ValueError(f"{f.path}: no tensor {name!r}, which the metadata ({arch}.*) implies")
-        if tuple(t.shape) != shape:
+        if checked_shape(name, tuple(t.shape)) != shape:
             raise ValueError(f"{f.path}: tensor {name!r} has shape {list(t.shape)}, but the metadata ({arch}.* "
                              f"embedding_length, head counts, feed_forward_length, vocab) implies {list(shape)}")
 
@@ -436,8 +436,7 @@ def load_gguf_llama(
         name = hf_name(gname)
         if name is None or gname.endswith(".bias"):
             continue
-        if gname.endswith(".ffn_gate_inp_shexp.weight"):
-            t = shared_gate_tensor(t)
+        t = shared_gate_tensor(t)
         module_name, _, leaf = name.rpartition(".")
         perm = None
         if arch.permuted_qk and (".attn_q." in gname or ".attn_k." in gname):

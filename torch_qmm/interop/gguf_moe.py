@@ -11,7 +11,8 @@ and transformers' GGUF loader (integrations/ggml.py, modeling_gguf_pytorch_utils
   [E, H, I] for down, one expert's rows after another (transformers keeps gate and up as one
   gate_up_proj [E, 2I, H], the gate rows first); qwen2moe's shared expert is
   blk.N.ffn_{gate,up,down}_shexp (mlp.shared_expert.{gate,up,down}_proj) gated by
-  blk.N.ffn_gate_inp_shexp [H] (mlp.shared_expert_gate, an nn.Linear(H, 1));
+  blk.N.ffn_gate_inp_shexp (mlp.shared_expert_gate, an nn.Linear(H, 1)), [1, H] as the converter
+  writes it or [H] (llama.cpp reads both);
 * llama.cpp normalizes the top-k routing weights of qwen3moe and not those of qwen2moe
   (norm_topk_prob, which the file does not carry).
 
@@ -109,9 +110,17 @@ def moe_config(f, arch: str, kwargs: dict, shared: bool) -> None:
         kwargs[field] = t.shape[dim]
 
 
+_SHARED_GATE = ".ffn_gate_inp_shexp.weight"
+
+
+def checked_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A tensor's shape as expected_shapes gives it: the shared-expert gate's [1, H] as [H]."""
+    return shape[1:] if name.endswith(_SHARED_GATE) and len(shape) == 2 and shape[0] == 1 else shape
+
+
 def shared_gate_tensor(t: GGUFTensor) -> GGUFTensor:
-    """ffn_gate_inp_shexp [H] as the [1, H] weight of the nn.Linear(H, 1) it is."""
-    if len(t.shape) == 1:
+    """ffn_gate_inp_shexp [H] as the [1, H] weight of the nn.Linear(H, 1) it is; any other tensor as it is."""
+    if t.name.endswith(_SHARED_GATE) and len(t.shape) == 1:
         return GGUFTensor(t.name, t.ggml_type, (1, t.shape[0]), t.raw.reshape(1, -1), t.source)
     return t
 
