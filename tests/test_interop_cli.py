@@ -162,7 +162,7 @@ def test_convert_qwen_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path
     assert (_logits(reloaded)[0] - want).abs().max().item() < 1e-4 * scale
 
 
-@pytest.mark.parametrize("arch, down", [("qwen3moe", "Q4_K"), ("qwen2moe", "Q6_K")])
+@pytest.mark.parametrize("arch, down", [("qwen3moe", "Q4_K"), ("qwen2moe", "Q6_K"), ("mixtral", "Q4_K")])
 def test_convert_moe_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path, arch, down):
     # Q4_K experts (all three projections) are written exact as affine 4-bit group-32 experts; a Q6_K
     # down projection has no exact affine form, so that block's experts are written float, as gguf
@@ -171,7 +171,7 @@ def test_convert_moe_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path,
     import mlx_lm.utils as mlx_lm_utils
 
     import torch_qmm.interop.transformers  # noqa: F401  (from_pretrained of a torch_qmm folder)
-    from test_interop_gguf_moe import IDS as MOE_IDS, moe_model, write_moe_gguf
+    from test_interop_gguf_moe import IDS as MOE_IDS, MODEL_TYPES as MOE_TYPES, moe_model, write_moe_gguf
     from torch_qmm.interop.gguf_llama import llama_config_from_gguf
     from torch_qmm.nn_moe import QuantFusedExperts, QuantSwitchLinear
 
@@ -186,7 +186,7 @@ def test_convert_moe_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path,
     scale = want.abs().max().item()
     assert main(["convert", str(path), str(tmp_path / "mlx"), "--format", "mlx"]) == 0
     mlx_model, mlx_config = mlx_lm_utils.load_model(tmp_path / "mlx")
-    assert mlx_config["model_type"] == {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}[arch]
+    assert mlx_config["model_type"] == MOE_TYPES[arch]
     got = torch.from_numpy(np.array(mlx_model(mx.array(MOE_IDS.numpy())).astype(mx.float32)))[0]
     assert (got - want).abs().max().item() < 1e-4 * scale
     assert main(["convert", str(path), str(tmp_path / "hf")]) == 0

@@ -1,4 +1,5 @@
-"""Mixture-of-experts GGUF files (qwen2moe, qwen3moe), written here as llama.cpp's converter writes
+"""Mixture-of-experts GGUF files (qwen2moe, qwen3moe, and Mixtral as architecture llama with
+experts, its Q / K rows permuted), written here as llama.cpp's converter writes
 them (3-D expert tensors ffn_{gate,up,down}_exps, the router ffn_gate_inp, qwen2moe's shared
 expert *_shexp and its 1-D gate), load into the transformers model of their architecture and give
 the outputs of the same model holding the file's weights as the gguf package decodes them, and
@@ -17,6 +18,7 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
 from gguf_helpers import random_k_blocks, write_gguf
+from test_interop_gguf_llama import llama_cpp_permute
 from torch_qmm.interop.gguf import GGUFFile
 from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
 from torch_qmm.interop.modules import GGUFSwitchLinear
@@ -28,16 +30,23 @@ HEADS, KV_HEADS, HIDDEN, VOCAB, LAYERS, EXPERTS, TOP_K = 4, 2, 256, 96, 2, 4, 2
 IDS = torch.tensor([[1, 5, 9, 95, 0, 33, 33, 2, 17, 64, 80, 3]])
 
 
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "mixtral": "mixtral"}
+
+
 def moe_model(arch: str, moe_inter: int, shared_inter: int = 512):
-    """A random Qwen2-MoE / Qwen3-MoE model; norm_topk_prob as llama.cpp computes each."""
-    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=LAYERS,
+    """A random Qwen2-MoE / Qwen3-MoE / Mixtral model; norm_topk_prob as llama.cpp computes each."""
+    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
               num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-              rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=EXPERTS,
-              num_experts_per_tok=TOP_K, moe_intermediate_size=moe_inter, head_dim=HIDDEN // HEADS,
-              norm_topk_prob=arch == "qwen3moe")
+              rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, num_experts_per_tok=TOP_K,
+              head_dim=HIDDEN // HEADS)
+    if arch == "mixtral":  # its experts' width is intermediate_size
+        kw.update(num_local_experts=EXPERTS, intermediate_size=moe_inter)
+    else:
+        kw.update(num_experts=EXPERTS, intermediate_size=512, moe_intermediate_size=moe_inter,
+                  norm_topk_prob=arch == "qwen3moe")
     if arch == "qwen2moe":
         kw["shared_expert_intermediate_size"] = shared_inter
-    config = transformers.AutoConfig.for_model({"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}[arch], **kw)
+    config = transformers.AutoConfig.for_model(MODEL_TYPES[arch], **kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -87,10 +96,14 @@ def write_moe_gguf(model, path, types: dict[str, T], rng, drop=(), metadata=None
     the file holds. The shared-expert gate is [1, H] as the converter writes it, or [H]
     (shared_gate_1d), the shape llama.cpp's loader declares (it reads both)."""
     config = model.config
-    arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[config.model_type]
+    arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[config.model_type]
     tensors, held = {}, {}
     for name, p in model.state_dict().items():
         w = p.detach().numpy().astype(np.float32)
+        n_head = {"q_proj": HEADS, "k_proj": KV_HEADS}.get(name.split(".")[-2]) if arch == "llama" else None
+        if n_head:  # llama.cpp's permutation of llama's Q / K rows; `held` keeps the model's order
+            index = llama_cpp_permute(np.arange(w.shape[0]), n_head)
+            w = w[index]
         if name.endswith("mlp.experts.gate_up_proj"):
             block = name.split(".")[2]
             inter = w.shape[1] // 2
@@ -112,6 +125,8 @@ def write_moe_gguf(model, path, types: dict[str, T], rng, drop=(), metadata=None
             w, qtype = (w.reshape(-1) if shared_gate_1d else w), T.F32
         data, s = _encode(w, qtype, rng)
         tensors[_gguf_name(name)] = (data, None if qtype == T.F32 else qtype)
+        if n_head:
+            s = s[np.argsort(index)]
         held[name] = torch.from_numpy(np.ascontiguousarray(s)).reshape(p.shape)
     tensors = {k: v for k, v in tensors.items() if k not in drop}
     meta = {
@@ -120,8 +135,10 @@ def write_moe_gguf(model, path, types: dict[str, T], rng, drop=(), metadata=None
         "attention.head_count_kv": KV_HEADS, "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         "rope.freq_base": float(config.rope_parameters["rope_theta"]), "attention.key_length": config.head_dim,
         "attention.value_length": config.head_dim, "vocab_size": VOCAB, "expert_count": EXPERTS,
-        "expert_used_count": TOP_K, "expert_feed_forward_length": config.moe_intermediate_size,
+        "expert_used_count": TOP_K,
     }
+    if arch != "llama":
+        meta["expert_feed_forward_length"] = config.moe_intermediate_size
     if arch == "qwen2moe":
         meta["expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
     meta.update(metadata or {})
@@ -136,6 +153,7 @@ MIXED_MIX = {"gate_exps": T.Q5_K, "up_exps": T.Q5_K, "down_exps": T.Q6_K, "proj"
 
 
 def _expected(arch: str, moe_inter: int, held: dict) -> torch.nn.Module:
+    """The model `arch` holding the weights the file holds."""
     model = moe_model(arch, moe_inter)
     model.load_state_dict(held)
     return model
@@ -148,7 +166,7 @@ def _assert_logits(got, want):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "mixtral"])
 @pytest.mark.parametrize("mix", ["k", "affine", "mixed", "f32"])
 def test_moe_gguf_loads_into_its_transformers_model(tmp_path, arch, mix):
     types = {"k": K_MIX, "affine": AFFINE_MIX, "mixed": MIXED_MIX, "f32": {}}[mix]
@@ -157,8 +175,11 @@ def test_moe_gguf_loads_into_its_transformers_model(tmp_path, arch, mix):
     f = GGUFFile(tmp_path / "m.gguf")
     config = llama_config_from_gguf(f)
     assert type(config) is type(source.config)
-    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (EXPERTS, TOP_K, 256)
-    assert config.norm_topk_prob == (arch == "qwen3moe")
+    if arch == "mixtral":
+        assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (EXPERTS, TOP_K, 256)
+    else:
+        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (EXPERTS, TOP_K, 256)
+        assert config.norm_topk_prob == (arch == "qwen3moe")
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     report = load_gguf_llama(model, f)
 

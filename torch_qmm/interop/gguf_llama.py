@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 from ..convert import record_loaded_model
 from ..nn import QuantLinear
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
-from .gguf_moe import (MOE_CONFIG_KEYS, MOE_RENAMES, check_experts_block, checked_shape, describe, expected_shapes,
+from .gguf_moe import (INT_FIELDS as _MOE_INT_FIELDS, MIXTRAL_EXPERTS, MOE_RENAMES, QWEN_EXPERTS, ExpertFields,
+                       moe_config_keys, check_experts_block, checked_shape, describe, expected_shapes,
                        expert_part, experts_from_gguf, experts_module_name, moe_config, shared_gate_tensor)
 from .gguf_types import SUPPORTED_TYPES, supported_list
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
@@ -55,7 +56,7 @@ class Architecture:
     bias_flags: tuple[str, ...]  # config flags that give projections biases (LlamaConfig's two)
     fixed_biases: tuple[str, ...]  # GGUF projections that always have biases
     qk_norm: bool  # an RMSNorm over each head of q and k (attn_q_norm / attn_k_norm)
-    experts: bool = False  # every block a MoE block (gguf_moe)
+    experts: ExpertFields | None = None  # every block a MoE block, its config fields (gguf_moe)
     shared_expert: bool = False  # a gated shared expert beside the routed ones
     norm_topk_prob: bool | None = None  # whether llama.cpp normalizes the top-k routing weights
 
@@ -65,11 +66,25 @@ ARCHITECTURES = {
     "mistral": Architecture("llama", True, ("attention_bias", "mlp_bias"), (), False),
     "qwen2": Architecture("qwen2", False, (), ("attn_q", "attn_k", "attn_v"), False),
     "qwen3": Architecture("qwen3", False, ("attention_bias",), (), True),
-    "qwen2moe": Architecture("qwen2_moe", False, (), ("attn_q", "attn_k", "attn_v"), False, experts=True,
+    "qwen2moe": Architecture("qwen2_moe", False, (), ("attn_q", "attn_k", "attn_v"), False, experts=QWEN_EXPERTS,
                              shared_expert=True, norm_topk_prob=False),
-    "qwen3moe": Architecture("qwen3_moe", False, ("attention_bias",), (), True, experts=True, norm_topk_prob=True),
+    "qwen3moe": Architecture("qwen3_moe", False, ("attention_bias",), (), True, experts=QWEN_EXPERTS,
+                             norm_topk_prob=True),
 }
 LLAMA_FAMILY = tuple(ARCHITECTURES)
+# llama.cpp writes Mixtral as architecture llama with {arch}.expert_count > 0.
+MIXTRAL = Architecture("mixtral", True, (), (), False, experts=MIXTRAL_EXPERTS)
+
+
+def architecture_of(f: GGUFFile) -> Architecture:
+    """The file's architecture; ValueError naming it outside the llama family."""
+    arch = f.architecture
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{f.path}: architecture {arch!r} is not in the llama family {LLAMA_FAMILY}")
+    count = f.get_metadata(f"{arch}.expert_count")
+    if arch in ("llama", "mistral") and count is not None and count != 0:
+        return MIXTRAL
+    return ARCHITECTURES[arch]
 
 _RENAMES = MOE_RENAMES + [
     (r"^token_embd\.", "model.embed_tokens."),
@@ -140,12 +155,12 @@ def llama_config_from_gguf(f: GGUFFile):
     kwargs = check_llama_metadata(f)
     kwargs.update(_special_token_ids(f, kwargs["vocab_size"]))
     _warn_unmapped_rope(f, f.architecture)
-    return AutoConfig.for_model(ARCHITECTURES[f.architecture].model_type, **kwargs)
+    return AutoConfig.for_model(architecture_of(f).model_type, **kwargs)
 
 
 # Metadata that must be a positive integer / a positive finite float when present.
 _INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings", *MOE_CONFIG_KEYS.values())
+               "num_key_value_heads", "head_dim", "max_position_embeddings", *_MOE_INT_FIELDS)
 _FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
 # Largest context length accepted (2^24 tokens, far beyond any llama-family model).
 _MAX_CONTEXT = 2**24
@@ -176,18 +191,16 @@ def check_llama_metadata(f: GGUFFile) -> dict:
 
     Raises ValueError naming the file and the metadata key or tensor that disagrees.
     """
-    arch = f.architecture
-    if arch not in LLAMA_FAMILY:
-        raise ValueError(f"{f.path}: architecture {arch!r} is not in the llama family {LLAMA_FAMILY}")
-    kind = ARCHITECTURES[arch]
+    arch, kind = f.architecture, architecture_of(f)
     kwargs = {}
-    for key, field in {**_CONFIG_KEYS, **(MOE_CONFIG_KEYS if kind.experts else {})}.items():
+    for key, field in {**_CONFIG_KEYS, **(moe_config_keys(kind.experts, kind.shared_expert) if kind.experts else {})}.items():
         value = _metadata_value(f, arch, key, field)
         if value is not None:
             kwargs[field] = value
     if kind.experts:
-        moe_config(f, arch, kwargs, kind.shared_expert)
-        kwargs["norm_topk_prob"] = kind.norm_topk_prob
+        moe_config(f, arch, kwargs, kind.experts, kind.shared_expert)
+        if kind.norm_topk_prob is not None:
+            kwargs["norm_topk_prob"] = kind.norm_topk_prob
     _head_dim_from_lengths(f, arch, kwargs)
     for required in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
         if required not in kwargs:
@@ -262,7 +275,7 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
     if len(blocks) != layers or blocks != list(range(layers)):  # (the length first: never build a huge range)
         raise ValueError(f"{f.path}: metadata '{arch}.block_count' = {layers} but the file holds tensors for "
                          f"blocks {_ranges(blocks)}")
-    vocab, kind = c["vocab_size"], ARCHITECTURES[arch]
+    vocab, kind = c["vocab_size"], architecture_of(f)
     ffn_up = f.tensors.get("blk.0.ffn_up.weight")
     ffn = c.get("intermediate_size", ffn_up.shape[0] if ffn_up is not None and ffn_up.shape else None)
     if ffn is None and not kind.experts:
@@ -279,7 +292,7 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
             f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
         })
         if kind.experts:
-            expected.update(expected_shapes(i, c, kind.shared_expert))
+            expected.update(expected_shapes(i, c, kind.experts, kind.shared_expert))
         else:
             expected.update({f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
                              f"blk.{i}.ffn_down.weight": (hidden, ffn)})
@@ -354,16 +367,14 @@ def _special_token_ids(f: GGUFFile, vocab_size: int) -> dict[str, int | None]:
 def _check_model_type(f: GGUFFile, config) -> Architecture:
     """The file's architecture, which must be the model's (a llama model cannot hold qwen2's biases
     nor read qwen's unpermuted rows as permuted ones)."""
-    arch = f.architecture
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{f.path}: architecture {arch!r} is not in the llama family {LLAMA_FAMILY}")
-    want = ARCHITECTURES[arch].model_type
+    kind = architecture_of(f)
+    arch, want = f.architecture, kind.model_type
     got = getattr(config, "model_type", None)
     if got != want:
         raise ValueError(f"{f.path}: the file's architecture is {arch!r} (transformers model type {want!r}), the "
                          f"model's config is {got!r}; build the model from the file: "
                          "transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f))")
-    return ARCHITECTURES[arch]
+    return kind
 
 
 def _rows_permuted(t: GGUFTensor, perm: torch.Tensor) -> GGUFTensor:

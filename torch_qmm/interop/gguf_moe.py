@@ -1,10 +1,12 @@
-"""The mixture-of-experts parts of llama-family GGUF files (qwen2moe, qwen3moe): config fields,
-tensor names and shapes, and the routed experts as a QuantFusedExperts.
+"""The mixture-of-experts parts of llama-family GGUF files (qwen2moe, qwen3moe, and Mixtral, which
+llama.cpp writes as architecture llama with experts): config fields, tensor names and shapes, and
+the routed experts as a QuantFusedExperts.
 
 Facts from llama.cpp (convert_hf_to_gguf.py's Qwen2MoeModel, src/models/qwen2moe.cpp, qwen3moe.cpp)
 and transformers' GGUF loader (integrations/ggml.py, modeling_gguf_pytorch_utils.py):
-* metadata: {arch}.expert_count (num_experts), expert_used_count (num_experts_per_tok),
-  expert_feed_forward_length (moe_intermediate_size), expert_shared_feed_forward_length
+* metadata: {arch}.expert_count (num_experts; Mixtral's num_local_experts), expert_used_count
+  (num_experts_per_tok), expert_feed_forward_length (moe_intermediate_size; a Mixtral file's
+  experts are feed_forward_length wide, its intermediate_size), expert_shared_feed_forward_length
   (qwen2moe's shared_expert_intermediate_size). Every block is a MoE block;
 * the router is blk.N.ffn_gate_inp [E, H] (transformers' mlp.gate, a TopKRouter holding a float
   weight); the experts are 3-D tensors blk.N.ffn_{gate,up,down}_exps, [E, I, H] for gate and up,
@@ -14,7 +16,7 @@ and transformers' GGUF loader (integrations/ggml.py, modeling_gguf_pytorch_utils
   blk.N.ffn_gate_inp_shexp (mlp.shared_expert_gate, an nn.Linear(H, 1)), [1, H] as the converter
   writes it or [H] (llama.cpp reads both);
 * llama.cpp normalizes the top-k routing weights of qwen3moe and not those of qwen2moe
-  (norm_topk_prob, which the file does not carry).
+  (norm_topk_prob, which the file does not carry); Mixtral's router always does.
 
 The experts keep the file's formats: Q4_K / Q6_K blocks as GGUFSwitchLinear (exact in any
 dtype), the 32-weight block types and Q5_K as affine QuantSwitchLinear (to_affine: exact in
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,13 +41,29 @@ from .gguf import GGUFTensor, dequantize, to_affine, to_blocks
 from .gguf_types import AFFINE_TYPES, FLOAT_TYPES, NATIVE_TYPES, type_name
 from .modules import GGUFSwitchLinear
 
-# GGUF metadata key (after "<arch>.") -> config field, for the MoE architectures.
-MOE_CONFIG_KEYS = {
-    "expert_count": "num_experts",
-    "expert_used_count": "num_experts_per_tok",
-    "expert_feed_forward_length": "moe_intermediate_size",
-    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-}
+@dataclass(frozen=True)
+class ExpertFields:
+    """How a MoE architecture's transformers config names its expert count and width, and the
+    GGUF metadata key (after "<arch>.") of the width."""
+
+    count: str = "num_experts"
+    size: str = "moe_intermediate_size"
+    size_key: str = "expert_feed_forward_length"
+
+
+QWEN_EXPERTS = ExpertFields()
+MIXTRAL_EXPERTS = ExpertFields("num_local_experts", "intermediate_size", "feed_forward_length")
+# Config fields of the shared expert (qwen2moe) and their metadata keys.
+SHARED_SIZE = ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")
+# The MoE config fields that are positive integers when present.
+INT_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_expert_intermediate_size")
+
+
+def moe_config_keys(fields: ExpertFields, shared: bool) -> dict[str, str]:
+    """GGUF metadata key (after "<arch>.") -> config field, for a MoE architecture."""
+    keys = {"expert_count": fields.count, "expert_used_count": "num_experts_per_tok", fields.size_key: fields.size}
+    return keys | (dict([SHARED_SIZE]) if shared else {})
 
 # Applied before the dense names of gguf_llama (whose ffn_gate / ffn_up / ffn_down patterns need a
 # dot after the name, so they do not match these).
@@ -68,9 +87,9 @@ def experts_module_name(block: int) -> str:
     return f"model.layers.{block}.mlp.experts"
 
 
-def expected_shapes(i: int, c: dict, shared: bool) -> dict[str, tuple[int, ...]]:
+def expected_shapes(i: int, c: dict, fields: ExpertFields, shared: bool) -> dict[str, tuple[int, ...]]:
     """The MoE tensors of block i and their shapes, from the config fields c."""
-    hidden, e, inter = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
+    hidden, e, inter = c["hidden_size"], c[fields.count], c[fields.size]
     out = {
         f"blk.{i}.ffn_gate_inp.weight": (e, hidden),
         f"blk.{i}.ffn_gate_exps.weight": (e, inter, hidden),
@@ -88,24 +107,25 @@ def expected_shapes(i: int, c: dict, shared: bool) -> dict[str, tuple[int, ...]]
     return out
 
 
-def moe_config(f, arch: str, kwargs: dict, shared: bool) -> None:
+def moe_config(f, arch: str, kwargs: dict, fields: ExpertFields, shared: bool) -> None:
     """Fills the MoE config fields the file's metadata leaves out from its block-0 tensors, and
     refuses a file without the two expert counts."""
+    keys = moe_config_keys(fields, shared)
     for key in ("expert_count", "expert_used_count"):
-        if MOE_CONFIG_KEYS[key] not in kwargs:
-            raise ValueError(f"{f.path}: metadata '{arch}.{key}' (gives {MOE_CONFIG_KEYS[key]}) is missing")
-    if kwargs["num_experts_per_tok"] > kwargs["num_experts"]:
+        if keys[key] not in kwargs:
+            raise ValueError(f"{f.path}: metadata '{arch}.{key}' (gives {keys[key]}) is missing")
+    if kwargs["num_experts_per_tok"] > kwargs[fields.count]:
         raise ValueError(f"{f.path}: metadata '{arch}.expert_used_count' = {kwargs['num_experts_per_tok']} is more "
-                         f"than '{arch}.expert_count' = {kwargs['num_experts']}")
-    inferred = {"moe_intermediate_size": ("blk.0.ffn_gate_exps.weight", 1)}
+                         f"than '{arch}.expert_count' = {kwargs[fields.count]}")
+    inferred = {fields.size: ("blk.0.ffn_gate_exps.weight", 1)}
     if shared:
-        inferred["shared_expert_intermediate_size"] = ("blk.0.ffn_gate_shexp.weight", 0)
+        inferred[SHARED_SIZE[1]] = ("blk.0.ffn_gate_shexp.weight", 0)
     for field, (tensor, dim) in inferred.items():
         if field in kwargs:
             continue
         t = f.tensors.get(tensor)
-        if t is None or len(t.shape) <= dim:
-            key = next(k for k, v in MOE_CONFIG_KEYS.items() if v == field)
+        if t is None or len(t.shape) != 3 - (field == SHARED_SIZE[1]):
+            key = next(k for k, v in keys.items() if v == field)
             raise ValueError(f"{f.path}: no metadata '{arch}.{key}' and no {tensor} to infer {field} from")
         kwargs[field] = t.shape[dim]
 
