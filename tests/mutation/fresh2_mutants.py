@@ -69,7 +69,7 @@ MUTANTS: list[Mutant] = [
            "    for key in ():", LLAMA,
            "a qwen3 file's head dim (attention.key_length, 128 where hidden / heads is 64) is not read"),
     Mutant("g2-gguf-moe-qwen3-topk-unnormalized", "torch_qmm/interop/gguf_llama.py",
-           "experts=True, norm_topk_prob=True),", "experts=True, norm_topk_prob=False),",
+           "                             norm_topk_prob=True),", "                             norm_topk_prob=False),",
            _files("tests/test_interop_gguf_moe.py"),
            "a qwen3moe file's model leaves the top-k routing weights unnormalized (llama.cpp normalizes them)"),
     Mutant("g2-gguf-moe-up-rows-first", "torch_qmm/interop/gguf_moe.py",
