@@ -13,6 +13,9 @@ Implementations, timed in this process round by round (kernels.time_impls):
                        which pairs use which expert is worked out before the timing);
   loop_linear          the same loop with F.linear over the experts dequantized to bfloat16 beforehand
                        (the unquantized model's cost, only the selected experts read);
+  gguf_q4k             (affine 4-bit configs) the experts as GGUF Q4_K blocks of the same shape (4.5 bits
+                       per weight, as affine 4-bit group 64 with bfloat16 scales and biases) through
+                       gguf_gather_matmul, the op of a GGUF file's experts (one gguf_qmm per expert);
 and mlx.core.gather_qmm on the CPU stream, timed afterwards in a child process (as mlx_peer.py;
 MLX's spinning worker threads would slow the others).
 
@@ -34,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference, reference_fp
+from ..interop.gguf_gather import gguf_gather_matmul
+from ..interop.gguf_types import Q4_K
 from ..ops import dequantize, gather_qmm, quantized_matmul
 from ..tolerance import worst_ratio
 from .kernels import FP_MODES, _rand_affine, _rand_fp, time_impls
@@ -125,11 +130,28 @@ def _impls(cfg: MoeConfig, x: torch.Tensor, w, calls: int) -> dict:
         return F.linear(xs, dense[e])
 
     used = T * k if T * k < E else E  # distinct experts a call reads (at most E)
-    return {
+    impls = {
         "torch_qmm": (ours, used * expert_bytes),
         "loop_qmm": (loop(dense_qmm), used * expert_bytes),
         "loop_linear": (loop(dense_linear), used * cfg.n * cfg.k * x.element_size()),
-    }, dense
+    }
+    if cfg.mode == "affine" and cfg.bits == 4 and cfg.k % 256 == 0:
+        blocks = _q4k_blocks(E, cfg.n, cfg.k, torch.Generator().manual_seed(2))
+
+        def gguf(i):
+            return gguf_gather_matmul(x4, blocks, Q4_K, cfg.n, cfg.k, routes[i % calls])
+
+        impls["gguf_q4k"] = (gguf, used * blocks[0].numel())
+    return impls, dense
+
+
+def _q4k_blocks(experts: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random Q4_K blocks uint8 [E, N, K/256 * 144]: random codes and scale bytes, the float16 d and
+    dmin of every super-block small and positive."""
+    blocks = torch.randint(0, 256, (experts * n * (k // 256), 144), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(blocks.shape[0], 2, generator=gen) * 1e-3 + 1e-4).to(torch.float16)
+    blocks[:, :4] = d.view(torch.uint8)
+    return blocks.reshape(experts, n, -1)
 
 
 def _check(cfg: MoeConfig, impls: dict, w, x: torch.Tensor) -> float:
@@ -246,7 +268,9 @@ def run(args) -> int:
         print(f"  {cfg.model} {cfg.matrix} [{cfg.experts}, {cfg.n}, {cfg.k}] {cfg.mode} T={cfg.tokens} "
               f"top-{cfg.top_k}: torch_qmm {t['torch_qmm']:.3f} ms, loop_qmm {t['loop_qmm']:.3f} ms "
               f"({t['loop_qmm'] / t['torch_qmm']:.2f}x), loop_linear {t['loop_linear']:.3f} ms "
-              f"({t['loop_linear'] / t['torch_qmm']:.2f}x); check {r['check_worst_ratio']:.2f}", flush=True)
+              f"({t['loop_linear'] / t['torch_qmm']:.2f}x)"
+              + (f", gguf_q4k {t['gguf_q4k']:.3f} ms ({t['gguf_q4k'] / t['torch_qmm']:.2f}x)" if "gguf_q4k" in t else "")
+              + f"; check {r['check_worst_ratio']:.2f}", flush=True)
         save()
     if not args.peers or "mlx" in args.peers:
         print("timing mlx.core.gather_qmm in a separate process ...", flush=True)
