@@ -36,17 +36,21 @@ def _gguf_gather_qmm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: i
     y = x.new_empty(rows.shape[0], m, N)
     if rows.shape[0] == 0:
         return y.reshape(*batch, m, N)
-    lo, hi = int(experts.min()), int(experts.max())
-    if lo < 0 or hi >= blocks.shape[0]:
-        bad = lo if lo < 0 else hi
+    groups: dict[int, list[int]] = {}  # expert -> its pairs, grouped on the host (one transfer)
+    for pair, e in enumerate(experts.tolist()):
+        groups.setdefault(e, []).append(pair)
+    bad = [e for e in groups if not 0 <= e < blocks.shape[0]]
+    if bad:
         raise ValueError(f"gguf_gather_matmul: argument 'indices' must be in [0, {blocks.shape[0]}) (the experts "
-                         f"of 'blocks'), got {bad}")
+                         f"of 'blocks'), got {bad[0]}")
     product = torch.ops.torch_qmm.gguf_qmm if activations == _EXACT else torch.ops.torch_qmm.gguf_qmm_int8_activations
-    for e in torch.unique(experts).tolist():
-        pairs = (experts == e).nonzero().squeeze(1)
-        xe = rows.index_select(0, pairs).reshape(-1, K)
-        ye = product(xe, blocks[e], ggml_type, N, K)
-        y.index_copy_(0, pairs, ye.reshape(-1, m, N))
+    for e, pairs in groups.items():
+        if len(pairs) == 1:  # decoding: most experts serve one pair
+            y[pairs[0]] = product(rows[pairs[0]], blocks[e], ggml_type, N, K)
+            continue
+        index = torch.tensor(pairs, device=rows.device)
+        ye = product(rows.index_select(0, index).reshape(-1, K), blocks[e], ggml_type, N, K)
+        y.index_copy_(0, index, ye.reshape(-1, m, N))
     return y.reshape(*batch, m, N)
 
 
