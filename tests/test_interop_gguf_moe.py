@@ -90,11 +90,12 @@ def _encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_moe_gguf(model, path, types: dict[str, T], rng, drop=(), metadata=None,
-                   shared_gate_1d: bool = False) -> dict[str, torch.Tensor]:
+                   shared_gate_1d: bool = False, per_expert: bool = False) -> dict[str, torch.Tensor]:
     """Writes model as llama.cpp's converter would (types: "gate_exps" / "up_exps" / "down_exps" /
     a substring of a 2-D parameter name -> GGML type, F32 otherwise); returns hf name -> the values
     the file holds. The shared-expert gate is [1, H] as the converter writes it, or [H]
-    (shared_gate_1d), the shape llama.cpp's loader declares (it reads both)."""
+    (shared_gate_1d), the shape llama.cpp's loader declares (it reads both). per_expert: one 2-D
+    tensor per expert, blk.N.ffn_{gate,up,down}.E.weight (older Mixtral files)."""
     config = model.config
     arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[config.model_type]
     tensors, held = {}, {}
@@ -128,6 +129,11 @@ def write_moe_gguf(model, path, types: dict[str, T], rng, drop=(), metadata=None
         if n_head:
             s = s[np.argsort(index)]
         held[name] = torch.from_numpy(np.ascontiguousarray(s)).reshape(p.shape)
+    if per_expert:
+        for name in [n for n in tensors if "_exps." in n]:
+            data, qtype = tensors.pop(name)
+            for j in range(data.shape[0]):
+                tensors[name.replace("_exps.", f".{j}.")] = (np.ascontiguousarray(data[j]), qtype)
     tensors = {k: v for k, v in tensors.items() if k not in drop}
     meta = {
         "block_count": LAYERS, "context_length": 64, "embedding_length": HIDDEN,
@@ -302,3 +308,34 @@ def test_the_shared_expert_gate_loads_as_h_or_1_by_h(tmp_path):
             logits.append(model(IDS).logits)
             _assert_logits(logits[-1], _expected("qwen2moe", 256, held)(IDS).logits)
     assert torch.equal(*logits)
+
+
+@pytest.mark.parametrize("types", [K_MIX, AFFINE_MIX], ids=["k", "affine"])
+def test_mixtral_files_with_one_tensor_per_expert_load_as_the_stacked_ones(tmp_path, types):
+    source = moe_model("mixtral", 256)
+    held = write_moe_gguf(source, tmp_path / "per.gguf", types, np.random.default_rng(12), per_expert=True)
+    write_moe_gguf(source, tmp_path / "stacked.gguf", types, np.random.default_rng(12))
+    per, stacked = GGUFFile(tmp_path / "per.gguf"), GGUFFile(tmp_path / "stacked.gguf")
+    assert "blk.0.ffn_down.3.weight" in per.tensors and "blk.0.ffn_down_exps.weight" not in per.tensors
+    models = []
+    for f in (per, stacked):
+        model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+        load_gguf_llama(model, f)
+        models.append(model)
+    assert isinstance(models[0].model.layers[1].mlp.experts, QuantFusedExperts)
+    for a, b in zip(models[0].state_dict().items(), models[1].state_dict().items()):
+        assert a[0] == b[0] and torch.equal(a[1], b[1]), a[0]
+    with torch.no_grad():
+        _assert_logits(models[0](IDS).logits, _expected("mixtral", 256, held)(IDS).logits)
+
+
+def test_per_expert_tensors_of_different_types_are_refused_naming_them(tmp_path):
+    write_moe_gguf(moe_model("mixtral", 256), tmp_path / "m.gguf", AFFINE_MIX, np.random.default_rng(13),
+                   per_expert=True)
+    f = GGUFFile(tmp_path / "m.gguf")
+    t = f.tensors["blk.1.ffn_up.2.weight"]
+    f.tensors["blk.1.ffn_up.2.weight"] = type(t)(t.name, int(T.Q8_0) if t.ggml_type != T.Q8_0 else int(T.Q4_0),
+                                                 t.shape, t.raw, t.source)
+    model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+    with pytest.raises(ValueError, match=r"the experts of block 1 differ: 'blk.1.ffn_up.2.weight' is Q"):
+        load_gguf_llama(model, f)

@@ -19,7 +19,7 @@ from ..nn import QuantLinear, resolve_format
 from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
 from .experts import is_fused_experts, layout_of
 from .gguf import GGUFFile, GGUFTensor, affine_exact, dequantize, q4_k_to_affine
-from .gguf_moe import block_experts, describe as describe_experts, float_experts_module
+from .gguf_moe import block_experts, describe as describe_experts, expert_part, float_experts_module
 from .gguf_types import AFFINE_TYPES, Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from .output_folder import check_destination, side_file_source, staged_output
@@ -212,6 +212,8 @@ def _weight_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
 
     out = {}
     for gname, t in f.tensors.items():
+        if expert_part(gname) is not None:  # the experts of a MoE block: _experts_for_output
+            continue
         name = hf_name(gname)
         if name and name.endswith(".weight"):
             out[name.rpartition(".")[0]] = t

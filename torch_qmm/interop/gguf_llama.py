@@ -38,8 +38,8 @@ from ..convert import record_loaded_model
 from ..nn import QuantLinear
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
 from .gguf_moe import (INT_FIELDS as _MOE_INT_FIELDS, MIXTRAL_EXPERTS, MOE_RENAMES, QWEN_EXPERTS, ExpertFields,
-                       moe_config_keys, check_experts_block, checked_shape, describe, expected_shapes,
-                       expert_part, experts_from_gguf, experts_module_name, moe_config, shared_gate_tensor)
+                       block_experts, checked_shape, describe, expected_shapes, expert_part, experts_from_gguf,
+                       experts_module_name, moe_config, moe_config_keys, per_expert_layout, shared_gate_tensor)
 from .gguf_types import SUPPORTED_TYPES, supported_list
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .mlx import LoadReport
@@ -292,7 +292,7 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
             f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
         })
         if kind.experts:
-            expected.update(expected_shapes(i, c, kind.experts, kind.shared_expert))
+            expected.update(expected_shapes(i, c, kind.experts, kind.shared_expert, per_expert_layout(f)))
         else:
             expected.update({f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
                              f"blk.{i}.ffn_down.weight": (hidden, ffn)})
@@ -435,13 +435,13 @@ def load_gguf_llama(
     biases = {hf_name(n): t for n, t in f.tensors.items() if n.endswith(".bias")}
     loaded: set[str] = set()
     state = model.state_dict()
-    experts: dict[int, dict[str, GGUFTensor]] = {}  # block -> "gate" / "up" / "down" -> tensor
+    expert_blocks: set[int] = set()  # blocks with routed experts, read once the tensors are known
     show = progress if progress is not None else len(f.tensors) > 32
     for gname, t in tqdm(list(f.tensors.items()), desc="loading gguf", disable=not show, unit="tensor"):
         f.check_unchanged()
         part = expert_part(gname)
-        if part is not None:  # read once the block's three are known
-            experts.setdefault(part[0], {})[part[1]] = t
+        if part is not None:
+            expert_blocks.add(part[0])
             report.bytes_read += t.nbytes
             continue
         name = hf_name(gname)
@@ -519,9 +519,9 @@ def load_gguf_llama(
             report.float_tensors += 1
         elif strict:
             raise ValueError(f"{f.path}: tensor {gname!r} -> {name!r} is not a parameter of the model")
-    for block, parts in sorted(experts.items()):
+    for block in sorted(expert_blocks):
         f.check_unchanged()
-        _load_experts(model, block, parts, dtype, f, meta, target, report, loaded, strict)
+        _load_experts(model, block, dtype, f, meta, target, report, loaded, strict)
     if strict:
         missing = sorted(k for k in state if k not in loaded and not _covered(k, loaded))
         if missing:
@@ -534,8 +534,8 @@ def load_gguf_llama(
     return report
 
 
-def _load_experts(model, block: int, parts: dict[str, GGUFTensor], dtype: torch.dtype, f: GGUFFile, meta, target,
-                  report: LoadReport, loaded: set[str], strict: bool) -> None:
+def _load_experts(model, block: int, dtype: torch.dtype, f: GGUFFile, meta, target, report: LoadReport,
+                  loaded: set[str], strict: bool) -> None:
     """Block `block`'s routed experts into the model: a QuantFusedExperts, or float values in the
     model's experts module (gguf_moe.experts_from_gguf)."""
     name = experts_module_name(block)
@@ -545,7 +545,7 @@ def _load_experts(model, block: int, parts: dict[str, GGUFTensor], dtype: torch.
         if strict:
             raise ValueError(f"{f.path}: tensors blk.{block}.ffn_*_exps -> {name!r}: no such module in the model") from None
         return
-    check_experts_block(parts, block, f.path)
+    parts = block_experts(f, block)
     new, values = experts_from_gguf(module, parts, dtype, f"{f.path}: block {block}")
     if new is not None:
         _replace(model, name, new if target is None else new.to(target))

@@ -10,7 +10,8 @@ and transformers' GGUF loader (integrations/ggml.py, modeling_gguf_pytorch_utils
   (qwen2moe's shared_expert_intermediate_size). Every block is a MoE block;
 * the router is blk.N.ffn_gate_inp [E, H] (transformers' mlp.gate, a TopKRouter holding a float
   weight); the experts are 3-D tensors blk.N.ffn_{gate,up,down}_exps, [E, I, H] for gate and up,
-  [E, H, I] for down, one expert's rows after another (transformers keeps gate and up as one
+  [E, H, I] for down, one expert's rows after another (older Mixtral files: one 2-D tensor per
+  expert, blk.N.ffn_{gate,up,down}.E.weight, which llama.cpp also reads) (transformers keeps gate and up as one
   gate_up_proj [E, 2I, H], the gate rows first); qwen2moe's shared expert is
   blk.N.ffn_{gate,up,down}_shexp (mlp.shared_expert.{gate,up,down}_proj) gated by
   blk.N.ffn_gate_inp_shexp (mlp.shared_expert_gate, an nn.Linear(H, 1)), [1, H] as the converter
@@ -74,28 +75,38 @@ MOE_RENAMES = [
 ]
 
 _EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_PER_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.\d+\.weight$")
 PARTS = ("gate", "up", "down")
 
 
 def expert_part(gguf_name: str) -> tuple[int, str] | None:
-    """(block, "gate" / "up" / "down") of a routed-experts tensor name, else None."""
-    m = _EXPERTS.match(gguf_name)
+    """(block, "gate" / "up" / "down") of a routed-experts tensor name (stacked or one expert's),
+    else None."""
+    m = _EXPERTS.match(gguf_name) or _PER_EXPERT.match(gguf_name)
     return (int(m.group(1)), m.group(2)) if m else None
+
+
+def per_expert_layout(f) -> bool:
+    """Whether the file keeps one tensor per expert (older Mixtral files)."""
+    return "blk.0.ffn_gate.0.weight" in f.tensors
 
 
 def experts_module_name(block: int) -> str:
     return f"model.layers.{block}.mlp.experts"
 
 
-def expected_shapes(i: int, c: dict, fields: ExpertFields, shared: bool) -> dict[str, tuple[int, ...]]:
-    """The MoE tensors of block i and their shapes, from the config fields c."""
+def expected_shapes(i: int, c: dict, fields: ExpertFields, shared: bool,
+                    per_expert: bool = False) -> dict[str, tuple[int, ...]]:
+    """The MoE tensors of block i and their shapes, from the config fields c (per_expert: one
+    tensor per expert, per_expert_layout)."""
     hidden, e, inter = c["hidden_size"], c[fields.count], c[fields.size]
-    out = {
-        f"blk.{i}.ffn_gate_inp.weight": (e, hidden),
-        f"blk.{i}.ffn_gate_exps.weight": (e, inter, hidden),
-        f"blk.{i}.ffn_up_exps.weight": (e, inter, hidden),
-        f"blk.{i}.ffn_down_exps.weight": (e, hidden, inter),
-    }
+    out = {f"blk.{i}.ffn_gate_inp.weight": (e, hidden)}
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    for part, shape in shapes.items():
+        if per_expert:
+            out.update({f"blk.{i}.ffn_{part}.{j}.weight": shape for j in range(e)})
+        else:
+            out[f"blk.{i}.ffn_{part}_exps.weight"] = (e, *shape)
     if shared:
         s = c["shared_expert_intermediate_size"]
         out.update({
@@ -117,14 +128,15 @@ def moe_config(f, arch: str, kwargs: dict, fields: ExpertFields, shared: bool) -
     if kwargs["num_experts_per_tok"] > kwargs[fields.count]:
         raise ValueError(f"{f.path}: metadata '{arch}.expert_used_count' = {kwargs['num_experts_per_tok']} is more "
                          f"than '{arch}.expert_count' = {kwargs[fields.count]}")
-    inferred = {fields.size: ("blk.0.ffn_gate_exps.weight", 1)}
+    experts = ("blk.0.ffn_gate.0.weight", 0) if per_expert_layout(f) else ("blk.0.ffn_gate_exps.weight", 1)
+    inferred = {fields.size: experts}
     if shared:
         inferred[SHARED_SIZE[1]] = ("blk.0.ffn_gate_shexp.weight", 0)
     for field, (tensor, dim) in inferred.items():
         if field in kwargs:
             continue
         t = f.tensors.get(tensor)
-        if t is None or len(t.shape) != 3 - (field == SHARED_SIZE[1]):
+        if t is None or len(t.shape) != dim + 2:
             key = next(k for k, v in keys.items() if v == field)
             raise ValueError(f"{f.path}: no metadata '{arch}.{key}' and no {tensor} to infer {field} from")
         kwargs[field] = t.shape[dim]
@@ -220,8 +232,37 @@ def float_experts(layout: ExpertsLayout, gate: GGUFTensor, up: GGUFTensor, down:
 
 
 def block_experts(f, block: int) -> dict[str, GGUFTensor]:
-    """The three expert tensors of block `block` of the file."""
-    return {p: f.tensors[f"blk.{block}.ffn_{p}_exps.weight"] for p in PARTS}
+    """The three expert tensors of block `block` of the file, 3-D [E, rows, cols]: as stored, or
+    stacked from one tensor per expert (a copy of their blocks). ValueError naming what is missing
+    or does not stack."""
+    out = {}
+    for part in PARTS:
+        name = f"blk.{block}.ffn_{part}_exps.weight"
+        t = f.tensors.get(name)
+        if t is None:
+            t = _stacked(f, block, part)
+        if len(t.shape) != 3:
+            raise ValueError(f"{f.path}: tensor {name!r} must be 3-D [experts, rows, cols], got {list(t.shape)}")
+        out[part] = t
+    return out
+
+
+def _stacked(f, block: int, part: str) -> GGUFTensor:
+    prefix = f"blk.{block}.ffn_{part}."
+    count = sum(1 for n in f.tensors if _PER_EXPERT.match(n) and n.startswith(prefix))
+    names = [f"{prefix}{j}.weight" for j in range(count)]
+    ts = [f.tensors.get(n) for n in names]
+    if not count or None in ts:
+        raise ValueError(f"{f.path}: block {block} has routed experts but no blk.{block}.ffn_{part}_exps.weight nor "
+                         f"one tensor per expert {prefix}0..{max(count - 1, 0)}.weight")
+    first = ts[0]
+    for t in ts[1:]:
+        if t.ggml_type != first.ggml_type or t.shape != first.shape or len(t.shape) != 2:
+            raise ValueError(f"{f.path}: the experts of block {block} differ: {t.name!r} is {t.type_name} "
+                             f"{list(t.shape)}, {first.name!r} {first.type_name} {list(first.shape)} (one expert "
+                             "tensor stacks experts of one type and shape)")
+    return GGUFTensor(f"blk.{block}.ffn_{part}_exps.weight", first.ggml_type, (count, *first.shape),
+                      np.concatenate([t.raw for t in ts]), first.source)
 
 
 def float_experts_module(experts: QuantFusedExperts, parts: dict[str, GGUFTensor], dtype: torch.dtype) -> nn.Module:
@@ -238,11 +279,3 @@ def describe(parts: dict[str, GGUFTensor]) -> str:
     return "experts " + ", ".join(f"{p} {parts[p].type_name}" for p in PARTS)
 
 
-def check_experts_block(parts: dict[str, GGUFTensor], block: int, path) -> None:
-    missing = [f"blk.{block}.ffn_{p}_exps.weight" for p in PARTS if p not in parts]
-    if missing:
-        raise ValueError(f"{path}: block {block} has routed experts but no {', '.join(missing)}")
-    for p in PARTS:
-        if len(parts[p].shape) != 3:
-            raise ValueError(f"{path}: tensor 'blk.{block}.ffn_{p}_exps.weight' must be 3-D [experts, rows, cols], "
-                             f"got {list(parts[p].shape)}")
