@@ -372,23 +372,31 @@ def check_load_pretrained_moe(rank: int, world: int, mesh) -> dict:
 
     import torch_qmm.interop.transformers  # noqa: F401  (from_pretrained of a torch_qmm folder)
     from torch_qmm.distributed import empty_parameters, load_pretrained_sharded, tp_plan
-    from torch_qmm.nn_moe import QuantFusedExperts
+    from torch_qmm.interop.transformers import record_quantization_config
+    from torch_qmm.nn_moe import QuantFusedExperts, QuantSwitchLinear
 
     out = {}
-    for family in ("mixtral", "qwen3_moe", "gpt_oss"):
-        folder = Path(SCRATCH) / f"pretrained-{family}"
+    for family in ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_moe 8-bit down"):
+        folder = Path(SCRATCH) / f"pretrained-{family.replace(' ', '-')}"
         if rank == 0:
-            quantized_moe(family, world).save_pretrained(folder)
+            q = quantized_moe(family.split()[0], world)
+            if family.endswith("down"):  # experts whose projections differ in bits, as convert writes a
+                experts = q.model.layers[0].mlp.experts  # GGUF file's Q4_K gate/up beside a Q8_0 down
+                experts.down_proj = QuantSwitchLinear.from_float(dequantized(experts.down_proj).float(), bits=8,
+                                                                 group_size=32)
+                assert record_quantization_config(q) is None
+            q.save_pretrained(folder)
         dist.barrier()
         single = AutoModelForCausalLM.from_pretrained(folder).eval()
         with empty_parameters():
-            model = moe_helpers.FAMILIES[family][1](tiny_moe(family, 32 * world, world).config).eval()
+            model = moe_helpers.FAMILIES[family.split()[0]][1](tiny_moe(family.split()[0], 32 * world, world).config).eval()
         report = load_pretrained_sharded(model, folder, mesh, tp_plan(model))
         ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(9))
         with torch.no_grad():
             want, got = single(ids).logits, model(ids).logits
         experts = model.model.layers[0].mlp.experts
         out[family] = {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+                       "bits": [experts.gate_up_proj.bits, experts.down_proj.bits],
                        "experts_quantized": sum(isinstance(m, QuantFusedExperts) for m in model.modules()),
                        "gate_up_rows": holds_my_rows(experts, single.model.layers[0].mlp.experts, rank, world),
                        "bytes_read": report.bytes_read, "bytes_total": report.bytes_total}

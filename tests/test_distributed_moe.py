@@ -154,8 +154,9 @@ def test_save_pretrained_moe_folders_load_into_each_ranks_slices(ranks):
     # QuantExpertsParallel as float modules ("quantize the experts with quantize_model").
     world, values = _values(ranks, "load_pretrained_moe")
     for v in values:
-        assert set(v) == {"mixtral", "qwen3_moe", "gpt_oss"}
+        assert set(v) == {"mixtral", "qwen3_moe", "gpt_oss", "qwen3_moe 8-bit down"}
         for family, c in v.items():
             assert c["max_diff"] <= STACK_RTOL * c["scale"], (family, c)
+            assert c["bits"] == ([4, 8] if family.endswith("down") else [4, 4]), (family, c)
             assert c["experts_quantized"] == 2 and c["gate_up_rows"], (family, c)
             assert c["bytes_read"] < c["bytes_total"], (family, c)  # a slice of the experts, not all of them

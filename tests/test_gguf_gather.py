@@ -109,3 +109,48 @@ def test_gguf_switch_linear_compiles_with_fullgraph_and_keeps_its_format_in_stat
     with pytest.raises(ValueError, match=r"the state holds ggml_type=14 \(Q6_K\), this layer has ggml_type=12 \(Q4_K\)"):
         GGUFSwitchLinear(E, K, N, int(Q4_K)).load_state_dict(
             {**state, "blocks": torch.zeros(E, N, K // 256 * 144, dtype=torch.uint8)})
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+def test_gguf_gather_gradient_in_x_is_dy_times_each_pairs_expert(ggml_type):
+    # x [T, 1, 1, K] broadcast over k experts per token (QuantFusedExperts' call): dx sums the
+    # token's pairs. Reference: float64 dy @ W_e, W_e as gguf decodes it (which the backward's decode
+    # equals bit for bit). Each element of dx is k float32 sums of N products, then the k summed:
+    # at most N + k roundings of 2^-24 relative to the sum of the terms' magnitudes (one spare).
+    blocks, w = _experts(ggml_type, seed=7)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 1, 1, K, generator=g, requires_grad=True)
+    indices = torch.randint(0, E, (6, 3), generator=g)
+    y = gguf_gather_matmul(x, blocks, int(ggml_type), N, K, indices)
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+    want = torch.zeros(6, 1, 1, K, dtype=torch.float64)
+    for t in range(6):
+        for j, e in enumerate(indices[t].tolist()):
+            want[t, 0, 0] += dy[t, j, 0].double() @ w[e]
+    mag = torch.zeros_like(want)
+    for t in range(6):
+        for j, e in enumerate(indices[t].tolist()):
+            mag[t, 0, 0] += dy[t, j, 0].double().abs() @ w[e].abs()
+    assert ((x.grad.double() - want).abs() <= 2 ** -24 * (N + 3 + 1) * mag).all()
+
+
+def test_gguf_gather_forward_mode_tangent_is_the_product_of_the_tangent():
+    import torch.autograd.forward_ad as fwAD
+
+    blocks, _ = _experts(Q4_K, seed=9)
+    x, t = torch.randn(4, 1, K), torch.randn(4, 1, K)
+    indices = torch.tensor([1, 3, 1, 0])
+    with fwAD.dual_level():
+        y = gguf_gather_matmul(fwAD.make_dual(x, t), blocks, int(Q4_K), N, K, indices)
+        tangent = fwAD.unpack_dual(y).tangent
+    assert tangent is not None
+    torch.testing.assert_close(tangent, gguf_gather_matmul(t, blocks, int(Q4_K), N, K, indices), rtol=0, atol=0)
+
+
+def test_gguf_gather_int8_activations_refuse_a_gradient():
+    blocks, _ = _experts(Q4_K)
+    x = torch.randn(2, 1, K, requires_grad=True)
+    y = gguf_gather_matmul(x, blocks, int(Q4_K), N, K, torch.tensor([0, 1]), activations="int8")
+    with pytest.raises(RuntimeError, match=r"gguf_gather_matmul: no gradient with respect to its input x"):
+        y.sum().backward()

@@ -162,11 +162,14 @@ def test_convert_qwen_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path
     assert (_logits(reloaded)[0] - want).abs().max().item() < 1e-4 * scale
 
 
-@pytest.mark.parametrize("arch, down", [("qwen3moe", "Q4_K"), ("qwen2moe", "Q6_K"), ("mixtral", "Q4_K")])
+@pytest.mark.parametrize("arch, down", [("qwen3moe", "Q4_K"), ("qwen2moe", "Q6_K"), ("mixtral", "Q4_K"),
+                                        ("qwen2moe", "Q8_0")])
 def test_convert_moe_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path, arch, down):
     # Q4_K experts (all three projections) are written exact as affine 4-bit group-32 experts; a Q6_K
     # down projection has no exact affine form, so that block's experts are written float, as gguf
-    # decodes them. mlx_lm's own MoE models read the MLX folder, transformers' the other, and both
+    # decodes them; a Q8_0 one (llama.cpp's fallback where the expert width is no multiple of 256)
+    # exact as 8-bit beside 4-bit gate / up, which the transformers folder's config records per
+    # projection. mlx_lm's own MoE models read the MLX folder, transformers' the other, and both
     # give the logits of the GGUF model load_gguf_llama builds (1e-4 of the largest logit, as above).
     import mlx_lm.utils as mlx_lm_utils
 
@@ -192,9 +195,10 @@ def test_convert_moe_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path,
     assert main(["convert", str(path), str(tmp_path / "hf")]) == 0
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     experts = reloaded.model.layers[0].mlp.experts
-    if down == "Q4_K":
+    if down in ("Q4_K", "Q8_0"):
         assert isinstance(experts, QuantFusedExperts) and isinstance(experts.down_proj, QuantSwitchLinear)
-        assert (experts.down_proj.bits, experts.down_proj.group_size) == (4, 32)
+        assert (experts.gate_up_proj.bits, experts.down_proj.bits, experts.down_proj.group_size) == (
+            4, 4 if down == "Q4_K" else 8, 32)
     else:
         assert not isinstance(experts, QuantFusedExperts)
     with torch.no_grad():

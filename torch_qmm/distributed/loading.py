@@ -399,7 +399,7 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
     if not isinstance(q, dict) or q.get("quant_method") != "torch_qmm":
         raise ValueError(f"{folder / 'config.json'}: 'quantization_config' must have quant_method 'torch_qmm', "
                          f"got {q!r}")
-    from ..interop.transformers import stored_key  # (transformers: the folder is its save)
+    from ..interop.transformers import experts_bits_keys, stored_key  # (transformers: the folder is its save)
 
     ckpt = Checkpoint(folder)
     stored = stored_key(model, ckpt)
@@ -434,10 +434,10 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
     for name, module in fused_experts(model):
         if stored(f"{name}.gate_up_proj.qweight") not in ckpt:
             continue  # float experts: read as any float tensor
-        layer_bits = bits_of(name)
+        gate_up_bits, down_bits = (bits_of(key) for key in experts_bits_keys(bits, name))
         try:
-            new = empty_quant_experts(module, layer_bits, q.get("group_size"), q.get("mode", "affine"), dtype,
-                                      device="meta")
+            new = empty_quant_experts(module, gate_up_bits, q.get("group_size"), q.get("mode", "affine"), dtype,
+                                      device="meta", down=(down_bits, q.get("group_size"), q.get("mode", "affine")))
         except ValueError as e:
             raise ValueError(f"{folder / 'config.json'}: quantization_config of the experts {name!r}: {e}") from None
         for proj in ("gate_up_proj", "down_proj"):

@@ -9,7 +9,9 @@ of the native ``torch_qmm::gguf_qmm`` (``gguf_qmm_int8_activations`` for int8 ac
 on its own blocks (a view, no copy). The grouping
 depends on the values of `indices`, so the op is opaque to torch.compile (its fake kernel gives
 the output's shape) and a model holding it still compiles with fullgraph=True. It runs on every
-device gguf_qmm runs on (CPU, MPS); the blocks are frozen and x takes no gradient through it.
+device gguf_qmm runs on (CPU, MPS). It is differentiable in x as gguf_qmm is (dx = dy @ W_e for
+each pair, W_e decoded by torch_qmm.gguf_blocks a slice of rows at a time; forward-mode tangents
+carried the same way); the blocks are frozen, and x of the int8-activation path takes no gradient.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from .. import activations as _activations
+from .. import gguf_blocks as _gguf_blocks
+from ..ops import GGUF_DX_SLICE_BYTES, _carry_tangent, _int8_no_grad_error, _no_grad_error
 from .gguf_types import NATIVE_TYPES, block_info, type_name
 
 _EXACT = "exact"
@@ -36,9 +40,7 @@ def _gguf_gather_qmm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: i
     y = x.new_empty(rows.shape[0], m, N)
     if rows.shape[0] == 0:
         return y.reshape(*batch, m, N)
-    groups: dict[int, list[int]] = {}  # expert -> its pairs, grouped on the host (one transfer)
-    for pair, e in enumerate(experts.tolist()):
-        groups.setdefault(e, []).append(pair)
+    groups = _groups(experts)
     bad = [e for e in groups if not 0 <= e < blocks.shape[0]]
     if bad:
         raise ValueError(f"gguf_gather_matmul: argument 'indices' must be in [0, {blocks.shape[0]}) (the experts "
@@ -52,6 +54,49 @@ def _gguf_gather_qmm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: i
         ye = product(rows.index_select(0, index).reshape(-1, K), blocks[e], ggml_type, N, K)
         y.index_copy_(0, index, ye.reshape(-1, m, N))
     return y.reshape(*batch, m, N)
+
+
+def _groups(experts: torch.Tensor) -> dict[int, list[int]]:
+    """expert -> its pairs, grouped on the host (one transfer of the indices)."""
+    groups: dict[int, list[int]] = {}
+    for pair, e in enumerate(experts.tolist()):
+        groups.setdefault(e, []).append(pair)
+    return groups
+
+
+def _setup(ctx, inputs, output):
+    x, blocks, ggml_type, N, K, indices, activations = inputs
+    ctx.save_for_backward(blocks, indices)
+    ctx.args = (ggml_type, N, K, activations, x.shape, x.dtype)
+
+
+def _backward(ctx, grad):
+    """dx[p] = dy[p] @ W_e for each pair p and its expert e, summed over the dims x was broadcast
+    along; W_e decoded as gguf_qmm's backward decodes it (torch_qmm.ops), in float32."""
+    if ctx.needs_input_grad[1]:
+        raise _no_grad_error("gguf_gather_matmul", "'blocks'")
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 7
+    ggml_type, N, K, activations, x_shape, x_dtype = ctx.args
+    if activations != _EXACT:
+        raise _int8_no_grad_error("gguf_gather_matmul")
+    blocks, indices = ctx.saved_tensors
+    batch = torch.broadcast_shapes(x_shape[:-2], indices.shape)
+    m = x_shape[-2]
+    dy = grad.reshape(-1, m, N).float()
+    dx = torch.zeros(dy.shape[0], m, K, dtype=torch.float32, device=grad.device)
+    step = max(1, GGUF_DX_SLICE_BYTES // (4 * K))
+    for e, pairs in _groups(indices.expand(batch).reshape(-1)).items():
+        index = torch.tensor(pairs, device=grad.device)
+        dye = dy.index_select(0, index).reshape(-1, N)
+        dxe = torch.zeros(dye.shape[0], K, dtype=torch.float32, device=grad.device)
+        for n0 in range(0, N, step):
+            dxe.addmm_(dye[:, n0:n0 + step], _gguf_blocks.dequantize_rows(blocks[e, n0:n0 + step], ggml_type))
+        dx.index_copy_(0, index, dxe.reshape(-1, m, K))
+    return dx.reshape(*batch, m, K).sum_to_size(x_shape).to(x_dtype), None, None, None, None, None, None
+
+
+_gguf_gather_qmm.register_autograd(_backward, setup_context=_setup)
 
 
 @_gguf_gather_qmm.register_fake
@@ -104,4 +149,5 @@ def gguf_gather_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N:
         kind = _activations.current_activations()
     if kind == "int8" and x.device.type != "cpu":
         raise ValueError(f"gguf_gather_matmul: argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
-    return _gguf_gather_qmm(x, blocks.contiguous(), ggml_type, N, K, indices, kind or _EXACT)
+    blocks = blocks.contiguous()
+    return _carry_tangent(lambda t: _gguf_gather_qmm(t, blocks, ggml_type, N, K, indices, kind or _EXACT), x)

@@ -442,7 +442,6 @@ def load_gguf_llama(
         part = expert_part(gname)
         if part is not None:
             expert_blocks.add(part[0])
-            report.bytes_read += t.nbytes
             continue
         name = hf_name(gname)
         if name is None or gname.endswith(".bias"):
@@ -546,6 +545,7 @@ def _load_experts(model, block: int, dtype: torch.dtype, f: GGUFFile, meta, targ
             raise ValueError(f"{f.path}: tensors blk.{block}.ffn_*_exps -> {name!r}: no such module in the model") from None
         return
     parts = block_experts(f, block)
+    report.bytes_read += sum(t.nbytes for t in parts.values())
     new, values = experts_from_gguf(module, parts, dtype, f"{f.path}: block {block}")
     if new is not None:
         _replace(model, name, new if target is None else new.to(target))

@@ -38,6 +38,16 @@ QUANT_METHOD = "torch_qmm"
 # The key of a saved quantization_config that records why from_pretrained cannot rebuild the
 # folder's layers (record_loaded_model); a reload raises ValueError with it.
 NOT_RELOADABLE = "not_reloadable"
+# The projections of a QuantFusedExperts, as a saved config names them where their bits differ.
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+def experts_bits_keys(bits, name: str) -> tuple[str, str]:
+    """The keys of a saved config's bits mapping that give experts `name`'s gate_up_proj and
+    down_proj bits: one per projection where record_quantization_config wrote them, else the block's."""
+    if isinstance(bits, dict) and f"{name}.{EXPERT_PROJECTIONS[0]}" in bits:
+        return tuple(f"{name}.{p}" for p in EXPERT_PROJECTIONS)
+    return name, name
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -90,8 +100,8 @@ class TorchQmmConfig(QuantizationConfigMixin):
             raise ValueError(f"from_pretrained cannot rebuild the torch_qmm layers of this folder: "
                              f"{kwargs[NOT_RELOADABLE]}. Load the original file the way it was loaded "
                              "(torch_qmm.interop.load_mlx / load_gguf_llama), or write the model with "
-                             "torch_qmm.interop.save_mlx; `python -m torch_qmm convert` writes a GGUF file into a "
-                             "folder from_pretrained reloads")
+                             "torch_qmm.interop.save_mlx (which holds QuantEmbedding, not GGUF blocks); "
+                             "`python -m torch_qmm convert` writes a GGUF file into a folder from_pretrained reloads")
         resolve(method)  # a registered name or GPTQ(...) / AWQ(...) options, else ValueError / TypeError
         if modules_to_not_convert is not None and not (
                 isinstance(modules_to_not_convert, (list, tuple))
@@ -112,6 +122,11 @@ class TorchQmmConfig(QuantizationConfigMixin):
         from ..quantizers import resolve
 
         return resolve(self.method).name
+
+    def experts_bits(self, name: str) -> tuple[int, int]:
+        """(gate_up_proj, down_proj) bits of saved experts: the block's entry, or one per projection
+        (record_quantization_config writes those where the two differ)."""
+        return tuple(self.layer_bits(key) for key in experts_bits_keys(self.bits, name))
 
     def layer_bits(self, name: str) -> int:
         """The bits of a saved layer (reloading)."""
@@ -213,10 +228,15 @@ def record_quantization_config(model) -> str | None:
         return (f"a quantization_config describes QuantLinear layers and MoE experts, not "
                 f"{', '.join(others[:4])}{f' and {len(others) - 4} more' if len(others) > 4 else ''}")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    layers |= {n: m.down_proj for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)}
+    for n, m in model.named_modules():
+        if isinstance(m, QuantFusedExperts):  # one entry per block, or per projection where their bits differ
+            same = m.gate_up_proj.bits == m.down_proj.bits
+            layers |= {n: m.down_proj} if same else {f"{n}.{p}": getattr(m, p) for p in EXPERT_PROJECTIONS}
     if not layers:
         return None
     formats = {(m.group_size, m.mode) for m in layers.values()}
+    formats |= {(m.gate_up_proj.group_size, m.gate_up_proj.mode) for m in model.modules()
+                if isinstance(m, QuantFusedExperts)}
     if len(formats) > 1:
         return f"its layers have more than one group size / mode ({sorted(formats)})"
     (group_size, mode), = formats
@@ -353,8 +373,10 @@ class TorchQmmHfQuantizer(HfQuantizer):
         for name, experts in fused_experts(model):
             if _skipped(name, self.modules_to_not_convert):
                 continue
-            q = empty_quant_experts(experts, bits=cfg.layer_bits(name), group_size=cfg.group_size, mode=cfg.mode,
-                                    dtype=experts.get_parameter("down_proj").dtype)
+            gate_up_bits, down_bits = cfg.experts_bits(name)
+            q = empty_quant_experts(experts, bits=gate_up_bits, group_size=cfg.group_size, mode=cfg.mode,
+                                    dtype=experts.get_parameter("down_proj").dtype,
+                                    down=(down_bits, cfg.group_size, cfg.mode))
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, q)
             self._buffer_dtypes.update({f"{name}.{k}": b.dtype for k, b in q.named_buffers()})
