@@ -339,3 +339,14 @@ def test_per_expert_tensors_of_different_types_are_refused_naming_them(tmp_path)
     model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
     with pytest.raises(ValueError, match=r"the experts of block 1 differ: 'blk.1.ffn_up.2.weight' is Q"):
         load_gguf_llama(model, f)
+
+
+def test_loading_a_file_into_a_model_that_was_loaded_before_is_refused(tmp_path):
+    write_moe_gguf(moe_model("qwen3moe", 256), tmp_path / "m.gguf", K_MIX, np.random.default_rng(14))
+    f = GGUFFile(tmp_path / "m.gguf")
+    model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+    load_gguf_llama(model, f)
+    with pytest.raises(ValueError, match=r"the model already holds torch_qmm layers \(model.embed_tokens "
+                                         r"\(QuantEmbedding\), model.layers.0.self_attn.q_proj \(QuantLinear\).*"
+                                         r"was it loaded or quantized before"):
+        load_gguf_llama(model, f)

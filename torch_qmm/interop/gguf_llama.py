@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from ..convert import record_loaded_model
 from ..nn import QuantLinear
+from ..nn_moe import QuantFusedExperts
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
 from .gguf_moe import (INT_FIELDS as _MOE_INT_FIELDS, MIXTRAL_EXPERTS, MOE_RENAMES, QWEN_EXPERTS, ExpertFields,
                        block_experts, checked_shape, describe, expected_shapes, expert_part, experts_from_gguf,
@@ -423,6 +424,7 @@ def load_gguf_llama(
     """
     target = resolve_device(model, device, "load_gguf_llama")
     f = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    _check_not_loaded(model, f)
     config = getattr(model, "config", None)
     arch = _check_model_type(f, config)
     n_head = getattr(config, "num_attention_heads", None)
@@ -531,6 +533,18 @@ def load_gguf_llama(
         model.to(target)  # the tensors the model had in memory before (a model only partly on meta)
     record_loaded_model(model, "load_gguf_llama")
     return report
+
+
+def _check_not_loaded(model: nn.Module, f: GGUFFile) -> None:
+    """A model that already holds torch_qmm layers (loaded or quantized before) is refused: the
+    file's tensors fill the float layers of a model built from its config."""
+    held = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+            if isinstance(m, (QuantLinear, GGUFLinear, QuantEmbedding, TiedQuantLinear, QuantFusedExperts))]
+    if held:
+        raise ValueError(f"{f.path}: the model already holds torch_qmm layers ({', '.join(held[:3])}"
+                         f"{f' and {len(held) - 3} more' if len(held) > 3 else ''}): was it loaded or quantized "
+                         "before? load_gguf_llama fills a model built from the file's config "
+                         "(transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)))")
 
 
 def _load_experts(model, block: int, dtype: torch.dtype, f: GGUFFile, meta, target, report: LoadReport,
