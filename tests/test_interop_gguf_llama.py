@@ -32,14 +32,23 @@ def hf_model(tied: bool, attention_bias: bool = False):
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, attention_bias=attention_bias,
     )
+    return random_model(config)
+
+
+def random_model(config, experts_std: float | None = None):
+    """The transformers model of `config`, seeded, with non-trivial norms so that a wrong mapping
+    shows, biases as large as the products so that their rows matter, and (experts_std) the fused
+    experts drawn from N(0, std), which transformers leaves uninitialized."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # non-trivial norms so that a wrong mapping shows
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-            elif name.endswith("_proj.bias"):  # biases as large as the products, so that their rows matter
+            elif name.endswith("_proj.bias"):
                 p.uniform_(-1.0, 1.0)
+            elif experts_std is not None and "experts" in name:
+                p.normal_(0.0, experts_std)
     return model
 
 
@@ -51,15 +60,7 @@ def qwen_model(arch: str, tied: bool, head_dim: int | None = None):
                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=tied,
                  head_dim=head_dim or HIDDEN // HEADS)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("_proj.bias"):
-                p.uniform_(-1.0, 1.0)
-    return model
+    return random_model(config)
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

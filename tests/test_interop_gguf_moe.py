@@ -18,7 +18,7 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
 from gguf_helpers import random_k_blocks, write_gguf
-from test_interop_gguf_llama import llama_cpp_permute
+from test_interop_gguf_llama import llama_cpp_permute, random_model
 from torch_qmm.interop.gguf import GGUFFile
 from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
 from torch_qmm.interop.modules import GGUFSwitchLinear
@@ -46,18 +46,7 @@ def moe_model(arch: str, moe_inter: int, shared_inter: int = 512):
                   norm_topk_prob=arch == "qwen3moe")
     if arch == "qwen2moe":
         kw["shared_expert_intermediate_size"] = shared_inter
-    config = transformers.AutoConfig.for_model(MODEL_TYPES[arch], **kw)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("_proj.bias"):
-                p.uniform_(-1.0, 1.0)
-            elif "experts" in name:  # transformers leaves fused experts uninitialized
-                p.normal_(0.0, 0.05)
-    return model
+    return random_model(transformers.AutoConfig.for_model(MODEL_TYPES[arch], **kw), experts_std=0.05)
 
 
 _NAMES = [

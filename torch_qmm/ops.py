@@ -5,7 +5,8 @@
     y = quantized_matmul(x, wq, scales, mode="mxfp4")     # group_size / bits: the mode's defaults
     y = gather_qmm(x, wq, scales, biases, rhs_indices=experts)  # wq [E, N, K*bits/32]: per-pair expert
 
-The schemas are defined once in csrc/ops.cpp; the formats (allowed and default bits and group
+The schemas are defined once in csrc/ops.cpp (but gguf_gather_qmm's: torch_qmm/interop/gguf_gather.py,
+a Python op over gguf_qmm); the formats (allowed and default bits and group
 sizes) in csrc/format_spec.h, read by torch_qmm/formats.py. The fake (meta) kernels are C++
 (csrc/meta.cpp): they give output shapes and dtypes without computing anything, so the ops trace
 under torch.compile(fullgraph=True, dynamic=True) and pass torch.library.opcheck, and they run the

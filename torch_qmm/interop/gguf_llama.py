@@ -460,11 +460,8 @@ def load_gguf_llama(
                                  f"({e}); build the model from this file's metadata "
                                  "(torch_qmm.interop.gguf_llama.llama_config_from_gguf)") from None
             t = _rows_permuted(t, perm)
-        try:
-            module = model.get_submodule(module_name)
-        except AttributeError:
-            if strict:
-                raise ValueError(f"{f.path}: tensor {gname!r} -> {name!r}: no such module in the model") from None
+        module = _module(model, module_name, strict, f"{f.path}: tensor {gname!r} -> {name!r}")
+        if module is None:
             continue
         report.bytes_read += t.nbytes
         if isinstance(module, nn.Linear) and leaf == "weight":
@@ -535,6 +532,16 @@ def load_gguf_llama(
     return report
 
 
+def _module(model: nn.Module, name: str, strict: bool, what: str) -> nn.Module | None:
+    """The model's module `name`; where it has none, a ValueError starting with `what` (strict) or None."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        if strict:
+            raise ValueError(f"{what}: no such module in the model") from None
+        return None
+
+
 def _check_not_loaded(model: nn.Module, f: GGUFFile) -> None:
     """A model that already holds torch_qmm layers (loaded or quantized before) is refused: the
     file's tensors fill the float layers of a model built from its config."""
@@ -552,11 +559,8 @@ def _load_experts(model, block: int, dtype: torch.dtype, f: GGUFFile, meta, targ
     """Block `block`'s routed experts into the model: a QuantFusedExperts, or float values in the
     model's experts module (gguf_moe.experts_from_gguf)."""
     name = experts_module_name(block)
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
-        if strict:
-            raise ValueError(f"{f.path}: tensors blk.{block}.ffn_*_exps -> {name!r}: no such module in the model") from None
+    module = _module(model, name, strict, f"{f.path}: tensors blk.{block}.ffn_*_exps -> {name!r}")
+    if module is None:
         return
     parts = block_experts(f, block)
     report.bytes_read += sum(t.nbytes for t in parts.values())
