@@ -150,14 +150,15 @@ class QuantFusedExperts(nn.Module):
     """The routed experts of a MoE block with quantized weights: for each token t and each of its
     k experts e = top_k_index[t, j], y_t += top_k_weights[t, j] * down_e(gate(gate_up_e(x_t))).
 
-    Children: ``gate_up_proj`` QuantSwitchLinear [E, 2I, H] (the gate and up rows in the order the
-    source model keeps them, which `activation` reads), ``down_proj`` QuantSwitchLinear [E, H, I],
+    Children: ``gate_up_proj`` [E, 2I, H] (the gate and up rows in the order the source model keeps
+    them, which `activation` reads) and ``down_proj`` [E, H, I], each a QuantSwitchLinear or a
+    GGUFSwitchLinear (the experts of a GGUF file, torch_qmm.interop.modules),
     ``activation`` a module mapping [..., 2I] to [..., I]. forward(hidden_states [T, H],
     top_k_index [T, k], top_k_weights [T, k]) -> [T, H] in hidden_states' dtype: the forward of
     transformers' experts modules.
     """
 
-    def __init__(self, gate_up_proj: QuantSwitchLinear, down_proj: QuantSwitchLinear, activation: nn.Module,
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, activation: nn.Module,
                  interleaved: bool = False) -> None:
         super().__init__()
         if (gate_up_proj.num_experts != down_proj.num_experts or gate_up_proj.out_features != 2 * down_proj.in_features

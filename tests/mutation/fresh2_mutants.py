@@ -73,7 +73,10 @@ MUTANTS: list[Mutant] = [
            _files("tests/test_interop_gguf_moe.py"),
            "a qwen3moe file's model leaves the top-k routing weights unnormalized (llama.cpp normalizes them)"),
     Mutant("g2-gguf-moe-up-rows-first", "torch_qmm/interop/gguf_moe.py",
-           "up.raw.reshape(e, rows, -1)], axis=1)", "up.raw.reshape(e, rows, -1)][::-1], axis=1)",
+           "    off = 0\n    for st in stacks:\n        rows = st.shape[1]\n        for j, t in enumerate(st.experts):\n"
+           "            layer.blocks",
+           "    off = 0\n    for st in stacks[::-1]:\n        rows = st.shape[1]\n        for j, t in enumerate(st.experts):\n"
+           "            layer.blocks",
            _files("tests/test_interop_gguf_moe.py"),
            "Q4_K / Q6_K experts join the up rows before the gate rows in gate_up_proj"),
     Mutant("g2-gguf-gather-one-expert", "torch_qmm/interop/gguf_gather.py",
@@ -87,8 +90,7 @@ MUTANTS: list[Mutant] = [
            "a saved config records a block's experts by down_proj's bits alone: 4-bit gate_up beside 8-bit "
            "down reloads as 8-bit gate_up (a format-state error)"),
     Mutant("g2-gguf-per-expert-stacked-out-of-order", "torch_qmm/interop/gguf_moe.py",
-           "                      np.concatenate([t.raw for t in ts]), first.source)",
-           "                      np.concatenate([t.raw for t in ts[::-1]]), first.source)",
+           "(count, *first.shape), tuple(ts))", "(count, *first.shape), tuple(ts[::-1]))",
            _files("tests/test_interop_gguf_moe.py"),
            "one-tensor-per-expert files stack their experts in reverse order"),
     Mutant("g2-mlx-scales-not-finite-accepted", "torch_qmm/interop/safetensors_io.py",

@@ -195,7 +195,7 @@ MUTANTS: list[Mutant] = [
            "        if torch.compiler.is_compiling() or tracing or flat.device.type == \"meta\":", EMBEDDING_FAKE,
            "fake ids (FakeTensorMode, torch.export's tracing) take the eager range check, which reads "
            "their values: a data-dependent error instead of the checking op"),
-    Mutant("e8-gguf-linear-bool-type-accepted", "torch_qmm/interop/modules.py",
+    Mutant("e8-gguf-linear-bool-type-accepted", "torch_qmm/interop/gguf_types.py",
            "    if not isinstance(ggml_type, int) or isinstance(ggml_type, bool):",
            "    if not isinstance(ggml_type, int):", GGUF_LINEAR,
            "GGUFLinear(ggml_type=True) is taken as type 1 (F16): a ValueError about the type, not the "

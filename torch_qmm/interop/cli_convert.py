@@ -19,7 +19,7 @@ from ..nn import QuantLinear, resolve_format
 from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
 from .experts import is_fused_experts, layout_of
 from .gguf import GGUFFile, GGUFTensor, affine_exact, dequantize, q4_k_to_affine
-from .gguf_moe import block_experts, describe as describe_experts, expert_part, float_experts_module
+from .gguf_moe import block_experts, describe as describe_experts, expert_part, experts_module_name, float_experts_module
 from .gguf_types import AFFINE_TYPES, Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from .output_folder import check_destination, side_file_source, staged_output
@@ -178,11 +178,15 @@ def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
     Q4_K) become affine QuantSwitchLinear layers; every other block's experts become float again,
     as gguf decodes them. Returns ({experts: exact in dtype}, {experts: their GGUF types})."""
     exact, origin = {}, {}
+    parts_of = [expert_part(n) for n in f.tensors]
+    blocks = {experts_module_name(p[0]): p[0] for p in parts_of if p is not None}
     for name, m in list(model.named_modules()):
+        if name not in blocks:
+            continue
+        parts = block_experts(f, blocks[name])
+        origin[name] = describe_experts(parts)  # also for experts the loader decoded to float
         if not isinstance(m, QuantFusedExperts):
             continue
-        parts = block_experts(f, int(name.split(".")[2]))
-        origin[name] = describe_experts(parts)
         kept = [_affine_switch(layer, [parts[p] for p in ps], dtype, name) if keep_affine else None
                 for layer, ps in ((m.gate_up_proj, ("gate", "up")), (m.down_proj, ("down",)))]
         if None in kept:
@@ -193,11 +197,11 @@ def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
     return exact, origin
 
 
-def _affine_switch(layer: nn.Module, tensors: list[GGUFTensor], dtype: torch.dtype, name: str):
+def _affine_switch(layer: nn.Module, stacks: list, dtype: torch.dtype, name: str):
     """(an affine QuantSwitchLinear computing what `layer` does, exact in dtype) or None where the
-    GGUF type has no exact affine form."""
+    GGUF type has no exact affine form. stacks: its gguf_moe.ExpertStack(s)."""
     if isinstance(layer, QuantSwitchLinear):  # the affine types: to_affine(t, dtype) in the loader
-        return layer, all(affine_exact(t, dtype) for t in tensors)
+        return layer, all(affine_exact(t, dtype) for st in stacks for t in st.experts)
     if layer.ggml_type != Q4_K:
         return None
     e, out, k = layer.num_experts, layer.out_features, layer.in_features

@@ -20,8 +20,8 @@ import torch
 
 from .. import activations as _activations
 from .. import gguf_blocks as _gguf_blocks
-from ..ops import GGUF_DX_SLICE_BYTES, _carry_tangent, _int8_no_grad_error, _no_grad_error
-from .gguf_types import NATIVE_TYPES, block_info, type_name
+from ..ops import GGUF_DX_SLICE_BYTES, _carry_tangent, _has_tangent, _int8_no_grad_error, _no_grad_error
+from .gguf_types import native_type, type_name
 
 _EXACT = "exact"
 
@@ -121,17 +121,16 @@ def gguf_gather_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N:
         y [*broadcast(x.shape[:-2], indices.shape), M, N] in x's dtype, each expert's product
         gguf_matmul's.
     """
-    native = ", ".join(f"{t} ({type_name(t)})" for t in NATIVE_TYPES)
-    if isinstance(ggml_type, bool) or not isinstance(ggml_type, int) or int(ggml_type) not in NATIVE_TYPES:
-        raise ValueError(f"gguf_gather_matmul: argument 'ggml_type' must be one of {native}, got {ggml_type!r}")
-    ggml_type = int(ggml_type)
+    try:
+        ggml_type, row_bytes = native_type(ggml_type, K, "K")
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"gguf_gather_matmul: {e}") from None
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point() or x.shape[-1] != K:
         got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"gguf_gather_matmul: argument 'x' must be a float tensor [..., M, K={K}], got {got}")
-    per_block, block_bytes = block_info(ggml_type)
-    want = f"uint8 [E, N={N}, {K // per_block * block_bytes}] ({type_name(ggml_type)} blocks of K={K})"
+    want = f"uint8 [E, N={N}, {row_bytes}] ({type_name(ggml_type)} blocks of K={K})"
     if (not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() != 3
-            or K % per_block or tuple(blocks.shape[1:]) != (N, K // per_block * block_bytes)):
+            or tuple(blocks.shape[1:]) != (N, row_bytes)):
         got = f"{blocks.dtype} {list(blocks.shape)}" if isinstance(blocks, torch.Tensor) else type(blocks).__name__
         raise ValueError(f"gguf_gather_matmul: argument 'blocks' must be {want}, got {got}")
     if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.is_complex() \
@@ -149,5 +148,7 @@ def gguf_gather_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N:
         kind = _activations.current_activations()
     if kind == "int8" and x.device.type != "cpu":
         raise ValueError(f"gguf_gather_matmul: argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
+    if kind == "int8" and _has_tangent(x):  # as gguf_matmul: no tangent through the int8 rounding
+        raise _int8_no_grad_error("gguf_gather_matmul")
     blocks = blocks.contiguous()
     return _carry_tangent(lambda t: _gguf_gather_qmm(t, blocks, ggml_type, N, K, indices, kind or _EXACT), x)

@@ -1,5 +1,6 @@
-"""A llama-family GGUF file (llama, mistral, qwen2, qwen3, and the mixture-of-experts qwen2moe and
-qwen3moe: gguf_moe) into a transformers model of the same architecture.
+"""A llama-family GGUF file (llama, mistral, qwen2, qwen3, and the mixture-of-experts qwen2moe,
+qwen3moe and Mixtral, which llama.cpp writes as llama with experts: gguf_moe) into a transformers
+model of the same architecture.
 
 Facts from llama.cpp's convert_hf_to_gguf.py and transformers' GGUF loader
 (integrations/ggml.py, integrations/gguf/gguf_conversion_mapping.py, modeling_gguf_pytorch_utils.py):
@@ -40,7 +41,8 @@ from ..nn_moe import QuantFusedExperts
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
 from .gguf_moe import (INT_FIELDS as _MOE_INT_FIELDS, MIXTRAL_EXPERTS, MOE_RENAMES, QWEN_EXPERTS, ExpertFields,
                        block_experts, checked_shape, describe, expected_shapes, expert_part, experts_from_gguf,
-                       experts_module_name, moe_config, moe_config_keys, per_expert_layout, shared_gate_tensor)
+                       experts_module_name, fill_float_experts, moe_config, moe_config_keys, per_expert_layout,
+                       shared_gate_tensor)
 from .gguf_types import SUPPORTED_TYPES, supported_list
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .mlx import LoadReport
@@ -395,8 +397,8 @@ def load_gguf_llama(
 
     Linear weights become QuantLinear (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, and Q5_K as bits 5: lossless, Q5_K
     in float32 only), GGUFLinear (Q4_K/Q6_K, the file's blocks) or stay nn.Linear (F32/F16/BF16);
-    the routed experts of a MoE file (qwen2moe, qwen3moe) become a QuantFusedExperts in the same
-    formats (gguf_moe: GGUFSwitchLinear for Q4_K/Q6_K);
+    the routed experts of a MoE file (qwen2moe, qwen3moe, Mixtral) become a QuantFusedExperts in
+    the same formats (gguf_moe: GGUFSwitchLinear for Q4_K/Q6_K);
     the embedding becomes a QuantEmbedding
     (block types) or a float table; without output.weight the output layer is tied to it.
 
@@ -563,19 +565,17 @@ def _load_experts(model, block: int, dtype: torch.dtype, f: GGUFFile, meta, targ
     if module is None:
         return
     parts = block_experts(f, block)
-    report.bytes_read += sum(t.nbytes for t in parts.values())
-    new, values = experts_from_gguf(module, parts, dtype, f"{f.path}: block {block}")
+    report.bytes_read += sum(t.nbytes for st in parts.values() for t in st.experts)
+    leaves = ("gate_up_proj", "down_proj")
+    new = experts_from_gguf(module, parts, dtype, f"{f.path}: block {block}")
     if new is not None:
         _replace(model, name, new if target is None else new.to(target))
         report.quantized[name] = describe(parts)
-        loaded.update(f"{name}.{p}" for p in ("gate_up_proj", "down_proj"))
-        return
-    with torch.no_grad():
-        for leaf, value in values.items():
-            key = f"{name}.{leaf}"
-            (module.get_parameter(leaf) if meta is None else meta.real_key(model, key)).copy_(value)
-            loaded.add(key)
-            report.float_tensors += 1
+    else:
+        fill_float_experts({leaf: module.get_parameter(leaf) if meta is None else meta.real_key(model, f"{name}.{leaf}")
+                            for leaf in leaves}, parts)
+        report.float_tensors += len(leaves)
+    loaded.update(f"{name}.{leaf}" for leaf in leaves)
 
 
 def _covered(key: str, loaded: set[str]) -> bool:

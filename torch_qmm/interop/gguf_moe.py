@@ -10,8 +10,8 @@ and transformers' GGUF loader (integrations/ggml.py, modeling_gguf_pytorch_utils
   (qwen2moe's shared_expert_intermediate_size). Every block is a MoE block;
 * the router is blk.N.ffn_gate_inp [E, H] (transformers' mlp.gate, a TopKRouter holding a float
   weight); the experts are 3-D tensors blk.N.ffn_{gate,up,down}_exps, [E, I, H] for gate and up,
-  [E, H, I] for down, one expert's rows after another (older Mixtral files: one 2-D tensor per
-  expert, blk.N.ffn_{gate,up,down}.E.weight, which llama.cpp also reads) (transformers keeps gate and up as one
+  [E, H, I] for down, one expert's rows after another (Mixtral files of older llama.cpp
+  converters: one 2-D tensor per expert, blk.N.ffn_{gate,up,down}.E.weight) (transformers keeps gate and up as one
   gate_up_proj [E, 2I, H], the gate rows first); qwen2moe's shared expert is
   blk.N.ffn_{gate,up,down}_shexp (mlp.shared_expert.{gate,up,down}_proj) gated by
   blk.N.ffn_gate_inp_shexp (mlp.shared_expert_gate, an nn.Linear(H, 1)), [1, H] as the converter
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..nn_moe import QuantFusedExperts, QuantSwitchLinear, join_gate_up
+from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
 from .experts import ExpertsLayout, expert_shapes, layout_of, quant_experts_of
 from .gguf import GGUFTensor, dequantize, to_affine, to_blocks
 from .gguf_types import AFFINE_TYPES, FLOAT_TYPES, NATIVE_TYPES, type_name
@@ -157,51 +157,65 @@ def shared_gate_tensor(t: GGUFTensor) -> GGUFTensor:
     return t
 
 
-def _stack(t: GGUFTensor) -> tuple[int, int, int]:
-    e, rows, cols = t.shape
-    return e, rows, cols
+@dataclass(frozen=True)
+class ExpertStack:
+    """One projection of a block's experts: E matrices [rows, cols] of one GGUF type, each a view
+    of the file's blocks (a slice of a 3-D tensor's rows, or one expert's own tensor). They are
+    converted one expert at a time, so a block never costs more than its result and one expert."""
+
+    name: str  # the 3-D tensor's name, or the per-expert tensors' pattern
+    ggml_type: int
+    shape: tuple[int, int, int]  # (E, rows, cols)
+    experts: tuple[GGUFTensor, ...]
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.ggml_type)
 
 
-def _native(t: GGUFTensor) -> GGUFSwitchLinear:
-    e, rows, cols = _stack(t)
-    layer = GGUFSwitchLinear(e, cols, rows, t.ggml_type)
-    layer.blocks.copy_(to_blocks(t).reshape(e, rows, -1))
+def _native(stacks: list[ExpertStack]) -> GGUFSwitchLinear:
+    """One GGUFSwitchLinear of the stacks' rows (gate and up joined, gate first)."""
+    e, _, cols = stacks[0].shape
+    layer = GGUFSwitchLinear(e, cols, sum(st.shape[1] for st in stacks), stacks[0].ggml_type)
+    off = 0
+    for st in stacks:
+        rows = st.shape[1]
+        for j, t in enumerate(st.experts):
+            layer.blocks[j, off:off + rows].copy_(to_blocks(t))
+        off += rows
     return layer
 
 
-def _affine(ts: list[GGUFTensor], dtype: torch.dtype) -> QuantSwitchLinear:
-    """One QuantSwitchLinear of the experts' rows of ts (gate and up joined, gate first)."""
-    parts = []
-    for t in ts:
-        e, rows, _ = _stack(t)
-        wq, scales, biases, bits, group_size = to_affine(t, dtype)
-        parts.append([p.reshape(e, rows, -1) for p in (wq, scales, biases)])
-    joined = [join_gate_up(*tensors, interleaved=False) if len(ts) == 2 else tensors[0] for tensors in zip(*parts)]
-    return QuantSwitchLinear.from_quantized(*joined, bits=bits, group_size=group_size, dtype=dtype)
+def _affine(stacks: list[ExpertStack], dtype: torch.dtype) -> QuantSwitchLinear:
+    """One affine QuantSwitchLinear of the stacks' rows (gate and up joined, gate first)."""
+    e, _, cols = stacks[0].shape
+    layer, off = None, 0
+    for st in stacks:
+        rows = st.shape[1]
+        for j, t in enumerate(st.experts):
+            wq, scales, biases, bits, group_size = to_affine(t, dtype)
+            if layer is None:
+                layer = QuantSwitchLinear(e, cols, sum(s.shape[1] for s in stacks), bits=bits, group_size=group_size,
+                                          dtype=dtype)
+            for buffer, value in ((layer.qweight, wq), (layer.scales, scales), (layer.biases, biases)):
+                buffer[j, off:off + rows].copy_(value)
+        off += rows
+    return layer
 
 
-def _quantized_layer(ts: list[GGUFTensor], dtype: torch.dtype) -> nn.Module:
-    if ts[0].ggml_type in NATIVE_TYPES:
-        if len(ts) == 1:
-            return _native(ts[0])
-        gate, up = ts
-        e, rows, cols = _stack(gate)
-        joined = GGUFTensor(gate.name, gate.ggml_type, (e, 2 * rows, cols),
-                            np.concatenate([gate.raw.reshape(e, rows, -1), up.raw.reshape(e, rows, -1)], axis=1)
-                            .reshape(e * 2 * rows, -1), gate.source)
-        return _native(joined)
-    return _affine(ts, dtype)
+def _quantized_layer(stacks: list[ExpertStack], dtype: torch.dtype) -> nn.Module:
+    return _native(stacks) if stacks[0].ggml_type in NATIVE_TYPES else _affine(stacks, dtype)
 
 
-def _kept_quantized(t: GGUFTensor) -> bool:
-    return t.ggml_type in NATIVE_TYPES or t.ggml_type in AFFINE_TYPES
+def _kept_quantized(st: ExpertStack) -> bool:
+    return st.ggml_type in NATIVE_TYPES or st.ggml_type in AFFINE_TYPES
 
 
-def experts_from_gguf(module: nn.Module, parts: dict[str, GGUFTensor], dtype: torch.dtype,
-                      where: str) -> tuple[nn.Module | None, dict[str, torch.Tensor]]:
-    """The routed experts of one block from its three GGUF tensors: (a QuantFusedExperts, {}), or
-    (None, {parameter name: float value}) where they load float into `module` (transformers'
-    experts module, whose layout must be gate rows then up rows, not transposed)."""
+def experts_from_gguf(module: nn.Module, parts: dict[str, ExpertStack], dtype: torch.dtype,
+                      where: str) -> QuantFusedExperts | None:
+    """The routed experts of one block from its three stacks (block_experts): a QuantFusedExperts,
+    or None where they load float into `module` (fill_float_experts). `module` is transformers'
+    experts module, whose layout must be gate rows then up rows, not transposed."""
     layout = layout_of(module)
     if layout is None or layout.transposed or layout.interleaved or layout.has_bias:
         got = "not a fused experts module" if layout is None else str(layout)
@@ -209,72 +223,80 @@ def experts_from_gguf(module: nn.Module, parts: dict[str, GGUFTensor], dtype: to
                          f"(gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I]; it is {got})")
     gate, up, down = (parts[p] for p in PARTS)
     e, hidden, inter = expert_shapes(module, layout)
-    for t, shape in ((gate, (e, inter, hidden)), (up, (e, inter, hidden)), (down, (e, hidden, inter))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{where}: tensor {t.name!r} has shape {list(t.shape)}, the model's experts expect "
+    for st, shape in ((gate, (e, inter, hidden)), (up, (e, inter, hidden)), (down, (e, hidden, inter))):
+        if tuple(st.shape) != shape:
+            raise ValueError(f"{where}: tensor {st.name!r} holds experts {list(st.shape)}, the model's experts expect "
                              f"{list(shape)} (config disagrees with the file)")
-    if gate.ggml_type == up.ggml_type and all(_kept_quantized(t) for t in (gate, up, down)):
-        return quant_experts_of(module, _quantized_layer([gate, up], dtype), _quantized_layer([down], dtype)), {}
-    if all(t.ggml_type in FLOAT_TYPES for t in (gate, up, down)):
-        return None, float_experts(layout, gate, up, down)
-    warnings.warn(
-        f"{where}: the experts are stored as gate {gate.type_name}, up {up.type_name}, down {down.type_name}; "
-        "torch_qmm keeps experts quantized where gate and up share a type and every projection is of "
-        f"{', '.join(type_name(t) for t in AFFINE_TYPES + NATIVE_TYPES)}: this block's experts load float (decoded)",
-        stacklevel=4,
-    )
-    return None, float_experts(layout, gate, up, down)
+    if gate.ggml_type == up.ggml_type and all(_kept_quantized(st) for st in (gate, up, down)):
+        return quant_experts_of(module, _quantized_layer([gate, up], dtype), _quantized_layer([down], dtype))
+    if not all(st.ggml_type in FLOAT_TYPES for st in (gate, up, down)):
+        warnings.warn(
+            f"{where}: the experts are stored as gate {gate.type_name}, up {up.type_name}, down {down.type_name}; "
+            "torch_qmm keeps experts quantized where gate and up share a type and every projection is of "
+            f"{', '.join(type_name(t) for t in AFFINE_TYPES + NATIVE_TYPES)}: this block's experts load float "
+            "(decoded)",
+            stacklevel=4,
+        )
+    return None
 
 
-def float_experts(layout: ExpertsLayout, gate: GGUFTensor, up: GGUFTensor, down: GGUFTensor) -> dict[str, torch.Tensor]:
-    """{parameter name: value} of the experts as gguf decodes them (float32)."""
-    return {layout.gate_up: torch.cat([dequantize(gate), dequantize(up)], dim=1), layout.down: dequantize(down)}
+def fill_float_experts(targets: dict[str, torch.Tensor], parts: dict[str, ExpertStack]) -> None:
+    """Writes the experts as gguf decodes them (float32, rounded once to the targets' dtype) into
+    targets {"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}, one expert at a time."""
+    gate_up, down = targets[ExpertsLayout.gate_up], targets[ExpertsLayout.down]
+    inter = parts["gate"].shape[1]
+    with torch.no_grad():
+        for j in range(parts["gate"].shape[0]):
+            gate_up[j, :inter].copy_(dequantize(parts["gate"].experts[j]))
+            gate_up[j, inter:].copy_(dequantize(parts["up"].experts[j]))
+            down[j].copy_(dequantize(parts["down"].experts[j]))
 
 
-def block_experts(f, block: int) -> dict[str, GGUFTensor]:
-    """The three expert tensors of block `block` of the file, 3-D [E, rows, cols]: as stored, or
-    stacked from one tensor per expert (a copy of their blocks). ValueError naming what is missing
-    or does not stack."""
-    out = {}
-    for part in PARTS:
-        name = f"blk.{block}.ffn_{part}_exps.weight"
-        t = f.tensors.get(name)
-        if t is None:
-            t = _stacked(f, block, part)
+def block_experts(f, block: int) -> dict[str, ExpertStack]:
+    """The three expert stacks of block `block` of the file: a 3-D tensor's rows, or one tensor per
+    expert. ValueError naming what is missing or does not stack."""
+    return {part: _stack(f, block, part) for part in PARTS}
+
+
+def _stack(f, block: int, part: str) -> ExpertStack:
+    name = f"blk.{block}.ffn_{part}_exps.weight"
+    t = f.tensors.get(name)
+    if t is not None:
         if len(t.shape) != 3:
             raise ValueError(f"{f.path}: tensor {name!r} must be 3-D [experts, rows, cols], got {list(t.shape)}")
-        out[part] = t
-    return out
-
-
-def _stacked(f, block: int, part: str) -> GGUFTensor:
+        e, rows, cols = t.shape
+        views = tuple(GGUFTensor(f"{name}[{j}]", t.ggml_type, (rows, cols), t.raw[j * rows:(j + 1) * rows], t.source)
+                      for j in range(e))
+        return ExpertStack(name, t.ggml_type, (e, rows, cols), views)
     prefix = f"blk.{block}.ffn_{part}."
     count = sum(1 for n in f.tensors if _PER_EXPERT.match(n) and n.startswith(prefix))
-    names = [f"{prefix}{j}.weight" for j in range(count)]
-    ts = [f.tensors.get(n) for n in names]
+    ts = [f.tensors.get(f"{prefix}{j}.weight") for j in range(count)]
     if not count or None in ts:
-        raise ValueError(f"{f.path}: block {block} has routed experts but no blk.{block}.ffn_{part}_exps.weight nor "
-                         f"one tensor per expert {prefix}0..{max(count - 1, 0)}.weight")
+        missing = f"{prefix}{ts.index(None)}.weight" if None in ts else f"{prefix}0.weight"
+        raise ValueError(f"{f.path}: block {block} has routed experts but no {name} nor {missing} (one tensor per "
+                         f"expert, {count} of which the file names)")
     first = ts[0]
     for t in ts[1:]:
         if t.ggml_type != first.ggml_type or t.shape != first.shape or len(t.shape) != 2:
             raise ValueError(f"{f.path}: the experts of block {block} differ: {t.name!r} is {t.type_name} "
                              f"{list(t.shape)}, {first.name!r} {first.type_name} {list(first.shape)} (one expert "
                              "tensor stacks experts of one type and shape)")
-    return GGUFTensor(f"blk.{block}.ffn_{part}_exps.weight", first.ggml_type, (count, *first.shape),
-                      np.concatenate([t.raw for t in ts]), first.source)
+    return ExpertStack(f"{prefix}E.weight", first.ggml_type, (count, *first.shape), tuple(ts))
 
 
-def float_experts_module(experts: QuantFusedExperts, parts: dict[str, GGUFTensor], dtype: torch.dtype) -> nn.Module:
+def float_experts_module(experts: QuantFusedExperts, parts: dict[str, ExpertStack], dtype: torch.dtype) -> nn.Module:
     """The transformers experts module `experts` computes with (its GateOfExperts' module), given
     back its float weights as gguf decodes `parts` (rounded once to dtype)."""
     module = experts.activation.experts
-    for leaf, value in float_experts(ExpertsLayout(), *(parts[p] for p in PARTS)).items():
-        module.register_parameter(leaf, nn.Parameter(value.to(dtype), requires_grad=False))
+    e, inter, hidden = parts["gate"].shape
+    shapes = {ExpertsLayout.gate_up: (e, 2 * inter, hidden), ExpertsLayout.down: (e, hidden, inter)}
+    for leaf, shape in shapes.items():
+        module.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
+    fill_float_experts({leaf: module.get_parameter(leaf) for leaf in shapes}, parts)
     return module
 
 
-def describe(parts: dict[str, GGUFTensor]) -> str:
+def describe(parts: dict[str, ExpertStack]) -> str:
     """The report's format of a block's experts ("experts gate Q4_K, up Q4_K, down Q6_K")."""
     return "experts " + ", ".join(f"{p} {parts[p].type_name}" for p in PARTS)
 

@@ -40,3 +40,19 @@ def block_info(ggml_type: int) -> tuple[int, int]:
 
 def supported_list() -> str:
     return ", ".join(type_name(t) for t in SUPPORTED_TYPES)
+
+
+def native_type(ggml_type, in_features: int, features_arg: str = "in_features") -> tuple[int, int]:
+    """(ggml_type as an int, bytes of one row of `in_features` weights) for a type GGUF blocks are
+    kept in (NATIVE_TYPES); TypeError / ValueError naming the argument (features_arg: the name of
+    in_features) otherwise."""
+    native = ", ".join(f"{t} ({type_name(t)})" for t in NATIVE_TYPES)
+    if not isinstance(ggml_type, int) or isinstance(ggml_type, bool):
+        raise TypeError(f"argument 'ggml_type' must be an int, one of {native}, got {ggml_type!r}")
+    ggml_type = int(ggml_type)  # an IntEnum (gguf.GGMLQuantizationType) as its value
+    if ggml_type not in NATIVE_TYPES:
+        raise ValueError(f"argument 'ggml_type' must be one of {native}, got {ggml_type} ({type_name(ggml_type)})")
+    per_block, block_bytes = block_info(ggml_type)
+    if in_features % per_block != 0:
+        raise ValueError(f"argument '{features_arg}' must be a multiple of {per_block}, got {in_features}")
+    return ggml_type, in_features // per_block * block_bytes

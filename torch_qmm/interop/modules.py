@@ -12,7 +12,7 @@ from ..format_state import FormatState, QuantFormatState
 from ..nn import check_positive_ints, follows_autocast, quantized_from, register_quantized_weight
 from ..ops import dequantize, gguf_matmul, quantized_matmul
 from .gguf_gather import gguf_gather_matmul
-from .gguf_types import NATIVE_TYPES, block_info, type_name
+from .gguf_types import native_type, type_name
 
 
 class QuantEmbedding(QuantFormatState, nn.Module):
@@ -167,7 +167,7 @@ class GGUFLinear(GGUFFormatState, nn.Module):
         super().__init__()
         check_positive_ints(in_features=in_features, out_features=out_features)
         self.in_features, self.out_features = in_features, out_features
-        self.ggml_type, row_bytes = _native_type(ggml_type, in_features)
+        self.ggml_type, row_bytes = native_type(ggml_type, in_features)
         self.register_buffer("blocks", torch.zeros(out_features, row_bytes, dtype=torch.uint8, device=device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
@@ -188,21 +188,6 @@ class GGUFLinear(GGUFFormatState, nn.Module):
         )
 
 
-def _native_type(ggml_type, in_features: int) -> tuple[int, int]:
-    """(ggml_type as an int, bytes of one row of `in_features` weights) for a type GGUF blocks are
-    kept in (NATIVE_TYPES); TypeError / ValueError naming the argument otherwise."""
-    native = ", ".join(f"{t} ({type_name(t)})" for t in NATIVE_TYPES)
-    if not isinstance(ggml_type, int) or isinstance(ggml_type, bool):
-        raise TypeError(f"argument 'ggml_type' must be an int, one of {native}, got {ggml_type!r}")
-    ggml_type = int(ggml_type)  # an IntEnum (gguf.GGMLQuantizationType) as its value
-    if ggml_type not in NATIVE_TYPES:
-        raise ValueError(f"argument 'ggml_type' must be one of {native}, got {ggml_type} ({type_name(ggml_type)})")
-    per_block, block_bytes = block_info(ggml_type)
-    if in_features % per_block != 0:
-        raise ValueError(f"argument 'in_features' must be a multiple of {per_block}, got {in_features}")
-    return ggml_type, in_features // per_block * block_bytes
-
-
 class GGUFSwitchLinear(GGUFFormatState, nn.Module):
     """y = x @ W[indices].T for a stack of expert weights W [num_experts, out, in] kept as GGUF
     blocks (Q4_K, Q6_K): the GGUF counterpart of QuantSwitchLinear, which QuantFusedExperts takes
@@ -220,7 +205,7 @@ class GGUFSwitchLinear(GGUFFormatState, nn.Module):
         super().__init__()
         check_positive_ints(num_experts=num_experts, in_features=in_features, out_features=out_features)
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
-        self.ggml_type, row_bytes = _native_type(ggml_type, in_features)
+        self.ggml_type, row_bytes = native_type(ggml_type, in_features)
         self.register_buffer("blocks", torch.zeros(num_experts, out_features, row_bytes, dtype=torch.uint8,
                                                    device=device))
         self.register_parameter("bias", None)
