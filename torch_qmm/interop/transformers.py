@@ -42,6 +42,17 @@ NOT_RELOADABLE = "not_reloadable"
 EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
+def quantized_layers(model) -> dict:
+    """{name: layer} of the layers a saved config gives bits: every QuantLinear, and each
+    QuantFusedExperts as one entry (its down_proj), or one per projection where their bits differ."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    for n, m in model.named_modules():
+        if isinstance(m, QuantFusedExperts):
+            same = m.gate_up_proj.bits == m.down_proj.bits
+            layers |= {n: m.down_proj} if same else {f"{n}.{p}": getattr(m, p) for p in EXPERT_PROJECTIONS}
+    return layers
+
+
 def experts_bits_keys(bits, name: str) -> tuple[str, str]:
     """The keys of a saved config's bits mapping that give experts `name`'s gate_up_proj and
     down_proj bits: one per projection where record_quantization_config wrote them, else the block's."""
@@ -227,11 +238,7 @@ def record_quantization_config(model) -> str | None:
     if others:
         return (f"a quantization_config describes QuantLinear layers and MoE experts, not "
                 f"{', '.join(others[:4])}{f' and {len(others) - 4} more' if len(others) > 4 else ''}")
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    for n, m in model.named_modules():
-        if isinstance(m, QuantFusedExperts):  # one entry per block, or per projection where their bits differ
-            same = m.gate_up_proj.bits == m.down_proj.bits
-            layers |= {n: m.down_proj} if same else {f"{n}.{p}": getattr(m, p) for p in EXPERT_PROJECTIONS}
+    layers = quantized_layers(model)
     if not layers:
         return None
     formats = {(m.group_size, m.mode) for m in layers.values()}
@@ -409,8 +416,7 @@ class TorchQmmHfQuantizer(HfQuantizer):
         quantize_model(model, bits=cfg.bits, group_size=cfg.group_size, filter_fn=lambda n, _: n in eligible,
                        method=cfg.method, calibration=cfg.calibration, mode=cfg.mode)
         # Record the bits every layer got (a budget or a "*" default resolves per layer).
-        got = {n: m.bits for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-        got |= {n: m.down_proj.bits for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)}
+        got = {n: m.bits for n, m in quantized_layers(model).items()}
         if type(cfg.bits) is not int:
             cfg.bits = next(iter(got.values())) if len(set(got.values())) == 1 else got
         # Saving writes QuantFusedExperts' buffers as they are: no reverse of the per-expert merge
