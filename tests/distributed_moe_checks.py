@@ -397,6 +397,7 @@ def check_load_pretrained_moe(rank: int, world: int, mesh) -> dict:
         experts = model.model.layers[0].mlp.experts
         out[family] = {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
                        "bits": [experts.gate_up_proj.bits, experts.down_proj.bits],
+                       "reported": report.quantized.get("model.layers.0.mlp.experts"),
                        "experts_quantized": sum(isinstance(m, QuantFusedExperts) for m in model.modules()),
                        "gate_up_rows": holds_my_rows(experts, single.model.layers[0].mlp.experts, rank, world),
                        "bytes_read": report.bytes_read, "bytes_total": report.bytes_total}

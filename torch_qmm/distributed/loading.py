@@ -446,8 +446,8 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
                 getattr(new, proj)._check_format_state(ckpt.get(state_key), f"{ckpt.path}: {state_key!r}")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
-        bits = sorted({new.gate_up_proj.bits, new.down_proj.bits})
-        quantized[name] = f"{new.down_proj.mode} b{'/'.join(map(str, bits))} gs{new.down_proj.group_size}"
+        widths = "/".join(map(str, sorted({new.gate_up_proj.bits, new.down_proj.bits})))
+        quantized[name] = f"{new.down_proj.mode} b{widths} gs{new.down_proj.group_size}"
         gate_up.update({f"{name}.gate_up_proj.{leaf}": new.interleaved for leaf in ("qweight", "scales", "biases", "bias")})
     alias = _untie_heads(model, ckpt, tied, quantized, dtype)
     return _load_slices(model, ckpt, mesh, plan, device, quantized, lambda k: stored(alias.get(k, k)),
