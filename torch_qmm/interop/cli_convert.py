@@ -187,12 +187,13 @@ def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
         origin[name] = describe_experts(parts)  # also for experts the loader decoded to float
         if not isinstance(m, QuantFusedExperts):
             continue
-        kept = [_affine_switch(layer, [parts[p] for p in ps], dtype, name) if keep_affine else None
-                for layer, ps in ((m.gate_up_proj, ("gate", "up")), (m.down_proj, ("down",)))]
-        if None in kept:
+        # down first: where it has no exact affine form, gate_up is not converted in vain
+        down = _affine_switch(m.down_proj, [parts["down"]], dtype, name) if keep_affine else None
+        gate_up = _affine_switch(m.gate_up_proj, [parts["gate"], parts["up"]], dtype, name) if down else None
+        if gate_up is None:
             _replace(model, name, float_experts_module(m, parts, dtype))
             continue
-        (m.gate_up_proj, gate_up_exact), (m.down_proj, down_exact) = kept
+        (m.gate_up_proj, gate_up_exact), (m.down_proj, down_exact) = gate_up, down
         exact[name] = gate_up_exact and down_exact
     return exact, origin
 

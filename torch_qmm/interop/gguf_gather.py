@@ -5,8 +5,8 @@ blocks (Q4_K, Q6_K), the gather_qmm of the GGUF formats.
 
 The op ``torch_qmm::gguf_gather_qmm`` is defined here, in Python (torch.library.custom_op), on top
 of the native ``torch_qmm::gguf_qmm`` (``gguf_qmm_int8_activations`` for int8 activations): the
-(x rows, expert) pairs are grouped by expert and each expert's rows of x go through gguf_qmm once,
-on its own blocks (a view, no copy). The grouping
+(x rows, expert) pairs are grouped by expert (one sort) and each expert's rows of x go through
+gguf_qmm once, on its own blocks (a view, no copy); x is indexed per pair, not copied per pair. The grouping
 depends on the values of `indices`, so the op is opaque to torch.compile (its fake kernel gives
 the output's shape) and a model holding it still compiles with fullgraph=True. It runs on every
 device gguf_qmm runs on (CPU, MPS). It is differentiable in x as gguf_qmm is (dx = dy @ W_e for
@@ -30,38 +30,40 @@ def _batch_shape(x: torch.Tensor, indices: torch.Tensor) -> torch.Size:
     return torch.broadcast_shapes(x.shape[:-2], indices.shape)
 
 
+def _pairs(x_batch: torch.Size, indices: torch.Tensor, device) -> tuple[torch.Size, torch.Tensor, torch.Tensor]:
+    """(broadcast batch shape, the row block of x each pair reads, each pair's expert): x's own row
+    blocks are indexed, never copied once per pair."""
+    batch = torch.broadcast_shapes(x_batch, indices.shape)
+    src = torch.arange(x_batch.numel(), device=device).reshape(x_batch).expand(batch).reshape(-1)
+    return batch, src, indices.expand(batch).reshape(-1)
+
+
+def _groups(experts: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """[(expert, its pairs)] from one stable sort of the pairs' experts."""
+    order = torch.argsort(experts, stable=True)
+    uniq, counts = torch.unique_consecutive(experts.index_select(0, order), return_counts=True)
+    return list(zip(uniq.tolist(), torch.split(order, counts.tolist())))
+
+
 @torch.library.custom_op("torch_qmm::gguf_gather_qmm", mutates_args=())
 def _gguf_gather_qmm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int,
                      indices: torch.Tensor, activations: str) -> torch.Tensor:
-    batch = _batch_shape(x, indices)
     m = x.shape[-2]
-    rows = x.expand(*batch, m, K).reshape(-1, m, K)
-    experts = indices.expand(batch).reshape(-1)
-    y = x.new_empty(rows.shape[0], m, N)
-    if rows.shape[0] == 0:
+    xs = x.reshape(-1, m, K)
+    batch, src, experts = _pairs(x.shape[:-2], indices, x.device)
+    y = x.new_empty(experts.numel(), m, N)
+    if experts.numel() == 0:
         return y.reshape(*batch, m, N)
     groups = _groups(experts)
-    bad = [e for e in groups if not 0 <= e < blocks.shape[0]]
+    bad = [e for e, _ in groups if not 0 <= e < blocks.shape[0]]
     if bad:
         raise ValueError(f"gguf_gather_matmul: argument 'indices' must be in [0, {blocks.shape[0]}) (the experts "
                          f"of 'blocks'), got {bad[0]}")
     product = torch.ops.torch_qmm.gguf_qmm if activations == _EXACT else torch.ops.torch_qmm.gguf_qmm_int8_activations
-    for e, pairs in groups.items():
-        if len(pairs) == 1:  # decoding: most experts serve one pair
-            y[pairs[0]] = product(rows[pairs[0]], blocks[e], ggml_type, N, K)
-            continue
-        index = torch.tensor(pairs, device=rows.device)
-        ye = product(rows.index_select(0, index).reshape(-1, K), blocks[e], ggml_type, N, K)
-        y.index_copy_(0, index, ye.reshape(-1, m, N))
+    for e, pairs in groups:
+        xe = xs.index_select(0, src.index_select(0, pairs)).reshape(-1, K)
+        y.index_copy_(0, pairs, product(xe, blocks[e], ggml_type, N, K).reshape(-1, m, N))
     return y.reshape(*batch, m, N)
-
-
-def _groups(experts: torch.Tensor) -> dict[int, list[int]]:
-    """expert -> its pairs, grouped on the host (one transfer of the indices)."""
-    groups: dict[int, list[int]] = {}
-    for pair, e in enumerate(experts.tolist()):
-        groups.setdefault(e, []).append(pair)
-    return groups
 
 
 def _setup(ctx, inputs, output):
@@ -71,8 +73,8 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    """dx[p] = dy[p] @ W_e for each pair p and its expert e, summed over the dims x was broadcast
-    along; W_e decoded as gguf_qmm's backward decodes it (torch_qmm.ops), in float32."""
+    """dx = sum over the pairs p reading a row block of x of dy[p] @ W_e (e: p's expert); W_e
+    decoded as gguf_qmm's backward decodes it (torch_qmm.ops), in float32."""
     if ctx.needs_input_grad[1]:
         raise _no_grad_error("gguf_gather_matmul", "'blocks'")
     if not ctx.needs_input_grad[0]:
@@ -81,19 +83,18 @@ def _backward(ctx, grad):
     if activations != _EXACT:
         raise _int8_no_grad_error("gguf_gather_matmul")
     blocks, indices = ctx.saved_tensors
-    batch = torch.broadcast_shapes(x_shape[:-2], indices.shape)
     m = x_shape[-2]
+    _, src, experts = _pairs(x_shape[:-2], indices, grad.device)
     dy = grad.reshape(-1, m, N).float()
-    dx = torch.zeros(dy.shape[0], m, K, dtype=torch.float32, device=grad.device)
+    dx = torch.zeros(x_shape[:-2].numel(), m, K, dtype=torch.float32, device=grad.device)
     step = max(1, GGUF_DX_SLICE_BYTES // (4 * K))
-    for e, pairs in _groups(indices.expand(batch).reshape(-1)).items():
-        index = torch.tensor(pairs, device=grad.device)
-        dye = dy.index_select(0, index).reshape(-1, N)
+    for e, pairs in _groups(experts):
+        dye = dy.index_select(0, pairs).reshape(-1, N)
         dxe = torch.zeros(dye.shape[0], K, dtype=torch.float32, device=grad.device)
         for n0 in range(0, N, step):
             dxe.addmm_(dye[:, n0:n0 + step], _gguf_blocks.dequantize_rows(blocks[e, n0:n0 + step], ggml_type))
-        dx.index_copy_(0, index, dxe.reshape(-1, m, K))
-    return dx.reshape(*batch, m, K).sum_to_size(x_shape).to(x_dtype), None, None, None, None, None, None
+        dx.index_add_(0, src.index_select(0, pairs), dxe.reshape(-1, m, K))
+    return dx.reshape(x_shape).to(x_dtype), None, None, None, None, None, None
 
 
 _gguf_gather_qmm.register_autograd(_backward, setup_context=_setup)
