@@ -23,7 +23,7 @@ const char* type_hint(int64_t t) {
 void check_gguf_qmm(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N, int64_t K) {
   const char* op = "gguf_qmm";
   TORCH_CHECK_VALUE(gguf::is_native_gguf_type(ggml_type), op,
-                    ": argument 'ggml_type' must be one of 12 (Q4_K), 14 (Q6_K), got ", ggml_type,
+                    ": argument 'ggml_type' must be one of ", gguf::native_gguf_types(), ", got ", ggml_type,
                     type_hint(ggml_type));
   TORCH_CHECK_VALUE(K > 0 && K % gguf::kQK_K == 0, op, ": argument 'K' must be a positive multiple of ",
                     gguf::kQK_K, " (the super-block size), got ", K);
@@ -39,6 +39,14 @@ void check_gguf_qmm(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_
                     ", got x of shape ", x.sym_sizes());
   TORCH_CHECK_VALUE(x.device() == blocks.device(), op, ": argument 'x' is on ", x.device(),
                     " but 'blocks' is on ", blocks.device());
+}
+
+void check_gguf_int8_activations(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N,
+                                 int64_t K) {
+  check_gguf_qmm(x, blocks, ggml_type, N, K);
+  TORCH_CHECK_VALUE(ggml_type == gguf::kTypeQ4_K || ggml_type == gguf::kTypeQ6_K,
+                    "gguf_qmm_int8_activations: argument 'ggml_type' must be one of 12 (Q4_K), 14 (Q6_K) (the types "
+                    "with int8-activation kernels), got ", ggml_type, "; gguf_qmm multiplies it with x exact");
 }
 
 }  // namespace torch_qmm

@@ -90,6 +90,11 @@ at::Tensor gguf_qmm_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   return at::empty_symint(with_last(x, c10::SymInt(N)), x.options());
 }
 
+at::Tensor gguf_int8x_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N, int64_t K) {
+  check_gguf_int8_activations(x, blocks, ggml_type, N, K);
+  return at::empty_symint(with_last(x, c10::SymInt(N)), x.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_qmm, Meta, m) {
@@ -99,7 +104,7 @@ TORCH_LIBRARY_IMPL(torch_qmm, Meta, m) {
   m.impl("gather_qmm", &gather_qmm_meta);
   m.impl("gguf_qmm", &gguf_qmm_meta);
   m.impl("qmm_int8_activations", &qmm_int8_activations_meta);
-  m.impl("gguf_qmm_int8_activations", &gguf_qmm_meta);
+  m.impl("gguf_qmm_int8_activations", &gguf_int8x_meta);
   m.impl("gather_qmm_int8_activations", &gather_qmm_int8_activations_meta);
 }
 

@@ -288,6 +288,10 @@ const char* format_name(Format f) {
       return "nvfp4";
     case Format::kMxfp8:
       return "mxfp8";
+    case Format::kQ2_K:
+      return "q2_K";
+    case Format::kQ3_K:
+      return "q3_K";
     case Format::kQ4_K:
       return "q4_K";
     case Format::kQ6_K:
@@ -299,6 +303,10 @@ const char* format_name(Format f) {
 Format format_of(const Problem& p) {
   if (p.op != Op::kGgufQmm) return Format(int(p.mode));  // Format's first values are the modes
   switch (p.ggml_type) {
+    case gguf::kTypeQ2_K:
+      return Format::kQ2_K;
+    case gguf::kTypeQ3_K:
+      return Format::kQ3_K;
     case gguf::kTypeQ4_K:
       return Format::kQ4_K;
     case gguf::kTypeQ6_K:

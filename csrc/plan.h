@@ -48,7 +48,7 @@ struct Problem {
   int group_size;  // quantized modes only
   DType dtype;     // of x and y (qmm, gguf_qmm), of w ((de)quantize)
   bool transpose;  // qmm only
-  int ggml_type = 0;          // gguf_qmm only: gguf::kTypeQ4_K or kTypeQ6_K (metal/gguf_format.h)
+  int ggml_type = 0;          // gguf_qmm only: a native gguf::GGMLType (metal/gguf_format.h)
   Mode mode = Mode::kAffine;  // quantized modes (csrc/format_spec.h)
   // gather_qmm only (M is then the rows of x per pair): the pairs (broadcast indices' elements),
   // the experts (W's batch), x's batch, and whether rhs is sorted (the caller's sorted_indices).
@@ -59,8 +59,8 @@ struct Problem {
 };
 
 // The formats a route row serves: the quantized modes (bit = Mode) and the GGUF types after them.
-enum class Format : int { kAffine, kMxfp4, kNvfp4, kMxfp8, kQ4_K, kQ6_K };
-constexpr int kFormatCount = 6;
+enum class Format : int { kAffine, kMxfp4, kNvfp4, kMxfp8, kQ2_K, kQ3_K, kQ4_K, kQ6_K };
+constexpr int kFormatCount = 8;
 using FormatSet = uint32_t;
 constexpr FormatSet bit(Format f) { return FormatSet(1) << int(f); }
 // The quantized modes with Metal kernels (metal/quant.metal instantiates each).
@@ -68,7 +68,8 @@ constexpr FormatSet kQuantModes =
     bit(Format::kAffine) | bit(Format::kMxfp4) | bit(Format::kNvfp4) | bit(Format::kMxfp8);
 // Whether the planner has kernels for mode m.
 constexpr bool serves(Mode m) { return (kQuantModes & bit(Format(int(m)))) != 0; }
-constexpr FormatSet kGgufTypes = bit(Format::kQ4_K) | bit(Format::kQ6_K);
+constexpr FormatSet kGgufTypes =
+    bit(Format::kQ2_K) | bit(Format::kQ3_K) | bit(Format::kQ4_K) | bit(Format::kQ6_K);
 
 // How a route's launch grid follows from the problem. Only the two factories make one (no
 // default constructor): every RouteRow states its geometry, checked by the compiler.

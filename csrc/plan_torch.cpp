@@ -206,7 +206,8 @@ std::string plan_for_op(const std::string& op, const std::vector<std::optional<a
 
 std::string plan_gguf_op(int64_t M, int64_t N, int64_t K, int64_t ggml_type, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(gguf::is_native_gguf_type(ggml_type),
-                    "_plan_gguf: argument 'ggml_type' must be one of 12 (Q4_K), 14 (Q6_K), got ", ggml_type);
+                    "_plan_gguf: argument 'ggml_type' must be one of ", gguf::native_gguf_types(), ", got ",
+                    ggml_type);
   TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0 && K % gguf::kQK_K == 0,
                     "_plan_gguf: M, N, K must be >= 0 and K a multiple of 256, got ", M, ", ", N, ", ", K);
   plan::Problem p{plan::Op::kGgufQmm, M, N, K, 0, 0, plan_dtype(dtype), true};

@@ -16,5 +16,7 @@
   GGUF_INSTANTIATE_CELL(type_id, tname_type, half, float16_t) \
   GGUF_INSTANTIATE_CELL(type_id, tname_type, bfloat, bfloat16_t)
 
+GGUF_INSTANTIATE_DTYPES(torch_qmm::gguf::kTypeQ2_K, q2_K)
+GGUF_INSTANTIATE_DTYPES(torch_qmm::gguf::kTypeQ3_K, q3_K)
 GGUF_INSTANTIATE_DTYPES(torch_qmm::gguf::kTypeQ4_K, q4_K)
 GGUF_INSTANTIATE_DTYPES(torch_qmm::gguf::kTypeQ6_K, q6_K)

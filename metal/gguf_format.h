@@ -1,4 +1,5 @@
-// GGUF K-quant blocks, as llama.cpp writes them (its block_q4_K / block_q6_K structs): one place for host C++
+// GGUF K-quant blocks, as llama.cpp writes them (its block_q2_K / block_q3_K / block_q4_K / block_q6_K
+// structs): one place for host C++
 // (csrc/gguf_format.h forwards here; csrc/cpu/gguf_qmm.cpp, csrc/gguf_validate.cpp) and the Metal
 // kernels (metal/gguf_qmm.h). Compiled by both compilers: Metal sources define TORCH_QMM_METAL
 // before including it. Constants are enumerators (no address space in MSL), helpers templates.
@@ -17,7 +18,19 @@
 //   Q6_K: 16 sub-blocks of 16; half h (of 2, 128 weights) reads ql[64h ..), qh[32h ..), scales[8h ..):
 //         for l < 32, weights 128h + l + 32i (i = 0..3) take 4 bits of ql and 2 bits of qh[l] (bits 2i);
 //         w = d * scales[sub] * (q - 32).
-// Decode order and bit placement follow llama.cpp's dequantize_row_q4_K / dequantize_row_q6_K.
+//
+//   Q2_K (84 bytes / 256 weights)               Q3_K (110 bytes / 256 weights)
+//   +------------+---------+------+------+      +-----------+---------+------------+------+
+//   | scales[16] | qs[64]  | d    | dmin |      | hmask[32] | qs[64]  | scales[12] | d    |
+//   | 4b sc|4b min| 2-bit  | f16  | f16  |      | high bit  | low 2b  | 16 x 6-bit | f16  |
+//   +------------+---------+------+------+      +-----------+---------+------------+------+
+//   Both: 16 sub-blocks of 16; half h (of 2, 128 weights) reads qs[32h ..): for j = 0..3, s = 0..1,
+//         l < 16, weight 128h + 32j + 16s + l takes bits 2j, 2j+1 of qs[32h + 16s + l], sub-block
+//         8h + 2j + s (the layout of Q6_K's runs, one shift per run of 32);
+//         Q2_K: w = d * (scales[sub] & 15) * q - dmin * (scales[sub] >> 4), q = 0..3;
+//         Q3_K: the code's third bit is bit 4h + j of hmask[16s + l]; w = d * (sc_sub - 32) * (q - 4),
+//               q = 0..7 (sc_sub: q3k_scale).
+// Decode order and bit placement follow llama.cpp's dequantize_row_q2_K / q3_K / q4_K / q6_K.
 #pragma once
 
 #ifndef TORCH_QMM_METAL
@@ -34,12 +47,30 @@ enum GGMLType : int {
   kTypeQ5_0 = 6,
   kTypeQ5_1 = 7,
   kTypeQ8_0 = 8,
+  kTypeQ2_K = 10,
+  kTypeQ3_K = 11,
   kTypeQ4_K = 12,
   kTypeQ6_K = 14
 };
 
 // Weights per super-block of every K-quant.
 enum : int { kQK_K = 256 };
+
+struct BlockQ2K {
+  uint8_t scales[kQK_K / 16];  // 16 x (4-bit scale | 4-bit min << 4)
+  uint8_t qs[kQK_K / 4];       // 2-bit codes, 4 per byte
+  uint16_t d;                  // f16 bits: super-block scale of the sub-block scales
+  uint16_t dmin;               // f16 bits: super-block scale of the sub-block mins
+};
+static_assert(sizeof(BlockQ2K) == 84, "Q2_K block must be 84 bytes (ggml block_q2_K)");
+
+struct BlockQ3K {
+  uint8_t hmask[kQK_K / 8];  // the codes' high bits
+  uint8_t qs[kQK_K / 4];     // the codes' low 2 bits
+  uint8_t scales[12];        // 16 x 6-bit scales, packed (see q3k_scale)
+  uint16_t d;                // f16 bits: super-block scale
+};
+static_assert(sizeof(BlockQ3K) == 110, "Q3_K block must be 110 bytes (ggml block_q3_K)");
 
 struct BlockQ4K {
   uint16_t d;           // f16 bits: super-block scale of the sub-block scales
@@ -58,13 +89,22 @@ struct BlockQ6K {
 static_assert(sizeof(BlockQ6K) == 210, "Q6_K block must be 210 bytes (ggml block_q6_K)");
 
 #ifndef TORCH_QMM_METAL
-// The ggml types with a native gguf_qmm kernel. Must match NATIVE_TYPES in gguf_types.py and the
-// instantiations in metal/gguf.metal.
-inline bool is_native_gguf_type(int64_t t) { return t == kTypeQ4_K || t == kTypeQ6_K; }
-
+// The ggml types with a native gguf_qmm kernel: the bytes of their super-blocks (0: not native).
+// Must match NATIVE_TYPES in gguf_types.py and the instantiations in metal/gguf.metal.
 inline int64_t block_bytes(int64_t t) {
-  return t == kTypeQ4_K ? int64_t(sizeof(BlockQ4K)) : t == kTypeQ6_K ? int64_t(sizeof(BlockQ6K)) : 0;
+  switch (t) {
+    case kTypeQ2_K: return int64_t(sizeof(BlockQ2K));
+    case kTypeQ3_K: return int64_t(sizeof(BlockQ3K));
+    case kTypeQ4_K: return int64_t(sizeof(BlockQ4K));
+    case kTypeQ6_K: return int64_t(sizeof(BlockQ6K));
+    default: return 0;
+  }
 }
+
+inline bool is_native_gguf_type(int64_t t) { return block_bytes(t) != 0; }
+
+// For messages: the native types as "id (name)".
+inline const char* native_gguf_types() { return "10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 14 (Q6_K)"; }
 #endif
 
 struct ScaleMin {
@@ -86,6 +126,16 @@ inline ScaleMin q4k_scale_min(int j, Bytes q) {
     r.min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
   return r;
+}
+
+// Signed scale (-32..31) of Q3_K sub-block j (0..15) from the 12 packed bytes (llama.cpp
+// dequantize_row_q3_K's unpacking): the low 4 bits are the low (j < 8) or high (j >= 8) nibble of
+// byte j % 8, the top 2 bits are bits 2 * (j / 4) of byte 8 + j % 4.
+template <typename Bytes>
+inline int q3k_scale(int j, Bytes q) {
+  const int low = j < 8 ? (q[j] & 0xF) : (q[j - 8] >> 4);
+  const int high = (q[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+  return (low | (high << 4)) - 32;
 }
 
 }  // namespace gguf

@@ -7,6 +7,10 @@
 //   Q4_K: k % 256 = 32j + 8u   -> qs[32*(j/2) + 8u .. +8), low (j even) or high nibbles, sub-block j
 //   Q6_K: k % 256 = 128h + 32t + l (l in {0, 8, 16, 24}) -> ql[64h + 32*(t%2) + l ..) nibble t/2,
 //         qh[32h + l ..) bits 2t, scale 8h + 2t + l/16
+//   Q2_K: k % 256 = 128h + 32t + l -> qs[32h + l .. +8) bits 2t, 2t+1 (two uint32), scale and min
+//         of sub-block 8h + 2t + l/16
+//   Q3_K: as Q2_K (qs as four uint16), third bits: hmask[l .. +8) bit 4h + t (four uint16), scale
+//         of sub-block 8h + 2t + l/16
 //
 //   blocks uint8 [N, K/256 * B]   x [M, K]   y [M, N]
 //   tile: 32 rows of x x 32 columns of y, K-steps of 32 (K % 256 == 0: the K mask never fires)
@@ -49,6 +53,36 @@ inline void gguf_decode8<torch_qmm::gguf::kTypeQ6_K>(const device uint8_t* raw, 
     for (int i = 0; i < 2; ++i) {
       const uint32_t v = ((lo >> (8 * i + 4 * (t / 2))) & 0xfu) | (((hi >> (8 * i + 2 * t)) & 0x3u) << 4);
       w[2 * p + i] = s * float(int(v) - 32);
+    }
+  }
+}
+
+template <>
+inline void gguf_decode8<torch_qmm::gguf::kTypeQ2_K>(const device uint8_t* raw, uint k, thread float* w) {
+  const device torch_qmm::gguf::BlockQ2K* b = (const device torch_qmm::gguf::BlockQ2K*)raw;
+  const uint h = k / 128, t = (k % 128) / 32, l = k % 32;
+  const uint sc = b->scales[8 * h + 2 * t + l / 16];
+  const float s = float(as_type<half>(b->d)) * float(sc & 0xfu);
+  const float m = float(as_type<half>(b->dmin)) * float(sc >> 4);
+  const device uint32_t* q = (const device uint32_t*)(b->qs + 32 * h + l);  // 4-byte aligned
+  for (int p = 0; p < 2; ++p) {
+    const uint32_t v = q[p];
+    for (int i = 0; i < 4; ++i) w[4 * p + i] = s * float((v >> (8 * i + 2 * t)) & 0x3u) - m;
+  }
+}
+
+template <>
+inline void gguf_decode8<torch_qmm::gguf::kTypeQ3_K>(const device uint8_t* raw, uint k, thread float* w) {
+  const device torch_qmm::gguf::BlockQ3K* b = (const device torch_qmm::gguf::BlockQ3K*)raw;
+  const uint h = k / 128, t = (k % 128) / 32, l = k % 32;
+  const float s = float(as_type<half>(b->d)) * float(torch_qmm::gguf::q3k_scale(int(8 * h + 2 * t + l / 16), b->scales));
+  const device uint16_t* qs = (const device uint16_t*)(b->qs + 32 * h + l);  // 2-byte aligned
+  const device uint16_t* hm = (const device uint16_t*)(b->hmask + l);
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t lo = qs[p], hi = hm[p];
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t v = ((lo >> (8 * i + 2 * t)) & 0x3u) | (((hi >> (8 * i + 4 * h + t)) & 0x1u) << 2);
+      w[2 * p + i] = s * float(int(v) - 4);
     }
   }
 }

@@ -1,8 +1,9 @@
-// gguf_qmv / gguf_qmm: y[M, N] = x[M, K] @ W.T with W [N, K] given as GGUF K-quant blocks (Q4_K,
-// Q6_K; layouts in metal/gguf_format.h), decoded in-kernel from the file's bytes; float32
+// gguf_qmv / gguf_qmm: y[M, N] = x[M, K] @ W.T with W [N, K] given as GGUF K-quant blocks (Q2_K,
+// Q3_K, Q4_K, Q6_K; layouts in metal/gguf_format.h), decoded in-kernel from the file's bytes; float32
 // accumulation; x, y in float / half / bfloat.
 //
-//   blocks uint8 [N, K/256 * B] (B = 144 Q4_K, 210 Q6_K)   x [M, K]   y [M, N]     K % 256 == 0
+//   blocks uint8 [N, K/256 * B] (B = 84 Q2_K, 110 Q3_K, 144 Q4_K, 210 Q6_K)   x [M, K]   y [M, N]
+//   K % 256 == 0
 //
 //   grid (ceil(N/8), ceil(M/R)); threadgroup = 2 SIMD-groups x 32 lanes
 //   simdgroup s -> W rows n0 = 8*tx + 4*s .. +3 ;  x rows m0 = R*ty .. +R-1   (R = 1: qmv)
@@ -10,20 +11,22 @@
 //     Q4_K, L = 8 : slot s = lane % 8 (iq = s/4, ir = s%4) owns 4 runs of 8 weights,
 //                   chunks c in {iq, iq+2} x nibble {low, high}: weights 64c + 32*nib + 8ir .. +8
 //                   (one scale/min pair per run: sub-block 2c + nib)
-//     Q6_K, L = 16: slot s = lane % 16 (h = s/8, l0 = 4*(s%8)) owns 4 runs of 4 weights,
-//                   weights 128h + 32t + l0 .. +4 for t = 0..3 (one int8 scale per run)
+//     Q2_K, Q3_K, Q6_K, L = 16: slot s = lane % 16 (h = s/8, l0 = 4*(s%8)) owns 4 runs of 4
+//                   weights, weights 128h + 32t + l0 .. +4 for t = 0..3 (one scale per run:
+//                   sub-block 8h + 2t + l0/16; Q2_K also a min)
 //   per super-block and W row: decode the lane's runs once (codes as floats, a scale and a min
 //   per run), then for each of the R rows of x: acc[m][r] += scale * dot(q, x) - min * sum(x)
 //   (weight by weight where that is not finite: run_dot)
 //   end: simd_sum of each acc[m][r] -> y[m0 + m, n0 + r]
 //
 // Design credits: the lane/block interleaving and the per-run "scale * dot - min * sum(x)"
-// factoring follow llama.cpp's kernel_mul_mv_q4_K_f32 / kernel_mul_mv_q6_K_f32 (ggml-metal);
+// factoring follow llama.cpp's kernel_mul_mv_{q2_K, q3_K, q4_K, q6_K}_f32 (ggml-metal);
 // reusing one decode for R rows of x is the small-M design of metal/quant_qmm_small.h.
 // Bounds: rows of W past N and rows of x past M are skipped uniformly per SIMD-group; teams
 // whose next super-block is past K/256 stop (no collective inside the loop).
 // Alignment: Q4_K blocks are read as uint32 (runs sit at 16 + 32c + 8ir bytes of a 144-byte
-// block), Q6_K as uint16 (210-byte blocks are 2-aligned); the executors bind `blocks` at a
+// block), Q2_K as uint32 (qs[32h + l0 ..) at byte 16 + 32h + l0 of an 84-byte block), Q3_K and
+// Q6_K as uint16 (110- and 210-byte blocks are 2-aligned); the executors bind `blocks` at a
 // 4-byte-aligned offset.
 #pragma once
 
@@ -117,6 +120,66 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> {
       for (int i = 0; i < 4; ++i) {
         const uint32_t v = ((lo >> (8 * i + lo_shift)) & 0xfu) | (((hi >> (8 * i + 2 * t)) & 0x3u) << 4);
         q[t][i] = float(int(v) - 32);
+      }
+    }
+  }
+};
+
+// Q2_K and Q3_K: Q6_K's lane mapping. Within half h, weight 128h + 32t + p (p < 32) takes bits 2t,
+// 2t+1 of qs[32h + p], so the 4 runs of a slot read the same 4 bytes qs[32h + l0 .. +4), one shift
+// per run; run t is sub-block 8h + 2t + l0/16.
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeQ2_K> {
+  enum : int { LANES = 16, RUNS = 4, RUN = 4, HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ2K) };
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];
+
+  static uint offset(uint slot, int t) { return 128 * (slot / 8) + 32 * t + 4 * (slot % 8); }
+
+  void decode(const device uint8_t* raw, uint slot) {
+    const device torch_qmm::gguf::BlockQ2K* b = (const device torch_qmm::gguf::BlockQ2K*)raw;
+    const uint h = slot / 8, l0 = 4 * (slot % 8);
+    const float d = float(as_type<half>(b->d));
+    const float dmin = float(as_type<half>(b->dmin));
+    // qs sits at byte 16 of an 84-byte block and l0 % 4 == 0: 4-byte aligned.
+    const uint32_t w = *(const device uint32_t*)(b->qs + 32 * h + l0);
+    for (int t = 0; t < 4; ++t) {
+      const uint sc = b->scales[8 * h + 2 * t + l0 / 16];
+      scale[t] = d * float(sc & 0xfu);
+      min[t] = dmin * float(sc >> 4);
+      for (int i = 0; i < 4; ++i) q[t][i] = float((w >> (8 * i + 2 * t)) & 0x3u);
+    }
+  }
+};
+
+// Q3_K adds each code's third bit: bit 4h + t of hmask[l0 + i] for weight i of run t.
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeQ3_K> {
+  enum : int { LANES = 16, RUNS = 4, RUN = 4, HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockQ3K) };
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];  // unused (Q3_K is symmetric around 4)
+
+  static uint offset(uint slot, int t) { return 128 * (slot / 8) + 32 * t + 4 * (slot % 8); }
+
+  void decode(const device uint8_t* raw, uint slot) {
+    const device torch_qmm::gguf::BlockQ3K* b = (const device torch_qmm::gguf::BlockQ3K*)raw;
+    const uint h = slot / 8, l0 = 4 * (slot % 8);
+    const float d = float(as_type<half>(b->d));
+    // 110-byte blocks are 2-aligned only: hmask and qs as uint16.
+    const device uint16_t* qs = (const device uint16_t*)(b->qs + 32 * h + l0);
+    const device uint16_t* hm = (const device uint16_t*)(b->hmask + l0);
+    const uint32_t lo = uint32_t(qs[0]) | (uint32_t(qs[1]) << 16);
+    const uint32_t hi = uint32_t(hm[0]) | (uint32_t(hm[1]) << 16);
+    for (int t = 0; t < 4; ++t) {
+      scale[t] = d * float(torch_qmm::gguf::q3k_scale(int(8 * h + 2 * t + l0 / 16), b->scales));
+      min[t] = 0.0f;
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t v = ((lo >> (8 * i + 2 * t)) & 0x3u) | (((hi >> (8 * i + 4 * h + t)) & 0x1u) << 2);
+        q[t][i] = float(int(v) - 4);
       }
     }
   }

@@ -1,6 +1,6 @@
 """Test data for GGUF: valid random K-quant blocks and GGUF files written with gguf.GGUFWriter.
 
-gguf-py cannot quantize to Q4_K / Q5_K / Q6_K, so K-quant blocks are random bytes with realistic f16
+gguf-py cannot quantize to Q2_K / Q3_K / Q4_K / Q5_K / Q6_K, so K-quant blocks are random bytes with realistic f16
 super-block scales: every byte pattern is a valid block, and gguf.quants.dequantize decodes it.
 """
 
@@ -13,6 +13,10 @@ from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q4_K, Q5_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K
+Q2_K, Q3_K = GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K
+# The types gguf_qmm multiplies natively (torch_qmm.interop.gguf_types.NATIVE_TYPES, listed here
+# independently; tests/test_gguf_types.py compares).
+NATIVE_K_TYPES = (Q2_K, Q3_K, Q4_K, Q6_K)
 
 
 def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -25,6 +29,11 @@ def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.n
         blocks[..., 2:4] = rng.uniform(1e-4, 2e-3, (n, k // 256, 1)).astype("<f2").view(np.uint8)
     elif ggml_type == Q6_K:  # d at bytes 208..209
         blocks[..., 208:210] = rng.uniform(1e-4, 2e-3, (n, k // 256, 1)).astype("<f2").view(np.uint8)
+    elif ggml_type == Q2_K:  # d, dmin at bytes 80..83
+        blocks[..., 80:82] = rng.uniform(2e-3, 4e-2, (n, k // 256, 1)).astype("<f2").view(np.uint8)
+        blocks[..., 82:84] = rng.uniform(1e-3, 2e-2, (n, k // 256, 1)).astype("<f2").view(np.uint8)
+    elif ggml_type == Q3_K:  # d at bytes 108..109
+        blocks[..., 108:110] = rng.uniform(1e-3, 2e-2, (n, k // 256, 1)).astype("<f2").view(np.uint8)
     else:
         raise ValueError(f"no random generator for {ggml_type.name}")
     return blocks.reshape(n, -1)
@@ -39,13 +48,20 @@ def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.nd
     Q4_K: d = 2^-4, dmin = 2^-6, the 6-bit scales and mins kept to 0..15 (the bytes holding their
     low bits masked to 4 bits; the high bits of sub-blocks 4-7 come from the same bytes' bits 6-7,
     now 0): w = (4 sc q - m) / 64, |w| <= 900 / 64. Q6_K: d = 2^-4, the int8 sub-block scales in
-    -8..7: w = sc (q - 32) / 16, |w| <= 256 / 16."""
+    -8..7: w = sc (q - 32) / 16, |w| <= 256 / 16. Q2_K: d = 2^-4, dmin = 2^-6, any 4-bit scales and
+    mins: w = (4 sc q - m) / 64, |w| <= 180 / 64. Q3_K: d = 2^-4, any 6-bit scales: w = sc (q - 4) / 16,
+    |w| <= 128 / 16."""
     ggml_type = GGMLQuantizationType(ggml_type)
     blocks = random_k_blocks(ggml_type, n, k, rng).reshape(n, k // 256, -1)
     if ggml_type == Q4_K:
         blocks[..., 0:2] = np.array([2.0**-4], "<f2").view(np.uint8)
         blocks[..., 2:4] = np.array([2.0**-6], "<f2").view(np.uint8)
         blocks[..., 4:12] &= 0x0F  # q[0..7]: scales / mins of sub-blocks 0-3, no high bits for 4-7
+    elif ggml_type == Q2_K:
+        blocks[..., 80:82] = np.array([2.0**-4], "<f2").view(np.uint8)
+        blocks[..., 82:84] = np.array([2.0**-6], "<f2").view(np.uint8)
+    elif ggml_type == Q3_K:
+        blocks[..., 108:110] = np.array([2.0**-4], "<f2").view(np.uint8)
     else:
         blocks[..., 192:208] = (rng.integers(-8, 8, size=blocks[..., 192:208].shape).astype(np.int8)).view(np.uint8)
         blocks[..., 208:210] = np.array([2.0**-4], "<f2").view(np.uint8)
@@ -79,7 +95,9 @@ def one_hot_k_blocks(ggml_type, cols: list[int], k: int) -> np.ndarray:
     """Blocks of W [len(cols), k] with W[n, cols[n]] = 1 and every other weight 0, so that
     x @ W.T selects x[:, cols[n]]. Q4_K: d = 1, dmin = 0, every scale 1, codes 0 but one 1 (no
     offset: a kernel must carry x unrounded to the sum). Q6_K: d = 1, every scale 1, codes 32
-    (weight 0) but one 33 (kernels that hoist the -32 cancel sums of 32 x here)."""
+    (weight 0) but one 33 (kernels that hoist the -32 cancel sums of 32 x here). Q2_K: d = 1,
+    dmin = 0, every scale 1, codes 0 but one 1. Q3_K: d = 1, every scale 1 (6-bit 33), codes 4
+    (weight 0: every high bit set) but one 5."""
     ggml_type = GGMLQuantizationType(ggml_type)
     _, block_bytes = GGML_QUANT_SIZES[ggml_type]
     blocks = np.zeros((len(cols), k // 256, block_bytes), dtype=np.uint8)
@@ -92,6 +110,20 @@ def one_hot_k_blocks(ggml_type, cols: list[int], k: int) -> np.ndarray:
             blocks[n, :, 12:16] = 1  # low bits of the scales of sub-blocks 4-7 (their mins 0)
             s, i = divmod(j, 32)
             blocks[n, b, 16 + 32 * (s // 2) + i] |= 1 << (4 * (s % 2))
+        elif ggml_type in (Q2_K, Q3_K):
+            if ggml_type == Q2_K:
+                blocks[n, :, 0:16] = 1  # scale 1, min 0
+                blocks[n, :, 80:82] = one
+                qs = 16
+            else:
+                blocks[n, :, 0:32] = 0xFF  # every code's high bit: q = 4
+                blocks[n, :, 96:104] = 0x11  # low 4 bits 1 of every scale
+                blocks[n, :, 104:108] = 0xAA  # top 2 bits 2: 6-bit 33, scale 1
+                blocks[n, :, 108:110] = one
+                qs = 32
+            h, rest = divmod(j, 128)
+            shift, i = divmod(rest, 32)
+            blocks[n, b, qs + 32 * h + i] |= 1 << (2 * shift)
         else:
             blocks[n, :, 128:192] = 0xAA  # every code's high bits 2: q = 32
             blocks[n, :, 192:208] = 1
@@ -133,7 +165,8 @@ from cpu_features import HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VL, env_on, fma_fir
 def k_quant_terms(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray]:
     """The two terms of every weight of K-quant blocks [n, k/256 * block_bytes], each decoded by
     gguf.quants.dequantize from a copy of the blocks with the other term zeroed: Q4_K w = d*sc*q
-    - dmin*m (terms d*sc*q and dmin*m), Q6_K w = d*sc*(q - 32) (terms d*sc*q and d*sc*32).
+    - dmin*m (terms d*sc*q and dmin*m), Q6_K w = d*sc*(q - 32) (terms d*sc*q and d*sc*32); Q2_K as
+    Q4_K, Q3_K as Q6_K (w = d*sc*(q - 4)).
     Returns float64 (scaled, offset) [n, k] with w = scaled - offset."""
     from gguf import quants
 
@@ -142,12 +175,13 @@ def k_quant_terms(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray
     raw = blocks.reshape(blocks.shape[0], -1, block_bytes)
     w = quants.dequantize(blocks, ggml_type).astype(np.float64)
     cut = raw.copy()
-    if ggml_type == Q4_K:
-        cut[..., 2:4] = 0  # dmin = 0: d*sc*q alone
+    if ggml_type in (Q4_K, Q2_K):
+        dmin = slice(2, 4) if ggml_type == Q4_K else slice(82, 84)
+        cut[..., dmin] = 0  # dmin = 0: d*sc*q alone
         scaled = quants.dequantize(cut.reshape(blocks.shape), ggml_type).astype(np.float64)
         return scaled, scaled - w
-    if ggml_type == Q6_K:
-        cut[..., 0:192] = 0  # every code 0: w = -32*d*sc
+    if ggml_type in (Q6_K, Q3_K):
+        cut[..., 0:192 if ggml_type == Q6_K else 96] = 0  # every code 0: w = -32*d*sc (Q3_K: -4*d*sc)
         offset = -quants.dequantize(cut.reshape(blocks.shape), ggml_type).astype(np.float64)
         return w + offset, offset
     raise ValueError(f"no terms for {ggml_type.name}")
@@ -182,16 +216,16 @@ GGUF_F32_MAX_ROWS = 32  # cpu::kGgufF32MaxRows
 GGUF_PANEL_MAX_ROWS = 128  # cpu::kGgufPanelMaxRows: the float32 family takes up to this many rows where
                            # the panel kernels take rows (all but the last 13 or fewer)
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
-GGUF_AVX2_NAMES = {Q4_K: "chunked/avx2-q4k", Q6_K: "chunked/avx2-q6k"}
+GGUF_AVX2_NAMES = {Q2_K: "chunked/avx2-q2k", Q3_K: "chunked/avx2-q3k", Q4_K: "chunked/avx2-q4k", Q6_K: "chunked/avx2-q6k"}
 # The same kernels with the code fields taken as the bits of subnormal floats (gguf_avx2.cpp,
 # Fields<true>): where subnormal_fields_on(), for x with every nonzero |x| in [2^-57, 2^48), and for
 # Q4_K only where the rows of x go in blocks of 4 and 1 (M % 4 < 2: its 2-row block is slower so).
-GGUF_AVX2_SUBNORMAL_NAMES = {Q4_K: "chunked/avx2-q4k-subnormal", Q6_K: "chunked/avx2-q6k-subnormal"}
+GGUF_AVX2_SUBNORMAL_NAMES = {t: name + "-subnormal" for t, name in GGUF_AVX2_NAMES.items()}
 SUBNORMAL_X_RANGE = (2.0**-57, 2.0**48)
 
 
 def gguf_avx2_name(ggml_type, m: int, x_in_subnormal_range: bool = True) -> str:
-    if subnormal_fields_on() and x_in_subnormal_range and (ggml_type == Q6_K or m % 4 < 2):
+    if subnormal_fields_on() and x_in_subnormal_range and (ggml_type != Q4_K or m % 4 < 2):
         return GGUF_AVX2_SUBNORMAL_NAMES[ggml_type]
     return GGUF_AVX2_NAMES[ggml_type]
 GGUF_F32_NAMES = {Q4_K: "chunked/f32-q4k", Q6_K: "chunked/f32-q6k"}
@@ -228,6 +262,10 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True, x_in_
     """The route _gguf_cpu_route names for x [m, K] of `dtype` (float32 under precision "highest"),
     under the current environment. x_in_subnormal_range: None, as x_in_range."""
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
+    avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
+    sub_range = x_in_range if x_in_subnormal_range is None else x_in_subnormal_range
+    if ggml_type in (Q2_K, Q3_K):  # AVX2 chunk kernels only
+        return gguf_avx2_name(ggml_type, m, sub_range) if avx2 else "fused" if m < 16 else "gemm"
     if gguf_bf16_panel_serves(terms, m, x_in_range):
         return GGUF_BF16_PANEL_NAMES[ggml_type]
     f32_family = HAS_AVX512 and not env_on("TORCH_QMM_CPU_NO_F32_CHUNKS")
@@ -235,7 +273,6 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True, x_in_
                                          or (m <= GGUF_PANEL_MAX_ROWS and gguf_panel_rows(m) > 0))
     if f32 and (terms == 3 or ggml_type == Q6_K or fma_first() or (terms == 2 and gguf_panel_rows(m) > 0)):
         return gguf_f32_name(ggml_type, m)
-    avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
     yields = (avx2 and (terms == 3 or ggml_type == Q6_K)) or (fma_first() and f32_family)
     if (x_in_range and HAS_BF16 and not env_on("TORCH_QMM_CPU_NO_BF16") and not yields
             and m <= GGUF_BF16_MAX_ROWS[ggml_type, terms]):
@@ -243,5 +280,5 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True, x_in_
     if f32:
         return gguf_f32_name(ggml_type, m)
     if avx2:
-        return gguf_avx2_name(ggml_type, m, x_in_range if x_in_subnormal_range is None else x_in_subnormal_range)
+        return gguf_avx2_name(ggml_type, m, sub_range)
     return "fused" if m < 16 else "gemm"

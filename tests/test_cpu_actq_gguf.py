@@ -20,7 +20,7 @@ from gguf import quants
 
 import torch_qmm
 from cpu_features import HAS_GGUF_INT8_512, int8_gguf_route
-from gguf_helpers import Q4_K, Q6_K, random_k_blocks
+from gguf_helpers import Q2_K, Q3_K, Q4_K, Q6_K, random_k_blocks
 from test_cpu_actq import SLACK, quantize_x
 
 ops = torch.ops.torch_qmm
@@ -133,6 +133,29 @@ def test_gguf_matmul_follows_the_argument_and_the_setting():
         assert torch.equal(torch_qmm.ops.gguf_matmul(x, blocks, int(Q4_K), N, K), int8)
     with pytest.raises(ValueError, match="argument 'activations'"):
         torch_qmm.ops.gguf_matmul(x, blocks, int(Q4_K), N, K, activations="int4")
+
+
+@pytest.mark.parametrize("ggml_type", [Q2_K, Q3_K], ids=lambda t: t.name)
+def test_types_without_int8_kernels_stay_exact_in_the_setting_and_refuse_the_argument(ggml_type):
+    # activation_quantization leaves calls it has no kernel for exact (as it does for fp modes);
+    # an explicit activations="int8" raises, for gguf_matmul and gguf_gather_matmul alike.
+    from torch_qmm.interop.gguf_gather import gguf_gather_matmul
+
+    N, K = 16, 512
+    blocks, _ = case(ggml_type, N, K, seed=5)
+    x = torch.randn(3, K)
+    exact = ops.gguf_qmm(x, blocks, int(ggml_type), N, K)
+    experts = torch.stack([blocks, blocks.flip(0)])
+    indices = torch.tensor([1])
+    with torch_qmm.activation_quantization("int8"):
+        assert torch.equal(torch_qmm.ops.gguf_matmul(x, blocks, int(ggml_type), N, K), exact)
+        gathered = gguf_gather_matmul(x[None], experts, int(ggml_type), N, K, indices)
+    assert torch.equal(gathered[0], ops.gguf_qmm(x, blocks.flip(0), int(ggml_type), N, K))
+    message = rf"argument 'activations': 'int8' has kernels for ggml types \(12, 14\) \(Q4_K, Q6_K\) only, got ggml_type {int(ggml_type)}"
+    with pytest.raises(ValueError, match="gguf_matmul: " + message):
+        torch_qmm.ops.gguf_matmul(x, blocks, int(ggml_type), N, K, activations="int8")
+    with pytest.raises(ValueError, match="gguf_gather_matmul: " + message):
+        gguf_gather_matmul(x[None], experts, int(ggml_type), N, K, indices, activations="int8")
 
 
 def test_gguf_linear_follows_the_setting():

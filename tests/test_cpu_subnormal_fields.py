@@ -1,6 +1,6 @@
 """The AVX2 GGUF kernels with code fields taken as the bits of subnormal floats
-("chunked/avx2-q4k-subnormal", "chunked/avx2-q6k-subnormal"; csrc/cpu/gguf_avx2.cpp, Fields<true>)
-give the same bits as the converting kernels ("chunked/avx2-q4k", "-q6k") for every x they take,
+("chunked/avx2-q4k-subnormal" and the same for q2k, q3k, q6k; csrc/cpu/gguf_avx2.cpp, Fields<true>)
+give the same bits as the converting kernels ("chunked/avx2-q4k", ...) for every x they take,
 are taken only for x in [2^-57, 2^48), and do not depend on the caller's flush-denormal mode. Their
 agreement with the float64 reference is tested by test_cpu_gguf_float32.py (family
 "avx2-subnormal")."""
@@ -13,11 +13,11 @@ import torch
 from gguf import quants
 
 from cpu_features import HAS_AVX2
-from gguf_helpers import GGUF_AVX2_NAMES, GGUF_AVX2_SUBNORMAL_NAMES, Q4_K, Q6_K, SUBNORMAL_X_RANGE
+from gguf_helpers import GGUF_AVX2_NAMES, GGUF_AVX2_SUBNORMAL_NAMES, NATIVE_K_TYPES, Q4_K, SUBNORMAL_X_RANGE
 from gguf_helpers import assert_matches_reference, k_quant_magnitude, random_k_blocks
 
 pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="the AVX2 GGUF kernels need AVX2")
-TYPES = [Q4_K, Q6_K]
+TYPES = list(NATIVE_K_TYPES)
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +38,7 @@ def _run(monkeypatch, subnormal: str, x, blocks, n, k, ggml_type):
 
 
 def _subnormal_taken(ggml_type, m: int) -> bool:
-    return ggml_type == Q6_K or m % 4 < 2
+    return ggml_type != Q4_K or m % 4 < 2
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)

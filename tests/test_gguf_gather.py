@@ -1,5 +1,5 @@
-"""gguf_gather_matmul (torch_qmm::gguf_gather_qmm): y = x @ W[indices].T for a stack of GGUF Q4_K /
-Q6_K expert weights, checked against gguf.quants.dequantize with a float64 matmul on every backend
+"""gguf_gather_matmul (torch_qmm::gguf_gather_qmm): y = x @ W[indices].T for a stack of GGUF K-quant
+expert weights (every native type), checked against gguf.quants.dequantize with a float64 matmul on every backend
 of the `device` fixture; its errors, torch.compile and opcheck; GGUFSwitchLinear's state."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import quants
 
-from gguf_helpers import Q4_K, Q6_K, assert_matches_reference, k_quant_magnitude, random_k_blocks
+from gguf_helpers import NATIVE_K_TYPES, Q4_K, Q6_K, assert_matches_reference, k_quant_magnitude, random_k_blocks
 from torch_qmm.activations import activation_quantization
 from torch_qmm.interop.gguf_gather import gguf_gather_matmul
 from torch_qmm.interop.modules import GGUFSwitchLinear
@@ -36,7 +36,7 @@ def _reference(x, w, blocks, indices, ggml_type):
     return ref.reshape(*batch, x.shape[-2], N), mag.reshape(*batch, x.shape[-2], N)
 
 
-@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", NATIVE_K_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("x_shape, idx_shape", [
     ((7, 1, 1, K), (7, 3)),  # QuantFusedExperts' unsorted pairs: each token's row against its k experts
@@ -72,7 +72,7 @@ def test_gguf_gather_int8_activations_take_gguf_matmuls_int8_path():
     (dict(indices=torch.tensor([0, -1])), r"argument 'indices' must be in \[0, 5\).*got -1"),
     (dict(indices=torch.tensor([0.0, 1.0])), r"argument 'indices' must be an integer tensor, got torch.float32"),
     (dict(indices=torch.tensor([0, 1, 2])), r"argument 'indices' of shape \[3\] does not broadcast with x's batch dims \[2\]"),
-    (dict(ggml_type=8), r"argument 'ggml_type' must be one of 12 \(Q4_K\), 14 \(Q6_K\), got 8"),
+    (dict(ggml_type=8), r"argument 'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 14 \(Q6_K\), got 8"),
     (dict(K=100, x=torch.randn(2, 1, 100)), r"gguf_gather_matmul: argument 'K' must be a multiple of 256, got 100"),
     (dict(N=8), r"argument 'blocks' must be uint8 \[E, N=8, 288\] \(Q4_K blocks of K=512\), got torch.uint8 \[5, 9, 288\]"),
     (dict(x=torch.randn(2, 1, 256)), r"argument 'x' must be a float tensor \[..., M, K=512\], got torch.float32 \[2, 1, 256\]"),
@@ -112,7 +112,7 @@ def test_gguf_switch_linear_compiles_with_fullgraph_and_keeps_its_format_in_stat
             {**state, "blocks": torch.zeros(E, N, K // 256 * 144, dtype=torch.uint8)})
 
 
-@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", NATIVE_K_TYPES, ids=lambda t: t.name)
 def test_gguf_gather_gradient_in_x_is_dy_times_each_pairs_expert(ggml_type):
     # x [T, 1, 1, K] broadcast over k experts per token (QuantFusedExperts' call): dx sums the
     # token's pairs. Reference: float64 dy @ W_e, W_e as gguf decodes it (which the backward's decode

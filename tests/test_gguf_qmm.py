@@ -1,4 +1,4 @@
-"""gguf_qmm: the native Q4_K / Q6_K op, checked against gguf.quants.dequantize (the gguf package's
+"""gguf_qmm: the native Q2_K / Q3_K / Q4_K / Q6_K op, checked against gguf.quants.dequantize (the gguf package's
 decoder) with a float64 matmul, and its bad-input errors, on every backend of the `device` fixture
 (tests/conftest.py: cpu, the Metal kernels on metalsim, mps on a Mac). Route-by-route Metal tests:
 tests/test_metal_gguf.py."""
@@ -13,7 +13,7 @@ import torch
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 
-from gguf_helpers import assert_matches_reference, k_quant_magnitude, Q4_K, Q6_K, random_k_blocks
+from gguf_helpers import NATIVE_K_TYPES, Q2_K, Q3_K, Q4_K, Q6_K, assert_matches_reference, k_quant_magnitude, random_k_blocks
 from torch_qmm.interop import GGUFLinear
 from torch_qmm.interop.gguf_types import NATIVE_TYPES, block_info
 from torch_qmm.ops import gguf_matmul
@@ -29,14 +29,14 @@ def _case(ggml_type, n, k, seed=0):
 
 
 def test_block_geometry_agrees_with_gguf_package():
-    assert NATIVE_TYPES == (int(Q4_K), int(Q6_K))
-    for t in (Q4_K, Q6_K):
+    assert NATIVE_TYPES == tuple(int(t) for t in NATIVE_K_TYPES)
+    for t in NATIVE_K_TYPES:
         assert block_info(int(t)) == GGML_QUANT_SIZES[t]
 
 
 @pytest.mark.parametrize(
     "ggml_type,shape,m,dtype",
-    list(itertools.product([Q4_K, Q6_K], SHAPES, [1, 3, 17], [torch.float32, torch.float16, torch.bfloat16])),
+    list(itertools.product(NATIVE_K_TYPES, SHAPES, [1, 3, 17], [torch.float32, torch.float16, torch.bfloat16])),
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_gguf_qmm_matches_gguf_dequantize(device, ggml_type, shape, m, dtype):
@@ -84,7 +84,8 @@ def test_gguf_qmm_opcheck_and_compile():
 
 def test_unsupported_ggml_type_lists_the_supported_ones():
     blocks, _ = _case(Q4_K, 3, 256)
-    with pytest.raises(ValueError, match=r"'ggml_type' must be one of 12 \(Q4_K\), 14 \(Q6_K\), got 13"):
+    with pytest.raises(ValueError, match=r"'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 14 \(Q6_K\), "
+                                         r"got 13"):
         gguf_matmul(torch.randn(1, 256), blocks, 13, 3, 256)
     with pytest.raises(ValueError, match=r"got 8 \(Q8_0: convert it to the affine format"):
         gguf_matmul(torch.randn(1, 256), blocks, 8, 3, 256)
@@ -114,8 +115,9 @@ def test_dtype_mismatches_are_type_errors():
 
 
 def test_gguf_linear_rejects_unsupported_types():
-    with pytest.raises(ValueError, match=r"must be one of 12 \(Q4_K\), 14 \(Q6_K\), got 10 \(Q2_K\)"):
-        GGUFLinear(256, 4, 10)
+    with pytest.raises(ValueError, match=r"must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 14 \(Q6_K\), got 13 "
+                                         r"\(Q5_K\)"):
+        GGUFLinear(256, 4, 13)
 
 
 def _zeros(*shape):
@@ -132,7 +134,8 @@ BAD = {
     "blocks-rows": (torch.randn(1, 256), _zeros(2, 210), Q6_K, 3, 256, ValueError, r"= \[3, 210\].*got \[2, 210\]"),
     "x-scalar": (torch.tensor(1.0), _zeros(3, 144), Q4_K, 3, 256, ValueError, r"'x' must have last dimension K=256"),
     "x-int": (torch.ones(1, 256, dtype=torch.int32), _zeros(3, 144), Q4_K, 3, 256, TypeError, r"'x' must be float32"),
-    "type-Q5_K": (torch.randn(1, 256), _zeros(3, 176), 13, 3, 256, ValueError, r"must be one of 12 \(Q4_K\), 14 \(Q6_K\)"),
+    "type-Q5_K": (torch.randn(1, 256), _zeros(3, 176), 13, 3, 256, ValueError,
+                  r"must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 14 \(Q6_K\)"),
 }
 OPS = ("gguf_qmm", "gguf_qmm_int8_activations")
 
@@ -145,6 +148,16 @@ def test_bad_arguments_are_refused_by_every_op_and_its_fake(case, op, device):
     x, blocks, ggml_type, n, k, error, message = BAD[case]
     with pytest.raises(error, match=message):
         getattr(torch.ops.torch_qmm, op)(x.to(device), blocks.to(device), int(ggml_type), n, k)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("ggml_type", [Q2_K, Q3_K], ids=lambda t: t.name)
+def test_the_int8_activation_op_refuses_types_without_its_kernels(ggml_type, device):
+    blocks, _ = _case(ggml_type, 3, 256)
+    with pytest.raises(ValueError, match=rf"gguf_qmm_int8_activations: argument 'ggml_type' must be one of 12 \(Q4_K\), "
+                                         rf"14 \(Q6_K\) \(the types with int8-activation kernels\), got {int(ggml_type)}"):
+        torch.ops.torch_qmm.gguf_qmm_int8_activations(torch.randn(1, 256).to(device), blocks.to(device),
+                                                      int(ggml_type), 3, 256)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -163,7 +176,7 @@ def test_empty_products_have_their_shape(op, m, n, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", NATIVE_K_TYPES, ids=lambda t: t.name)
 def test_gguf_qmm_rounds_the_exact_sum_once(device, ggml_type, dtype):
     # Weights and x whose products and sums are exact in float32 (gguf_helpers.exact_k_blocks):
     # every route must return the exact product rounded to nearest even in the output dtype, bit

@@ -1,5 +1,5 @@
 """gguf_qmm's gradient with respect to x (dx = dy @ W, torch_qmm/ops.py) and the pure-torch decode
-of Q4_K / Q6_K blocks it uses (torch_qmm/gguf_blocks.py), checked against gguf.quants.dequantize
+of the K-quant blocks it uses (torch_qmm/gguf_blocks.py), checked against gguf.quants.dequantize
 (the gguf package's decoder) and a float64 product, on every backend of the `device` fixture.
 
 Tolerance: W is decoded to the gguf package's float32 weights exactly (the bit-for-bit tests
@@ -22,14 +22,14 @@ from torch import nn
 
 import torch_qmm.ops as ops
 from exact_cases import assert_bitwise
-from gguf_helpers import (Q4_K, Q6_K, assert_matches_reference, exact_k_blocks, exact_x, one_hot_k_blocks,
+from gguf_helpers import (NATIVE_K_TYPES, Q2_K, Q3_K, Q4_K, Q6_K, assert_matches_reference, exact_k_blocks, exact_x, one_hot_k_blocks,
                           random_k_blocks)
 from torch_qmm import gguf_blocks
 from torch_qmm.interop import GGUFLinear
 from torch_qmm.interop.gguf_types import NATIVE_TYPES, block_info
 from torch_qmm.ops import gguf_matmul
 
-TYPES = [Q4_K, Q6_K]
+TYPES = list(NATIVE_K_TYPES)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -56,7 +56,8 @@ def _assert_same_bits(got: torch.Tensor, want: np.ndarray, what: str) -> None:
 def _edge_blocks(ggml_type, rng: np.random.Generator) -> np.ndarray:
     """One row per special float16 super-block scale (zeros of both signs, the smallest and largest
     subnormals, the smallest normal, the largest finite values, infinities), with extreme
-    sub-block scales: Q4_K every 6-bit scale and min 63 in row pairs, Q6_K int8 scales -128 / 127."""
+    sub-block scales: Q4_K every 6-bit scale and min 63 in row pairs, Q6_K int8 scales -128 / 127,
+    Q2_K every 4-bit scale and min 15, Q3_K every scale -32 / 31."""
     specials = np.array([0.0, -0.0, 2.0**-24, 2.0**-14 - 2.0**-24, 2.0**-14, 65504.0, -65504.0, np.inf, -np.inf,
                          1.0, -3.5], "<f2")
     n = len(specials)
@@ -66,10 +67,18 @@ def _edge_blocks(ggml_type, rng: np.random.Generator) -> np.ndarray:
         blocks[..., 0:2] = f16  # d
         blocks[..., 2:4] = f16[::-1]  # dmin
         blocks[::2, :, 4:16] = 0xFF  # every scale and min 63
-    else:
+    elif ggml_type == Q6_K:
         blocks[..., 208:210] = f16
         blocks[::2, 0, 192:208] = 0x80  # -128
         blocks[::2, 1, 192:208] = 0x7F  # 127
+    elif ggml_type == Q2_K:
+        blocks[..., 80:82] = f16  # d
+        blocks[..., 82:84] = f16[::-1]  # dmin
+        blocks[::2, :, 0:16] = 0xFF  # every scale and min 15
+    else:
+        blocks[..., 108:110] = f16
+        blocks[::2, 0, 96:108] = 0x00  # every scale -32
+        blocks[::2, 1, 96:108] = 0xFF  # every scale 31
     return blocks.reshape(n, -1)
 
 
@@ -97,7 +106,7 @@ def test_dequantize_rows_geometry_and_bad_arguments():
     assert sorted(gguf_blocks.BLOCK_BYTES) == sorted(NATIVE_TYPES)
     for t in NATIVE_TYPES:
         assert (gguf_blocks.WEIGHTS_PER_BLOCK, gguf_blocks.BLOCK_BYTES[t]) == block_info(t)
-    with pytest.raises(ValueError, match=r"ggml_type must be 12 \(Q4_K\) or 14 \(Q6_K\), got 13"):
+    with pytest.raises(ValueError, match=r"ggml_type must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 14 \(Q6_K\), got 13"):
         gguf_blocks.dequantize_rows(torch.zeros(1, 176, dtype=torch.uint8), 13)
     with pytest.raises(ValueError, match=r"blocks must be uint8 \[rows, K/256 \* 210\]"):
         gguf_blocks.dequantize_rows(torch.zeros(1, 144, dtype=torch.uint8), int(Q6_K))
@@ -209,7 +218,7 @@ def test_gguf_qmm_backward_compiles_fullgraph(ggml_type):
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_gguf_linear_in_a_model_passes_exact_gradients_to_earlier_layers(device, ggml_type):
     # nn.Linear -> GGUFLinear, loss = sum(y * c). Every value is a small multiple of a power of two
-    # (c, x0: of 2^-3, the first weight of 2^-6, W of 2^-6 (Q4_K) or 2^-4 (Q6_K): dh of 2^-9)
+    # (c, x0: of 2^-3, the first weight of 2^-6, W of 2^-6 (Q2_K, Q4_K) or 2^-4 (Q3_K, Q6_K): dh of 2^-9)
     # and every sum's magnitude (float64 |a| @ |b|) is checked to stay below 2^24 of its unit, so
     # the float32 gradients are exact: x.grad and the first layer's weight / bias gradients must
     # equal the float64 chain rule with W decoded by the gguf package, bit for bit.

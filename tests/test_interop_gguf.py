@@ -161,10 +161,10 @@ def test_float16_overflow_is_reported(tmp_path):
 # ---- bad input --------------------------------------------------------------------------------
 
 def test_unsupported_gguf_type_lists_the_supported_ones(tmp_path):
-    write_gguf(tmp_path / "q2k.gguf", {"w": (np.zeros((4, 84), dtype=np.uint8), T.Q2_K)})
-    t = GGUFFile(tmp_path / "q2k.gguf").tensors["w"]
-    assert t.type_name == "Q2_K" and t.shape == (4, 256)
-    with pytest.raises(ValueError, match=r"type Q2_K; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q4_K, Q6_K\)"):
+    write_gguf(tmp_path / "iq4xs.gguf", {"w": (np.zeros((4, 136), dtype=np.uint8), T.IQ4_XS)})
+    t = GGUFFile(tmp_path / "iq4xs.gguf").tensors["w"]
+    assert t.type_name == "IQ4_XS" and t.shape == (4, 256)
+    with pytest.raises(ValueError, match=r"type IQ4_XS; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q2_K, Q3_K, Q4_K, Q6_K\)"):
         linear_from_gguf(t)
 
 
@@ -336,7 +336,7 @@ def test_gguf_headers_llama_cpp_refuses_are_refused_naming_what_is_wrong(tmp_pat
 def test_gguf_linear_ggml_type_that_is_not_an_int_is_a_type_error(ggml_type):
     """A type name or a float is refused naming the argument (a name failed as "invalid literal for
     int()", 12.0 built a layer whose forward failed); gguf's IntEnum is its value."""
-    with pytest.raises(TypeError, match=rf"argument 'ggml_type' must be an int, one of 12 \(Q4_K\), 14 \(Q6_K\), "
+    with pytest.raises(TypeError, match=rf"argument 'ggml_type' must be an int, one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 14 \(Q6_K\), "
                                         rf"got {re.escape(repr(ggml_type))}"):
         GGUFLinear(256, 8, ggml_type)
     layer = GGUFLinear(256, 8, T.Q6_K)

@@ -109,10 +109,10 @@ def write_llama_gguf(model, path, types: dict[str, T], rng, extra=None, drop=(),
         qtype = next((t for pattern, t in types.items() if pattern in name), T.F32) if w.ndim == 2 else T.F32
         if qtype == T.F32:
             data, stored = w, w
-        elif qtype in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
+        elif qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
             data = random_k_blocks(qtype, w.shape[0], w.shape[1], rng)
             stored = quants.dequantize(data, qtype)
-        elif qtype in (T.Q2_K, T.Q3_K):  # types torch_qmm does not read: blocks of zeros
+        elif qtype in (T.IQ4_XS, T.IQ3_S):  # types torch_qmm does not read: blocks of zeros
             per_block, block_bytes = GGML_QUANT_SIZES[qtype]
             data = np.zeros((w.shape[0], w.shape[1] // per_block * block_bytes), np.uint8)
             stored = quants.dequantize(data, qtype)
@@ -153,6 +153,10 @@ MIXES = {
     # test_load_meta.py
     "q5_k": {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.Q6_K, "o_proj": T.Q5_K, "gate_proj": T.Q5_K,
              "up_proj": T.Q5_K, "down_proj": T.Q6_K, "embed": T.Q5_K, "lm_head": T.Q6_K},
+    # llama.cpp's Q3_K_M and Q2_K recipes in one file (Q3_K and Q2_K, V in Q5_K, the output
+    # projection Q4_K, the head Q6_K), Q and K from the gguf package as above.
+    "q3_k_m": {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.Q5_K, "o_proj": T.Q4_K, "gate_proj": T.Q3_K,
+               "up_proj": T.Q3_K, "down_proj": T.Q2_K, "embed": T.Q3_K, "lm_head": T.Q6_K},
 }
 
 
@@ -188,6 +192,11 @@ def test_llama_gguf_loads_into_transformers(tmp_path, mix, tied):
         assert isinstance(layer.self_attn.o_proj, QuantLinear) and layer.self_attn.o_proj.bits == 5
         assert layer.self_attn.o_proj.group_size == 32 and isinstance(model.model.embed_tokens, QuantEmbedding)
         assert report.quantized["model.layers.0.mlp.up_proj"] == "Q5_K"
+    elif mix == "q3_k_m":  # Q2_K / Q3_K: the file's blocks; the Q3_K embedding decoded to float
+        assert isinstance(layer.mlp.gate_proj, GGUFLinear) and layer.mlp.gate_proj.ggml_type == int(T.Q3_K)
+        assert isinstance(layer.mlp.down_proj, GGUFLinear) and layer.mlp.down_proj.ggml_type == int(T.Q2_K)
+        assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+        assert report.quantized["model.layers.0.mlp.down_proj"] == "Q2_K"
     elif mix == "f32":
         assert isinstance(layer.self_attn.q_proj, torch.nn.Linear) and not report.quantized
 
@@ -256,13 +265,13 @@ def test_a_key_or_value_length_other_than_the_rotary_dimension_is_an_error(tmp_p
 
 
 def test_a_file_with_types_torch_qmm_does_not_read_is_refused_before_a_model_is_built(tmp_path):
-    # llama.cpp's Q3_K_M mixes Q3_K with the K-quants torch_qmm reads: the config is refused whole,
-    # naming the types and how many tensors hold them.
+    # llama.cpp's IQ4_XS mixes i-quants with the K-quants torch_qmm reads: the config is refused
+    # whole, naming the types and how many tensors hold them.
     path = tmp_path / "m.gguf"
-    write_llama_gguf(hf_model(False), path, {"q_proj": T.Q3_K, "k_proj": T.Q3_K, "v_proj": T.Q2_K, "proj": T.Q4_K},
+    write_llama_gguf(hf_model(False), path, {"q_proj": T.IQ4_XS, "k_proj": T.IQ4_XS, "v_proj": T.IQ3_S, "proj": T.Q4_K},
                      np.random.default_rng(0))
-    with pytest.raises(ValueError, match=r"m\.gguf: holds tensors of GGUF types torch_qmm does not read: Q2_K "
-                                         r"\(2 tensors\), Q3_K \(4 tensors\); it reads F32, F16"):
+    with pytest.raises(ValueError, match=r"m\.gguf: holds tensors of GGUF types torch_qmm does not read: IQ3_S "
+                                         r"\(2 tensors\), IQ4_XS \(4 tensors\); it reads F32, F16"):
         llama_config_from_gguf(GGUFFile(path))
 
 

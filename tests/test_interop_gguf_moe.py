@@ -70,7 +70,7 @@ def _encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, np.ndarray]:
     if qtype == T.F32:
         return w, w
     rows = w.reshape(-1, w.shape[-1])
-    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
+    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
         data = random_k_blocks(qtype, rows.shape[0], rows.shape[1], rng)
     else:
         data = quants.quantize(rows, qtype)
@@ -145,6 +145,9 @@ K_MIX = {"gate_exps": T.Q4_K, "up_exps": T.Q4_K, "down_exps": T.Q6_K, "q_proj": 
          "v_proj": T.Q6_K, "o_proj": T.Q4_K, "shared_expert.": T.Q4_K, "embed": T.Q8_0, "lm_head": T.Q6_K}
 AFFINE_MIX = {"gate_exps": T.Q5_K, "up_exps": T.Q5_K, "down_exps": T.Q8_0, "proj": T.Q8_0, "embed": T.Q4_0}
 MIXED_MIX = {"gate_exps": T.Q5_K, "up_exps": T.Q5_K, "down_exps": T.Q6_K, "proj": T.Q4_0}
+# llama.cpp's Q2_K / Q3_K_M experts: the 2- and 3-bit K-quants kept as blocks.
+LOW_MIX = {"gate_exps": T.Q3_K, "up_exps": T.Q3_K, "down_exps": T.Q2_K, "q_proj": T.Q8_0, "k_proj": T.Q8_0,
+           "v_proj": T.Q5_K, "o_proj": T.Q3_K, "embed": T.Q8_0, "lm_head": T.Q6_K}
 
 
 def _expected(arch: str, moe_inter: int, held: dict) -> torch.nn.Module:
@@ -162,9 +165,9 @@ def _assert_logits(got, want):
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "mixtral"])
-@pytest.mark.parametrize("mix", ["k", "affine", "mixed", "f32"])
+@pytest.mark.parametrize("mix", ["k", "low", "affine", "mixed", "f32"])
 def test_moe_gguf_loads_into_its_transformers_model(tmp_path, arch, mix):
-    types = {"k": K_MIX, "affine": AFFINE_MIX, "mixed": MIXED_MIX, "f32": {}}[mix]
+    types = {"k": K_MIX, "low": LOW_MIX, "affine": AFFINE_MIX, "mixed": MIXED_MIX, "f32": {}}[mix]
     source = moe_model(arch, 256)
     held = write_moe_gguf(source, tmp_path / "m.gguf", types, np.random.default_rng(3))
     f = GGUFFile(tmp_path / "m.gguf")
@@ -184,11 +187,13 @@ def test_moe_gguf_loads_into_its_transformers_model(tmp_path, arch, mix):
     else:
         assert isinstance(experts, QuantFusedExperts)
         gate_up, down = experts.gate_up_proj, experts.down_proj
-        kinds = {"k": (GGUFSwitchLinear, GGUFSwitchLinear), "affine": (QuantSwitchLinear, QuantSwitchLinear),
+        kinds = {"k": (GGUFSwitchLinear, GGUFSwitchLinear), "low": (GGUFSwitchLinear, GGUFSwitchLinear),
+                 "affine": (QuantSwitchLinear, QuantSwitchLinear),
                  "mixed": (QuantSwitchLinear, GGUFSwitchLinear)}[mix]
         assert (type(gate_up), type(down)) == kinds
         assert report.quantized["model.layers.1.mlp.experts"] == {
-            "k": "experts gate Q4_K, up Q4_K, down Q6_K", "affine": "experts gate Q5_K, up Q5_K, down Q8_0",
+            "k": "experts gate Q4_K, up Q4_K, down Q6_K", "low": "experts gate Q3_K, up Q3_K, down Q2_K",
+            "affine": "experts gate Q5_K, up Q5_K, down Q8_0",
             "mixed": "experts gate Q5_K, up Q5_K, down Q6_K"}[mix]
         if mix == "affine":
             assert (gate_up.bits, gate_up.group_size, down.bits) == (5, 32, 8)

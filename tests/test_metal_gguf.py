@@ -1,7 +1,9 @@
 """gguf_qmm's Metal kernels (metal/gguf_qmm.h) on metalsim, through the planner (csrc/plan.cpp) and
 the metalsim executor, against gguf.quants.dequantize (the gguf package's decoder) + a float64
-matmul: every GGUF route, Q4_K and Q6_K, three dtypes, odd N, M across the routing thresholds;
-checked mode; simulated traffic (metalsim byte counters)."""
+matmul: every GGUF route, Q2_K, Q3_K, Q4_K and Q6_K, three dtypes, odd N, M across the routing
+thresholds; bit-exact sums and one-hot weights at every position of a super-block (the sub-block and
+bit mapping of each type), Q3_K's high bits; checked mode; simulated traffic (metalsim byte
+counters)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,19 @@ import pytest
 import torch
 from gguf import quants
 
-from gguf_helpers import Q4_K, Q6_K, k_quant_magnitude, random_k_blocks
+from gguf.constants import GGML_QUANT_SIZES
+
+from gguf_helpers import Q2_K, Q3_K, Q4_K, Q6_K, exact_k_blocks, exact_x, k_quant_magnitude, one_hot_k_blocks
+from gguf_helpers import random_k_blocks
 from metal_helpers import DTYPES, require_clang, routes
 from tolerance import assert_matches_reference
 from torch_qmm.ops import gguf_matmul
 
-TYPES = (Q4_K, Q6_K)
+TYPES = (Q2_K, Q3_K, Q4_K, Q6_K)
+NEW_TYPES = (Q2_K, Q3_K)
 # One problem (M, N, K) per GGUF row of the routing table; N odd, K = 3 super-blocks (fewer than
-# the Q4_K lane teams of a SIMD-group, more than Q6_K's: both loop tails are exercised).
+# the 4 Q4_K lane teams of a SIMD-group, more than the 2 of Q2_K / Q3_K / Q6_K (16 lanes each):
+# both loop tails are exercised).
 GGUF_ROUTE_PROBLEMS = {
     "gguf_qmv": (1, 37, 768),
     "gguf_qmm_bm2": (2, 37, 768),
@@ -53,6 +60,14 @@ def gguf_case(ggml_type, M, N, K, dtype, seed):
     return torch.from_numpy(blocks), w, x
 
 
+# The tolerance (tolerance.py) bounds the float32 accumulation error by ACC_RTOL times
+# k_quant_magnitude, |x| @ (|scaled| + |offset|).T, not |x| @ |w|.T: the kernels factor a run's
+# offset out of its dot product. Q4_K and Q2_K: scale * sum(q x) - min * sum(x) (d*sc and dmin*m
+# are exact products of an f16 and a small integer, and so is d*sc*q, so the reference's weight
+# d*sc*q - dmin*m is one rounding of the same terms); where the two terms cancel the error is
+# relative to their sum. Q6_K and Q3_K: codes shifted to q - 32 / q - 4 before the dot product,
+# their weights d*sc*(q - 32) / d*sc*(q - 4) are exact in float32 (11 + 8 + 6 and 11 + 6 + 3 bits),
+# and the offset term only makes the magnitude larger than |x| @ |w|.T.
 def run_gguf(ggml_type, M, N, K, dtype, seed, check=None, count=False):
     from torch_qmm.metalsim import backend, last_launches
 
@@ -98,12 +113,21 @@ def test_gguf_kernel_names_geometry_and_bindings():
     assert l["threadgroups"] == [2, 2, 1] and l["threads_per_threadgroup"] == [128, 1, 1] and l["tile"] == [32, 32]
     (l,) = plan_gguf(2, 37, 512, Q4_K, torch.bfloat16)
     assert l["kernel"] == "gguf_qmm_bm2_bfloat16_t_q4_K" and l["threadgroups"] == [5, 1, 1]
+    (l,) = plan_gguf(1, 4096, 4096, Q2_K, torch.float32)
+    assert l["kernel"] == "gguf_qmv_float_q2_K" and l["threadgroups"] == [512, 1, 1]
+    assert l["bytes"] == [{"index": 3, "u32": [1, 4096, 4096, 16]}]
+    (l,) = plan_gguf(3, 37, 512, Q3_K, torch.bfloat16)
+    assert l["kernel"] == "gguf_qmm_bm4_bfloat16_t_q3_K" and l["threadgroups"] == [5, 1, 1]
+    (l,) = plan_gguf(40, 37, 512, Q3_K, torch.float16)
+    assert l["kernel"] == "gguf_qmm_mma32_float16_t_q3_K" and l["threadgroups"] == [2, 2, 1]
     assert plan_gguf(0, 37, 512, Q4_K, torch.float32) == [] and plan_gguf(3, 0, 512, Q4_K, torch.float32) == []
 
 
 def test_plan_gguf_rejects_what_has_no_kernel():
     with pytest.raises(ValueError, match="ggml_type"):
         plan_gguf(1, 8, 256, 8, torch.float32)
+    with pytest.raises(ValueError, match="ggml_type"):
+        plan_gguf(1, 8, 256, 13, torch.float32)  # Q5_K: converted on load, no kernel
     with pytest.raises(ValueError, match="multiple of 256"):
         plan_gguf(1, 8, 300, Q4_K, torch.float32)
 
@@ -153,20 +177,141 @@ def test_gguf_kernels_run_clean_in_checked_mode(route, ggml_type):
 
 
 @needs_clang
-def test_gguf_batched_strided_x_and_unaligned_blocks():
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_gguf_batched_strided_x_and_unaligned_blocks(ggml_type):
     from torch_qmm.metalsim import backend
 
-    blocks, w, _ = gguf_case(Q6_K, 1, 9, 512, torch.float32, seed=3)
+    blocks, w, _ = gguf_case(ggml_type, 1, 9, 512, torch.float32, seed=3)
     x = torch.randn(2, 3, 1024)[..., ::2]  # non-contiguous [2, 3, 512]
     # blocks starting 2 bytes into their storage: the executor re-aligns them for uint32 loads.
     raw = torch.zeros(blocks.numel() + 2, dtype=torch.uint8)
     raw[2:] = blocks.reshape(-1)
     shifted = raw[2:].view(blocks.shape)
     with backend(check=True):
-        y = gguf_matmul(x, shifted, int(Q6_K), 9, 512)
+        y = gguf_matmul(x, shifted, int(ggml_type), 9, 512)
     assert y.shape == (2, 3, 9)
     xd = x.reshape(6, 512).double()
-    assert_matches_reference(y.reshape(6, 9), xd @ w.T, k_quant_magnitude(xd, blocks, Q6_K), torch.float32, "batched")
+    assert_matches_reference(y.reshape(6, 9), xd @ w.T, k_quant_magnitude(xd, blocks, ggml_type), torch.float32,
+                             f"batched {ggml_type.name}")
+
+
+# ---- the sub-block and bit mapping --------------------------------------------------------------
+
+def _sub_block_scales(blocks: np.ndarray, ggml_type) -> np.ndarray:
+    """float64 [n, k/256, 16]: each 16-weight sub-block's d*sc, read through gguf's decoder from a
+    copy of the blocks with every code set so that w = d*sc (Q2_K: q = 1, dmin = 0) or -4*d*sc
+    (Q3_K: low bits 0, high bits 0); asserts the weights of each sub-block agree."""
+    _, bb = GGML_QUANT_SIZES[ggml_type]
+    raw = blocks.reshape(blocks.shape[0], -1, bb).copy()
+    if ggml_type == Q2_K:
+        raw[..., 16:80] = 0x55
+        raw[..., 82:84] = 0
+        div = 1.0
+    else:
+        raw[..., 0:96] = 0
+        div = -4.0
+    w = quants.dequantize(raw.reshape(blocks.shape), ggml_type).astype(np.float64) / div
+    w = w.reshape(raw.shape[0], raw.shape[1], 16, 16)
+    assert (w == w[..., :1]).all()
+    return w[..., 0]
+
+
+@needs_clang
+@pytest.mark.parametrize("route", sorted(GGUF_ROUTE_PROBLEMS))
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_gguf_exact_sums_on_every_route(ggml_type, route):
+    """exact_k_blocks / exact_x: every product and partial sum is exact in float32, so y is the
+    float64 product rounded once to the dtype, bit for bit. The blocks' codes and sub-block scales
+    (Q2_K, Q4_K also mins) are random bytes, different from sub-block to sub-block: a weight read from
+    the wrong code bits, or scaled with another sub-block's scale, changes y."""
+    from torch_qmm.metalsim import backend, last_launches
+
+    M, N, K = GGUF_ROUTE_PROBLEMS[route]
+    rng = np.random.default_rng(40 + int(ggml_type))
+    blocks = exact_k_blocks(ggml_type, N, K, rng)
+    if ggml_type in NEW_TYPES:
+        scales = _sub_block_scales(blocks, ggml_type)
+        assert min(len(set(s.tolist())) for s in scales.reshape(-1, 16)) >= 6
+    w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
+    x32 = torch.from_numpy(exact_x(M, K, rng))
+    for dtype in DTYPES:
+        x = x32.to(dtype)
+        with backend():
+            y = gguf_matmul(x, torch.from_numpy(blocks), int(ggml_type), N, K)
+        (launch,) = last_launches()
+        assert launch.route == route
+        expect = (x.double() @ w.T).to(dtype)
+        assert torch.equal(y, expect), f"{launch.kernel}: {(y.double() - expect.double()).abs().max().item():.3e}"
+
+
+def _one_hot_blocks(ggml_type, cols: list[int], signs: list[int], k: int) -> np.ndarray:
+    """gguf_helpers.one_hot_k_blocks (W[n, cols[n]] = 1, every other weight 0; Q3_K: every high
+    bit set, codes 4) with W[n, cols[n]] = -1 where signs[n] < 0 (Q3_K only): that weight's code
+    3 (low bits 3, its high bit cleared). Weight 128h + 32t + p (p < 32) of a super-block has its
+    low bits at bits 2t, 2t+1 of qs[32h + p] and its high bit at bit 4h + t of hmask[p]."""
+    blocks = one_hot_k_blocks(ggml_type, cols, k).reshape(len(cols), k // 256, -1)
+    for n, (col, sign) in enumerate(zip(cols, signs)):
+        if sign > 0:
+            continue
+        assert ggml_type == Q3_K
+        b, j = divmod(col, 256)
+        h, rest = divmod(j, 128)
+        t, p = divmod(rest, 32)
+        blocks[n, b, 32 + 32 * h + p] |= 3 << (2 * t)
+        blocks[n, b, p] &= ~np.uint8(1 << (4 * h + t))
+    return blocks.reshape(len(cols), -1)
+
+
+@needs_clang
+@pytest.mark.parametrize("route", sorted(GGUF_ROUTE_PROBLEMS))
+@pytest.mark.parametrize("ggml_type", NEW_TYPES, ids=lambda t: t.name)
+def test_gguf_one_hot_weights_at_every_position(ggml_type, route):
+    """Row n of W has one nonzero weight, at position n of a super-block (every one of the 256,
+    alternating between the two super-blocks of K = 512): y[:, n] = +-x[:, cols[n]] exactly. A
+    wrong code bit, shift, byte or Q3_K high bit (the -1 rows clear exactly the one high bit the
+    weight reads) moves or changes the weight."""
+    from torch_qmm.metalsim import backend, last_launches
+
+    M, K = GGUF_ROUTE_PROBLEMS[route][0], 512
+    cols = [256 * (n % 2) + n for n in range(256)]
+    signs = [1 if ggml_type == Q2_K or n % 3 else -1 for n in range(256)]
+    blocks = _one_hot_blocks(ggml_type, cols, signs, K)
+    w = quants.dequantize(blocks, ggml_type)
+    expect_w = np.zeros((256, K), np.float32)
+    expect_w[np.arange(256), cols] = signs
+    assert np.array_equal(w, expect_w), "the one-hot blocks do not decode as intended"
+    for dtype in DTYPES:
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+        with backend():
+            y = gguf_matmul(x, torch.from_numpy(blocks), int(ggml_type), 256, K)
+        (launch,) = last_launches()
+        assert launch.route == route
+        expect = x[:, cols] * torch.tensor(signs, dtype=dtype)
+        assert torch.equal(y, expect), f"{launch.kernel}: columns {sorted(set((y != expect).nonzero()[:, 1].tolist()))}"
+
+
+@needs_clang
+@pytest.mark.parametrize("route", sorted(GGUF_ROUTE_PROBLEMS))
+def test_gguf_q3k_high_bits_all_set_and_all_clear(route):
+    """Q3_K blocks with every hmask bit set (q = 4..7: w = d*sc*low) and every one clear (q = 0..3:
+    w = d*sc*(low - 4)): a kernel that skips the high bit of any (half, shift) pair is off by
+    4*d*sc*x there."""
+    M, N, K = GGUF_ROUTE_PROBLEMS[route]
+    from torch_qmm.metalsim import backend, last_launches
+
+    base = random_k_blocks(Q3_K, N, K, np.random.default_rng(5))
+    for fill in (0xFF, 0x00):
+        blocks = base.reshape(N, -1, 110).copy()
+        blocks[..., 0:32] = fill
+        blocks = blocks.reshape(N, -1)
+        w = torch.from_numpy(quants.dequantize(blocks, Q3_K)).double()
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(fill)).to(torch.float32)
+        with backend():
+            y = gguf_matmul(x, torch.from_numpy(blocks), int(Q3_K), N, K)
+        (launch,) = last_launches()
+        assert launch.route == route
+        assert_matches_reference(y, x.double() @ w.T, k_quant_magnitude(x, blocks, Q3_K), torch.float32,
+                                 f"{launch.kernel} hmask {fill:#04x}")
 
 
 @needs_clang

@@ -1,6 +1,6 @@
 """Opt-in activation quantization of quantized_matmul and gather_qmm, after llama.cpp: x quantized
 to int8 per block along K (one float32 scale per block, round to nearest even; blocks of 32 for
-the affine formats, of one 256-weight super-block for GGUF Q4_K / Q6_K), multiplied with the
+the affine formats, of one 256-weight super-block for GGUF Q4_K / Q6_K: GGUF_INT8_TYPES), multiplied with the
 weight codes in integer arithmetic. Faster on CPUs at small M, approximate: the bound and the
 measured error are in docs/activation-quantization.md. Never the default.
 
@@ -22,6 +22,9 @@ import contextlib
 import threading
 
 KINDS = ("int8",)
+# The GGUF types with int8-activation kernels (csrc/cpu/actq_gguf.cpp): Q4_K, Q6_K. Calls on other
+# GGUF types stay exact inside activation_quantization.
+GGUF_INT8_TYPES = (12, 14)
 
 # .kind: the setting of the calling thread (unset: None, exact).
 _state = threading.local()

@@ -1,19 +1,23 @@
-"""GGUF K-quant blocks (Q4_K, Q6_K) decoded to float32 with plain torch ops on uint8.
+"""GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q6_K) decoded to float32 with plain torch ops on uint8.
 
 `dequantize_rows(blocks, ggml_type)` gives the weights gguf.quants.dequantize gives, bit for bit
 (tests/test_gguf_qmm_backward.py), with tensor ops only (nothing device-specific; tested on CPU), and traces
 under torch.compile. gguf_qmm's backward (torch_qmm/ops.py) uses it; the kernels decode in-kernel
 (csrc/cpu, metal/gguf_format.h).
 
-Layouts (llama.cpp's block_q4_K / block_q6_K; 256 weights per super-block, one super-block after
-another along a row of W):
+Layouts (llama.cpp's block_q2_K / q3_K / q4_K / q6_K; 256 weights per super-block, one super-block
+after another along a row of W):
+  Q2_K, 84 bytes: 16 bytes of 4-bit scales sc_j (low nibble) and mins m_j (high nibble) of the
+    sub-blocks of 16, 64 bytes of 2-bit codes q, f16 d, f16 dmin; w = (d*sc_j)*q - dmin*m_j.
+  Q3_K, 110 bytes: 32 bytes of the codes' high bits, 64 of their low 2 bits, 12 bytes of 6-bit
+    scales (sc_j - 32 of the sub-blocks of 16), f16 d; w = (d*(sc_j - 32))*(q - 4), q = 0..7.
   Q4_K, 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales sc_j and mins m_j of the 8 sub-blocks
     of 32, 128 bytes of 4-bit codes q; w = (d*sc_j)*q - dmin*m_j.
   Q6_K, 210 bytes: 128 bytes of the codes' low 4 bits, 64 bytes of their high 2 bits, 16 int8
     scales sc_j of the sub-blocks of 16, f16 d; w = (d*sc_j)*(q - 32).
-Both are computed in float32 in the gguf package's order: d*sc_j is exact (an 11-bit significand
-times a 6- or 8-bit integer), and so is (d*sc_j)*q for Q4_K; the one rounding is the subtraction
-(Q4_K) or the product with q - 32 (Q6_K).
+All are computed in float32 in the gguf package's order: d*sc_j is exact (an 11-bit significand
+times an integer of at most 8 bits), and so is (d*sc_j)*q for Q2_K and Q4_K and (d*sc_j)*(q - 4)
+for Q3_K; the one rounding is the subtraction (Q2_K, Q4_K) or the product with q - 32 (Q6_K).
 """
 
 from __future__ import annotations
@@ -22,13 +26,48 @@ import torch
 
 # ggml type id -> bytes per super-block of 256 weights (ids and sizes as in
 # torch_qmm/interop/gguf_types.py, which reads them from the gguf package; the tests compare).
-BLOCK_BYTES = {12: 144, 14: 210}  # Q4_K, Q6_K
+BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 14: 210}  # Q2_K, Q3_K, Q4_K, Q6_K
+# ggml type id -> the bytes of its float16 super-block scales in a block (d, then dmin where it has one).
+F16_SCALE_BYTES = {10: slice(80, 84), 11: slice(108, 110), 12: slice(0, 4), 14: slice(208, 210)}
 WEIGHTS_PER_BLOCK = 256
 
 
 def _f16(two_bytes: torch.Tensor) -> torch.Tensor:
     """float32 [..., 1] of a little-endian float16 stored as uint8 [..., 2]."""
     return two_bytes.contiguous().view(torch.float16).float()
+
+
+def _low_2_bits(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, sb, 16, 16] (sub-block 8h + 2j + s, weight l) of the 2-bit fields of Q2_K / Q3_K
+    code bytes qs [rows, sb, 64]: weight 128h + 32j + 16s + l is bits 2j of qs[32h + 16s + l]."""
+    rows, sb = qs.shape[:2]
+    q = qs.reshape(rows, sb, 2, 1, 32)
+    return torch.cat([(q >> (2 * j)) & 3 for j in range(4)], dim=3).reshape(rows, sb, 16, 16)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    rows, sb = b.shape[:2]
+    sc = b[..., 0:16]
+    d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])  # [rows, sb, 1]
+    scale = (d * (sc & 0x0F).float()).unsqueeze(-1)
+    offset = (dmin * (sc >> 4).float()).unsqueeze(-1)
+    return (scale * _low_2_bits(b[..., 16:80]).float() - offset).reshape(rows, sb * WEIGHTS_PER_BLOCK)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    rows, sb = b.shape[:2]
+    # 12 scale bytes (llama.cpp dequantize_row_q3_K): sub-block j's low 4 bits are the low (j < 8) or
+    # high (j >= 8) nibble of byte j % 8, its top 2 bits bits 2 * (j // 4) of byte 8 + j % 4.
+    packed = b[..., 96:108]
+    low = torch.cat([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], dim=-1)
+    high = torch.cat([(packed[..., 8:12] >> (2 * i)) & 3 for i in range(4)], dim=-1)
+    sc = (low | (high << 4)).float() - 32  # [rows, sb, 16], -32..31
+    scale = (_f16(b[..., 108:110]) * sc).unsqueeze(-1)
+    # The third bit of weight 128h + 32j + 16s + l is bit 4h + j of hmask[16s + l].
+    hmask = b[..., 0:32].reshape(rows, sb, 1, 32)
+    high_bit = torch.cat([(hmask >> i) & 1 for i in range(8)], dim=2).reshape(rows, sb, 16, 16)
+    q = (_low_2_bits(b[..., 32:96]) | (high_bit << 2)).float() - 4  # -4..3, exact
+    return (scale * q).reshape(rows, sb * WEIGHTS_PER_BLOCK)
 
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
@@ -63,15 +102,17 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (scale * q.reshape(rows, sb, 16, 16)).reshape(rows, sb * WEIGHTS_PER_BLOCK)
 
 
-_DECODERS = {12: _q4_k, 14: _q6_k}
+_DECODERS = {10: _q2_k, 11: _q3_k, 12: _q4_k, 14: _q6_k}
+_NAMES = {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 14: "Q6_K"}
 
 
 def dequantize_rows(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """Rows of W as float32 [rows, K] from their blocks uint8 [rows, K/256 * block_bytes] (a row
-    slice of what gguf_qmm takes), on the blocks' device. ggml_type: 12 (Q4_K) or 14 (Q6_K)."""
+    slice of what gguf_qmm takes), on the blocks' device. ggml_type: a key of BLOCK_BYTES."""
     ggml_type = int(ggml_type)
     if ggml_type not in _DECODERS:
-        raise ValueError(f"dequantize_rows: ggml_type must be 12 (Q4_K) or 14 (Q6_K), got {ggml_type}")
+        types = ", ".join(f"{t} ({name})" for t, name in _NAMES.items())
+        raise ValueError(f"dequantize_rows: ggml_type must be one of {types}, got {ggml_type}")
     block_bytes = BLOCK_BYTES[ggml_type]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % block_bytes != 0:
         raise ValueError(f"dequantize_rows: blocks must be uint8 [rows, K/256 * {block_bytes}], got "

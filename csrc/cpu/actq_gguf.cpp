@@ -408,7 +408,7 @@ int vector_bits() {
 #endif
 }
 
-// f(Fmt{}) for a native ggml type (check_gguf_qmm refuses the others first).
+// f(Fmt{}) for Q4_K / Q6_K (check_gguf_int8_activations refuses the others first).
 template <typename F>
 void with_format(int64_t ggml_type, F&& f) {
   if (ggml_type == Q4K::kType) return f(Q4K{});
@@ -450,7 +450,7 @@ at::Tensor exact_gguf_qmm(const at::Tensor& x, const at::Tensor& blocks, int64_t
 }
 
 at::Tensor gguf_int8x_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_t ggml_type, int64_t N, int64_t K) {
-  check_gguf_qmm(x, blocks_in, ggml_type, N, K);
+  check_gguf_int8_activations(x, blocks_in, ggml_type, N, K);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   const int64_t M = x.numel() / K;
@@ -471,7 +471,7 @@ at::Tensor gguf_int8x_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int6
 // finite) or "empty".
 std::string gguf_int8x_cpu_route(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t N,
                                  int64_t K) {
-  check_gguf_qmm(x, blocks, ggml_type, N, K);
+  check_gguf_int8_activations(x, blocks, ggml_type, N, K);
   const int64_t M = x.numel() / K;
   if (M == 0 || N == 0) return "empty";
   if (!cpu::x_rows(x, M, K).finite) return "exact";

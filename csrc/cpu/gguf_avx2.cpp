@@ -1,4 +1,4 @@
-// Q4_K and Q6_K x float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
+// Q2_K, Q3_K, Q4_K and Q6_K x float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
 // routes here where no AVX-512 kernel goes first), on the chunk driver of chunk_driver.h. A chunk is
 // one super-block of 256 weights; its code bytes are read 32 at a time as 8 dwords and cut into
 // fields by masks, as U4Multiplier does (chunk_avx2.h): a field masked in place is the integer
@@ -87,6 +87,11 @@ struct Fields {
     return f;
   }
   static constexpr float kScaleFactor = kSub ? chunk::pow2(149 - chunk::kSubnormalX) : 1.0f;
+  // The highest bit a field may start at in place: x's factor 2^(kSubnormalX - s) (2^-s) must keep
+  // every x in range normal and finite (chunk_driver.h).
+  static constexpr int kMaxShift = kSub ? 16 : 24;
+  // Whether a field of `width` bits at bit s stays in place (else it is shifted down to bit 0).
+  static constexpr bool in_place(int s, int width) { return s + width <= kFieldBits && s <= kMaxShift; }
 };
 
 // Lanes 0-3 = v[i], lanes 4-7 = v[i + 1]: one vpermps.
@@ -280,6 +285,152 @@ struct Q6K {
   }
 };
 
+// Q2_K and Q3_K (metal/gguf_format.h): 16 sub-blocks of 16 whose 2-bit code fields (Q3_K: and a
+// third bit) sit as Q6_K's runs do. Half h reads the 32 code bytes at C::kQs + 32h; byte b = 16s + l
+// holds, at bits 2j, the code of weight 128h + 32j + 16s + l. With b = 4L + u (dword lane L, byte
+// u), the field of (j, u) holds in lane L the weight 128h + 32j + 16(L / 4) + 4(L % 4) + u: lanes
+// 0-3 in sub-block 8h + 2j, lanes 4-7 in 8h + 2j + 1. So, per half and j, a chain of 4 vectors
+// (u = 0..3) scaled by one pair of sub-block scales, as Q6K's. The codes C::codes gives are fields
+// of `C::kWidth` bits at bit C::shift(j, u) of each dword; the offsets (Q2_K's mins, Q3_K's -4)
+// are hoisted against sub-block sums of x: y -= sum_s offset[s] * (sum of x over s).
+//   C provides: kType, kBlockBytes, kWidth; shift(j, u); kXSumFactor (the sums of x are kept times
+//   it); scales(blk, s_lo, s_hi, o_lo, o_hi) (the 16 sub-block scales and offsets as float vectors;
+//   offset = scale for Q3_K, whose offset is 4 * scale); codes(blk, h, j) (the 32 bytes whose
+//   fields shift(j, u) are the codes).
+template <typename C, typename F>
+struct Sixteens {
+  using X = float;
+  static constexpr int64_t kType = C::kType, kBlockBytes = C::kBlockBytes, kXPerBlock = 256, kSide = 16;
+  static constexpr bool kSubnormalOperands = F::kSubnormal;
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+
+  // Field (j, u) at bit field_shift(j, u) once extracted (in place, or shifted down to bit 0).
+  static constexpr int field_shift(int j, int u) { return F::in_place(C::shift(j, u), C::kWidth) ? C::shift(j, u) : 0; }
+  static void prepare(const float* x, float* xc, float* xs) {
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j)
+        for (int u = 0; u < 4; ++u)
+          for (int l = 0; l < 8; ++l)
+            xc[((h * 4 + j) * 4 + u) * 8 + l] =
+                x[128 * h + 32 * j + 16 * (l / 4) + 4 * (l % 4) + u] * F::x_factor(field_shift(j, u));
+    for (int s = 0; s < 16; ++s) {
+      float t = 0.0f;
+      for (int i = 0; i < 16; ++i) t += x[16 * s + i];
+      xs[s] = C::kXSumFactor * t;
+    }
+  }
+  __attribute__((always_inline)) static inline __m256 field(__m256i q, int j, int u) {
+    constexpr int kMask = (1 << C::kWidth) - 1;
+    const int s = C::shift(j, u);
+    if (F::in_place(s, C::kWidth)) return F::value(_mm256_and_si256(q, _mm256_set1_epi32(kMask << s)));
+    const __m256i down = _mm256_srli_epi32(q, s);
+    return F::value(s + C::kWidth == 32 ? down : _mm256_and_si256(down, _mm256_set1_epi32(kMask)));
+  }
+
+  // At one row of x, the tile's two W rows alternate chain by chain (P = 2), as Q6K's.
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
+                                                          const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
+    constexpr int P = MB == 1 && R % 2 == 0 ? 2 : 1;
+    for (int r0 = 0; r0 < R; r0 += P) {
+      __m256 c_lo[P], c_hi[P];
+      for (int i = 0; i < P; ++i) {
+        __m256 s_lo, s_hi, o_lo, o_hi;
+        C::scales(blk[r0 + i], s_lo, s_hi, o_lo, o_hi);
+        for (int m = 0; m < MB; ++m)
+          acc[r0 + i][m] = _mm256_fnmadd_ps(o_hi, _mm256_loadu_ps(xs[m] + 8),
+                                            _mm256_fnmadd_ps(o_lo, _mm256_loadu_ps(xs[m]), acc[r0 + i][m]));
+        c_lo[i] = F::kSubnormal ? _mm256_mul_ps(s_lo, _mm256_set1_ps(F::kScaleFactor)) : s_lo;
+        c_hi[i] = F::kSubnormal ? _mm256_mul_ps(s_hi, _mm256_set1_ps(F::kScaleFactor)) : s_hi;
+      }
+      // Unrolled, so that every shift and mask is a constant.
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < P; ++i) {
+            const __m256i q = C::codes(blk[r0 + i], h, j);
+            __m256 ch[MB];
+            for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; ++u) {
+              const __m256 v = field(q, j, u);
+              for (int m = 0; m < MB; ++m) ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((h * 4 + j) * 4 + u) * 8), ch[m]);
+            }
+            const __m256 sp = pair_of(h == 0 ? c_lo[i] : c_hi[i], 2 * j);
+            for (int m = 0; m < MB; ++m) acc[r0 + i][m] = _mm256_fmadd_ps(ch[m], sp, acc[r0 + i][m]);
+          }
+    }
+  }
+};
+
+// Q2_K (84 bytes: 16 bytes of 4-bit scale | 4-bit min << 4, qs[64], d, dmin f16): the codes are
+// the qs bytes themselves, field (j, u) at bit 8u + 2j; w = d*sc[s]*q - dmin*m[s].
+struct Q2KCodes {
+  static constexpr int64_t kType = gguf::kTypeQ2_K, kBlockBytes = 84, kQs = 16, kD = 80;
+  static constexpr int kWidth = 2;
+  static constexpr float kXSumFactor = 1.0f;
+  static constexpr int shift(int j, int u) { return 8 * u + 2 * j; }
+  __attribute__((always_inline)) static inline void scales(const uint8_t* blk, __m256& s_lo, __m256& s_hi, __m256& o_lo,
+                                                           __m256& o_hi) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+    const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    const __m256 d = _mm256_set1_ps(f16_at(blk + kD)), dmin = _mm256_set1_ps(f16_at(blk + kD + 2));
+    const __m256i low4 = _mm256_set1_epi32(15);
+    s_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(lo, low4)), d);
+    s_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(hi, low4)), d);
+    o_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), dmin);
+    o_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), dmin);
+  }
+  __attribute__((always_inline)) static inline __m256i codes(const uint8_t* blk, int h, int) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQs + 32 * h));
+  }
+};
+
+// Q3_K (110 bytes: hmask[32], qs[64], 12 bytes of 6-bit scales, d f16): the code of weight
+// 128h + 32j + b is the 2 bits 2j of qs byte 32h + b and, as its bit 2, bit 4h + j of hmask
+// byte b; codes() assembles the 3-bit codes of (h, j) one per byte (two shifts, two ANDs and an
+// OR on the whole 32 bytes), field (j, u) at bit 8u. w = d*(sc[s] - 32)*(q - 4), the -4 hoisted.
+struct Q3KCodes {
+  static constexpr int64_t kType = gguf::kTypeQ3_K, kBlockBytes = 110, kQs = 32, kScales = 96, kD = 108;
+  static constexpr int kWidth = 3;
+  static constexpr float kXSumFactor = 4.0f;
+  static constexpr int shift(int, int u) { return 8 * u; }
+  // The 16 scales sc - 32 as int8: from the 12 bytes, the low 4 bits of scale s are the low
+  // (s < 8) or high (s >= 8) nibble of byte s % 8, its top 2 bits bits 2 * (s / 4) of byte
+  // 8 + s % 4 (gguf::q3k_scale), done on 32-bit words, 4 scales each (llama.cpp unpacks so too).
+  __attribute__((always_inline)) static inline __m128i signed_scales(const uint8_t* blk) {
+    uint32_t w[3];
+    std::memcpy(w, blk + kScales, 12);
+    constexpr uint32_t kLow = 0x0F0F0F0Fu, kTwo = 0x03030303u;
+    const uint32_t s0 = (w[0] & kLow) | ((w[2] & kTwo) << 4);
+    const uint32_t s1 = (w[1] & kLow) | (((w[2] >> 2) & kTwo) << 4);
+    const uint32_t s2 = ((w[0] >> 4) & kLow) | (((w[2] >> 4) & kTwo) << 4);
+    const uint32_t s3 = ((w[1] >> 4) & kLow) | (((w[2] >> 6) & kTwo) << 4);
+    return _mm_sub_epi8(_mm_setr_epi32(int(s0), int(s1), int(s2), int(s3)), _mm_set1_epi8(32));
+  }
+  __attribute__((always_inline)) static inline void scales(const uint8_t* blk, __m256& s_lo, __m256& s_hi, __m256& o_lo,
+                                                           __m256& o_hi) {
+    const __m128i sc = signed_scales(blk);
+    const __m256 d = _mm256_set1_ps(f16_at(blk + kD));
+    s_lo = o_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+    s_hi = o_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+  }
+  __attribute__((always_inline)) static inline __m256i codes(const uint8_t* blk, int h, int j) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQs + 32 * h));
+    const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi32(q, 2 * j), _mm256_set1_epi8(0x03));
+    const int down = 4 * h + j - 2;  // moves bit 4h + j of each hmask byte to bit 2
+    const __m256i high = down > 0 ? _mm256_srli_epi32(m, down) : down < 0 ? _mm256_slli_epi32(m, -down) : m;
+    return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x04)));
+  }
+};
+
+template <typename F>
+using Q2K = Sixteens<Q2KCodes, F>;
+template <typename F>
+using Q3K = Sixteens<Q3KCodes, F>;
+
 // 8 float32 lanes; block b of each row of the next tile (R rows on) prefetched into L1, so W
 // streams a tile ahead of its use (the next tile takes the same slab of blocks next).
 struct GgufYmm {
@@ -300,22 +451,38 @@ struct GgufYmm {
 // 32.2 / 35.6 (its two-row block, with 8 chains live, spills more), M=4 28.6 / 27.9; Q6_K M=1
 // 66 / 58, M=2 43.5 / 41.5, M=4 36.5 / 35, M=8 36.5 / 35.5.
 bool subnormal_fields_for(const GgufArgs& a, int64_t ggml_type) {
-  return a.x_in_subnormal_range && (ggml_type == gguf::kTypeQ6_K || a.M % 4 < 2) && subnormal_fields_enabled();
+  return a.x_in_subnormal_range && (ggml_type != gguf::kTypeQ4_K || a.M % 4 < 2) && subnormal_fields_enabled();
+}
+
+// The kernel names of each type: Fields<false>, Fields<true>.
+struct Avx2Names {
+  int64_t ggml_type;
+  const char* converted;
+  const char* subnormal;
+};
+constexpr Avx2Names kAvx2Names[] = {{gguf::kTypeQ2_K, "avx2-q2k", "avx2-q2k-subnormal"},
+                                    {gguf::kTypeQ3_K, "avx2-q3k", "avx2-q3k-subnormal"},
+                                    {gguf::kTypeQ4_K, "avx2-q4k", "avx2-q4k-subnormal"},
+                                    {gguf::kTypeQ6_K, "avx2-q6k", "avx2-q6k-subnormal"}};
+
+template <typename F>
+bool run_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
+  return run_gguf_chunks<GgufYmm, Q4K<F>, Q6K<F>, Q2K<F>, Q3K<F>>(a, ggml_type, y);
 }
 
 }  // namespace
 
 const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type) {
   if (avx2_chunks_avoided() || a.M < 1 || a.M > kGgufAvx2MaxRows) return nullptr;
-  if (ggml_type != gguf::kTypeQ4_K && ggml_type != gguf::kTypeQ6_K) return nullptr;
   if (!a.x_in_range) return nullptr;
-  if (subnormal_fields_for(a, ggml_type)) return ggml_type == gguf::kTypeQ4_K ? "avx2-q4k-subnormal" : "avx2-q6k-subnormal";
-  return ggml_type == gguf::kTypeQ4_K ? "avx2-q4k" : "avx2-q6k";
+  for (const Avx2Names& n : kAvx2Names)
+    if (n.ggml_type == ggml_type) return subnormal_fields_for(a, ggml_type) ? n.subnormal : n.converted;
+  return nullptr;
 }
 
 void gguf_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
-  const bool ran = subnormal_fields_for(a, ggml_type) ? run_gguf_chunks<GgufYmm, Q4K<Fields<true>>, Q6K<Fields<true>>>(a, ggml_type, y)
-                                           : run_gguf_chunks<GgufYmm, Q4K<Fields<false>>, Q6K<Fields<false>>>(a, ggml_type, y);
+  const bool ran = subnormal_fields_for(a, ggml_type) ? run_avx2<Fields<true>>(a, ggml_type, y)
+                                                      : run_avx2<Fields<false>>(a, ggml_type, y);
   TORCH_CHECK(ran, "gguf_qmm: no AVX2 chunk kernel for ggml type ", ggml_type, " (gguf_avx2_multiplier)");
 }
 

@@ -1,6 +1,7 @@
-// CPU gguf_qmm: y[..., N] = x[..., K] @ W.T, W [N, K] given as GGUF K-quant blocks (Q4_K, Q6_K).
+// CPU gguf_qmm: y[..., N] = x[..., K] @ W.T, W [N, K] given as GGUF K-quant blocks (Q2_K, Q3_K,
+// Q4_K, Q6_K).
 //
-// Small M with AVX512_BF16: gguf_chunked.cpp. Otherwise, small M: each task owns rows of
+// Small M, Q4_K / Q6_K: the chunk kernels (gguf_chunked.cpp). Otherwise, small M: each task owns rows of
 // W; a super-block is decoded once to 256 floats and reused for every row of x.
 // Large M: rows of W are decoded in blocks to float32 and multiplied with a BLAS GEMM.
 // Accumulation is float32 throughout. Block layouts: csrc/gguf_format.h.
@@ -28,6 +29,8 @@
 namespace torch_qmm {
 namespace {
 
+using gguf::BlockQ2K;
+using gguf::BlockQ3K;
 using gguf::BlockQ4K;
 using gguf::BlockQ6K;
 using gguf::kQK_K;
@@ -36,6 +39,47 @@ using cpu::kGemmMinRows;  // qmm_kernels.h
 constexpr int64_t kGemmBlockRows = 256;
 
 inline float half_to_float(uint16_t bits) { return float(c10::Half(bits, c10::Half::from_bits())); }
+
+// After llama.cpp dequantize_row_q2_K: 2 halves of 128 weights; in each, 4 shifts x 2 runs of 16
+// codes (qs bytes 0-15, then 16-31 of the half), one 4-bit scale and min per run.
+void decode_q2_K(const uint8_t* raw, float* y) {
+  BlockQ2K b;
+  std::memcpy(&b, raw, sizeof b);
+  const float d = half_to_float(b.d), dmin = half_to_float(b.dmin);
+  for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < 4; ++j) {
+      for (int s = 0; s < 2; ++s) {
+        const uint8_t sc = b.scales[8 * h + 2 * j + s];
+        const float dl = d * float(sc & 0xF), ml = dmin * float(sc >> 4);
+        const uint8_t* q = b.qs + 32 * h + 16 * s;
+        float* yr = y + 128 * h + 32 * j + 16 * s;
+        for (int l = 0; l < 16; ++l) yr[l] = dl * float((q[l] >> (2 * j)) & 3) - ml;
+      }
+    }
+  }
+}
+
+// After llama.cpp dequantize_row_q3_K: Q2_K's runs, a third code bit from hmask, signed 6-bit
+// scales and the codes centred on 4 (every weight exact in float32: 11 + 6 + 3 bits).
+void decode_q3_K(const uint8_t* raw, float* y) {
+  BlockQ3K b;
+  std::memcpy(&b, raw, sizeof b);
+  const float d = half_to_float(b.d);
+  for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < 4; ++j) {
+      for (int s = 0; s < 2; ++s) {
+        const float dl = d * float(gguf::q3k_scale(8 * h + 2 * j + s, b.scales));
+        const uint8_t* q = b.qs + 32 * h + 16 * s;
+        const uint8_t* hm = b.hmask + 16 * s;
+        float* yr = y + 128 * h + 32 * j + 16 * s;
+        for (int l = 0; l < 16; ++l) {
+          const int code = ((q[l] >> (2 * j)) & 3) | (((hm[l] >> (4 * h + j)) & 1) << 2);
+          yr[l] = dl * float(code - 4);
+        }
+      }
+    }
+  }
+}
 
 // After llama.cpp dequantize_row_q4_K: 4 chunks of 64 weights, low then high nibbles.
 void decode_q4_K(const uint8_t* raw, float* y) {
@@ -89,6 +133,14 @@ void decode_q6_K(const uint8_t* raw, float* y) {
 template <int ggml_type>
 struct Decoder;
 template <>
+struct Decoder<gguf::kTypeQ2_K> {
+  void operator()(const uint8_t* raw, float* y) const { decode_q2_K(raw, y); }
+};
+template <>
+struct Decoder<gguf::kTypeQ3_K> {
+  void operator()(const uint8_t* raw, float* y) const { decode_q3_K(raw, y); }
+};
+template <>
 struct Decoder<gguf::kTypeQ4_K> {
   void operator()(const uint8_t* raw, float* y) const { decode_q4_K(raw, y); }
 };
@@ -101,6 +153,10 @@ struct Decoder<gguf::kTypeQ6_K> {
 template <typename F>
 void with_decoder(int64_t ggml_type, F&& f) {
   switch (ggml_type) {
+    case gguf::kTypeQ2_K:
+      return f(Decoder<gguf::kTypeQ2_K>{});
+    case gguf::kTypeQ3_K:
+      return f(Decoder<gguf::kTypeQ3_K>{});
     case gguf::kTypeQ4_K:
       return f(Decoder<gguf::kTypeQ4_K>{});
     case gguf::kTypeQ6_K:

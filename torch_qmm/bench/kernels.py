@@ -30,7 +30,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from .. import reference, reference_fp
-from ..activations import activation_quantization
+from ..activations import GGUF_INT8_TYPES, activation_quantization
+from ..gguf_blocks import F16_SCALE_BYTES
 from ..devices import synchronize
 from ..formats import FORMATS
 from ..ops import gguf_matmul, quantized_matmul
@@ -48,7 +49,7 @@ class Config:
     dtype: str  # of x, scales, biases
     group_size: int = 64
     device: str = "cpu"
-    fmt: str = "affine"  # an fp mode ("mxfp4", "nvfp4": FP_MODES), or a native GGUF type ("Q4_K", "Q6_K")
+    fmt: str = "affine"  # an fp mode ("mxfp4", "nvfp4": FP_MODES), or a native GGUF type ("Q2_K" .. "Q6_K")
 
     @property
     def label(self) -> str:
@@ -116,8 +117,8 @@ def random_gguf_blocks(n: int, k: int, fmt: str, device: str, gen: torch.Generat
     ggml_type = GGMLQuantizationType[fmt]
     block_bytes = GGML_QUANT_SIZES[ggml_type][1]
     blocks = torch.randint(0, 256, (n, k // 256, block_bytes), generator=gen, dtype=torch.uint8)
-    scale_at = {"Q4_K": [0, 2], "Q6_K": [block_bytes - 2]}[fmt]  # f16 d (and dmin)
-    for off in scale_at:
+    scales = F16_SCALE_BYTES[int(ggml_type)]  # f16 d (and dmin)
+    for off in range(scales.start, scales.stop, 2):
         f16 = (torch.rand(n, k // 256, 1, generator=gen) * 2e-3 + 1e-4).to(torch.float16)
         blocks[..., off:off + 2] = f16.view(torch.uint8)
     return blocks.reshape(n, -1).to(device)
@@ -285,10 +286,14 @@ def _quantizing(call: Callable[[int], torch.Tensor], kind: str) -> Callable[[int
     return quantized
 
 
+def _has_int8_kernels(fmt: str) -> bool:
+    return fmt == "affine" or (fmt in GGMLQuantizationType.__members__ and int(GGMLQuantizationType[fmt]) in GGUF_INT8_TYPES)
+
+
 def _with_int8_activations(cfg: Config, x: torch.Tensor, cache_bytes: int, gen: torch.Generator) -> Impl:
     """torch_qmm itself with x quantized to int8 (torch_qmm.activation_quantization("int8") around
     each call): the opt-in approximate path against the exact one, in the same run."""
-    if cfg.device != "cpu" or cfg.fmt not in ("affine", "Q4_K", "Q6_K"):
+    if cfg.device != "cpu" or not _has_int8_kernels(cfg.fmt):
         raise RuntimeError("CPU, affine or GGUF Q4_K / Q6_K only")
     call, nbytes = _ours(cfg, x, cache_bytes, gen)
     return _quantizing(call, "int8"), nbytes
@@ -304,7 +309,7 @@ def peers(cfg: Config, x: torch.Tensor | None = None) -> dict[str, Callable[[int
     out: dict[str, Callable[[int, torch.Generator], Impl]] = {}
     if x is not None:
         out["no_avx2_chunks"] = lambda c, g: _without_avx2_chunks(cfg, x, c, g)
-    if x is not None and cfg.fmt in ("affine", "Q4_K", "Q6_K"):
+    if x is not None and _has_int8_kernels(cfg.fmt):
         out["int8_activations"] = lambda c, g: _with_int8_activations(cfg, x, c, g)
     for d in (torch.float32, torch.float16, torch.bfloat16):
         out[f"linear_{str(d)[6:]}"] = lambda c, g, d=d: _linear(cfg, d, c, g)

@@ -14,7 +14,8 @@ d and m are float16 in the file, so scales/biases are exact in float32 (and in f
 17 significant bits: rounded in float16); the codes are repacked from GGUF's nibble order (byte j
 holds weights j and j + 16; Q5_K: chunks of 32 bytes, low nibbles one sub-block, high the next)
 into MLX's little-endian bit stream.
-Q4_K and Q6_K stay as their block bytes (GGUFLinear / torch_qmm::gguf_qmm) by default.
+Q2_K, Q3_K, Q4_K and Q6_K (NATIVE_TYPES) stay as their block bytes (GGUFLinear /
+torch_qmm::gguf_qmm) by default.
 
 Q4_K also has an exact affine form (q4_k_to_affine; used by `convert --format mlx`): each
 super-block of 256 weights is 8 groups of 32, w = d*sc_j*q - dmin*m_j -> bits 4, group_size 32,
@@ -35,6 +36,7 @@ import torch
 from gguf import quants as gguf_quants
 from gguf.constants import GGMLQuantizationType
 
+from ..gguf_blocks import F16_SCALE_BYTES
 from ..nn import QuantLinear
 from .gguf_types import (
     AFFINE_TYPES,
@@ -404,13 +406,13 @@ def q4_k_to_affine(
 
 
 def to_blocks(t: GGUFTensor) -> torch.Tensor:
-    """The block bytes of a Q4_K / Q6_K matrix as uint8 [N, K/256 * block_bytes] (a copy)."""
+    """The block bytes of a matrix of a native type (NATIVE_TYPES) as uint8 [N, K/256 * block_bytes]
+    (a copy), its float16 super-block scales checked finite."""
     _require(t, NATIVE_TYPES, "gguf_qmm")
     _, block_bytes = block_info(t.ggml_type)
     blocks = np.array(t.raw, copy=True)
     b = blocks.reshape(-1, block_bytes)
-    # float16 super-block scales: Q4_K d, dmin at bytes 0..3; Q6_K d at bytes 208..209.
-    scale_bytes = b[:, 0:4] if t.ggml_type == Q4_K else b[:, 208:210]
+    scale_bytes = b[:, F16_SCALE_BYTES[t.ggml_type]]
     if not np.isfinite(np.ascontiguousarray(scale_bytes).view("<f2")).all():
         raise _corrupt_values(t, "block scales")
     return torch.from_numpy(blocks)
@@ -425,7 +427,7 @@ def linear_from_gguf(
     t: GGUFTensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
     """The layer for a GGUF weight [N, K]: QuantLinear (32-weight block types and Q5_K, lossless),
-    GGUFLinear (Q4_K / Q6_K) or nn.Linear (F32 / F16 / BF16)."""
+    GGUFLinear (NATIVE_TYPES: Q2_K, Q3_K, Q4_K, Q6_K) or nn.Linear (F32 / F16 / BF16)."""
     _check_matrix(t, "a linear weight", "[out_features >= 1, in_features >= 1]")
     n, k = t.shape
     if t.ggml_type in AFFINE_TYPES:

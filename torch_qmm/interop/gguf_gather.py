@@ -1,5 +1,5 @@
 """gguf_gather_matmul: y = x @ W[indices].T for a stack of expert weights W [E, N, K] kept as GGUF
-blocks (Q4_K, Q6_K), the gather_qmm of the GGUF formats.
+blocks (Q2_K, Q3_K, Q4_K, Q6_K), the gather_qmm of the GGUF formats.
 
     y = gguf_gather_matmul(x, blocks, ggml_type, N, K, indices)   # blocks uint8 [E, N, bytes]
 
@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import activations as _activations
 from .. import gguf_blocks as _gguf_blocks
-from ..ops import GGUF_DX_SLICE_BYTES, _carry_tangent, _has_tangent, _int8_no_grad_error, _no_grad_error
+from ..ops import GGUF_DX_SLICE_BYTES, _carry_tangent, _gguf_activations, _has_tangent, _int8_no_grad_error, _no_grad_error
 from .gguf_types import native_type, type_name
 
 _EXACT = "exact"
@@ -112,11 +111,11 @@ def gguf_gather_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N:
     Args:
         x: float32/float16/bfloat16 [..., M, K], K a multiple of 256.
         blocks: uint8 [E, N, K/256 * block_bytes]: expert e's rows as llama.cpp writes them.
-        ggml_type: 12 (Q4_K) or 14 (Q6_K).
+        ggml_type: a native type (gguf_types.NATIVE_TYPES: Q2_K, Q3_K, Q4_K, Q6_K).
         indices: integer tensor whose shape broadcasts with x's batch dims (x.shape[:-2]): the
             expert of each row block of x, in [0, E).
-        activations: as gguf_matmul's ("int8": x quantized per super-block, CPU only; None: the
-            torch_qmm.activation_quantization setting on CPU, else exact).
+        activations: as gguf_matmul's ("int8": x quantized per super-block, CPU only, Q4_K and Q6_K;
+            None: the torch_qmm.activation_quantization setting on CPU for those, else exact).
 
     Returns:
         y [*broadcast(x.shape[:-2], indices.shape), M, N] in x's dtype, each expert's product
@@ -143,12 +142,7 @@ def gguf_gather_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N:
     except RuntimeError:
         raise ValueError(f"gguf_gather_matmul: argument 'indices' of shape {list(indices.shape)} does not broadcast "
                          f"with x's batch dims {list(x.shape[:-2])}") from None
-    _activations.check_activations(activations)
-    kind = activations
-    if kind is None and x.device.type == "cpu":
-        kind = _activations.current_activations()
-    if kind == "int8" and x.device.type != "cpu":
-        raise ValueError(f"gguf_gather_matmul: argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
+    kind = _gguf_activations(activations, x, ggml_type, "gguf_gather_matmul")
     if kind == "int8" and _has_tangent(x):  # as gguf_matmul: no tangent through the int8 rounding
         raise _int8_no_grad_error("gguf_gather_matmul")
     blocks = blocks.contiguous()

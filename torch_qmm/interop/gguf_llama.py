@@ -228,7 +228,7 @@ def check_llama_metadata(f: GGUFFile) -> dict:
 
 def _check_types(f: GGUFFile) -> None:
     """Every tensor of a type torch_qmm reads, checked before a model is built: a file with others
-    (llama.cpp's Q3_K_M holds Q3_K, Q4_K, Q5_K and Q6_K) is refused naming them and how many."""
+    (the IQ types, say) is refused naming them and how many."""
     unread: dict[str, int] = {}
     for t in f.tensors.values():
         if t.ggml_type not in SUPPORTED_TYPES:
@@ -396,9 +396,9 @@ def load_gguf_llama(
     `llama_config_from_gguf`), in place.
 
     Linear weights become QuantLinear (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, and Q5_K as bits 5: lossless, Q5_K
-    in float32 only), GGUFLinear (Q4_K/Q6_K, the file's blocks) or stay nn.Linear (F32/F16/BF16);
-    the routed experts of a MoE file (qwen2moe, qwen3moe, Mixtral) become a QuantFusedExperts in
-    the same formats (gguf_moe: GGUFSwitchLinear for Q4_K/Q6_K);
+    in float32 only), GGUFLinear (Q2_K/Q3_K/Q4_K/Q6_K, the file's blocks) or stay nn.Linear
+    (F32/F16/BF16); the routed experts of a MoE file (qwen2moe, qwen3moe, Mixtral) become a
+    QuantFusedExperts in the same formats (gguf_moe: GGUFSwitchLinear for those four);
     the embedding becomes a QuantEmbedding
     (block types) or a float table; without output.weight the output layer is tied to it.
 

@@ -14,12 +14,12 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES
 }
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
 F32, F16, BF16 = 0, 1, 30
 
 # Kept as blocks, multiplied by the native op torch_qmm::gguf_qmm.
-# Must match is_native_gguf_type in csrc/gguf_format.h.
-NATIVE_TYPES = (Q4_K, Q6_K)
+# Must match block_bytes / is_native_gguf_type in metal/gguf_format.h.
+NATIVE_TYPES = (Q2_K, Q3_K, Q4_K, Q6_K)
 # Converted losslessly to the affine format (group_size 32): one block (Q5_K: one sub-block of a
 # super-block) is one affine group.
 AFFINE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K)
@@ -42,11 +42,16 @@ def supported_list() -> str:
     return ", ".join(type_name(t) for t in SUPPORTED_TYPES)
 
 
+def native_list() -> str:
+    """The native types as "id (name)", for messages."""
+    return ", ".join(f"{t} ({type_name(t)})" for t in NATIVE_TYPES)
+
+
 def native_type(ggml_type, in_features: int, features_arg: str = "in_features") -> tuple[int, int]:
     """(ggml_type as an int, bytes of one row of `in_features` weights) for a type GGUF blocks are
     kept in (NATIVE_TYPES); TypeError / ValueError naming the argument (features_arg: the name of
     in_features) otherwise."""
-    native = ", ".join(f"{t} ({type_name(t)})" for t in NATIVE_TYPES)
+    native = native_list()
     if not isinstance(ggml_type, int) or isinstance(ggml_type, bool):
         raise TypeError(f"argument 'ggml_type' must be an int, one of {native}, got {ggml_type!r}")
     ggml_type = int(ggml_type)  # an IntEnum (gguf.GGMLQuantizationType) as its value
