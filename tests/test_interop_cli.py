@@ -380,7 +380,7 @@ def test_inspect_reads_per_layer_bits_of_a_torch_qmm_config_and_says_when_there_
 
 
 @pytest.mark.parametrize("ggml_type, blocks, message", [
-    (8, None, r"holds GGUF type 8 \(Q8_0\); GGUFLinear holds Q4_K, Q6_K"),
+    (8, None, r"holds GGUF type 8 \(Q8_0\); GGUFLinear holds Q2_K, Q3_K, Q4_K, Q6_K"),
     (14, torch.zeros(4, 419, dtype=torch.uint8), r"tensor 'k.blocks' of Q6_K blocks must be \[rows, a multiple of 210\], "
                                                   r"got \[4, 419\]"),
 ], ids=["type", "blocks"])

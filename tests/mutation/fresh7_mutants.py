@@ -241,9 +241,8 @@ MUTANTS: list[Mutant] = [
            "return np.stack([qs & 0xF, qs >> 4], axis=-1).reshape(*qs.shape[:-1], -1)", GGUF_INTEROP,
            "to_affine reads a 32-weight block's nibbles as weights 2j / 2j+1 instead of j / j+16 (GGUF's "
            "order): Q4_0, Q4_1, Q5_0 and Q5_1 weights permuted within every block"),
-    Mutant("i7-gguf-q4k-blocks-dmin-unchecked", "torch_qmm/interop/gguf.py",
-           "scale_bytes = b[:, 0:4] if t.ggml_type == Q4_K else b[:, 208:210]",
-           "scale_bytes = b[:, 0:2] if t.ggml_type == Q4_K else b[:, 208:210]", GGUF_HOSTILE,
+    Mutant("i7-gguf-q4k-blocks-dmin-unchecked", "torch_qmm/gguf_blocks.py",
+           "12: slice(0, 4),", "12: slice(0, 2),", GGUF_HOSTILE,
            "to_blocks checks Q4_K's d but not its dmin: a NaN / Inf dmin (a corrupt file) is accepted"),
     Mutant("i7-llama-k-unpermute-with-q-heads", "torch_qmm/interop/gguf_llama.py",
            'else (n_kv, "num_key_value_heads")',
