@@ -294,6 +294,8 @@ const char* format_name(Format f) {
       return "q3_K";
     case Format::kQ4_K:
       return "q4_K";
+    case Format::kQ5_K:
+      return "q5_K";
     case Format::kQ6_K:
       return "q6_K";
   }
@@ -309,6 +311,8 @@ Format format_of(const Problem& p) {
       return Format::kQ3_K;
     case gguf::kTypeQ4_K:
       return Format::kQ4_K;
+    case gguf::kTypeQ5_K:
+      return Format::kQ5_K;
     case gguf::kTypeQ6_K:
       return Format::kQ6_K;
     default:

@@ -19,4 +19,5 @@
 GGUF_INSTANTIATE_DTYPES(torch_qmm::gguf::kTypeQ2_K, q2_K)
 GGUF_INSTANTIATE_DTYPES(torch_qmm::gguf::kTypeQ3_K, q3_K)
 GGUF_INSTANTIATE_DTYPES(torch_qmm::gguf::kTypeQ4_K, q4_K)
+GGUF_INSTANTIATE_DTYPES(torch_qmm::gguf::kTypeQ5_K, q5_K)
 GGUF_INSTANTIATE_DTYPES(torch_qmm::gguf::kTypeQ6_K, q6_K)

@@ -1,5 +1,5 @@
-// GGUF K-quant blocks, as llama.cpp writes them (its block_q2_K / block_q3_K / block_q4_K / block_q6_K
-// structs): one place for host C++
+// GGUF K-quant blocks, as llama.cpp writes them (its block_q2_K / q3_K / q4_K / q5_K / q6_K structs):
+// one place for host C++
 // (csrc/gguf_format.h forwards here; csrc/cpu/gguf_qmm.cpp, csrc/gguf_validate.cpp) and the Metal
 // kernels (metal/gguf_qmm.h). Compiled by both compilers: Metal sources define TORCH_QMM_METAL
 // before including it. Constants are enumerators (no address space in MSL), helpers templates.
@@ -30,7 +30,11 @@
 //         Q2_K: w = d * (scales[sub] & 15) * q - dmin * (scales[sub] >> 4), q = 0..3;
 //         Q3_K: the code's third bit is bit 4h + j of hmask[16s + l]; w = d * (sc_sub - 32) * (q - 4),
 //               q = 0..7 (sc_sub: q3k_scale).
-// Decode order and bit placement follow llama.cpp's dequantize_row_q2_K / q3_K / q4_K / q6_K.
+//
+//   Q5_K (176 bytes / 256 weights): Q4_K's d, dmin and scales[12], then qh[32], then qs[128] as
+//         Q4_K's; the code's fifth bit is bit 2c + nib of qh[l] for weight 64c + 32*nib + l (its
+//         sub-block 2c + nib); w = d * scale_j * q - dmin * min_j, q = 0..31.
+// Decode order and bit placement follow llama.cpp's dequantize_row_q2_K / q3_K / q4_K / q5_K / q6_K.
 #pragma once
 
 #ifndef TORCH_QMM_METAL
@@ -50,6 +54,7 @@ enum GGMLType : int {
   kTypeQ2_K = 10,
   kTypeQ3_K = 11,
   kTypeQ4_K = 12,
+  kTypeQ5_K = 13,
   kTypeQ6_K = 14
 };
 
@@ -80,6 +85,15 @@ struct BlockQ4K {
 };
 static_assert(sizeof(BlockQ4K) == 144, "Q4_K block must be 144 bytes (ggml block_q4_K)");
 
+struct BlockQ5K {
+  uint16_t d;           // f16 bits, as Q4_K's
+  uint16_t dmin;        // f16 bits, as Q4_K's
+  uint8_t scales[12];   // as Q4_K's (q4k_scale_min)
+  uint8_t qh[kQK_K / 8];  // the codes' fifth bits
+  uint8_t qs[kQK_K / 2];  // the codes' low 4 bits, as Q4_K's
+};
+static_assert(sizeof(BlockQ5K) == 176, "Q5_K block must be 176 bytes (ggml block_q5_K)");
+
 struct BlockQ6K {
   uint8_t ql[kQK_K / 2];      // low 4 bits
   uint8_t qh[kQK_K / 4];      // high 2 bits
@@ -96,6 +110,7 @@ inline int64_t block_bytes(int64_t t) {
     case kTypeQ2_K: return int64_t(sizeof(BlockQ2K));
     case kTypeQ3_K: return int64_t(sizeof(BlockQ3K));
     case kTypeQ4_K: return int64_t(sizeof(BlockQ4K));
+    case kTypeQ5_K: return int64_t(sizeof(BlockQ5K));
     case kTypeQ6_K: return int64_t(sizeof(BlockQ6K));
     default: return 0;
   }
@@ -104,7 +119,7 @@ inline int64_t block_bytes(int64_t t) {
 inline bool is_native_gguf_type(int64_t t) { return block_bytes(t) != 0; }
 
 // For messages: the native types as "id (name)".
-inline const char* native_gguf_types() { return "10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 14 (Q6_K)"; }
+inline const char* native_gguf_types() { return "10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K)"; }
 #endif
 
 struct ScaleMin {

@@ -5,6 +5,7 @@
 // share one sub-block scale (and min):
 //
 //   Q4_K: k % 256 = 32j + 8u   -> qs[32*(j/2) + 8u .. +8), low (j even) or high nibbles, sub-block j
+//   Q5_K: as Q4_K (qs from byte 48), fifth bits: qh[8u .. +8) bit j
 //   Q6_K: k % 256 = 128h + 32t + l (l in {0, 8, 16, 24}) -> ql[64h + 32*(t%2) + l ..) nibble t/2,
 //         qh[32h + l ..) bits 2t, scale 8h + 2t + l/16
 //   Q2_K: k % 256 = 128h + 32t + l -> qs[32h + l .. +8) bits 2t, 2t+1 (two uint32), scale and min
@@ -38,6 +39,23 @@ inline void gguf_decode8<torch_qmm::gguf::kTypeQ4_K>(const device uint8_t* raw, 
   for (int h = 0; h < 2; ++h) {
     const uint32_t v = q[h];
     for (int i = 0; i < 4; ++i) w[4 * h + i] = s * float((v >> (8 * i + shift)) & 0xfu) - m;
+  }
+}
+
+template <>
+inline void gguf_decode8<torch_qmm::gguf::kTypeQ5_K>(const device uint8_t* raw, uint k, thread float* w) {
+  const device torch_qmm::gguf::BlockQ5K* b = (const device torch_qmm::gguf::BlockQ5K*)raw;
+  const uint j = k / 32, u = (k % 32) / 8;
+  const torch_qmm::gguf::ScaleMin sm = torch_qmm::gguf::q4k_scale_min(int(j), b->scales);
+  const float s = float(as_type<half>(b->d)) * float(sm.scale);
+  const float m = float(as_type<half>(b->dmin)) * float(sm.min);
+  const device uint32_t* q = (const device uint32_t*)(b->qs + 32 * (j / 2) + 8 * u);  // 4-byte aligned
+  const device uint32_t* qh = (const device uint32_t*)(b->qh + 8 * u);                // 4-byte aligned
+  const uint shift = 4 * (j % 2);
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t v = q[h], hi = qh[h];
+    for (int i = 0; i < 4; ++i)
+      w[4 * h + i] = s * float(((v >> (8 * i + shift)) & 0xfu) | (((hi >> (8 * i + j)) & 0x1u) << 4)) - m;
   }
 }
 

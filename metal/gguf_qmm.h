@@ -1,16 +1,17 @@
 // gguf_qmv / gguf_qmm: y[M, N] = x[M, K] @ W.T with W [N, K] given as GGUF K-quant blocks (Q2_K,
-// Q3_K, Q4_K, Q6_K; layouts in metal/gguf_format.h), decoded in-kernel from the file's bytes; float32
-// accumulation; x, y in float / half / bfloat.
+// Q3_K, Q4_K, Q5_K, Q6_K; layouts in metal/gguf_format.h), decoded in-kernel from the file's bytes;
+// float32 accumulation; x, y in float / half / bfloat.
 //
-//   blocks uint8 [N, K/256 * B] (B = 84 Q2_K, 110 Q3_K, 144 Q4_K, 210 Q6_K)   x [M, K]   y [M, N]
-//   K % 256 == 0
+//   blocks uint8 [N, K/256 * B] (B = 84 Q2_K, 110 Q3_K, 144 Q4_K, 176 Q5_K, 210 Q6_K)
+//   x [M, K]   y [M, N]   K % 256 == 0
 //
 //   grid (ceil(N/8), ceil(M/R)); threadgroup = 2 SIMD-groups x 32 lanes
 //   simdgroup s -> W rows n0 = 8*tx + 4*s .. +3 ;  x rows m0 = R*ty .. +R-1   (R = 1: qmv)
 //   the 32 lanes form teams of L lanes, team t walks super-blocks t, t + 32/L, t + 2*32/L, ...
-//     Q4_K, L = 8 : slot s = lane % 8 (iq = s/4, ir = s%4) owns 4 runs of 8 weights,
+//     Q4_K, Q5_K, L = 8 : slot s = lane % 8 (iq = s/4, ir = s%4) owns 4 runs of 8 weights,
 //                   chunks c in {iq, iq+2} x nibble {low, high}: weights 64c + 32*nib + 8ir .. +8
-//                   (one scale/min pair per run: sub-block 2c + nib)
+//                   (one scale/min pair per run: sub-block 2c + nib; Q5_K's fifth bits: bit
+//                   2c + nib of qh[8ir .. +8))
 //     Q2_K, Q3_K, Q6_K, L = 16: slot s = lane % 16 (h = s/8, l0 = 4*(s%8)) owns 4 runs of 4
 //                   weights, weights 128h + 32t + l0 .. +4 for t = 0..3 (one scale per run:
 //                   sub-block 8h + 2t + l0/16; Q2_K also a min)
@@ -20,11 +21,12 @@
 //   end: simd_sum of each acc[m][r] -> y[m0 + m, n0 + r]
 //
 // Design credits: the lane/block interleaving and the per-run "scale * dot - min * sum(x)"
-// factoring follow llama.cpp's kernel_mul_mv_{q2_K, q3_K, q4_K, q6_K}_f32 (ggml-metal);
+// factoring follow llama.cpp's kernel_mul_mv_{q2_K, q3_K, q4_K, q5_K, q6_K}_f32 (ggml-metal);
 // reusing one decode for R rows of x is the small-M design of metal/quant_qmm_small.h.
 // Bounds: rows of W past N and rows of x past M are skipped uniformly per SIMD-group; teams
 // whose next super-block is past K/256 stop (no collective inside the loop).
 // Alignment: Q4_K blocks are read as uint32 (runs sit at 16 + 32c + 8ir bytes of a 144-byte
+// block), Q5_K as uint32 (qs runs at 48 + 32c + 8ir, qh[8ir ..) at 16 + 8ir bytes of a 176-byte
 // block), Q2_K as uint32 (qs[32h + l0 ..) at byte 16 + 32h + l0 of an 84-byte block), Q3_K and
 // Q6_K as uint16 (110- and 210-byte blocks are 2-aligned); the executors bind `blocks` at a
 // 4-byte-aligned offset.
@@ -85,6 +87,50 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> {
         for (int i = 0; i < 4; ++i) {
           q[j][i] = float((w0 >> (8 * i + 4 * nib)) & 0xfu);
           q[j][i + 4] = float((w1 >> (8 * i + 4 * nib)) & 0xfu);
+        }
+      }
+    }
+  }
+};
+
+// Q5_K: Q4_K's lane mapping, scales and nibbles (qs at byte 48 of the block), plus each code's fifth
+// bit: bit 2c + nib of qh[8ir + i] for weight i of the run in chunk c, nibble nib. A slot's 4 runs
+// read the same 8 bytes qh[8ir .. +8), one shift per run.
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeQ5_K> {
+  enum : int { LANES = 8, RUNS = 4, RUN = 8, HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ5K) };
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];
+
+  // Run j: chunk c = iq + 2 * (j / 2), nibble j % 2 (as Q4_K's).
+  static uint offset(uint slot, int j) {
+    const uint iq = slot / 4, ir = slot % 4;
+    return 64 * (iq + 2 * (j / 2)) + 32 * (j % 2) + 8 * ir;
+  }
+
+  void decode(const device uint8_t* raw, uint slot) {
+    const device torch_qmm::gguf::BlockQ5K* b = (const device torch_qmm::gguf::BlockQ5K*)raw;
+    const uint iq = slot / 4, ir = slot % 4;
+    const float d = float(as_type<half>(b->d));
+    const float dmin = float(as_type<half>(b->dmin));
+    // qh sits at byte 16 and qs at byte 48 of a 176-byte block, 8ir % 8 == 0: 4-byte aligned.
+    const device uint32_t* hw = (const device uint32_t*)(b->qh + 8 * ir);
+    const uint32_t h0 = hw[0], h1 = hw[1];
+    for (int cc = 0; cc < 2; ++cc) {
+      const uint c = iq + 2 * cc;
+      const device uint32_t* w = (const device uint32_t*)(b->qs + 32 * c + 8 * ir);
+      const uint32_t w0 = w[0], w1 = w[1];
+      for (int nib = 0; nib < 2; ++nib) {
+        const int j = 2 * cc + nib;
+        const uint hb = 2 * c + uint(nib);  // the run's sub-block, and its bit of qh
+        const torch_qmm::gguf::ScaleMin sm = torch_qmm::gguf::q4k_scale_min(int(hb), b->scales);
+        scale[j] = d * float(sm.scale);
+        min[j] = dmin * float(sm.min);
+        for (int i = 0; i < 4; ++i) {
+          q[j][i] = float(((w0 >> (8 * i + 4 * nib)) & 0xfu) | (((h0 >> (8 * i + hb)) & 0x1u) << 4));
+          q[j][i + 4] = float(((w1 >> (8 * i + 4 * nib)) & 0xfu) | (((h1 >> (8 * i + hb)) & 0x1u) << 4));
         }
       }
     }

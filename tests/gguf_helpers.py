@@ -16,7 +16,7 @@ Q4_K, Q5_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQua
 Q2_K, Q3_K = GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K
 # The types gguf_qmm multiplies natively (torch_qmm.interop.gguf_types.NATIVE_TYPES, listed here
 # independently; tests/test_gguf_types.py compares).
-NATIVE_K_TYPES = (Q2_K, Q3_K, Q4_K, Q6_K)
+NATIVE_K_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 
 
 def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -50,10 +50,10 @@ def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.nd
     now 0): w = (4 sc q - m) / 64, |w| <= 900 / 64. Q6_K: d = 2^-4, the int8 sub-block scales in
     -8..7: w = sc (q - 32) / 16, |w| <= 256 / 16. Q2_K: d = 2^-4, dmin = 2^-6, any 4-bit scales and
     mins: w = (4 sc q - m) / 64, |w| <= 180 / 64. Q3_K: d = 2^-4, any 6-bit scales: w = sc (q - 4) / 16,
-    |w| <= 128 / 16."""
+    |w| <= 128 / 16. Q5_K: as Q4_K (scales and mins 0..15), any fifth bits: |w| <= 1860 / 64."""
     ggml_type = GGMLQuantizationType(ggml_type)
     blocks = random_k_blocks(ggml_type, n, k, rng).reshape(n, k // 256, -1)
-    if ggml_type == Q4_K:
+    if ggml_type in (Q4_K, Q5_K):
         blocks[..., 0:2] = np.array([2.0**-4], "<f2").view(np.uint8)
         blocks[..., 2:4] = np.array([2.0**-6], "<f2").view(np.uint8)
         blocks[..., 4:12] &= 0x0F  # q[0..7]: scales / mins of sub-blocks 0-3, no high bits for 4-7
@@ -94,22 +94,23 @@ def exact_x(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
 def one_hot_k_blocks(ggml_type, cols: list[int], k: int) -> np.ndarray:
     """Blocks of W [len(cols), k] with W[n, cols[n]] = 1 and every other weight 0, so that
     x @ W.T selects x[:, cols[n]]. Q4_K: d = 1, dmin = 0, every scale 1, codes 0 but one 1 (no
-    offset: a kernel must carry x unrounded to the sum). Q6_K: d = 1, every scale 1, codes 32
-    (weight 0) but one 33 (kernels that hoist the -32 cancel sums of 32 x here). Q2_K: d = 1,
-    dmin = 0, every scale 1, codes 0 but one 1. Q3_K: d = 1, every scale 1 (6-bit 33), codes 4
-    (weight 0: every high bit set) but one 5."""
+    offset: a kernel must carry x unrounded to the sum). Q5_K: as Q4_K, every fifth bit 0. Q6_K:
+    d = 1, every scale 1, codes 32 (weight 0) but one 33 (kernels that hoist the -32 cancel sums of
+    32 x here). Q2_K: d = 1, dmin = 0, every scale 1, codes 0 but one 1. Q3_K: d = 1, every scale 1
+    (6-bit 33), codes 4 (weight 0: every high bit set) but one 5."""
     ggml_type = GGMLQuantizationType(ggml_type)
     _, block_bytes = GGML_QUANT_SIZES[ggml_type]
     blocks = np.zeros((len(cols), k // 256, block_bytes), dtype=np.uint8)
     one = np.array([1.0], "<f2").view(np.uint8)
     for n, col in enumerate(cols):
         b, j = divmod(col, 256)
-        if ggml_type == Q4_K:
+        if ggml_type in (Q4_K, Q5_K):
             blocks[n, :, 0:2] = one
             blocks[n, :, 4:8] = 1  # scales of sub-blocks 0-3 (mins 0)
             blocks[n, :, 12:16] = 1  # low bits of the scales of sub-blocks 4-7 (their mins 0)
             s, i = divmod(j, 32)
-            blocks[n, b, 16 + 32 * (s // 2) + i] |= 1 << (4 * (s % 2))
+            qs = 16 if ggml_type == Q4_K else 48  # Q5_K: qh (bytes 16..47) 0
+            blocks[n, b, qs + 32 * (s // 2) + i] |= 1 << (4 * (s % 2))
         elif ggml_type in (Q2_K, Q3_K):
             if ggml_type == Q2_K:
                 blocks[n, :, 0:16] = 1  # scale 1, min 0
@@ -165,8 +166,8 @@ from cpu_features import HAS_AVX2, HAS_AVX512, HAS_BF16, HAS_VL, env_on, fma_fir
 def k_quant_terms(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray]:
     """The two terms of every weight of K-quant blocks [n, k/256 * block_bytes], each decoded by
     gguf.quants.dequantize from a copy of the blocks with the other term zeroed: Q4_K w = d*sc*q
-    - dmin*m (terms d*sc*q and dmin*m), Q6_K w = d*sc*(q - 32) (terms d*sc*q and d*sc*32); Q2_K as
-    Q4_K, Q3_K as Q6_K (w = d*sc*(q - 4)).
+    - dmin*m (terms d*sc*q and dmin*m), Q6_K w = d*sc*(q - 32) (terms d*sc*q and d*sc*32); Q2_K and
+    Q5_K as Q4_K, Q3_K as Q6_K (w = d*sc*(q - 4)).
     Returns float64 (scaled, offset) [n, k] with w = scaled - offset."""
     from gguf import quants
 
@@ -175,8 +176,8 @@ def k_quant_terms(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray
     raw = blocks.reshape(blocks.shape[0], -1, block_bytes)
     w = quants.dequantize(blocks, ggml_type).astype(np.float64)
     cut = raw.copy()
-    if ggml_type in (Q4_K, Q2_K):
-        dmin = slice(2, 4) if ggml_type == Q4_K else slice(82, 84)
+    if ggml_type in (Q4_K, Q5_K, Q2_K):
+        dmin = slice(82, 84) if ggml_type == Q2_K else slice(2, 4)
         cut[..., dmin] = 0  # dmin = 0: d*sc*q alone
         scaled = quants.dequantize(cut.reshape(blocks.shape), ggml_type).astype(np.float64)
         return scaled, scaled - w
@@ -216,7 +217,8 @@ GGUF_F32_MAX_ROWS = 32  # cpu::kGgufF32MaxRows
 GGUF_PANEL_MAX_ROWS = 128  # cpu::kGgufPanelMaxRows: the float32 family takes up to this many rows where
                            # the panel kernels take rows (all but the last 13 or fewer)
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
-GGUF_AVX2_NAMES = {Q2_K: "chunked/avx2-q2k", Q3_K: "chunked/avx2-q3k", Q4_K: "chunked/avx2-q4k", Q6_K: "chunked/avx2-q6k"}
+GGUF_AVX2_NAMES = {Q2_K: "chunked/avx2-q2k", Q3_K: "chunked/avx2-q3k", Q4_K: "chunked/avx2-q4k", Q5_K: "chunked/avx2-q5k",
+                   Q6_K: "chunked/avx2-q6k"}
 # The same kernels with the code fields taken as the bits of subnormal floats (gguf_avx2.cpp,
 # Fields<true>): where subnormal_fields_on(), for x with every nonzero |x| in [2^-57, 2^48), and for
 # Q4_K only where the rows of x go in blocks of 4 and 1 (M % 4 < 2: its 2-row block is slower so).
@@ -264,7 +266,7 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True, x_in_
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
     avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
     sub_range = x_in_range if x_in_subnormal_range is None else x_in_subnormal_range
-    if ggml_type in (Q2_K, Q3_K):  # AVX2 chunk kernels only
+    if ggml_type in (Q2_K, Q3_K, Q5_K):  # AVX2 chunk kernels only
         return gguf_avx2_name(ggml_type, m, sub_range) if avx2 else "fused" if m < 16 else "gemm"
     if gguf_bf16_panel_serves(terms, m, x_in_range):
         return GGUF_BF16_PANEL_NAMES[ggml_type]

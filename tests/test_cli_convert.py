@@ -329,7 +329,7 @@ def test_gguf_to_transformers_reports_why_the_embedding_is_float(gguf_path, tmp_
 def test_q4_k_layers_are_reported_lossless_only_when_biases_survive_the_dtype_too(dtype):
     """Blocks whose scales d*sc are exact in the dtype (d = 1, sc = 1) but whose biases -dmin*m are
     not (dmin = 1 + 2^-10 has 11 significant bits, m = 63): the layer is not lossless."""
-    from torch_qmm.interop.cli_convert import _q4_k_affine
+    from torch_qmm.interop.cli_convert import _k_affine
 
     block = np.zeros(144, dtype=np.uint8)
     block[0:2] = np.array([1.0], dtype="<f2").view(np.uint8)  # d
@@ -339,11 +339,11 @@ def test_q4_k_layers_are_reported_lossless_only_when_biases_survive_the_dtype_to
     block[12:16] = 0xF1  # sc (low nibble) and m (high nibble) of sub-blocks 4-7
     block[16:] = np.arange(128, dtype=np.uint8)
     blocks = torch.from_numpy(np.tile(block, (2, 1)))
-    _, scales, biases, exact = _q4_k_affine(blocks, 2, 256, dtype, "layer")
+    _, scales, biases, exact = _k_affine(blocks, 2, 256, 12, dtype, "layer")
     assert torch.equal(scales.float(), torch.ones(2, 8))
     assert biases.float()[0, 0] != -(1 + 2**-10) * 63  # rounded: the premise of the test
     assert exact is False
-    assert _q4_k_affine(blocks, 2, 256, torch.float32, "layer")[3] is True
+    assert _k_affine(blocks, 2, 256, 12, torch.float32, "layer")[3] is True
 
 
 def test_gguf_to_transformers_of_a_tied_model_keeps_the_head_tied_to_the_file_embedding(tmp_path, capsys):

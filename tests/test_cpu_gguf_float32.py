@@ -1,6 +1,7 @@
 """The GGUF chunk kernels that keep x exact with float32 FMAs, one family per instruction set:
-AVX-512 ("f32-q4k", "f32-q6k", csrc/cpu/gguf_f32.cpp) and AVX2 ("avx2-q2k", "avx2-q3k",
-"avx2-q4k", "avx2-q6k", csrc/cpu/gguf_avx2.cpp; Q2_K and Q3_K have AVX2 kernels only). Each test runs on both (the `family` fixture steps the other
+AVX-512 ("f32-q4k", "f32-q6k", csrc/cpu/gguf_f32.cpp) and AVX2 ("avx2-q2k" .. "avx2-q6k",
+csrc/cpu/gguf_avx2.cpp; Q2_K, Q3_K and Q5_K have AVX2 kernels only). Each test runs on both (the
+`family` fixture steps the other
 kernels aside through their environment switches, the AVX-512 panel kernels too: those are
 tests/test_cpu_gguf_panel.py's) and first checks, with
 torch.ops.torch_qmm._gguf_cpu_route, that the call reached the kernel it means to test.
@@ -19,7 +20,8 @@ import torch
 from gguf import quants
 
 from cpu_features import HAS_AVX2, HAS_AVX512
-from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_F32_MAX_ROWS, GGUF_F32_NAMES, Q2_K, Q3_K, Q4_K, Q6_K, gguf_avx2_name
+from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_F32_MAX_ROWS, GGUF_F32_NAMES, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+from gguf_helpers import gguf_avx2_name
 from gguf_helpers import assert_matches_reference, expected_gguf_route, k_quant_magnitude, q4k_every_scale_byte
 from gguf_helpers import q6k_signed_scales_and_full_high_fields, random_k_blocks
 
@@ -40,7 +42,7 @@ FAMILIES = {
 
 
 AVX2_FAMILIES = ["avx2", "avx2-subnormal"]
-LOW_TYPES = [Q2_K, Q3_K]  # the AVX2 families' only
+LOW_TYPES = [Q2_K, Q3_K, Q5_K]  # the AVX2 families' only
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -72,16 +74,18 @@ def check(x, blocks, w, n, k, ggml_type, dtype, what):
 
 
 def _every_scale_byte(ggml_type, n: int):
-    """An edit of Q2_K / Q3_K blocks of n rows (one super-block each) whose scale bytes sweep
-    0..255 over the rows (Q2_K: every 4-bit scale and min; Q3_K: every 6-bit scale, high bits
-    included), and whose Q3_K high-bit bytes are all 0 or all 1 in every third row."""
-    first, count = (0, 16) if ggml_type == Q2_K else (96, 12)
+    """An edit of Q2_K / Q3_K / Q5_K blocks of n rows (one super-block each) whose scale bytes
+    sweep 0..255 over the rows (Q2_K: every 4-bit scale and min; Q3_K: every 6-bit scale; Q5_K:
+    every 6-bit scale and min, high bits included), and whose high-bit bytes (Q3_K's hmask, Q5_K's
+    qh) are all 0 or all 1 in two of every three rows."""
+    first, count = {Q2_K: (0, 16), Q3_K: (96, 12), Q5_K: (4, 12)}[ggml_type]
+    high = {Q3_K: slice(0, 32), Q5_K: slice(16, 48)}.get(ggml_type)
 
     def edit(blocks):
         raw = blocks.reshape(n, -1).copy()
         raw[:, first:first + count] = (np.arange(n)[:, None] * 7 + np.arange(count)[None, :] * 31) % 256
-        if ggml_type == Q3_K:
-            raw[::3, 0:32], raw[1::3, 0:32] = 0x00, 0xFF
+        if high is not None:
+            raw[::3, high], raw[1::3, high] = 0x00, 0xFF
         return raw
 
     return edit
@@ -91,8 +95,8 @@ def _every_scale_byte(ggml_type, n: int):
 @pytest.mark.parametrize("ggml_type", TYPES + LOW_TYPES, ids=lambda t: t.name)
 def test_float32_kernels_match_gguf_dequantize(family, ggml_type, dtype):
     """Super-blocks 1, 2 and 3, W rows in tiles of 4 / 2 / 1 and spans of 128 (N = 261), x rows in
-    blocks of 4 / 2 / 1, and the first M past the row limit (the GEMM, for comparison). Q2_K and
-    Q3_K: the AVX2 families only (under "f32" their route is the AVX2 kernel, checked by
+    blocks of 4 / 2 / 1, and the first M past the row limit (the GEMM, for comparison). Q2_K, Q3_K
+    and Q5_K: the AVX2 families only (under "f32" their route is the AVX2 kernel, checked by
     expected_gguf_route)."""
     for n, k in [(1, 256), (5, 768), (130, 512), (261, 256)]:
         blocks, w = _case(ggml_type, n, k, seed=n + k)
@@ -129,7 +133,7 @@ def test_q6k_negative_scales_and_every_high_field(family):
 
 @pytest.mark.parametrize("family", AVX2_FAMILIES, indirect=True)
 @pytest.mark.parametrize("ggml_type", LOW_TYPES, ids=lambda t: t.name)
-def test_q2k_q3k_every_scale_byte_and_high_bit(family, ggml_type):
+def test_q2k_q3k_q5k_every_scale_byte_and_high_bit(family, ggml_type):
     n, k = 256, 256
     blocks, w = _case(ggml_type, n, k, seed=9, raw_edit=_every_scale_byte(ggml_type, n))
     for m in (1, 2, 4):

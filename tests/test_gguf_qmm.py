@@ -84,9 +84,9 @@ def test_gguf_qmm_opcheck_and_compile():
 
 def test_unsupported_ggml_type_lists_the_supported_ones():
     blocks, _ = _case(Q4_K, 3, 256)
-    with pytest.raises(ValueError, match=r"'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 14 \(Q6_K\), "
-                                         r"got 13"):
-        gguf_matmul(torch.randn(1, 256), blocks, 13, 3, 256)
+    with pytest.raises(ValueError, match=r"'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), "
+                                         r"got 16"):
+        gguf_matmul(torch.randn(1, 256), blocks, 16, 3, 256)
     with pytest.raises(ValueError, match=r"got 8 \(Q8_0: convert it to the affine format"):
         gguf_matmul(torch.randn(1, 256), blocks, 8, 3, 256)
 
@@ -115,9 +115,9 @@ def test_dtype_mismatches_are_type_errors():
 
 
 def test_gguf_linear_rejects_unsupported_types():
-    with pytest.raises(ValueError, match=r"must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 14 \(Q6_K\), got 13 "
-                                         r"\(Q5_K\)"):
-        GGUFLinear(256, 4, 13)
+    with pytest.raises(ValueError, match=r"must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), got 16 "
+                                         r"\(IQ2_XXS\)"):
+        GGUFLinear(256, 4, 16)
 
 
 def _zeros(*shape):
@@ -134,8 +134,8 @@ BAD = {
     "blocks-rows": (torch.randn(1, 256), _zeros(2, 210), Q6_K, 3, 256, ValueError, r"= \[3, 210\].*got \[2, 210\]"),
     "x-scalar": (torch.tensor(1.0), _zeros(3, 144), Q4_K, 3, 256, ValueError, r"'x' must have last dimension K=256"),
     "x-int": (torch.ones(1, 256, dtype=torch.int32), _zeros(3, 144), Q4_K, 3, 256, TypeError, r"'x' must be float32"),
-    "type-Q5_K": (torch.randn(1, 256), _zeros(3, 176), 13, 3, 256, ValueError,
-                  r"must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 14 \(Q6_K\)"),
+    "type-IQ2_XXS": (torch.randn(1, 256), _zeros(3, 66), 16, 3, 256, ValueError,
+                  r"must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\)"),
 }
 OPS = ("gguf_qmm", "gguf_qmm_int8_activations")
 

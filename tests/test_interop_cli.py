@@ -12,7 +12,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from torch_qmm.__main__ import main
 from torch_qmm.formats import FORMATS
-from torch_qmm.interop import QuantEmbedding, load_mlx, parse_quantization
+from torch_qmm.interop import GGUFLinear, QuantEmbedding, load_mlx, parse_quantization
 from torch_qmm.interop.gguf import GGUFFile
 from torch_qmm.interop.gguf_llama import load_gguf_llama
 from torch_qmm.nn import QuantLinear
@@ -128,8 +128,11 @@ def test_convert_q5_k_gguf_to_mlx_is_exact_and_mlx_decodes_the_file_weights(tmp_
     load_mlx(model, out)
     from_gguf = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(out))
     load_gguf_llama(from_gguf, GGUFFile(path))
-    assert isinstance(from_gguf.model.layers[0].mlp.up_proj, QuantLinear)
-    assert torch.equal(_logits(model), _logits(from_gguf))
+    assert isinstance(from_gguf.model.layers[0].mlp.up_proj, GGUFLinear)  # the file's blocks
+    # the same weights, summed in another order (gguf_qmm against the affine kernel): float32 sums
+    # of at most 512 products per layer over 2 layers, as the other GGUF model comparisons
+    want = _logits(from_gguf)
+    torch.testing.assert_close(_logits(model), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("arch, head_dim", [("qwen2", None), ("qwen3", 128)])
@@ -380,7 +383,7 @@ def test_inspect_reads_per_layer_bits_of_a_torch_qmm_config_and_says_when_there_
 
 
 @pytest.mark.parametrize("ggml_type, blocks, message", [
-    (8, None, r"holds GGUF type 8 \(Q8_0\); GGUFLinear holds Q2_K, Q3_K, Q4_K, Q6_K"),
+    (8, None, r"holds GGUF type 8 \(Q8_0\); GGUFLinear holds Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"),
     (14, torch.zeros(4, 419, dtype=torch.uint8), r"tensor 'k.blocks' of Q6_K blocks must be \[rows, a multiple of 210\], "
                                                   r"got \[4, 419\]"),
 ], ids=["type", "blocks"])

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants
-from gguf.constants import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from gguf_helpers import assert_matches_reference, k_quant_magnitude, random_k_blocks, write_gguf
 from torch_qmm import reference
 from torch_qmm.interop import GGUFLinear
-from torch_qmm.interop.gguf import (GGUFFile, affine_exact, dequantize, embedding_from_gguf, linear_from_gguf,
-                                    to_affine)
+from torch_qmm.interop.gguf import (GGUFFile, affine_exact, dequantize, embedding_from_gguf, k_quant_to_affine,
+                                    linear_from_gguf, to_affine, to_blocks)
 from torch_qmm.interop.modules import QuantEmbedding
 from torch_qmm.nn import QuantLinear
 
@@ -63,7 +63,7 @@ def test_block_types_convert_losslessly_to_affine(gguf_file, qtype, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_q5_k_becomes_affine_5_bit_group_32_exact_in_float32(gguf_file, dtype):
+def test_q5_k_has_an_affine_5_bit_group_32_form_exact_in_float32(gguf_file, dtype):
     # Q5_K: each sub-block of 32 is one affine group, scale d*sc and bias -dmin*m (products of a
     # float16 and a 6-bit integer, up to 17 significant bits): exact in float32, rounded below it.
     path, expected = gguf_file
@@ -79,9 +79,14 @@ def test_q5_k_becomes_affine_5_bit_group_32_exact_in_float32(gguf_file, dtype):
         assert not affine_exact(t, dtype)
         wq32, s32, b32, _, _ = to_affine(t)  # the same codes; the float32 scales rounded once
         assert torch.equal(wq, wq32) and torch.equal(scales, s32.to(dtype)) and torch.equal(biases, b32.to(dtype))
-    layer = linear_from_gguf(t, dtype=dtype)
-    assert isinstance(layer, QuantLinear) and (layer.bits, layer.group_size) == (5, 32)
+    # k_quant_to_affine gives the same form from the block bytes (what convert uses for GGUFLinear)
+    kq, ks, kb = k_quant_to_affine(to_blocks(t), *t.shape, 13, dtype)
+    assert torch.equal(kq, wq) and torch.equal(ks, scales) and torch.equal(kb, biases)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
+    layer = QuantLinear(512, 19, bits=5, group_size=32, dtype=dtype)
+    layer.qweight.copy_(wq)
+    layer.scales.copy_(scales)
+    layer.biases.copy_(biases)
     assert_matches_reference(layer(x), reference.qmm(x, wq, scales, biases, bits, gs),
                              reference.qmm_magnitude(x, wq, scales, biases, bits, gs), dtype, "Q5_K")
 
@@ -94,12 +99,12 @@ def test_q5_k_embedding_rows_are_the_file_weights(gguf_file):
     assert torch.equal(emb(ids).double(), gguf_file[1]["Q5_K"][0][ids])
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_k_quants_become_gguf_linear_with_the_file_bytes(gguf_file, qtype):
     path, expected = gguf_file
     t = GGUFFile(path).tensors[qtype.name]
     layer = linear_from_gguf(t)
-    assert isinstance(layer, GGUFLinear) and layer.blocks.shape == (19, 512 // 256 * (144 if qtype == T.Q4_K else 210))
+    assert isinstance(layer, GGUFLinear) and layer.blocks.shape == (19, 512 // 256 * GGML_QUANT_SIZES[qtype][1])
     # the blocks are the bytes gguf's own reader finds in the file, bit for bit
     from gguf import GGUFReader
 
@@ -336,7 +341,7 @@ def test_gguf_headers_llama_cpp_refuses_are_refused_naming_what_is_wrong(tmp_pat
 def test_gguf_linear_ggml_type_that_is_not_an_int_is_a_type_error(ggml_type):
     """A type name or a float is refused naming the argument (a name failed as "invalid literal for
     int()", 12.0 built a layer whose forward failed); gguf's IntEnum is its value."""
-    with pytest.raises(TypeError, match=rf"argument 'ggml_type' must be an int, one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 14 \(Q6_K\), "
+    with pytest.raises(TypeError, match=rf"argument 'ggml_type' must be an int, one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), "
                                         rf"got {re.escape(repr(ggml_type))}"):
         GGUFLinear(256, 8, ggml_type)
     layer = GGUFLinear(256, 8, T.Q6_K)

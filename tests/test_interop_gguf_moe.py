@@ -4,7 +4,7 @@ them (3-D expert tensors ffn_{gate,up,down}_exps, the router ffn_gate_inp, qwen2
 expert *_shexp and its 1-D gate), load into the transformers model of their architecture and give
 the outputs of the same model holding the file's weights as the gguf package decodes them, and
 those of transformers' own GGUF loader of the file. The experts stay quantized in the file's
-formats: Q4_K / Q6_K blocks as GGUFSwitchLinear, the 32-weight types and Q5_K as affine
+formats: K-quant blocks as GGUFSwitchLinear, the 32-weight types as affine
 QuantSwitchLinear, in one QuantFusedExperts."""
 
 from __future__ import annotations
@@ -143,8 +143,10 @@ def write_moe_gguf(model, path, types: dict[str, T], rng, drop=(), metadata=None
 
 K_MIX = {"gate_exps": T.Q4_K, "up_exps": T.Q4_K, "down_exps": T.Q6_K, "q_proj": T.Q8_0, "k_proj": T.Q8_0,
          "v_proj": T.Q6_K, "o_proj": T.Q4_K, "shared_expert.": T.Q4_K, "embed": T.Q8_0, "lm_head": T.Q6_K}
-AFFINE_MIX = {"gate_exps": T.Q5_K, "up_exps": T.Q5_K, "down_exps": T.Q8_0, "proj": T.Q8_0, "embed": T.Q4_0}
-MIXED_MIX = {"gate_exps": T.Q5_K, "up_exps": T.Q5_K, "down_exps": T.Q6_K, "proj": T.Q4_0}
+AFFINE_MIX = {"gate_exps": T.Q5_1, "up_exps": T.Q5_1, "down_exps": T.Q8_0, "proj": T.Q8_0, "embed": T.Q4_0}
+MIXED_MIX = {"gate_exps": T.Q5_1, "up_exps": T.Q5_1, "down_exps": T.Q6_K, "proj": T.Q4_0}
+# llama.cpp's Q5_K_M experts: Q5_K gate / up, Q6_K down, both kept as blocks.
+Q5_MIX = {"gate_exps": T.Q5_K, "up_exps": T.Q5_K, "down_exps": T.Q6_K, "proj": T.Q8_0, "embed": T.Q5_K}
 # llama.cpp's Q2_K / Q3_K_M experts: the 2- and 3-bit K-quants kept as blocks.
 LOW_MIX = {"gate_exps": T.Q3_K, "up_exps": T.Q3_K, "down_exps": T.Q2_K, "q_proj": T.Q8_0, "k_proj": T.Q8_0,
            "v_proj": T.Q5_K, "o_proj": T.Q3_K, "embed": T.Q8_0, "lm_head": T.Q6_K}
@@ -165,9 +167,9 @@ def _assert_logits(got, want):
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "mixtral"])
-@pytest.mark.parametrize("mix", ["k", "low", "affine", "mixed", "f32"])
+@pytest.mark.parametrize("mix", ["k", "low", "q5", "affine", "mixed", "f32"])
 def test_moe_gguf_loads_into_its_transformers_model(tmp_path, arch, mix):
-    types = {"k": K_MIX, "low": LOW_MIX, "affine": AFFINE_MIX, "mixed": MIXED_MIX, "f32": {}}[mix]
+    types = {"k": K_MIX, "low": LOW_MIX, "q5": Q5_MIX, "affine": AFFINE_MIX, "mixed": MIXED_MIX, "f32": {}}[mix]
     source = moe_model(arch, 256)
     held = write_moe_gguf(source, tmp_path / "m.gguf", types, np.random.default_rng(3))
     f = GGUFFile(tmp_path / "m.gguf")
@@ -188,13 +190,14 @@ def test_moe_gguf_loads_into_its_transformers_model(tmp_path, arch, mix):
         assert isinstance(experts, QuantFusedExperts)
         gate_up, down = experts.gate_up_proj, experts.down_proj
         kinds = {"k": (GGUFSwitchLinear, GGUFSwitchLinear), "low": (GGUFSwitchLinear, GGUFSwitchLinear),
+                 "q5": (GGUFSwitchLinear, GGUFSwitchLinear),
                  "affine": (QuantSwitchLinear, QuantSwitchLinear),
                  "mixed": (QuantSwitchLinear, GGUFSwitchLinear)}[mix]
         assert (type(gate_up), type(down)) == kinds
         assert report.quantized["model.layers.1.mlp.experts"] == {
             "k": "experts gate Q4_K, up Q4_K, down Q6_K", "low": "experts gate Q3_K, up Q3_K, down Q2_K",
-            "affine": "experts gate Q5_K, up Q5_K, down Q8_0",
-            "mixed": "experts gate Q5_K, up Q5_K, down Q6_K"}[mix]
+            "q5": "experts gate Q5_K, up Q5_K, down Q6_K", "affine": "experts gate Q5_1, up Q5_1, down Q8_0",
+            "mixed": "experts gate Q5_1, up Q5_1, down Q6_K"}[mix]
         if mix == "affine":
             assert (gate_up.bits, gate_up.group_size, down.bits) == (5, 32, 8)
     with torch.no_grad():

@@ -1,9 +1,9 @@
 """gguf_qmm's Metal kernels (metal/gguf_qmm.h) on metalsim, through the planner (csrc/plan.cpp) and
 the metalsim executor, against gguf.quants.dequantize (the gguf package's decoder) + a float64
-matmul: every GGUF route, Q2_K, Q3_K, Q4_K and Q6_K, three dtypes, odd N, M across the routing
-thresholds; bit-exact sums and one-hot weights at every position of a super-block (the sub-block and
-bit mapping of each type), Q3_K's high bits; checked mode; simulated traffic (metalsim byte
-counters)."""
+matmul: every GGUF route, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, three dtypes, odd N, M across the
+routing thresholds; bit-exact sums and one-hot weights at every position of a super-block (the
+sub-block and bit mapping of each type), Q3_K's high bits, Q5_K's fifth bits; checked mode; simulated
+traffic (metalsim byte counters)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,18 @@ from gguf import quants
 
 from gguf.constants import GGML_QUANT_SIZES
 
-from gguf_helpers import Q2_K, Q3_K, Q4_K, Q6_K, exact_k_blocks, exact_x, k_quant_magnitude, one_hot_k_blocks
+from gguf_helpers import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, exact_k_blocks, exact_x, k_quant_magnitude, one_hot_k_blocks
 from gguf_helpers import random_k_blocks
 from metal_helpers import DTYPES, require_clang, routes
 from tolerance import assert_matches_reference
 from torch_qmm.ops import gguf_matmul
 
-TYPES = (Q2_K, Q3_K, Q4_K, Q6_K)
+TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 NEW_TYPES = (Q2_K, Q3_K)
+ONE_HOT_TYPES = (Q2_K, Q3_K, Q5_K)
 # One problem (M, N, K) per GGUF row of the routing table; N odd, K = 3 super-blocks (fewer than
-# the 4 Q4_K lane teams of a SIMD-group, more than the 2 of Q2_K / Q3_K / Q6_K (16 lanes each):
-# both loop tails are exercised).
+# the 4 Q4_K / Q5_K lane teams of a SIMD-group, more than the 2 of Q2_K / Q3_K / Q6_K (16 lanes
+# each): both loop tails are exercised).
 GGUF_ROUTE_PROBLEMS = {
     "gguf_qmv": (1, 37, 768),
     "gguf_qmm_bm2": (2, 37, 768),
@@ -62,9 +63,9 @@ def gguf_case(ggml_type, M, N, K, dtype, seed):
 
 # The tolerance (tolerance.py) bounds the float32 accumulation error by ACC_RTOL times
 # k_quant_magnitude, |x| @ (|scaled| + |offset|).T, not |x| @ |w|.T: the kernels factor a run's
-# offset out of its dot product. Q4_K and Q2_K: scale * sum(q x) - min * sum(x) (d*sc and dmin*m
-# are exact products of an f16 and a small integer, and so is d*sc*q, so the reference's weight
-# d*sc*q - dmin*m is one rounding of the same terms); where the two terms cancel the error is
+# offset out of its dot product. Q4_K, Q5_K and Q2_K: scale * sum(q x) - min * sum(x) (d*sc and
+# dmin*m are exact products of an f16 and a small integer, and so is d*sc*q, at most 11 + 6 + 5 bits,
+# so the reference's weight d*sc*q - dmin*m is one rounding of the same terms); where the two terms cancel the error is
 # relative to their sum. Q6_K and Q3_K: codes shifted to q - 32 / q - 4 before the dot product,
 # their weights d*sc*(q - 32) / d*sc*(q - 4) are exact in float32 (11 + 8 + 6 and 11 + 6 + 3 bits),
 # and the offset term only makes the magnitude larger than |x| @ |w|.T.
@@ -120,6 +121,13 @@ def test_gguf_kernel_names_geometry_and_bindings():
     assert l["kernel"] == "gguf_qmm_bm4_bfloat16_t_q3_K" and l["threadgroups"] == [5, 1, 1]
     (l,) = plan_gguf(40, 37, 512, Q3_K, torch.float16)
     assert l["kernel"] == "gguf_qmm_mma32_float16_t_q3_K" and l["threadgroups"] == [2, 2, 1]
+    (l,) = plan_gguf(1, 4096, 4096, Q5_K, torch.float32)
+    assert l["kernel"] == "gguf_qmv_float_q5_K" and l["threadgroups"] == [512, 1, 1]
+    assert l["threads_per_threadgroup"] == [64, 1, 1] and l["bytes"] == [{"index": 3, "u32": [1, 4096, 4096, 16]}]
+    (l,) = plan_gguf(5, 37, 512, Q5_K, torch.bfloat16)
+    assert l["kernel"] == "gguf_qmm_bm8_bfloat16_t_q5_K" and l["threadgroups"] == [5, 1, 1]
+    (l,) = plan_gguf(17, 37, 512, Q5_K, torch.float16)
+    assert l["kernel"] == "gguf_qmm_mma32_float16_t_q5_K" and l["threadgroups"] == [2, 1, 1]
     assert plan_gguf(0, 37, 512, Q4_K, torch.float32) == [] and plan_gguf(3, 0, 512, Q4_K, torch.float32) == []
 
 
@@ -127,14 +135,16 @@ def test_plan_gguf_rejects_what_has_no_kernel():
     with pytest.raises(ValueError, match="ggml_type"):
         plan_gguf(1, 8, 256, 8, torch.float32)
     with pytest.raises(ValueError, match="ggml_type"):
-        plan_gguf(1, 8, 256, 13, torch.float32)  # Q5_K: converted on load, no kernel
+        plan_gguf(1, 8, 256, 7, torch.float32)  # Q5_1: converted on load, no kernel
+    (l,) = plan_gguf(1, 8, 256, 13, torch.float32)  # Q5_K has kernels
+    assert l["kernel"] == "gguf_qmv_float_q5_K"
     with pytest.raises(ValueError, match="multiple of 256"):
         plan_gguf(1, 8, 300, Q4_K, torch.float32)
 
 
 def test_plan_for_gguf_runs_the_cpu_checks():
     blocks, _, x = gguf_case(Q4_K, 2, 3, 512, torch.float32, seed=0)
-    for args in ((x, blocks, 13, 3, 512), (x, blocks, int(Q4_K), 4, 512), (x[:, :256], blocks, int(Q4_K), 3, 512),
+    for args in ((x, blocks, 7, 3, 512), (x, blocks, int(Q4_K), 4, 512), (x[:, :256], blocks, int(Q4_K), 3, 512),
                  (x.double(), blocks, int(Q4_K), 3, 512)):
         with pytest.raises((ValueError, TypeError)) as cpu:
             torch.ops.torch_qmm.gguf_qmm(*args)
@@ -222,7 +232,7 @@ def _sub_block_scales(blocks: np.ndarray, ggml_type) -> np.ndarray:
 def test_gguf_exact_sums_on_every_route(ggml_type, route):
     """exact_k_blocks / exact_x: every product and partial sum is exact in float32, so y is the
     float64 product rounded once to the dtype, bit for bit. The blocks' codes and sub-block scales
-    (Q2_K, Q4_K also mins) are random bytes, different from sub-block to sub-block: a weight read from
+    (Q2_K, Q4_K, Q5_K also mins; Q5_K's fifth bits) are random bytes, different from sub-block to sub-block: a weight read from
     the wrong code bits, or scaled with another sub-block's scale, changes y."""
     from torch_qmm.metalsim import backend, last_launches
 
@@ -244,12 +254,24 @@ def test_gguf_exact_sums_on_every_route(ggml_type, route):
         assert torch.equal(y, expect), f"{launch.kernel}: {(y.double() - expect.double()).abs().max().item():.3e}"
 
 
-def _one_hot_blocks(ggml_type, cols: list[int], signs: list[int], k: int) -> np.ndarray:
+def _one_hot_blocks(ggml_type, cols: list[int], signs: list[int], k: int,
+                    fifth: list[bool] | None = None) -> np.ndarray:
     """gguf_helpers.one_hot_k_blocks (W[n, cols[n]] = 1, every other weight 0; Q3_K: every high
     bit set, codes 4) with W[n, cols[n]] = -1 where signs[n] < 0 (Q3_K only): that weight's code
     3 (low bits 3, its high bit cleared). Weight 128h + 32t + p (p < 32) of a super-block has its
-    low bits at bits 2t, 2t+1 of qs[32h + p] and its high bit at bit 4h + t of hmask[p]."""
+    low bits at bits 2t, 2t+1 of qs[32h + p] and its high bit at bit 4h + t of hmask[p].
+    Q5_K rows n with fifth[n]: the 1 comes from the fifth bit alone (d = 2^-4, code 16: low bits 0,
+    bit s of qh[p] set for weight 32s + p, sub-block s)."""
     blocks = one_hot_k_blocks(ggml_type, cols, k).reshape(len(cols), k // 256, -1)
+    for n, col in enumerate(cols):
+        if not (fifth and fifth[n]):
+            continue
+        assert ggml_type == Q5_K
+        b, j = divmod(col, 256)
+        s, p = divmod(j, 32)
+        blocks[n, :, 0:2] = np.array([2.0**-4], "<f2").view(np.uint8)
+        blocks[n, b, 48 + 32 * (s // 2) + p] = 0
+        blocks[n, b, 16 + p] = 1 << s
     for n, (col, sign) in enumerate(zip(cols, signs)):
         if sign > 0:
             continue
@@ -264,18 +286,20 @@ def _one_hot_blocks(ggml_type, cols: list[int], signs: list[int], k: int) -> np.
 
 @needs_clang
 @pytest.mark.parametrize("route", sorted(GGUF_ROUTE_PROBLEMS))
-@pytest.mark.parametrize("ggml_type", NEW_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", ONE_HOT_TYPES, ids=lambda t: t.name)
 def test_gguf_one_hot_weights_at_every_position(ggml_type, route):
     """Row n of W has one nonzero weight, at position n of a super-block (every one of the 256,
     alternating between the two super-blocks of K = 512): y[:, n] = +-x[:, cols[n]] exactly. A
-    wrong code bit, shift, byte or Q3_K high bit (the -1 rows clear exactly the one high bit the
-    weight reads) moves or changes the weight."""
+    wrong code bit, shift, byte, Q3_K high bit (the -1 rows clear exactly the one high bit the
+    weight reads) or Q5_K fifth bit (every third row's weight is its fifth bit alone) moves or
+    changes the weight."""
     from torch_qmm.metalsim import backend, last_launches
 
     M, K = GGUF_ROUTE_PROBLEMS[route][0], 512
     cols = [256 * (n % 2) + n for n in range(256)]
-    signs = [1 if ggml_type == Q2_K or n % 3 else -1 for n in range(256)]
-    blocks = _one_hot_blocks(ggml_type, cols, signs, K)
+    signs = [-1 if ggml_type == Q3_K and n % 3 == 0 else 1 for n in range(256)]
+    fifth = [ggml_type == Q5_K and n % 3 == 0 for n in range(256)]
+    blocks = _one_hot_blocks(ggml_type, cols, signs, K, fifth)
     w = quants.dequantize(blocks, ggml_type)
     expect_w = np.zeros((256, K), np.float32)
     expect_w[np.arange(256), cols] = signs
@@ -312,6 +336,34 @@ def test_gguf_q3k_high_bits_all_set_and_all_clear(route):
         assert launch.route == route
         assert_matches_reference(y, x.double() @ w.T, k_quant_magnitude(x, blocks, Q3_K), torch.float32,
                                  f"{launch.kernel} hmask {fill:#04x}")
+
+
+@needs_clang
+@pytest.mark.parametrize("route", sorted(GGUF_ROUTE_PROBLEMS))
+def test_gguf_q5k_fifth_bits_all_set_all_clear_and_one_at_a_time(route):
+    """Q5_K blocks (exact_k_blocks: y exact in float32) with every qh bit clear (q = 0..15), every
+    one set (q = 16..31) and, for each bit s of the qh bytes, only that one set (sub-block s's
+    codes + 16): a kernel that skips or misplaces the fifth bit of any sub-block is off by
+    16*d*sc*x there, and y must equal the rounded float64 product bit for bit."""
+    from torch_qmm.metalsim import backend, last_launches
+
+    M, N, K = GGUF_ROUTE_PROBLEMS[route]
+    rng = np.random.default_rng(6)
+    base = exact_k_blocks(Q5_K, N, K, rng)
+    x32 = torch.from_numpy(exact_x(M, K, rng))
+    for i, fill in enumerate((0x00, 0xFF) + tuple(1 << s for s in range(8))):
+        blocks = base.reshape(N, -1, 176).copy()
+        blocks[..., 16:48] = fill
+        blocks = blocks.reshape(N, -1)
+        w = torch.from_numpy(quants.dequantize(blocks, Q5_K)).double()
+        x = x32.to(DTYPES[i % len(DTYPES)])
+        with backend():
+            y = gguf_matmul(x, torch.from_numpy(blocks), int(Q5_K), N, K)
+        (launch,) = last_launches()
+        assert launch.route == route
+        expect = (x.double() @ w.T).to(x.dtype)
+        assert torch.equal(y, expect), (f"{launch.kernel} qh {fill:#04x}: "
+                                        f"{(y.double() - expect.double()).abs().max().item():.3e}")
 
 
 @needs_clang

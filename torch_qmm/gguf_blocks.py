@@ -1,11 +1,11 @@
-"""GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q6_K) decoded to float32 with plain torch ops on uint8.
+"""GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) decoded to float32 with plain torch ops on uint8.
 
 `dequantize_rows(blocks, ggml_type)` gives the weights gguf.quants.dequantize gives, bit for bit
 (tests/test_gguf_qmm_backward.py), with tensor ops only (nothing device-specific; tested on CPU), and traces
 under torch.compile. gguf_qmm's backward (torch_qmm/ops.py) uses it; the kernels decode in-kernel
 (csrc/cpu, metal/gguf_format.h).
 
-Layouts (llama.cpp's block_q2_K / q3_K / q4_K / q6_K; 256 weights per super-block, one super-block
+Layouts (llama.cpp's block_q2_K / q3_K / q4_K / q5_K / q6_K; 256 weights per super-block, one super-block
 after another along a row of W):
   Q2_K, 84 bytes: 16 bytes of 4-bit scales sc_j (low nibble) and mins m_j (high nibble) of the
     sub-blocks of 16, 64 bytes of 2-bit codes q, f16 d, f16 dmin; w = (d*sc_j)*q - dmin*m_j.
@@ -13,11 +13,13 @@ after another along a row of W):
     scales (sc_j - 32 of the sub-blocks of 16), f16 d; w = (d*(sc_j - 32))*(q - 4), q = 0..7.
   Q4_K, 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales sc_j and mins m_j of the 8 sub-blocks
     of 32, 128 bytes of 4-bit codes q; w = (d*sc_j)*q - dmin*m_j.
+  Q5_K, 176 bytes: Q4_K's d, dmin and scale bytes, 32 bytes of the codes' fifth bits, Q4_K's 128
+    bytes of low 4 bits; w = (d*sc_j)*q - dmin*m_j, q = 0..31.
   Q6_K, 210 bytes: 128 bytes of the codes' low 4 bits, 64 bytes of their high 2 bits, 16 int8
     scales sc_j of the sub-blocks of 16, f16 d; w = (d*sc_j)*(q - 32).
 All are computed in float32 in the gguf package's order: d*sc_j is exact (an 11-bit significand
-times an integer of at most 8 bits), and so is (d*sc_j)*q for Q2_K and Q4_K and (d*sc_j)*(q - 4)
-for Q3_K; the one rounding is the subtraction (Q2_K, Q4_K) or the product with q - 32 (Q6_K).
+times an integer of at most 8 bits), and so is (d*sc_j)*q for Q2_K, Q4_K and Q5_K and (d*sc_j)*(q - 4)
+for Q3_K; the one rounding is the subtraction (Q2_K, Q4_K, Q5_K) or the product with q - 32 (Q6_K).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import torch
 
 # ggml type id -> bytes per super-block of 256 weights (ids and sizes as in
 # torch_qmm/interop/gguf_types.py, which reads them from the gguf package; the tests compare).
-BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 14: 210}  # Q2_K, Q3_K, Q4_K, Q6_K
+BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 # ggml type id -> the bytes of its float16 super-block scales in a block (d, then dmin where it has one).
-F16_SCALE_BYTES = {10: slice(80, 84), 11: slice(108, 110), 12: slice(0, 4), 14: slice(208, 210)}
+F16_SCALE_BYTES = {10: slice(80, 84), 11: slice(108, 110), 12: slice(0, 4), 13: slice(0, 4), 14: slice(208, 210)}
 WEIGHTS_PER_BLOCK = 256
 
 
@@ -71,6 +73,16 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    return _q4_k_family(b, b[..., 16:144], None)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    return _q4_k_family(b, b[..., 48:176], b[..., 16:48])
+
+
+def _q4_k_family(b: torch.Tensor, low: torch.Tensor, fifth: torch.Tensor | None) -> torch.Tensor:
+    """Q4_K (fifth None) or Q5_K (fifth: its 32 bytes qh, bit j of byte l the fifth bit of weight
+    l of sub-block j) from the blocks b and their 128 bytes of low 4 bits."""
     rows, sb = b.shape[:2]
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [rows, sb, 1]
     # 12 scale bytes (llama.cpp get_scale_min_k4): sub-blocks 0-3 take the low 6 bits of bytes 0-3
@@ -79,8 +91,11 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     sc = torch.cat([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)  # [rows, sb, 8]
     mn = torch.cat([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], dim=-1)
     # 128 code bytes as 4 chunks of 32: sub-block 2c is chunk c's low nibbles, 2c+1 its high ones.
-    qs = b[..., 16:].reshape(rows, sb, 4, 1, 32)
+    qs = low.reshape(rows, sb, 4, 1, 32)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, sb, 8, 32)
+    if fifth is not None:
+        qh = fifth.reshape(rows, sb, 1, 32)
+        q = q | (torch.cat([(qh >> j) & 1 for j in range(8)], dim=2) << 4)
     scale = (d * sc.float()).unsqueeze(-1)
     offset = (dmin * mn.float()).unsqueeze(-1)
     return (scale * q.float() - offset).reshape(rows, sb * WEIGHTS_PER_BLOCK)
@@ -102,8 +117,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (scale * q.reshape(rows, sb, 16, 16)).reshape(rows, sb * WEIGHTS_PER_BLOCK)
 
 
-_DECODERS = {10: _q2_k, 11: _q3_k, 12: _q4_k, 14: _q6_k}
-_NAMES = {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 14: "Q6_K"}
+_DECODERS = {10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k}
+_NAMES = {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
 def dequantize_rows(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:

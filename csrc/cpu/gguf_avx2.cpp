@@ -1,4 +1,4 @@
-// Q2_K, Q3_K, Q4_K and Q6_K x float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
+// The GGUF K-quants (Q2_K .. Q6_K) x float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
 // routes here where no AVX-512 kernel goes first), on the chunk driver of chunk_driver.h. A chunk is
 // one super-block of 256 weights; its code bytes are read 32 at a time as 8 dwords and cut into
 // fields by masks, as U4Multiplier does (chunk_avx2.h): a field masked in place is the integer
@@ -285,6 +285,81 @@ struct Q6K {
   }
 };
 
+// The field of kWidth bits at bit s of each dword of q, as F makes it a float: in place where F
+// allows (F::in_place), else shifted down to bit 0.
+template <typename F, int kWidth>
+__attribute__((always_inline)) inline __m256 code_field(__m256i q, int s) {
+  constexpr int kMask = (1 << kWidth) - 1;
+  if (F::in_place(s, kWidth)) return F::value(_mm256_and_si256(q, _mm256_set1_epi32(kMask << s)));
+  const __m256i down = _mm256_srli_epi32(q, s);
+  return F::value(s + kWidth == 32 ? down : _mm256_and_si256(down, _mm256_set1_epi32(kMask)));
+}
+
+// Q5_K (176 bytes: Q4_K's d, dmin and 12 scale bytes, qh[32], then Q4_K's 128 nibble bytes):
+// w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. For run c and nibble p, the 32 weights
+// 64c + 32p + b (b = 0..31, sub-block 2c + p) have their low 4 bits in nibble p of qs byte 32c + b
+// and their fifth bit at bit 2c + p of qh byte b: codes() assembles the 5-bit codes one per byte
+// (as Q6K::q_bytes), and byte u of dword lane L, the weight 64c + 32p + 4L + u, is a field at bit
+// 8u. One chain of 4 vectors per (c, p), scaled by one broadcast; Q4K's scales and hoisted mins.
+template <typename F>
+struct Q5K {
+  using X = float;
+  static constexpr int64_t kType = gguf::kTypeQ5_K, kBlockBytes = 176, kQh = 16, kQs = 48, kXPerBlock = 256, kSide = 8;
+  static constexpr bool kSubnormalOperands = F::kSubnormal;
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+
+  static constexpr int field_shift(int u) { return F::in_place(8 * u, 5) ? 8 * u : 0; }
+  static void prepare(const float* x, float* xc, float* xs) {
+    for (int k = 0; k < 8; ++k)  // k = 2c + p: the run's sub-block
+      for (int u = 0; u < 4; ++u)
+        for (int l = 0; l < 8; ++l) xc[(k * 4 + u) * 8 + l] = x[32 * k + 4 * l + u] * F::x_factor(field_shift(u));
+    for (int k = 0; k < 8; ++k) {
+      float t = 0.0f;
+      for (int i = 0; i < 32; ++i) t += x[32 * k + i];
+      xs[k] = t;
+    }
+  }
+  __attribute__((always_inline)) static inline __m256i codes(const uint8_t* blk, int c, int p) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQs + 32 * c));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQh));
+    const __m256i low = _mm256_and_si256(p == 0 ? q : _mm256_srli_epi32(q, 4), _mm256_set1_epi8(0x0F));
+    const int down = 2 * c + p - 4;  // moves bit 2c + p of each qh byte to bit 4
+    const __m256i high = down > 0 ? _mm256_srli_epi32(h, down) : down < 0 ? _mm256_slli_epi32(h, -down) : h;
+    return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x10)));
+  }
+
+  // At one row of x, the tile's two W rows alternate chain by chain (P = 2), as Q6K's.
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
+                                                          const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
+    constexpr int P = MB == 1 && R % 2 == 0 ? 2 : 1;
+    for (int r0 = 0; r0 < R; r0 += P) {
+      alignas(32) float sd[P][8];
+      for (int i = 0; i < P; ++i) {
+        const __m256 mins = Q4K<F>::scales(blk[r0 + i], sd[i]);  // Q5_K's first 16 bytes are Q4_K's
+        for (int m = 0; m < MB; ++m) acc[r0 + i][m] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xs[m]), acc[r0 + i][m]);
+      }
+      reload_from_memory(sd);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; ++p)
+          for (int i = 0; i < P; ++i) {
+            const __m256i q = codes(blk[r0 + i], c, p);
+            __m256 ch[MB];
+            for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; ++u) {
+              const __m256 v = code_field<F, 5>(q, 8 * u);
+              for (int m = 0; m < MB; ++m) ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((2 * c + p) * 4 + u) * 8), ch[m]);
+            }
+            const __m256 sc = _mm256_broadcast_ss(sd[i] + 2 * c + p);
+            for (int m = 0; m < MB; ++m) acc[r0 + i][m] = _mm256_fmadd_ps(ch[m], sc, acc[r0 + i][m]);
+          }
+    }
+  }
+};
+
 // Q2_K and Q3_K (metal/gguf_format.h): 16 sub-blocks of 16 whose 2-bit code fields (Q3_K: and a
 // third bit) sit as Q6_K's runs do. Half h reads the 32 code bytes at C::kQs + 32h; byte b = 16s + l
 // holds, at bits 2j, the code of weight 128h + 32j + 16s + l. With b = 4L + u (dword lane L, byte
@@ -320,11 +395,7 @@ struct Sixteens {
     }
   }
   __attribute__((always_inline)) static inline __m256 field(__m256i q, int j, int u) {
-    constexpr int kMask = (1 << C::kWidth) - 1;
-    const int s = C::shift(j, u);
-    if (F::in_place(s, C::kWidth)) return F::value(_mm256_and_si256(q, _mm256_set1_epi32(kMask << s)));
-    const __m256i down = _mm256_srli_epi32(q, s);
-    return F::value(s + C::kWidth == 32 ? down : _mm256_and_si256(down, _mm256_set1_epi32(kMask)));
+    return code_field<F, C::kWidth>(q, C::shift(j, u));
   }
 
   // At one row of x, the tile's two W rows alternate chain by chain (P = 2), as Q6K's.
@@ -463,11 +534,12 @@ struct Avx2Names {
 constexpr Avx2Names kAvx2Names[] = {{gguf::kTypeQ2_K, "avx2-q2k", "avx2-q2k-subnormal"},
                                     {gguf::kTypeQ3_K, "avx2-q3k", "avx2-q3k-subnormal"},
                                     {gguf::kTypeQ4_K, "avx2-q4k", "avx2-q4k-subnormal"},
+                                    {gguf::kTypeQ5_K, "avx2-q5k", "avx2-q5k-subnormal"},
                                     {gguf::kTypeQ6_K, "avx2-q6k", "avx2-q6k-subnormal"}};
 
 template <typename F>
 bool run_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
-  return run_gguf_chunks<GgufYmm, Q4K<F>, Q6K<F>, Q2K<F>, Q3K<F>>(a, ggml_type, y);
+  return run_gguf_chunks<GgufYmm, Q4K<F>, Q6K<F>, Q2K<F>, Q3K<F>, Q5K<F>>(a, ggml_type, y);
 }
 
 }  // namespace

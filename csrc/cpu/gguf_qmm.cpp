@@ -1,7 +1,7 @@
 // CPU gguf_qmm: y[..., N] = x[..., K] @ W.T, W [N, K] given as GGUF K-quant blocks (Q2_K, Q3_K,
-// Q4_K, Q6_K).
+// Q4_K, Q5_K, Q6_K).
 //
-// Small M, Q4_K / Q6_K: the chunk kernels (gguf_chunked.cpp). Otherwise, small M: each task owns rows of
+// Small M: the chunk kernels (gguf_chunked.cpp). Otherwise, small M: each task owns rows of
 // W; a super-block is decoded once to 256 floats and reused for every row of x.
 // Large M: rows of W are decoded in blocks to float32 and multiplied with a BLAS GEMM.
 // Accumulation is float32 throughout. Block layouts: csrc/gguf_format.h.
@@ -32,6 +32,7 @@ namespace {
 using gguf::BlockQ2K;
 using gguf::BlockQ3K;
 using gguf::BlockQ4K;
+using gguf::BlockQ5K;
 using gguf::BlockQ6K;
 using gguf::kQK_K;
 
@@ -100,6 +101,25 @@ void decode_q4_K(const uint8_t* raw, float* y) {
   }
 }
 
+// After llama.cpp dequantize_row_q5_K: Q4_K's order, each code's fifth bit from qh.
+void decode_q5_K(const uint8_t* raw, float* y) {
+  BlockQ5K b;
+  std::memcpy(&b, raw, sizeof b);
+  const float d = half_to_float(b.d), dmin = half_to_float(b.dmin);
+  for (int c = 0; c < 4; ++c) {
+    for (int nib = 0; nib < 2; ++nib) {
+      const gguf::ScaleMin sm = gguf::q4k_scale_min(2 * c + nib, b.scales);
+      const float dl = d * float(sm.scale), ml = dmin * float(sm.min);
+      const uint8_t* q = b.qs + 32 * c;
+      float* yc = y + 64 * c + 32 * nib;
+      for (int l = 0; l < 32; ++l) {
+        const int code = ((q[l] >> (4 * nib)) & 0xF) | (((b.qh[l] >> (2 * c + nib)) & 1) << 4);
+        yc[l] = dl * float(code) - ml;
+      }
+    }
+  }
+}
+
 // After llama.cpp dequantize_row_q6_K: 2 halves of 128 weights, 4 interleaved runs of 32.
 void decode_q6_K(const uint8_t* raw, float* y) {
   BlockQ6K b;
@@ -145,6 +165,10 @@ struct Decoder<gguf::kTypeQ4_K> {
   void operator()(const uint8_t* raw, float* y) const { decode_q4_K(raw, y); }
 };
 template <>
+struct Decoder<gguf::kTypeQ5_K> {
+  void operator()(const uint8_t* raw, float* y) const { decode_q5_K(raw, y); }
+};
+template <>
 struct Decoder<gguf::kTypeQ6_K> {
   void operator()(const uint8_t* raw, float* y) const { decode_q6_K(raw, y); }
 };
@@ -159,6 +183,8 @@ void with_decoder(int64_t ggml_type, F&& f) {
       return f(Decoder<gguf::kTypeQ3_K>{});
     case gguf::kTypeQ4_K:
       return f(Decoder<gguf::kTypeQ4_K>{});
+    case gguf::kTypeQ5_K:
+      return f(Decoder<gguf::kTypeQ5_K>{});
     case gguf::kTypeQ6_K:
       return f(Decoder<gguf::kTypeQ6_K>{});
     default:

@@ -18,7 +18,7 @@ from ..formats import FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..nn import QuantLinear, resolve_format
 from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
 from .experts import is_fused_experts, layout_of
-from .gguf import GGUFFile, GGUFTensor, affine_exact, dequantize, q4_k_to_affine
+from .gguf import K_AFFINE_BITS, GGUFFile, GGUFTensor, affine_exact, dequantize, k_quant_to_affine
 from .gguf_moe import block_experts, describe as describe_experts, expert_part, experts_module_name, float_experts_module
 from .gguf_types import AFFINE_TYPES, Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
@@ -116,30 +116,31 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _q4_k_affine(blocks, n: int, k: int, dtype: torch.dtype, name: str):
-    """(wq, scales, biases in dtype, exact): Q4_K blocks as affine bits 4 / group 32; exact is
-    whether the scales and biases survived the cast to dtype (always in float32)."""
-    wq, s32, b32 = q4_k_to_affine(blocks, n, k, torch.float32)
+def _k_affine(blocks, n: int, k: int, ggml_type: int, dtype: torch.dtype, name: str):
+    """(wq, scales, biases in dtype, exact): Q4_K / Q5_K blocks as affine bits 4 / 5, group 32;
+    exact is whether the scales and biases survived the cast to dtype (always in float32)."""
+    wq, s32, b32 = k_quant_to_affine(blocks, n, k, ggml_type, torch.float32)
     scales, biases = s32.to(dtype), b32.to(dtype)
     if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
-        raise UsageError(f"{name}: Q4_K scales/biases overflow {dtype}; convert with --dtype float32")
+        raise UsageError(f"{name}: {type_name(ggml_type)} scales/biases overflow {dtype}; convert with --dtype float32")
     exact = torch.equal(scales.float(), s32) and torch.equal(biases.float(), b32)
     return wq, scales, biases, exact
 
 
-def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
-                            embeddings: bool = True) -> dict[str, bool]:
-    """Replaces Q4_K GGUFLinear layers and (with `embeddings`) Q4_K embeddings (decoded to float by
-    the loader) with their affine form; a float output tied to such an embedding becomes
+def _k_quants_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
+                                embeddings: bool = True) -> dict[str, bool]:
+    """Replaces Q4_K / Q5_K GGUFLinear layers and (with `embeddings`) Q4_K embeddings (decoded to
+    float by the loader; Q5_K ones are affine already) with their affine form; a float output tied to such an embedding becomes
     TiedQuantLinear. Returns {module name: exact}."""
     from .gguf_llama import hf_name
 
     exact: dict[str, bool] = {}
     for name, m in list(model.named_modules()):
-        if isinstance(m, GGUFLinear) and m.ggml_type == Q4_K:
-            wq, scales, biases, exact[name] = _q4_k_affine(m.blocks, m.out_features, m.in_features, dtype, name)
-            layer = QuantLinear(m.in_features, m.out_features, bias=m.bias is not None, bits=4, group_size=32,
-                                dtype=dtype)
+        if isinstance(m, GGUFLinear) and m.ggml_type in K_AFFINE_BITS:
+            wq, scales, biases, exact[name] = _k_affine(m.blocks, m.out_features, m.in_features, m.ggml_type, dtype,
+                                                        name)
+            layer = QuantLinear(m.in_features, m.out_features, bias=m.bias is not None,
+                                bits=K_AFFINE_BITS[m.ggml_type], group_size=32, dtype=dtype)
             layer.qweight.copy_(wq)
             layer.scales.copy_(scales)
             layer.biases.copy_(biases)
@@ -159,7 +160,7 @@ def _q4_k_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
         if type(emb) is not nn.Embedding:
             continue
         n, k = t.shape
-        wq, scales, biases, exact[module_name] = _q4_k_affine(t.raw, n, k, dtype, module_name)
+        wq, scales, biases, exact[module_name] = _k_affine(t.raw, n, k, Q4_K, dtype, module_name)
         new = QuantEmbedding(n, k, 4, 32, dtype=dtype)
         new.qweight.copy_(wq)
         new.scales.copy_(scales)
@@ -175,7 +176,7 @@ def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
                         keep_affine: bool) -> tuple[dict[str, bool], dict[str, str]]:
     """Gives the MoE experts load_gguf_llama kept quantized a form the output formats hold: with
     keep_affine, experts whose projections all have an exact affine form (the affine types and
-    Q4_K) become affine QuantSwitchLinear layers; every other block's experts become float again,
+    Q4_K, Q5_K) become affine QuantSwitchLinear layers; every other block's experts become float again,
     as gguf decodes them. Returns ({experts: exact in dtype}, {experts: their GGUF types})."""
     exact, origin = {}, {}
     parts_of = [expert_part(n) for n in f.tensors]
@@ -203,12 +204,13 @@ def _affine_switch(layer: nn.Module, stacks: list, dtype: torch.dtype, name: str
     GGUF type has no exact affine form. stacks: its gguf_moe.ExpertStack(s)."""
     if isinstance(layer, QuantSwitchLinear):  # the affine types: to_affine(t, dtype) in the loader
         return layer, all(affine_exact(t, dtype) for st in stacks for t in st.experts)
-    if layer.ggml_type != Q4_K:
+    if layer.ggml_type not in K_AFFINE_BITS:
         return None
     e, out, k = layer.num_experts, layer.out_features, layer.in_features
-    wq, scales, biases, exact = _q4_k_affine(layer.blocks.reshape(e * out, -1), e * out, k, dtype, name)
+    wq, scales, biases, exact = _k_affine(layer.blocks.reshape(e * out, -1), e * out, k, layer.ggml_type, dtype, name)
     return QuantSwitchLinear.from_quantized(wq.reshape(e, out, -1), scales.reshape(e, out, -1),
-                                            biases.reshape(e, out, -1), bits=4, group_size=32, dtype=dtype), exact
+                                            biases.reshape(e, out, -1), bits=K_AFFINE_BITS[layer.ggml_type],
+                                            group_size=32, dtype=dtype), exact
 
 
 def _weight_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
@@ -231,7 +233,7 @@ def _gguf_types(f: GGUFFile) -> dict[str, str]:
 
 
 # The GGUF types a layer keeps exactly as an affine layer of group size 32.
-_EXACT_TYPES = AFFINE_TYPES + (Q4_K,)
+_EXACT_TYPES = AFFINE_TYPES + tuple(t for t in K_AFFINE_BITS if t not in AFFINE_TYPES)
 
 
 def _exact_linears(f: GGUFFile) -> dict[str, str]:
@@ -242,8 +244,8 @@ def _exact_linears(f: GGUFFile) -> dict[str, str]:
 
 
 def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embedding: bool = False):
-    """The GGUF model as a transformers model. keep_affine: the affine layers stay, Q4_K layers
-    become exact affine ones, everything else becomes float; without it every layer is float.
+    """The GGUF model as a transformers model. keep_affine: the affine layers stay, Q4_K / Q5_K
+    layers become exact affine ones, everything else becomes float; without it every layer is float.
     float_embedding (the transformers format, which has no quantized embedding; implied without
     keep_affine): the embedding is float, decoded from the file by gguf, and a tied output head is
     an nn.Linear tied to it.
@@ -257,7 +259,7 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
     with torch.device("meta"):  # every tensor comes from the file (strict), the rotary frequencies from the config
         model = AutoModelForCausalLM.from_config(config).eval()
     print(load_gguf_llama(model, f, dtype=dtype, progress=True))
-    exact = _q4_k_to_affine_modules(model, f, dtype, embeddings=not float_embedding) if keep_affine else {}
+    exact = _k_quants_to_affine_modules(model, f, dtype, embeddings=not float_embedding) if keep_affine else {}
     experts_exact, experts_origin = _experts_for_output(model, f, dtype, keep_affine)
     exact.update(experts_exact)
     tensors = _weight_tensors(f)

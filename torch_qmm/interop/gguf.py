@@ -14,13 +14,13 @@ d and m are float16 in the file, so scales/biases are exact in float32 (and in f
 17 significant bits: rounded in float16); the codes are repacked from GGUF's nibble order (byte j
 holds weights j and j + 16; Q5_K: chunks of 32 bytes, low nibbles one sub-block, high the next)
 into MLX's little-endian bit stream.
-Q2_K, Q3_K, Q4_K and Q6_K (NATIVE_TYPES) stay as their block bytes (GGUFLinear /
-torch_qmm::gguf_qmm) by default.
+The K-quants Q2_K .. Q6_K (NATIVE_TYPES) stay as their block bytes in linear layers (GGUFLinear /
+torch_qmm::gguf_qmm) by default; a Q5_K embedding takes the affine form above (QuantEmbedding).
 
-Q4_K also has an exact affine form (q4_k_to_affine; used by `convert --format mlx`): each
-super-block of 256 weights is 8 groups of 32, w = d*sc_j*q - dmin*m_j -> bits 4, group_size 32,
-scale d*sc_j, bias -dmin*m_j. d, dmin are float16 and sc_j, m_j 6-bit integers, so the products
-have at most 17 significant bits: exact in float32, rounded in float16/bfloat16.
+Q4_K and Q5_K have that exact affine form (k_quant_to_affine, q4_k_to_affine; used by `convert`):
+each super-block of 256 weights is 8 groups of 32, w = d*sc_j*q - dmin*m_j -> bits 4 / 5,
+group_size 32, scale d*sc_j, bias -dmin*m_j. d, dmin are float16 and sc_j, m_j 6-bit integers, so
+the products have at most 17 significant bits: exact in float32, rounded in float16/bfloat16.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from .gguf_header import value as metadata_value
 from .modules import GGUFLinear, QuantEmbedding
 
 __all__ = ["GGUFFile", "GGUFTensor", "check_finite", "dequantize", "to_affine", "affine_exact", "q4_k_to_affine",
+           "k_quant_to_affine",
            "to_blocks", "linear_from_gguf"]
 
 Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles
@@ -342,30 +343,52 @@ def _k_codes(b: np.ndarray, ggml_type: int) -> np.ndarray:
     return codes.reshape(n, s, 256)
 
 
-def _q4_k_affine64(blocks, N: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K blocks -> (wq uint32 [N, K/8], scales, biases float64 [N, K/32]), with checks."""
+# The K-quants with an exact affine form of group size 32 (one group per sub-block): their bits.
+K_AFFINE_BITS = {Q4_K: 4, Q5_K: 5}
+
+
+def _k_affine64(blocks, N: int, K: int, ggml_type: int, op: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K blocks -> (wq uint32 [N, K*bits/32], scales, biases float64 [N, K/32]), with checks."""
+    name, block_bytes = type_name(ggml_type), block_info(ggml_type)[1]
     if isinstance(blocks, torch.Tensor):
         if blocks.dtype != torch.uint8:
-            raise ValueError(f"q4_k_to_affine: blocks must be uint8, got {blocks.dtype}")
+            raise ValueError(f"{op}: blocks must be uint8, got {blocks.dtype}")
         arr = blocks.detach().cpu().numpy()
     else:
         arr = np.asarray(blocks)
         if arr.dtype != np.uint8:
-            raise ValueError(f"q4_k_to_affine: blocks must be uint8, got {arr.dtype}")
+            raise ValueError(f"{op}: blocks must be uint8, got {arr.dtype}")
     N, K = int(N), int(K)
     if N < 1 or K < 256 or K % 256 != 0:
-        raise ValueError(f"q4_k_to_affine: need N >= 1 and K a positive multiple of 256 (Q4_K super-block), "
+        raise ValueError(f"{op}: need N >= 1 and K a positive multiple of 256 ({name} super-block), "
                          f"got N={N}, K={K}")
-    expected = (N, K // 256 * Q4_K_BLOCK_BYTES)
+    expected = (N, K // 256 * block_bytes)
     if tuple(arr.shape) != expected:
-        raise ValueError(f"q4_k_to_affine: blocks must be uint8 [N, K/256 * {Q4_K_BLOCK_BYTES}] = {list(expected)} "
+        raise ValueError(f"{op}: blocks must be uint8 [N, K/256 * {block_bytes}] = {list(expected)} "
                          f"for N={N}, K={K}, got shape {list(arr.shape)}")
-    b = arr.reshape(N, K // 256, Q4_K_BLOCK_BYTES)
+    b = arr.reshape(N, K // 256, block_bytes)
     scales, biases = _k_scales_biases64(b)
     scales, biases = scales.reshape(N, K // 32), biases.reshape(N, K // 32)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
-        raise ValueError("q4_k_to_affine: the blocks have non-finite float16 d/dmin (corrupt blocks?)")
-    return _pack_bits(_k_codes(b, Q4_K).reshape(N, K), 4), scales, biases
+        raise ValueError(f"{op}: the blocks have non-finite float16 d/dmin (corrupt blocks?)")
+    return _pack_bits(_k_codes(b, ggml_type).reshape(N, K), K_AFFINE_BITS[ggml_type]), scales, biases
+
+
+def k_quant_to_affine(
+    blocks: torch.Tensor | np.ndarray, N: int, K: int, ggml_type: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K or Q5_K blocks of a matrix W [N, K] -> the affine format with bits 4 or 5
+    (K_AFFINE_BITS), group_size 32: q4_k_to_affine for either type (Q5_K: blocks uint8
+    [N, K/256 * 176], wq uint32 [N, K*5/32])."""
+    op = f"{type_name(ggml_type).lower()}_to_affine"
+    if int(ggml_type) not in K_AFFINE_BITS:
+        raise ValueError(f"k_quant_to_affine: argument 'ggml_type' must be 12 (Q4_K) or 13 (Q5_K), got {ggml_type}")
+    wq, scales64, biases64 = _k_affine64(blocks, N, K, int(ggml_type), op)
+    scales = torch.from_numpy(scales64).to(dtype)
+    biases = torch.from_numpy(biases64).to(dtype)
+    if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
+        raise ValueError(f"{op}: scales/biases overflow {dtype}; use dtype=torch.float32")
+    return torch.from_numpy(wq), scales, biases
 
 
 def q4_k_to_affine(
@@ -397,12 +420,7 @@ def q4_k_to_affine(
         ValueError for a wrong blocks dtype/shape, K not a multiple of 256, non-finite d/dmin, or
         scales/biases overflowing `dtype`.
     """
-    wq, scales64, biases64 = _q4_k_affine64(blocks, N, K)
-    scales = torch.from_numpy(scales64).to(dtype)
-    biases = torch.from_numpy(biases64).to(dtype)
-    if not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
-        raise ValueError(f"q4_k_to_affine: scales/biases overflow {dtype}; use dtype=torch.float32")
-    return torch.from_numpy(wq), scales, biases
+    return k_quant_to_affine(blocks, N, K, Q4_K, dtype)
 
 
 def to_blocks(t: GGUFTensor) -> torch.Tensor:
@@ -426,19 +444,19 @@ def _check_matrix(t: GGUFTensor, what: str, expected: str) -> None:
 def linear_from_gguf(
     t: GGUFTensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
-    """The layer for a GGUF weight [N, K]: QuantLinear (32-weight block types and Q5_K, lossless),
-    GGUFLinear (NATIVE_TYPES: Q2_K, Q3_K, Q4_K, Q6_K) or nn.Linear (F32 / F16 / BF16)."""
+    """The layer for a GGUF weight [N, K]: GGUFLinear (NATIVE_TYPES: Q2_K .. Q6_K, the file's
+    blocks), QuantLinear (the 32-weight block types, lossless) or nn.Linear (F32 / F16 / BF16)."""
     _check_matrix(t, "a linear weight", "[out_features >= 1, in_features >= 1]")
     n, k = t.shape
-    if t.ggml_type in AFFINE_TYPES:
+    if t.ggml_type in NATIVE_TYPES:
+        layer = GGUFLinear(k, n, t.ggml_type, bias=bias is not None, dtype=dtype)
+        layer.blocks.copy_(to_blocks(t))
+    elif t.ggml_type in AFFINE_TYPES:
         wq, scales, biases, bits, gs = to_affine(t, dtype)
         layer = QuantLinear(k, n, bias=bias is not None, bits=bits, group_size=gs, dtype=dtype)
         layer.qweight.copy_(wq)
         layer.scales.copy_(scales)
         layer.biases.copy_(biases)
-    elif t.ggml_type in NATIVE_TYPES:
-        layer = GGUFLinear(k, n, t.ggml_type, bias=bias is not None, dtype=dtype)
-        layer.blocks.copy_(to_blocks(t))
     elif t.ggml_type in FLOAT_TYPES:
         layer = torch.nn.Linear(k, n, bias=bias is not None, dtype=dtype)
         with torch.no_grad():

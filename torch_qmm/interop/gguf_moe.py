@@ -19,9 +19,9 @@ and transformers' GGUF loader (integrations/ggml.py, modeling_gguf_pytorch_utils
 * llama.cpp normalizes the top-k routing weights of qwen3moe and not those of qwen2moe
   (norm_topk_prob, which the file does not carry); Mixtral's router always does.
 
-The experts keep the file's formats: Q2_K / Q3_K / Q4_K / Q6_K blocks as GGUFSwitchLinear (exact in any
-dtype), the 32-weight block types and Q5_K as affine QuantSwitchLinear (to_affine: exact in
-float32), both in one QuantFusedExperts. Gate and up share one module, so they must share a type;
+The experts keep the file's formats: K-quant blocks (Q2_K .. Q6_K) as GGUFSwitchLinear (exact in
+any dtype), the 32-weight block types as affine QuantSwitchLinear (to_affine: exact in float32),
+both in one QuantFusedExperts. Gate and up share one module, so they must share a type;
 where they do not, or where some projections are float in the file, the block's experts are
 loaded float (decoded), with a warning.
 """

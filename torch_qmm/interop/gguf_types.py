@@ -19,12 +19,13 @@ F32, F16, BF16 = 0, 1, 30
 
 # Kept as blocks, multiplied by the native op torch_qmm::gguf_qmm.
 # Must match block_bytes / is_native_gguf_type in metal/gguf_format.h.
-NATIVE_TYPES = (Q2_K, Q3_K, Q4_K, Q6_K)
-# Converted losslessly to the affine format (group_size 32): one block (Q5_K: one sub-block of a
-# super-block) is one affine group.
+NATIVE_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+# With a lossless affine form (group_size 32): one block (Q5_K: one sub-block of a super-block) is
+# one affine group. Linear layers of these types but Q5_K (native) load as QuantLinear; embeddings
+# of all of them as QuantEmbedding.
 AFFINE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K)
 FLOAT_TYPES = (F32, F16, BF16)
-SUPPORTED_TYPES = FLOAT_TYPES + AFFINE_TYPES + NATIVE_TYPES
+SUPPORTED_TYPES = FLOAT_TYPES + AFFINE_TYPES + tuple(t for t in NATIVE_TYPES if t not in AFFINE_TYPES)
 
 
 def type_name(ggml_type: int) -> str:
