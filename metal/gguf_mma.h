@@ -46,9 +46,9 @@ template <>
 inline void gguf_decode8<torch_qmm::gguf::kTypeQ5_K>(const device uint8_t* raw, uint k, thread float* w) {
   const device torch_qmm::gguf::BlockQ5K* b = (const device torch_qmm::gguf::BlockQ5K*)raw;
   const uint j = k / 32, u = (k % 32) / 8;
-  const torch_qmm::gguf::ScaleMin sm = torch_qmm::gguf::q4k_scale_min(int(j), b->scales);
-  const float s = float(as_type<half>(b->d)) * float(sm.scale);
-  const float m = float(as_type<half>(b->dmin)) * float(sm.min);
+  const float d = float(as_type<half>(b->d)), dmin = float(as_type<half>(b->dmin));
+  const torch_qmm::gguf::ScaleMin sub = torch_qmm::gguf::q4k_scale_min(int(j), b->scales);
+  const float s = d * float(sub.scale), m = dmin * float(sub.min);
   const device uint32_t* q = (const device uint32_t*)(b->qs + 32 * (j / 2) + 8 * u);  // 4-byte aligned
   const device uint32_t* qh = (const device uint32_t*)(b->qh + 8 * u);                // 4-byte aligned
   const uint shift = 4 * (j % 2);

@@ -104,18 +104,15 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ5_K> {
   float scale[RUNS];
   float min[RUNS];
 
-  // Run j: chunk c = iq + 2 * (j / 2), nibble j % 2 (as Q4_K's).
-  static uint offset(uint slot, int j) {
-    const uint iq = slot / 4, ir = slot % 4;
-    return 64 * (iq + 2 * (j / 2)) + 32 * (j % 2) + 8 * ir;
-  }
+  static uint offset(uint slot, int j) { return GGUFSlice<torch_qmm::gguf::kTypeQ4_K>::offset(slot, j); }
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ5K* b = (const device torch_qmm::gguf::BlockQ5K*)raw;
     const uint iq = slot / 4, ir = slot % 4;
     const float d = float(as_type<half>(b->d));
     const float dmin = float(as_type<half>(b->dmin));
-    // qh sits at byte 16 and qs at byte 48 of a 176-byte block, 8ir % 8 == 0: 4-byte aligned.
+    // qh sits at byte 16 and qs at byte 48 of a 176-byte block, runs at multiples of 8 bytes:
+    // 4-byte aligned.
     const device uint32_t* hw = (const device uint32_t*)(b->qh + 8 * ir);
     const uint32_t h0 = hw[0], h1 = hw[1];
     for (int cc = 0; cc < 2; ++cc) {
@@ -125,9 +122,9 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ5_K> {
       for (int nib = 0; nib < 2; ++nib) {
         const int j = 2 * cc + nib;
         const uint hb = 2 * c + uint(nib);  // the run's sub-block, and its bit of qh
-        const torch_qmm::gguf::ScaleMin sm = torch_qmm::gguf::q4k_scale_min(int(hb), b->scales);
-        scale[j] = d * float(sm.scale);
-        min[j] = dmin * float(sm.min);
+        const torch_qmm::gguf::ScaleMin sub = torch_qmm::gguf::q4k_scale_min(int(hb), b->scales);
+        scale[j] = d * float(sub.scale);
+        min[j] = dmin * float(sub.min);
         for (int i = 0; i < 4; ++i) {
           q[j][i] = float(((w0 >> (8 * i + 4 * nib)) & 0xfu) | (((h0 >> (8 * i + hb)) & 0x1u) << 4));
           q[j][i + 4] = float(((w1 >> (8 * i + 4 * nib)) & 0xfu) | (((h1 >> (8 * i + hb)) & 0x1u) << 4));

@@ -20,7 +20,7 @@ from gguf import quants
 
 import torch_qmm
 from cpu_features import HAS_GGUF_INT8_512, int8_gguf_route
-from gguf_helpers import Q2_K, Q3_K, Q4_K, Q6_K, random_k_blocks
+from gguf_helpers import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, random_k_blocks
 from test_cpu_actq import SLACK, quantize_x
 
 ops = torch.ops.torch_qmm
@@ -135,7 +135,7 @@ def test_gguf_matmul_follows_the_argument_and_the_setting():
         torch_qmm.ops.gguf_matmul(x, blocks, int(Q4_K), N, K, activations="int4")
 
 
-@pytest.mark.parametrize("ggml_type", [Q2_K, Q3_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [Q2_K, Q3_K, Q5_K], ids=lambda t: t.name)
 def test_types_without_int8_kernels_stay_exact_in_the_setting_and_refuse_the_argument(ggml_type):
     # activation_quantization leaves calls it has no kernel for exact (as it does for fp modes);
     # an explicit activations="int8" raises, for gguf_matmul and gguf_gather_matmul alike.

@@ -13,7 +13,7 @@ import torch
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 
-from gguf_helpers import NATIVE_K_TYPES, Q2_K, Q3_K, Q4_K, Q6_K, assert_matches_reference, k_quant_magnitude, random_k_blocks
+from gguf_helpers import NATIVE_K_TYPES, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, assert_matches_reference, k_quant_magnitude, random_k_blocks
 from torch_qmm.interop import GGUFLinear
 from torch_qmm.interop.gguf_types import NATIVE_TYPES, block_info
 from torch_qmm.ops import gguf_matmul
@@ -151,7 +151,7 @@ def test_bad_arguments_are_refused_by_every_op_and_its_fake(case, op, device):
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-@pytest.mark.parametrize("ggml_type", [Q2_K, Q3_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [Q2_K, Q3_K, Q5_K], ids=lambda t: t.name)
 def test_the_int8_activation_op_refuses_types_without_its_kernels(ggml_type, device):
     blocks, _ = _case(ggml_type, 3, 256)
     with pytest.raises(ValueError, match=rf"gguf_qmm_int8_activations: argument 'ggml_type' must be one of 12 \(Q4_K\), "
