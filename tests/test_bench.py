@@ -67,17 +67,19 @@ def test_bench_float32_precision_is_set_for_the_run_and_recorded(tmp_path):
 
 
 def test_bench_gguf_times_gguf_qmm_against_linear(tmp_path):
-    """--gguf Q4_K,Q6_K: random valid blocks, output checked against gguf.quants.dequantize, rows
-    labelled by type, only the F.linear peers."""
+    """--gguf: random valid blocks of every K-quant, output checked against gguf.quants.dequantize,
+    rows labelled by type (no affine bits / group size), only the F.linear peers."""
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--device", "cpu", "--shapes", "64x512", "--m", "1,3", "--gguf", "Q4_K,Q6_K", "--dtype",
+    types = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+    rc = main(["bench", "--device", "cpu", "--shapes", "64x512", "--m", "1,3", "--gguf", ",".join(types), "--dtype",
                "float32", "--repeats", "1", "--output", str(out), "--no-plot"])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert [(r["fmt"], r["m"]) for r in doc["results"]] == [("Q4_K", 1), ("Q4_K", 3), ("Q6_K", 1), ("Q6_K", 3)]
+    assert [(r["fmt"], r["m"]) for r in doc["results"]] == [(t, m) for t in types for m in (1, 3)]
     for r in doc["results"]:
-        assert r["weight_bytes"]["torch_qmm"] == 64 * 512 // 256 * {"Q4_K": 144, "Q6_K": 210}[r["fmt"]]
+        assert r["weight_bytes"]["torch_qmm"] == 64 * 512 // 256 * types[r["fmt"]]
         assert set(r["speedup_vs"]) == {"linear_float32", "linear_bfloat16", "linear_float16"}
+        assert r["bits"] is None and r["group_size"] is None
 
 
 def test_bench_saves_a_png_plot_next_to_the_json(tmp_path):

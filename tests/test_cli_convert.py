@@ -346,6 +346,29 @@ def test_q4_k_layers_are_reported_lossless_only_when_biases_survive_the_dtype_to
     assert _k_affine(blocks, 2, 256, 12, torch.float32, "layer")[3] is True
 
 
+def test_convert_reports_the_k_quants_without_an_affine_form_as_float_naming_how_to_quantize(tmp_path, capsys):
+    """Q2_K / Q3_K layers and a Q3_K embedding have no exact affine form: both formats write them
+    float (as gguf decodes them) and say that --requantize rest quantizes them; Q4_K / Q5_K are
+    written exactly."""
+    from test_interop_gguf_llama import MIXES
+
+    path = tmp_path / "m.gguf"
+    write_llama_gguf(hf_model(False), path, MIXES["q3_k_m"], np.random.default_rng(4))
+    assert main(["convert", str(path), str(tmp_path / "hf")]) == 0
+    report = _report(capsys.readouterr().out)
+    assert report["model.embed_tokens"] == (
+        "decoded Q3_K -> float float32 (as gguf decodes it; the transformers format keeps the embedding float; it "
+        "has no exact affine form: --format mlx --requantize rest quantizes it)")
+    assert report["model.layers.0.mlp.down_proj"] == (
+        "decoded Q2_K -> float float32 (as gguf decodes it; no exact affine form: --requantize rest quantizes it)")
+    assert report["model.layers.0.self_attn.v_proj"] == "lossless Q5_K -> affine b5 gs32"
+    assert report["model.layers.0.self_attn.o_proj"] == "lossless Q4_K -> affine b4 gs32"
+    assert main(["convert", str(path), str(tmp_path / "mlx"), "--format", "mlx"]) == 0
+    report = _report(capsys.readouterr().out)
+    assert report["model.embed_tokens"] == (
+        "decoded Q3_K -> float float32 (as gguf decodes it; no exact affine form: --requantize rest quantizes it)")
+
+
 def test_gguf_to_transformers_of_a_tied_model_keeps_the_head_tied_to_the_file_embedding(tmp_path, capsys):
     import transformers
 

@@ -7,7 +7,10 @@ two errors are bounded separately against the float64 reference y_ref of x @ deq
     |y - y32|     <= OUT_RTOL[dtype] * |y32| + OUT_ATOL[dtype]                    (final rounding)
 
 so |y - y_ref| <= OUT_RTOL * |y_ref| + (1 + OUT_RTOL) * (ACC_RTOL + X_RTOL) * sum_k |x_k w_k|
-+ OUT_ATOL (sum_k |x_k w_k|: reference.qmm_magnitude). The rounding term is exactly what
++ OUT_ATOL (sum_k |x_k w_k|, of the terms a kernel adds: reference.qmm_magnitude, which takes
+w = s*q + b as its two terms since kernels hoist the bias; for the GGUF K-quants the same with
+w = d*sc*q - offset, Q2_K / Q4_K / Q5_K's dmin*m and Q3_K / Q6_K's 4 or 32 times d*sc:
+tests/gguf_helpers.k_quant_magnitude). The rounding term is exactly what
 round-to-nearest costs, so truncating the output (up to a whole ulp) fails wherever the
 accumulation term is small; tests/exact_cases.py removes the accumulation error altogether and
 checks outputs bit for bit.

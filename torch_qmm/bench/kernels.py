@@ -55,6 +55,11 @@ class Config:
     def label(self) -> str:
         return f"{self.bits}-bit" if self.fmt == "affine" else self.fmt
 
+    @property
+    def gguf(self) -> bool:
+        """A GGUF type: its blocks fix their own bits and groups (bits / group_size are unused)."""
+        return self.fmt in GGMLQuantizationType.__members__
+
 
 @dataclasses.dataclass
 class Result:

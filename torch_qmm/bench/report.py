@@ -95,8 +95,11 @@ def _cpu_name() -> str:
 
 def result_record(r: Result, copy_gbps: float) -> dict:
     gbps = r.gbps()
+    config = dataclasses.asdict(r.config)
+    if r.config.gguf:  # the type says it all
+        config.update(bits=None, group_size=None)
     return {
-        **dataclasses.asdict(r.config),
+        **config,
         "times_ms": {k: round(v, 4) for k, v in r.times_ms.items()},
         "min_ms": {k: round(v, 4) for k, v in r.min_ms.items()},
         "samples": r.samples,

@@ -370,7 +370,10 @@ def _why_float(name: str, m: nn.Module, src: str, output_format: str, requantize
     """Why a GGUF-quantized layer was written as float."""
     if output_format == "transformers":
         if isinstance(m, nn.Embedding):
-            return "the transformers format keeps the embedding float; --format mlx keeps it quantized"
+            if src in {type_name(t) for t in _EXACT_TYPES}:
+                return "the transformers format keeps the embedding float; --format mlx keeps it quantized"
+            return ("the transformers format keeps the embedding float; it has no exact affine form: --format mlx "
+                    "--requantize rest quantizes it")
         if name == head:
             if src in {type_name(t) for t in _EXACT_TYPES}:
                 return (f"--requantize all leaves the output head float in the transformers format; without "
