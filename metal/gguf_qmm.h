@@ -56,19 +56,24 @@ using namespace metal;
 template <int type>
 struct GGUFSlice;
 
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> {
-  enum : int { LANES = 8, RUNS = 4, RUN = 8, HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ4K) };
+// The 8-lane slices (Q4_K, Q5_K): slot s (iq = s/4, ir = s%4) owns runs j of 8 weights in chunk
+// c = iq + 2 * (j / 2), nibble j % 2 (sub-block 2c + j % 2).
+struct Runs8 {
+  enum : int { LANES = 8, RUNS = 4, RUN = 8 };
 
   float q[RUNS][RUN];
   float scale[RUNS];
   float min[RUNS];
 
-  // Run j: chunk c = iq + 2 * (j / 2), nibble j % 2.
   static uint offset(uint slot, int j) {
     const uint iq = slot / 4, ir = slot % 4;
     return 64 * (iq + 2 * (j / 2)) + 32 * (j % 2) + 8 * ir;
   }
+};
+
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> : Runs8 {
+  enum : int { HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ4K) };
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ4K* b = (const device torch_qmm::gguf::BlockQ4K*)raw;
@@ -97,14 +102,8 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> {
 // bit: bit 2c + nib of qh[8ir + i] for weight i of the run in chunk c, nibble nib. A slot's 4 runs
 // read the same 8 bytes qh[8ir .. +8), one shift per run.
 template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeQ5_K> {
-  enum : int { LANES = 8, RUNS = 4, RUN = 8, HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ5K) };
-
-  float q[RUNS][RUN];
-  float scale[RUNS];
-  float min[RUNS];
-
-  static uint offset(uint slot, int j) { return GGUFSlice<torch_qmm::gguf::kTypeQ4_K>::offset(slot, j); }
+struct GGUFSlice<torch_qmm::gguf::kTypeQ5_K> : Runs8 {
+  enum : int { HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ5K) };
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ5K* b = (const device torch_qmm::gguf::BlockQ5K*)raw;
@@ -134,15 +133,21 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ5_K> {
   }
 };
 
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> {
-  enum : int { LANES = 16, RUNS = 4, RUN = 4, HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockQ6K) };
+// The 16-lane slices (Q6_K, Q2_K, Q3_K): slot s reads half h = s / 8 at l0 = 4 * (s % 8); run t
+// covers weights 128h + 32t + l0 .. +4, in sub-block 8h + 2t + l0/16.
+struct Runs16 {
+  enum : int { LANES = 16, RUNS = 4, RUN = 4 };
 
   float q[RUNS][RUN];
   float scale[RUNS];
-  float min[RUNS];  // unused (Q6_K is symmetric around 32)
+  float min[RUNS];  // unused where HAS_MIN = 0
 
   static uint offset(uint slot, int t) { return 128 * (slot / 8) + 32 * t + 4 * (slot % 8); }
+};
+
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> : Runs16 {
+  enum : int { HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockQ6K) };  // symmetric around 32
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ6K* b = (const device torch_qmm::gguf::BlockQ6K*)raw;
@@ -172,14 +177,8 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> {
 // 2t+1 of qs[32h + p], so the 4 runs of a slot read the same 4 bytes qs[32h + l0 .. +4), one shift
 // per run; run t is sub-block 8h + 2t + l0/16.
 template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeQ2_K> {
-  enum : int { LANES = 16, RUNS = 4, RUN = 4, HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ2K) };
-
-  float q[RUNS][RUN];
-  float scale[RUNS];
-  float min[RUNS];
-
-  static uint offset(uint slot, int t) { return 128 * (slot / 8) + 32 * t + 4 * (slot % 8); }
+struct GGUFSlice<torch_qmm::gguf::kTypeQ2_K> : Runs16 {
+  enum : int { HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ2K) };
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ2K* b = (const device torch_qmm::gguf::BlockQ2K*)raw;
@@ -199,14 +198,8 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ2_K> {
 
 // Q3_K adds each code's third bit: bit 4h + t of hmask[l0 + i] for weight i of run t.
 template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeQ3_K> {
-  enum : int { LANES = 16, RUNS = 4, RUN = 4, HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockQ3K) };
-
-  float q[RUNS][RUN];
-  float scale[RUNS];
-  float min[RUNS];  // unused (Q3_K is symmetric around 4)
-
-  static uint offset(uint slot, int t) { return 128 * (slot / 8) + 32 * t + 4 * (slot % 8); }
+struct GGUFSlice<torch_qmm::gguf::kTypeQ3_K> : Runs16 {
+  enum : int { HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockQ3K) };  // symmetric around 4
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ3K* b = (const device torch_qmm::gguf::BlockQ3K*)raw;

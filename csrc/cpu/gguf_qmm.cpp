@@ -148,45 +148,27 @@ void decode_q6_K(const uint8_t* raw, float* y) {
   }
 }
 
-// The decoder of a ggml type as a functor (inlined into the loops below; a function pointer was
-// not). Only the declared specializations exist: a type without a decoder does not compile.
-template <int ggml_type>
-struct Decoder;
-template <>
-struct Decoder<gguf::kTypeQ2_K> {
-  void operator()(const uint8_t* raw, float* y) const { decode_q2_K(raw, y); }
-};
-template <>
-struct Decoder<gguf::kTypeQ3_K> {
-  void operator()(const uint8_t* raw, float* y) const { decode_q3_K(raw, y); }
-};
-template <>
-struct Decoder<gguf::kTypeQ4_K> {
-  void operator()(const uint8_t* raw, float* y) const { decode_q4_K(raw, y); }
-};
-template <>
-struct Decoder<gguf::kTypeQ5_K> {
-  void operator()(const uint8_t* raw, float* y) const { decode_q5_K(raw, y); }
-};
-template <>
-struct Decoder<gguf::kTypeQ6_K> {
-  void operator()(const uint8_t* raw, float* y) const { decode_q6_K(raw, y); }
+// The decoder of a ggml type as a functor (inlined into the loops below; a function pointer
+// passed at run time was not).
+template <void (*kDecode)(const uint8_t*, float*)>
+struct Decoder {
+  void operator()(const uint8_t* raw, float* y) const { kDecode(raw, y); }
 };
 
-// f(Decoder<t>{}) for the native type t == ggml_type (gguf_validate refuses the others first).
+// f(the Decoder of ggml_type), a native type (gguf_validate refuses the others first).
 template <typename F>
 void with_decoder(int64_t ggml_type, F&& f) {
   switch (ggml_type) {
     case gguf::kTypeQ2_K:
-      return f(Decoder<gguf::kTypeQ2_K>{});
+      return f(Decoder<decode_q2_K>{});
     case gguf::kTypeQ3_K:
-      return f(Decoder<gguf::kTypeQ3_K>{});
+      return f(Decoder<decode_q3_K>{});
     case gguf::kTypeQ4_K:
-      return f(Decoder<gguf::kTypeQ4_K>{});
+      return f(Decoder<decode_q4_K>{});
     case gguf::kTypeQ5_K:
-      return f(Decoder<gguf::kTypeQ5_K>{});
+      return f(Decoder<decode_q5_K>{});
     case gguf::kTypeQ6_K:
-      return f(Decoder<gguf::kTypeQ6_K>{});
+      return f(Decoder<decode_q6_K>{});
     default:
       TORCH_CHECK_VALUE(false, "gguf_qmm: no CPU kernel for ggml_type ", ggml_type);
   }
