@@ -143,6 +143,12 @@ struct Runs16 {
   float min[RUNS];  // unused where HAS_MIN = 0
 
   static uint offset(uint slot, int t) { return 128 * (slot / 8) + 32 * t + 4 * (slot % 8); }
+
+  // The 4 bytes at p (2-byte aligned: Q3_K's and Q6_K's blocks are 110 and 210 bytes) as one word.
+  static uint32_t word(const device uint8_t* p) {
+    const device uint16_t* h = (const device uint16_t*)p;
+    return uint32_t(h[0]) | (uint32_t(h[1]) << 16);
+  }
 };
 
 template <>
@@ -154,12 +160,9 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> : Runs16 {
     const uint h = slot / 8, l0 = 4 * (slot % 8);
     const float d = float(as_type<half>(b->d));
     // 4 bytes of ql for runs 0/2 (low/high nibble), 4 of ql + 32 for runs 1/3, 4 of qh (2 bits per run).
-    const device uint16_t* qa = (const device uint16_t*)(b->ql + 64 * h + l0);
-    const device uint16_t* qb = (const device uint16_t*)(b->ql + 64 * h + 32 + l0);
-    const device uint16_t* qh = (const device uint16_t*)(b->qh + 32 * h + l0);
-    const uint32_t a = uint32_t(qa[0]) | (uint32_t(qa[1]) << 16);
-    const uint32_t c = uint32_t(qb[0]) | (uint32_t(qb[1]) << 16);
-    const uint32_t hi = uint32_t(qh[0]) | (uint32_t(qh[1]) << 16);
+    const uint32_t a = word(b->ql + 64 * h + l0);
+    const uint32_t c = word(b->ql + 64 * h + 32 + l0);
+    const uint32_t hi = word(b->qh + 32 * h + l0);
     for (int t = 0; t < 4; ++t) {
       scale[t] = d * float(b->scales[8 * h + 2 * t + l0 / 16]);
       min[t] = 0.0f;
@@ -205,11 +208,8 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ3_K> : Runs16 {
     const device torch_qmm::gguf::BlockQ3K* b = (const device torch_qmm::gguf::BlockQ3K*)raw;
     const uint h = slot / 8, l0 = 4 * (slot % 8);
     const float d = float(as_type<half>(b->d));
-    // 110-byte blocks are 2-aligned only: hmask and qs as uint16.
-    const device uint16_t* qs = (const device uint16_t*)(b->qs + 32 * h + l0);
-    const device uint16_t* hm = (const device uint16_t*)(b->hmask + l0);
-    const uint32_t lo = uint32_t(qs[0]) | (uint32_t(qs[1]) << 16);
-    const uint32_t hi = uint32_t(hm[0]) | (uint32_t(hm[1]) << 16);
+    const uint32_t lo = word(b->qs + 32 * h + l0);
+    const uint32_t hi = word(b->hmask + l0);
     for (int t = 0; t < 4; ++t) {
       scale[t] = d * float(torch_qmm::gguf::q3k_scale(int(8 * h + 2 * t + l0 / 16), b->scales));
       min[t] = 0.0f;
