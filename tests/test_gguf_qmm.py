@@ -1,4 +1,4 @@
-"""gguf_qmm: the native Q2_K / Q3_K / Q4_K / Q6_K op, checked against gguf.quants.dequantize (the gguf package's
+"""gguf_qmm: the native K-quant op (Q2_K .. Q6_K), checked against gguf.quants.dequantize (the gguf package's
 decoder) with a float64 matmul, and its bad-input errors, on every backend of the `device` fixture
 (tests/conftest.py: cpu, the Metal kernels on metalsim, mps on a Mac). Route-by-route Metal tests:
 tests/test_metal_gguf.py."""

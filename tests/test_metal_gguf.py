@@ -67,7 +67,7 @@ def gguf_case(ggml_type, M, N, K, dtype, seed):
 # dmin*m are exact products of an f16 and a small integer, and so is d*sc*q, at most 11 + 6 + 5 bits,
 # so the reference's weight d*sc*q - dmin*m is one rounding of the same terms); where the two terms cancel the error is
 # relative to their sum. Q6_K and Q3_K: codes shifted to q - 32 / q - 4 before the dot product,
-# their weights d*sc*(q - 32) / d*sc*(q - 4) are exact in float32 (11 + 8 + 6 and 11 + 6 + 3 bits),
+# their weights d*sc*(q - 32) / d*sc*(q - 4) are exact in float32 (at most 11 + 7 + 5 and 11 + 6 + 3 significant bits),
 # and the offset term only makes the magnitude larger than |x| @ |w|.T.
 def run_gguf(ggml_type, M, N, K, dtype, seed, check=None, count=False):
     from torch_qmm.metalsim import backend, last_launches

@@ -18,8 +18,9 @@ after another along a row of W):
   Q6_K, 210 bytes: 128 bytes of the codes' low 4 bits, 64 bytes of their high 2 bits, 16 int8
     scales sc_j of the sub-blocks of 16, f16 d; w = (d*sc_j)*(q - 32).
 All are computed in float32 in the gguf package's order: d*sc_j is exact (an 11-bit significand
-times an integer of at most 8 bits), and so is (d*sc_j)*q for Q2_K, Q4_K and Q5_K and (d*sc_j)*(q - 4)
-for Q3_K; the one rounding is the subtraction (Q2_K, Q4_K, Q5_K) or the product with q - 32 (Q6_K).
+times an integer of at most 8 bits), and so is (d*sc_j)*q for Q2_K, Q4_K and Q5_K, (d*sc_j)*(q - 4)
+for Q3_K and (d*sc_j)*(q - 32) for Q6_K (at most 11 + 7 + 5 significant bits); the one rounding is
+the subtraction of Q2_K's, Q4_K's and Q5_K's min term.
 """
 
 from __future__ import annotations

@@ -214,26 +214,28 @@ def _gguf_activations(activations, x: torch.Tensor, ggml_type, op: str) -> str |
     of torch_qmm.activation_quantization where the type has int8 kernels (GGUF_INT8_TYPES; other
     types stay exact there). ValueError for an explicit "int8" that cannot run."""
     _activations.check_activations(activations)
+    # (a ggml_type that is no int is the op's to refuse, naming the argument)
+    has_int8 = isinstance(ggml_type, int) and int(ggml_type) in _activations.GGUF_INT8_TYPES
     kind = activations
-    if kind is None and x.device.type == "cpu" and int(ggml_type) in _activations.GGUF_INT8_TYPES:
+    if kind is None and x.device.type == "cpu" and has_int8:
         kind = _activations.current_activations()
     if kind == "int8" and x.device.type != "cpu":
         raise ValueError(f"{op}: argument 'activations': 'int8' runs on CPU tensors only, got x on {x.device}")
-    if kind == "int8" and int(ggml_type) not in _activations.GGUF_INT8_TYPES:
+    if kind == "int8" and not has_int8:
         raise ValueError(f"{op}: argument 'activations': 'int8' has kernels for ggml types "
-                         f"{_activations.GGUF_INT8_TYPES} (Q4_K, Q6_K) only, got ggml_type {int(ggml_type)}")
+                         f"{_activations.GGUF_INT8_TYPES} (Q4_K, Q6_K) only, got ggml_type {ggml_type!r}")
     return kind
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int,
                 activations: str | None = None) -> torch.Tensor:
-    """y = x @ W.T with W [N, K] stored as GGUF blocks (Q2_K = 10, Q3_K = 11, Q4_K = 12,
+    """y = x @ W.T with W [N, K] stored as GGUF blocks (Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
     Q6_K = 14), decoded in-kernel.
 
     Args:
         x: float32/float16/bfloat16 [..., K], K a multiple of 256.
-        blocks: uint8 [N, K/256 * block_bytes] (84 / 110 / 144 / 210 bytes per Q2_K / Q3_K / Q4_K /
-            Q6_K super-block), each row the super-blocks of one row of W as llama.cpp writes them.
+        blocks: uint8 [N, K/256 * block_bytes] (84 / 110 / 144 / 176 / 210 bytes per Q2_K / Q3_K /
+            Q4_K / Q5_K / Q6_K super-block), each row the super-blocks of one row of W as llama.cpp writes them.
         activations: "int8": x quantized to int8 per super-block of 256 (torch_qmm.activations; CPU
             only, Q4_K and Q6_K; approximate). None: torch_qmm.activation_quantization's setting for
             CPU calls of Q4_K / Q6_K, else exact.

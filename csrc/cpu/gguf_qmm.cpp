@@ -243,7 +243,7 @@ at::Tensor gguf_qmm_cpu(const at::Tensor& x, const at::Tensor& blocks_in, int64_
   const at::Tensor& xf = xr.xf;
   at::Tensor yf = at::empty({M, N}, xf.options());
   const cpu::GgufArgs a = args_for(xr, blocks, N, K, x.scalar_type());
-  // The chunk kernels hoist the Q4_K mins (and Q6_K's -32) out of the dot products; where that
+  // The chunk kernels hoist the offsets (the mins, Q3_K's -4, Q6_K's -32) out of the dot products; where that
   // gives a non-finite value it need not be the one IEEE arithmetic on the decoded weights gives,
   // so such calls are redone by the fused / GEMM kernels below, which multiply decoded weights.
   if (cpu::gguf_chunked_multiplier(a, ggml_type) != nullptr) {

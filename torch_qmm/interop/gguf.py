@@ -380,9 +380,13 @@ def k_quant_to_affine(
     """Q4_K or Q5_K blocks of a matrix W [N, K] -> the affine format with bits 4 or 5
     (K_AFFINE_BITS), group_size 32: q4_k_to_affine for either type (Q5_K: blocks uint8
     [N, K/256 * 176], wq uint32 [N, K*5/32])."""
-    op = f"{type_name(ggml_type).lower()}_to_affine"
-    if int(ggml_type) not in K_AFFINE_BITS:
-        raise ValueError(f"k_quant_to_affine: argument 'ggml_type' must be 12 (Q4_K) or 13 (Q5_K), got {ggml_type}")
+    return _k_quant_to_affine(blocks, N, K, ggml_type, dtype, "k_quant_to_affine")
+
+
+def _k_quant_to_affine(blocks, N: int, K: int, ggml_type: int, dtype: torch.dtype, op: str):
+    """k_quant_to_affine, its errors prefixed by op (the public function called)."""
+    if isinstance(ggml_type, bool) or not isinstance(ggml_type, int) or int(ggml_type) not in K_AFFINE_BITS:
+        raise ValueError(f"{op}: argument 'ggml_type' must be 12 (Q4_K) or 13 (Q5_K), got {ggml_type!r}")
     wq, scales64, biases64 = _k_affine64(blocks, N, K, int(ggml_type), op)
     scales = torch.from_numpy(scales64).to(dtype)
     biases = torch.from_numpy(biases64).to(dtype)
@@ -420,7 +424,7 @@ def q4_k_to_affine(
         ValueError for a wrong blocks dtype/shape, K not a multiple of 256, non-finite d/dmin, or
         scales/biases overflowing `dtype`.
     """
-    return k_quant_to_affine(blocks, N, K, Q4_K, dtype)
+    return _k_quant_to_affine(blocks, N, K, Q4_K, dtype, "q4_k_to_affine")
 
 
 def to_blocks(t: GGUFTensor) -> torch.Tensor:

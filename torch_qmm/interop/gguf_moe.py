@@ -233,7 +233,7 @@ def experts_from_gguf(module: nn.Module, parts: dict[str, ExpertStack], dtype: t
         warnings.warn(
             f"{where}: the experts are stored as gate {gate.type_name}, up {up.type_name}, down {down.type_name}; "
             "torch_qmm keeps experts quantized where gate and up share a type and every projection is of "
-            f"{', '.join(type_name(t) for t in AFFINE_TYPES + NATIVE_TYPES)}: this block's experts load float "
+            f"{', '.join(type_name(t) for t in dict.fromkeys(AFFINE_TYPES + NATIVE_TYPES))}: this block's experts load float "
             "(decoded)",
             stacklevel=4,
         )
