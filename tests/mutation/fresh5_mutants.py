@@ -52,7 +52,7 @@ MUTANTS: list[Mutant] = [
            "leaving an inner activation_quantization block turns the setting off instead of restoring "
            "the outer one (an inner None block ends int8 for the rest of the outer block)"),
     Mutant("p5-gguf-matmul-ignores-activation-setting", "torch_qmm/ops.py",
-           '    if kind is None and x.device.type == "cpu" and int(ggml_type) in _activations.GGUF_INT8_TYPES:\n'
+           '    if kind is None and x.device.type == "cpu" and has_int8:\n'
            '        kind = _activations.current_activations()\n',
            "", ACTIVATIONS,
            "gguf_matmul ignores activation_quantization('int8'): only an explicit argument selects int8"),
