@@ -56,24 +56,19 @@ using namespace metal;
 template <int type>
 struct GGUFSlice;
 
-// The 8-lane slices (Q4_K, Q5_K): slot s (iq = s/4, ir = s%4) owns runs j of 8 weights in chunk
-// c = iq + 2 * (j / 2), nibble j % 2 (sub-block 2c + j % 2).
-struct Runs8 {
-  enum : int { LANES = 8, RUNS = 4, RUN = 8 };
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> {
+  enum : int { LANES = 8, RUNS = 4, RUN = 8, HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ4K) };
 
   float q[RUNS][RUN];
   float scale[RUNS];
   float min[RUNS];
 
+  // Run j: chunk c = iq + 2 * (j / 2), nibble j % 2.
   static uint offset(uint slot, int j) {
     const uint iq = slot / 4, ir = slot % 4;
     return 64 * (iq + 2 * (j / 2)) + 32 * (j % 2) + 8 * ir;
   }
-};
-
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> : Runs8 {
-  enum : int { HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ4K) };
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ4K* b = (const device torch_qmm::gguf::BlockQ4K*)raw;
@@ -102,8 +97,14 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> : Runs8 {
 // bit: bit 2c + nib of qh[8ir + i] for weight i of the run in chunk c, nibble nib. A slot's 4 runs
 // read the same 8 bytes qh[8ir .. +8), one shift per run.
 template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeQ5_K> : Runs8 {
-  enum : int { HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ5K) };
+struct GGUFSlice<torch_qmm::gguf::kTypeQ5_K> {
+  enum : int { LANES = 8, RUNS = 4, RUN = 8, HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ5K) };
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];
+
+  static uint offset(uint slot, int j) { return GGUFSlice<torch_qmm::gguf::kTypeQ4_K>::offset(slot, j); }
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ5K* b = (const device torch_qmm::gguf::BlockQ5K*)raw;
@@ -133,36 +134,27 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ5_K> : Runs8 {
   }
 };
 
-// The 16-lane slices (Q6_K, Q2_K, Q3_K): slot s reads half h = s / 8 at l0 = 4 * (s % 8); run t
-// covers weights 128h + 32t + l0 .. +4, in sub-block 8h + 2t + l0/16.
-struct Runs16 {
-  enum : int { LANES = 16, RUNS = 4, RUN = 4 };
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> {
+  enum : int { LANES = 16, RUNS = 4, RUN = 4, HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockQ6K) };
 
   float q[RUNS][RUN];
   float scale[RUNS];
-  float min[RUNS];  // unused where HAS_MIN = 0
+  float min[RUNS];  // unused (Q6_K is symmetric around 32)
 
   static uint offset(uint slot, int t) { return 128 * (slot / 8) + 32 * t + 4 * (slot % 8); }
-
-  // The 4 bytes at p (2-byte aligned: Q3_K's and Q6_K's blocks are 110 and 210 bytes) as one word.
-  static uint32_t word(const device uint8_t* p) {
-    const device uint16_t* h = (const device uint16_t*)p;
-    return uint32_t(h[0]) | (uint32_t(h[1]) << 16);
-  }
-};
-
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> : Runs16 {
-  enum : int { HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockQ6K) };  // symmetric around 32
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ6K* b = (const device torch_qmm::gguf::BlockQ6K*)raw;
     const uint h = slot / 8, l0 = 4 * (slot % 8);
     const float d = float(as_type<half>(b->d));
     // 4 bytes of ql for runs 0/2 (low/high nibble), 4 of ql + 32 for runs 1/3, 4 of qh (2 bits per run).
-    const uint32_t a = word(b->ql + 64 * h + l0);
-    const uint32_t c = word(b->ql + 64 * h + 32 + l0);
-    const uint32_t hi = word(b->qh + 32 * h + l0);
+    const device uint16_t* qa = (const device uint16_t*)(b->ql + 64 * h + l0);
+    const device uint16_t* qb = (const device uint16_t*)(b->ql + 64 * h + 32 + l0);
+    const device uint16_t* qh = (const device uint16_t*)(b->qh + 32 * h + l0);
+    const uint32_t a = uint32_t(qa[0]) | (uint32_t(qa[1]) << 16);
+    const uint32_t c = uint32_t(qb[0]) | (uint32_t(qb[1]) << 16);
+    const uint32_t hi = uint32_t(qh[0]) | (uint32_t(qh[1]) << 16);
     for (int t = 0; t < 4; ++t) {
       scale[t] = d * float(b->scales[8 * h + 2 * t + l0 / 16]);
       min[t] = 0.0f;
@@ -180,8 +172,14 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ6_K> : Runs16 {
 // 2t+1 of qs[32h + p], so the 4 runs of a slot read the same 4 bytes qs[32h + l0 .. +4), one shift
 // per run; run t is sub-block 8h + 2t + l0/16.
 template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeQ2_K> : Runs16 {
-  enum : int { HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ2K) };
+struct GGUFSlice<torch_qmm::gguf::kTypeQ2_K> {
+  enum : int { LANES = 16, RUNS = 4, RUN = 4, HAS_MIN = 1, BYTES = sizeof(torch_qmm::gguf::BlockQ2K) };
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];
+
+  static uint offset(uint slot, int t) { return 128 * (slot / 8) + 32 * t + 4 * (slot % 8); }
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ2K* b = (const device torch_qmm::gguf::BlockQ2K*)raw;
@@ -201,15 +199,24 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ2_K> : Runs16 {
 
 // Q3_K adds each code's third bit: bit 4h + t of hmask[l0 + i] for weight i of run t.
 template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeQ3_K> : Runs16 {
-  enum : int { HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockQ3K) };  // symmetric around 4
+struct GGUFSlice<torch_qmm::gguf::kTypeQ3_K> {
+  enum : int { LANES = 16, RUNS = 4, RUN = 4, HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockQ3K) };
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];  // unused (Q3_K is symmetric around 4)
+
+  static uint offset(uint slot, int t) { return 128 * (slot / 8) + 32 * t + 4 * (slot % 8); }
 
   void decode(const device uint8_t* raw, uint slot) {
     const device torch_qmm::gguf::BlockQ3K* b = (const device torch_qmm::gguf::BlockQ3K*)raw;
     const uint h = slot / 8, l0 = 4 * (slot % 8);
     const float d = float(as_type<half>(b->d));
-    const uint32_t lo = word(b->qs + 32 * h + l0);
-    const uint32_t hi = word(b->hmask + l0);
+    // 110-byte blocks are 2-aligned only: hmask and qs as uint16.
+    const device uint16_t* qs = (const device uint16_t*)(b->qs + 32 * h + l0);
+    const device uint16_t* hm = (const device uint16_t*)(b->hmask + l0);
+    const uint32_t lo = uint32_t(qs[0]) | (uint32_t(qs[1]) << 16);
+    const uint32_t hi = uint32_t(hm[0]) | (uint32_t(hm[1]) << 16);
     for (int t = 0; t < 4; ++t) {
       scale[t] = d * float(torch_qmm::gguf::q3k_scale(int(8 * h + 2 * t + l0 / 16), b->scales));
       min[t] = 0.0f;
