@@ -169,7 +169,7 @@ def test_unsupported_gguf_type_lists_the_supported_ones(tmp_path):
     write_gguf(tmp_path / "iq4xs.gguf", {"w": (np.zeros((4, 136), dtype=np.uint8), T.IQ4_XS)})
     t = GGUFFile(tmp_path / "iq4xs.gguf").tensors["w"]
     assert t.type_name == "IQ4_XS" and t.shape == (4, 256)
-    with pytest.raises(ValueError, match=r"type IQ4_XS; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q2_K, Q3_K, Q4_K, Q6_K\)"):
+    with pytest.raises(ValueError, match=r"type IQ4_XS; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4\)"):
         linear_from_gguf(t)
 
 

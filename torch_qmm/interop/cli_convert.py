@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import quantizers, reference
+from .. import ops, quantizers, reference
 from ..cli_errors import UsageError
 from ..convert import CONV1D_NOT_CONVERTED, is_conv1d, quantize_model
 from ..formats import FORMATS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
@@ -20,7 +20,7 @@ from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
 from .experts import is_fused_experts, layout_of
 from .gguf import K_AFFINE_BITS, GGUFFile, GGUFTensor, affine_exact, dequantize, k_quant_to_affine
 from .gguf_moe import block_experts, describe as describe_experts, expert_part, experts_module_name, float_experts_module
-from .gguf_types import AFFINE_TYPES, Q4_K, type_name
+from .gguf_types import AFFINE_TYPES, FP_TYPES, Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from .output_folder import check_destination, side_file_source, staged_output
 
@@ -101,8 +101,11 @@ def _float_linear(layer: nn.Module, dtype: torch.dtype) -> nn.Linear:
     if isinstance(layer, GGUFLinear):
         t = GGUFTensor("", layer.ggml_type, (layer.out_features, layer.in_features), layer.blocks.numpy())
         w = dequantize(t)
-    else:
+    elif layer.mode == "affine":
         w = reference.dequantize(layer.qweight, layer.scales, layer.biases, layer.bits, layer.group_size)
+    else:  # an fp mode (GGUF's MXFP4): its values are exact in float32
+        w = ops.dequantize(layer.qweight, layer.scales, None, layer.group_size, layer.bits, layer.mode,
+                           dtype=torch.float32)
     out = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, dtype=dtype)
     with torch.no_grad():
         out.weight.copy_(w)
@@ -132,8 +135,9 @@ def _k_quants_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtyp
     """Replaces Q4_K / Q5_K GGUFLinear layers and (with `embeddings`) Q4_K embeddings (decoded to
     float by the loader; Q5_K ones are affine already) with their affine form; a float output tied to such an embedding becomes
     TiedQuantLinear. Returns {module name: exact}."""
-    from .gguf_llama import hf_name
+    from .gguf_llama import architecture_of, hf_name
 
+    arch = architecture_of(f)
     exact: dict[str, bool] = {}
     for name, m in list(model.named_modules()):
         if isinstance(m, GGUFLinear) and m.ggml_type in K_AFFINE_BITS:
@@ -150,7 +154,7 @@ def _k_quants_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtyp
             _replace(model, name, layer)
     for gname, t in f.tensors.items() if embeddings else ():
         f.check_unchanged()
-        module_name = (hf_name(gname) or "").rpartition(".")[0]
+        module_name = (hf_name(gname, arch) or "").rpartition(".")[0]
         if t.ggml_type != Q4_K or not gname.endswith(".weight") or not module_name:
             continue
         try:
@@ -202,6 +206,8 @@ def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
 def _affine_switch(layer: nn.Module, stacks: list, dtype: torch.dtype, name: str):
     """(an affine QuantSwitchLinear computing what `layer` does, exact in dtype) or None where the
     GGUF type has no exact affine form. stacks: its gguf_moe.ExpertStack(s)."""
+    if isinstance(layer, QuantSwitchLinear) and layer.mode != "affine":  # MXFP4 as mxfp4: the file's bits
+        return layer, True
     if isinstance(layer, QuantSwitchLinear):  # the affine types: to_affine(t, dtype) in the loader
         return layer, all(affine_exact(t, dtype) for st in stacks for t in st.experts)
     if layer.ggml_type not in K_AFFINE_BITS:
@@ -215,13 +221,13 @@ def _affine_switch(layer: nn.Module, stacks: list, dtype: torch.dtype, name: str
 
 def _weight_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
     """{transformers module name: the GGUF tensor of its weight}."""
-    from .gguf_llama import hf_name
+    from .gguf_llama import architecture_of, hf_name
 
-    out = {}
+    arch, out = architecture_of(f), {}
     for gname, t in f.tensors.items():
         if expert_part(gname) is not None:  # the experts of a MoE block: _experts_for_output
             continue
-        name = hf_name(gname)
+        name = hf_name(gname, arch)
         if name and name.endswith(".weight"):
             out[name.rpartition(".")[0]] = t
     return out
@@ -275,6 +281,8 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
             _replace(model, name, nn.Linear(m.in_features, m.out_features, bias=False, dtype=dtype, device="meta"))
         elif isinstance(m, (QuantLinear, QuantEmbedding)) and tensors[name].ggml_type in AFFINE_TYPES:
             exact[name] = affine_exact(tensors[name], dtype)
+        elif isinstance(m, QuantLinear) and tensors[name].ggml_type in FP_TYPES:  # the file's bits
+            exact[name] = True
     if float_embedding and config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if "quantization_config" in vars(model.config):  # load_gguf_llama's, of the layers as it loaded them:

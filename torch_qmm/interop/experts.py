@@ -47,8 +47,9 @@ class ExpertsLayout:
 EXPERT_LAYOUTS: dict[str, ExpertsLayout] = {}
 
 
-def layout_of(module: nn.Module) -> ExpertsLayout | None:
-    """The layout of a fused experts module, or None when `module` is not one."""
+def described_layout(module: nn.Module) -> ExpertsLayout | None:
+    """The layout an experts module's class describes (EXPERT_LAYOUTS, or transformers' attributes),
+    whether or not it holds its weights (GateOfExperts empties it); None for other modules."""
     layout = EXPERT_LAYOUTS.get(type(module).__name__)
     if layout is None:
         described = all(hasattr(module, a) for a in ("is_transposed", "is_concatenated", "has_bias", "has_gate"))
@@ -56,6 +57,14 @@ def layout_of(module: nn.Module) -> ExpertsLayout | None:
             return None
         layout = ExpertsLayout(transposed=bool(module.is_transposed), interleaved=not module.is_concatenated,
                                has_bias=bool(module.has_bias))
+    return layout
+
+
+def layout_of(module: nn.Module) -> ExpertsLayout | None:
+    """The layout of a fused experts module, or None when `module` is not one."""
+    layout = described_layout(module)
+    if layout is None:
+        return None
     params = dict(module.named_parameters(recurse=False))
     if not all(n in params for n in layout.weight_names) or params[layout.gate_up].dim() != 3:
         return None

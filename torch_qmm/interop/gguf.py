@@ -17,6 +17,10 @@ into MLX's little-endian bit stream.
 The K-quants Q2_K .. Q6_K (NATIVE_TYPES) stay as their block bytes in linear layers (GGUFLinear /
 torch_qmm::gguf_qmm) by default; a Q5_K embedding takes the affine form above (QuantEmbedding).
 
+MXFP4 (FP_TYPES) is MLX's mxfp4 bit for bit (to_fp): a block of 32 weights is one E8M0 exponent
+byte e (scale 2^(e - 127)) and 16 bytes of E2M1 codes; only the codes' order differs (byte j
+holds weights j and j + 16, as Q4_0; MLX's stream holds weights 2j and 2j + 1 in byte j).
+
 Q4_K and Q5_K have that exact affine form (k_quant_to_affine, q4_k_to_affine; used by `convert`):
 each super-block of 256 weights is 8 groups of 32, w = d*sc_j*q - dmin*m_j -> bits 4 / 5,
 group_size 32, scale d*sc_j, bias -dmin*m_j. d, dmin are float16 and sc_j, m_j 6-bit integers, so
@@ -44,6 +48,7 @@ from .gguf_types import (
     F16,
     F32,
     FLOAT_TYPES,
+    FP_TYPES,
     GGML_TYPES,
     NATIVE_TYPES,
     Q4_0,
@@ -63,7 +68,7 @@ from .gguf_header import value as metadata_value
 from .modules import GGUFLinear, QuantEmbedding
 
 __all__ = ["GGUFFile", "GGUFTensor", "check_finite", "dequantize", "to_affine", "affine_exact", "q4_k_to_affine",
-           "k_quant_to_affine",
+           "k_quant_to_affine", "to_fp",
            "to_blocks", "linear_from_gguf"]
 
 Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles
@@ -297,6 +302,33 @@ def to_affine(
     return wq, scales, biases, bits, 32
 
 
+MXFP4_BLOCK_BYTES = 17  # the E8M0 exponent byte, then 16 bytes of E2M1 code pairs
+# |E2M1 value| of each code's low three bits (the fourth is the sign).
+_E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def to_fp(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """An FP_TYPES matrix [N, K] as MLX's format of the same bits: (wq uint32 [N, K/8] (4-bit
+    codes, MLX's little-endian stream), scales uint8 [N, K/32] (E8M0 bytes), mode "mxfp4").
+
+    A block whose scale byte is 255 (NaN in the OCP MX format; ggml and MLX give it different
+    values) or whose values overflow float32 is refused (GGUFFormatError naming the tensor).
+    """
+    _require(t, tuple(FP_TYPES), "to_fp")
+    rows, k = t.raw.shape[0], t.shape[-1]
+    b = t.raw.reshape(rows, k // 32, MXFP4_BLOCK_BYTES)
+    exponents, qs = b[..., 0], b[..., 1:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [rows, groups, 32] in weight order
+    largest = _E2M1_MAGNITUDES[(codes & 7).max(axis=-1)]
+    with np.errstate(over="ignore"):
+        overflow = np.ldexp(largest, exponents.astype(np.int64) - 127) > np.finfo(np.float32).max
+    if (exponents == 255).any() or overflow.any():
+        raise GGUFFormatError(f"{t.source}: tensor {t.name!r} ({t.type_name}) holds a block with scale byte 255 or "
+                              "values beyond float32: the file is corrupt (a model's weights are finite)")
+    wq = torch.from_numpy(_pack_bits(codes.reshape(rows, k), 4))
+    return wq, torch.from_numpy(np.ascontiguousarray(exponents)), FP_TYPES[t.ggml_type]
+
+
 def affine_exact(t: GGUFTensor, dtype: torch.dtype) -> bool:
     """Whether to_affine(t, dtype) keeps the weights of an AFFINE_TYPES matrix exactly: every
     scale and bias survives the cast to dtype (all are exact in float64, and in float32). True in
@@ -449,7 +481,8 @@ def linear_from_gguf(
     t: GGUFTensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
     """The layer for a GGUF weight [N, K]: GGUFLinear (NATIVE_TYPES: Q2_K .. Q6_K, the file's
-    blocks), QuantLinear (the 32-weight block types, lossless) or nn.Linear (F32 / F16 / BF16)."""
+    blocks), QuantLinear (the 32-weight block types, lossless; MXFP4 as mode "mxfp4", the same
+    bits) or nn.Linear (F32 / F16 / BF16)."""
     _check_matrix(t, "a linear weight", "[out_features >= 1, in_features >= 1]")
     n, k = t.shape
     if t.ggml_type in NATIVE_TYPES:
@@ -461,6 +494,11 @@ def linear_from_gguf(
         layer.qweight.copy_(wq)
         layer.scales.copy_(scales)
         layer.biases.copy_(biases)
+    elif t.ggml_type in FP_TYPES:
+        wq, scales, mode = to_fp(t)
+        layer = QuantLinear(k, n, bias=bias is not None, mode=mode, dtype=dtype)
+        layer.qweight.copy_(wq)
+        layer.scales.copy_(scales)
     elif t.ggml_type in FLOAT_TYPES:
         layer = torch.nn.Linear(k, n, bias=bias is not None, dtype=dtype)
         with torch.no_grad():

@@ -1,6 +1,6 @@
 """A llama-family GGUF file (llama, mistral, qwen2, qwen3, and the mixture-of-experts qwen2moe,
-qwen3moe and Mixtral, which llama.cpp writes as llama with experts: gguf_moe) into a transformers
-model of the same architecture.
+qwen3moe, gpt-oss and Mixtral, which llama.cpp writes as llama with experts: gguf_moe) into a
+transformers model of the same architecture.
 
 Facts from llama.cpp's convert_hf_to_gguf.py and transformers' GGUF loader
 (integrations/ggml.py, integrations/gguf/gguf_conversion_mapping.py, modeling_gguf_pytorch_utils.py):
@@ -20,7 +20,16 @@ Facts from llama.cpp's convert_hf_to_gguf.py and transformers' GGUF loader
   attention.head_count_kv, attention.layer_norm_rms_epsilon, rope.freq_base, context_length,
   rope.dimension_count, attention.key_length / value_length (the head dim where it is not
   embedding_length / head_count)}; the special token ids tokenizer.ggml.{bos,eos,padding}_token_id (the
-  unknown token has no config field: it is in the tokenizer files, see gguf_tokenizer).
+  unknown token has no config field: it is in the tokenizer files, see gguf_tokenizer);
+* gpt-oss (convert_hf_to_gguf.py's GptOssModel, llama.cpp's LLM_ARCH_OPENAI_MOE): the norm after
+  attention is blk.N.post_attention_norm, the attention sinks blk.N.attn_sinks.weight [n_head]
+  (transformers' self_attn.sinks), the router blk.N.ffn_gate_inp (mlp.router, with a bias); every
+  attention projection has a bias; gpt-oss.attention.sliding_window is the window of the
+  sliding layers (every other layer from the first, in llama.cpp and transformers alike);
+  rope.scaling.{type = "yarn", factor, original_context_length, yarn_beta_fast, yarn_beta_slow}
+  give transformers' yarn rope_parameters, without truncating the correction range (gpt-oss's own
+  config: truncate False). SwiGLU's limit 7 and alpha 1.702 are not in the file: llama.cpp and
+  GptOssConfig both fix them.
 """
 
 from __future__ import annotations
@@ -39,10 +48,12 @@ from ..convert import record_loaded_model
 from ..nn import QuantLinear
 from ..nn_moe import QuantFusedExperts
 from .gguf import GGUFFile, GGUFTensor, dequantize, embedding_from_gguf, linear_from_gguf
-from .gguf_moe import (INT_FIELDS as _MOE_INT_FIELDS, MIXTRAL_EXPERTS, MOE_RENAMES, QWEN_EXPERTS, ExpertFields,
+from .gguf_moe import (GPT_OSS_EXPERTS, INT_FIELDS as _MOE_INT_FIELDS, MIXTRAL_EXPERTS, MOE_RENAMES, QWEN_EXPERTS,
+                       ExpertFields,
                        block_experts, checked_shape, describe, expected_shapes, expert_part, experts_from_gguf,
                        experts_module_name, fill_float_experts, moe_config, moe_config_keys, per_expert_layout,
                        shared_gate_tensor)
+from .experts import layout_of
 from .gguf_types import SUPPORTED_TYPES, supported_list
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .mlx import LoadReport
@@ -62,6 +73,12 @@ class Architecture:
     experts: ExpertFields | None = None  # every block a MoE block, its config fields (gguf_moe)
     shared_expert: bool = False  # a gated shared expert beside the routed ones
     norm_topk_prob: bool | None = None  # whether llama.cpp normalizes the top-k routing weights
+    renames: tuple[tuple[str, str], ...] = ()  # tensor names of this architecture (before the shared ones)
+    ffn_norm: str = "ffn_norm"  # the GGUF name of the norm before the MLP
+    sinks: bool = False  # attention sinks, one per head (blk.N.attn_sinks.weight)
+    moe_biases: bool = False  # the router and the experts have biases
+    config_keys: tuple[tuple[str, str], ...] = ()  # more metadata keys -> config fields
+    yarn: dict | None = None  # transformers' yarn parameters the file does not carry (None: yarn not mapped)
 
 
 ARCHITECTURES = {
@@ -74,6 +91,13 @@ ARCHITECTURES = {
     "qwen3moe": Architecture("qwen3_moe", False, ("attention_bias",), (), True, experts=QWEN_EXPERTS,
                              norm_topk_prob=True),
 }
+ARCHITECTURES["gpt-oss"] = Architecture(
+    "gpt_oss", False, ("attention_bias",), (), False, experts=GPT_OSS_EXPERTS,
+    renames=((r"\.ffn_gate_inp\.", ".mlp.router."), (r"\.attn_sinks\.weight$", ".self_attn.sinks"),
+             (r"\.post_attention_norm\.", ".post_attention_layernorm.")),
+    ffn_norm="post_attention_norm", sinks=True, moe_biases=True,
+    config_keys=(("attention.sliding_window", "sliding_window"),),
+    yarn={"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})
 LLAMA_FAMILY = tuple(ARCHITECTURES)
 # llama.cpp writes Mixtral as architecture llama with {arch}.expert_count > 0.
 MIXTRAL = Architecture("mixtral", True, (), (), False, experts=MIXTRAL_EXPERTS)
@@ -131,12 +155,13 @@ _TOKEN_ID_KEYS = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The transformers parameter name of a llama GGUF tensor (None: not a model parameter)."""
+def hf_name(gguf_name: str, arch: Architecture | None = None) -> str | None:
+    """The transformers parameter name of a GGUF tensor of architecture `arch` (default: the
+    llama names) (None: not a model parameter)."""
     if gguf_name in _SKIPPED:
         return None
     name = gguf_name
-    for pattern, repl in _RENAMES:
+    for pattern, repl in (arch.renames if arch is not None else ()) + tuple(_RENAMES):
         name = re.sub(pattern, repl, name)
     return name
 
@@ -157,13 +182,46 @@ def llama_config_from_gguf(f: GGUFFile):
 
     kwargs = check_llama_metadata(f)
     kwargs.update(_special_token_ids(f, kwargs["vocab_size"]))
-    _warn_unmapped_rope(f, f.architecture)
-    return AutoConfig.for_model(architecture_of(f).model_type, **kwargs)
+    kind = architecture_of(f)
+    rope = _yarn_parameters(f, kind, kwargs)
+    if rope is None:
+        _warn_unmapped_rope(f, f.architecture)
+        if kind.yarn is not None:  # the config class's default would be its model's yarn, not the file's rope
+            rope = {"rope_type": "default", "rope_theta": kwargs["rope_theta"]} if "rope_theta" in kwargs else None
+    if rope is not None:
+        kwargs["rope_parameters"] = rope
+        kwargs.pop("rope_theta", None)
+    return AutoConfig.for_model(kind.model_type, **kwargs)
+
+
+def _yarn_parameters(f: GGUFFile, kind: Architecture, kwargs: dict) -> dict | None:
+    """transformers' rope_parameters of a yarn-scaled file of an architecture whose yarn is mapped
+    (Architecture.yarn), else None."""
+    arch = f.architecture
+    if kind.yarn is None or f.get_metadata(f"{arch}.rope.scaling.type") != "yarn":
+        return None
+    rope = {"rope_type": "yarn", **kind.yarn}
+    keys = {"rope.scaling.factor": "factor", "rope.scaling.original_context_length": "original_max_position_embeddings",
+            "rope.scaling.yarn_beta_fast": "beta_fast", "rope.scaling.yarn_beta_slow": "beta_slow"}
+    for key, field in keys.items():
+        value = f.get_metadata(f"{arch}.{key}")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{f.path}: metadata '{arch}.{key}' must be a positive finite number, got {value!r}")
+        rope[field] = int(value) if field == "original_max_position_embeddings" else float(value)
+    for field, key in (("factor", "rope.scaling.factor"), ("original_max_position_embeddings",
+                                                          "rope.scaling.original_context_length")):
+        if field not in rope:
+            raise ValueError(f"{f.path}: metadata '{arch}.rope.scaling.type' is 'yarn' but '{arch}.{key}' is missing")
+    if "rope_theta" in kwargs:
+        rope["rope_theta"] = kwargs["rope_theta"]
+    return rope
 
 
 # Metadata that must be a positive integer / a positive finite float when present.
 _INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings", *_MOE_INT_FIELDS)
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", *_MOE_INT_FIELDS)
 _FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
 # Largest context length accepted (2^24 tokens, far beyond any llama-family model).
 _MAX_CONTEXT = 2**24
@@ -196,7 +254,9 @@ def check_llama_metadata(f: GGUFFile) -> dict:
     """
     arch, kind = f.architecture, architecture_of(f)
     kwargs = {}
-    for key, field in {**_CONFIG_KEYS, **(moe_config_keys(kind.experts, kind.shared_expert) if kind.experts else {})}.items():
+    keys = {**_CONFIG_KEYS, **(moe_config_keys(kind.experts, kind.shared_expert) if kind.experts else {}),
+            **dict(kind.config_keys)}
+    for key, field in keys.items():
         value = _metadata_value(f, arch, key, field)
         if value is not None:
             kwargs[field] = value
@@ -292,10 +352,13 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
         expected.update({
             f"blk.{i}.attn_q.weight": (n_head * head_dim, hidden), f"blk.{i}.attn_k.weight": (n_kv * head_dim, hidden),
             f"blk.{i}.attn_v.weight": (n_kv * head_dim, hidden), f"blk.{i}.attn_output.weight": (hidden, n_head * head_dim),
-            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.{kind.ffn_norm}.weight": (hidden,),
         })
+        if kind.sinks:
+            expected[f"blk.{i}.attn_sinks.weight"] = (n_head,)
         if kind.experts:
-            expected.update(expected_shapes(i, c, kind.experts, kind.shared_expert, per_expert_layout(f)))
+            expected.update(expected_shapes(i, c, kind.experts, kind.shared_expert, per_expert_layout(f),
+                                            kind.moe_biases))
         else:
             expected.update({f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
                              f"blk.{i}.ffn_down.weight": (hidden, ffn)})
@@ -310,7 +373,8 @@ def _check_shapes(f: GGUFFile, arch: str, c: dict) -> None:
     stray = sorted(n for n in f.tensors if n.endswith(".bias") and n not in expected)
     if stray:
         takes = ", ".join([f"{flag} {c[flag]}" for flag in kind.bias_flags]
-                          + [f"always {', '.join(kind.fixed_biases)}"] * bool(kind.fixed_biases))
+                          + [f"always {', '.join(kind.fixed_biases)}"] * bool(kind.fixed_biases)
+                          + ["the router and experts"] * kind.moe_biases)
         raise ValueError(f"{f.path}: tensor {stray[0]!r} is a bias the {arch} model has no place for (it takes "
                          "biases of the projections its config's flags give them, in every block when block 0 has "
                          f"them; here {takes})")
@@ -435,7 +499,9 @@ def load_gguf_llama(
     model.to(dtype)
     meta = MetaTensors(model, target) if target is not None else None
     report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
-    biases = {hf_name(n): t for n, t in f.tensors.items() if n.endswith(".bias")}
+    biases = {hf_name(n, arch): t for n, t in f.tensors.items() if n.endswith(".bias")}
+    # a bias of an nn.Linear is read with its weight; others (gpt-oss's router's) are tensors of their own
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     loaded: set[str] = set()
     state = model.state_dict()
     expert_blocks: set[int] = set()  # blocks with routed experts, read once the tensors are known
@@ -446,8 +512,8 @@ def load_gguf_llama(
         if part is not None:
             expert_blocks.add(part[0])
             continue
-        name = hf_name(gname)
-        if name is None or gname.endswith(".bias"):
+        name = hf_name(gname, arch)
+        if name is None or (gname.endswith(".bias") and name.rpartition(".")[0] in linears):
             continue
         t = shared_gate_tensor(t)
         module_name, _, leaf = name.rpartition(".")
@@ -564,15 +630,16 @@ def _load_experts(model, block: int, dtype: torch.dtype, f: GGUFFile, meta, targ
     if module is None:
         return
     parts = block_experts(f, block)
-    report.bytes_read += sum(t.nbytes for st in parts.values() for t in st.experts)
-    leaves = ("gate_up_proj", "down_proj")
+    report.bytes_read += sum(t.nbytes for st in parts.values() for t in st.experts + (st.bias,) if t is not None)
+    layout = layout_of(module)  # (before experts_from_gguf empties the module)
     new = experts_from_gguf(module, parts, dtype, f"{f.path}: block {block}")
+    leaves = layout.weight_names if layout is not None else ()
     if new is not None:
         _replace(model, name, new if target is None else new.to(target))
         report.quantized[name] = describe(parts)
     else:
         fill_float_experts({leaf: module.get_parameter(leaf) if meta is None else meta.real_key(model, f"{name}.{leaf}")
-                            for leaf in leaves}, parts)
+                            for leaf in leaves}, parts, layout)
         report.float_tensors += len(leaves)
     loaded.update(f"{name}.{leaf}" for leaf in leaves)
 

@@ -16,6 +16,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
 F32, F16, BF16 = 0, 1, 30
+MXFP4 = 39
 
 # Kept as blocks, multiplied by the native op torch_qmm::gguf_qmm.
 # Must match block_bytes / is_native_gguf_type in metal/gguf_format.h.
@@ -25,7 +26,14 @@ NATIVE_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 # of all of them as QuantEmbedding.
 AFFINE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K)
 FLOAT_TYPES = (F32, F16, BF16)
-SUPPORTED_TYPES = FLOAT_TYPES + AFFINE_TYPES + tuple(t for t in NATIVE_TYPES if t not in AFFINE_TYPES)
+# The same bits as one of MLX's fp formats (torch_qmm.formats): type -> mode. Linear layers and
+# experts of these types load as QuantLinear / QuantSwitchLinear of that mode, bit for bit
+# (gguf.to_fp). MXFP4: a block of 32 E2M1 codes with one E8M0 scale byte, MLX's mxfp4 group.
+FP_TYPES = {MXFP4: "mxfp4"}
+SUPPORTED_TYPES = (FLOAT_TYPES + AFFINE_TYPES + tuple(t for t in NATIVE_TYPES if t not in AFFINE_TYPES)
+                   + tuple(FP_TYPES))
+# Types whose layers keep their blocks in a quantized torch_qmm layer (never decoded to float).
+QUANTIZED_TYPES = AFFINE_TYPES + tuple(t for t in NATIVE_TYPES if t not in AFFINE_TYPES) + tuple(FP_TYPES)
 
 
 def type_name(ggml_type: int) -> str:

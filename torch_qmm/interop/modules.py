@@ -198,24 +198,33 @@ class GGUFSwitchLinear(GGUFFormatState, nn.Module):
     3-D expert tensor (llama.cpp's ``ffn_*_exps``) holds them. The GGUF type is in state_dict as
     ``_extra_state`` (FormatState), as GGUFLinear's. forward(x [..., M, in], indices) ->
     [..., M, out] in x's dtype: each expert's rows of x through gguf_matmul
-    (torch_qmm.interop.gguf_gather). No bias (GGUF files give the experts of these types none).
+    (torch_qmm.interop.gguf_gather), plus ``bias[indices]`` where the layer has one (gpt-oss's
+    experts: ``bias`` [E, out] in `dtype`, as QuantSwitchLinear's).
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, ggml_type: int,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         check_positive_ints(num_experts=num_experts, in_features=in_features, out_features=out_features)
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.ggml_type, row_bytes = native_type(ggml_type, in_features)
         self.register_buffer("blocks", torch.zeros(num_experts, out_features, row_bytes, dtype=torch.uint8,
                                                    device=device))
-        self.register_parameter("bias", None)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(num_experts, out_features, dtype=dtype, device=device),
+                                     requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
 
     @follows_autocast
     def forward(self, x: torch.Tensor, indices: torch.Tensor, sorted_indices: bool = False) -> torch.Tensor:
         # sorted_indices: QuantSwitchLinear's argument; the rows are grouped by expert either way.
-        return gguf_gather_matmul(x, self.blocks, self.ggml_type, self.out_features, self.in_features, indices)
+        y = gguf_gather_matmul(x, self.blocks, self.ggml_type, self.out_features, self.in_features, indices)
+        if self.bias is not None:
+            y = y + self.bias[indices.long()].unsqueeze(-2).to(y.dtype)
+        return y
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, format={type_name(self.ggml_type)}")
+                f"out_features={self.out_features}, bias={self.bias is not None}, format={type_name(self.ggml_type)}")
