@@ -73,10 +73,8 @@ MUTANTS: list[Mutant] = [
            _files("tests/test_interop_gguf_moe.py"),
            "a qwen3moe file's model leaves the top-k routing weights unnormalized (llama.cpp normalizes them)"),
     Mutant("g2-gguf-moe-up-rows-first", "torch_qmm/interop/gguf_moe.py",
-           "    off = 0\n    for st in stacks:\n        rows = st.shape[1]\n        for j, t in enumerate(st.experts):\n"
-           "            layer.blocks",
-           "    off = 0\n    for st in stacks[::-1]:\n        rows = st.shape[1]\n        for j, t in enumerate(st.experts):\n"
-           "            layer.blocks",
+           '    return {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}',
+           '    return {"gate": slice(inter, 2 * inter), "up": slice(0, inter)}',
            _files("tests/test_interop_gguf_moe.py"),
            "Q4_K / Q6_K experts join the up rows before the gate rows in gate_up_proj"),
     Mutant("g2-gguf-gather-one-expert", "torch_qmm/interop/gguf_gather.py",
