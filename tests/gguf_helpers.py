@@ -40,6 +40,18 @@ def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.n
 
 
 
+def random_iq4_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, k / weights per block * block_bytes] of valid IQ4_NL / IQ4_XS blocks (gguf-py
+    cannot quantize them): random codes and sub-block scales, a small finite f16 d at bytes 0..1,
+    for weights of magnitude ~0.05."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    per_block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    blocks = rng.integers(0, 256, size=(n, k // per_block, block_bytes), dtype=np.uint8)
+    high = 1e-3 if ggml_type == GGMLQuantizationType.IQ4_NL else 4e-5  # IQ4_XS: times l - 32, up to 32
+    blocks[..., 0:2] = rng.uniform(high / 4, high, (n, k // per_block, 1)).astype("<f2").view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
 def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Valid random blocks whose weights are small multiples of a power of two, so that x @ W.T
     for x of exact_x is exact in float32 (every product and partial sum a float32 integer multiple

@@ -11,7 +11,7 @@ import torch
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from gguf_helpers import assert_matches_reference, k_quant_magnitude, random_k_blocks, write_gguf
+from gguf_helpers import assert_matches_reference, k_quant_magnitude, random_iq4_blocks, random_k_blocks, write_gguf
 from torch_qmm import reference
 from torch_qmm.interop import GGUFLinear
 from torch_qmm.interop.gguf import (GGUFFile, affine_exact, dequantize, embedding_from_gguf, k_quant_to_affine,
@@ -91,6 +91,47 @@ def test_q5_k_has_an_affine_5_bit_group_32_form_exact_in_float32(gguf_file, dtyp
                              reference.qmm_magnitude(x, wq, scales, biases, bits, gs), dtype, "Q5_K")
 
 
+def _iq4_edge_blocks(qtype) -> np.ndarray:
+    """IQ4_NL / IQ4_XS rows [rows, bytes] holding every code at every position of a sub-block,
+    every 6-bit sub-block scale l (IQ4_XS; l - 32 from -32 to 31), and d from subnormal to 65504."""
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows, blocks_per_row = 16, 512 // per_block
+    b = np.zeros((rows, blocks_per_row, block_bytes), np.uint8)
+    qs = b[..., 2:] if qtype == T.IQ4_NL else b[..., 8:]
+    codes = (np.arange(rows)[:, None, None] + np.arange(qs.shape[-1])[None, None, :]) % 16  # byte j: codes c, c + 1
+    qs[...] = (codes | (((codes + 1) % 16) << 4)).astype(np.uint8)
+    d = np.array([6e-8, 1e-4, -3e-3, 0.5, 65504.0, -65504.0, 1.0, 2.0 ** -14] * 2, dtype="<f2")
+    b[..., 0:2] = d[:, None, None].view(np.uint8).reshape(rows, 1, 2)
+    if qtype == T.IQ4_XS:  # sub-block j of super-block s of row r: l = (8 * (s + r) + j) % 64
+        ls = (8 * (np.arange(blocks_per_row)[None, :, None] + np.arange(rows)[:, None, None])
+              + np.arange(8)[None, None, :]) % 64
+        b[..., 4:8] = (ls[..., 0::2] & 0xF) | ((ls[..., 1::2] & 0xF) << 4)
+        high = sum(((ls[..., j] >> 4) & 3).astype(np.uint16) << (2 * j) for j in range(8))
+        b[..., 2:4] = high.astype("<u2")[..., None].view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
+def test_iq4_types_convert_losslessly_to_affine_8_bit(tmp_path, qtype):
+    # IQ4's 4-bit codes index a table of int8 values: affine 8-bit codes value + 128, scale d
+    # (IQ4_XS: d * (l - 32)), bias -128 * scale; exact in float32 (the scales have at most 16
+    # significant bits, their products with 8-bit codes at most 24)
+    blocks = _iq4_edge_blocks(qtype)
+    write_gguf(tmp_path / "iq4.gguf", {"w": (blocks, qtype)})
+    t = GGUFFile(tmp_path / "iq4.gguf").tensors["w"]
+    want = torch.from_numpy(quants.dequantize(blocks, qtype)).double()
+    wq, scales, biases, bits, group_size = to_affine(t, torch.float32)
+    assert (bits, group_size) == (8, 32)
+    assert torch.equal(reference.dequantize(wq, scales, biases, bits, group_size), want)
+    assert affine_exact(t, torch.float32)
+    layer = linear_from_gguf(t)
+    assert torch.equal(layer(torch.eye(512)).T.double(), want)  # the kernel's products q * x, exact too
+    assert torch.equal(embedding_from_gguf(t)(torch.arange(16)).double(), want)
+    # float16: -128 * 65504 overflows; IQ4_XS's 16-bit scales round
+    with pytest.raises(ValueError, match="overflow torch.float16; convert with dtype=torch.float32"):
+        to_affine(t, torch.float16)
+
+
 def test_q5_k_embedding_rows_are_the_file_weights(gguf_file):
     t = GGUFFile(gguf_file[0]).tensors["Q5_K"]
     emb = embedding_from_gguf(t)
@@ -166,10 +207,11 @@ def test_float16_overflow_is_reported(tmp_path):
 # ---- bad input --------------------------------------------------------------------------------
 
 def test_unsupported_gguf_type_lists_the_supported_ones(tmp_path):
-    write_gguf(tmp_path / "iq4xs.gguf", {"w": (np.zeros((4, 136), dtype=np.uint8), T.IQ4_XS)})
-    t = GGUFFile(tmp_path / "iq4xs.gguf").tensors["w"]
-    assert t.type_name == "IQ4_XS" and t.shape == (4, 256)
-    with pytest.raises(ValueError, match=r"type IQ4_XS; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4\)"):
+    write_gguf(tmp_path / "iq3s.gguf", {"w": (np.zeros((4, 110), dtype=np.uint8), T.IQ3_S)})
+    t = GGUFFile(tmp_path / "iq3s.gguf").tensors["w"]
+    assert t.type_name == "IQ3_S" and t.shape == (4, 256)
+    with pytest.raises(ValueError, match=r"type IQ3_S; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                         r"Q8_0, Q5_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4\)"):
         linear_from_gguf(t)
 
 
@@ -280,14 +322,16 @@ def test_linear_from_gguf_adds_the_bias(gguf_file, qtype):
                              torch.float32, qtype.name)
 
 
-@pytest.mark.parametrize("qtype, scale_byte", [(T.Q4_0, 0), (T.Q4_K, 2), (T.Q5_K, 0), (T.Q5_K, 2), (T.Q6_K, 208)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("qtype, scale_byte", [(T.Q4_0, 0), (T.Q4_K, 2), (T.Q5_K, 0), (T.Q5_K, 2), (T.Q6_K, 208),
+                                               (T.IQ4_NL, 0), (T.IQ4_XS, 0)], ids=lambda v: str(v))
 def test_block_scales_that_are_not_finite_are_refused_as_corrupt(tmp_path, qtype, scale_byte):
     from torch_qmm.interop.gguf_header import GGUFFormatError
 
     rng = np.random.default_rng(6)
     if qtype == T.Q4_0:
         blocks = quants.quantize(rng.standard_normal((2, 64)).astype(np.float32), qtype)
+    elif qtype in (T.IQ4_NL, T.IQ4_XS):
+        blocks = random_iq4_blocks(qtype, 2, 256, rng)
     else:
         blocks = random_k_blocks(qtype, 2, 256, rng)
     blocks = np.ascontiguousarray(blocks).copy()

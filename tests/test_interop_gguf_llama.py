@@ -15,7 +15,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
-from gguf_helpers import random_k_blocks, write_gguf
+from gguf_helpers import random_iq4_blocks, random_k_blocks, write_gguf
 from torch_qmm.interop import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from torch_qmm.interop.gguf import GGUFFile
 from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
@@ -112,7 +112,10 @@ def write_llama_gguf(model, path, types: dict[str, T], rng, extra=None, drop=(),
         elif qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
             data = random_k_blocks(qtype, w.shape[0], w.shape[1], rng)
             stored = quants.dequantize(data, qtype)
-        elif qtype in (T.IQ4_XS, T.IQ3_S):  # types torch_qmm does not read: blocks of zeros
+        elif qtype in (T.IQ4_NL, T.IQ4_XS):  # gguf-py cannot quantize them either
+            data = random_iq4_blocks(qtype, w.shape[0], w.shape[1], rng)
+            stored = quants.dequantize(data, qtype)
+        elif qtype in (T.IQ2_XXS, T.IQ3_S):  # types torch_qmm does not read: blocks of zeros
             per_block, block_bytes = GGML_QUANT_SIZES[qtype]
             data = np.zeros((w.shape[0], w.shape[1] // per_block * block_bytes), np.uint8)
             stored = quants.dequantize(data, qtype)
@@ -157,6 +160,10 @@ MIXES = {
     # projection Q4_K, the head Q6_K), Q and K from the gguf package as above.
     "q3_k_m": {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.Q5_K, "o_proj": T.Q4_K, "gate_proj": T.Q3_K,
                "up_proj": T.Q3_K, "down_proj": T.Q2_K, "embed": T.Q3_K, "lm_head": T.Q6_K},
+    # llama.cpp's IQ4_XS recipe (IQ4_NL where a row is no multiple of 256; here for V and the FFN
+    # down projection), Q and K from the gguf package as above.
+    "iq4": {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.IQ4_NL, "o_proj": T.IQ4_XS, "gate_proj": T.IQ4_XS,
+            "up_proj": T.IQ4_XS, "down_proj": T.IQ4_NL, "embed": T.IQ4_XS, "lm_head": T.Q6_K},
 }
 
 
@@ -197,6 +204,11 @@ def test_llama_gguf_loads_into_transformers(tmp_path, mix, tied):
         assert isinstance(layer.mlp.down_proj, GGUFLinear) and layer.mlp.down_proj.ggml_type == int(T.Q2_K)
         assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
         assert report.quantized["model.layers.0.mlp.down_proj"] == "Q2_K"
+    elif mix == "iq4":  # IQ4_NL / IQ4_XS: exact affine 8-bit group-32 layers and embedding
+        for m in (layer.self_attn.v_proj, layer.mlp.gate_proj, model.model.embed_tokens):
+            assert isinstance(m, (QuantLinear, QuantEmbedding)) and (m.bits, m.group_size) == (8, 32)
+        assert report.quantized["model.layers.0.mlp.down_proj"] == "IQ4_NL"
+        assert report.quantized["model.layers.0.mlp.up_proj"] == "IQ4_XS"
     elif mix == "f32":
         assert isinstance(layer.self_attn.q_proj, torch.nn.Linear) and not report.quantized
 
@@ -265,13 +277,13 @@ def test_a_key_or_value_length_other_than_the_rotary_dimension_is_an_error(tmp_p
 
 
 def test_a_file_with_types_torch_qmm_does_not_read_is_refused_before_a_model_is_built(tmp_path):
-    # llama.cpp's IQ4_XS mixes i-quants with the K-quants torch_qmm reads: the config is refused
-    # whole, naming the types and how many tensors hold them.
+    # llama.cpp's IQ3_S / IQ2_XXS files mix i-quants with the K-quants torch_qmm reads: the config
+    # is refused whole, naming the types and how many tensors hold them.
     path = tmp_path / "m.gguf"
-    write_llama_gguf(hf_model(False), path, {"q_proj": T.IQ4_XS, "k_proj": T.IQ4_XS, "v_proj": T.IQ3_S, "proj": T.Q4_K},
-                     np.random.default_rng(0))
-    with pytest.raises(ValueError, match=r"m\.gguf: holds tensors of GGUF types torch_qmm does not read: IQ3_S "
-                                         r"\(2 tensors\), IQ4_XS \(4 tensors\); it reads F32, F16"):
+    write_llama_gguf(hf_model(False), path, {"q_proj": T.IQ2_XXS, "k_proj": T.IQ2_XXS, "v_proj": T.IQ3_S,
+                                             "proj": T.Q4_K}, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"m\.gguf: holds tensors of GGUF types torch_qmm does not read: IQ2_XXS "
+                                         r"\(4 tensors\), IQ3_S \(2 tensors\); it reads F32, F16"):
         llama_config_from_gguf(GGUFFile(path))
 
 

@@ -44,7 +44,8 @@ format are refused: quantized layers are not re-quantized.
 
 A llama-family GGUF file keeps its quantization where the output format can hold it exactly
 (architectures llama, mistral, qwen2, qwen3, their MoE forms, gpt-oss):
-Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit, MXFP4 (gpt-oss's
+Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit (IQ4_NL / IQ4_XS
+too, as 8-bit layers: their 4-bit codes index int8 values), MXFP4 (gpt-oss's
 experts) mxfp4 layers bit for bit (--format mlx: MLX keeps a mode per layer), Q4_K and Q5_K become
 bits 4 and 5 / group size 32 (exact with float32 scales, the default for GGUF; --dtype
 float16/bfloat16 rounds them, and bfloat16 the others' float16 scales; the output says which layers). Layers

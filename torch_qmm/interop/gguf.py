@@ -9,6 +9,12 @@ Lossless conversions (group_size 32, one GGUF block = one affine group; w = scal
   Q5_1  w = d * q + m              -> bits 5, scale d, bias m
   Q5_K  w = d*sc_j*q - dmin*m_j   -> bits 5, one group per sub-block j of 32: scale d*sc_j,
                                      bias -dmin*m_j (6-bit sc_j, m_j: exact in float32 only)
+  IQ4_NL w = d * kv[q]             -> bits 8, q8 = kv[q] + 128, scale d, bias -128 d
+  IQ4_XS w = d*(l_j - 32)*kv[q]    -> bits 8, one group per sub-block j of 32: q8 = kv[q] + 128,
+                                     scale d*(l_j - 32), bias -128 * scale (6-bit l_j: exact
+                                     in float32 only)
+  (kv: llama.cpp's 16 int8 values kvalues_iq4nl, -127 .. 113; the 8-bit codes double the
+  memory of the file's 4-bit ones)
 d and m are float16 in the file, so scales/biases are exact in float32 (and in float16 unless
 -128 d overflows, which is checked; Q5_K's products of a float16 and a 6-bit integer have up to
 17 significant bits: rounded in float16); the codes are repacked from GGUF's nibble order (byte j
@@ -44,6 +50,8 @@ from ..gguf_blocks import F16_SCALE_BYTES
 from ..nn import QuantLinear
 from .gguf_types import (
     AFFINE_TYPES,
+    IQ4_NL,
+    IQ4_XS,
     BF16,
     F16,
     F32,
@@ -71,6 +79,9 @@ __all__ = ["GGUFFile", "GGUFTensor", "check_finite", "dequantize", "to_affine", 
            "k_quant_to_affine", "to_fp",
            "to_blocks", "linear_from_gguf"]
 
+# llama.cpp's kvalues_iq4nl: the values IQ4_NL's and IQ4_XS's 4-bit codes index.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
+IQ4_XS_BLOCK_BYTES = 136  # f16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles
 Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles
 Q5_K_BLOCK_BYTES = 176  # the same, with 32 bytes of 5th bits (qh) before the nibbles
 
@@ -244,10 +255,19 @@ def _affine64(t: GGUFTensor) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         b = t.raw.reshape(rows, k // 256, Q5_K_BLOCK_BYTES)
         scales, biases = _k_scales_biases64(b)
         return 5, b, scales.reshape(rows, k // 32), biases.reshape(rows, k // 32)
+    if t.ggml_type == IQ4_XS:
+        b = t.raw.reshape(rows, k // 256, IQ4_XS_BLOCK_BYTES)
+        # sub-block j's 6-bit l_j: the j-th nibble of scales_l (4 bytes at 4), and bits 2j, 2j + 1
+        # of scales_h (uint16 at 2) above it
+        low = np.stack([b[..., 4:8] & 0xF, b[..., 4:8] >> 4], axis=-1).reshape(rows, k // 256, 8)
+        high = (b[..., 2:4].copy().view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        with np.errstate(invalid="ignore"):  # inf * 0 in a corrupt block: NaN, refused by the callers
+            scales = _f16_field(b, 0)[..., None] * ((low | (high << 4)).astype(np.float64) - 32)
+        return 8, b, scales.reshape(rows, k // 32), -128.0 * scales.reshape(rows, k // 32)
     _, block_bytes = block_info(t.ggml_type)
     b = t.raw.reshape(rows, k // 32, block_bytes)
     d = _f16_field(b, 0)
-    if t.ggml_type == Q8_0:
+    if t.ggml_type in (Q8_0, IQ4_NL):
         return 8, b, d, -128.0 * d
     if t.ggml_type in (Q4_1, Q5_1):
         return (4 if t.ggml_type == Q4_1 else 5), b, d, _f16_field(b, 2)
@@ -267,6 +287,9 @@ def _affine_codes(t: GGUFTensor, b: np.ndarray) -> np.ndarray:
 
     if t.ggml_type == Q5_K:
         codes = _k_codes(b, Q5_K)
+    elif t.ggml_type in (IQ4_NL, IQ4_XS):  # byte j of each 16 holds weights j and j + 16 of a sub-block
+        qs = b[..., 2:18] if t.ggml_type == IQ4_NL else b[..., 8:].reshape(rows, k // 256, 8, 16)
+        codes = (IQ4_VALUES[nibbles(qs)] + 128).astype(np.uint8)
     elif t.ggml_type == Q8_0:
         codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     elif t.ggml_type == Q4_0:
@@ -283,7 +306,8 @@ def _affine_codes(t: GGUFTensor, b: np.ndarray) -> np.ndarray:
 def to_affine(
     t: GGUFTensor, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """Converts a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q5_K matrix losslessly to the affine format.
+    """Converts a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q5_K / IQ4_NL / IQ4_XS matrix losslessly to
+    the affine format.
 
     Returns (wq uint32 [N, K*bits/32], scales, biases [N, K/32] in `dtype`, bits, group_size=32).
     Exact in float32; float16 is checked for overflow (and keeps the 32-weight types exact; Q5_K's
@@ -333,8 +357,8 @@ def affine_exact(t: GGUFTensor, dtype: torch.dtype) -> bool:
     """Whether to_affine(t, dtype) keeps the weights of an AFFINE_TYPES matrix exactly: every
     scale and bias survives the cast to dtype (all are exact in float64, and in float32). True in
     float32; in float16 for the 32-weight types (float16 fields, times powers of two) unless -128 d
-    overflows (to_affine refuses that), not for most Q5_K scales (17 bits); bfloat16 (8
-    significant bits) rounds most."""
+    overflows (to_affine refuses that), not for most Q5_K / IQ4_XS scales (up to 17 / 16 bits);
+    bfloat16 (8 significant bits) rounds most."""
     _require(t, AFFINE_TYPES, "affine_exact")
     _, _, d, bias = _affine64(t)
     for values in (d, bias):

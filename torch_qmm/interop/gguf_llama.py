@@ -459,7 +459,8 @@ def load_gguf_llama(
     """Loads a llama-family GGUF file into a transformers model (e.g. LlamaForCausalLM built from
     `llama_config_from_gguf`), in place.
 
-    Linear weights become QuantLinear (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1: lossless; MXFP4: mode mxfp4, the
+    Linear weights become QuantLinear (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, and IQ4_NL/IQ4_XS as 8-bit:
+    lossless; MXFP4: mode mxfp4, the
     same bits), GGUFLinear (the K-quants Q2_K .. Q6_K, the file's blocks) or stay nn.Linear
     (F32/F16/BF16); the routed experts of a MoE file (qwen2moe, qwen3moe, gpt-oss, Mixtral) become
     a QuantFusedExperts in the same formats (gguf_moe: GGUFSwitchLinear for the K-quants); the embedding becomes a QuantEmbedding (the
