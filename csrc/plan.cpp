@@ -298,6 +298,8 @@ const char* format_name(Format f) {
       return "q5_K";
     case Format::kQ6_K:
       return "q6_K";
+    case Format::kIQ4_XS:
+      return "iq4_XS";
   }
   return "?";
 }
@@ -315,6 +317,8 @@ Format format_of(const Problem& p) {
       return Format::kQ5_K;
     case gguf::kTypeQ6_K:
       return Format::kQ6_K;
+    case gguf::kTypeIQ4_XS:
+      return Format::kIQ4_XS;
     default:
       throw std::invalid_argument("torch_qmm plan: no GGUF kernels for ggml_type " + std::to_string(p.ggml_type));
   }

@@ -1,4 +1,5 @@
-// GGUF K-quant blocks, as llama.cpp writes them (its block_q2_K / q3_K / q4_K / q5_K / q6_K structs):
+// GGUF K-quant blocks and IQ4_XS's, as llama.cpp writes them (its block_q2_K / q3_K / q4_K / q5_K /
+// q6_K / iq4_xs structs):
 // one place for host C++
 // (csrc/gguf_format.h forwards here; csrc/cpu/gguf_qmm.cpp, csrc/gguf_validate.cpp) and the Metal
 // kernels (metal/gguf_qmm.h). Compiled by both compilers: Metal sources define TORCH_QMM_METAL
@@ -34,7 +35,17 @@
 //   Q5_K (176 bytes / 256 weights): Q4_K's d, dmin and scales[12], then qh[32], then qs[128] as
 //         Q4_K's; the code's fifth bit is bit 2c + nib of qh[l] for weight 64c + 32*nib + l (its
 //         sub-block 2c + nib); w = d * scale_j * q - dmin * min_j, q = 0..31.
-// Decode order and bit placement follow llama.cpp's dequantize_row_q2_K / q3_K / q4_K / q5_K / q6_K.
+//
+//   IQ4_XS (136 bytes / 256 weights)
+//   +------+----------+-------------+----------+
+//   | d    | scales_h | scales_l[4] | qs[128]  |
+//   | f16  | 8 x 2b   | 8 x 4b      | 4-bit    |
+//   +------+----------+-------------+----------+
+//   8 sub-blocks of 32; sub-block j reads qs[16j .. 16j+16): the low nibble of byte l is the code of
+//   weight 32j + l, the high nibble that of 32j + 16 + l (Q4_0's order); a code indexes 16 int8
+//   values (kIQ4Values); w = d * (ls_j - 32) * kIQ4Values[q], ls_j: iq4xs_scale.
+// Decode order and bit placement follow llama.cpp's dequantize_row_q2_K / q3_K / q4_K / q5_K / q6_K /
+// iq4_xs.
 #pragma once
 
 #ifndef TORCH_QMM_METAL
@@ -55,7 +66,8 @@ enum GGMLType : int {
   kTypeQ3_K = 11,
   kTypeQ4_K = 12,
   kTypeQ5_K = 13,
-  kTypeQ6_K = 14
+  kTypeQ6_K = 14,
+  kTypeIQ4_XS = 23
 };
 
 // Weights per super-block of every K-quant.
@@ -102,6 +114,21 @@ struct BlockQ6K {
 };
 static_assert(sizeof(BlockQ6K) == 210, "Q6_K block must be 210 bytes (ggml block_q6_K)");
 
+struct BlockIQ4XS {
+  uint16_t d;            // f16 bits: super-block scale
+  uint16_t scales_h;     // the high 2 bits of the 8 sub-block scales (bits 2j, 2j + 1)
+  uint8_t scales_l[4];   // their low 4 bits (sub-block j: nibble j % 2 of byte j / 2)
+  uint8_t qs[kQK_K / 2];  // 4-bit codes, sub-block j at 16j (see the layout above)
+};
+static_assert(sizeof(BlockIQ4XS) == 136, "IQ4_XS block must be 136 bytes (ggml block_iq4_xs)");
+
+// The values IQ4_XS's (and IQ4_NL's) 4-bit codes index (llama.cpp's kvalues_iq4nl).
+#ifdef TORCH_QMM_METAL
+constant int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#else
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#endif
+
 #ifndef TORCH_QMM_METAL
 // The ggml types with a native gguf_qmm kernel: the bytes of their super-blocks (0: not native).
 // Must match NATIVE_TYPES in gguf_types.py and the instantiations in metal/gguf.metal.
@@ -112,6 +139,7 @@ inline int64_t block_bytes(int64_t t) {
     case kTypeQ4_K: return int64_t(sizeof(BlockQ4K));
     case kTypeQ5_K: return int64_t(sizeof(BlockQ5K));
     case kTypeQ6_K: return int64_t(sizeof(BlockQ6K));
+    case kTypeIQ4_XS: return int64_t(sizeof(BlockIQ4XS));
     default: return 0;
   }
 }
@@ -119,7 +147,9 @@ inline int64_t block_bytes(int64_t t) {
 inline bool is_native_gguf_type(int64_t t) { return block_bytes(t) != 0; }
 
 // For messages: the native types as "id (name)".
-inline const char* native_gguf_types() { return "10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K)"; }
+inline const char* native_gguf_types() {
+  return "10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K), 23 (IQ4_XS)";
+}
 #endif
 
 struct ScaleMin {
@@ -150,6 +180,15 @@ template <typename Bytes>
 inline int q3k_scale(int j, Bytes q) {
   const int low = j < 8 ? (q[j] & 0xF) : (q[j - 8] >> 4);
   const int high = (q[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+// Signed scale (-32..31) of IQ4_XS sub-block j (0..7): the low 4 bits are nibble j % 2 of
+// scales_l[j / 2], the top 2 bits are bits 2j, 2j + 1 of scales_h (llama.cpp dequantize_row_iq4_xs).
+template <typename Bytes>
+inline int iq4xs_scale(int j, Bytes scales_l, unsigned scales_h) {
+  const int low = (scales_l[j >> 1] >> (4 * (j & 1))) & 0xF;
+  const int high = (scales_h >> (2 * j)) & 3;
   return (low | (high << 4)) - 32;
 }
 

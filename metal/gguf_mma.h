@@ -1,8 +1,8 @@
 // gguf_qmm_mma32_{dtype}_{type}: y = x @ W.T for large M on the shared simdgroup-matrix tile
 // (metal/mma_tile.h: x staging, 8x8 multiply-accumulate, bounded store; after MLX's
-// QuantizedBlockLoader + BlockMMA), W given as GGUF K-quant blocks (metal/gguf_format.h). This file
-// holds only the K-quant W loader: a unit is 8 consecutive weights of one super-block, which always
-// share one sub-block scale (and min):
+// QuantizedBlockLoader + BlockMMA), W given as GGUF K-quant or IQ4_XS blocks (metal/gguf_format.h).
+// This file holds only their W loader: a unit is 8 consecutive weights of one super-block, which
+// always share one sub-block scale (and min):
 //
 //   Q4_K: k % 256 = 32j + 8u   -> qs[32*(j/2) + 8u .. +8), low (j even) or high nibbles, sub-block j
 //   Q5_K: as Q4_K (qs from byte 48), fifth bits: qh[8u .. +8) bit j
@@ -12,6 +12,8 @@
 //         of sub-block 8h + 2t + l/16
 //   Q3_K: as Q2_K (qs as four uint16), third bits: hmask[l .. +8) bit 4h + t (four uint16), scale
 //         of sub-block 8h + 2t + l/16
+//   IQ4_XS: k % 256 = 32j + 16*nib + 8u -> qs[16j + 8u .. +8) (two uint32), low (nib 0) or high
+//         nibbles, values kIQ4Values[code], scale d * (l_j - 32) of sub-block j
 //
 //   blocks uint8 [N, K/256 * B]   x [M, K]   y [M, N]
 //   tile: 32 rows of x x 32 columns of y, K-steps of 32 (K % 256 == 0: the K mask never fires)
@@ -102,6 +104,20 @@ inline void gguf_decode8<torch_qmm::gguf::kTypeQ3_K>(const device uint8_t* raw, 
       const uint32_t v = ((lo >> (8 * i + 2 * t)) & 0x3u) | (((hi >> (8 * i + 4 * h + t)) & 0x1u) << 2);
       w[2 * p + i] = s * float(int(v) - 4);
     }
+  }
+}
+
+template <>
+inline void gguf_decode8<torch_qmm::gguf::kTypeIQ4_XS>(const device uint8_t* raw, uint k, thread float* w) {
+  const device torch_qmm::gguf::BlockIQ4XS* b = (const device torch_qmm::gguf::BlockIQ4XS*)raw;
+  const uint j = k / 32, nib = (k % 32) / 16, u = (k % 16) / 8;
+  const float s = float(as_type<half>(b->d)) *
+                  float(torch_qmm::gguf::iq4xs_scale(int(j), b->scales_l, uint(b->scales_h)));
+  const device uint32_t* q = (const device uint32_t*)(b->qs + 16 * j + 8 * u);  // 4-byte aligned
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t v = q[h];
+    for (int i = 0; i < 4; ++i)
+      w[4 * h + i] = s * float(torch_qmm::gguf::kIQ4Values[(v >> (8 * i + 4 * nib)) & 0xfu]);
   }
 }
 

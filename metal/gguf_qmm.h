@@ -1,8 +1,8 @@
 // gguf_qmv / gguf_qmm: y[M, N] = x[M, K] @ W.T with W [N, K] given as GGUF K-quant blocks (Q2_K,
-// Q3_K, Q4_K, Q5_K, Q6_K; layouts in metal/gguf_format.h), decoded in-kernel from the file's bytes;
-// float32 accumulation; x, y in float / half / bfloat.
+// Q3_K, Q4_K, Q5_K, Q6_K) or IQ4_XS blocks (layouts in metal/gguf_format.h), decoded in-kernel from
+// the file's bytes; float32 accumulation; x, y in float / half / bfloat.
 //
-//   blocks uint8 [N, K/256 * B] (B = 84 Q2_K, 110 Q3_K, 144 Q4_K, 176 Q5_K, 210 Q6_K)
+//   blocks uint8 [N, K/256 * B] (B = 84 Q2_K, 110 Q3_K, 144 Q4_K, 176 Q5_K, 210 Q6_K, 136 IQ4_XS)
 //   x [M, K]   y [M, N]   K % 256 == 0
 //
 //   grid (ceil(N/8), ceil(M/R)); threadgroup = 2 SIMD-groups x 32 lanes
@@ -15,21 +15,28 @@
 //     Q2_K, Q3_K, Q6_K, L = 16: slot s = lane % 16 (h = s/8, l0 = 4*(s%8)) owns 4 runs of 4
 //                   weights, weights 128h + 32t + l0 .. +4 for t = 0..3 (one scale per run:
 //                   sub-block 8h + 2t + l0/16; Q2_K also a min)
+//     IQ4_XS, L = 8   : slot s = lane % 8 owns sub-block s, 4 runs of 8 weights: weights
+//                   32s + 8j .. +8 for j = 0..3 (the low (j < 2) or high (j >= 2) nibbles of
+//                   qs[16s + 8*(j%2) .. +8); one scale for the 4 runs, d * (l_s - 32), no min;
+//                   the codes' values from kIQ4Values)
 //   per super-block and W row: decode the lane's runs once (codes as floats, a scale and a min
 //   per run), then for each of the R rows of x: acc[m][r] += scale * dot(q, x) - min * sum(x)
 //   (weight by weight where that is not finite: run_dot)
 //   end: simd_sum of each acc[m][r] -> y[m0 + m, n0 + r]
 //
 // Design credits: the lane/block interleaving and the per-run "scale * dot - min * sum(x)"
-// factoring follow llama.cpp's kernel_mul_mv_{q2_K, q3_K, q4_K, q5_K, q6_K}_f32 (ggml-metal);
+// factoring follow llama.cpp's kernel_mul_mv_{q2_K, q3_K, q4_K, q5_K, q6_K}_f32 (ggml-metal), the
+// IQ4_XS sub-block's "scale * dot(value, x)" its kernel_mul_mv_iq4_xs_f32 (which splits a
+// sub-block over two lanes of 16-lane teams; here one lane takes it whole);
 // reusing one decode for R rows of x is the small-M design of metal/quant_qmm_small.h.
 // Bounds: rows of W past N and rows of x past M are skipped uniformly per SIMD-group; teams
 // whose next super-block is past K/256 stop (no collective inside the loop).
 // Alignment: Q4_K blocks are read as uint32 (runs sit at 16 + 32c + 8ir bytes of a 144-byte
 // block), Q5_K as uint32 (qs runs at 48 + 32c + 8ir, qh[8ir ..) at 16 + 8ir bytes of a 176-byte
 // block), Q2_K as uint32 (qs[32h + l0 ..) at byte 16 + 32h + l0 of an 84-byte block), Q3_K and
-// Q6_K as uint16 (110- and 210-byte blocks are 2-aligned); the executors bind `blocks` at a
-// 4-byte-aligned offset.
+// Q6_K as uint16 (110- and 210-byte blocks are 2-aligned), IQ4_XS as uint32 (qs[16s ..) at byte
+// 8 + 16s of a 136-byte block; d and scales_h as uint16 at bytes 0 and 2); the executors bind
+// `blocks` at a 4-byte-aligned offset.
 #pragma once
 
 #include <metal_stdlib>
@@ -223,6 +230,43 @@ struct GGUFSlice<torch_qmm::gguf::kTypeQ3_K> {
       for (int i = 0; i < 4; ++i) {
         const uint32_t v = ((lo >> (8 * i + 2 * t)) & 0x3u) | (((hi >> (8 * i + 4 * h + t)) & 0x1u) << 2);
         q[t][i] = float(int(v) - 4);
+      }
+    }
+  }
+};
+
+// IQ4_XS: slot s decodes sub-block s whole (layout in metal/gguf_format.h): its 16 bytes
+// qs[16s .. +16) as four uint32, each byte's low nibble the code of weight 32s + l, its high nibble
+// that of 32s + 16 + l (l = byte index in the sub-block). Run j = 2*nib + u is the nibble nib of
+// bytes 8u .. 8u + 8, i.e. weights 32s + 8j .. +8. The codes index kIQ4Values (constant address
+// space); a run's weights are scale * value, scale = d * (l_s - 32) (exact in float32: an f16
+// times an integer of at most 6 bits).
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeIQ4_XS> {
+  enum : int { LANES = 8, RUNS = 4, RUN = 8, HAS_MIN = 0, BYTES = sizeof(torch_qmm::gguf::BlockIQ4XS) };
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];  // unused (no offset: the values are signed)
+
+  static uint offset(uint slot, int j) { return 32 * slot + 8 * uint(j); }
+
+  void decode(const device uint8_t* raw, uint slot) {
+    const device torch_qmm::gguf::BlockIQ4XS* b = (const device torch_qmm::gguf::BlockIQ4XS*)raw;
+    const float s = float(as_type<half>(b->d)) *
+                    float(torch_qmm::gguf::iq4xs_scale(int(slot), b->scales_l, uint(b->scales_h)));
+    // qs sits at byte 8 of a 136-byte block and 16s % 4 == 0: 4-byte aligned.
+    const device uint32_t* w = (const device uint32_t*)(b->qs + 16 * slot);
+    for (int u = 0; u < 2; ++u) {
+      const uint32_t w0 = w[2 * u], w1 = w[2 * u + 1];
+      for (int nib = 0; nib < 2; ++nib) {
+        const int j = 2 * nib + u;
+        scale[j] = s;
+        min[j] = 0.0f;
+        for (int i = 0; i < 4; ++i) {
+          q[j][i] = float(torch_qmm::gguf::kIQ4Values[(w0 >> (8 * i + 4 * nib)) & 0xfu]);
+          q[j][i + 4] = float(torch_qmm::gguf::kIQ4Values[(w1 >> (8 * i + 4 * nib)) & 0xfu]);
+        }
       }
     }
   }

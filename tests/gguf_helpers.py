@@ -1,7 +1,7 @@
-"""Test data for GGUF: valid random K-quant blocks and GGUF files written with gguf.GGUFWriter.
+"""Test data for GGUF: valid random K-quant (and IQ4_XS) blocks and GGUF files written with gguf.GGUFWriter.
 
-gguf-py cannot quantize to Q2_K / Q3_K / Q4_K / Q5_K / Q6_K, so K-quant blocks are random bytes with realistic f16
-super-block scales: every byte pattern is a valid block, and gguf.quants.dequantize decodes it.
+gguf-py cannot quantize to Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS, so their blocks are random bytes with
+realistic f16 super-block scales: every byte pattern is a valid block, and gguf.quants.dequantize decodes it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q4_K, Q5_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K
 Q2_K, Q3_K = GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K
+IQ4_XS = GGMLQuantizationType.IQ4_XS
 # The types gguf_qmm multiplies natively (torch_qmm.interop.gguf_types.NATIVE_TYPES, listed here
-# independently; tests/test_gguf_types.py compares).
-NATIVE_K_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+# independently; tests/test_gguf_qmm.py compares).
+NATIVE_K_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
+# Those with a zero weight in every sub-block (one_hot_k_blocks): IQ4_XS's 16 values have no 0.
+ONE_HOT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 
 
 def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -34,6 +37,8 @@ def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.n
         blocks[..., 82:84] = rng.uniform(1e-3, 2e-2, (n, k // 256, 1)).astype("<f2").view(np.uint8)
     elif ggml_type == Q3_K:  # d at bytes 108..109
         blocks[..., 108:110] = rng.uniform(1e-3, 2e-2, (n, k // 256, 1)).astype("<f2").view(np.uint8)
+    elif ggml_type == IQ4_XS:  # d at bytes 0..1 (times (l - 32) * value: up to 32 * 127)
+        blocks[..., 0:2] = rng.uniform(1e-5, 4e-5, (n, k // 256, 1)).astype("<f2").view(np.uint8)
     else:
         raise ValueError(f"no random generator for {ggml_type.name}")
     return blocks.reshape(n, -1)
@@ -62,7 +67,9 @@ def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.nd
     now 0): w = (4 sc q - m) / 64, |w| <= 900 / 64. Q6_K: d = 2^-4, the int8 sub-block scales in
     -8..7: w = sc (q - 32) / 16, |w| <= 256 / 16. Q2_K: d = 2^-4, dmin = 2^-6, any 4-bit scales and
     mins: w = (4 sc q - m) / 64, |w| <= 180 / 64. Q3_K: d = 2^-4, any 6-bit scales: w = sc (q - 4) / 16,
-    |w| <= 128 / 16. Q5_K: as Q4_K (scales and mins 0..15), any fifth bits: |w| <= 1860 / 64."""
+    |w| <= 128 / 16. Q5_K: as Q4_K (scales and mins 0..15), any fifth bits: |w| <= 1860 / 64.
+    IQ4_XS: d = 2^-4, sub-block scales l - 32 in -4..3 (l = 28..35, both values of the high bits
+    scales_h that give them): w = (l - 32) value / 16, |w| <= 508 / 16."""
     ggml_type = GGMLQuantizationType(ggml_type)
     blocks = random_k_blocks(ggml_type, n, k, rng).reshape(n, k // 256, -1)
     if ggml_type in (Q4_K, Q5_K):
@@ -74,6 +81,12 @@ def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.nd
         blocks[..., 82:84] = np.array([2.0**-6], "<f2").view(np.uint8)
     elif ggml_type == Q3_K:
         blocks[..., 108:110] = np.array([2.0**-4], "<f2").view(np.uint8)
+    elif ggml_type == IQ4_XS:
+        blocks[..., 0:2] = np.array([2.0**-4], "<f2").view(np.uint8)
+        ls = rng.integers(28, 36, size=(n, k // 256, 8))
+        blocks[..., 4:8] = (ls[..., 0::2] & 0xF) | ((ls[..., 1::2] & 0xF) << 4)
+        high = sum(((ls[..., j] >> 4) & 3).astype(np.uint16) << (2 * j) for j in range(8))
+        blocks[..., 2:4] = high.astype("<u2")[..., None].view(np.uint8)
     else:
         blocks[..., 192:208] = (rng.integers(-8, 8, size=blocks[..., 192:208].shape).astype(np.int8)).view(np.uint8)
         blocks[..., 208:210] = np.array([2.0**-4], "<f2").view(np.uint8)
@@ -109,8 +122,11 @@ def one_hot_k_blocks(ggml_type, cols: list[int], k: int) -> np.ndarray:
     offset: a kernel must carry x unrounded to the sum). Q5_K: as Q4_K, every fifth bit 0. Q6_K:
     d = 1, every scale 1, codes 32 (weight 0) but one 33 (kernels that hoist the -32 cancel sums of
     32 x here). Q2_K: d = 1, dmin = 0, every scale 1, codes 0 but one 1. Q3_K: d = 1, every scale 1
-    (6-bit 33), codes 4 (weight 0: every high bit set) but one 5."""
+    (6-bit 33), codes 4 (weight 0: every high bit set) but one 5. Not IQ4_XS (ONE_HOT_TYPES): none
+    of its values is 0."""
     ggml_type = GGMLQuantizationType(ggml_type)
+    if ggml_type not in ONE_HOT_TYPES:
+        raise ValueError(f"{ggml_type.name} has no zero weight: no one-hot blocks")
     _, block_bytes = GGML_QUANT_SIZES[ggml_type]
     blocks = np.zeros((len(cols), k // 256, block_bytes), dtype=np.uint8)
     one = np.array([1.0], "<f2").view(np.uint8)
@@ -179,7 +195,8 @@ def k_quant_terms(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray
     """The two terms of every weight of K-quant blocks [n, k/256 * block_bytes], each decoded by
     gguf.quants.dequantize from a copy of the blocks with the other term zeroed: Q4_K w = d*sc*q
     - dmin*m (terms d*sc*q and dmin*m), Q6_K w = d*sc*(q - 32) (terms d*sc*q and d*sc*32); Q2_K and
-    Q5_K as Q4_K, Q3_K as Q6_K (w = d*sc*(q - 4)).
+    Q5_K as Q4_K, Q3_K as Q6_K (w = d*sc*(q - 4)); IQ4_XS w = d*(l - 32)*value, as the byte code
+    value + 128 less an offset 128: terms d*(l - 32)*(value + 128) and d*(l - 32)*128.
     Returns float64 (scaled, offset) [n, k] with w = scaled - offset."""
     from gguf import quants
 
@@ -196,6 +213,10 @@ def k_quant_terms(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray
     if ggml_type in (Q6_K, Q3_K):
         cut[..., 0:192 if ggml_type == Q6_K else 96] = 0  # every code 0: w = -32*d*sc (Q3_K: -4*d*sc)
         offset = -quants.dequantize(cut.reshape(blocks.shape), ggml_type).astype(np.float64)
+        return w + offset, offset
+    if ggml_type == IQ4_XS:
+        cut[..., 8:] = 0  # every code 0, value -127: w = -127*d*(l - 32)
+        offset = -quants.dequantize(cut.reshape(blocks.shape), ggml_type).astype(np.float64) * 128 / 127
         return w + offset, offset
     raise ValueError(f"no terms for {ggml_type.name}")
 
@@ -230,7 +251,7 @@ GGUF_PANEL_MAX_ROWS = 128  # cpu::kGgufPanelMaxRows: the float32 family takes up
                            # the panel kernels take rows (all but the last 13 or fewer)
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
 GGUF_AVX2_NAMES = {Q2_K: "chunked/avx2-q2k", Q3_K: "chunked/avx2-q3k", Q4_K: "chunked/avx2-q4k", Q5_K: "chunked/avx2-q5k",
-                   Q6_K: "chunked/avx2-q6k"}
+                   Q6_K: "chunked/avx2-q6k", IQ4_XS: "chunked/avx2-iq4xs"}
 # The same kernels with the code fields taken as the bits of subnormal floats (gguf_avx2.cpp,
 # Fields<true>): where subnormal_fields_on(), for x with every nonzero |x| in [2^-57, 2^48), and for
 # Q4_K only where the rows of x go in blocks of 4 and 1 (M % 4 < 2: its 2-row block is slower so).
@@ -278,7 +299,7 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True, x_in_
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
     avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
     sub_range = x_in_range if x_in_subnormal_range is None else x_in_subnormal_range
-    if ggml_type in (Q2_K, Q3_K, Q5_K):  # AVX2 chunk kernels only
+    if ggml_type in (Q2_K, Q3_K, Q5_K, IQ4_XS):  # AVX2 chunk kernels only
         return gguf_avx2_name(ggml_type, m, sub_range) if avx2 else "fused" if m < 16 else "gemm"
     if gguf_bf16_panel_serves(terms, m, x_in_range):
         return GGUF_BF16_PANEL_NAMES[ggml_type]

@@ -85,6 +85,7 @@ def test_gguf_qmm_opcheck_and_compile():
 def test_unsupported_ggml_type_lists_the_supported_ones():
     blocks, _ = _case(Q4_K, 3, 256)
     with pytest.raises(ValueError, match=r"'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), "
+                                         r"23 \(IQ4_XS\), "
                                          r"got 16"):
         gguf_matmul(torch.randn(1, 256), blocks, 16, 3, 256)
     with pytest.raises(ValueError, match=r"got 8 \(Q8_0: convert it to the affine format"):
@@ -115,7 +116,7 @@ def test_dtype_mismatches_are_type_errors():
 
 
 def test_gguf_linear_rejects_unsupported_types():
-    with pytest.raises(ValueError, match=r"must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), got 16 "
+    with pytest.raises(ValueError, match=r"must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), got 16 "
                                          r"\(IQ2_XXS\)"):
         GGUFLinear(256, 4, 16)
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import torch_qmm.ops as ops
 from exact_cases import assert_bitwise
-from gguf_helpers import (NATIVE_K_TYPES, Q2_K, Q3_K, Q4_K, Q6_K, assert_matches_reference, exact_k_blocks, exact_x, one_hot_k_blocks,
+from gguf_helpers import (IQ4_XS, NATIVE_K_TYPES, ONE_HOT_TYPES, Q2_K, Q3_K, Q4_K, Q6_K, assert_matches_reference, exact_k_blocks, exact_x, one_hot_k_blocks,
                           random_k_blocks)
 from torch_qmm import gguf_blocks
 from torch_qmm.interop import GGUFLinear
@@ -57,7 +57,7 @@ def _edge_blocks(ggml_type, rng: np.random.Generator) -> np.ndarray:
     """One row per special float16 super-block scale (zeros of both signs, the smallest and largest
     subnormals, the smallest normal, the largest finite values, infinities), with extreme
     sub-block scales: Q4_K every 6-bit scale and min 63 in row pairs, Q6_K int8 scales -128 / 127,
-    Q2_K every 4-bit scale and min 15, Q3_K every scale -32 / 31."""
+    Q2_K every 4-bit scale and min 15, Q3_K and IQ4_XS every scale -32 / 31."""
     specials = np.array([0.0, -0.0, 2.0**-24, 2.0**-14 - 2.0**-24, 2.0**-14, 65504.0, -65504.0, np.inf, -np.inf,
                          1.0, -3.5], "<f2")
     n = len(specials)
@@ -75,6 +75,10 @@ def _edge_blocks(ggml_type, rng: np.random.Generator) -> np.ndarray:
         blocks[..., 80:82] = f16  # d
         blocks[..., 82:84] = f16[::-1]  # dmin
         blocks[::2, :, 0:16] = 0xFF  # every scale and min 15
+    elif ggml_type == IQ4_XS:
+        blocks[..., 0:2] = f16
+        blocks[::2, 0, 2:8] = 0x00  # every scale l - 32 = -32
+        blocks[::2, 1, 2:8] = 0xFF  # every scale 31
     else:
         blocks[..., 108:110] = f16
         blocks[::2, 0, 96:108] = 0x00  # every scale -32
@@ -92,9 +96,10 @@ def test_dequantize_rows_equals_gguf_dequantize_bit_for_bit(device, ggml_type):
         "random bytes": rng.integers(0, 256, size=(16, 3 * block_bytes), dtype=np.uint8),
         "edge": _edge_blocks(ggml_type, rng),
         "exact": exact_k_blocks(ggml_type, 5, 512, rng),
-        "one-hot": one_hot_k_blocks(ggml_type, [0, 31, 32, 100, 255, 256, 300, 511], 512),
         "zeros": np.zeros((2, 2 * block_bytes), np.uint8),
     }
+    if ggml_type in ONE_HOT_TYPES:  # (IQ4_XS has no zero value)
+        cases["one-hot"] = one_hot_k_blocks(ggml_type, [0, 31, 32, 100, 255, 256, 300, 511], 512)
     with np.errstate(invalid="ignore", over="ignore"):
         for name, blocks in cases.items():
             got = gguf_blocks.dequantize_rows(torch.from_numpy(blocks).to(device), int(ggml_type))
@@ -106,7 +111,7 @@ def test_dequantize_rows_geometry_and_bad_arguments():
     assert sorted(gguf_blocks.BLOCK_BYTES) == sorted(NATIVE_TYPES)
     for t in NATIVE_TYPES:
         assert (gguf_blocks.WEIGHTS_PER_BLOCK, gguf_blocks.BLOCK_BYTES[t]) == block_info(t)
-    with pytest.raises(ValueError, match=r"ggml_type must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), got 16"):
+    with pytest.raises(ValueError, match=r"ggml_type must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), got 16"):
         gguf_blocks.dequantize_rows(torch.zeros(1, 66, dtype=torch.uint8), 16)
     with pytest.raises(ValueError, match=r"blocks must be uint8 \[rows, K/256 \* 210\]"):
         gguf_blocks.dequantize_rows(torch.zeros(1, 144, dtype=torch.uint8), int(Q6_K))

@@ -385,7 +385,7 @@ def test_gguf_headers_llama_cpp_refuses_are_refused_naming_what_is_wrong(tmp_pat
 def test_gguf_linear_ggml_type_that_is_not_an_int_is_a_type_error(ggml_type):
     """A type name or a float is refused naming the argument (a name failed as "invalid literal for
     int()", 12.0 built a layer whose forward failed); gguf's IntEnum is its value."""
-    with pytest.raises(TypeError, match=rf"argument 'ggml_type' must be an int, one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), "
+    with pytest.raises(TypeError, match=rf"argument 'ggml_type' must be an int, one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), "
                                         rf"got {re.escape(repr(ggml_type))}"):
         GGUFLinear(256, 8, ggml_type)
     layer = GGUFLinear(256, 8, T.Q6_K)

@@ -1,9 +1,9 @@
 """gguf_qmm's Metal kernels (metal/gguf_qmm.h) on metalsim, through the planner (csrc/plan.cpp) and
 the metalsim executor, against gguf.quants.dequantize (the gguf package's decoder) + a float64
-matmul: every GGUF route, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, three dtypes, odd N, M across the
+matmul: every GGUF route, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS, three dtypes, odd N, M across the
 routing thresholds; bit-exact sums and one-hot weights at every position of a super-block (the
-sub-block and bit mapping of each type), Q3_K's high bits, Q5_K's fifth bits; checked mode; simulated
-traffic (metalsim byte counters)."""
+sub-block and bit mapping of each type), Q3_K's high bits, Q5_K's fifth bits, IQ4_XS's 64 sub-block
+scales and 16 codes at every position; checked mode; simulated traffic (metalsim byte counters)."""
 
 from __future__ import annotations
 
@@ -18,18 +18,21 @@ from gguf import quants
 
 from gguf.constants import GGML_QUANT_SIZES
 
-from gguf_helpers import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, exact_k_blocks, exact_x, k_quant_magnitude, one_hot_k_blocks
-from gguf_helpers import random_k_blocks
+from gguf_helpers import IQ4_XS, NATIVE_K_TYPES, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, exact_k_blocks, exact_x
+from gguf_helpers import k_quant_magnitude, one_hot_k_blocks, random_k_blocks
 from metal_helpers import DTYPES, require_clang, routes
 from tolerance import assert_matches_reference
 from torch_qmm.ops import gguf_matmul
 
-TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
+assert set(TYPES) == set(NATIVE_K_TYPES), "every native GGUF type has Metal kernels to test"
 NEW_TYPES = (Q2_K, Q3_K)
+# The one-hot test needs a zero weight (every code but one decodes to 0): not IQ4_XS, whose 16
+# values (kIQ4Values) have no 0. Its codes are checked one by one in test_gguf_iq4xs_every_scale_and_code.
 ONE_HOT_TYPES = (Q2_K, Q3_K, Q5_K)
 # One problem (M, N, K) per GGUF row of the routing table; N odd, K = 3 super-blocks (fewer than
-# the 4 Q4_K / Q5_K lane teams of a SIMD-group, more than the 2 of Q2_K / Q3_K / Q6_K (16 lanes
-# each): both loop tails are exercised).
+# the 4 Q4_K / Q5_K / IQ4_XS lane teams of a SIMD-group, more than the 2 of Q2_K / Q3_K / Q6_K (16
+# lanes each): both loop tails are exercised).
 GGUF_ROUTE_PROBLEMS = {
     "gguf_qmv": (1, 37, 768),
     "gguf_qmm_bm2": (2, 37, 768),
@@ -68,7 +71,10 @@ def gguf_case(ggml_type, M, N, K, dtype, seed):
 # so the reference's weight d*sc*q - dmin*m is one rounding of the same terms); where the two terms cancel the error is
 # relative to their sum. Q6_K and Q3_K: codes shifted to q - 32 / q - 4 before the dot product,
 # their weights d*sc*(q - 32) / d*sc*(q - 4) are exact in float32 (at most 11 + 7 + 5 and 11 + 6 + 3 significant bits),
-# and the offset term only makes the magnitude larger than |x| @ |w|.T.
+# and the offset term only makes the magnitude larger than |x| @ |w|.T. IQ4_XS: scale * sum(value * x)
+# with scale = d*(l - 32) and value = kIQ4Values[q], no offset; its weights d*(l - 32)*value are exact in
+# float32 (at most 11 + 5 + 7 significant bits), and k_quant_terms' offset (the values as byte codes
+# value + 128) again only makes the magnitude larger.
 def run_gguf(ggml_type, M, N, K, dtype, seed, check=None, count=False):
     from torch_qmm.metalsim import backend, last_launches
 
@@ -128,6 +134,13 @@ def test_gguf_kernel_names_geometry_and_bindings():
     assert l["kernel"] == "gguf_qmm_bm8_bfloat16_t_q5_K" and l["threadgroups"] == [5, 1, 1]
     (l,) = plan_gguf(17, 37, 512, Q5_K, torch.float16)
     assert l["kernel"] == "gguf_qmm_mma32_float16_t_q5_K" and l["threadgroups"] == [2, 1, 1]
+    (l,) = plan_gguf(1, 4096, 4096, IQ4_XS, torch.float32)
+    assert l["kernel"] == "gguf_qmv_float_iq4_XS" and l["threadgroups"] == [512, 1, 1]
+    assert l["threads_per_threadgroup"] == [64, 1, 1] and l["bytes"] == [{"index": 3, "u32": [1, 4096, 4096, 16]}]
+    (l,) = plan_gguf(4, 37, 512, IQ4_XS, torch.bfloat16)
+    assert l["kernel"] == "gguf_qmm_bm4_bfloat16_t_iq4_XS" and l["threadgroups"] == [5, 1, 1]
+    (l,) = plan_gguf(33, 37, 512, IQ4_XS, torch.float16)
+    assert l["kernel"] == "gguf_qmm_mma32_float16_t_iq4_XS" and l["threadgroups"] == [2, 2, 1]
     assert plan_gguf(0, 37, 512, Q4_K, torch.float32) == [] and plan_gguf(3, 0, 512, Q4_K, torch.float32) == []
 
 
@@ -138,6 +151,8 @@ def test_plan_gguf_rejects_what_has_no_kernel():
         plan_gguf(1, 8, 256, 7, torch.float32)  # Q5_1: converted on load, no kernel
     (l,) = plan_gguf(1, 8, 256, 13, torch.float32)  # Q5_K has kernels
     assert l["kernel"] == "gguf_qmv_float_q5_K"
+    (l,) = plan_gguf(1, 8, 256, 23, torch.float32)  # and IQ4_XS
+    assert l["kernel"] == "gguf_qmv_float_iq4_XS"
     with pytest.raises(ValueError, match="multiple of 256"):
         plan_gguf(1, 8, 300, Q4_K, torch.float32)
 
@@ -226,13 +241,25 @@ def _sub_block_scales(blocks: np.ndarray, ggml_type) -> np.ndarray:
     return w[..., 0]
 
 
+def _iq4xs_sub_block_scales(blocks: np.ndarray) -> np.ndarray:
+    """float64 [n, k/256, 8]: each IQ4_XS sub-block's d*(l - 32), read through gguf's decoder from a
+    copy of the blocks with every code 8 (value 1); asserts the weights of each sub-block agree."""
+    raw = blocks.reshape(blocks.shape[0], -1, 136).copy()
+    raw[..., 8:] = 0x88
+    w = quants.dequantize(raw.reshape(blocks.shape), IQ4_XS).astype(np.float64)
+    w = w.reshape(raw.shape[0], raw.shape[1], 8, 32)
+    assert (w == w[..., :1]).all()
+    return w[..., 0]
+
+
 @needs_clang
 @pytest.mark.parametrize("route", sorted(GGUF_ROUTE_PROBLEMS))
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_gguf_exact_sums_on_every_route(ggml_type, route):
     """exact_k_blocks / exact_x: every product and partial sum is exact in float32, so y is the
     float64 product rounded once to the dtype, bit for bit. The blocks' codes and sub-block scales
-    (Q2_K, Q4_K, Q5_K also mins; Q5_K's fifth bits) are random bytes, different from sub-block to sub-block: a weight read from
+    (Q2_K, Q4_K, Q5_K also mins; Q5_K's fifth bits; IQ4_XS's scales in 28..35) are random bytes, different
+    from sub-block to sub-block: a weight read from
     the wrong code bits, or scaled with another sub-block's scale, changes y."""
     from torch_qmm.metalsim import backend, last_launches
 
@@ -242,6 +269,9 @@ def test_gguf_exact_sums_on_every_route(ggml_type, route):
     if ggml_type in NEW_TYPES:
         scales = _sub_block_scales(blocks, ggml_type)
         assert min(len(set(s.tolist())) for s in scales.reshape(-1, 16)) >= 6
+    if ggml_type == IQ4_XS:  # scales d*(l - 32), l - 32 in -4..3
+        scales = _iq4xs_sub_block_scales(blocks)
+        assert min(len(set(s.tolist())) for s in scales.reshape(-1, 8)) >= 3
     w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
     x32 = torch.from_numpy(exact_x(M, K, rng))
     for dtype in DTYPES:
@@ -364,6 +394,68 @@ def test_gguf_q5k_fifth_bits_all_set_all_clear_and_one_at_a_time(route):
         expect = (x.double() @ w.T).to(x.dtype)
         assert torch.equal(y, expect), (f"{launch.kernel} qh {fill:#04x}: "
                                         f"{(y.double() - expect.double()).abs().max().item():.3e}")
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])  # kIQ4Values
+
+
+def _iq4xs_blocks(d: np.ndarray, ls: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks uint8 [n, nb * 136] from d [n, nb] (as f16), the 6-bit sub-block scales
+    ls [n, nb, 8] (0..63, the weight's factor ls - 32) and the 4-bit codes [n, nb, 256] (weight p of
+    the super-block), as metal/gguf_format.h lays them out: d at bytes 0..1; bits 2j, 2j + 1 of
+    scales_h (bytes 2..3) the top 2 bits of ls_j, nibble j % 2 of scales_l[j / 2] (bytes 4..7) its
+    low 4; the code of weight 32j + 16*nib + l in nibble nib of qs[16j + l] (bytes 8..135)."""
+    n, nb = d.shape
+    raw = np.zeros((n, nb, 136), np.uint8)
+    raw[..., 0:2] = d.astype("<f2")[..., None].view(np.uint8)
+    high = sum(((ls[..., j] >> 4) & 3).astype(np.uint16) << (2 * j) for j in range(8))
+    raw[..., 2:4] = high.astype("<u2")[..., None].view(np.uint8)
+    raw[..., 4:8] = (ls[..., 0::2] & 0xF) | ((ls[..., 1::2] & 0xF) << 4)
+    c = codes.reshape(n, nb, 8, 2, 16)  # [sub-block j, nibble, byte l]
+    raw[..., 8:] = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(n, nb, 128)
+    return raw.reshape(n, -1)
+
+
+@needs_clang
+@pytest.mark.parametrize("route", sorted(GGUF_ROUTE_PROBLEMS))
+def test_gguf_iq4xs_every_scale_and_code(route):
+    """IQ4_XS W [16, 1024] (64 super-blocks) whose sub-blocks take each of the 64 6-bit scales l
+    (every scales_l nibble with every scales_h bit pair) at each of the 8 sub-block indices, and
+    whose weights take each of the 16 codes at each of the 256 positions of a super-block (the two
+    nibbles of a byte, neighbouring bytes and neighbouring sub-blocks differ), d = +-2^-6 by row;
+    the blocks are checked against gguf's decode first. x integers in -4..4: every product is
+    2^-6 times an integer of magnitude <= 32 * 127 * 4, and any sum of the 1024 of a row stays
+    below 2^24 * 2^-6, so every partial sum is exact in float32 and y must equal the float64 product
+    rounded once to the dtype, bit for bit: a misread nibble, byte, scale bit or value changes y."""
+    from torch_qmm.metalsim import backend, last_launches
+
+    M, N, K = GGUF_ROUTE_PROBLEMS[route][0], 16, 1024
+    nb = K // 256
+    pair = np.arange(N)[:, None] * nb + np.arange(nb)[None, :]  # (row, super-block) -> 0..63
+    ls = (pair[..., None] + 9 * np.arange(8)) % 64
+    p = np.arange(256)
+    codes = (pair[..., None] + 5 * p + 3 * (p // 16)) % 16
+    for j in range(8):
+        assert sorted(ls[..., j].ravel().tolist()) == list(range(64))
+    for q in range(256):
+        assert set(codes[..., q].ravel().tolist()) == set(range(16))
+    c = codes.reshape(N, nb, 8, 2, 16)
+    assert (c[..., 0, :] != c[..., 1, :]).all() and (np.diff(codes, axis=-1) != 0).all()
+    d = np.where(np.arange(N) % 2 == 0, 2.0**-6, -(2.0**-6))[:, None].repeat(nb, axis=1)
+    blocks = _iq4xs_blocks(d, ls, codes)
+    expect_w = d[..., None] * (np.repeat(ls, 32, axis=-1) - 32) * IQ4_VALUES[codes]
+    w = quants.dequantize(blocks, IQ4_XS)
+    assert np.array_equal(w, expect_w.reshape(N, K)), "the IQ4_XS blocks do not decode as intended"
+    w = torch.from_numpy(w).double()
+    x32 = torch.from_numpy(np.random.default_rng(8).integers(-4, 5, size=(M, K)).astype(np.float32))
+    for dtype in DTYPES:
+        x = x32.to(dtype)
+        with backend():
+            y = gguf_matmul(x, torch.from_numpy(blocks), int(IQ4_XS), N, K)
+        (launch,) = last_launches()
+        assert launch.route == route
+        expect = (x.double() @ w.T).to(dtype)
+        assert torch.equal(y, expect), f"{launch.kernel}: {(y.double() - expect.double()).abs().max().item():.3e}"
 
 
 @needs_clang

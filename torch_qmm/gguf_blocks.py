@@ -1,11 +1,12 @@
-"""GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) decoded to float32 with plain torch ops on uint8.
+"""GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS blocks decoded to float32 with plain
+torch ops on uint8.
 
 `dequantize_rows(blocks, ggml_type)` gives the weights gguf.quants.dequantize gives, bit for bit
 (tests/test_gguf_qmm_backward.py), with tensor ops only (nothing device-specific; tested on CPU), and traces
 under torch.compile. gguf_qmm's backward (torch_qmm/ops.py) uses it; the kernels decode in-kernel
 (csrc/cpu, metal/gguf_format.h).
 
-Layouts (llama.cpp's block_q2_K / q3_K / q4_K / q5_K / q6_K; 256 weights per super-block, one super-block
+Layouts (llama.cpp's block_q2_K / q3_K / q4_K / q5_K / q6_K / iq4_xs; 256 weights per super-block, one super-block
 after another along a row of W):
   Q2_K, 84 bytes: 16 bytes of 4-bit scales sc_j (low nibble) and mins m_j (high nibble) of the
     sub-blocks of 16, 64 bytes of 2-bit codes q, f16 d, f16 dmin; w = (d*sc_j)*q - dmin*m_j.
@@ -17,6 +18,9 @@ after another along a row of W):
     bytes of low 4 bits; w = (d*sc_j)*q - dmin*m_j, q = 0..31.
   Q6_K, 210 bytes: 128 bytes of the codes' low 4 bits, 64 bytes of their high 2 bits, 16 int8
     scales sc_j of the sub-blocks of 16, f16 d; w = (d*sc_j)*(q - 32).
+  IQ4_XS, 136 bytes: f16 d, a uint16 of the high 2 bits and 4 bytes of the low 4 bits of the
+    6-bit scales l_j of the 8 sub-blocks of 32, 128 bytes of 4-bit codes q indexing 16 int8 values
+    v (IQ4_VALUES); w = (d*(l_j - 32))*v[q] (exact: at most 11 + 5 + 7 significant bits).
 All are computed in float32 in the gguf package's order: d*sc_j is exact (an 11-bit significand
 times an integer of at most 8 bits), and so is (d*sc_j)*q for Q2_K, Q4_K and Q5_K, (d*sc_j)*(q - 4)
 for Q3_K and (d*sc_j)*(q - 32) for Q6_K (at most 11 + 7 + 5 significant bits); the one rounding is
@@ -29,9 +33,12 @@ import torch
 
 # ggml type id -> bytes per super-block of 256 weights (ids and sizes as in
 # torch_qmm/interop/gguf_types.py, which reads them from the gguf package; the tests compare).
-BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210, 23: 136}  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
 # ggml type id -> the bytes of its float16 super-block scales in a block (d, then dmin where it has one).
-F16_SCALE_BYTES = {10: slice(80, 84), 11: slice(108, 110), 12: slice(0, 4), 13: slice(0, 4), 14: slice(208, 210)}
+F16_SCALE_BYTES = {10: slice(80, 84), 11: slice(108, 110), 12: slice(0, 4), 13: slice(0, 4), 14: slice(208, 210),
+                   23: slice(0, 2)}
+# llama.cpp's kvalues_iq4nl: the values IQ4_XS's 4-bit codes index.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 WEIGHTS_PER_BLOCK = 256
 
 
@@ -118,8 +125,22 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (scale * q.reshape(rows, sb, 16, 16)).reshape(rows, sb * WEIGHTS_PER_BLOCK)
 
 
-_DECODERS = {10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k}
-_NAMES = {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    rows, sb = b.shape[:2]
+    d = _f16(b[..., 0:2])  # [rows, sb, 1]
+    high = b[..., 2].int() | (b[..., 3].int() << 8)  # scales_h, little-endian
+    high = (high.unsqueeze(-1) >> torch.arange(0, 16, 2, device=b.device, dtype=torch.int32)) & 3  # [rows, sb, 8]
+    low = b[..., 4:8].unsqueeze(-1)
+    low = torch.cat([low & 0x0F, low >> 4], dim=-1).reshape(rows, sb, 8)  # sub-block j: nibble j % 2 of byte j / 2
+    scale = d * ((low.int() | (high << 4)) - 32).float()  # [rows, sb, 8], exact
+    qs = b[..., 8:136].reshape(rows, sb, 8, 16)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [rows, sb, 8, 32]: low nibbles weights 0-15, high 16-31
+    values = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=b.device)[codes.long()]
+    return (scale.unsqueeze(-1) * values).reshape(rows, sb * WEIGHTS_PER_BLOCK)
+
+
+_DECODERS = {10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k, 23: _iq4_xs}
+_NAMES = {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 23: "IQ4_XS"}
 
 
 def dequantize_rows(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-// The GGUF K-quants (Q2_K .. Q6_K) x float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
+// The GGUF K-quants (Q2_K .. Q6_K) and IQ4_XS x float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
 // routes here where no AVX-512 kernel goes first), on the chunk driver of chunk_driver.h. A chunk is
 // one super-block of 256 weights; its code bytes are read 32 at a time as 8 dwords and cut into
 // fields by masks, as U4Multiplier does (chunk_avx2.h): a field masked in place is the integer
@@ -362,6 +362,92 @@ struct Q5K {
   }
 };
 
+// IQ4_XS (136 bytes: d f16, scales_h, scales_l[4], qs[128]): w = d*(l_j - 32)*v[q], 8 sub-blocks
+// of 32, v = gguf::kIQ4Values (int8). Run c (of 4) reads qs bytes 32c + b: byte b < 16 holds the
+// codes of weights 32(2c) + b (low nibble) and 32(2c) + 16 + b (high nibble), byte 16 + b those of
+// sub-block 2c + 1. One vpshufb of a run's nibbles (p = 0 low, 1 high) into a table of v + 128
+// (1..241) leaves one unsigned byte code per weight; byte u of dword lane L (b = 4L + u) is the
+// weight 32(2c + L/4) + 16p + 4(L%4) + u, a field at bit 8u, as Q5K's. Each vector has lanes 0-3 in
+// sub-block 2c and 4-7 in 2c + 1: one chain of 4 vectors per (c, p), scaled by that pair of
+// scales; the + 128 is hoisted: y -= sum_j 128*d*(l_j - 32) * (sum of x over sub-block j).
+template <typename F>
+struct IQ4XS {
+  using X = float;
+  static constexpr int64_t kType = gguf::kTypeIQ4_XS, kBlockBytes = 136, kScalesH = 2, kScalesL = 4, kQs = 8,
+                           kXPerBlock = 256, kSide = 8;
+  static constexpr bool kSubnormalOperands = F::kSubnormal;
+  static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
+
+  static constexpr int field_shift(int u) { return F::in_place(8 * u, 8) ? 8 * u : 0; }
+  static constexpr int weight(int c, int p, int u, int l) { return 32 * (2 * c + l / 4) + 16 * p + 4 * (l % 4) + u; }
+  static void prepare(const float* x, float* xc, float* xs) {
+    for (int c = 0; c < 4; ++c)
+      for (int p = 0; p < 2; ++p)
+        for (int u = 0; u < 4; ++u)
+          for (int l = 0; l < 8; ++l) xc[((2 * c + p) * 4 + u) * 8 + l] = x[weight(c, p, u, l)] * F::x_factor(field_shift(u));
+    for (int j = 0; j < 8; ++j) {
+      float t = 0.0f;
+      for (int i = 0; i < 32; ++i) t += x[32 * j + i];
+      xs[j] = t;
+    }
+  }
+
+  // d*(l_j - 32) * F::kScaleFactor into sd, 128*d*(l_j - 32) as the returned vector (exact: 11 by
+  // 6 bits, and powers of two).
+  __attribute__((always_inline)) static inline __m256 scales(const uint8_t* blk, float* sd) {
+    uint16_t high;
+    std::memcpy(&high, blk + kScalesH, 2);
+    const float d = f16_at(blk);
+    alignas(32) float offsets[8];
+    for (int j = 0; j < 8; ++j) {
+      const float s = d * float(gguf::iq4xs_scale(j, blk + kScalesL, high));
+      sd[j] = s * F::kScaleFactor;
+      offsets[j] = s * 128.0f;
+    }
+    return _mm256_load_ps(offsets);
+  }
+  __attribute__((always_inline)) static inline __m256i codes(const uint8_t* blk, int c, int p) {
+    const __m256i table = _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, char(129), char(141), char(153), char(166),
+                                           char(181), char(197), char(217), char(241), 1, 24, 45, 63, 79, 93, 106, 118,
+                                           char(129), char(141), char(153), char(166), char(181), char(197), char(217),
+                                           char(241));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQs + 32 * c));
+    const __m256i nibbles = _mm256_and_si256(p == 0 ? q : _mm256_srli_epi32(q, 4), _mm256_set1_epi8(0x0F));
+    return _mm256_shuffle_epi8(table, nibbles);
+  }
+
+  // At one or two rows of x, the tile's two W rows alternate chain by chain, as Q5K's (P = 2).
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
+                                                          const float* const (&xs)[MB], __m256 (&acc)[R][MB]) {
+    constexpr int P = MB <= 2 && R % 2 == 0 ? 2 : 1;
+    for (int r0 = 0; r0 < R; r0 += P) {
+      alignas(32) float sd[P][8];
+      for (int i = 0; i < P; ++i) {
+        const __m256 offsets = scales(blk[r0 + i], sd[i]);
+        for (int m = 0; m < MB; ++m) acc[r0 + i][m] = _mm256_fnmadd_ps(offsets, _mm256_loadu_ps(xs[m]), acc[r0 + i][m]);
+      }
+      reload_from_memory(sd);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; ++p)
+          for (int i = 0; i < P; ++i) {
+            const __m256i q = codes(blk[r0 + i], c, p);
+            __m256 ch[MB];
+            for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; ++u) {
+              const __m256 v = code_field<F, 8>(q, 8 * u);
+              for (int m = 0; m < MB; ++m) ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((2 * c + p) * 4 + u) * 8), ch[m]);
+            }
+            const __m256 sc = pair_of(_mm256_load_ps(sd[i]), 2 * c);
+            for (int m = 0; m < MB; ++m) acc[r0 + i][m] = _mm256_fmadd_ps(ch[m], sc, acc[r0 + i][m]);
+          }
+    }
+  }
+};
+
 // Q2_K and Q3_K (metal/gguf_format.h): 16 sub-blocks of 16 whose 2-bit code fields (Q3_K: and a
 // third bit) sit as Q6_K's runs do. Half h reads the 32 code bytes at C::kQs + 32h; byte b = 16s + l
 // holds, at bits 2j, the code of weight 128h + 32j + 16s + l. With b = 4L + u (dword lane L, byte
@@ -537,11 +623,12 @@ constexpr Avx2Names kAvx2Names[] = {{gguf::kTypeQ2_K, "avx2-q2k", "avx2-q2k-subn
                                     {gguf::kTypeQ3_K, "avx2-q3k", "avx2-q3k-subnormal"},
                                     {gguf::kTypeQ4_K, "avx2-q4k", "avx2-q4k-subnormal"},
                                     {gguf::kTypeQ5_K, "avx2-q5k", "avx2-q5k-subnormal"},
-                                    {gguf::kTypeQ6_K, "avx2-q6k", "avx2-q6k-subnormal"}};
+                                    {gguf::kTypeQ6_K, "avx2-q6k", "avx2-q6k-subnormal"},
+                                    {gguf::kTypeIQ4_XS, "avx2-iq4xs", "avx2-iq4xs-subnormal"}};
 
 template <typename F>
 bool run_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
-  return run_gguf_chunks<GgufYmm, Q4K<F>, Q6K<F>, Q2K<F>, Q3K<F>, Q5K<F>>(a, ggml_type, y);
+  return run_gguf_chunks<GgufYmm, Q4K<F>, Q6K<F>, Q2K<F>, Q3K<F>, Q5K<F>, IQ4XS<F>>(a, ggml_type, y);
 }
 
 }  // namespace

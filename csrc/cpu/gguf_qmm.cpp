@@ -1,5 +1,5 @@
 // CPU gguf_qmm: y[..., N] = x[..., K] @ W.T, W [N, K] given as GGUF K-quant blocks (Q2_K, Q3_K,
-// Q4_K, Q5_K, Q6_K).
+// Q4_K, Q5_K, Q6_K) or IQ4_XS blocks.
 //
 // Small M: the chunk kernels (gguf_chunked.cpp). Otherwise, small M: each task owns rows of
 // W; a super-block is decoded once to 256 floats and reused for every row of x.
@@ -34,6 +34,7 @@ using gguf::BlockQ3K;
 using gguf::BlockQ4K;
 using gguf::BlockQ5K;
 using gguf::BlockQ6K;
+using gguf::BlockIQ4XS;
 using gguf::kQK_K;
 
 using cpu::kGemmMinRows;  // qmm_kernels.h
@@ -148,6 +149,23 @@ void decode_q6_K(const uint8_t* raw, float* y) {
   }
 }
 
+// After llama.cpp dequantize_row_iq4_xs: 8 sub-blocks of 32, each a signed 6-bit scale times the
+// table values its 16 code bytes index (low nibbles the first 16 weights, high nibbles the rest).
+void decode_iq4_XS(const uint8_t* raw, float* y) {
+  BlockIQ4XS b;
+  std::memcpy(&b, raw, sizeof b);
+  const float d = half_to_float(b.d);
+  for (int j = 0; j < 8; ++j) {
+    const float dl = d * float(gguf::iq4xs_scale(j, b.scales_l, b.scales_h));
+    const uint8_t* q = b.qs + 16 * j;
+    float* yj = y + 32 * j;
+    for (int l = 0; l < 16; ++l) {
+      yj[l] = dl * float(gguf::kIQ4Values[q[l] & 0xF]);
+      yj[l + 16] = dl * float(gguf::kIQ4Values[q[l] >> 4]);
+    }
+  }
+}
+
 // The decoder of a ggml type as a functor (inlined into the loops below; a function pointer
 // passed at run time was not).
 template <void (*kDecode)(const uint8_t*, float*)>
@@ -169,6 +187,8 @@ void with_decoder(int64_t ggml_type, F&& f) {
       return f(Decoder<decode_q5_K>{});
     case gguf::kTypeQ6_K:
       return f(Decoder<decode_q6_K>{});
+    case gguf::kTypeIQ4_XS:
+      return f(Decoder<decode_iq4_XS>{});
     default:
       TORCH_CHECK_VALUE(false, "gguf_qmm: no CPU kernel for ggml_type ", ggml_type);
   }

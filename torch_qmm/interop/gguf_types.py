@@ -21,11 +21,12 @@ MXFP4 = 39
 
 # Kept as blocks, multiplied by the native op torch_qmm::gguf_qmm.
 # Must match block_bytes / is_native_gguf_type in metal/gguf_format.h.
-NATIVE_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+NATIVE_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
 # With a lossless affine form (group_size 32): one block (Q5_K, IQ4_XS: one sub-block of a
-# super-block) is one affine group. Linear layers of these types but Q5_K (native) load as
-# QuantLinear; embeddings of all of them as QuantEmbedding. IQ4_NL / IQ4_XS take 8 bits (their
-# 4-bit codes index a non-uniform table of int8 values: gguf.to_affine), about twice the file's.
+# super-block) is one affine group. Linear layers of these types but Q5_K and IQ4_XS (native)
+# load as QuantLinear; embeddings of all of them as QuantEmbedding. IQ4_NL / IQ4_XS take 8 bits
+# (their 4-bit codes index a non-uniform table of int8 values: gguf.to_affine), about twice the
+# file's.
 AFFINE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, IQ4_NL, IQ4_XS)
 FLOAT_TYPES = (F32, F16, BF16)
 # The same bits as one of MLX's fp formats (torch_qmm.formats): type -> mode. Linear layers and
