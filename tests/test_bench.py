@@ -67,10 +67,10 @@ def test_bench_float32_precision_is_set_for_the_run_and_recorded(tmp_path):
 
 
 def test_bench_gguf_times_gguf_qmm_against_linear(tmp_path):
-    """--gguf: random valid blocks of every K-quant, output checked against gguf.quants.dequantize,
+    """--gguf: random valid blocks of every native type, output checked against gguf.quants.dequantize,
     rows labelled by type (no affine bits / group size), only the F.linear peers."""
     out = tmp_path / "bench.json"
-    types = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+    types = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
     rc = main(["bench", "--device", "cpu", "--shapes", "64x512", "--m", "1,3", "--gguf", ",".join(types), "--dtype",
                "float32", "--repeats", "1", "--output", str(out), "--no-plot"])
     assert rc == 0

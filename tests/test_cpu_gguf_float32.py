@@ -1,6 +1,6 @@
 """The GGUF chunk kernels that keep x exact with float32 FMAs, one family per instruction set:
-AVX-512 ("f32-q4k", "f32-q6k", csrc/cpu/gguf_f32.cpp) and AVX2 ("avx2-q2k" .. "avx2-q6k",
-csrc/cpu/gguf_avx2.cpp; Q2_K, Q3_K and Q5_K have AVX2 kernels only). Each test runs on both (the
+AVX-512 ("f32-q4k", "f32-q6k", csrc/cpu/gguf_f32.cpp) and AVX2 ("avx2-q2k" .. "avx2-q6k", "avx2-iq4xs",
+csrc/cpu/gguf_avx2.cpp; Q2_K, Q3_K, Q5_K and IQ4_XS have AVX2 kernels only). Each test runs on both (the
 `family` fixture steps the other
 kernels aside through their environment switches, the AVX-512 panel kernels too: those are
 tests/test_cpu_gguf_panel.py's) and first checks, with
@@ -20,7 +20,7 @@ import torch
 from gguf import quants
 
 from cpu_features import HAS_AVX2, HAS_AVX512
-from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_F32_MAX_ROWS, GGUF_F32_NAMES, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_F32_MAX_ROWS, GGUF_F32_NAMES, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from gguf_helpers import gguf_avx2_name
 from gguf_helpers import assert_matches_reference, expected_gguf_route, k_quant_magnitude, q4k_every_scale_byte
 from gguf_helpers import q6k_signed_scales_and_full_high_fields, random_k_blocks
@@ -42,7 +42,7 @@ FAMILIES = {
 
 
 AVX2_FAMILIES = ["avx2", "avx2-subnormal"]
-LOW_TYPES = [Q2_K, Q3_K, Q5_K]  # the AVX2 families' only
+LOW_TYPES = [Q2_K, Q3_K, Q5_K, IQ4_XS]  # the AVX2 families' only
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -74,11 +74,11 @@ def check(x, blocks, w, n, k, ggml_type, dtype, what):
 
 
 def _every_scale_byte(ggml_type, n: int):
-    """An edit of Q2_K / Q3_K / Q5_K blocks of n rows (one super-block each) whose scale bytes
-    sweep 0..255 over the rows (Q2_K: every 4-bit scale and min; Q3_K: every 6-bit scale; Q5_K:
-    every 6-bit scale and min, high bits included), and whose high-bit bytes (Q3_K's hmask, Q5_K's
-    qh) are all 0 or all 1 in two of every three rows."""
-    first, count = {Q2_K: (0, 16), Q3_K: (96, 12), Q5_K: (4, 12)}[ggml_type]
+    """An edit of Q2_K / Q3_K / Q5_K / IQ4_XS blocks of n rows (one super-block each) whose scale
+    bytes sweep 0..255 over the rows (Q2_K: every 4-bit scale and min; Q3_K and IQ4_XS: every
+    6-bit scale; Q5_K: every 6-bit scale and min, high bits included), and whose high-bit bytes
+    (Q3_K's hmask, Q5_K's qh) are all 0 or all 1 in two of every three rows."""
+    first, count = {Q2_K: (0, 16), Q3_K: (96, 12), Q5_K: (4, 12), IQ4_XS: (2, 6)}[ggml_type]
     high = {Q3_K: slice(0, 32), Q5_K: slice(16, 48)}.get(ggml_type)
 
     def edit(blocks):
@@ -133,7 +133,7 @@ def test_q6k_negative_scales_and_every_high_field(family):
 
 @pytest.mark.parametrize("family", AVX2_FAMILIES, indirect=True)
 @pytest.mark.parametrize("ggml_type", LOW_TYPES, ids=lambda t: t.name)
-def test_q2k_q3k_q5k_every_scale_byte_and_high_bit(family, ggml_type):
+def test_avx2_only_types_every_scale_byte_and_high_bit(family, ggml_type):
     n, k = 256, 256
     blocks, w = _case(ggml_type, n, k, seed=9, raw_edit=_every_scale_byte(ggml_type, n))
     for m in (1, 2, 4):

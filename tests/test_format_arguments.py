@@ -232,9 +232,10 @@ def test_q4_k_to_affine_names_what_is_wrong(blocks, N, K, message):
     (np.zeros((2, 176), np.uint16), 2, 256, 13, r"k_quant_to_affine: blocks must be uint8, got uint16"),
     (np.zeros((2, 176), np.uint8), 2, 512, 13, r"k_quant_to_affine: blocks must be uint8 \[N, K/256 \* 176\] = \[2, 352\] "
                                                r"for N=2, K=512, got shape \[2, 176\]"),
-    (np.zeros((2, 210), np.uint8), 2, 256, 14, r"k_quant_to_affine: argument 'ggml_type' must be 12 \(Q4_K\) or 13 "
-                                               r"\(Q5_K\), got 14"),
-    (np.zeros((2, 176), np.uint8), 2, 256, "Q5_K", r"argument 'ggml_type' must be 12 \(Q4_K\) or 13 \(Q5_K\), got 'Q5_K'"),
+    (np.zeros((2, 210), np.uint8), 2, 256, 14, r"k_quant_to_affine: argument 'ggml_type' must be 12 \(Q4_K\), 13 "
+                                               r"\(Q5_K\) or 23 \(IQ4_XS\), got 14"),
+    (np.zeros((2, 176), np.uint8), 2, 256, "Q5_K", r"argument 'ggml_type' must be 12 \(Q4_K\), 13 \(Q5_K\) or 23 "
+                                                   r"\(IQ4_XS\), got 'Q5_K'"),
 ], ids=["dtype", "shape", "Q6_K", "str"])
 def test_k_quant_to_affine_names_what_is_wrong(blocks, N, K, ggml_type, message):
     from torch_qmm.interop.gguf import k_quant_to_affine

@@ -204,8 +204,9 @@ def test_llama_gguf_loads_into_transformers(tmp_path, mix, tied):
         assert isinstance(layer.mlp.down_proj, GGUFLinear) and layer.mlp.down_proj.ggml_type == int(T.Q2_K)
         assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
         assert report.quantized["model.layers.0.mlp.down_proj"] == "Q2_K"
-    elif mix == "iq4":  # IQ4_NL / IQ4_XS: exact affine 8-bit group-32 layers and embedding
-        for m in (layer.self_attn.v_proj, layer.mlp.gate_proj, model.model.embed_tokens):
+    elif mix == "iq4":  # IQ4_XS: the file's blocks; IQ4_NL and the embedding exact affine 8-bit group 32
+        assert isinstance(layer.mlp.gate_proj, GGUFLinear) and layer.mlp.gate_proj.ggml_type == int(T.IQ4_XS)
+        for m in (layer.self_attn.v_proj, model.model.embed_tokens):
             assert isinstance(m, (QuantLinear, QuantEmbedding)) and (m.bits, m.group_size) == (8, 32)
         assert report.quantized["model.layers.0.mlp.down_proj"] == "IQ4_NL"
         assert report.quantized["model.layers.0.mlp.up_proj"] == "IQ4_XS"

@@ -122,8 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "so that every peer ratio (e.g. llamacpp's) is against it (default: exact)")
     parser.add_argument("--threads", type=_positive, default=None,
                         help="torch.set_num_threads for the run; the llamacpp peer uses as many (default: as is)")
-    parser.add_argument("--gguf", type=_choices(["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]), default=None,
-                        help="native GGUF types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): time gguf_qmm on random blocks instead of "
+    parser.add_argument("--gguf", type=_choices(["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]), default=None,
+                        help="native GGUF types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS): time gguf_qmm on random blocks instead of "
                              "affine_qmm (--bits ignored)")
     parser.add_argument("--peers", type=_choices(PEERS), default=None,
                         help=f"only these peers, comma-separated, of {', '.join(PEERS)} (default: all)")

@@ -37,15 +37,15 @@ from pathlib import Path
 # torch_qmm format (Config.fmt, bits) -> the ggml type it is compared with. Affine 4/5/8-bit have
 # no ggml twin; q4_0 / q5_0 / q8_0 (one f16 scale per 32 weights, no bias) are the nearest.
 GGML_TYPES = {("Q2_K", None): "q2_K", ("Q3_K", None): "q3_K", ("Q4_K", None): "q4_K", ("Q5_K", None): "q5_K",
-              ("Q6_K", None): "q6_K", ("affine", 4): "q4_0", ("affine", 5): "q5_0", ("affine", 8): "q8_0",
+              ("Q6_K", None): "q6_K", ("IQ4_XS", None): "iq4_xs", ("affine", 4): "q4_0", ("affine", 5): "q5_0", ("affine", 8): "q8_0",
               ("mxfp4", None): "mxfp4"}
 # ggml type -> (weights per block, bytes per block): the weight bytes of a ggml matrix.
 GGML_BLOCKS = {"q4_0": (32, 18), "q5_0": (32, 22), "q8_0": (32, 34), "q2_K": (256, 84), "q3_K": (256, 110),
-               "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210),
+               "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210), "iq4_xs": (256, 136),
                "mxfp4": (32, 17)}
 # ggml type name -> enum ggml_type value (ggml.h), for --test-file lines.
 GGML_TYPE_IDS = {"f32": 0, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q2_K": 10, "q3_K": 11, "q4_K": 12, "q5_K": 13, "q6_K": 14,
-                 "mxfp4": 39}
+                 "iq4_xs": 23, "mxfp4": 39}
 
 # The MUL_MAT cases of make_test_cases_perf (see the module docstring): (N, K) -> rows of x.
 PERF_ALL_TYPES = {(4096, 14336): {1, 2, 3, 4, 5, 8, 512}}

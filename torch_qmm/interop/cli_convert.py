@@ -134,8 +134,8 @@ def _k_affine(blocks, n: int, k: int, ggml_type: int, dtype: torch.dtype, name: 
 
 def _k_quants_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
                                 embeddings: bool = True) -> dict[str, bool]:
-    """Replaces Q4_K / Q5_K GGUFLinear layers and (with `embeddings`) Q4_K embeddings (decoded to
-    float by the loader; Q5_K ones are affine already) with their affine form; a float output tied to such an embedding becomes
+    """Replaces Q4_K / Q5_K / IQ4_XS GGUFLinear layers and (with `embeddings`) Q4_K embeddings (decoded
+    to float by the loader; Q5_K and IQ4_XS ones are affine already) with their affine form; a float output tied to such an embedding becomes
     TiedQuantLinear. Returns {module name: exact}."""
     from .gguf_llama import architecture_of, hf_name
 

@@ -20,7 +20,7 @@ d and m are float16 in the file, so scales/biases are exact in float32 (and in f
 17 significant bits: rounded in float16); the codes are repacked from GGUF's nibble order (byte j
 holds weights j and j + 16; Q5_K: chunks of 32 bytes, low nibbles one sub-block, high the next)
 into MLX's little-endian bit stream.
-The K-quants Q2_K .. Q6_K (NATIVE_TYPES) stay as their block bytes in linear layers (GGUFLinear /
+The K-quants Q2_K .. Q6_K and IQ4_XS (NATIVE_TYPES) stay as their block bytes in linear layers (GGUFLinear /
 torch_qmm::gguf_qmm) by default; a Q5_K embedding takes the affine form above (QuantEmbedding).
 
 MXFP4 (FP_TYPES) is MLX's mxfp4 bit for bit (to_fp): a block of 32 weights is one E8M0 exponent
@@ -400,11 +400,13 @@ def _k_codes(b: np.ndarray, ggml_type: int) -> np.ndarray:
 
 
 # The K-quants with an exact affine form of group size 32 (one group per sub-block): their bits.
-K_AFFINE_BITS = {Q4_K: 4, Q5_K: 5}
+# (with IQ4_XS, whose sub-blocks of 32 take 8 bits: to_affine's form)
+K_AFFINE_BITS = {Q4_K: 4, Q5_K: 5, IQ4_XS: 8}
 
 
 def _k_affine64(blocks, N: int, K: int, ggml_type: int, op: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K blocks -> (wq uint32 [N, K*bits/32], scales, biases float64 [N, K/32]), with checks."""
+    """Q4_K / Q5_K / IQ4_XS blocks -> (wq uint32 [N, K*bits/32], scales, biases float64 [N, K/32]),
+    with checks."""
     name, block_bytes = type_name(ggml_type), block_info(ggml_type)[1]
     if isinstance(blocks, torch.Tensor):
         if blocks.dtype != torch.uint8:
@@ -422,27 +424,33 @@ def _k_affine64(blocks, N: int, K: int, ggml_type: int, op: str) -> tuple[np.nda
     if tuple(arr.shape) != expected:
         raise ValueError(f"{op}: blocks must be uint8 [N, K/256 * {block_bytes}] = {list(expected)} "
                          f"for N={N}, K={K}, got shape {list(arr.shape)}")
-    b = arr.reshape(N, K // 256, block_bytes)
-    scales, biases = _k_scales_biases64(b)
-    scales, biases = scales.reshape(N, K // 32), biases.reshape(N, K // 32)
+    if ggml_type in AFFINE_TYPES:  # Q5_K, IQ4_XS: to_affine's form
+        t = GGUFTensor(op, ggml_type, (N, K), arr)
+        _, b, scales, biases = _affine64(t)
+        codes = _affine_codes(t, b)
+    else:
+        b = arr.reshape(N, K // 256, block_bytes)
+        scales, biases = _k_scales_biases64(b)
+        scales, biases = scales.reshape(N, K // 32), biases.reshape(N, K // 32)
+        codes = _k_codes(b, ggml_type).reshape(N, K)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
         raise ValueError(f"{op}: the blocks have non-finite float16 d/dmin (corrupt blocks?)")
-    return _pack_bits(_k_codes(b, ggml_type).reshape(N, K), K_AFFINE_BITS[ggml_type]), scales, biases
+    return _pack_bits(codes, K_AFFINE_BITS[ggml_type]), scales, biases
 
 
 def k_quant_to_affine(
     blocks: torch.Tensor | np.ndarray, N: int, K: int, ggml_type: int, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K or Q5_K blocks of a matrix W [N, K] -> the affine format with bits 4 or 5
-    (K_AFFINE_BITS), group_size 32: q4_k_to_affine for either type (Q5_K: blocks uint8
-    [N, K/256 * 176], wq uint32 [N, K*5/32])."""
+    """Q4_K, Q5_K or IQ4_XS blocks of a matrix W [N, K] -> the affine format with bits 4, 5 or 8
+    (K_AFFINE_BITS), group_size 32: q4_k_to_affine for any of them (Q5_K: blocks uint8
+    [N, K/256 * 176], wq uint32 [N, K*5/32]; IQ4_XS: [N, K/256 * 136], [N, K/4])."""
     return _k_quant_to_affine(blocks, N, K, ggml_type, dtype, "k_quant_to_affine")
 
 
 def _k_quant_to_affine(blocks, N: int, K: int, ggml_type: int, dtype: torch.dtype, op: str):
     """k_quant_to_affine, its errors prefixed by op (the public function called)."""
     if isinstance(ggml_type, bool) or not isinstance(ggml_type, int) or int(ggml_type) not in K_AFFINE_BITS:
-        raise ValueError(f"{op}: argument 'ggml_type' must be 12 (Q4_K) or 13 (Q5_K), got {ggml_type!r}")
+        raise ValueError(f"{op}: argument 'ggml_type' must be 12 (Q4_K), 13 (Q5_K) or 23 (IQ4_XS), got {ggml_type!r}")
     wq, scales64, biases64 = _k_affine64(blocks, N, K, int(ggml_type), op)
     scales = torch.from_numpy(scales64).to(dtype)
     biases = torch.from_numpy(biases64).to(dtype)
@@ -504,7 +512,7 @@ def _check_matrix(t: GGUFTensor, what: str, expected: str) -> None:
 def linear_from_gguf(
     t: GGUFTensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
-    """The layer for a GGUF weight [N, K]: GGUFLinear (NATIVE_TYPES: Q2_K .. Q6_K, the file's
+    """The layer for a GGUF weight [N, K]: GGUFLinear (NATIVE_TYPES: Q2_K .. Q6_K, IQ4_XS, the file's
     blocks), QuantLinear (the 32-weight block types, lossless; MXFP4 as mode "mxfp4", the same
     bits) or nn.Linear (F32 / F16 / BF16)."""
     _check_matrix(t, "a linear weight", "[out_features >= 1, in_features >= 1]")

@@ -144,7 +144,7 @@ class GGUFFormatState(FormatState):
 
 
 class GGUFLinear(GGUFFormatState, nn.Module):
-    """y = x @ W.T + bias with W [out, in] kept as GGUF blocks (the native types Q2_K .. Q6_K),
+    """y = x @ W.T + bias with W [out, in] kept as GGUF blocks (the native types Q2_K .. Q6_K, IQ4_XS),
     decoded in-kernel.
 
     Buffer ``blocks`` uint8 [out, in/256 * block_bytes]: each row of W is its super-blocks exactly as
@@ -191,7 +191,7 @@ class GGUFLinear(GGUFFormatState, nn.Module):
 
 class GGUFSwitchLinear(GGUFFormatState, nn.Module):
     """y = x @ W[indices].T for a stack of expert weights W [num_experts, out, in] kept as GGUF
-    blocks (the native types Q2_K .. Q6_K): the GGUF counterpart of QuantSwitchLinear, which QuantFusedExperts takes
+    blocks (the native types Q2_K .. Q6_K, IQ4_XS): the GGUF counterpart of QuantSwitchLinear, which QuantFusedExperts takes
     as either of its projections.
 
     Buffer ``blocks`` uint8 [E, out, in/256 * block_bytes]: expert e's rows exactly as a GGUF file's
