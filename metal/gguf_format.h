@@ -123,10 +123,11 @@ struct BlockIQ4XS {
 static_assert(sizeof(BlockIQ4XS) == 136, "IQ4_XS block must be 136 bytes (ggml block_iq4_xs)");
 
 // The values IQ4_XS's (and IQ4_NL's) 4-bit codes index (llama.cpp's kvalues_iq4nl).
+// Internal linkage (static) in both languages: every translation unit (Metal source) has its own.
 #ifdef TORCH_QMM_METAL
-constant int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static constant constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #else
-constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #endif
 
 #ifndef TORCH_QMM_METAL

@@ -105,7 +105,7 @@ MUTANTS: list[Mutant] = [
            "    if not torch.isfinite(scales).all():\n        raise ValueError(f\"{t.source}", GGUF,
            "to_affine with dtype float16: a Q8_0 bias -128 d that overflows float16 becomes -Inf silently"),
     Mutant("g2-gguf-q6k-scale-check-wrong-bytes", "torch_qmm/gguf_blocks.py",
-           "14: slice(208, 210)}", "14: slice(0, 2)}",
+           "14: slice(208, 210),\n", "14: slice(0, 2),\n",
            GGUF, "to_blocks checks Q6_K's first two code bytes instead of its float16 d: a NaN d is accepted "
                  "(and code bytes that look like NaN are refused)"),
     # ---- llama GGUF -> transformers (torch_qmm/interop/gguf_llama.py) ----------------------------------
