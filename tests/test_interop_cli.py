@@ -104,23 +104,26 @@ def test_convert_gguf_to_mlx_keeps_block_types_exact(gguf_path, tmp_path):
     assert torch.equal(_logits(model), _logits(from_gguf))
 
 
-def test_convert_q5_k_gguf_to_mlx_is_exact_and_mlx_decodes_the_file_weights(tmp_path, capsys):
+@pytest.mark.parametrize("qtype, bits", [(T.Q5_K, 5), (T.IQ4_XS, 8)], ids=["Q5_K", "IQ4_XS"])
+def test_convert_k_quant_gguf_to_mlx_is_exact_and_mlx_decodes_the_file_weights(tmp_path, capsys, qtype, bits):
     # Q5_K (llama.cpp's Q5_K_M files) has an exact affine form: 5 bits, one group of 32 per
-    # sub-block, float32 scale d*sc and bias -dmin*m. MLX's own dequantize of the folder gives back
-    # the weights the gguf package decodes from the file, and load_mlx the model load_gguf_llama builds.
+    # sub-block, float32 scale d*sc and bias -dmin*m; IQ4_XS too, as 8 bits: code value + 128,
+    # scale d*(l - 32), bias -128 * scale. MLX's own dequantize of the folder gives back the weights
+    # the gguf package decodes from the file, and load_mlx the model load_gguf_llama builds.
     path = tmp_path / "m.gguf"
-    held = write_llama_gguf(hf_model(tied=False), path, {"proj": T.Q5_K, "embed": T.Q5_K, "lm_head": T.Q5_K},
+    held = write_llama_gguf(hf_model(tied=False), path, {"proj": qtype, "embed": qtype, "lm_head": qtype},
                             np.random.default_rng(3))
     out = tmp_path / "mlx"
     assert main(["convert", str(path), str(out), "--format", "mlx"]) == 0
-    assert re.search(r"model\.layers\.1\.mlp\.down_proj +lossless Q5_K -> affine b5 gs32\n", capsys.readouterr().out)
+    assert re.search(rf"model\.layers\.1\.mlp\.down_proj +lossless {qtype.name} -> affine b{bits} gs32\n",
+                     capsys.readouterr().out)
     default, overrides = parse_quantization(json.loads((out / "config.json").read_text()))
-    assert (default.bits, default.group_size) == (5, 32) and not overrides
+    assert (default.bits, default.group_size) == (bits, 32) and not overrides
     weights = mx.load(str(out / "model.safetensors"))
     for name in ("model.layers.0.mlp.up_proj", "model.layers.1.self_attn.k_proj", "model.embed_tokens", "lm_head"):
         assert weights[name + ".scales"].dtype == mx.float32, name
         w = mx.dequantize(weights[name + ".weight"], weights[name + ".scales"], weights[name + ".biases"],
-                          group_size=32, bits=5)
+                          group_size=32, bits=bits)
         want = held[name + ".weight"]
         # gguf rounds d*sc*q - dmin*m once (d*sc*q is exact): MLX, fused or not, rounds s*q + b once too
         assert torch.equal(torch.from_numpy(np.array(w)), want), name

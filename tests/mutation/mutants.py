@@ -120,8 +120,9 @@ MUTANTS: list[Mutant] = [
            "Metal IQ4_XS slices put a sub-block's high-nibble codes (weights 16-31) before its low ones"),
     Mutant("gguf-iq4xs-scale-high-bits-of-the-next-sub-block", "metal/gguf_format.h",
            "  const int high = (scales_h >> (2 * j)) & 3;", "  const int high = (scales_h >> (2 * j + 2)) & 3;",
-           ("tests/test_gguf_qmm.py", "-k", "matches_gguf_dequantize and IQ4_XS and cpu"),
-           "IQ4_XS's sub-block scale takes its top two bits from the next sub-block's (the shared C++ / Metal helper)"),
+           ("tests/test_metal_gguf.py", "-k", "matches_gguf_dequantize and IQ4_XS"),
+           "IQ4_XS's sub-block scale takes its top two bits from the next sub-block's (the helper of the Metal "
+           "kernels and the CPU's scalar decoder)"),
     Mutant("gguf-blocks-iq4xs-scale-nibbles-swapped", "torch_qmm/gguf_blocks.py",
            "    low = torch.cat([low & 0x0F, low >> 4], dim=-1).reshape(rows, sb, 8)",
            "    low = torch.cat([low >> 4, low & 0x0F], dim=-1).reshape(rows, sb, 8)",
