@@ -15,6 +15,8 @@ const char* type_hint(int64_t t) {
     case gguf::kTypeQ5_0: return " (Q5_0: convert it to the affine format, torch_qmm.interop.gguf.to_affine)";
     case gguf::kTypeQ5_1: return " (Q5_1: convert it to the affine format, torch_qmm.interop.gguf.to_affine)";
     case gguf::kTypeQ8_0: return " (Q8_0: convert it to the affine format, torch_qmm.interop.gguf.to_affine)";
+    case gguf::kTypeIQ4_NL: return " (IQ4_NL: convert it to the affine format, torch_qmm.interop.gguf.to_affine)";
+    case gguf::kTypeMXFP4: return " (MXFP4: it is MLX's mxfp4, torch_qmm.interop.gguf.to_fp)";
     default: return "";
   }
 }

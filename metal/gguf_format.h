@@ -67,7 +67,9 @@ enum GGMLType : int {
   kTypeQ4_K = 12,
   kTypeQ5_K = 13,
   kTypeQ6_K = 14,
-  kTypeIQ4_XS = 23
+  kTypeIQ4_NL = 20,
+  kTypeIQ4_XS = 23,
+  kTypeMXFP4 = 39
 };
 
 // Weights per super-block of every K-quant.

@@ -37,8 +37,8 @@ def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.n
         blocks[..., 82:84] = rng.uniform(1e-3, 2e-2, (n, k // 256, 1)).astype("<f2").view(np.uint8)
     elif ggml_type == Q3_K:  # d at bytes 108..109
         blocks[..., 108:110] = rng.uniform(1e-3, 2e-2, (n, k // 256, 1)).astype("<f2").view(np.uint8)
-    elif ggml_type == IQ4_XS:  # d at bytes 0..1 (times (l - 32) * value: up to 32 * 127)
-        blocks[..., 0:2] = rng.uniform(1e-5, 4e-5, (n, k // 256, 1)).astype("<f2").view(np.uint8)
+    elif ggml_type == IQ4_XS:  # d at bytes 0..1, normal float16 (times (l - 32) * value: up to 32 * 127)
+        blocks[..., 0:2] = rng.uniform(6.2e-5, 1.5e-4, (n, k // 256, 1)).astype("<f2").view(np.uint8)
     else:
         raise ValueError(f"no random generator for {ggml_type.name}")
     return blocks.reshape(n, -1)
@@ -164,9 +164,12 @@ def one_hot_k_blocks(ggml_type, cols: list[int], k: int) -> np.ndarray:
 
 
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]], arch: str = "llama",
-               metadata: dict | None = None) -> None:
-    """tensors: name -> (array, raw type or None for a float array stored as is)."""
+               metadata: dict | None = None, fields=()) -> None:
+    """tensors: name -> (array, raw type or None for a float array stored as is); fields: more
+    metadata as (key, value, GGUFValueType, array item type or None), e.g. a real file's tokenizer."""
     writer = GGUFWriter(str(path), arch)
+    for key, value, vtype, sub in fields:
+        writer.add_key_value(key, value, vtype, sub)
     for key, value in (metadata or {}).items():
         if isinstance(value, bool):
             writer.add_bool(key, value)

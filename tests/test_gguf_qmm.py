@@ -1,4 +1,4 @@
-"""gguf_qmm: the native K-quant op (Q2_K .. Q6_K), checked against gguf.quants.dequantize (the gguf package's
+"""gguf_qmm: the native GGUF op (Q2_K .. Q6_K, IQ4_XS), checked against gguf.quants.dequantize (the gguf package's
 decoder) with a float64 matmul, and its bad-input errors, on every backend of the `device` fixture
 (tests/conftest.py: cpu, the Metal kernels on metalsim, mps on a Mac). Route-by-route Metal tests:
 tests/test_metal_gguf.py."""
@@ -90,6 +90,10 @@ def test_unsupported_ggml_type_lists_the_supported_ones():
         gguf_matmul(torch.randn(1, 256), blocks, 16, 3, 256)
     with pytest.raises(ValueError, match=r"got 8 \(Q8_0: convert it to the affine format"):
         gguf_matmul(torch.randn(1, 256), blocks, 8, 3, 256)
+    with pytest.raises(ValueError, match=r"got 20 \(IQ4_NL: convert it to the affine format"):
+        gguf_matmul(torch.randn(1, 256), blocks, 20, 3, 256)
+    with pytest.raises(ValueError, match=r"got 39 \(MXFP4: it is MLX's mxfp4, torch_qmm.interop.gguf.to_fp\)"):
+        gguf_matmul(torch.randn(1, 256), blocks, 39, 3, 256)
 
 
 def test_blocks_shape_disagreeing_with_n_k_is_an_error():

@@ -77,9 +77,10 @@ def _encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, np.ndarray]:
     return data.reshape(*w.shape[:-1], -1), stored
 
 
-def write_gpt_oss_gguf(model, path, types: dict[str, T], rng, metadata=None, drop=()) -> dict[str, torch.Tensor]:
+def write_gpt_oss_gguf(model, path, types: dict[str, T], rng, metadata=None, drop=(), fields=()) -> dict[str, torch.Tensor]:
     """Writes model as convert_hf_to_gguf.py's GptOssModel does (types: "experts" / a substring of
-    a 2-D parameter name -> GGML type, F32 otherwise); returns hf name -> the values the file holds."""
+    a 2-D parameter name -> GGML type, F32 otherwise; fields: more metadata, gguf_helpers.write_gguf);
+    returns hf name -> the values the file holds."""
     config = model.config
     tensors, held = {}, {}
     experts_type = types.get("experts", T.F32)
@@ -126,7 +127,8 @@ def write_gpt_oss_gguf(model, path, types: dict[str, T], rng, metadata=None, dro
         "rope.scaling.yarn_beta_fast": float(rope["beta_fast"]), "rope.scaling.yarn_beta_slow": float(rope["beta_slow"]),
     }
     meta.update(metadata or {})
-    write_gguf(path, tensors, arch="gpt-oss", metadata={f"gpt-oss.{k}": v for k, v in meta.items() if v is not None})
+    write_gguf(path, tensors, arch="gpt-oss", metadata={f"gpt-oss.{k}": v for k, v in meta.items() if v is not None},
+               fields=fields)
     return held
 
 
@@ -223,6 +225,14 @@ def test_a_file_without_yarn_gets_the_plain_rotary_embedding(tmp_path):
     assert config.rope_parameters["rope_type"] == "default" and config.rope_parameters["rope_theta"] == 150000.0
 
 
+def test_yarn_keys_the_config_cannot_take_warn_and_a_file_without_a_base_gets_llama_cpp_s(tmp_path):
+    write_gpt_oss_gguf(gpt_oss_model(), tmp_path / "m.gguf", MXFP4_MIX, np.random.default_rng(10),
+                       metadata={"rope.scaling.yarn_attn_factor": 1.5, "rope.freq_base": None})
+    with pytest.warns(UserWarning, match=r"gpt-oss.rope.scaling.yarn_attn_factor, which the transformers config"):
+        config = llama_config_from_gguf(GGUFFile(tmp_path / "m.gguf"))
+    assert config.rope_parameters["rope_theta"] == 10000.0 and config.rope_parameters["rope_type"] == "yarn"
+
+
 @pytest.mark.parametrize("drop, metadata, message", [
     (("blk.1.attn_sinks.weight",), {}, r"no tensor 'blk.1.attn_sinks.weight'"),
     (("blk.0.ffn_up_exps.bias",), {}, r"no tensor 'blk.0.ffn_up_exps.bias'"),
@@ -271,18 +281,23 @@ def test_mxfp4_blocks_beyond_float32_are_refused_naming_the_tensor(byte, code):
         to_fp(_mxfp4_tensor(blocks))
 
 
-def test_convert_to_mlx_keeps_the_mxfp4_experts_and_mlx_lm_computes_the_same(tmp_path):
+@pytest.mark.parametrize("mix", ["mxfp4", "q4_k"])
+def test_convert_to_mlx_keeps_the_experts_and_mlx_lm_computes_the_same(tmp_path, mix):
+    # MXFP4 experts stay mxfp4; Q4_K ones become exact affine 4-bit group-32 experts, their biases
+    # (gpt-oss's experts have them) carried along
     mx = pytest.importorskip("mlx.core")
     from mlx_lm.utils import load_model  # the test extra installs mlx-lm: no skip
 
     from torch_qmm.__main__ import main
 
-    write_gpt_oss_gguf(gpt_oss_model(), tmp_path / "m.gguf", MXFP4_MIX, np.random.default_rng(7))
+    types = MXFP4_MIX if mix == "mxfp4" else {"experts": T.Q4_K, "proj": T.Q8_0, "embed": T.Q8_0, "lm_head": T.Q8_0}
+    write_gpt_oss_gguf(gpt_oss_model(), tmp_path / "m.gguf", types, np.random.default_rng(7))
     with pytest.warns(UserWarning, match="no tokenizer.ggml.model metadata"):
         assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "mlx"), "--format", "mlx"]) == 0
     config = json.loads((tmp_path / "mlx" / "config.json").read_text())
     quantization = config["quantization"]
-    assert quantization["model.layers.1.mlp.experts.down_proj"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    want = {"group_size": 32, "bits": 4, "mode": "mxfp4" if mix == "mxfp4" else "affine"}
+    assert quantization["model.layers.1.mlp.experts.down_proj"] == want
     assert (quantization["bits"], quantization["mode"]) == (8, "affine")  # the Q8_0 layers
     f = GGUFFile(tmp_path / "m.gguf")
     model = transformers.AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
@@ -305,3 +320,24 @@ def test_convert_to_transformers_refuses_mixed_formats_naming_the_way_out(tmp_pa
     assert "more than one group size / mode ([(32, 'affine'), (32, 'mxfp4')]); convert with --format mlx" in \
         capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_tokenizer_of_a_gpt_oss_file_is_built_and_written(tmp_path):
+    # transformers' own GGUF reader fails on gpt-oss's rope.scaling metadata ("only 0-dimensional
+    # arrays can be converted to Python scalars"): the tokenizer is built from the file's
+    # tokenizer metadata alone, here the real SmolLM2 GGUF's, and tokenizes as transformers'
+    # tokenizer of that real file
+    from test_interop_mlx_lm import smollm2_gguf
+
+    from torch_qmm.interop.gguf_tokenizer import save_gguf_tokenizer, tokenizer_fields
+
+    real = smollm2_gguf()
+    write_gpt_oss_gguf(gpt_oss_model(), tmp_path / "m.gguf", MXFP4_MIX, np.random.default_rng(9),
+                       fields=tokenizer_fields(GGUFFile(real)))
+    with pytest.raises(TypeError, match="0-dimensional"):  # if transformers fixes its reader, this says so
+        transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    (tmp_path / "out").mkdir()
+    assert "tokenizer.json" in save_gguf_tokenizer(tmp_path / "m.gguf", tmp_path / "out")
+    theirs = transformers.AutoTokenizer.from_pretrained(real.parent, gguf_file=real.name)
+    text = "The quick brown fox, 12345 times: don't stop!"
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out")(text).input_ids == theirs(text).input_ids

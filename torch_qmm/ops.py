@@ -230,12 +230,12 @@ def _gguf_activations(activations, x: torch.Tensor, ggml_type, op: str) -> str |
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int,
                 activations: str | None = None) -> torch.Tensor:
     """y = x @ W.T with W [N, K] stored as GGUF blocks (Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-    Q6_K = 14), decoded in-kernel.
+    Q6_K = 14, IQ4_XS = 23), decoded in-kernel.
 
     Args:
         x: float32/float16/bfloat16 [..., K], K a multiple of 256.
-        blocks: uint8 [N, K/256 * block_bytes] (84 / 110 / 144 / 176 / 210 bytes per Q2_K / Q3_K /
-            Q4_K / Q5_K / Q6_K super-block), each row the super-blocks of one row of W as llama.cpp writes them.
+        blocks: uint8 [N, K/256 * block_bytes] (84 / 110 / 144 / 176 / 210 / 136 bytes per Q2_K / Q3_K /
+            Q4_K / Q5_K / Q6_K / IQ4_XS super-block), each row the super-blocks of one row of W as llama.cpp writes them.
         activations: "int8": x quantized to int8 per super-block of 256 (torch_qmm.activations; CPU
             only, Q4_K and Q6_K; approximate). None: torch_qmm.activation_quantization's setting for
             CPU calls of Q4_K / Q6_K, else exact.

@@ -114,8 +114,6 @@ struct Q4K {
   // W rows per tile: 8 at one row of x and 2 at two (block() takes them in pairs), 1 above. At one
   // row, each 1 KB of prepared x per super-block comes from L2 once per 8 W rows, not per 2
   // (one Zen 3 core, W in L3: 61 -> 48 cycles per W row and super-block).
-  // W rows per tile: 8 at one row of x (as Q4K's: the prepared x comes from L2 once per 8 W rows;
-  // one Zen 3 core, 4096 x 14336: 6.0 -> 4.8 ms against 2 rows), 2 at two, 1 above.
   static constexpr int tile_rows(int mb) { return mb == 1 ? 8 : mb <= 2 ? 2 : 1; }
 
   static constexpr int weight(int run, int j, int l) { return 64 * run + 32 * (j % 2) + 4 * l + j / 2; }

@@ -44,10 +44,10 @@ format are refused: quantized layers are not re-quantized.
 
 A llama-family GGUF file keeps its quantization where the output format can hold it exactly
 (architectures llama, mistral, qwen2, qwen3, their MoE forms, gpt-oss):
-Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 become affine layers with group size 32 bit for bit (IQ4_NL / IQ4_XS
-too, as 8-bit layers: their 4-bit codes index int8 values), MXFP4 (gpt-oss's
-experts) mxfp4 layers bit for bit (--format mlx: MLX keeps a mode per layer), Q4_K and Q5_K become
-bits 4 and 5 / group size 32 (exact with float32 scales, the default for GGUF; --dtype
+Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and IQ4_NL become affine layers with group size 32 bit for bit (IQ4_NL as
+8-bit layers: its 4-bit codes index int8 values), MXFP4 (gpt-oss's experts) mxfp4 layers bit for
+bit (--format mlx: MLX keeps a mode per layer), Q4_K, Q5_K and IQ4_XS become bits 4, 5 and 8 /
+group size 32 (exact with float32 scales, the default for GGUF; --dtype
 float16/bfloat16 rounds them, and bfloat16 the others' float16 scales; the output says which layers). Layers
 without an exact affine form (Q2_K, Q3_K, Q6_K, float) stay float unless --requantize asks otherwise:
 rest quantizes them with --bits/--group-size, all re-quantizes every layer (lossy); --bits,
@@ -122,7 +122,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _k_affine(blocks, n: int, k: int, ggml_type: int, dtype: torch.dtype, name: str):
-    """(wq, scales, biases in dtype, exact): Q4_K / Q5_K blocks as affine bits 4 / 5, group 32;
+    """(wq, scales, biases in dtype, exact): Q4_K / Q5_K / IQ4_XS blocks as affine bits 4 / 5 / 8, group 32;
     exact is whether the scales and biases survived the cast to dtype (always in float32)."""
     wq, s32, b32 = k_quant_to_affine(blocks, n, k, ggml_type, torch.float32)
     scales, biases = s32.to(dtype), b32.to(dtype)
@@ -182,7 +182,7 @@ def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
                         keep_affine: bool) -> tuple[dict[str, bool], dict[str, str]]:
     """Gives the MoE experts load_gguf_llama kept quantized a form the output formats hold: with
     keep_affine, experts whose projections all have an exact affine form (the affine types and
-    Q4_K, Q5_K) become affine QuantSwitchLinear layers; every other block's experts become float again,
+    Q4_K, Q5_K, IQ4_XS) become affine QuantSwitchLinear layers (MXFP4 ones stay mxfp4); every other block's experts become float again,
     as gguf decodes them. Returns ({experts: exact in dtype}, {experts: their GGUF types})."""
     exact, origin = {}, {}
     parts_of = [expert_part(n) for n in f.tensors]
@@ -217,8 +217,8 @@ def _affine_switch(layer: nn.Module, stacks: list, dtype: torch.dtype, name: str
     e, out, k = layer.num_experts, layer.out_features, layer.in_features
     wq, scales, biases, exact = _k_affine(layer.blocks.reshape(e * out, -1), e * out, k, layer.ggml_type, dtype, name)
     return QuantSwitchLinear.from_quantized(wq.reshape(e, out, -1), scales.reshape(e, out, -1),
-                                            biases.reshape(e, out, -1), bits=K_AFFINE_BITS[layer.ggml_type],
-                                            group_size=32, dtype=dtype), exact
+                                            biases.reshape(e, out, -1), bias=layer.bias,
+                                            bits=K_AFFINE_BITS[layer.ggml_type], group_size=32, dtype=dtype), exact
 
 
 def _weight_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
@@ -252,8 +252,8 @@ def _exact_linears(f: GGUFFile) -> dict[str, str]:
 
 
 def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embedding: bool = False):
-    """The GGUF model as a transformers model. keep_affine: the affine layers stay, Q4_K / Q5_K
-    layers become exact affine ones, everything else becomes float; without it every layer is float.
+    """The GGUF model as a transformers model. keep_affine: the affine (and mxfp4) layers stay,
+    Q4_K / Q5_K / IQ4_XS layers become exact affine ones, everything else becomes float; without it every layer is float.
     float_embedding (the transformers format, which has no quantized embedding; implied without
     keep_affine): the embedding is float, decoded from the file by gguf, and a tied output head is
     an nn.Linear tied to it.

@@ -31,6 +31,7 @@ Q4_K and Q5_K have that exact affine form (k_quant_to_affine, q4_k_to_affine; us
 each super-block of 256 weights is 8 groups of 32, w = d*sc_j*q - dmin*m_j -> bits 4 / 5,
 group_size 32, scale d*sc_j, bias -dmin*m_j. d, dmin are float16 and sc_j, m_j 6-bit integers, so
 the products have at most 17 significant bits: exact in float32, rounded in float16/bfloat16.
+IQ4_XS, native too, has the 8-bit form above (k_quant_to_affine as well).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ __all__ = ["GGUFFile", "GGUFTensor", "check_finite", "dequantize", "to_affine", 
 
 # llama.cpp's kvalues_iq4nl: the values IQ4_NL's and IQ4_XS's 4-bit codes index.
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
+_IQ4_CODES8 = (IQ4_VALUES + 128).astype(np.uint8)  # their affine 8-bit codes (value + 128)
 IQ4_XS_BLOCK_BYTES = 136  # f16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles
 Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles
 Q5_K_BLOCK_BYTES = 176  # the same, with 32 bytes of 5th bits (qh) before the nibbles
@@ -289,7 +291,7 @@ def _affine_codes(t: GGUFTensor, b: np.ndarray) -> np.ndarray:
         codes = _k_codes(b, Q5_K)
     elif t.ggml_type in (IQ4_NL, IQ4_XS):  # byte j of each 16 holds weights j and j + 16 of a sub-block
         qs = b[..., 2:18] if t.ggml_type == IQ4_NL else b[..., 8:].reshape(rows, k // 256, 8, 16)
-        codes = (IQ4_VALUES[nibbles(qs)] + 128).astype(np.uint8)
+        codes = _IQ4_CODES8[nibbles(qs)]
     elif t.ggml_type == Q8_0:
         codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     elif t.ggml_type == Q4_0:

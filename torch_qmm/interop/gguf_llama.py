@@ -187,19 +187,31 @@ def llama_config_from_gguf(f: GGUFFile):
     if rope is None:
         _warn_unmapped_rope(f, f.architecture)
         if kind.yarn is not None:  # the config class's default would be its model's yarn, not the file's rope
-            rope = {"rope_type": "default", "rope_theta": kwargs["rope_theta"]} if "rope_theta" in kwargs else None
+            rope = {"rope_type": "default", "rope_theta": kwargs.get("rope_theta", _LLAMA_CPP_FREQ_BASE)}
     if rope is not None:
         kwargs["rope_parameters"] = rope
         kwargs.pop("rope_theta", None)
     return AutoConfig.for_model(kind.model_type, **kwargs)
 
 
+# llama.cpp's rotary base where a file has no {arch}.rope.freq_base.
+_LLAMA_CPP_FREQ_BASE = 10000.0
+# llama.cpp's yarn keys that transformers' rope_parameters of these models do not take.
+_UNMAPPED_YARN_KEYS = ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_log_multiplier")
+
+
 def _yarn_parameters(f: GGUFFile, kind: Architecture, kwargs: dict) -> dict | None:
     """transformers' rope_parameters of a yarn-scaled file of an architecture whose yarn is mapped
-    (Architecture.yarn), else None."""
+    (Architecture.yarn), else None. Keys of llama.cpp's yarn that the mapping does not carry get a
+    warning."""
     arch = f.architecture
     if kind.yarn is None or f.get_metadata(f"{arch}.rope.scaling.type") != "yarn":
         return None
+    unmapped = [k for k in _UNMAPPED_YARN_KEYS if f.get_metadata(f"{arch}.{k}") is not None]
+    if unmapped:
+        warnings.warn(f"{f.path}: the file's yarn has {', '.join(f'{arch}.{k}' for k in unmapped)}, which the "
+                      f"transformers config of {kind.model_type!r} does not take: outputs may differ from "
+                      "llama.cpp's", stacklevel=3)
     rope = {"rope_type": "yarn", **kind.yarn}
     keys = {"rope.scaling.factor": "factor", "rope.scaling.original_context_length": "original_max_position_embeddings",
             "rope.scaling.yarn_beta_fast": "beta_fast", "rope.scaling.yarn_beta_slow": "beta_slow"}
@@ -214,8 +226,7 @@ def _yarn_parameters(f: GGUFFile, kind: Architecture, kwargs: dict) -> dict | No
                                                           "rope.scaling.original_context_length")):
         if field not in rope:
             raise ValueError(f"{f.path}: metadata '{arch}.rope.scaling.type' is 'yarn' but '{arch}.{key}' is missing")
-    if "rope_theta" in kwargs:
-        rope["rope_theta"] = kwargs["rope_theta"]
+    rope["rope_theta"] = kwargs.get("rope_theta", _LLAMA_CPP_FREQ_BASE)
     return rope
 
 
@@ -288,7 +299,7 @@ def check_llama_metadata(f: GGUFFile) -> dict:
 
 def _check_types(f: GGUFFile) -> None:
     """Every tensor of a type torch_qmm reads, checked before a model is built: a file with others
-    (the IQ types, say) is refused naming them and how many."""
+    (IQ2_XXS or IQ3_S, say) is refused naming them and how many."""
     unread: dict[str, int] = {}
     for t in f.tensors.values():
         if t.ggml_type not in SUPPORTED_TYPES:

@@ -50,12 +50,38 @@ def save_gguf_tokenizer(gguf: str | os.PathLike | GGUFFile, folder: str | os.Pat
 
 def gguf_tokenizer(gguf: str | os.PathLike | GGUFFile):
     """The transformers tokenizer built from the metadata of `gguf` alone (transformers' errors
-    propagate). The file is linked into a folder of its own: from_pretrained also reads
-    tokenizer_config.json from the folder it is given, and the GGUF's folder may hold another model's."""
+    propagate). transformers reads a GGUF holding only the file's architecture and tokenizer.*
+    metadata, written into a folder of its own: from_pretrained also reads tokenizer_config.json
+    from the folder it is given (the GGUF's folder may hold another model's), and parses the
+    model's metadata too, which it fails on for some architectures (gpt-oss's rope.scaling keys)."""
     from transformers import AutoTokenizer
 
     f = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
     with tempfile.TemporaryDirectory() as tmp:
-        link = Path(tmp) / "model.gguf"
-        link.symlink_to(f.path.resolve())
-        return AutoTokenizer.from_pretrained(tmp, gguf_file=link.name, local_files_only=True)
+        _write_tokenizer_only(f, Path(tmp) / "model.gguf")
+        return AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf", local_files_only=True)
+
+
+def tokenizer_fields(f: GGUFFile) -> list:
+    """[(key, value, gguf.GGUFValueType, array item type or None)] of f's tokenizer.* metadata."""
+    from gguf import GGUFValueType
+
+    out = []
+    for key, entry in f.header.kv.items():
+        if key.startswith("tokenizer."):
+            array = entry.value_type == GGUFValueType.ARRAY
+            out.append((key, f.get_metadata(key), GGUFValueType(entry.value_type),
+                        GGUFValueType(entry.item_type) if array else None))
+    return out
+
+
+def _write_tokenizer_only(f: GGUFFile, path: Path) -> None:
+    """A GGUF at `path` with f's architecture and its tokenizer.* metadata (types kept), no tensors."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), f.architecture or "llama")
+    for key, value, vtype, sub_type in tokenizer_fields(f):
+        writer.add_key_value(key, value, vtype, sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
