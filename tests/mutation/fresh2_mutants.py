@@ -181,7 +181,7 @@ MUTANTS: list[Mutant] = [
            "a saved GGUFLinear's K is computed with block bytes and weights per block swapped"),
     # ---- GGUF tokenizer (torch_qmm/interop/gguf_tokenizer.py) --------------------------------------
     Mutant("g2-tokenizer-reads-neighbour-files", "torch_qmm/interop/gguf_tokenizer.py",
-           "        return AutoTokenizer.from_pretrained(tmp, gguf_file=link.name, local_files_only=True)",
+           '        return AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf", local_files_only=True)',
            "        return AutoTokenizer.from_pretrained(f.path.parent, gguf_file=f.path.name, "
            "local_files_only=True)", TOKENIZER,
            "the tokenizer is built from the GGUF's own folder, which may hold another model's tokenizer_config.json"),
