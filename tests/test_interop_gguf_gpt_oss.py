@@ -18,8 +18,9 @@ import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
-from gguf_helpers import random_k_blocks, write_gguf
+from gguf_helpers import write_gguf
 from test_interop_gguf_llama import random_model
+from test_interop_gguf_moe import _encode
 from torch_qmm.interop.gguf import GGUFFile, GGUFFormatError, GGUFTensor, linear_from_gguf, to_fp
 from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
 from torch_qmm.interop.modules import GGUFSwitchLinear
@@ -62,19 +63,6 @@ def _gguf_name(hf: str) -> str:
     for pattern, repl in _NAMES:
         hf = re.sub(pattern, repl, hf)
     return hf
-
-
-def _encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, np.ndarray]:
-    """(file data, the weights it holds as gguf decodes them) of a float array [..., K]."""
-    if qtype == T.F32:
-        return w, w
-    rows = w.reshape(-1, w.shape[-1])
-    if qtype in (T.Q4_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
-        data = random_k_blocks(qtype, rows.shape[0], rows.shape[1], rng)
-    else:
-        data = quants.quantize(rows, qtype)
-    stored = quants.dequantize(data, qtype).reshape(w.shape)
-    return data.reshape(*w.shape[:-1], -1), stored
 
 
 def write_gpt_oss_gguf(model, path, types: dict[str, T], rng, metadata=None, drop=(), fields=()) -> dict[str, torch.Tensor]:

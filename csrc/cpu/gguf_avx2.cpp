@@ -295,6 +295,20 @@ __attribute__((always_inline)) inline __m256 code_field(__m256i q, int s) {
   return F::value(s + kWidth == 32 ? down : _mm256_and_si256(down, _mm256_set1_epi32(kMask)));
 }
 
+// One chain of byte codes, as Q5K and IQ4XS lay them out (code byte u of dword lane L a field at
+// bit 8u; x prepared per chain k as 4 vectors, u = 0..3): ch[m] = sum over u of the fields times
+// x row m's vector (k, u).
+template <typename F, int kWidth, int MB>
+__attribute__((always_inline)) inline void byte_code_chain(__m256i q, const float* const (&xc)[MB], int k,
+                                                           __m256 (&ch)[MB]) {
+  for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int u = 0; u < 4; ++u) {
+    const __m256 v = code_field<F, kWidth>(q, 8 * u);
+    for (int m = 0; m < MB; ++m) ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + (k * 4 + u) * 8), ch[m]);
+  }
+}
+
 // Q5_K (176 bytes: Q4_K's d, dmin and 12 scale bytes, qh[32], then Q4_K's 128 nibble bytes):
 // w = d*sc[s]*q - dmin*m[s], 8 sub-blocks of 32. For run c and nibble p, the 32 weights
 // 64c + 32p + b (b = 0..31, sub-block 2c + p) have their low 4 bits in nibble p of qs byte 32c + b
@@ -347,14 +361,8 @@ struct Q5K {
 #pragma GCC unroll 2
         for (int p = 0; p < 2; ++p)
           for (int i = 0; i < P; ++i) {
-            const __m256i q = codes(blk[r0 + i], c, p);
             __m256 ch[MB];
-            for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; ++u) {
-              const __m256 v = code_field<F, 5>(q, 8 * u);
-              for (int m = 0; m < MB; ++m) ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((2 * c + p) * 4 + u) * 8), ch[m]);
-            }
+            byte_code_chain<F, 5>(codes(blk[r0 + i], c, p), xc, 2 * c + p, ch);
             const __m256 sc = _mm256_broadcast_ss(sd[i] + 2 * c + p);
             for (int m = 0; m < MB; ++m) acc[r0 + i][m] = _mm256_fmadd_ps(ch[m], sc, acc[r0 + i][m]);
           }
@@ -439,14 +447,8 @@ struct IQ4XS {
 #pragma GCC unroll 2
         for (int p = 0; p < 2; ++p)
           for (int i = 0; i < P; ++i) {
-            const __m256i q = codes(blk[r0 + i], c, p);
             __m256 ch[MB];
-            for (int m = 0; m < MB; ++m) ch[m] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; ++u) {
-              const __m256 v = code_field<F, 8>(q, 8 * u);
-              for (int m = 0; m < MB; ++m) ch[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xc[m] + ((2 * c + p) * 4 + u) * 8), ch[m]);
-            }
+            byte_code_chain<F, 8>(codes(blk[r0 + i], c, p), xc, 2 * c + p, ch);
             for (int m = 0; m < MB; ++m) acc[r0 + i][m] = _mm256_fmadd_ps(ch[m], sc[i], acc[r0 + i][m]);
           }
       }
