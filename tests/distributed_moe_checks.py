@@ -404,6 +404,39 @@ def check_load_pretrained_moe(rank: int, world: int, mesh) -> dict:
     return out
 
 
+def check_gguf_gpt_oss(rank: int, world: int, mesh) -> dict | None:
+    """A gpt-oss GGUF file (MXFP4 experts with biases, Q8_0 attention; written as llama.cpp's
+    converter writes it, tests/test_interop_gguf_gpt_oss.py) loaded by load_gguf_llama and split by
+    tp_plan, against the same model in one process. Its 2 KV heads split over 2 ranks only."""
+    if world != 2:
+        return None
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from test_interop_gguf_gpt_oss import MXFP4_MIX, gpt_oss_model, write_gpt_oss_gguf
+    from torch_qmm.distributed import parallelize, tp_plan
+    from torch_qmm.interop.gguf import GGUFFile
+    from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
+
+    path = os.path.join(SCRATCH, "gpt-oss.gguf")
+    if rank == 0:
+        write_gpt_oss_gguf(gpt_oss_model(), path, MXFP4_MIX, np.random.default_rng(11))
+    dist.barrier()
+    f = GGUFFile(path)
+    model = AutoModelForCausalLM.from_config(llama_config_from_gguf(f)).eval()
+    load_gguf_llama(model, f, progress=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        want = model(ids).logits
+    whole = copy.deepcopy(model.model.layers[0].mlp.experts)
+    parallelize(model, mesh, tp_plan(model))
+    with torch.no_grad():
+        got = model(ids).logits
+    experts = model.model.layers[0].mlp.experts
+    return {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+            "mode": experts.gate_up_proj.mode, "gate_up_rows": holds_my_rows(experts, whole, rank, world)}
+
+
 CHECKS = {
     "models": check_models,
     "block": check_block,
@@ -412,4 +445,5 @@ CHECKS = {
     "load_mlx": check_load_mlx,
     "load_mlx_lm": check_load_mlx_lm,
     "load_pretrained_moe": check_load_pretrained_moe,
+    "gguf_gpt_oss": check_gguf_gpt_oss,
 }

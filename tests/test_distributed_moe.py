@@ -163,3 +163,16 @@ def test_save_pretrained_moe_folders_load_into_each_ranks_slices(ranks):
                 assert c["reported"] == ("affine b4/8 gs32" if family.endswith("down") else "affine b4 gs32"), (family, c)
             assert c["experts_quantized"] == 2 and c["gate_up_rows"], (family, c)
             assert c["bytes_read"] < c["bytes_total"], (family, c)  # a slice of the experts, not all of them
+
+
+def test_a_gpt_oss_gguf_model_splits_with_its_tp_plan(ranks):
+    # load_gguf_llama's gpt-oss model (mxfp4 experts with biases, rows alternating gate, up) under
+    # tp_plan: each rank holds its rows of every expert tensor, biases included, and the logits
+    # are the one-process model's
+    world, values = _values(ranks, "gguf_gpt_oss")
+    for v in values:
+        if world != 2:
+            assert v is None
+            continue
+        assert v["max_diff"] <= STACK_RTOL * v["scale"], v
+        assert v["mode"] == "mxfp4" and v["gate_up_rows"], v
