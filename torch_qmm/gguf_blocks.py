@@ -37,7 +37,8 @@ BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210, 23: 136}  # Q2_K, Q3_
 # ggml type id -> the bytes of its float16 super-block scales in a block (d, then dmin where it has one).
 F16_SCALE_BYTES = {10: slice(80, 84), 11: slice(108, 110), 12: slice(0, 4), 13: slice(0, 4), 14: slice(208, 210),
                    23: slice(0, 2)}
-# llama.cpp's kvalues_iq4nl: the values IQ4_XS's 4-bit codes index.
+# llama.cpp's kvalues_iq4nl: the values IQ4_XS's (and IQ4_NL's) 4-bit codes index (C++ / Metal:
+# kIQ4Values in metal/gguf_format.h).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 WEIGHTS_PER_BLOCK = 256
 

@@ -418,11 +418,14 @@ struct IQ4XS {
     _mm256_store_ps(sd, _mm256_mul_ps(s, _mm256_set1_ps(F::kScaleFactor)));
     return _mm256_mul_ps(s, _mm256_set1_ps(128.0f));
   }
+  // gguf::kIQ4Values + 128 in both 16-byte lanes (vpshufb looks up within each lane).
+  static constexpr std::array<uint8_t, 32> kTable = [] {
+    std::array<uint8_t, 32> t{};
+    for (int i = 0; i < 32; ++i) t[i] = uint8_t(gguf::kIQ4Values[i % 16] + 128);
+    return t;
+  }();
   __attribute__((always_inline)) static inline __m256i codes(const uint8_t* blk, int c, int p) {
-    const __m256i table = _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, char(129), char(141), char(153), char(166),
-                                           char(181), char(197), char(217), char(241), 1, 24, 45, 63, 79, 93, 106, 118,
-                                           char(129), char(141), char(153), char(166), char(181), char(197), char(217),
-                                           char(241));
+    const __m256i table = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kTable.data()));
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQs + 32 * c));
     const __m256i nibbles = _mm256_and_si256(p == 0 ? q : _mm256_srli_epi32(q, 4), _mm256_set1_epi8(0x0F));
     return _mm256_shuffle_epi8(table, nibbles);

@@ -47,7 +47,7 @@ import torch
 from gguf import quants as gguf_quants
 from gguf.constants import GGMLQuantizationType
 
-from ..gguf_blocks import F16_SCALE_BYTES
+from ..gguf_blocks import F16_SCALE_BYTES, IQ4_VALUES
 from ..nn import QuantLinear
 from .gguf_types import (
     AFFINE_TYPES,
@@ -80,9 +80,8 @@ __all__ = ["GGUFFile", "GGUFTensor", "check_finite", "dequantize", "to_affine", 
            "k_quant_to_affine", "to_fp",
            "to_blocks", "linear_from_gguf"]
 
-# llama.cpp's kvalues_iq4nl: the values IQ4_NL's and IQ4_XS's 4-bit codes index.
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
-_IQ4_CODES8 = (IQ4_VALUES + 128).astype(np.uint8)  # their affine 8-bit codes (value + 128)
+# The affine 8-bit codes (value + 128) of the 16 values IQ4_NL's and IQ4_XS's 4-bit codes index.
+_IQ4_CODES8 = (np.array(IQ4_VALUES, dtype=np.int16) + 128).astype(np.uint8)
 IQ4_XS_BLOCK_BYTES = 136  # f16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles
 Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles
 Q5_K_BLOCK_BYTES = 176  # the same, with 32 bytes of 5th bits (qh) before the nibbles
