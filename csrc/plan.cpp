@@ -300,6 +300,20 @@ const char* format_name(Format f) {
       return "q6_K";
     case Format::kIQ4_XS:
       return "iq4_XS";
+    case Format::kIQ2_XXS:
+      return "iq2_XXS";
+    case Format::kIQ2_XS:
+      return "iq2_XS";
+    case Format::kIQ2_S:
+      return "iq2_S";
+    case Format::kIQ3_XXS:
+      return "iq3_XXS";
+    case Format::kIQ3_S:
+      return "iq3_S";
+    case Format::kIQ1_S:
+      return "iq1_S";
+    case Format::kIQ1_M:
+      return "iq1_M";
   }
   return "?";
 }
@@ -319,6 +333,20 @@ Format format_of(const Problem& p) {
       return Format::kQ6_K;
     case gguf::kTypeIQ4_XS:
       return Format::kIQ4_XS;
+    case gguf::kTypeIQ2_XXS:
+      return Format::kIQ2_XXS;
+    case gguf::kTypeIQ2_XS:
+      return Format::kIQ2_XS;
+    case gguf::kTypeIQ2_S:
+      return Format::kIQ2_S;
+    case gguf::kTypeIQ3_XXS:
+      return Format::kIQ3_XXS;
+    case gguf::kTypeIQ3_S:
+      return Format::kIQ3_S;
+    case gguf::kTypeIQ1_S:
+      return Format::kIQ1_S;
+    case gguf::kTypeIQ1_M:
+      return Format::kIQ1_M;
     default:
       throw std::invalid_argument("torch_qmm plan: no GGUF kernels for ggml_type " + std::to_string(p.ggml_type));
   }

@@ -59,8 +59,12 @@ struct Problem {
 };
 
 // The formats a route row serves: the quantized modes (bit = Mode) and the GGUF types after them.
-enum class Format : int { kAffine, kMxfp4, kNvfp4, kMxfp8, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_XS };
-constexpr int kFormatCount = 10;
+enum class Format : int {
+  kAffine, kMxfp4, kNvfp4, kMxfp8,
+  kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_XS,
+  kIQ2_XXS, kIQ2_XS, kIQ2_S, kIQ3_XXS, kIQ3_S, kIQ1_S, kIQ1_M
+};
+constexpr int kFormatCount = 17;
 using FormatSet = uint32_t;
 constexpr FormatSet bit(Format f) { return FormatSet(1) << int(f); }
 // The quantized modes with Metal kernels (metal/quant.metal instantiates each).
@@ -70,7 +74,8 @@ constexpr FormatSet kQuantModes =
 constexpr bool serves(Mode m) { return (kQuantModes & bit(Format(int(m)))) != 0; }
 constexpr FormatSet kGgufTypes =
     bit(Format::kQ2_K) | bit(Format::kQ3_K) | bit(Format::kQ4_K) | bit(Format::kQ5_K) | bit(Format::kQ6_K) |
-    bit(Format::kIQ4_XS);
+    bit(Format::kIQ4_XS) | bit(Format::kIQ2_XXS) | bit(Format::kIQ2_XS) | bit(Format::kIQ2_S) |
+    bit(Format::kIQ3_XXS) | bit(Format::kIQ3_S) | bit(Format::kIQ1_S) | bit(Format::kIQ1_M);
 
 // How a route's launch grid follows from the problem. Only the two factories make one (no
 // default constructor): every RouteRow states its geometry, checked by the compiler.

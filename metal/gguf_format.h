@@ -1,5 +1,5 @@
-// GGUF K-quant blocks and IQ4_XS's, as llama.cpp writes them (its block_q2_K / q3_K / q4_K / q5_K /
-// q6_K / iq4_xs structs):
+// GGUF K-quant blocks and i-quant blocks, as llama.cpp writes them (its block_q2_K / q3_K / q4_K / q5_K /
+// q6_K / iq4_xs / iq2_xxs / iq2_xs / iq2_s / iq3_xxs / iq3_s / iq1_s / iq1_m structs):
 // one place for host C++
 // (csrc/gguf_format.h forwards here; csrc/cpu/gguf_qmm.cpp, csrc/gguf_validate.cpp) and the Metal
 // kernels (metal/gguf_qmm.h). Compiled by both compilers: Metal sources define TORCH_QMM_METAL
@@ -44,13 +44,20 @@
 //   8 sub-blocks of 32; sub-block j reads qs[16j .. 16j+16): the low nibble of byte l is the code of
 //   weight 32j + l, the high nibble that of 32j + 16 + l (Q4_0's order); a code indexes 16 int8
 //   values (kIQ4Values); w = d * (ls_j - 32) * kIQ4Values[q], ls_j: iq4xs_scale.
+//   The lattice i-quants (IQ1_S 50, IQ1_M 56, IQ2_XXS 66, IQ2_XS 74, IQ2_S 82, IQ3_XXS 98, IQ3_S 110
+//   bytes / 256 weights): 32 groups of 8 weights, each group one entry of a codebook of 8-value
+//   vectors (IQ1, IQ2) or two entries of one of 4-value vectors (IQ3) (metal/gguf_iq_grids.h), with
+//   sign bits (IQ2, IQ3) or an offset of +-1/8 (IQ1), and a scale per 16 or 32 weights; each type's
+//   fields are listed at its Lattice below. w = scale * q, q the group's signed codebook value.
 // Decode order and bit placement follow llama.cpp's dequantize_row_q2_K / q3_K / q4_K / q5_K / q6_K /
-// iq4_xs.
+// iq4_xs / iq2_xxs / iq2_xs / iq2_s / iq3_xxs / iq3_s / iq1_s / iq1_m.
 #pragma once
 
 #ifndef TORCH_QMM_METAL
 #include <cstdint>
 #endif
+
+#include "gguf_iq_grids.h"
 
 namespace torch_qmm {
 namespace gguf {
@@ -67,8 +74,15 @@ enum GGMLType : int {
   kTypeQ4_K = 12,
   kTypeQ5_K = 13,
   kTypeQ6_K = 14,
+  kTypeIQ2_XXS = 16,
+  kTypeIQ2_XS = 17,
+  kTypeIQ3_XXS = 18,
+  kTypeIQ1_S = 19,
   kTypeIQ4_NL = 20,
+  kTypeIQ3_S = 21,
+  kTypeIQ2_S = 22,
   kTypeIQ4_XS = 23,
+  kTypeIQ1_M = 29,
   kTypeMXFP4 = 39
 };
 
@@ -124,6 +138,58 @@ struct BlockIQ4XS {
 };
 static_assert(sizeof(BlockIQ4XS) == 136, "IQ4_XS block must be 136 bytes (ggml block_iq4_xs)");
 
+// The lattice i-quants' blocks (llama.cpp's block_iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s,
+// iq1_m). Every one is a whole number of uint16, so the blocks of a row stay 2-aligned.
+struct BlockIQ2XXS {
+  uint16_t d;              // f16 bits: super-block scale
+  uint16_t qs[kQK_K / 8];  // per 32 weights: 4 codebook-index bytes, then a uint32 of 4 sign indices and a scale
+};
+static_assert(sizeof(BlockIQ2XXS) == 66, "IQ2_XXS block must be 66 bytes (ggml block_iq2_xxs)");
+
+struct BlockIQ2XS {
+  uint16_t d;                  // f16 bits: super-block scale
+  uint16_t qs[kQK_K / 8];      // per group of 8: 9-bit codebook index | 7-bit sign index << 9
+  uint8_t scales[kQK_K / 32];  // 4-bit scales, one per 16 weights (low nibble first)
+};
+static_assert(sizeof(BlockIQ2XS) == 74, "IQ2_XS block must be 74 bytes (ggml block_iq2_xs)");
+
+struct BlockIQ2S {
+  uint16_t d;                  // f16 bits: super-block scale
+  uint8_t qs[kQK_K / 4];       // the 32 codebook indices' low 8 bits, then the 32 groups' sign bytes
+  uint8_t qh[kQK_K / 32];      // the indices' top 2 bits, 4 groups per byte
+  uint8_t scales[kQK_K / 32];  // 4-bit scales, one per 16 weights (low nibble first)
+};
+static_assert(sizeof(BlockIQ2S) == 82, "IQ2_S block must be 82 bytes (ggml block_iq2_s)");
+
+struct BlockIQ3XXS {
+  uint16_t d;                 // f16 bits: super-block scale
+  uint8_t qs[3 * kQK_K / 8];  // 64 codebook indices (4 weights each), then per 32 weights a uint32 of signs and scale
+};
+static_assert(sizeof(BlockIQ3XXS) == 98, "IQ3_XXS block must be 98 bytes (ggml block_iq3_xxs)");
+
+struct BlockIQ3S {
+  uint16_t d;                  // f16 bits: super-block scale
+  uint8_t qs[kQK_K / 4];       // the 64 codebook indices' low 8 bits (4 weights each)
+  uint8_t qh[kQK_K / 32];      // their 9th bits, bit i % 8 of byte i / 8
+  uint8_t signs[kQK_K / 8];    // one sign byte per group of 8 weights
+  uint8_t scales[kQK_K / 64];  // 4-bit scales, one per 32 weights (low nibble first)
+};
+static_assert(sizeof(BlockIQ3S) == 110, "IQ3_S block must be 110 bytes (ggml block_iq3_s)");
+
+struct BlockIQ1S {
+  uint16_t d;               // f16 bits: super-block scale
+  uint8_t qs[kQK_K / 8];    // the 32 codebook indices' low 8 bits
+  uint16_t qh[kQK_K / 32];  // per 32 weights: 4 x 3 index bits, a 3-bit scale, the offset's sign
+};
+static_assert(sizeof(BlockIQ1S) == 50, "IQ1_S block must be 50 bytes (ggml block_iq1_s)");
+
+struct BlockIQ1M {
+  uint8_t qs[kQK_K / 8];       // the 32 codebook indices' low 8 bits
+  uint8_t qh[kQK_K / 16];      // per group a nibble: 3 index bits, the offset's sign (low nibble first)
+  uint8_t scales[kQK_K / 32];  // 4 uint16 of 3-bit scales (one per 16 weights); their top nibbles are d
+};
+static_assert(sizeof(BlockIQ1M) == 56, "IQ1_M block must be 56 bytes (ggml block_iq1_m)");
+
 // The values IQ4_XS's (and IQ4_NL's) 4-bit codes index (llama.cpp's kvalues_iq4nl).
 // Internal linkage (static) in both languages: every translation unit (Metal source) has its own.
 #ifdef TORCH_QMM_METAL
@@ -143,6 +209,13 @@ inline int64_t block_bytes(int64_t t) {
     case kTypeQ5_K: return int64_t(sizeof(BlockQ5K));
     case kTypeQ6_K: return int64_t(sizeof(BlockQ6K));
     case kTypeIQ4_XS: return int64_t(sizeof(BlockIQ4XS));
+    case kTypeIQ2_XXS: return int64_t(sizeof(BlockIQ2XXS));
+    case kTypeIQ2_XS: return int64_t(sizeof(BlockIQ2XS));
+    case kTypeIQ2_S: return int64_t(sizeof(BlockIQ2S));
+    case kTypeIQ3_XXS: return int64_t(sizeof(BlockIQ3XXS));
+    case kTypeIQ3_S: return int64_t(sizeof(BlockIQ3S));
+    case kTypeIQ1_S: return int64_t(sizeof(BlockIQ1S));
+    case kTypeIQ1_M: return int64_t(sizeof(BlockIQ1M));
     default: return 0;
   }
 }
@@ -151,7 +224,8 @@ inline bool is_native_gguf_type(int64_t t) { return block_bytes(t) != 0; }
 
 // For messages: the native types as "id (name)".
 inline const char* native_gguf_types() {
-  return "10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K), 23 (IQ4_XS)";
+  return "10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K), 16 (IQ2_XXS), 17 (IQ2_XS), 18 (IQ3_XXS), "
+         "19 (IQ1_S), 21 (IQ3_S), 22 (IQ2_S), 23 (IQ4_XS), 29 (IQ1_M)";
 }
 #endif
 
@@ -194,6 +268,180 @@ inline int iq4xs_scale(int j, Bytes scales_l, unsigned scales_h) {
   const int high = (scales_h >> (2 * j)) & 3;
   return (low | (high << 4)) - 32;
 }
+
+// ---- The lattice i-quants: one group of 8 weights at a time --------------------------------------
+// Lattice<type>::run(b, r, d) decodes group r (0..31: weights 8r .. 8r + 8) of block b (a pointer to
+// the block struct in any address space) given d, the super-block scale as a float (the f16 bits
+// Lattice<type>::d_bits(b)): the weights are scale * q[i], each exact in float32 (an f16 times an
+// integer of at most 5 bits times a codebook value of at most 6 bits, IQ1's offset included).
+// The CPU decoder (csrc/cpu/gguf_qmm.cpp), the Metal slices (metal/gguf_qmm.h) and the mma loader
+// (metal/gguf_mma.h) all decode through these.
+struct Group8 {
+  float q[8];
+  float scale;
+};
+
+// The sign byte of a 7-bit sign index: bit 7 makes the number of set bits even (llama.cpp's
+// ksigns_iq2xs table; IQ2_XXS, IQ2_XS and IQ3_XXS store 7 of the 8 signs of a group).
+inline uint32_t even_sign_byte(uint32_t index7) {
+  uint32_t p = index7 ^ (index7 >> 4);
+  p ^= p >> 2;
+  p ^= p >> 1;
+  return index7 | ((p & 1u) << 7);
+}
+
+// A group from an 8-value codebook entry (byte i the magnitude of weight i), weight i negated where
+// bit i of `signs` is set.
+inline Group8 signed_group(uint64_t entry, uint32_t signs, float scale) {
+  Group8 g;
+  for (int i = 0; i < 8; ++i) {
+    const float v = float(uint32_t(entry >> (8 * i)) & 0xffu);
+    g.q[i] = ((signs >> i) & 1u) != 0 ? -v : v;
+  }
+  g.scale = scale;
+  return g;
+}
+
+// The same from two 4-value entries (IQ3): the bytes of `lo` are weights 0..3, of `hi` 4..7.
+inline Group8 signed_group(uint32_t lo, uint32_t hi, uint32_t signs, float scale) {
+  return signed_group(uint64_t(lo) | (uint64_t(hi) << 32), signs, scale);
+}
+
+// A group of IQ1: byte i of a kIQ1SGrid entry (int8 -1, 0, 1) plus the offset +-1/8.
+inline Group8 offset_group(uint64_t entry, bool negative_offset, float scale) {
+  Group8 g;
+  const float delta = negative_offset ? -0.125f : 0.125f;
+  for (int i = 0; i < 8; ++i) g.q[i] = float(int(int8_t(uint8_t(entry >> (8 * i))))) + delta;
+  g.scale = scale;
+  return g;
+}
+
+template <int type>
+struct Lattice;
+
+// IQ2_XXS: sub-block j (32 weights) is qs[4j .. 4j + 4): its bytes 0..3 index kIQ2XXSGrid for groups
+// 4j .. 4j + 3; the uint32 qs[4j + 2] | qs[4j + 3] << 16 holds the groups' 7-bit sign indices
+// (bits 7l ..) and the scale l_j (bits 28-31): scale d * (0.5 + l_j) / 4.
+template <>
+struct Lattice<kTypeIQ2_XXS> {
+  typedef BlockIQ2XXS Block;
+  template <typename B>
+  static uint32_t d_bits(B b) { return b->d; }
+  template <typename B>
+  static Group8 run(B b, int r, float d) {
+    const int j = r >> 2, l = r & 3;
+    const uint32_t index = (uint32_t(b->qs[4 * j + (l >> 1)]) >> (8 * (l & 1))) & 0xffu;
+    const uint32_t aux = uint32_t(b->qs[4 * j + 2]) | (uint32_t(b->qs[4 * j + 3]) << 16);
+    return signed_group(kIQ2XXSGrid[index], even_sign_byte((aux >> (7 * l)) & 127u),
+                        d * (0.5f + float(aux >> 28)) * 0.25f);
+  }
+};
+
+// IQ2_XS: group r is qs[r]: a 9-bit index into kIQ2XSGrid and a 7-bit sign index (bits 9-15); the
+// scale of weights 16s .. 16s + 16 is d * (0.5 + l_s) / 4, l_s nibble s % 2 of scales[s / 2].
+template <>
+struct Lattice<kTypeIQ2_XS> {
+  typedef BlockIQ2XS Block;
+  template <typename B>
+  static uint32_t d_bits(B b) { return b->d; }
+  template <typename B>
+  static Group8 run(B b, int r, float d) {
+    const uint32_t v = b->qs[r];
+    const uint32_t l = (uint32_t(b->scales[r >> 2]) >> (4 * ((r >> 1) & 1))) & 0xfu;
+    return signed_group(kIQ2XSGrid[v & 511u], even_sign_byte(v >> 9), d * (0.5f + float(l)) * 0.25f);
+  }
+};
+
+// IQ2_S: group r's 10-bit index into kIQ2SGrid is qs[r] with bits 2(r % 4), 2(r % 4) + 1 of
+// qh[r / 4] on top; its 8 sign bits are qs[32 + r]; scales as IQ2_XS's.
+template <>
+struct Lattice<kTypeIQ2_S> {
+  typedef BlockIQ2S Block;
+  template <typename B>
+  static uint32_t d_bits(B b) { return b->d; }
+  template <typename B>
+  static Group8 run(B b, int r, float d) {
+    const uint32_t index = uint32_t(b->qs[r]) | (((uint32_t(b->qh[r >> 2]) >> (2 * (r & 3))) & 3u) << 8);
+    const uint32_t l = (uint32_t(b->scales[r >> 2]) >> (4 * ((r >> 1) & 1))) & 0xfu;
+    return signed_group(kIQ2SGrid[index], b->qs[32 + r], d * (0.5f + float(l)) * 0.25f);
+  }
+};
+
+// IQ3_XXS: group r is entries qs[2r], qs[2r + 1] of kIQ3XXSGrid (4 weights each); sub-block j's
+// little-endian uint32 at qs[64 + 4j] holds the 7-bit sign indices of its 4 groups (bits 7l ..)
+// and the scale l_j (bits 28-31): scale d * (0.5 + l_j) / 2.
+template <>
+struct Lattice<kTypeIQ3_XXS> {
+  typedef BlockIQ3XXS Block;
+  template <typename B>
+  static uint32_t d_bits(B b) { return b->d; }
+  template <typename B>
+  static Group8 run(B b, int r, float d) {
+    const int j = r >> 2, l = r & 3;
+    const uint32_t aux = uint32_t(b->qs[64 + 4 * j]) | (uint32_t(b->qs[64 + 4 * j + 1]) << 8) |
+                         (uint32_t(b->qs[64 + 4 * j + 2]) << 16) | (uint32_t(b->qs[64 + 4 * j + 3]) << 24);
+    return signed_group(kIQ3XXSGrid[b->qs[2 * r]], kIQ3XXSGrid[b->qs[2 * r + 1]],
+                        even_sign_byte((aux >> (7 * l)) & 127u), d * (0.5f + float(aux >> 28)) * 0.5f);
+  }
+};
+
+// IQ3_S: entry i (0..63, 4 weights) of kIQ3SGrid is qs[i] | (bit i % 8 of qh[i / 8]) << 8; group r
+// is entries 2r, 2r + 1, its sign bits signs[r]; the scale of sub-block j (32 weights) is
+// d * (1 + 2 l_j), l_j nibble j % 2 of scales[j / 2].
+template <>
+struct Lattice<kTypeIQ3_S> {
+  typedef BlockIQ3S Block;
+  template <typename B>
+  static uint32_t d_bits(B b) { return b->d; }
+  template <typename B>
+  static Group8 run(B b, int r, float d) {
+    const uint32_t high = uint32_t(b->qh[r >> 2]) >> (2 * (r & 3));
+    const uint32_t lo = uint32_t(b->qs[2 * r]) | ((high & 1u) << 8);
+    const uint32_t hi = uint32_t(b->qs[2 * r + 1]) | (((high >> 1) & 1u) << 8);
+    const uint32_t l = (uint32_t(b->scales[r >> 3]) >> (4 * ((r >> 2) & 1))) & 0xfu;
+    return signed_group(kIQ3SGrid[lo], kIQ3SGrid[hi], b->signs[r], d * float(1 + 2 * int(l)));
+  }
+};
+
+// IQ1_S: sub-block j (32 weights) has qh[j]: bits 3l .. 3l + 2 are the top of group 4j + l's 11-bit
+// index into kIQ1SGrid (qs[4j + l] the low 8), bits 12-14 the scale l_j (d * (2 l_j + 1)), bit 15
+// the offset's sign.
+template <>
+struct Lattice<kTypeIQ1_S> {
+  typedef BlockIQ1S Block;
+  template <typename B>
+  static uint32_t d_bits(B b) { return b->d; }
+  template <typename B>
+  static Group8 run(B b, int r, float d) {
+    const uint32_t h = b->qh[r >> 2];
+    const uint32_t index = uint32_t(b->qs[r]) | (((h >> (3 * (r & 3))) & 7u) << 8);
+    return offset_group(kIQ1SGrid[index], (h & 0x8000u) != 0, d * float(2 * int((h >> 12) & 7u) + 1));
+  }
+};
+
+// IQ1_M: group r's nibble of qh[r / 2] (the low one for even r) holds the top 3 bits of its index
+// into kIQ1SGrid and the offset's sign (bit 3); the scale of weights 16s .. 16s + 16 is
+// d * (2 l_s + 1), l_s bits 3(s % 4) .. +2 of the little-endian uint16 at scales[2(s / 4)]; d's f16
+// bits are the top nibbles of those four uint16, the first one lowest.
+template <>
+struct Lattice<kTypeIQ1_M> {
+  typedef BlockIQ1M Block;
+  template <typename B>
+  static uint32_t d_bits(B b) {
+    uint32_t bits = 0;
+    for (int u = 0; u < 4; ++u) bits |= (uint32_t(b->scales[2 * u + 1]) >> 4) << (4 * u);
+    return bits;
+  }
+  template <typename B>
+  static Group8 run(B b, int r, float d) {
+    const uint32_t nib = (uint32_t(b->qh[r >> 1]) >> (4 * (r & 1))) & 0xfu;
+    const uint32_t index = uint32_t(b->qs[r]) | ((nib & 7u) << 8);
+    const int s = r >> 1;
+    const uint32_t word = uint32_t(b->scales[2 * (s >> 2)]) | (uint32_t(b->scales[2 * (s >> 2) + 1]) << 8);
+    const uint32_t l = (word >> (3 * (s & 3))) & 7u;
+    return offset_group(kIQ1SGrid[index], (nib & 8u) != 0, d * float(2 * int(l) + 1));
+  }
+};
 
 }  // namespace gguf
 }  // namespace torch_qmm

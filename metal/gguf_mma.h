@@ -1,6 +1,6 @@
 // gguf_qmm_mma32_{dtype}_{type}: y = x @ W.T for large M on the shared simdgroup-matrix tile
 // (metal/mma_tile.h: x staging, 8x8 multiply-accumulate, bounded store; after MLX's
-// QuantizedBlockLoader + BlockMMA), W given as GGUF K-quant or IQ4_XS blocks (metal/gguf_format.h).
+// QuantizedBlockLoader + BlockMMA), W given as GGUF K-quant or i-quant blocks (metal/gguf_format.h).
 // This file holds only their W loader: a unit is 8 consecutive weights of one super-block, which
 // always share one sub-block scale (and min):
 //
@@ -14,6 +14,7 @@
 //         of sub-block 8h + 2t + l/16
 //   IQ4_XS: k % 256 = 32j + 16*nib + 8u -> qs[16j + 8u .. +8) (two uint32), low (nib 0) or high
 //         nibbles, values kIQ4Values[code], scale d * (l_j - 32) of sub-block j
+//   lattice i-quants: k % 256 = 8r -> group r (gguf::Lattice<type>::run)
 //
 //   blocks uint8 [N, K/256 * B]   x [M, K]   y [M, N]
 //   tile: 32 rows of x x 32 columns of y, K-steps of 32 (K % 256 == 0: the K mask never fires)
@@ -120,6 +121,28 @@ inline void gguf_decode8<torch_qmm::gguf::kTypeIQ4_XS>(const device uint8_t* raw
       w[4 * h + i] = s * float(torch_qmm::gguf::kIQ4Values[(v >> (8 * i + 4 * nib)) & 0xfu]);
   }
 }
+
+template <int type>
+inline void lattice_decode8(const device uint8_t* raw, uint k, thread float* w) {
+  typedef torch_qmm::gguf::Lattice<type> L;
+  const device typename L::Block* b = (const device typename L::Block*)raw;
+  const torch_qmm::gguf::Group8 g = L::run(b, int(k / 8), float(as_type<half>(ushort(L::d_bits(b)))));
+  for (int i = 0; i < 8; ++i) w[i] = g.scale * g.q[i];
+}
+
+#define GGUF_LATTICE_DECODE8(type_id)                                                                 \
+  template <>                                                                                         \
+  inline void gguf_decode8<type_id>(const device uint8_t* raw, uint k, thread float* w) {             \
+    lattice_decode8<type_id>(raw, k, w);                                                              \
+  }
+
+GGUF_LATTICE_DECODE8(torch_qmm::gguf::kTypeIQ2_XXS)
+GGUF_LATTICE_DECODE8(torch_qmm::gguf::kTypeIQ2_XS)
+GGUF_LATTICE_DECODE8(torch_qmm::gguf::kTypeIQ2_S)
+GGUF_LATTICE_DECODE8(torch_qmm::gguf::kTypeIQ3_XXS)
+GGUF_LATTICE_DECODE8(torch_qmm::gguf::kTypeIQ3_S)
+GGUF_LATTICE_DECODE8(torch_qmm::gguf::kTypeIQ1_S)
+GGUF_LATTICE_DECODE8(torch_qmm::gguf::kTypeIQ1_M)
 
 template <int type>
 struct GGUFWLoader {

@@ -32,7 +32,7 @@ struct GGUFParams {
 // ---- Geometry ------------------------------------------------------------------------------
 // Every gguf kernel (qmv and the small-M bm2/4/8) uses one thread mapping: 2 SIMD-groups x 4 W
 // rows = 8 columns of y per threadgroup; the lanes of a SIMD-group split into teams of
-// 8 (Q4_K, Q5_K, IQ4_XS) or 16 (Q2_K, Q3_K, Q6_K) lanes, each team walking its own super-blocks
+// 8 (Q4_K, Q5_K, the i-quants) or 16 (Q2_K, Q3_K, Q6_K) lanes, each team walking its own super-blocks
 // (metal/gguf_qmm.h).
 enum GGUFGeometry : int {
   GGUF_SIMDGROUPS = 2,

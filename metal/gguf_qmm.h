@@ -1,8 +1,10 @@
 // gguf_qmv / gguf_qmm: y[M, N] = x[M, K] @ W.T with W [N, K] given as GGUF K-quant blocks (Q2_K,
-// Q3_K, Q4_K, Q5_K, Q6_K) or IQ4_XS blocks (layouts in metal/gguf_format.h), decoded in-kernel from
-// the file's bytes; float32 accumulation; x, y in float / half / bfloat.
+// Q3_K, Q4_K, Q5_K, Q6_K) or i-quant blocks (IQ4_XS; the lattice types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
+// IQ2_S, IQ3_XXS, IQ3_S) (layouts in metal/gguf_format.h), decoded in-kernel from the file's bytes;
+// float32 accumulation; x, y in float / half / bfloat.
 //
-//   blocks uint8 [N, K/256 * B] (B = 84 Q2_K, 110 Q3_K, 144 Q4_K, 176 Q5_K, 210 Q6_K, 136 IQ4_XS)
+//   blocks uint8 [N, K/256 * B] (B = 84 Q2_K, 110 Q3_K, 144 Q4_K, 176 Q5_K, 210 Q6_K, 136 IQ4_XS,
+//                                50 IQ1_S, 56 IQ1_M, 66 IQ2_XXS, 74 IQ2_XS, 82 IQ2_S, 98 IQ3_XXS, 110 IQ3_S)
 //   x [M, K]   y [M, N]   K % 256 == 0
 //
 //   grid (ceil(N/8), ceil(M/R)); threadgroup = 2 SIMD-groups x 32 lanes
@@ -19,6 +21,9 @@
 //                   32s + 8j .. +8 for j = 0..3 (the low (j < 2) or high (j >= 2) nibbles of
 //                   qs[16s + 8*(j%2) .. +8); one scale for the 4 runs, d * (l_s - 32), no min;
 //                   the codes' values from kIQ4Values)
+//     lattice i-quants, L = 8: slot s owns sub-block s, its 4 groups of 8 weights 32s + 8j .. +8
+//                   (j = 0..3; gguf::Lattice decodes a group: codebook entry, signs or offset,
+//                   scale; no min)
 //   per super-block and W row: decode the lane's runs once (codes as floats, a scale and a min
 //   per run), then for each of the R rows of x: acc[m][r] += scale * dot(q, x) - min * sum(x)
 //   (weight by weight where that is not finite: run_dot)
@@ -27,7 +32,9 @@
 // Design credits: the lane/block interleaving and the per-run "scale * dot - min * sum(x)"
 // factoring follow llama.cpp's kernel_mul_mv_{q2_K, q3_K, q4_K, q5_K, q6_K}_f32 (ggml-metal), the
 // IQ4_XS sub-block's "scale * dot(value, x)" its kernel_mul_mv_iq4_xs_f32 (which splits a
-// sub-block over two lanes of 16-lane teams; here one lane takes it whole);
+// sub-block over two lanes of 16-lane teams; here one lane takes it whole), as do the lattice
+// types' groups its kernel_mul_mv_iq2_xxs_f32 and siblings (which copy the codebooks to threadgroup
+// memory; here they are read from constant memory);
 // reusing one decode for R rows of x is the small-M design of metal/quant_qmm_small.h.
 // Bounds: rows of W past N and rows of x past M are skipped uniformly per SIMD-group; teams
 // whose next super-block is past K/256 stop (no collective inside the loop).
@@ -35,7 +42,8 @@
 // block), Q5_K as uint32 (qs runs at 48 + 32c + 8ir, qh[8ir ..) at 16 + 8ir bytes of a 176-byte
 // block), Q2_K as uint32 (qs[32h + l0 ..) at byte 16 + 32h + l0 of an 84-byte block), Q3_K and
 // Q6_K as uint16 (110- and 210-byte blocks are 2-aligned), IQ4_XS as uint32 (qs[16s ..) at byte
-// 8 + 16s of a 136-byte block; d and scales_h as uint16 at bytes 0 and 2); the executors bind
+// 8 + 16s of a 136-byte block; d and scales_h as uint16 at bytes 0 and 2), the lattice types as
+// their structs' uint8 / uint16 fields (every block a whole number of uint16); the executors bind
 // `blocks` at a 4-byte-aligned offset.
 #pragma once
 
@@ -271,6 +279,47 @@ struct GGUFSlice<torch_qmm::gguf::kTypeIQ4_XS> {
     }
   }
 };
+
+// The lattice i-quants: slot s decodes sub-block s, its groups 4s .. 4s + 3 (gguf::Lattice<type>::run;
+// each group one run). The types' slices derive from this one.
+template <int type>
+struct LatticeSlice {
+  typedef torch_qmm::gguf::Lattice<type> L;
+  typedef typename L::Block Block;
+  enum : int { LANES = 8, RUNS = 4, RUN = 8, HAS_MIN = 0, BYTES = sizeof(Block) };
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];  // unused (the groups' values are signed or offset already)
+
+  static uint offset(uint slot, int j) { return 32 * slot + 8 * uint(j); }
+
+  void decode(const device uint8_t* raw, uint slot) {
+    const device Block* b = (const device Block*)raw;
+    const float d = float(as_type<half>(ushort(L::d_bits(b))));
+    for (int j = 0; j < RUNS; ++j) {
+      const torch_qmm::gguf::Group8 g = L::run(b, int(4 * slot) + j, d);
+      for (int i = 0; i < RUN; ++i) q[j][i] = g.q[i];
+      scale[j] = g.scale;
+      min[j] = 0.0f;
+    }
+  }
+};
+
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeIQ2_XXS> : LatticeSlice<torch_qmm::gguf::kTypeIQ2_XXS> {};
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeIQ2_XS> : LatticeSlice<torch_qmm::gguf::kTypeIQ2_XS> {};
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeIQ2_S> : LatticeSlice<torch_qmm::gguf::kTypeIQ2_S> {};
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeIQ3_XXS> : LatticeSlice<torch_qmm::gguf::kTypeIQ3_XXS> {};
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeIQ3_S> : LatticeSlice<torch_qmm::gguf::kTypeIQ3_S> {};
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeIQ1_S> : LatticeSlice<torch_qmm::gguf::kTypeIQ1_S> {};
+template <>
+struct GGUFSlice<torch_qmm::gguf::kTypeIQ1_M> : LatticeSlice<torch_qmm::gguf::kTypeIQ1_M> {};
 
 // scale * dot - min * xsum for run j of a decoded slice (dot = sum q*x, xsum = sum x over the
 // run's x values xv). Where that is not finite (Inf/NaN in x or a scale, or an overflow), the

@@ -5,7 +5,7 @@
 //     prefix: the format family: affine, mxfp4, nvfp4, mxfp8 (the quantized modes), gguf
 //     kernel: the routing-table row's kernel, e.g. qmv_fast, qmm_t_bm4, qmm_mma32
 //     dtype : float, float16_t, bfloat16_t
-//     cell  : gs_{G}_b_{B} (KERNEL_CELL) for the quantized modes, the GGUF type (q2_K, q3_K, q4_K, q5_K, q6_K, iq4_XS)
+//     cell  : gs_{G}_b_{B} (KERNEL_CELL) for the quantized modes, the GGUF type (q2_K, q3_K, q4_K, q5_K, q6_K, iq4_XS, iq2_XXS, iq2_XS, iq2_S, iq3_XXS, iq3_S, iq1_S, iq1_M)
 //
 //   e.g. affine_qmv_fast_float16_t_gs_64_b_4, mxfp4_qmm_t_mma32_bfloat16_t_gs_32_b_4,
 //        gguf_qmm_bm8_float16_t_q6_K

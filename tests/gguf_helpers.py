@@ -1,7 +1,8 @@
-"""Test data for GGUF: valid random K-quant (and IQ4_XS) blocks and GGUF files written with gguf.GGUFWriter.
+"""Test data for GGUF: valid random K-quant (and i-quant) blocks and GGUF files written with gguf.GGUFWriter.
 
-gguf-py cannot quantize to Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS, so their blocks are random bytes with
-realistic f16 super-block scales: every byte pattern is a valid block, and gguf.quants.dequantize decodes it.
+gguf-py cannot quantize to Q2_K / Q3_K / Q4_K / Q5_K / Q6_K or the i-quants, so their blocks are random bytes
+with realistic f16 super-block scales: every byte pattern is a valid block, and gguf.quants.dequantize decodes
+it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 Q4_K, Q5_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K
 Q2_K, Q3_K = GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K
 IQ4_XS = GGMLQuantizationType.IQ4_XS
+IQ1_S, IQ1_M = GGMLQuantizationType.IQ1_S, GGMLQuantizationType.IQ1_M
+IQ2_XXS, IQ2_XS, IQ2_S = GGMLQuantizationType.IQ2_XXS, GGMLQuantizationType.IQ2_XS, GGMLQuantizationType.IQ2_S
+IQ3_XXS, IQ3_S = GGMLQuantizationType.IQ3_XXS, GGMLQuantizationType.IQ3_S
+# The i-quants whose groups of 8 weights are codebook entries.
+LATTICE_TYPES = (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S)
 # The types gguf_qmm multiplies natively (torch_qmm.interop.gguf_types.NATIVE_TYPES, listed here
 # independently; tests/test_gguf_qmm.py compares).
-NATIVE_K_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
-# Those with a zero weight in every sub-block (one_hot_k_blocks): IQ4_XS's 16 values have no 0.
+NATIVE_K_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) + LATTICE_TYPES
+# Those with a zero weight in every sub-block (one_hot_k_blocks): IQ4_XS's 16 values and the
+# lattice codebooks (IQ2 / IQ3 magnitudes >= 1, IQ1's values +-1/8 off -1, 0, 1) have no 0.
 ONE_HOT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 
 
@@ -39,10 +46,26 @@ def random_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.n
         blocks[..., 108:110] = rng.uniform(1e-3, 2e-2, (n, k // 256, 1)).astype("<f2").view(np.uint8)
     elif ggml_type == IQ4_XS:  # d at bytes 0..1, normal float16 (times (l - 32) * value: up to 32 * 127)
         blocks[..., 0:2] = rng.uniform(6.2e-5, 1.5e-4, (n, k // 256, 1)).astype("<f2").view(np.uint8)
+    elif ggml_type in LATTICE_TYPES:  # d times a scale up to 31 times a codebook value up to 62
+        set_lattice_d(blocks, ggml_type, rng.uniform(6.2e-5, 4e-4, (n, k // 256)))
     else:
         raise ValueError(f"no random generator for {ggml_type.name}")
     return blocks.reshape(n, -1)
 
+
+
+def set_lattice_d(blocks: np.ndarray, ggml_type, d) -> None:
+    """Writes the f16 super-block scales d [n, sb] into lattice i-quant blocks uint8 [n, sb, bytes]:
+    bytes 0..1, or for IQ1_M the top nibbles of its 4 scale uint16 (bytes 49, 51, 53, 55), lowest
+    nibble first."""
+    bits = np.asarray(d, dtype="<f2")
+    if GGMLQuantizationType(ggml_type) != IQ1_M:
+        blocks[..., 0:2] = bits[..., None].view(np.uint8)
+        return
+    bits = bits.view(np.uint16).astype(np.int64)
+    for u in range(4):
+        byte = blocks[..., 49 + 2 * u]
+        blocks[..., 49 + 2 * u] = (byte & 0x0F) | (((bits >> (4 * u)) & 0xF) << 4)
 
 
 def random_iq4_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -69,7 +92,11 @@ def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.nd
     mins: w = (4 sc q - m) / 64, |w| <= 180 / 64. Q3_K: d = 2^-4, any 6-bit scales: w = sc (q - 4) / 16,
     |w| <= 128 / 16. Q5_K: as Q4_K (scales and mins 0..15), any fifth bits: |w| <= 1860 / 64.
     IQ4_XS: d = 2^-4, sub-block scales l - 32 in -4..3 (l = 28..35, both values of the high bits
-    scales_h that give them): w = (l - 32) value / 16, |w| <= 508 / 16."""
+    scales_h that give them): w = (l - 32) value / 16, |w| <= 508 / 16. The lattice i-quants: d = 2^-4,
+    random codebook indices and signs; IQ2: 4-bit scales l in 0..3, w = (2l + 1) g / 128, |w| <= 7 * 43
+    / 128; IQ3_XXS: l in 0..1, w = (2l + 1) g / 64, |w| <= 3 * 62 / 64; IQ3_S: l in 0..3, w = (2l + 1) g
+    / 16, |w| <= 7 * 15 / 16; IQ1_S / IQ1_M: any 3-bit l, w = (2l + 1)(g +- 1/8) / 16, |w| <= 15 * 9 / 128.
+    With exact_x and K <= 768 every partial sum stays below 2^24 units."""
     ggml_type = GGMLQuantizationType(ggml_type)
     blocks = random_k_blocks(ggml_type, n, k, rng).reshape(n, k // 256, -1)
     if ggml_type in (Q4_K, Q5_K):
@@ -81,6 +108,18 @@ def exact_k_blocks(ggml_type, n: int, k: int, rng: np.random.Generator) -> np.nd
         blocks[..., 82:84] = np.array([2.0**-6], "<f2").view(np.uint8)
     elif ggml_type == Q3_K:
         blocks[..., 108:110] = np.array([2.0**-4], "<f2").view(np.uint8)
+    elif ggml_type in LATTICE_TYPES:
+        set_lattice_d(blocks, ggml_type, np.full(blocks.shape[:2], 2.0**-4))
+        if ggml_type == IQ2_XXS:  # the scale: the top nibble of each sub-block's second uint32
+            blocks[..., 9::8] &= 0x3F
+        elif ggml_type == IQ2_XS:
+            blocks[..., 66:74] &= 0x33
+        elif ggml_type == IQ2_S:
+            blocks[..., 74:82] &= 0x33
+        elif ggml_type == IQ3_XXS:  # the top nibble of the uint32 at 66 + 4j
+            blocks[..., 69::4] &= 0x1F
+        elif ggml_type == IQ3_S:
+            blocks[..., 106:110] &= 0x33
     elif ggml_type == IQ4_XS:
         blocks[..., 0:2] = np.array([2.0**-4], "<f2").view(np.uint8)
         ls = rng.integers(28, 36, size=(n, k // 256, 8))
@@ -217,6 +256,8 @@ def k_quant_terms(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray
         cut[..., 0:192 if ggml_type == Q6_K else 96] = 0  # every code 0: w = -32*d*sc (Q3_K: -4*d*sc)
         offset = -quants.dequantize(cut.reshape(blocks.shape), ggml_type).astype(np.float64)
         return w + offset, offset
+    if ggml_type in LATTICE_TYPES:  # w = scale * q: no offset
+        return w, np.zeros_like(w)
     if ggml_type == IQ4_XS:
         cut[..., 8:] = 0  # every code 0, value -127: w = -127*d*(l - 32)
         offset = -quants.dequantize(cut.reshape(blocks.shape), ggml_type).astype(np.float64) * 128 / 127
@@ -302,6 +343,8 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True, x_in_
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
     avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
     sub_range = x_in_range if x_in_subnormal_range is None else x_in_subnormal_range
+    if ggml_type in LATTICE_TYPES:  # no chunk kernels
+        return "fused" if m < 16 else "gemm"
     if ggml_type in (Q2_K, Q3_K, Q5_K, IQ4_XS):  # AVX2 chunk kernels only
         return gguf_avx2_name(ggml_type, m, sub_range) if avx2 else "fused" if m < 16 else "gemm"
     if gguf_bf16_panel_serves(terms, m, x_in_range):

@@ -258,7 +258,8 @@ def test_q4_k_to_affine_refuses_non_finite_and_overflowing_scales():
 
 
 def test_gguf_linear_refuses_a_type_it_does_not_run():
-    with pytest.raises(ValueError, match=r"argument 'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), got 8 \(Q8_0\)"):
+    with pytest.raises(ValueError, match=r"argument 'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), "
+                                         r"16 \(IQ2_XXS\), .*, 23 \(IQ4_XS\), 29 \(IQ1_M\), got 8 \(Q8_0\)"):
         GGUFLinear(256, 4, 8)
     with pytest.raises(ValueError, match=r"argument 'in_features' must be a multiple of 256, got 320"):
         GGUFLinear(320, 4, 14)

@@ -72,7 +72,7 @@ def test_gguf_gather_int8_activations_take_gguf_matmuls_int8_path():
     (dict(indices=torch.tensor([0, -1])), r"argument 'indices' must be in \[0, 5\).*got -1"),
     (dict(indices=torch.tensor([0.0, 1.0])), r"argument 'indices' must be an integer tensor, got torch.float32"),
     (dict(indices=torch.tensor([0, 1, 2])), r"argument 'indices' of shape \[3\] does not broadcast with x's batch dims \[2\]"),
-    (dict(ggml_type=8), r"argument 'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), got 8"),
+    (dict(ggml_type=8), r"argument 'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 16 \(IQ2_XXS\), .*, 29 \(IQ1_M\), got 8"),
     (dict(K=100, x=torch.randn(2, 1, 100)), r"gguf_gather_matmul: argument 'K' must be a multiple of 256, got 100"),
     (dict(N=8), r"argument 'blocks' must be uint8 \[E, N=8, 288\] \(Q4_K blocks of K=512\), got torch.uint8 \[5, 9, 288\]"),
     (dict(x=torch.randn(2, 1, 256)), r"argument 'x' must be a float tensor \[..., M, K=512\], got torch.float32 \[2, 1, 256\]"),

@@ -29,7 +29,7 @@ def _case(ggml_type, n, k, seed=0):
 
 
 def test_block_geometry_agrees_with_gguf_package():
-    assert NATIVE_TYPES == tuple(int(t) for t in NATIVE_K_TYPES)
+    assert NATIVE_TYPES == tuple(sorted(int(t) for t in NATIVE_K_TYPES))
     for t in NATIVE_K_TYPES:
         assert block_info(int(t)) == GGML_QUANT_SIZES[t]
 
@@ -84,10 +84,11 @@ def test_gguf_qmm_opcheck_and_compile():
 
 def test_unsupported_ggml_type_lists_the_supported_ones():
     blocks, _ = _case(Q4_K, 3, 256)
-    with pytest.raises(ValueError, match=r"'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), "
-                                         r"23 \(IQ4_XS\), "
-                                         r"got 16"):
-        gguf_matmul(torch.randn(1, 256), blocks, 16, 3, 256)
+    with pytest.raises(ValueError, match=r"'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 16 \(IQ2_XXS\), "
+                                         r"17 \(IQ2_XS\), 18 \(IQ3_XXS\), 19 \(IQ1_S\), 21 \(IQ3_S\), 22 \(IQ2_S\), 23 \(IQ4_XS\), "
+                                         r"29 \(IQ1_M\), "
+                                         r"got 34"):
+        gguf_matmul(torch.randn(1, 256), blocks, 34, 3, 256)
     with pytest.raises(ValueError, match=r"got 8 \(Q8_0: convert it to the affine format"):
         gguf_matmul(torch.randn(1, 256), blocks, 8, 3, 256)
     with pytest.raises(ValueError, match=r"got 20 \(IQ4_NL: convert it to the affine format"):
@@ -120,9 +121,11 @@ def test_dtype_mismatches_are_type_errors():
 
 
 def test_gguf_linear_rejects_unsupported_types():
-    with pytest.raises(ValueError, match=r"must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), got 16 "
-                                         r"\(IQ2_XXS\)"):
-        GGUFLinear(256, 4, 16)
+    with pytest.raises(ValueError, match=r"'ggml_type' must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 16 \(IQ2_XXS\), "
+                                         r"17 \(IQ2_XS\), 18 \(IQ3_XXS\), 19 \(IQ1_S\), 21 \(IQ3_S\), 22 \(IQ2_S\), 23 \(IQ4_XS\), "
+                                         r"29 \(IQ1_M\), "
+                                         r"got 34 \(TQ1_0\)"):
+        GGUFLinear(256, 4, 34)
 
 
 def _zeros(*shape):
@@ -139,7 +142,7 @@ BAD = {
     "blocks-rows": (torch.randn(1, 256), _zeros(2, 210), Q6_K, 3, 256, ValueError, r"= \[3, 210\].*got \[2, 210\]"),
     "x-scalar": (torch.tensor(1.0), _zeros(3, 144), Q4_K, 3, 256, ValueError, r"'x' must have last dimension K=256"),
     "x-int": (torch.ones(1, 256, dtype=torch.int32), _zeros(3, 144), Q4_K, 3, 256, TypeError, r"'x' must be float32"),
-    "type-IQ2_XXS": (torch.randn(1, 256), _zeros(3, 66), 16, 3, 256, ValueError,
+    "type-TQ1_0": (torch.randn(1, 256), _zeros(3, 54), 34, 3, 256, ValueError,
                   r"must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\)"),
 }
 OPS = ("gguf_qmm", "gguf_qmm_int8_activations")

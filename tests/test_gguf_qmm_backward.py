@@ -22,7 +22,7 @@ from torch import nn
 
 import torch_qmm.ops as ops
 from exact_cases import assert_bitwise
-from gguf_helpers import (IQ4_XS, NATIVE_K_TYPES, ONE_HOT_TYPES, Q2_K, Q3_K, Q4_K, Q6_K, assert_matches_reference, exact_k_blocks, exact_x, one_hot_k_blocks,
+from gguf_helpers import (IQ4_XS, LATTICE_TYPES, set_lattice_d, NATIVE_K_TYPES, ONE_HOT_TYPES, Q2_K, Q3_K, Q4_K, Q6_K, assert_matches_reference, exact_k_blocks, exact_x, one_hot_k_blocks,
                           random_k_blocks)
 from torch_qmm import gguf_blocks
 from torch_qmm.interop import GGUFLinear
@@ -57,7 +57,8 @@ def _edge_blocks(ggml_type, rng: np.random.Generator) -> np.ndarray:
     """One row per special float16 super-block scale (zeros of both signs, the smallest and largest
     subnormals, the smallest normal, the largest finite values, infinities), with extreme
     sub-block scales: Q4_K every 6-bit scale and min 63 in row pairs, Q6_K int8 scales -128 / 127,
-    Q2_K every 4-bit scale and min 15, Q3_K and IQ4_XS every scale -32 / 31."""
+    Q2_K every 4-bit scale and min 15, Q3_K and IQ4_XS every scale -32 / 31; the lattice i-quants the
+    special d with random sub-block scales."""
     specials = np.array([0.0, -0.0, 2.0**-24, 2.0**-14 - 2.0**-24, 2.0**-14, 65504.0, -65504.0, np.inf, -np.inf,
                          1.0, -3.5], "<f2")
     n = len(specials)
@@ -75,6 +76,8 @@ def _edge_blocks(ggml_type, rng: np.random.Generator) -> np.ndarray:
         blocks[..., 80:82] = f16  # d
         blocks[..., 82:84] = f16[::-1]  # dmin
         blocks[::2, :, 0:16] = 0xFF  # every scale and min 15
+    elif ggml_type in LATTICE_TYPES:  # every scale from the random bytes
+        set_lattice_d(blocks, ggml_type, np.broadcast_to(specials[:, None], (n, 2)))
     elif ggml_type == IQ4_XS:
         blocks[..., 0:2] = f16
         blocks[::2, 0, 2:8] = 0x00  # every scale l - 32 = -32
@@ -111,8 +114,10 @@ def test_dequantize_rows_geometry_and_bad_arguments():
     assert sorted(gguf_blocks.BLOCK_BYTES) == sorted(NATIVE_TYPES)
     for t in NATIVE_TYPES:
         assert (gguf_blocks.WEIGHTS_PER_BLOCK, gguf_blocks.BLOCK_BYTES[t]) == block_info(t)
-    with pytest.raises(ValueError, match=r"ggml_type must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), got 16"):
-        gguf_blocks.dequantize_rows(torch.zeros(1, 66, dtype=torch.uint8), 16)
+    with pytest.raises(ValueError, match=r"ggml_type must be one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), "
+                                         r"16 \(IQ2_XXS\), 17 \(IQ2_XS\), 18 \(IQ3_XXS\), 19 \(IQ1_S\), 21 \(IQ3_S\), "
+                                         r"22 \(IQ2_S\), 23 \(IQ4_XS\), 29 \(IQ1_M\), got 34"):
+        gguf_blocks.dequantize_rows(torch.zeros(1, 54, dtype=torch.uint8), 34)
     with pytest.raises(ValueError, match=r"blocks must be uint8 \[rows, K/256 \* 210\]"):
         gguf_blocks.dequantize_rows(torch.zeros(1, 144, dtype=torch.uint8), int(Q6_K))
 
@@ -224,7 +229,8 @@ def test_gguf_qmm_backward_compiles_fullgraph(ggml_type):
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_gguf_linear_in_a_model_passes_exact_gradients_to_earlier_layers(device, ggml_type):
     # nn.Linear -> GGUFLinear, loss = sum(y * c). Every value is a small multiple of a power of two
-    # (c, x0: of 2^-3, the first weight of 2^-6, W of 2^-6 (Q2_K, Q4_K) or 2^-4 (Q3_K, Q6_K): dh of 2^-9)
+    # (c, x0: of 2^-3, the first weight of 2^-6, W of 2^-6 (Q2_K, Q4_K) or 2^-4 (Q3_K, Q6_K): dh of 2^-9;
+    # the lattice i-quants' W of 2^-7 (exact_k_blocks): dh of 2^-10)
     # and every sum's magnitude (float64 |a| @ |b|) is checked to stay below 2^24 of its unit, so
     # the float32 gradients are exact: x.grad and the first layer's weight / bias gradients must
     # equal the float64 chain rule with W decoded by the gguf package, bit for bit.
@@ -247,12 +253,13 @@ def test_gguf_linear_in_a_model_passes_exact_gradients_to_earlier_layers(device,
     (model(x) * c.float().to(device)).sum().backward()
 
     dh = c @ w  # the GGUF layer's input gradient [2, 3, K]
-    want = {"x.grad": (dh @ w0, dh.abs() @ w0.abs(), 2**-15),
+    dh_unit = 2**-10 if ggml_type in LATTICE_TYPES else 2**-9
+    want = {"x.grad": (dh @ w0, dh.abs() @ w0.abs(), dh_unit * 2**-6),
             "first.weight.grad": (dh.reshape(-1, K).T @ x0.reshape(-1, K0),
-                                  dh.reshape(-1, K).abs().T @ x0.reshape(-1, K0).abs(), 2**-12),
-            "first.bias.grad": (dh.reshape(-1, K).sum(0), dh.reshape(-1, K).abs().sum(0), 2**-9)}
+                                  dh.reshape(-1, K).abs().T @ x0.reshape(-1, K0).abs(), dh_unit * 2**-3),
+            "first.bias.grad": (dh.reshape(-1, K).sum(0), dh.reshape(-1, K).abs().sum(0), dh_unit)}
     got = {"x.grad": x.grad, "first.weight.grad": first.weight.grad, "first.bias.grad": first.bias.grad}
-    assert float((c.abs() @ w.abs()).max()) < 2**24 * 2**-9, "dh must be exact in float32"
+    assert float((c.abs() @ w.abs()).max()) < 2**24 * dh_unit, "dh must be exact in float32"
     for name, (value, magnitude, unit) in want.items():
         assert float(magnitude.max()) < 2**24 * unit, f"{name} must be exact in float32"
         assert torch.equal((value / unit).round(), value / unit), f"{name}: multiples of {unit}"

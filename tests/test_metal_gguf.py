@@ -1,6 +1,7 @@
 """gguf_qmm's Metal kernels (metal/gguf_qmm.h) on metalsim, through the planner (csrc/plan.cpp) and
 the metalsim executor, against gguf.quants.dequantize (the gguf package's decoder) + a float64
-matmul: every GGUF route, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS, three dtypes, odd N, M across the
+matmul: every GGUF route, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS and the lattice i-quants (IQ1_S, IQ1_M,
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), three dtypes, odd N, M across the
 routing thresholds; bit-exact sums and one-hot weights at every position of a super-block (the
 sub-block and bit mapping of each type), Q3_K's high bits, Q5_K's fifth bits, IQ4_XS's 64 sub-block
 scales and 16 codes at every position; checked mode; simulated traffic (metalsim byte counters)."""
@@ -18,13 +19,13 @@ from gguf import quants
 
 from gguf.constants import GGML_QUANT_SIZES
 
-from gguf_helpers import IQ4_XS, NATIVE_K_TYPES, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, exact_k_blocks, exact_x
+from gguf_helpers import IQ4_XS, LATTICE_TYPES, NATIVE_K_TYPES, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, exact_k_blocks, exact_x
 from gguf_helpers import k_quant_magnitude, one_hot_k_blocks, random_k_blocks
 from metal_helpers import DTYPES, require_clang, routes
 from tolerance import assert_matches_reference
 from torch_qmm.ops import gguf_matmul
 
-TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
+TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) + LATTICE_TYPES
 assert set(TYPES) == set(NATIVE_K_TYPES), "every native GGUF type has Metal kernels to test"
 NEW_TYPES = (Q2_K, Q3_K)
 # The one-hot test needs a zero weight (every code but one decodes to 0): not IQ4_XS, whose 16
@@ -74,7 +75,8 @@ def gguf_case(ggml_type, M, N, K, dtype, seed):
 # and the offset term only makes the magnitude larger than |x| @ |w|.T. IQ4_XS: scale * sum(value * x)
 # with scale = d*(l - 32) and value = kIQ4Values[q], no offset; its weights d*(l - 32)*value are exact in
 # float32 (at most 11 + 5 + 7 significant bits), and k_quant_terms' offset (the values as byte codes
-# value + 128) again only makes the magnitude larger.
+# value + 128) again only makes the magnitude larger. The lattice i-quants: scale * sum(q * x), q a
+# group's signed codebook value (IQ1: plus +-1/8), exact weights, no offset: |x| @ |w|.T.
 def run_gguf(ggml_type, M, N, K, dtype, seed, check=None, count=False):
     from torch_qmm.metalsim import backend, last_launches
 

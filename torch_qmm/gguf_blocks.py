@@ -1,5 +1,5 @@
-"""GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS blocks decoded to float32 with plain
-torch ops on uint8.
+"""GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and i-quant blocks (IQ4_XS and the lattice types
+IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) decoded to float32 with plain torch ops on uint8.
 
 `dequantize_rows(blocks, ggml_type)` gives the weights gguf.quants.dequantize gives, bit for bit
 (tests/test_gguf_qmm_backward.py), with tensor ops only (nothing device-specific; tested on CPU), and traces
@@ -21,6 +21,10 @@ after another along a row of W):
   IQ4_XS, 136 bytes: f16 d, a uint16 of the high 2 bits and 4 bytes of the low 4 bits of the
     6-bit scales l_j of the 8 sub-blocks of 32, 128 bytes of 4-bit codes q indexing 16 int8 values
     v (IQ4_VALUES); w = (d*(l_j - 32))*v[q] (exact: at most 11 + 5 + 7 significant bits).
+  The lattice i-quants (fields in metal/gguf_format.h, Lattice): 32 groups of 8 weights, each a
+    codebook entry (the gguf package's grids, which metal/gguf_iq_grids.h holds for C++ / Metal)
+    with sign bits (IQ2, IQ3) or an offset of +-1/8 (IQ1), times a scale per 16 or 32 weights:
+    IQ2: d*(0.5 + l)*0.25, IQ3_XXS: d*(0.5 + l)*0.5, IQ3_S: d*(1 + 2l), IQ1: d*(2l + 1) (exact).
 All are computed in float32 in the gguf package's order: d*sc_j is exact (an 11-bit significand
 times an integer of at most 8 bits), and so is (d*sc_j)*q for Q2_K, Q4_K and Q5_K, (d*sc_j)*(q - 4)
 for Q3_K and (d*sc_j)*(q - 32) for Q6_K (at most 11 + 7 + 5 significant bits); the one rounding is
@@ -29,14 +33,22 @@ the subtraction of Q2_K's, Q4_K's and Q5_K's min term.
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
+from gguf import quants as gguf_quants
 
 # ggml type id -> bytes per super-block of 256 weights (ids and sizes as in
 # torch_qmm/interop/gguf_types.py, which reads them from the gguf package; the tests compare).
-BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210, 23: 136}  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
-# ggml type id -> the bytes of its float16 super-block scales in a block (d, then dmin where it has one).
+BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210, 23: 136,  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
+               16: 66, 17: 74, 22: 82, 18: 98, 21: 110, 19: 50, 29: 56}  # IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M
+# ggml type id -> the bytes of its float16 super-block scales in a block (d, then dmin where it has one);
+# IQ1_M has no such bytes (its d is spread over the top nibbles of its scales: iq1m_d_bits).
 F16_SCALE_BYTES = {10: slice(80, 84), 11: slice(108, 110), 12: slice(0, 4), 13: slice(0, 4), 14: slice(208, 210),
-                   23: slice(0, 2)}
+                   23: slice(0, 2), 16: slice(0, 2), 17: slice(0, 2), 22: slice(0, 2), 18: slice(0, 2), 21: slice(0, 2),
+                   19: slice(0, 2)}
+IQ1_M = 29
 # llama.cpp's kvalues_iq4nl: the values IQ4_XS's (and IQ4_NL's) 4-bit codes index (C++ / Metal:
 # kIQ4Values in metal/gguf_format.h).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -140,8 +152,170 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (scale.unsqueeze(-1) * values).reshape(rows, sb * WEIGHTS_PER_BLOCK)
 
 
-_DECODERS = {10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k, 23: _iq4_xs}
-_NAMES = {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 23: "IQ4_XS"}
+# ---- The lattice i-quants --------------------------------------------------------------------------
+# Group r (0..31) of a super-block is weights 8r .. 8r + 8; each decoder below gives, per group, the
+# codebook rows [rows, sb, 32, 8] (magnitudes, or IQ1's -1 / 0 / 1), and the per-group scale.
+
+_GRIDS = {16: "IQ2_XXS", 17: "IQ2_XS", 22: "IQ2_S", 18: "IQ3_XXS", 21: "IQ3_S", 19: "IQ1_S", 29: "IQ1_S"}
+
+
+@functools.lru_cache(maxsize=None)
+def _grid_values(ggml_type: int) -> tuple:
+    """The type's codebook as nested tuples of floats (a constant torch.compile can trace)."""
+    cls = getattr(gguf_quants, _GRIDS[ggml_type])
+    cls.init_grid()
+    return tuple(map(tuple, np.array(cls.grid, dtype=np.float32).reshape(cls.grid_shape).tolist()))
+
+
+def _grid(ggml_type: int, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (any shape, int64) of the type's codebook, float32 [..., entry width]."""
+    return torch.tensor(_grid_values(ggml_type), dtype=torch.float32, device=index.device)[index]
+
+
+def _u16(b: torch.Tensor, lo: int, count: int) -> torch.Tensor:
+    """int64 [..., count] of the little-endian uint16 at bytes lo, lo + 2, ... of b."""
+    w = b[..., lo:lo + 2 * count].long()
+    return w[..., 0::2] | (w[..., 1::2] << 8)
+
+
+def _u32(b: torch.Tensor, lo: int, count: int) -> torch.Tensor:
+    w = _u16(b, lo, 2 * count)
+    return w[..., 0::2] | (w[..., 1::2] << 16)
+
+
+def _sign_bits(sign_bytes: torch.Tensor) -> torch.Tensor:
+    """+1 / -1 float32 [..., 8]: bit i of each sign byte set -> weight i negative."""
+    bits = (sign_bytes.long().unsqueeze(-1) >> torch.arange(8, device=sign_bytes.device)) & 1
+    return 1.0 - 2.0 * bits.float()
+
+
+def _even_sign_bytes(index7: torch.Tensor) -> torch.Tensor:
+    """The sign byte of 7-bit sign indices: bit 7 makes the count of set bits even (llama.cpp's
+    ksigns_iq2xs)."""
+    p = index7 ^ (index7 >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return index7 | ((p & 1) << 7)
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] of the nibbles of bytes [..., n], the low nibble of each byte first."""
+    return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
+
+
+def _signed_groups(ggml_type: int, index: torch.Tensor, sign_bytes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Weights [rows, sb * 256] of IQ2 groups: codebook rows `index` [rows, sb, 32], sign bytes [rows, sb,
+    32], scales [rows, sb, 32]."""
+    rows, sb = index.shape[:2]
+    w = scale.unsqueeze(-1) * _grid(ggml_type, index) * _sign_bits(sign_bytes)
+    return w.reshape(rows, sb * WEIGHTS_PER_BLOCK)
+
+
+def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 0:2])  # [rows, sb, 1]
+    sub = b[..., 2:66].reshape(*b.shape[:2], 8, 8)  # sub-block j: 4 index bytes, then a uint32
+    aux = _u32(sub, 4, 1)  # [rows, sb, 8, 1]
+    scale = d.unsqueeze(-1) * (0.5 + (aux >> 28).float()) * 0.25
+    signs = _even_sign_bytes((aux >> torch.tensor([0, 7, 14, 21], device=b.device)) & 127)  # [rows, sb, 8, 4]
+    index = sub[..., 0:4].long()
+    return _signed_groups(16, index.flatten(2), signs.flatten(2), scale.expand(-1, -1, -1, 4).flatten(2))
+
+
+def _iq2_scales(d: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """IQ2_XS / IQ2_S: d*(0.5 + l)*0.25 per group [rows, sb, 32] from 8 bytes of 4-bit scales (one per
+    16 weights, low nibble first)."""
+    return (d * (0.5 + _nibbles(scale_bytes).float()) * 0.25).repeat_interleave(2, dim=-1)
+
+
+def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
+    qs = _u16(b, 2, 32)  # [rows, sb, 32]: 9-bit index | 7-bit sign index << 9
+    scale = _iq2_scales(_f16(b[..., 0:2]), b[..., 66:74])
+    return _signed_groups(17, qs & 511, _even_sign_bytes(qs >> 9), scale)
+
+
+def _iq2_s(b: torch.Tensor) -> torch.Tensor:
+    high = (b[..., 66:74].long().unsqueeze(-1) >> torch.arange(0, 8, 2, device=b.device)) & 3  # [rows, sb, 8, 4]
+    index = b[..., 2:34].long() | (high.flatten(2) << 8)
+    scale = _iq2_scales(_f16(b[..., 0:2]), b[..., 74:82])
+    return _signed_groups(22, index, b[..., 34:66], scale)
+
+
+def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
+    rows, sb = b.shape[:2]
+    d = _f16(b[..., 0:2])
+    aux = _u32(b, 66, 8)  # [rows, sb, 8]: per sub-block 4 x 7-bit sign indices, the scale in bits 28-31
+    scale = (d * (0.5 + (aux >> 28).float()) * 0.5).repeat_interleave(4, dim=-1)  # [rows, sb, 32]
+    signs = _even_sign_bytes((aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=b.device)) & 127)
+    values = _grid(18, b[..., 2:66].long()).reshape(rows, sb, 32, 8)  # group r: entries 2r, 2r + 1
+    w = scale.unsqueeze(-1) * values * _sign_bits(signs.flatten(2))
+    return w.reshape(rows, sb * WEIGHTS_PER_BLOCK)
+
+
+def _iq3_s(b: torch.Tensor) -> torch.Tensor:
+    rows, sb = b.shape[:2]
+    d = _f16(b[..., 0:2])
+    ninth = (b[..., 66:74].long().unsqueeze(-1) >> torch.arange(8, device=b.device)) & 1  # [rows, sb, 8, 8]
+    index = b[..., 2:66].long() | (ninth.flatten(2) << 8)  # [rows, sb, 64]
+    scale = (d * (1 + 2 * _nibbles(b[..., 106:110]).float())).repeat_interleave(4, dim=-1)  # [rows, sb, 32]
+    values = _grid(21, index).reshape(rows, sb, 32, 8)
+    w = scale.unsqueeze(-1) * values * _sign_bits(b[..., 74:106])
+    return w.reshape(rows, sb * WEIGHTS_PER_BLOCK)
+
+
+def _offset_groups(index: torch.Tensor, negative: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Weights [rows, sb * 256] of IQ1 groups: scale * (codebook row + offset), offset -1/8 where
+    `negative`, else +1/8; all [rows, sb, 32]."""
+    rows, sb = index.shape[:2]
+    delta = torch.where(negative, -0.125, 0.125).unsqueeze(-1)
+    w = scale.unsqueeze(-1) * (_grid(19, index) + delta)
+    return w.reshape(rows, sb * WEIGHTS_PER_BLOCK)
+
+
+def _iq1_s(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 0:2])
+    qh = _u16(b, 34, 8)  # [rows, sb, 8]: per sub-block 4 x 3 index bits, scale bits 12-14, offset sign bit 15
+    top = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7
+    index = b[..., 2:34].long() | (top.flatten(2) << 8)
+    scale = (d * (2 * ((qh >> 12) & 7) + 1).float()).repeat_interleave(4, dim=-1)
+    negative = ((qh & 0x8000) != 0).repeat_interleave(4, dim=-1)
+    return _offset_groups(index, negative, scale)
+
+
+def iq1m_d_bits(b: torch.Tensor) -> torch.Tensor:
+    """int64 [...] of the f16 bits of IQ1_M's super-block scale: the top nibbles of the 4 uint16 of
+    its scales (bytes 48-55), the first one lowest."""
+    words = _u16(b, 48, 4)
+    return ((words >> 12) << torch.tensor([0, 4, 8, 12], device=b.device)).sum(-1)
+
+
+def _f16_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 1] of f16 bit patterns int64 [...]."""
+    bits = bits.unsqueeze(-1)
+    return _f16(torch.cat([bits & 0xFF, bits >> 8], dim=-1).to(torch.uint8))
+
+
+def _iq1_m(b: torch.Tensor) -> torch.Tensor:
+    d = _f16_of_bits(iq1m_d_bits(b))  # [rows, sb, 1]
+    nib = _nibbles(b[..., 32:48]).long()  # [rows, sb, 32]: 3 index bits, the offset's sign
+    index = b[..., 0:32].long() | ((nib & 7) << 8)
+    ls = (_u16(b, 48, 4).unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7  # [rows, sb, 4, 4]
+    scale = (d * (2 * ls.flatten(2) + 1).float()).repeat_interleave(2, dim=-1)
+    return _offset_groups(index, (nib & 8) != 0, scale)
+
+
+_DECODERS = {10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k, 23: _iq4_xs, 16: _iq2_xxs, 17: _iq2_xs,
+             22: _iq2_s, 18: _iq3_xxs, 21: _iq3_s, 19: _iq1_s, 29: _iq1_m}
+_NAMES = {10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
+          19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M"}  # by id
+
+
+def f16_scales(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """float32 [..., n] of the float16 super-block scales (d, and dmin where the type has one) of
+    blocks uint8 [..., BLOCK_BYTES[ggml_type]]."""
+    ggml_type = int(ggml_type)
+    if ggml_type == IQ1_M:
+        return _f16_of_bits(iq1m_d_bits(blocks))
+    return _f16(blocks[..., F16_SCALE_BYTES[ggml_type]])
 
 
 def dequantize_rows(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:

@@ -204,7 +204,8 @@ def _gguf_qmm(x, blocks, ggml_type, N, K, *, check=None, count=False):
     plan = json.loads(_ops._plan_for_gguf(x, blocks, ggml_type, N, K))  # validates first
     x2 = x.reshape(-1, K).contiguous()
     y = torch.zeros(x2.shape[0], N, dtype=x.dtype)
-    # The kernels read Q2_K, Q4_K, Q5_K and IQ4_XS words as uint32, Q3_K and Q6_K as uint16 (metal/gguf_qmm.h).
+    # The kernels read Q2_K, Q4_K, Q5_K and IQ4_XS words as uint32, Q3_K, Q6_K and the lattice i-quants' as uint16
+    # (metal/gguf_qmm.h).
     operands = {"x": x2, "blocks": _aligned(blocks), "y": y}
     _execute(plan, operands, check, count)
     return y.reshape(*x.shape[:-1], N)

@@ -1,5 +1,5 @@
 // CPU gguf_qmm: y[..., N] = x[..., K] @ W.T, W [N, K] given as GGUF K-quant blocks (Q2_K, Q3_K,
-// Q4_K, Q5_K, Q6_K) or IQ4_XS blocks.
+// Q4_K, Q5_K, Q6_K) or i-quant blocks (IQ4_XS and the lattice types IQ1_S .. IQ3_S).
 //
 // Small M: the chunk kernels (gguf_chunked.cpp). Otherwise, small M: each task owns rows of
 // W; a super-block is decoded once to 256 floats and reused for every row of x.
@@ -166,6 +166,20 @@ void decode_iq4_XS(const uint8_t* raw, float* y) {
   }
 }
 
+// After llama.cpp dequantize_row_iq2_xxs / iq2_xs / iq2_s / iq3_xxs / iq3_s / iq1_s / iq1_m: 32
+// groups of 8 weights, each decoded by the type's gguf::Lattice (metal/gguf_format.h).
+template <int type>
+void decode_lattice(const uint8_t* raw, float* y) {
+  using L = gguf::Lattice<type>;
+  typename L::Block b;
+  std::memcpy(&b, raw, sizeof b);
+  const float d = half_to_float(uint16_t(L::d_bits(&b)));
+  for (int r = 0; r < kQK_K / 8; ++r) {
+    const gguf::Group8 g = L::run(&b, r, d);
+    for (int i = 0; i < 8; ++i) y[8 * r + i] = g.scale * g.q[i];
+  }
+}
+
 // The decoder of a ggml type as a functor (inlined into the loops below; a function pointer
 // passed at run time was not).
 template <void (*kDecode)(const uint8_t*, float*)>
@@ -189,6 +203,20 @@ void with_decoder(int64_t ggml_type, F&& f) {
       return f(Decoder<decode_q6_K>{});
     case gguf::kTypeIQ4_XS:
       return f(Decoder<decode_iq4_XS>{});
+    case gguf::kTypeIQ2_XXS:
+      return f(Decoder<decode_lattice<gguf::kTypeIQ2_XXS>>{});
+    case gguf::kTypeIQ2_XS:
+      return f(Decoder<decode_lattice<gguf::kTypeIQ2_XS>>{});
+    case gguf::kTypeIQ2_S:
+      return f(Decoder<decode_lattice<gguf::kTypeIQ2_S>>{});
+    case gguf::kTypeIQ3_XXS:
+      return f(Decoder<decode_lattice<gguf::kTypeIQ3_XXS>>{});
+    case gguf::kTypeIQ3_S:
+      return f(Decoder<decode_lattice<gguf::kTypeIQ3_S>>{});
+    case gguf::kTypeIQ1_S:
+      return f(Decoder<decode_lattice<gguf::kTypeIQ1_S>>{});
+    case gguf::kTypeIQ1_M:
+      return f(Decoder<decode_lattice<gguf::kTypeIQ1_M>>{});
     default:
       TORCH_CHECK_VALUE(false, "gguf_qmm: no CPU kernel for ggml_type ", ggml_type);
   }

@@ -23,9 +23,9 @@ at::Tensor gguf_qmm_mps(const at::Tensor& x, const at::Tensor& blocks, int64_t g
   const std::vector<plan::Launch> launches = mps::make_plan_checked(p);
   mps::Operands ops;
   ops[Operand::kX] = x.reshape({p.M, p.K}).contiguous();
-  // The kernels read Q2_K, Q4_K, Q5_K and IQ4_XS words as uint32, Q3_K and Q6_K as uint16 (metal/gguf_qmm.h):
-  // the blocks must start on a 4-byte boundary of their buffer (a copy otherwise; views of a
-  // loaded file may not).
+  // The kernels read Q2_K, Q4_K, Q5_K and IQ4_XS words as uint32, Q3_K, Q6_K and the lattice
+  // i-quants' as uint16 (metal/gguf_qmm.h): the blocks must start on a 4-byte boundary of their
+  // buffer (a copy otherwise; views of a loaded file may not).
   at::Tensor b = blocks.contiguous();
   if ((b.storage_offset() * b.element_size()) % 4 != 0) b = b.clone();
   ops[Operand::kBlocks] = b;

@@ -160,6 +160,38 @@ kernel void offsets(device float* y [[buffer(0)]], device const float* x [[buffe
                     uint i [[thread_position_in_grid]]) {
   y[i] = helper(x + i) + 0.5f;
 }
+
+// derived structs without virtual functions (MLX's steel headers derive traits from
+// integral_constant)
+template <int N> struct Base {
+  float v[N];
+  float sum() const { float s = 0; for (int k = 0; k < N; k++) s += v[k]; return s; }
+};
+template <int N> struct Holder { float unused; };
+template <> struct Holder<3> : Base<3> {
+  float scaled(float a) const { return a * sum(); }
+};
+template <typename T, int N> struct Weighted : Base<N> {
+  T w;
+  T weighted() const { return w * T(this->sum()); }
+};
+struct Counter { int n; int next() { return ++n; } };
+struct Named : Counter { float label; };
+template <typename T> struct is_f32 : bool_constant<is_same_v<T, float>> {};
+METAL_FUNC float first_of(thread const Base<3>& b) { return b.v[0]; }   // derived -> base reference
+
+kernel void derived_structs(device const float* x [[buffer(0)]], device float* out [[buffer(1)]],
+                            uint i [[thread_position_in_grid]]) {
+  Holder<3> h;
+  for (int k = 0; k < 3; k++) h.v[k] = x[3 * i + k];
+  Weighted<half, 2> w;
+  w.v[0] = x[3 * i]; w.v[1] = x[3 * i + 1]; w.w = 2.0h;
+  Named c; c.n = int(i); c.label = 0.5f;
+  c.next();
+  device float* o = out + 6 * i;
+  o[0] = h.sum(); o[1] = h.scaled(10.0f); o[2] = float(w.weighted()); o[3] = float(c.next()) + c.label;
+  o[4] = first_of(h); o[5] = (is_f32<float>::value && !is_f32<half>::value && sizeof(Holder<3>) == 12) ? 1 : 0;
+}
 """
 
 
@@ -358,6 +390,16 @@ def test_buffer_byte_offsets_and_torch_tensors(lib):
     yt = torch.zeros(8)
     lib.dispatch("offsets", buffers={0: yt, 1: x}, threadgroups=1, threads_per_threadgroup=8)
     assert yt.tolist() == [i + 0.5 for i in range(8)]
+
+
+def test_derived_structs_without_virtual_functions(lib):
+    # plain (non-virtual) derivation: a template specialization deriving from a template base,
+    # a template deriving from a dependent base, a trait deriving from bool_constant
+    x = np.array([1.0, 2.0, 4.0, -0.5, 3.0, 0.25], np.float32)
+    out = np.zeros((2, 6), np.float32)
+    lib.dispatch("derived_structs", buffers={0: x, 1: out}, threadgroups=1, threads_per_threadgroup=2, check=True)
+    np.testing.assert_array_equal(out[0], [7.0, 70.0, 6.0, 2.5, 1.0, 1.0])
+    np.testing.assert_array_equal(out[1], [2.75, 27.5, 5.0, 3.5, -0.5, 1.0])
 
 
 def test_bad_arguments_raise_clear_errors(lib, metalsim):

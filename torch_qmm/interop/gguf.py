@@ -47,7 +47,7 @@ import torch
 from gguf import quants as gguf_quants
 from gguf.constants import GGMLQuantizationType
 
-from ..gguf_blocks import F16_SCALE_BYTES, IQ4_VALUES
+from ..gguf_blocks import IQ4_VALUES, f16_scales
 from ..nn import QuantLinear
 from .gguf_types import (
     AFFINE_TYPES,
@@ -498,11 +498,10 @@ def to_blocks(t: GGUFTensor) -> torch.Tensor:
     _require(t, NATIVE_TYPES, "gguf_qmm")
     _, block_bytes = block_info(t.ggml_type)
     blocks = np.array(t.raw, copy=True)
-    b = blocks.reshape(-1, block_bytes)
-    scale_bytes = b[:, F16_SCALE_BYTES[t.ggml_type]]
-    if not np.isfinite(np.ascontiguousarray(scale_bytes).view("<f2")).all():
+    blocks = torch.from_numpy(blocks)
+    if not torch.isfinite(f16_scales(blocks.reshape(-1, block_bytes), t.ggml_type)).all():
         raise _corrupt_values(t, "block scales")
-    return torch.from_numpy(blocks)
+    return blocks
 
 
 def _check_matrix(t: GGUFTensor, what: str, expected: str) -> None:

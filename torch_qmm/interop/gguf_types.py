@@ -17,11 +17,14 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
 F32, F16, BF16 = 0, 1, 30
 IQ4_NL, IQ4_XS = 20, 23
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 MXFP4 = 39
+# The i-quants whose groups of 8 weights are codebook entries (metal/gguf_format.h, Lattice).
+LATTICE_TYPES = (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S)
 
 # Kept as blocks, multiplied by the native op torch_qmm::gguf_qmm.
 # Must match block_bytes / is_native_gguf_type in metal/gguf_format.h.
-NATIVE_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
+NATIVE_TYPES = tuple(sorted((Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) + LATTICE_TYPES))
 # With a lossless affine form (group_size 32): one block (Q5_K, IQ4_XS: one sub-block of a
 # super-block) is one affine group. Linear layers of these types but Q5_K and IQ4_XS (native)
 # load as QuantLinear; embeddings of all of them as QuantEmbedding. IQ4_NL / IQ4_XS take 8 bits
