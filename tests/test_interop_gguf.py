@@ -206,11 +206,12 @@ def test_float16_overflow_is_reported(tmp_path):
 # ---- bad input --------------------------------------------------------------------------------
 
 def test_unsupported_gguf_type_lists_the_supported_ones(tmp_path):
-    write_gguf(tmp_path / "iq3s.gguf", {"w": (np.zeros((4, 110), dtype=np.uint8), T.IQ3_S)})
-    t = GGUFFile(tmp_path / "iq3s.gguf").tensors["w"]
-    assert t.type_name == "IQ3_S" and t.shape == (4, 256)
-    with pytest.raises(ValueError, match=r"type IQ3_S; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
-                                         r"Q8_0, Q5_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4\)"):
+    write_gguf(tmp_path / "tq2.gguf", {"w": (np.zeros((4, 66), dtype=np.uint8), T.TQ2_0)})
+    t = GGUFFile(tmp_path / "tq2.gguf").tensors["w"]
+    assert t.type_name == "TQ2_0" and t.shape == (4, 256)
+    with pytest.raises(ValueError, match=r"type TQ2_0; .* \(torch_qmm reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                         r"Q8_0, Q5_K, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q6_K, IQ2_XXS, IQ2_XS, IQ3_XXS, "
+                                         r"IQ1_S, IQ3_S, IQ2_S, IQ1_M, MXFP4\)"):
         linear_from_gguf(t)
 
 
@@ -384,7 +385,9 @@ def test_gguf_headers_llama_cpp_refuses_are_refused_naming_what_is_wrong(tmp_pat
 def test_gguf_linear_ggml_type_that_is_not_an_int_is_a_type_error(ggml_type):
     """A type name or a float is refused naming the argument (a name failed as "invalid literal for
     int()", 12.0 built a layer whose forward failed); gguf's IntEnum is its value."""
-    with pytest.raises(TypeError, match=rf"argument 'ggml_type' must be an int, one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), "
+    with pytest.raises(TypeError, match=rf"argument 'ggml_type' must be an int, one of 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), "
+                                        r"16 \(IQ2_XXS\), 17 \(IQ2_XS\), 18 \(IQ3_XXS\), 19 \(IQ1_S\), 21 \(IQ3_S\), "
+                                        r"22 \(IQ2_S\), 23 \(IQ4_XS\), 29 \(IQ1_M\), "
                                         rf"got {re.escape(repr(ggml_type))}"):
         GGUFLinear(256, 8, ggml_type)
     layer = GGUFLinear(256, 8, T.Q6_K)

@@ -15,7 +15,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
-from gguf_helpers import random_iq4_blocks, random_k_blocks, write_gguf
+from gguf_helpers import LATTICE_TYPES, random_iq4_blocks, random_k_blocks, write_gguf
 from torch_qmm.interop import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from torch_qmm.interop.gguf import GGUFFile
 from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
@@ -109,13 +109,13 @@ def write_llama_gguf(model, path, types: dict[str, T], rng, extra=None, drop=(),
         qtype = next((t for pattern, t in types.items() if pattern in name), T.F32) if w.ndim == 2 else T.F32
         if qtype == T.F32:
             data, stored = w, w
-        elif qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py cannot quantize K-quants: valid random blocks
+        elif qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) + LATTICE_TYPES:  # gguf-py cannot quantize these: valid random blocks
             data = random_k_blocks(qtype, w.shape[0], w.shape[1], rng)
             stored = quants.dequantize(data, qtype)
         elif qtype in (T.IQ4_NL, T.IQ4_XS):  # gguf-py cannot quantize them either
             data = random_iq4_blocks(qtype, w.shape[0], w.shape[1], rng)
             stored = quants.dequantize(data, qtype)
-        elif qtype in (T.IQ2_XXS, T.IQ3_S):  # types torch_qmm does not read: blocks of zeros
+        elif qtype in (T.TQ1_0, T.TQ2_0):  # types torch_qmm does not read: blocks of zeros
             per_block, block_bytes = GGML_QUANT_SIZES[qtype]
             data = np.zeros((w.shape[0], w.shape[1] // per_block * block_bytes), np.uint8)
             stored = quants.dequantize(data, qtype)
@@ -164,6 +164,9 @@ MIXES = {
     # down projection), Q and K from the gguf package as above.
     "iq4": {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.IQ4_NL, "o_proj": T.IQ4_XS, "gate_proj": T.IQ4_XS,
             "up_proj": T.IQ4_XS, "down_proj": T.IQ4_NL, "embed": T.IQ4_XS, "lm_head": T.Q6_K},
+    # Every lattice i-quant (llama.cpp's IQ1 .. IQ3 files mix them with K-quants), Q and K as above.
+    "iq_lattice": {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.IQ3_S, "o_proj": T.IQ2_XXS, "gate_proj": T.IQ1_S,
+                   "up_proj": T.IQ2_S, "down_proj": T.IQ3_XXS, "embed": T.IQ2_XS, "lm_head": T.IQ1_M},
 }
 
 
@@ -210,6 +213,13 @@ def test_llama_gguf_loads_into_transformers(tmp_path, mix, tied):
             assert isinstance(m, (QuantLinear, QuantEmbedding)) and (m.bits, m.group_size) == (8, 32)
         assert report.quantized["model.layers.0.mlp.down_proj"] == "IQ4_NL"
         assert report.quantized["model.layers.0.mlp.up_proj"] == "IQ4_XS"
+    elif mix == "iq_lattice":  # the file's blocks; the embedding decoded to float (no exact affine form)
+        for m, t in ((layer.self_attn.v_proj, T.IQ3_S), (layer.self_attn.o_proj, T.IQ2_XXS), (layer.mlp.gate_proj, T.IQ1_S),
+                     (layer.mlp.up_proj, T.IQ2_S), (layer.mlp.down_proj, T.IQ3_XXS)):
+            assert isinstance(m, GGUFLinear) and m.ggml_type == int(t)
+        assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+        assert tied or (isinstance(model.lm_head, GGUFLinear) and model.lm_head.ggml_type == int(T.IQ1_M))
+        assert report.quantized["model.layers.0.mlp.down_proj"] == "IQ3_XXS"
     elif mix == "f32":
         assert isinstance(layer.self_attn.q_proj, torch.nn.Linear) and not report.quantized
 
@@ -278,13 +288,13 @@ def test_a_key_or_value_length_other_than_the_rotary_dimension_is_an_error(tmp_p
 
 
 def test_a_file_with_types_torch_qmm_does_not_read_is_refused_before_a_model_is_built(tmp_path):
-    # llama.cpp's IQ3_S / IQ2_XXS files mix i-quants with the K-quants torch_qmm reads: the config
-    # is refused whole, naming the types and how many tensors hold them.
+    # llama.cpp's ternary files (TQ1_0 / TQ2_0) mix their types with the K-quants torch_qmm reads: the
+    # config is refused whole, naming the types and how many tensors hold them.
     path = tmp_path / "m.gguf"
-    write_llama_gguf(hf_model(False), path, {"q_proj": T.IQ2_XXS, "k_proj": T.IQ2_XXS, "v_proj": T.IQ3_S,
+    write_llama_gguf(hf_model(False), path, {"q_proj": T.TQ1_0, "k_proj": T.TQ1_0, "v_proj": T.TQ2_0,
                                              "proj": T.Q4_K}, np.random.default_rng(0))
-    with pytest.raises(ValueError, match=r"m\.gguf: holds tensors of GGUF types torch_qmm does not read: IQ2_XXS "
-                                         r"\(4 tensors\), IQ3_S \(2 tensors\); it reads F32, F16"):
+    with pytest.raises(ValueError, match=r"m\.gguf: holds tensors of GGUF types torch_qmm does not read: TQ1_0 "
+                                         r"\(4 tensors\), TQ2_0 \(2 tensors\); it reads F32, F16"):
         llama_config_from_gguf(GGUFFile(path))
 
 

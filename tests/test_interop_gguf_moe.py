@@ -17,7 +17,7 @@ import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
-from gguf_helpers import random_iq4_blocks, random_k_blocks, write_gguf
+from gguf_helpers import LATTICE_TYPES, random_iq4_blocks, random_k_blocks, write_gguf
 from test_interop_gguf_llama import llama_cpp_permute, random_model
 from torch_qmm.interop.gguf import GGUFFile
 from torch_qmm.interop.gguf_llama import llama_config_from_gguf, load_gguf_llama
@@ -70,7 +70,7 @@ def _encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, np.ndarray]:
     if qtype == T.F32:
         return w, w
     rows = w.reshape(-1, w.shape[-1])
-    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS):  # gguf-py cannot quantize these: valid random blocks
+    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS) + LATTICE_TYPES:  # gguf-py cannot quantize these: valid random blocks
         data = random_k_blocks(qtype, rows.shape[0], rows.shape[1], rng)
     elif qtype == T.IQ4_NL:
         data = random_iq4_blocks(qtype, rows.shape[0], rows.shape[1], rng)
@@ -156,6 +156,10 @@ LOW_MIX = {"gate_exps": T.Q3_K, "up_exps": T.Q3_K, "down_exps": T.Q2_K, "q_proj"
 IQ4_MIX = {"gate_exps": T.IQ4_XS, "up_exps": T.IQ4_XS, "down_exps": T.IQ4_NL, "q_proj": T.Q8_0, "k_proj": T.Q8_0,
            "v_proj": T.IQ4_XS, "o_proj": T.IQ4_XS, "embed": T.IQ4_XS, "lm_head": T.Q6_K}
 
+# llama.cpp's IQ1 .. IQ3 files: lattice i-quant experts kept as blocks, the other layers too.
+IQ_LATTICE_MIX = {"gate_exps": T.IQ3_XXS, "up_exps": T.IQ3_XXS, "down_exps": T.IQ2_S, "q_proj": T.Q8_0, "k_proj": T.Q8_0,
+                  "v_proj": T.IQ1_M, "o_proj": T.IQ3_S, "embed": T.IQ2_XXS, "lm_head": T.IQ1_S}
+
 
 def _expected(arch: str, moe_inter: int, held: dict) -> torch.nn.Module:
     """The model `arch` holding the weights the file holds."""
@@ -172,10 +176,10 @@ def _assert_logits(got, want):
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "mixtral"])
-@pytest.mark.parametrize("mix", ["k", "low", "q5", "iq4", "affine", "mixed", "f32"])
+@pytest.mark.parametrize("mix", ["k", "low", "q5", "iq4", "iq_lattice", "affine", "mixed", "f32"])
 def test_moe_gguf_loads_into_its_transformers_model(tmp_path, arch, mix):
-    types = {"k": K_MIX, "low": LOW_MIX, "q5": Q5_MIX, "iq4": IQ4_MIX, "affine": AFFINE_MIX, "mixed": MIXED_MIX,
-             "f32": {}}[mix]
+    types = {"k": K_MIX, "low": LOW_MIX, "q5": Q5_MIX, "iq4": IQ4_MIX, "iq_lattice": IQ_LATTICE_MIX, "affine": AFFINE_MIX,
+             "mixed": MIXED_MIX, "f32": {}}[mix]
     source = moe_model(arch, 256)
     held = write_moe_gguf(source, tmp_path / "m.gguf", types, np.random.default_rng(3))
     f = GGUFFile(tmp_path / "m.gguf")
@@ -197,12 +201,14 @@ def test_moe_gguf_loads_into_its_transformers_model(tmp_path, arch, mix):
         gate_up, down = experts.gate_up_proj, experts.down_proj
         kinds = {"k": (GGUFSwitchLinear, GGUFSwitchLinear), "low": (GGUFSwitchLinear, GGUFSwitchLinear),
                  "q5": (GGUFSwitchLinear, GGUFSwitchLinear), "iq4": (GGUFSwitchLinear, QuantSwitchLinear),
+                 "iq_lattice": (GGUFSwitchLinear, GGUFSwitchLinear),
                  "affine": (QuantSwitchLinear, QuantSwitchLinear),
                  "mixed": (QuantSwitchLinear, GGUFSwitchLinear)}[mix]
         assert (type(gate_up), type(down)) == kinds
         assert report.quantized["model.layers.1.mlp.experts"] == {
             "k": "experts gate Q4_K, up Q4_K, down Q6_K", "low": "experts gate Q3_K, up Q3_K, down Q2_K",
             "q5": "experts gate Q5_K, up Q5_K, down Q6_K", "iq4": "experts gate IQ4_XS, up IQ4_XS, down IQ4_NL",
+            "iq_lattice": "experts gate IQ3_XXS, up IQ3_XXS, down IQ2_S",
             "affine": "experts gate Q5_1, up Q5_1, down Q8_0",
             "mixed": "experts gate Q5_1, up Q5_1, down Q6_K"}[mix]
         if mix == "affine":
