@@ -270,16 +270,35 @@ inline int iq4xs_scale(int j, Bytes scales_l, unsigned scales_h) {
 }
 
 // ---- The lattice i-quants: one group of 8 weights at a time --------------------------------------
-// Lattice<type>::run(b, r, d) decodes group r (0..31: weights 8r .. 8r + 8) of block b (a pointer to
+// Lattice<type>::code(b, r, d) reads group r (0..31: weights 8r .. 8r + 8) of block b (a pointer to
 // the block struct in any address space) given d, the super-block scale as a float (the f16 bits
-// Lattice<type>::d_bits(b)): the weights are scale * q[i], each exact in float32 (an f16 times an
-// integer of at most 5 bits times a codebook value of at most 6 bits, IQ1's offset included).
-// The CPU decoder (csrc/cpu/gguf_qmm.cpp), the Metal slices (metal/gguf_qmm.h) and the mma loader
-// (metal/gguf_mma.h) all decode through these.
+// Lattice<type>::d_bits(b)), as a Code8; its weights are scale * q[i] with q from group8, each
+// exact in float32 (an f16 times an integer of at most 5 bits times a codebook value of at most 6
+// bits, IQ1's offset included). The CPU decoder (csrc/cpu/gguf_qmm.cpp), the AVX2 kernel
+// (csrc/cpu/gguf_avx2.cpp), the Metal slices (metal/gguf_qmm.h) and the mma loader
+// (metal/gguf_mma.h) all read groups through these.
+struct Code8 {
+  uint64_t entry;  // byte i: the codebook value of weight i, an int8 (IQ2 / IQ3 magnitudes are below 64)
+  uint32_t signs;  // bit i set: weight i negated (IQ2, IQ3; 0 for IQ1)
+  float offset;    // added to every value before the sign (IQ1: +-1/8; 0 otherwise)
+  float scale;
+};
+
 struct Group8 {
   float q[8];
   float scale;
 };
+
+// The group's values: q[i] = +-(int8 byte i of the entry + offset).
+inline Group8 group8(Code8 c) {
+  Group8 g;
+  for (int i = 0; i < 8; ++i) {
+    const float v = float(int(int8_t(uint8_t(c.entry >> (8 * i))))) + c.offset;
+    g.q[i] = ((c.signs >> i) & 1u) != 0 ? -v : v;
+  }
+  g.scale = c.scale;
+  return g;
+}
 
 // The sign byte of a 7-bit sign index: bit 7 makes the number of set bits even (llama.cpp's
 // ksigns_iq2xs table; IQ2_XXS, IQ2_XS and IQ3_XXS store 7 of the 8 signs of a group).
@@ -290,30 +309,28 @@ inline uint32_t even_sign_byte(uint32_t index7) {
   return index7 | ((p & 1u) << 7);
 }
 
-// A group from an 8-value codebook entry (byte i the magnitude of weight i), weight i negated where
-// bit i of `signs` is set.
-inline Group8 signed_group(uint64_t entry, uint32_t signs, float scale) {
-  Group8 g;
-  for (int i = 0; i < 8; ++i) {
-    const float v = float(uint32_t(entry >> (8 * i)) & 0xffu);
-    g.q[i] = ((signs >> i) & 1u) != 0 ? -v : v;
-  }
-  g.scale = scale;
-  return g;
+// A group of IQ2 / IQ3: an 8-value entry (or two 4-value ones, the first holding weights 0..3) and
+// its sign bits.
+inline Code8 signed_code(uint64_t entry, uint32_t signs, float scale) {
+  Code8 c;
+  c.entry = entry;
+  c.signs = signs;
+  c.offset = 0.0f;
+  c.scale = scale;
+  return c;
+}
+inline Code8 signed_code(uint32_t lo, uint32_t hi, uint32_t signs, float scale) {
+  return signed_code(uint64_t(lo) | (uint64_t(hi) << 32), signs, scale);
 }
 
-// The same from two 4-value entries (IQ3): the bytes of `lo` are weights 0..3, of `hi` 4..7.
-inline Group8 signed_group(uint32_t lo, uint32_t hi, uint32_t signs, float scale) {
-  return signed_group(uint64_t(lo) | (uint64_t(hi) << 32), signs, scale);
-}
-
-// A group of IQ1: byte i of a kIQ1SGrid entry (int8 -1, 0, 1) plus the offset +-1/8.
-inline Group8 offset_group(uint64_t entry, bool negative_offset, float scale) {
-  Group8 g;
-  const float delta = negative_offset ? -0.125f : 0.125f;
-  for (int i = 0; i < 8; ++i) g.q[i] = float(int(int8_t(uint8_t(entry >> (8 * i))))) + delta;
-  g.scale = scale;
-  return g;
+// A group of IQ1: a kIQ1SGrid entry (int8 -1, 0, 1) plus the offset +-1/8.
+inline Code8 offset_code(uint64_t entry, bool negative_offset, float scale) {
+  Code8 c;
+  c.entry = entry;
+  c.signs = 0;
+  c.offset = negative_offset ? -0.125f : 0.125f;
+  c.scale = scale;
+  return c;
 }
 
 template <int type>
@@ -328,11 +345,11 @@ struct Lattice<kTypeIQ2_XXS> {
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
-  static Group8 run(B b, int r, float d) {
+  static Code8 code(B b, int r, float d) {
     const int j = r >> 2, l = r & 3;
     const uint32_t index = (uint32_t(b->qs[4 * j + (l >> 1)]) >> (8 * (l & 1))) & 0xffu;
     const uint32_t aux = uint32_t(b->qs[4 * j + 2]) | (uint32_t(b->qs[4 * j + 3]) << 16);
-    return signed_group(kIQ2XXSGrid[index], even_sign_byte((aux >> (7 * l)) & 127u),
+    return signed_code(kIQ2XXSGrid[index], even_sign_byte((aux >> (7 * l)) & 127u),
                         d * (0.5f + float(aux >> 28)) * 0.25f);
   }
 };
@@ -345,10 +362,10 @@ struct Lattice<kTypeIQ2_XS> {
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
-  static Group8 run(B b, int r, float d) {
+  static Code8 code(B b, int r, float d) {
     const uint32_t v = b->qs[r];
     const uint32_t l = (uint32_t(b->scales[r >> 2]) >> (4 * ((r >> 1) & 1))) & 0xfu;
-    return signed_group(kIQ2XSGrid[v & 511u], even_sign_byte(v >> 9), d * (0.5f + float(l)) * 0.25f);
+    return signed_code(kIQ2XSGrid[v & 511u], even_sign_byte(v >> 9), d * (0.5f + float(l)) * 0.25f);
   }
 };
 
@@ -360,10 +377,10 @@ struct Lattice<kTypeIQ2_S> {
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
-  static Group8 run(B b, int r, float d) {
+  static Code8 code(B b, int r, float d) {
     const uint32_t index = uint32_t(b->qs[r]) | (((uint32_t(b->qh[r >> 2]) >> (2 * (r & 3))) & 3u) << 8);
     const uint32_t l = (uint32_t(b->scales[r >> 2]) >> (4 * ((r >> 1) & 1))) & 0xfu;
-    return signed_group(kIQ2SGrid[index], b->qs[32 + r], d * (0.5f + float(l)) * 0.25f);
+    return signed_code(kIQ2SGrid[index], b->qs[32 + r], d * (0.5f + float(l)) * 0.25f);
   }
 };
 
@@ -376,11 +393,11 @@ struct Lattice<kTypeIQ3_XXS> {
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
-  static Group8 run(B b, int r, float d) {
+  static Code8 code(B b, int r, float d) {
     const int j = r >> 2, l = r & 3;
     const uint32_t aux = uint32_t(b->qs[64 + 4 * j]) | (uint32_t(b->qs[64 + 4 * j + 1]) << 8) |
                          (uint32_t(b->qs[64 + 4 * j + 2]) << 16) | (uint32_t(b->qs[64 + 4 * j + 3]) << 24);
-    return signed_group(kIQ3XXSGrid[b->qs[2 * r]], kIQ3XXSGrid[b->qs[2 * r + 1]],
+    return signed_code(kIQ3XXSGrid[b->qs[2 * r]], kIQ3XXSGrid[b->qs[2 * r + 1]],
                         even_sign_byte((aux >> (7 * l)) & 127u), d * (0.5f + float(aux >> 28)) * 0.5f);
   }
 };
@@ -394,12 +411,12 @@ struct Lattice<kTypeIQ3_S> {
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
-  static Group8 run(B b, int r, float d) {
+  static Code8 code(B b, int r, float d) {
     const uint32_t high = uint32_t(b->qh[r >> 2]) >> (2 * (r & 3));
     const uint32_t lo = uint32_t(b->qs[2 * r]) | ((high & 1u) << 8);
     const uint32_t hi = uint32_t(b->qs[2 * r + 1]) | (((high >> 1) & 1u) << 8);
     const uint32_t l = (uint32_t(b->scales[r >> 3]) >> (4 * ((r >> 2) & 1))) & 0xfu;
-    return signed_group(kIQ3SGrid[lo], kIQ3SGrid[hi], b->signs[r], d * float(1 + 2 * int(l)));
+    return signed_code(kIQ3SGrid[lo], kIQ3SGrid[hi], b->signs[r], d * float(1 + 2 * int(l)));
   }
 };
 
@@ -412,10 +429,10 @@ struct Lattice<kTypeIQ1_S> {
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
-  static Group8 run(B b, int r, float d) {
+  static Code8 code(B b, int r, float d) {
     const uint32_t h = b->qh[r >> 2];
     const uint32_t index = uint32_t(b->qs[r]) | (((h >> (3 * (r & 3))) & 7u) << 8);
-    return offset_group(kIQ1SGrid[index], (h & 0x8000u) != 0, d * float(2 * int((h >> 12) & 7u) + 1));
+    return offset_code(kIQ1SGrid[index], (h & 0x8000u) != 0, d * float(2 * int((h >> 12) & 7u) + 1));
   }
 };
 
@@ -433,13 +450,13 @@ struct Lattice<kTypeIQ1_M> {
     return bits;
   }
   template <typename B>
-  static Group8 run(B b, int r, float d) {
+  static Code8 code(B b, int r, float d) {
     const uint32_t nib = (uint32_t(b->qh[r >> 1]) >> (4 * (r & 1))) & 0xfu;
     const uint32_t index = uint32_t(b->qs[r]) | ((nib & 7u) << 8);
     const int s = r >> 1;
     const uint32_t word = uint32_t(b->scales[2 * (s >> 2)]) | (uint32_t(b->scales[2 * (s >> 2) + 1]) << 8);
     const uint32_t l = (word >> (3 * (s & 3))) & 7u;
-    return offset_group(kIQ1SGrid[index], (nib & 8u) != 0, d * float(2 * int(l) + 1));
+    return offset_code(kIQ1SGrid[index], (nib & 8u) != 0, d * float(2 * int(l) + 1));
   }
 };
 

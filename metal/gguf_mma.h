@@ -14,7 +14,7 @@
 //         of sub-block 8h + 2t + l/16
 //   IQ4_XS: k % 256 = 32j + 16*nib + 8u -> qs[16j + 8u .. +8) (two uint32), low (nib 0) or high
 //         nibbles, values kIQ4Values[code], scale d * (l_j - 32) of sub-block j
-//   lattice i-quants: k % 256 = 8r -> group r (gguf::Lattice<type>::run)
+//   lattice i-quants: k % 256 = 8r -> group r (gguf::Lattice<type>::code)
 //
 //   blocks uint8 [N, K/256 * B]   x [M, K]   y [M, N]
 //   tile: 32 rows of x x 32 columns of y, K-steps of 32 (K % 256 == 0: the K mask never fires)
@@ -126,7 +126,7 @@ template <int type>
 inline void lattice_decode8(const device uint8_t* raw, uint k, thread float* w) {
   typedef torch_qmm::gguf::Lattice<type> L;
   const device typename L::Block* b = (const device typename L::Block*)raw;
-  const torch_qmm::gguf::Group8 g = L::run(b, int(k / 8), float(as_type<half>(ushort(L::d_bits(b)))));
+  const torch_qmm::gguf::Group8 g = torch_qmm::gguf::group8(L::code(b, int(k / 8), float(as_type<half>(ushort(L::d_bits(b))))));
   for (int i = 0; i < 8; ++i) w[i] = g.scale * g.q[i];
 }
 

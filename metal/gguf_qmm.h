@@ -280,7 +280,7 @@ struct GGUFSlice<torch_qmm::gguf::kTypeIQ4_XS> {
   }
 };
 
-// The lattice i-quants: slot s decodes sub-block s, its groups 4s .. 4s + 3 (gguf::Lattice<type>::run;
+// The lattice i-quants: slot s decodes sub-block s, its groups 4s .. 4s + 3 (gguf::Lattice<type>::code;
 // each group one run). The types' slices derive from this one.
 template <int type>
 struct LatticeSlice {
@@ -298,7 +298,7 @@ struct LatticeSlice {
     const device Block* b = (const device Block*)raw;
     const float d = float(as_type<half>(ushort(L::d_bits(b))));
     for (int j = 0; j < RUNS; ++j) {
-      const torch_qmm::gguf::Group8 g = L::run(b, int(4 * slot) + j, d);
+      const torch_qmm::gguf::Group8 g = torch_qmm::gguf::group8(L::code(b, int(4 * slot) + j, d));
       for (int i = 0; i < RUN; ++i) q[j][i] = g.q[i];
       scale[j] = g.scale;
       min[j] = 0.0f;

@@ -296,6 +296,10 @@ GGUF_PANEL_MAX_ROWS = 128  # cpu::kGgufPanelMaxRows: the float32 family takes up
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
 GGUF_AVX2_NAMES = {Q2_K: "chunked/avx2-q2k", Q3_K: "chunked/avx2-q3k", Q4_K: "chunked/avx2-q4k", Q5_K: "chunked/avx2-q5k",
                    Q6_K: "chunked/avx2-q6k", IQ4_XS: "chunked/avx2-iq4xs"}
+# The lattice i-quants' AVX2 kernel (LatticeGroups): one name per type, no subnormal-field variant.
+LATTICE_AVX2_NAMES = {IQ2_XXS: "chunked/avx2-iq2xxs", IQ2_XS: "chunked/avx2-iq2xs", IQ2_S: "chunked/avx2-iq2s",
+                      IQ3_XXS: "chunked/avx2-iq3xxs", IQ3_S: "chunked/avx2-iq3s", IQ1_S: "chunked/avx2-iq1s",
+                      IQ1_M: "chunked/avx2-iq1m"}
 # The same kernels with the code fields taken as the bits of subnormal floats (gguf_avx2.cpp,
 # Fields<true>): where subnormal_fields_on(), for x with every nonzero |x| in [2^-57, 2^48), and for
 # Q4_K only where the rows of x go in blocks of 4 and 1 (M % 4 < 2: its 2-row block is slower so).
@@ -343,8 +347,8 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True, x_in_
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
     avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
     sub_range = x_in_range if x_in_subnormal_range is None else x_in_subnormal_range
-    if ggml_type in LATTICE_TYPES:  # no chunk kernels
-        return "fused" if m < 16 else "gemm"
+    if ggml_type in LATTICE_TYPES:  # the AVX2 kernel only, no subnormal fields
+        return LATTICE_AVX2_NAMES[ggml_type] if avx2 else "fused" if m < 16 else "gemm"
     if ggml_type in (Q2_K, Q3_K, Q5_K, IQ4_XS):  # AVX2 chunk kernels only
         return gguf_avx2_name(ggml_type, m, sub_range) if avx2 else "fused" if m < 16 else "gemm"
     if gguf_bf16_panel_serves(terms, m, x_in_range):

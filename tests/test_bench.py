@@ -70,7 +70,8 @@ def test_bench_gguf_times_gguf_qmm_against_linear(tmp_path):
     """--gguf: random valid blocks of every native type, output checked against gguf.quants.dequantize,
     rows labelled by type (no affine bits / group size), only the F.linear peers."""
     out = tmp_path / "bench.json"
-    types = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+    types = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ2_XXS": 66, "IQ2_XS": 74, "IQ3_XXS": 98,
+             "IQ1_S": 50, "IQ3_S": 110, "IQ2_S": 82, "IQ4_XS": 136, "IQ1_M": 56}
     rc = main(["bench", "--device", "cpu", "--shapes", "64x512", "--m", "1,3", "--gguf", ",".join(types), "--dtype",
                "float32", "--repeats", "1", "--output", str(out), "--no-plot"])
     assert rc == 0

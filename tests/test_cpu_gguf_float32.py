@@ -21,7 +21,7 @@ from gguf import quants
 
 from cpu_features import HAS_AVX2, HAS_AVX512
 from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_F32_MAX_ROWS, GGUF_F32_NAMES, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-from gguf_helpers import gguf_avx2_name
+from gguf_helpers import LATTICE_AVX2_NAMES, LATTICE_TYPES, exact_k_blocks, exact_x, gguf_avx2_name
 from gguf_helpers import assert_matches_reference, expected_gguf_route, k_quant_magnitude, q4k_every_scale_byte
 from gguf_helpers import q6k_signed_scales_and_full_high_fields, random_k_blocks
 
@@ -156,3 +156,45 @@ def test_two_threads_batched_x_and_fallbacks(family, ggml_type, threads, monkeyp
     monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
     monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
     assert route(x[0], blocks, 300, 1024, ggml_type) == "fused"
+
+
+# ---- the lattice i-quants' AVX2 kernel (gguf_avx2.cpp, LatticeGroups) -----------------------------
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the lattice AVX2 kernel needs AVX2 and FMA")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ggml_type", LATTICE_TYPES, ids=lambda t: t.name)
+def test_lattice_avx2_kernel_matches_gguf_dequantize(ggml_type, dtype, monkeypatch):
+    """Super-blocks 1, 2 and 3, W rows in tiles of 2 / 1 (odd N), x rows in blocks of 4 / 2 / 1, and
+    the first M past the row limit (the GEMM); the same calls on the scalar fused decode, forced."""
+    for key, value in AVX2_ONLY.items():
+        monkeypatch.setenv(key, value)
+    for n, k in [(1, 256), (5, 768), (131, 512)]:
+        blocks, w = _case(ggml_type, n, k, seed=n + k)
+        x_all = torch.randn(GGUF_AVX2_MAX_ROWS + 1, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+        for m in (1, 2, 3, 5, 7, GGUF_AVX2_MAX_ROWS, GGUF_AVX2_MAX_ROWS + 1):
+            x = x_all[:m]
+            r = route(x, blocks, n, k, ggml_type)
+            assert r == expected_gguf_route(dtype, m, ggml_type)
+            assert (r == LATTICE_AVX2_NAMES[ggml_type]) == (m <= GGUF_AVX2_MAX_ROWS), f"M={m}: {r}"
+            check(x, blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} {r} M={m} N={n} K={k}")
+    monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
+    assert route(x_all[:3], blocks, n, k, ggml_type) == "fused"
+    check(x_all[:3], blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} fused")
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the lattice AVX2 kernel needs AVX2 and FMA")
+@pytest.mark.parametrize("ggml_type", LATTICE_TYPES, ids=lambda t: t.name)
+def test_lattice_avx2_kernel_exact_sums_and_two_threads(ggml_type, threads):
+    """exact_k_blocks / exact_x: every product and partial sum exact in float32, so y is the float64
+    product rounded once, bit for bit, on the AVX2 kernel (one and two threads) and the fused decode."""
+    rng = np.random.default_rng(60 + int(ggml_type))
+    n, k = 37, 768
+    blocks = torch.from_numpy(exact_k_blocks(ggml_type, n, k, rng))
+    w = torch.from_numpy(quants.dequantize(blocks.numpy(), ggml_type)).double()
+    for m in (1, 2, 5, 15, 16):
+        x = torch.from_numpy(exact_x(m, k, rng))
+        expect = (x.double() @ w.T).float()
+        y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(ggml_type), n, k)
+        r = route(x, blocks, n, k, ggml_type)
+        assert r == expected_gguf_route(torch.float32, m, ggml_type)
+        assert torch.equal(y, expect), f"{ggml_type.name} {r} M={m}: {(y.double() - expect.double()).abs().max().item():.3e}"

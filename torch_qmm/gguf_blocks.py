@@ -318,6 +318,20 @@ def f16_scales(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return _f16(blocks[..., F16_SCALE_BYTES[ggml_type]])
 
 
+def set_f16_scales(blocks: torch.Tensor, ggml_type: int, values: torch.Tensor) -> None:
+    """Writes float16 super-block scales values [..., n] (as f16_scales reads them) into blocks uint8
+    [..., BLOCK_BYTES[ggml_type]], in place."""
+    ggml_type = int(ggml_type)
+    bits = values.to(torch.float16).contiguous().view(torch.int16).long() & 0xFFFF
+    if ggml_type == IQ1_M:  # the top nibbles of the 4 scale uint16 (bytes 49, 51, 53, 55), lowest first
+        for u in range(4):
+            byte = blocks[..., 49 + 2 * u].long()
+            blocks[..., 49 + 2 * u] = ((byte & 0x0F) | (((bits[..., 0] >> (4 * u)) & 0xF) << 4)).to(torch.uint8)
+        return
+    pairs = torch.stack([bits & 0xFF, bits >> 8], dim=-1).flatten(-2).to(torch.uint8)
+    blocks[..., F16_SCALE_BYTES[ggml_type]] = pairs
+
+
 def dequantize_rows(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """Rows of W as float32 [rows, K] from their blocks uint8 [rows, K/256 * block_bytes] (a row
     slice of what gguf_qmm takes), on the blocks' device. ggml_type: a key of BLOCK_BYTES."""

@@ -1,4 +1,5 @@
-// The GGUF K-quants (Q2_K .. Q6_K) and IQ4_XS x float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
+// The GGUF K-quants (Q2_K .. Q6_K), IQ4_XS and the lattice i-quants (LatticeGroups, above) x
+// float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
 // routes here where no AVX-512 kernel goes first), on the chunk driver of chunk_driver.h. A chunk is
 // one super-block of 256 weights; its code bytes are read 32 at a time as 8 dwords and cut into
 // fields by masks, as U4Multiplier does (chunk_avx2.h): a field masked in place is the integer
@@ -601,6 +602,50 @@ using Q2K = Sixteens<Q2KCodes, F>;
 template <typename F>
 using Q3K = Sixteens<Q3KCodes, F>;
 
+// The lattice i-quants (IQ1_S .. IQ3_S; metal/gguf_format.h): each group of 8 weights is one
+// codebook entry, read by gguf::Lattice<type>::code in scalar code (its index, sign bits, offset
+// and scale take bit fields from several places of the block), then made 8 float32 lanes at once:
+// the entry's 8 int8 values widened and converted, the offset added, the sign bits turned into
+// sign-bit masks, times the scale (exact: as group8 and the scalar decoder), and one FMA per row of
+// x with x's 8 values of the group. x is used as it is (no preparation, no side data); a tile of two
+// W rows at one row of x shares each load of x.
+template <int type>
+struct LatticeGroups {
+  using X = float;
+  using L = gguf::Lattice<type>;
+  static constexpr int64_t kType = type, kBlockBytes = int64_t(sizeof(typename L::Block)), kXPerBlock = 256, kSide = 1;
+  static constexpr int tile_rows(int mb) { return mb == 1 ? 2 : 1; }
+  static void prepare(const float* x, float* xc, float* side) {
+    std::memcpy(xc, x, 256 * sizeof(float));
+    side[0] = 0.0f;
+  }
+
+  __attribute__((always_inline)) static inline __m256 weights(gguf::Code8 c) {
+    const __m256 v = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(int64_t(c.entry)))),
+                                   _mm256_set1_ps(c.offset));
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(c.signs)), bit), bit);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(set, 31));
+    return _mm256_mul_ps(_mm256_xor_ps(v, sign), _mm256_set1_ps(c.scale));
+  }
+
+  template <int R, int MB>
+  __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
+                                                          const float* const (&)[MB], __m256 (&acc)[R][MB]) {
+    typename L::Block b[R];
+    float d[R];
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(&b[r], blk[r], sizeof(b[r]));  // blocks are byte-aligned inside a row
+      d[r] = c10::Half(uint16_t(L::d_bits(&b[r])), c10::Half::from_bits());
+    }
+    for (int g = 0; g < 32; ++g)
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = weights(L::code(&b[r], g, d[r]));
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xc[m] + 8 * g), acc[r][m]);
+      }
+  }
+};
+
 // 8 float32 lanes; block b of each row of the next tile (R rows on) prefetched into L1, so W
 // streams a tile ahead of its use (the next tile takes the same slab of blocks next).
 struct GgufYmm {
@@ -636,6 +681,23 @@ constexpr Avx2Names kAvx2Names[] = {{gguf::kTypeQ2_K, "avx2-q2k", "avx2-q2k-subn
                                     {gguf::kTypeQ5_K, "avx2-q5k", "avx2-q5k-subnormal"},
                                     {gguf::kTypeQ6_K, "avx2-q6k", "avx2-q6k-subnormal"},
                                     {gguf::kTypeIQ4_XS, "avx2-iq4xs", "avx2-iq4xs-subnormal"}};
+// The lattice i-quants' kernel takes no code fields as floats: one name each.
+constexpr Avx2Names kLatticeNames[] = {{gguf::kTypeIQ2_XXS, "avx2-iq2xxs", nullptr}, {gguf::kTypeIQ2_XS, "avx2-iq2xs", nullptr},
+                                       {gguf::kTypeIQ2_S, "avx2-iq2s", nullptr},     {gguf::kTypeIQ3_XXS, "avx2-iq3xxs", nullptr},
+                                       {gguf::kTypeIQ3_S, "avx2-iq3s", nullptr},     {gguf::kTypeIQ1_S, "avx2-iq1s", nullptr},
+                                       {gguf::kTypeIQ1_M, "avx2-iq1m", nullptr}};
+
+const char* lattice_name(int64_t ggml_type) {
+  for (const Avx2Names& n : kLatticeNames)
+    if (n.ggml_type == ggml_type) return n.converted;
+  return nullptr;
+}
+
+bool run_lattice(const GgufArgs& a, int64_t ggml_type, float* y) {
+  return run_gguf_chunks<GgufYmm, LatticeGroups<gguf::kTypeIQ2_XXS>, LatticeGroups<gguf::kTypeIQ2_XS>,
+                         LatticeGroups<gguf::kTypeIQ2_S>, LatticeGroups<gguf::kTypeIQ3_XXS>, LatticeGroups<gguf::kTypeIQ3_S>,
+                         LatticeGroups<gguf::kTypeIQ1_S>, LatticeGroups<gguf::kTypeIQ1_M>>(a, ggml_type, y);
+}
 
 template <typename F>
 bool run_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
@@ -647,14 +709,16 @@ bool run_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
 const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type) {
   if (avx2_chunks_avoided() || a.M < 1 || a.M > kGgufAvx2MaxRows) return nullptr;
   if (!a.x_in_range) return nullptr;
+  if (const char* name = lattice_name(ggml_type)) return name;
   for (const Avx2Names& n : kAvx2Names)
     if (n.ggml_type == ggml_type) return subnormal_fields_for(a, ggml_type) ? n.subnormal : n.converted;
   return nullptr;
 }
 
 void gguf_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
-  const bool ran = subnormal_fields_for(a, ggml_type) ? run_avx2<Fields<true>>(a, ggml_type, y)
-                                                      : run_avx2<Fields<false>>(a, ggml_type, y);
+  const bool ran = lattice_name(ggml_type) != nullptr          ? run_lattice(a, ggml_type, y)
+                   : subnormal_fields_for(a, ggml_type) ? run_avx2<Fields<true>>(a, ggml_type, y)
+                                                        : run_avx2<Fields<false>>(a, ggml_type, y);
   TORCH_CHECK(ran, "gguf_qmm: no AVX2 chunk kernel for ggml type ", ggml_type, " (gguf_avx2_multiplier)");
 }
 

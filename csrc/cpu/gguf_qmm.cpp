@@ -175,7 +175,7 @@ void decode_lattice(const uint8_t* raw, float* y) {
   std::memcpy(&b, raw, sizeof b);
   const float d = half_to_float(uint16_t(L::d_bits(&b)));
   for (int r = 0; r < kQK_K / 8; ++r) {
-    const gguf::Group8 g = L::run(&b, r, d);
+    const gguf::Group8 g = gguf::group8(L::code(&b, r, d));
     for (int i = 0; i < 8; ++i) y[8 * r + i] = g.scale * g.q[i];
   }
 }

@@ -27,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..cli_errors import UsageError, output_file
 from ..devices import best_device, busy_cpu_warning, check_usable
 from ..formats import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from ..interop.gguf_types import NATIVE_TYPES, type_name
 from . import llamacpp_peer, metalsim_traffic, mlx_peer
 from .kernels import FP_MODES, Config, merge_rounds, run_config
 from .model import format_model, run_model
@@ -122,8 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "so that every peer ratio (e.g. llamacpp's) is against it (default: exact)")
     parser.add_argument("--threads", type=_positive, default=None,
                         help="torch.set_num_threads for the run; the llamacpp peer uses as many (default: as is)")
-    parser.add_argument("--gguf", type=_choices(["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]), default=None,
-                        help="native GGUF types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS): time gguf_qmm on random blocks instead of "
+    gguf_names = [type_name(t) for t in NATIVE_TYPES]
+    parser.add_argument("--gguf", type=_choices(gguf_names), default=None,
+                        help=f"native GGUF types ({', '.join(gguf_names)}): time gguf_qmm on random blocks instead of "
                              "affine_qmm (--bits ignored)")
     parser.add_argument("--peers", type=_choices(PEERS), default=None,
                         help=f"only these peers, comma-separated, of {', '.join(PEERS)} (default: all)")

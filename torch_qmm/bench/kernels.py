@@ -31,7 +31,7 @@ from gguf import quants as gguf_quants
 
 from .. import reference, reference_fp
 from ..activations import GGUF_INT8_TYPES, activation_quantization
-from ..gguf_blocks import F16_SCALE_BYTES
+from ..gguf_blocks import f16_scales, set_f16_scales
 from ..devices import synchronize
 from ..formats import FORMATS
 from ..ops import gguf_matmul, quantized_matmul
@@ -122,10 +122,8 @@ def random_gguf_blocks(n: int, k: int, fmt: str, device: str, gen: torch.Generat
     ggml_type = GGMLQuantizationType[fmt]
     block_bytes = GGML_QUANT_SIZES[ggml_type][1]
     blocks = torch.randint(0, 256, (n, k // 256, block_bytes), generator=gen, dtype=torch.uint8)
-    scales = F16_SCALE_BYTES[int(ggml_type)]  # f16 d (and dmin)
-    for off in range(scales.start, scales.stop, 2):
-        f16 = (torch.rand(n, k // 256, 1, generator=gen) * 2e-3 + 1e-4).to(torch.float16)
-        blocks[..., off:off + 2] = f16.view(torch.uint8)
+    count = f16_scales(blocks[:1, :1], int(ggml_type)).shape[-1]  # d (and dmin)
+    set_f16_scales(blocks, int(ggml_type), torch.rand(n, k // 256, count, generator=gen) * 2e-3 + 1e-4)
     return blocks.reshape(n, -1).to(device)
 
 

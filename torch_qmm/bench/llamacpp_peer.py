@@ -38,11 +38,13 @@ from pathlib import Path
 # no ggml twin; q4_0 / q5_0 / q8_0 (one f16 scale per 32 weights, no bias) are the nearest.
 GGML_TYPES = {("Q2_K", None): "q2_K", ("Q3_K", None): "q3_K", ("Q4_K", None): "q4_K", ("Q5_K", None): "q5_K",
               ("Q6_K", None): "q6_K", ("IQ4_XS", None): "iq4_xs", ("affine", 4): "q4_0", ("affine", 5): "q5_0", ("affine", 8): "q8_0",
-              ("mxfp4", None): "mxfp4"}
+              ("mxfp4", None): "mxfp4", ("IQ1_S", None): "iq1_s", ("IQ1_M", None): "iq1_m", ("IQ2_XXS", None): "iq2_xxs",
+              ("IQ2_XS", None): "iq2_xs", ("IQ2_S", None): "iq2_s", ("IQ3_XXS", None): "iq3_xxs", ("IQ3_S", None): "iq3_s"}
 # ggml type -> (weights per block, bytes per block): the weight bytes of a ggml matrix.
 GGML_BLOCKS = {"q4_0": (32, 18), "q5_0": (32, 22), "q8_0": (32, 34), "q2_K": (256, 84), "q3_K": (256, 110),
                "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210), "iq4_xs": (256, 136),
-               "mxfp4": (32, 17)}
+               "mxfp4": (32, 17), "iq1_s": (256, 50), "iq1_m": (256, 56), "iq2_xxs": (256, 66), "iq2_xs": (256, 74),
+               "iq2_s": (256, 82), "iq3_xxs": (256, 98), "iq3_s": (256, 110)}
 # ggml type name -> enum ggml_type value (ggml.h), for --test-file lines.
 GGML_TYPE_IDS = {"f32": 0, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q2_K": 10, "q3_K": 11, "q4_K": 12, "q5_K": 13, "q6_K": 14,
                  "iq4_xs": 23, "mxfp4": 39}
