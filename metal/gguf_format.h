@@ -276,10 +276,12 @@ inline int iq4xs_scale(int j, Bytes scales_l, unsigned scales_h) {
 // exact in float32 (an f16 times an integer of at most 5 bits times a codebook value of at most 6
 // bits, IQ1's offset included). The CPU decoder (csrc/cpu/gguf_qmm.cpp), the AVX2 kernel
 // (csrc/cpu/gguf_avx2.cpp), the Metal slices (metal/gguf_qmm.h) and the mma loader
-// (metal/gguf_mma.h) all read groups through these.
+// (metal/gguf_mma.h) all read groups through these; Lattice<type>::grid(i) is codebook entry i
+// (kWidth int8 values, byte i the value of weight i) for those that tabulate it.
 struct Code8 {
-  uint64_t entry;  // byte i: the codebook value of weight i, an int8 (IQ2 / IQ3 magnitudes are below 64)
-  uint32_t signs;  // bit i set: weight i negated (IQ2, IQ3; 0 for IQ1)
+  uint64_t entry;     // byte i: the codebook value of weight i, an int8 (IQ2 / IQ3 magnitudes are below 64)
+  uint32_t index[2];  // the entry's codebook index (IQ3: the indices of weights 0..3 and 4..7)
+  uint32_t signs;     // bit i set: weight i negated (IQ2, IQ3; 0 for IQ1)
   float offset;    // added to every value before the sign (IQ1: +-1/8; 0 otherwise)
   float scale;
 };
@@ -311,24 +313,30 @@ inline uint32_t even_sign_byte(uint32_t index7) {
 
 // A group of IQ2 / IQ3: an 8-value entry (or two 4-value ones, the first holding weights 0..3) and
 // its sign bits.
-inline Code8 signed_code(uint64_t entry, uint32_t signs, float scale) {
+inline Code8 signed_code(uint64_t entry, uint32_t index, uint32_t signs, float scale) {
   Code8 c;
   c.entry = entry;
+  c.index[0] = index;
+  c.index[1] = 0;
   c.signs = signs;
   c.offset = 0.0f;
   c.scale = scale;
   return c;
 }
-inline Code8 signed_code(uint32_t lo, uint32_t hi, uint32_t signs, float scale) {
-  return signed_code(uint64_t(lo) | (uint64_t(hi) << 32), signs, scale);
+inline Code8 signed_code(uint32_t lo, uint32_t hi, uint32_t index_lo, uint32_t index_hi, uint32_t signs, float scale) {
+  Code8 c = signed_code(uint64_t(lo) | (uint64_t(hi) << 32), index_lo, signs, scale);
+  c.index[1] = index_hi;
+  return c;
 }
 
 // A group of IQ1: a kIQ1SGrid entry (int8 -1, 0, 1) plus the offset +-1/8.
-inline Code8 offset_code(uint64_t entry, bool negative_offset, float scale) {
+inline Code8 offset_code(uint64_t entry, uint32_t index, bool negative_offset, float scale) {
   Code8 c;
   c.entry = entry;
+  c.index[0] = index;
+  c.index[1] = 0;
   c.signs = 0;
-  c.offset = negative_offset ? -0.125f : 0.125f;
+  c.offset = 0.125f - 0.25f * float(int(negative_offset));  // arithmetic, not a branch on random bits
   c.scale = scale;
   return c;
 }
@@ -342,6 +350,8 @@ struct Lattice;
 template <>
 struct Lattice<kTypeIQ2_XXS> {
   typedef BlockIQ2XXS Block;
+  enum : int { kEntries = 256, kWidth = 8 };  // the codebook: entries of kWidth values
+  static uint64_t grid(uint32_t i) { return kIQ2XXSGrid[i]; }
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
@@ -349,8 +359,8 @@ struct Lattice<kTypeIQ2_XXS> {
     const int j = r >> 2, l = r & 3;
     const uint32_t index = (uint32_t(b->qs[4 * j + (l >> 1)]) >> (8 * (l & 1))) & 0xffu;
     const uint32_t aux = uint32_t(b->qs[4 * j + 2]) | (uint32_t(b->qs[4 * j + 3]) << 16);
-    return signed_code(kIQ2XXSGrid[index], even_sign_byte((aux >> (7 * l)) & 127u),
-                        d * (0.5f + float(aux >> 28)) * 0.25f);
+    return signed_code(kIQ2XXSGrid[index], index, even_sign_byte((aux >> (7 * l)) & 127u),
+                       d * (0.5f + float(aux >> 28)) * 0.25f);
   }
 };
 
@@ -359,13 +369,15 @@ struct Lattice<kTypeIQ2_XXS> {
 template <>
 struct Lattice<kTypeIQ2_XS> {
   typedef BlockIQ2XS Block;
+  enum : int { kEntries = 512, kWidth = 8 };  // the codebook: entries of kWidth values
+  static uint64_t grid(uint32_t i) { return kIQ2XSGrid[i]; }
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
   static Code8 code(B b, int r, float d) {
     const uint32_t v = b->qs[r];
     const uint32_t l = (uint32_t(b->scales[r >> 2]) >> (4 * ((r >> 1) & 1))) & 0xfu;
-    return signed_code(kIQ2XSGrid[v & 511u], even_sign_byte(v >> 9), d * (0.5f + float(l)) * 0.25f);
+    return signed_code(kIQ2XSGrid[v & 511u], v & 511u, even_sign_byte(v >> 9), d * (0.5f + float(l)) * 0.25f);
   }
 };
 
@@ -374,13 +386,15 @@ struct Lattice<kTypeIQ2_XS> {
 template <>
 struct Lattice<kTypeIQ2_S> {
   typedef BlockIQ2S Block;
+  enum : int { kEntries = 1024, kWidth = 8 };  // the codebook: entries of kWidth values
+  static uint64_t grid(uint32_t i) { return kIQ2SGrid[i]; }
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
   static Code8 code(B b, int r, float d) {
     const uint32_t index = uint32_t(b->qs[r]) | (((uint32_t(b->qh[r >> 2]) >> (2 * (r & 3))) & 3u) << 8);
     const uint32_t l = (uint32_t(b->scales[r >> 2]) >> (4 * ((r >> 1) & 1))) & 0xfu;
-    return signed_code(kIQ2SGrid[index], b->qs[32 + r], d * (0.5f + float(l)) * 0.25f);
+    return signed_code(kIQ2SGrid[index], index, b->qs[32 + r], d * (0.5f + float(l)) * 0.25f);
   }
 };
 
@@ -390,6 +404,8 @@ struct Lattice<kTypeIQ2_S> {
 template <>
 struct Lattice<kTypeIQ3_XXS> {
   typedef BlockIQ3XXS Block;
+  enum : int { kEntries = 256, kWidth = 4 };  // the codebook: entries of kWidth values
+  static uint64_t grid(uint32_t i) { return kIQ3XXSGrid[i]; }
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
@@ -397,8 +413,9 @@ struct Lattice<kTypeIQ3_XXS> {
     const int j = r >> 2, l = r & 3;
     const uint32_t aux = uint32_t(b->qs[64 + 4 * j]) | (uint32_t(b->qs[64 + 4 * j + 1]) << 8) |
                          (uint32_t(b->qs[64 + 4 * j + 2]) << 16) | (uint32_t(b->qs[64 + 4 * j + 3]) << 24);
-    return signed_code(kIQ3XXSGrid[b->qs[2 * r]], kIQ3XXSGrid[b->qs[2 * r + 1]],
-                        even_sign_byte((aux >> (7 * l)) & 127u), d * (0.5f + float(aux >> 28)) * 0.5f);
+    const uint32_t lo = b->qs[2 * r], hi = b->qs[2 * r + 1];
+    return signed_code(kIQ3XXSGrid[lo], kIQ3XXSGrid[hi], lo, hi, even_sign_byte((aux >> (7 * l)) & 127u),
+                       d * (0.5f + float(aux >> 28)) * 0.5f);
   }
 };
 
@@ -408,6 +425,8 @@ struct Lattice<kTypeIQ3_XXS> {
 template <>
 struct Lattice<kTypeIQ3_S> {
   typedef BlockIQ3S Block;
+  enum : int { kEntries = 512, kWidth = 4 };  // the codebook: entries of kWidth values
+  static uint64_t grid(uint32_t i) { return kIQ3SGrid[i]; }
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
@@ -416,7 +435,7 @@ struct Lattice<kTypeIQ3_S> {
     const uint32_t lo = uint32_t(b->qs[2 * r]) | ((high & 1u) << 8);
     const uint32_t hi = uint32_t(b->qs[2 * r + 1]) | (((high >> 1) & 1u) << 8);
     const uint32_t l = (uint32_t(b->scales[r >> 3]) >> (4 * ((r >> 2) & 1))) & 0xfu;
-    return signed_code(kIQ3SGrid[lo], kIQ3SGrid[hi], b->signs[r], d * float(1 + 2 * int(l)));
+    return signed_code(kIQ3SGrid[lo], kIQ3SGrid[hi], lo, hi, b->signs[r], d * float(1 + 2 * int(l)));
   }
 };
 
@@ -426,13 +445,15 @@ struct Lattice<kTypeIQ3_S> {
 template <>
 struct Lattice<kTypeIQ1_S> {
   typedef BlockIQ1S Block;
+  enum : int { kEntries = 2048, kWidth = 8 };  // the codebook: entries of kWidth values
+  static uint64_t grid(uint32_t i) { return kIQ1SGrid[i]; }
   template <typename B>
   static uint32_t d_bits(B b) { return b->d; }
   template <typename B>
   static Code8 code(B b, int r, float d) {
     const uint32_t h = b->qh[r >> 2];
     const uint32_t index = uint32_t(b->qs[r]) | (((h >> (3 * (r & 3))) & 7u) << 8);
-    return offset_code(kIQ1SGrid[index], (h & 0x8000u) != 0, d * float(2 * int((h >> 12) & 7u) + 1));
+    return offset_code(kIQ1SGrid[index], index, (h & 0x8000u) != 0, d * float(2 * int((h >> 12) & 7u) + 1));
   }
 };
 
@@ -443,6 +464,8 @@ struct Lattice<kTypeIQ1_S> {
 template <>
 struct Lattice<kTypeIQ1_M> {
   typedef BlockIQ1M Block;
+  enum : int { kEntries = 2048, kWidth = 8 };  // the codebook: entries of kWidth values
+  static uint64_t grid(uint32_t i) { return kIQ1SGrid[i]; }
   template <typename B>
   static uint32_t d_bits(B b) {
     uint32_t bits = 0;
@@ -456,7 +479,7 @@ struct Lattice<kTypeIQ1_M> {
     const int s = r >> 1;
     const uint32_t word = uint32_t(b->scales[2 * (s >> 2)]) | (uint32_t(b->scales[2 * (s >> 2) + 1]) << 8);
     const uint32_t l = (word >> (3 * (s & 3))) & 7u;
-    return offset_code(kIQ1SGrid[index], (nib & 8u) != 0, d * float(2 * int(l) + 1));
+    return offset_code(kIQ1SGrid[index], index, (nib & 8u) != 0, d * float(2 * int(l) + 1));
   }
 };
 

@@ -16,6 +16,7 @@
 
 #include <array>
 #include <cstring>
+#include <vector>
 
 #include "../gguf_format.h"
 #include "chunk_avx2.h"
@@ -603,46 +604,83 @@ template <typename F>
 using Q3K = Sixteens<Q3KCodes, F>;
 
 // The lattice i-quants (IQ1_S .. IQ3_S; metal/gguf_format.h): each group of 8 weights is one
-// codebook entry, read by gguf::Lattice<type>::code in scalar code (its index, sign bits, offset
-// and scale take bit fields from several places of the block), then made 8 float32 lanes at once:
-// the entry's 8 int8 values widened and converted, the offset added, the sign bits turned into
-// sign-bit masks, times the scale (exact: as group8 and the scalar decoder), and one FMA per row of
-// x with x's 8 values of the group. x is used as it is (no preparation, no side data); a tile of two
+// codebook entry (IQ3: two of 4 values), read by gguf::Lattice<type>::code in scalar code (its
+// index, sign bits, offset and scale take bit fields from several places of the block). The
+// codebook is kept as float32 (FloatGrid, built once: 4 to 64 KB) and the signs as 256 masks of 8
+// sign bits, so a group's 8 weights are one or two loads, an XOR with its sign mask (IQ1: an add of
+// its offset), times its scale: exact, as group8 and the scalar decoder. Then one FMA per row of x
+// with x's 8 values of the group. x is used as it is (no preparation, no side data); a tile of two
 // W rows at one row of x shares each load of x.
+template <int type>
+struct FloatGrid {
+  using L = gguf::Lattice<type>;
+  static const float* values() {
+    static const std::vector<float> table = [] {
+      std::vector<float> t(size_t(L::kEntries) * L::kWidth);
+      for (uint32_t i = 0; i < uint32_t(L::kEntries); ++i)
+        for (int v = 0; v < L::kWidth; ++v) t[i * L::kWidth + v] = float(int8_t(uint8_t(L::grid(i) >> (8 * v))));
+      return t;
+    }();
+    return table.data();
+  }
+};
+
+// Mask s: the float sign bit in lane i where bit i of s is set.
+alignas(32) constexpr std::array<uint32_t, 256 * 8> kSignMasks = [] {
+  std::array<uint32_t, 256 * 8> t{};
+  for (int s = 0; s < 256; ++s)
+    for (int i = 0; i < 8; ++i) t[8 * s + i] = (s >> i) & 1 ? 0x80000000u : 0u;
+  return t;
+}();
+
 template <int type>
 struct LatticeGroups {
   using X = float;
   using L = gguf::Lattice<type>;
   static constexpr int64_t kType = type, kBlockBytes = int64_t(sizeof(typename L::Block)), kXPerBlock = 256, kSide = 1;
+  static constexpr bool kOffset = type == gguf::kTypeIQ1_S || type == gguf::kTypeIQ1_M;  // else signs
   static constexpr int tile_rows(int mb) { return mb == 1 ? 2 : 1; }
   static void prepare(const float* x, float* xc, float* side) {
     std::memcpy(xc, x, 256 * sizeof(float));
     side[0] = 0.0f;
   }
 
-  __attribute__((always_inline)) static inline __m256 weights(gguf::Code8 c) {
-    const __m256 v = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(int64_t(c.entry)))),
-                                   _mm256_set1_ps(c.offset));
-    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(c.signs)), bit), bit);
-    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(set, 31));
-    return _mm256_mul_ps(_mm256_xor_ps(v, sign), _mm256_set1_ps(c.scale));
+  __attribute__((always_inline)) static inline __m256 weights(const float* grid, gguf::Code8 c) {
+    __m256 v;
+    if (L::kWidth == 8) {
+      v = _mm256_loadu_ps(grid + 8 * c.index[0]);
+    } else {
+      v = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(grid + 4 * c.index[0])), _mm_loadu_ps(grid + 4 * c.index[1]), 1);
+    }
+    if (kOffset) {
+      v = _mm256_add_ps(v, _mm256_set1_ps(c.offset));
+    } else {
+      v = _mm256_xor_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(kSignMasks.data() + 8 * c.signs)));
+    }
+    return _mm256_mul_ps(v, _mm256_set1_ps(c.scale));
   }
 
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&)[MB], __m256 (&acc)[R][MB]) {
+    const float* grid = FloatGrid<type>::values();
     typename L::Block b[R];
     float d[R];
     for (int r = 0; r < R; ++r) {
       std::memcpy(&b[r], blk[r], sizeof(b[r]));  // blocks are byte-aligned inside a row
       d[r] = c10::Half(uint16_t(L::d_bits(&b[r])), c10::Half::from_bits());
     }
-    for (int g = 0; g < 32; ++g)
-      for (int r = 0; r < R; ++r) {
-        const __m256 w = weights(L::code(&b[r], g, d[r]));
-        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xc[m] + 8 * g), acc[r][m]);
-      }
+    // Unrolled whole: every bit field code() reads sits at a constant place, and what it reads per
+    // sub-block (its scale, IQ2_XXS's / IQ3_XXS's sign word) is computed once for its groups.
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l)
+        for (int r = 0; r < R; ++r) {
+          const int g = 4 * j + l;
+          const __m256 w = weights(grid, L::code(&b[r], g, d[r]));
+          for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xc[m] + 8 * g), acc[r][m]);
+        }
   }
 };
 
