@@ -347,8 +347,9 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True, x_in_
     terms = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
     avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
     sub_range = x_in_range if x_in_subnormal_range is None else x_in_subnormal_range
-    if ggml_type in LATTICE_TYPES:  # the AVX2 kernel only, no subnormal fields
-        return LATTICE_AVX2_NAMES[ggml_type] if avx2 else "fused" if m < 16 else "gemm"
+    if ggml_type in LATTICE_TYPES:  # the AVX2 kernel only, for x of any range (x is used as it is)
+        lattice = 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
+        return LATTICE_AVX2_NAMES[ggml_type] if lattice else "fused" if m < 16 else "gemm"
     if ggml_type in (Q2_K, Q3_K, Q5_K, IQ4_XS):  # AVX2 chunk kernels only
         return gguf_avx2_name(ggml_type, m, sub_range) if avx2 else "fused" if m < 16 else "gemm"
     if gguf_bf16_panel_serves(terms, m, x_in_range):

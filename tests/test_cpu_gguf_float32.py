@@ -177,6 +177,12 @@ def test_lattice_avx2_kernel_matches_gguf_dequantize(ggml_type, dtype, monkeypat
             assert r == expected_gguf_route(dtype, m, ggml_type)
             assert (r == LATTICE_AVX2_NAMES[ggml_type]) == (m <= GGUF_AVX2_MAX_ROWS), f"M={m}: {r}"
             check(x, blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} {r} M={m} N={n} K={k}")
+    # x of any range takes it (x is used as it is): values below 2^-98 and up to 1e30
+    wide = x_all[:2].float().clone()
+    wide[0, :5] = torch.tensor([1e-35, -3e-39, 1e30, -2e29, 0.0])
+    wide = wide.to(dtype) if dtype == torch.float32 else wide.clamp(-6e4, 6e4).to(dtype)
+    assert route(wide, blocks, n, k, ggml_type) == LATTICE_AVX2_NAMES[ggml_type]
+    check(wide, blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} x of wide range")
     monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
     assert route(x_all[:3], blocks, n, k, ggml_type) == "fused"
     check(x_all[:3], blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} fused")

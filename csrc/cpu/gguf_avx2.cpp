@@ -746,8 +746,8 @@ bool run_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
 
 const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type) {
   if (avx2_chunks_avoided() || a.M < 1 || a.M > kGgufAvx2MaxRows) return nullptr;
+  if (const char* name = lattice_name(ggml_type)) return name;  // x as it is: any finite or not x
   if (!a.x_in_range) return nullptr;
-  if (const char* name = lattice_name(ggml_type)) return name;
   for (const Avx2Names& n : kAvx2Names)
     if (n.ggml_type == ggml_type) return subnormal_fields_for(a, ggml_type) ? n.subnormal : n.converted;
   return nullptr;
