@@ -449,16 +449,17 @@ def check_load_mlx_other_folders(rank: int, world: int, mesh) -> str | None:
 
 
 def check_gguf(rank: int, world: int, mesh) -> dict:
-    """GGUFLinear (Q4_K, Q6_K blocks) colwise and rowwise against gguf.quants.dequantize in float64."""
+    """GGUFLinear (Q4_K, Q6_K, and the lattice IQ2_XXS, IQ1_M blocks) colwise and rowwise against
+    gguf.quants.dequantize in float64."""
     import numpy as np
     from gguf import quants
-    from gguf_helpers import Q4_K, Q6_K, random_k_blocks
+    from gguf_helpers import IQ1_M, IQ2_XXS, Q4_K, Q6_K, random_k_blocks
     from torch_qmm.distributed import QuantColwiseParallel, QuantRowwiseParallel, parallelize
     from torch_qmm.interop.modules import GGUFLinear
 
     out = {}
     n, k = 4 * world, 256 * world
-    for ggml_type in (Q4_K, Q6_K):
+    for ggml_type in (Q4_K, Q6_K, IQ2_XXS, IQ1_M):
         blocks = random_k_blocks(ggml_type, n, k, np.random.default_rng(0))
         w = torch.from_numpy(quants.dequantize(blocks, ggml_type)).double()
         layer = GGUFLinear(k, n, int(ggml_type), bias=True)
