@@ -63,7 +63,9 @@ def header() -> str:
     for name, cls in GRIDS:
         ctype, words = grid_words(cls)
         digits = 16 if ctype == "uint64_t" else 8
-        suffix = "ull" if ctype == "uint64_t" else "u"
+        # Metal has no long long: 64-bit entries are unsuffixed hex (of type long / unsigned long, 64 bits in
+        # MSL and on LP64 hosts), as llama.cpp writes its Metal tables.
+        suffix = "" if ctype == "uint64_t" else "u"
         per_line = 6 if digits == 16 else 10
         out.append(f"TORCH_QMM_GGUF_GRID {ctype} {name}[{len(words)}] = {{")
         for i in range(0, len(words), per_line):

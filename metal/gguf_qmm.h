@@ -68,8 +68,33 @@ using namespace metal;
 // RUNS runs of RUN consecutive weights; run j covers x[offset(j) .. +RUN) of the super-block and
 // its weights are scale[j] * q[j][i] - min[j] (HAS_MIN) or scale[j] * q[j][i]. Compile-time
 // constants are enumerators (MSL wants program-scope and static data in `constant` space).
+//
+// The primary template serves the lattice i-quants (every type with a gguf::Lattice; the others are
+// the specializations below): slot s decodes sub-block s, its groups 4s .. 4s + 3
+// (gguf::Lattice<type>::code; each group one run).
 template <int type>
-struct GGUFSlice;
+struct GGUFSlice {
+  typedef torch_qmm::gguf::Lattice<type> L;
+  typedef typename L::Block Block;
+  enum : int { LANES = 8, RUNS = 4, RUN = 8, HAS_MIN = 0, BYTES = sizeof(Block) };
+
+  float q[RUNS][RUN];
+  float scale[RUNS];
+  float min[RUNS];  // unused (the groups' values are signed or offset already)
+
+  static uint offset(uint slot, int j) { return 32 * slot + 8 * uint(j); }
+
+  void decode(const device uint8_t* raw, uint slot) {
+    const device Block* b = (const device Block*)raw;
+    const float d = float(as_type<half>(ushort(L::d_bits(b))));
+    for (int j = 0; j < RUNS; ++j) {
+      const torch_qmm::gguf::Group8 g = torch_qmm::gguf::group8(L::code(b, int(4 * slot) + j, d));
+      for (int i = 0; i < RUN; ++i) q[j][i] = g.q[i];
+      scale[j] = g.scale;
+      min[j] = 0.0f;
+    }
+  }
+};
 
 template <>
 struct GGUFSlice<torch_qmm::gguf::kTypeQ4_K> {
@@ -279,47 +304,6 @@ struct GGUFSlice<torch_qmm::gguf::kTypeIQ4_XS> {
     }
   }
 };
-
-// The lattice i-quants: slot s decodes sub-block s, its groups 4s .. 4s + 3 (gguf::Lattice<type>::code;
-// each group one run). The types' slices derive from this one.
-template <int type>
-struct LatticeSlice {
-  typedef torch_qmm::gguf::Lattice<type> L;
-  typedef typename L::Block Block;
-  enum : int { LANES = 8, RUNS = 4, RUN = 8, HAS_MIN = 0, BYTES = sizeof(Block) };
-
-  float q[RUNS][RUN];
-  float scale[RUNS];
-  float min[RUNS];  // unused (the groups' values are signed or offset already)
-
-  static uint offset(uint slot, int j) { return 32 * slot + 8 * uint(j); }
-
-  void decode(const device uint8_t* raw, uint slot) {
-    const device Block* b = (const device Block*)raw;
-    const float d = float(as_type<half>(ushort(L::d_bits(b))));
-    for (int j = 0; j < RUNS; ++j) {
-      const torch_qmm::gguf::Group8 g = torch_qmm::gguf::group8(L::code(b, int(4 * slot) + j, d));
-      for (int i = 0; i < RUN; ++i) q[j][i] = g.q[i];
-      scale[j] = g.scale;
-      min[j] = 0.0f;
-    }
-  }
-};
-
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeIQ2_XXS> : LatticeSlice<torch_qmm::gguf::kTypeIQ2_XXS> {};
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeIQ2_XS> : LatticeSlice<torch_qmm::gguf::kTypeIQ2_XS> {};
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeIQ2_S> : LatticeSlice<torch_qmm::gguf::kTypeIQ2_S> {};
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeIQ3_XXS> : LatticeSlice<torch_qmm::gguf::kTypeIQ3_XXS> {};
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeIQ3_S> : LatticeSlice<torch_qmm::gguf::kTypeIQ3_S> {};
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeIQ1_S> : LatticeSlice<torch_qmm::gguf::kTypeIQ1_S> {};
-template <>
-struct GGUFSlice<torch_qmm::gguf::kTypeIQ1_M> : LatticeSlice<torch_qmm::gguf::kTypeIQ1_M> {};
 
 // scale * dot - min * xsum for run j of a decoded slice (dot = sum q*x, xsum = sum x over the
 // run's x values xv). Where that is not finite (Inf/NaN in x or a scale, or an overflow), the

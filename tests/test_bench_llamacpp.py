@@ -62,6 +62,20 @@ def test_formats_map_to_their_ggml_types_and_other_shapes_use_a_test_file():
     assert other.weight_bytes() == 64 * 2 * 210
 
 
+def test_every_mapped_ggml_type_writes_a_test_file_line():
+    """Every ggml type a torch_qmm format maps to has its enum value (ggml.h, as the gguf package lists
+    it) and block geometry for --test-file lines."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for (fmt, bits), ggml_type in llamacpp_peer.GGML_TYPES.items():
+        case = case_for(fmt, bits, 64, 512, 3)
+        assert case is not None and case.ggml_type == ggml_type
+        fields = case.test_file_line(mul_mat_op=29).split()
+        gguf_type = GGMLQuantizationType[ggml_type.upper()]
+        assert int(fields[8]) == int(gguf_type), ggml_type
+        assert llamacpp_peer.GGML_BLOCKS[ggml_type] == GGML_QUANT_SIZES[gguf_type], ggml_type
+
+
 def test_missing_build_tools_are_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(llamacpp_peer.shutil, "which", lambda name: None)

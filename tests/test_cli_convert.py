@@ -369,6 +369,27 @@ def test_convert_reports_the_k_quants_without_an_affine_form_as_float_naming_how
         "decoded Q3_K -> float float32 (as gguf decodes it; no exact affine form: --requantize rest quantizes it)")
 
 
+def test_convert_of_lattice_i_quants_writes_them_float_or_requantized(tmp_path, capsys):
+    """The lattice i-quants (IQ1_S .. IQ3_S) have no exact affine form: --format mlx writes them float,
+    as gguf decodes them (the saved weights equal gguf's decode), naming --requantize rest, which
+    quantizes them."""
+    from safetensors.torch import load_file
+    from test_interop_gguf_llama import MIXES
+
+    path = tmp_path / "m.gguf"
+    held = write_llama_gguf(hf_model(False), path, MIXES["iq_lattice"], np.random.default_rng(5))
+    assert main(["convert", str(path), str(tmp_path / "mlx"), "--format", "mlx"]) == 0
+    report = _report(capsys.readouterr().out)
+    for name, qtype in (("self_attn.o_proj", "IQ2_XXS"), ("mlp.gate_proj", "IQ1_S"), ("mlp.down_proj", "IQ3_XXS")):
+        assert report[f"model.layers.0.{name}"] == (
+            f"decoded {qtype} -> float float32 (as gguf decodes it; no exact affine form: --requantize rest quantizes it)")
+    saved = load_file(str(tmp_path / "mlx" / "model.safetensors"))
+    assert torch.equal(saved["model.layers.0.mlp.up_proj.weight"], held["model.layers.0.mlp.up_proj.weight"])  # IQ2_S
+    assert main(["convert", str(path), str(tmp_path / "mlx4"), "--format", "mlx", "--requantize", "rest", "--bits", "4"]) == 0
+    report = _report(capsys.readouterr().out)
+    assert report["model.layers.0.mlp.up_proj"].startswith("re-quantized IQ2_S -> affine b4")
+
+
 def test_gguf_to_transformers_of_a_tied_model_keeps_the_head_tied_to_the_file_embedding(tmp_path, capsys):
     import transformers
 

@@ -177,12 +177,25 @@ def test_lattice_avx2_kernel_matches_gguf_dequantize(ggml_type, dtype, monkeypat
             assert r == expected_gguf_route(dtype, m, ggml_type)
             assert (r == LATTICE_AVX2_NAMES[ggml_type]) == (m <= GGUF_AVX2_MAX_ROWS), f"M={m}: {r}"
             check(x, blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} {r} M={m} N={n} K={k}")
-    # x of any range takes it (x is used as it is): values below 2^-98 and up to 1e30
-    wide = x_all[:2].float().clone()
-    wide[0, :5] = torch.tensor([1e-35, -3e-39, 1e30, -2e29, 0.0])
-    wide = wide.to(dtype) if dtype == torch.float32 else wide.clamp(-6e4, 6e4).to(dtype)
-    assert route(wide, blocks, n, k, ggml_type) == LATTICE_AVX2_NAMES[ggml_type]
-    check(wide, blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} x of wide range")
+    # x of any range takes it (x is used as it is): a row of subnormals alone (not flushed), one with
+    # values up to 1e30 next to ordinary ones, then rows with an Inf / a NaN (F.linear's non-finite
+    # pattern: Inf times weights of both signs is NaN)
+    if dtype == torch.float32:
+        wide = x_all[:4].clone()
+        wide[0] = x_all[0] * 1e-39
+        wide[1, :3] = torch.tensor([1e30, -2e29, 0.0])
+        wide[2, 7], wide[3, 9] = float("inf"), float("nan")
+        assert route(wide, blocks, n, k, ggml_type) == LATTICE_AVX2_NAMES[ggml_type]
+        y = torch.ops.torch_qmm.gguf_qmm(wide, blocks, int(ggml_type), n, k)
+        ref = wide.double() @ w.T
+        # row 0: its products underflow to float32 subnormals, each rounded to a multiple of 2^-149
+        # (absolute error up to 2^-150 per term, beyond the relative rule); flushed x would give 0
+        sub_err = (y[0].double() - ref[0]).abs()
+        assert (y[0] != 0).all() and (sub_err <= k * 2.0**-150 + 2e-5 * (wide[0].double().abs() @ w.abs().T)).all()
+        check(wide[1:2], blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} x up to 1e30")
+        for row in (2, 3):
+            assert torch.equal(torch.isnan(y[row]), torch.isnan(ref[row])), f"{ggml_type.name} NaN pattern"
+            assert torch.equal(y[row].isinf(), ref[row].isinf()) and torch.equal(y[row][y[row].isinf()], ref[row][ref[row].isinf()].float())
     monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
     assert route(x_all[:3], blocks, n, k, ggml_type) == "fused"
     check(x_all[:3], blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} fused")

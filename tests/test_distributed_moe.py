@@ -118,7 +118,7 @@ def test_splits_that_cut_groups_are_refused(ranks):
     assert "QuantRowwiseParallel" in v["switch_rowwise"] and "'switch'" in v["switch_rowwise"]
     assert v["gguf_experts"] is not None
     for part in ("'experts'", "gate_up_proj (GGUFSwitchLinear)", "down_proj (GGUFSwitchLinear)", "load_mlx_sharded",
-                 "Q2_K / Q3_K / Q6_K projection only with --requantize rest"):
+                 "Q2_K / Q3_K / Q6_K / lattice i-quant projection only with --requantize rest"):
         assert part in v["gguf_experts"], (part, v["gguf_experts"])
 
 

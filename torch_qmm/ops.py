@@ -230,12 +230,15 @@ def _gguf_activations(activations, x: torch.Tensor, ggml_type, op: str) -> str |
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N: int, K: int,
                 activations: str | None = None) -> torch.Tensor:
     """y = x @ W.T with W [N, K] stored as GGUF blocks (Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-    Q6_K = 14, IQ4_XS = 23), decoded in-kernel.
+    Q6_K = 14, IQ4_XS = 23, and the lattice i-quants IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19,
+    IQ3_S = 21, IQ2_S = 22, IQ1_M = 29), decoded in-kernel.
 
     Args:
         x: float32/float16/bfloat16 [..., K], K a multiple of 256.
         blocks: uint8 [N, K/256 * block_bytes] (84 / 110 / 144 / 176 / 210 / 136 bytes per Q2_K / Q3_K /
-            Q4_K / Q5_K / Q6_K / IQ4_XS super-block), each row the super-blocks of one row of W as llama.cpp writes them.
+            Q4_K / Q5_K / Q6_K / IQ4_XS super-block; 66 / 74 / 98 / 50 / 110 / 82 / 56 per IQ2_XXS / IQ2_XS /
+            IQ3_XXS / IQ1_S / IQ3_S / IQ2_S / IQ1_M), each row the super-blocks of one row of W as llama.cpp
+            writes them.
         activations: "int8": x quantized to int8 per super-block of 256 (torch_qmm.activations; CPU
             only, Q4_K and Q6_K; approximate). None: torch_qmm.activation_quantization's setting for
             CPU calls of Q4_K / Q6_K, else exact.

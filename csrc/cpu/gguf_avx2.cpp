@@ -1,4 +1,4 @@
-// The GGUF K-quants (Q2_K .. Q6_K), IQ4_XS and the lattice i-quants (LatticeGroups, above) x
+// The GGUF K-quants (Q2_K .. Q6_K), IQ4_XS and the lattice i-quants (LatticeGroups) x
 // float32/float16/bfloat16 at small M on AVX2 + FMA (gguf_chunked.cpp
 // routes here where no AVX-512 kernel goes first), on the chunk driver of chunk_driver.h. A chunk is
 // one super-block of 256 weights; its code bytes are read 32 at a time as 8 dwords and cut into
@@ -613,7 +613,7 @@ using Q3K = Sixteens<Q3KCodes, F>;
 // W rows at one row of x shares each load of x.
 template <int type>
 struct FloatGrid {
-  using L = gguf::Lattice<type>;
+  using L = gguf::Lattice<type>;  // IQ1_M takes IQ1_S's (the same codebook: LatticeGroups)
   static const float* values() {
     static const std::vector<float> table = [] {
       std::vector<float> t(size_t(L::kEntries) * L::kWidth);
@@ -663,7 +663,7 @@ struct LatticeGroups {
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&)[MB], __m256 (&acc)[R][MB]) {
-    const float* grid = FloatGrid<type>::values();
+    const float* grid = FloatGrid<type == gguf::kTypeIQ1_M ? gguf::kTypeIQ1_S : type>::values();
     typename L::Block b[R];
     float d[R];
     for (int r = 0; r < R; ++r) {

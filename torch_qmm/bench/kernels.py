@@ -49,7 +49,7 @@ class Config:
     dtype: str  # of x, scales, biases
     group_size: int = 64
     device: str = "cpu"
-    fmt: str = "affine"  # an fp mode ("mxfp4", "nvfp4": FP_MODES), or a native GGUF type ("Q2_K" .. "Q6_K", "IQ4_XS")
+    fmt: str = "affine"  # an fp mode ("mxfp4", "nvfp4": FP_MODES), or a native GGUF type (gguf_types.NATIVE_TYPES by name)
 
     @property
     def label(self) -> str:

@@ -47,7 +47,8 @@ GGML_BLOCKS = {"q4_0": (32, 18), "q5_0": (32, 22), "q8_0": (32, 34), "q2_K": (25
                "iq2_s": (256, 82), "iq3_xxs": (256, 98), "iq3_s": (256, 110)}
 # ggml type name -> enum ggml_type value (ggml.h), for --test-file lines.
 GGML_TYPE_IDS = {"f32": 0, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q2_K": 10, "q3_K": 11, "q4_K": 12, "q5_K": 13, "q6_K": 14,
-                 "iq4_xs": 23, "mxfp4": 39}
+                 "iq2_xxs": 16, "iq2_xs": 17, "iq3_xxs": 18, "iq1_s": 19, "iq3_s": 21, "iq2_s": 22, "iq4_xs": 23,
+                 "iq1_m": 29, "mxfp4": 39}
 
 # The MUL_MAT cases of make_test_cases_perf (see the module docstring): (N, K) -> rows of x.
 PERF_ALL_TYPES = {(4096, 14336): {1, 2, 3, 4, 5, 8, 512}}

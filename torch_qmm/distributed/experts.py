@@ -128,7 +128,7 @@ class QuantExpertsParallel(ParallelStyle):
                                       f"holds {', '.join(gguf)}: GGUF blocks are not split across ranks. Leave the "
                                       "experts replicated (drop them from the plan), or convert the GGUF file "
                                       "(`python -m torch_qmm convert FILE.gguf OUT --format mlx`: Q4_K / Q5_K / IQ4_XS and the "
-                                      "32-weight types exactly, experts with a Q2_K / Q3_K / Q6_K projection only with "
+                                      "32-weight types exactly, experts with a Q2_K / Q3_K / Q6_K / lattice i-quant projection only with "
                                       "--requantize rest) and load that folder with load_mlx_sharded")
         world, rank = device_mesh.size(), device_mesh.get_local_rank()
         gate_up, down = module.gate_up_proj, module.down_proj

@@ -49,7 +49,7 @@ Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and IQ4_NL become affine layers with group size 32 bit 
 bit (--format mlx: MLX keeps a mode per layer), Q4_K, Q5_K and IQ4_XS become bits 4, 5 and 8 /
 group size 32 (exact with float32 scales, the default for GGUF; --dtype
 float16/bfloat16 rounds them, and bfloat16 the others' float16 scales; the output says which layers). Layers
-without an exact affine form (Q2_K, Q3_K, Q6_K, float) stay float unless --requantize asks otherwise:
+without an exact affine form (Q2_K, Q3_K, Q6_K, the lattice i-quants IQ1_S .. IQ3_S, float) stay float unless --requantize asks otherwise:
 rest quantizes them with --bits/--group-size, all re-quantizes every layer (lossy); --bits,
 --group-size, --method and --calibration apply only with --requantize. The transformers format keeps the embedding float
 (decoded exactly; a tied output head stays tied to it) and an exact output head, and quantizes
@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "64 for affine; for GGUF only with --requantize, and 32 for GGUF -> transformers "
                              "with --requantize rest: the exact layers'); a folder torch_qmm quantized keeps its own")
     parser.add_argument("--requantize", choices=["rest", "all"], default=None,
-                        help="GGUF only. rest: quantize the layers without an exact affine form (Q2_K, Q3_K, Q6_K, float) "
+                        help="GGUF only. rest: quantize the layers without an exact affine form (Q2_K, Q3_K, Q6_K, the lattice i-quants, float) "
                              "to --bits/--group-size, keep the others exact; all: re-quantize every layer from "
                              "its decoded weights (lossy). Default: no re-quantization (lossless)")
     parser.add_argument("--dtype", choices=list(_DTYPES), default=None,

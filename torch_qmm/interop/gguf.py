@@ -20,7 +20,7 @@ d and m are float16 in the file, so scales/biases are exact in float32 (and in f
 17 significant bits: rounded in float16); the codes are repacked from GGUF's nibble order (byte j
 holds weights j and j + 16; Q5_K: chunks of 32 bytes, low nibbles one sub-block, high the next)
 into MLX's little-endian bit stream.
-The K-quants Q2_K .. Q6_K and IQ4_XS (NATIVE_TYPES) stay as their block bytes in linear layers (GGUFLinear /
+The K-quants Q2_K .. Q6_K, IQ4_XS and the lattice i-quants (NATIVE_TYPES) stay as their block bytes in linear layers (GGUFLinear /
 torch_qmm::gguf_qmm) by default; a Q5_K embedding takes the affine form above (QuantEmbedding).
 
 MXFP4 (FP_TYPES) is MLX's mxfp4 bit for bit (to_fp): a block of 32 weights is one E8M0 exponent
@@ -512,8 +512,8 @@ def _check_matrix(t: GGUFTensor, what: str, expected: str) -> None:
 def linear_from_gguf(
     t: GGUFTensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
-    """The layer for a GGUF weight [N, K]: GGUFLinear (NATIVE_TYPES: Q2_K .. Q6_K, IQ4_XS, the file's
-    blocks), QuantLinear (the 32-weight block types, lossless; MXFP4 as mode "mxfp4", the same
+    """The layer for a GGUF weight [N, K]: GGUFLinear (NATIVE_TYPES: Q2_K .. Q6_K, IQ4_XS, the lattice
+    i-quants; the file's blocks), QuantLinear (the 32-weight block types, lossless; MXFP4 as mode "mxfp4", the same
     bits) or nn.Linear (F32 / F16 / BF16)."""
     _check_matrix(t, "a linear weight", "[out_features >= 1, in_features >= 1]")
     n, k = t.shape

@@ -1,5 +1,5 @@
 """gguf_gather_matmul: y = x @ W[indices].T for a stack of expert weights W [E, N, K] kept as GGUF
-blocks (the K-quants Q2_K .. Q6_K and IQ4_XS), the gather_qmm of the GGUF formats.
+blocks (the K-quants Q2_K .. Q6_K, IQ4_XS and the lattice i-quants), the gather_qmm of the GGUF formats.
 
     y = gguf_gather_matmul(x, blocks, ggml_type, N, K, indices)   # blocks uint8 [E, N, bytes]
 
@@ -111,7 +111,7 @@ def gguf_gather_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, N:
     Args:
         x: float32/float16/bfloat16 [..., M, K], K a multiple of 256.
         blocks: uint8 [E, N, K/256 * block_bytes]: expert e's rows as llama.cpp writes them.
-        ggml_type: a native type (gguf_types.NATIVE_TYPES: Q2_K .. Q6_K, IQ4_XS).
+        ggml_type: a native type (gguf_types.NATIVE_TYPES: Q2_K .. Q6_K, IQ4_XS, the lattice i-quants).
         indices: integer tensor whose shape broadcasts with x's batch dims (x.shape[:-2]): the
             expert of each row block of x, in [0, E).
         activations: as gguf_matmul's ("int8": x quantized per super-block, CPU only, Q4_K and Q6_K;

@@ -472,9 +472,9 @@ def load_gguf_llama(
 
     Linear weights become QuantLinear (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, and IQ4_NL/IQ4_XS as 8-bit:
     lossless; MXFP4: mode mxfp4, the
-    same bits), GGUFLinear (the K-quants Q2_K .. Q6_K and IQ4_XS, the file's blocks) or stay nn.Linear
+    same bits), GGUFLinear (the K-quants Q2_K .. Q6_K, IQ4_XS and the lattice i-quants, the file's blocks) or stay nn.Linear
     (F32/F16/BF16); the routed experts of a MoE file (qwen2moe, qwen3moe, gpt-oss, Mixtral) become
-    a QuantFusedExperts in the same formats (gguf_moe: GGUFSwitchLinear for the K-quants); the embedding becomes a QuantEmbedding (the
+    a QuantFusedExperts in the same formats (gguf_moe: GGUFSwitchLinear for the native types); the embedding becomes a QuantEmbedding (the
     32-weight block types, and Q5_K as bits 5: lossless in float32 only) or a float table; without output.weight the output layer is tied to it.
 
     The model may be built on the meta device (``with torch.device("meta"): model =

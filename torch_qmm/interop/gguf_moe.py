@@ -24,7 +24,7 @@ and transformers' GGUF loader (integrations/ggml.py, modeling_gguf_pytorch_utils
   [E, H, 2I] (gate and up columns alternating) into gate = its even columns and up = its odd ones,
   transposed to [E, I, H]; the experts are MXFP4 blocks (ggml type 39).
 
-The experts keep the file's formats: K-quant and IQ4_XS blocks as GGUFSwitchLinear (exact in
+The experts keep the file's formats: K-quant, IQ4_XS and lattice i-quant blocks as GGUFSwitchLinear (exact in
 any dtype), the 32-weight block types as affine QuantSwitchLinear (to_affine: exact in float32),
 MXFP4 as mxfp4 QuantSwitchLinear (to_fp: the same bits), in one QuantFusedExperts whose gate_up
 rows follow the transformers module's order (gate rows then up rows, or alternating). Gate and up share one module, so they must share a type;

@@ -144,8 +144,8 @@ class GGUFFormatState(FormatState):
 
 
 class GGUFLinear(GGUFFormatState, nn.Module):
-    """y = x @ W.T + bias with W [out, in] kept as GGUF blocks (the native types Q2_K .. Q6_K, IQ4_XS),
-    decoded in-kernel.
+    """y = x @ W.T + bias with W [out, in] kept as GGUF blocks (the native types Q2_K .. Q6_K, IQ4_XS,
+    the lattice i-quants IQ1_S .. IQ3_S), decoded in-kernel.
 
     Buffer ``blocks`` uint8 [out, in/256 * block_bytes]: each row of W is its super-blocks exactly as
     llama.cpp writes them (so a GGUF tensor's data is the buffer, no re-encoding). x may be float32,
@@ -191,7 +191,7 @@ class GGUFLinear(GGUFFormatState, nn.Module):
 
 class GGUFSwitchLinear(GGUFFormatState, nn.Module):
     """y = x @ W[indices].T for a stack of expert weights W [num_experts, out, in] kept as GGUF
-    blocks (the native types Q2_K .. Q6_K, IQ4_XS): the GGUF counterpart of QuantSwitchLinear, which QuantFusedExperts takes
+    blocks (the native types Q2_K .. Q6_K, IQ4_XS, the lattice i-quants): the GGUF counterpart of QuantSwitchLinear, which QuantFusedExperts takes
     as either of its projections.
 
     Buffer ``blocks`` uint8 [E, out, in/256 * block_bytes]: expert e's rows exactly as a GGUF file's
