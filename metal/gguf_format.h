@@ -281,7 +281,8 @@ inline int iq4xs_scale(int j, Bytes scales_l, unsigned scales_h) {
 struct Code8 {
   uint64_t entry;     // byte i: the codebook value of weight i, an int8 (IQ2 / IQ3 magnitudes are below 64)
   uint32_t index[2];  // the entry's codebook index (IQ3: the indices of weights 0..3 and 4..7)
-  uint32_t signs;     // bit i set: weight i negated (IQ2, IQ3; 0 for IQ1)
+  uint32_t signs;     // bit i set: weight i negated (IQ2, IQ3; 0 for IQ1); with seven_signs, bits 0-6 only
+  bool seven_signs;   // signs holds 7 bits, the eighth is their parity (sign_byte; IQ2_XXS, IQ2_XS, IQ3_XXS)
   float offset;    // added to every value before the sign (IQ1: +-1/8; 0 otherwise)
   float scale;
 };
@@ -291,40 +292,46 @@ struct Group8 {
   float scale;
 };
 
-// The group's values: q[i] = +-(int8 byte i of the entry + offset).
-inline Group8 group8(Code8 c) {
-  Group8 g;
-  for (int i = 0; i < 8; ++i) {
-    const float v = float(int(int8_t(uint8_t(c.entry >> (8 * i))))) + c.offset;
-    g.q[i] = ((c.signs >> i) & 1u) != 0 ? -v : v;
-  }
-  g.scale = c.scale;
-  return g;
-}
-
 // The sign byte of a 7-bit sign index: bit 7 makes the number of set bits even (llama.cpp's
 // ksigns_iq2xs table; IQ2_XXS, IQ2_XS and IQ3_XXS store 7 of the 8 signs of a group).
-inline uint32_t even_sign_byte(uint32_t index7) {
+constexpr inline uint32_t even_sign_byte(uint32_t index7) {
   uint32_t p = index7 ^ (index7 >> 4);
   p ^= p >> 2;
   p ^= p >> 1;
   return index7 | ((p & 1u) << 7);
 }
 
+// The 8 sign bits of a group.
+inline uint32_t sign_byte(Code8 c) { return c.seven_signs ? even_sign_byte(c.signs) : c.signs; }
+
+// The group's values: q[i] = +-(int8 byte i of the entry + offset).
+inline Group8 group8(Code8 c) {
+  Group8 g;
+  const uint32_t signs = sign_byte(c);
+  for (int i = 0; i < 8; ++i) {
+    const float v = float(int(int8_t(uint8_t(c.entry >> (8 * i))))) + c.offset;
+    g.q[i] = ((signs >> i) & 1u) != 0 ? -v : v;
+  }
+  g.scale = c.scale;
+  return g;
+}
+
 // A group of IQ2 / IQ3: an 8-value entry (or two 4-value ones, the first holding weights 0..3) and
-// its sign bits.
-inline Code8 signed_code(uint64_t entry, uint32_t index, uint32_t signs, float scale) {
+// its sign bits (seven_signs: 7 of them, see sign_byte).
+inline Code8 signed_code(uint64_t entry, uint32_t index, uint32_t signs, bool seven_signs, float scale) {
   Code8 c;
   c.entry = entry;
   c.index[0] = index;
   c.index[1] = 0;
   c.signs = signs;
+  c.seven_signs = seven_signs;
   c.offset = 0.0f;
   c.scale = scale;
   return c;
 }
-inline Code8 signed_code(uint32_t lo, uint32_t hi, uint32_t index_lo, uint32_t index_hi, uint32_t signs, float scale) {
-  Code8 c = signed_code(uint64_t(lo) | (uint64_t(hi) << 32), index_lo, signs, scale);
+inline Code8 signed_code(uint32_t lo, uint32_t hi, uint32_t index_lo, uint32_t index_hi, uint32_t signs, bool seven_signs,
+                         float scale) {
+  Code8 c = signed_code(uint64_t(lo) | (uint64_t(hi) << 32), index_lo, signs, seven_signs, scale);
   c.index[1] = index_hi;
   return c;
 }
@@ -336,6 +343,7 @@ inline Code8 offset_code(uint64_t entry, uint32_t index, bool negative_offset, f
   c.index[0] = index;
   c.index[1] = 0;
   c.signs = 0;
+  c.seven_signs = false;
   c.offset = 0.125f - 0.25f * float(int(negative_offset));  // arithmetic, not a branch on random bits
   c.scale = scale;
   return c;
@@ -359,8 +367,7 @@ struct Lattice<kTypeIQ2_XXS> {
     const int j = r >> 2, l = r & 3;
     const uint32_t index = (uint32_t(b->qs[4 * j + (l >> 1)]) >> (8 * (l & 1))) & 0xffu;
     const uint32_t aux = uint32_t(b->qs[4 * j + 2]) | (uint32_t(b->qs[4 * j + 3]) << 16);
-    return signed_code(kIQ2XXSGrid[index], index, even_sign_byte((aux >> (7 * l)) & 127u),
-                       d * (0.5f + float(aux >> 28)) * 0.25f);
+    return signed_code(kIQ2XXSGrid[index], index, (aux >> (7 * l)) & 127u, true, d * (0.5f + float(aux >> 28)) * 0.25f);
   }
 };
 
@@ -377,7 +384,7 @@ struct Lattice<kTypeIQ2_XS> {
   static Code8 code(B b, int r, float d) {
     const uint32_t v = b->qs[r];
     const uint32_t l = (uint32_t(b->scales[r >> 2]) >> (4 * ((r >> 1) & 1))) & 0xfu;
-    return signed_code(kIQ2XSGrid[v & 511u], v & 511u, even_sign_byte(v >> 9), d * (0.5f + float(l)) * 0.25f);
+    return signed_code(kIQ2XSGrid[v & 511u], v & 511u, v >> 9, true, d * (0.5f + float(l)) * 0.25f);
   }
 };
 
@@ -394,7 +401,7 @@ struct Lattice<kTypeIQ2_S> {
   static Code8 code(B b, int r, float d) {
     const uint32_t index = uint32_t(b->qs[r]) | (((uint32_t(b->qh[r >> 2]) >> (2 * (r & 3))) & 3u) << 8);
     const uint32_t l = (uint32_t(b->scales[r >> 2]) >> (4 * ((r >> 1) & 1))) & 0xfu;
-    return signed_code(kIQ2SGrid[index], index, b->qs[32 + r], d * (0.5f + float(l)) * 0.25f);
+    return signed_code(kIQ2SGrid[index], index, b->qs[32 + r], false, d * (0.5f + float(l)) * 0.25f);
   }
 };
 
@@ -414,7 +421,7 @@ struct Lattice<kTypeIQ3_XXS> {
     const uint32_t aux = uint32_t(b->qs[64 + 4 * j]) | (uint32_t(b->qs[64 + 4 * j + 1]) << 8) |
                          (uint32_t(b->qs[64 + 4 * j + 2]) << 16) | (uint32_t(b->qs[64 + 4 * j + 3]) << 24);
     const uint32_t lo = b->qs[2 * r], hi = b->qs[2 * r + 1];
-    return signed_code(kIQ3XXSGrid[lo], kIQ3XXSGrid[hi], lo, hi, even_sign_byte((aux >> (7 * l)) & 127u),
+    return signed_code(kIQ3XXSGrid[lo], kIQ3XXSGrid[hi], lo, hi, (aux >> (7 * l)) & 127u, true,
                        d * (0.5f + float(aux >> 28)) * 0.5f);
   }
 };
@@ -435,7 +442,7 @@ struct Lattice<kTypeIQ3_S> {
     const uint32_t lo = uint32_t(b->qs[2 * r]) | ((high & 1u) << 8);
     const uint32_t hi = uint32_t(b->qs[2 * r + 1]) | (((high >> 1) & 1u) << 8);
     const uint32_t l = (uint32_t(b->scales[r >> 3]) >> (4 * ((r >> 2) & 1))) & 0xfu;
-    return signed_code(kIQ3SGrid[lo], kIQ3SGrid[hi], lo, hi, b->signs[r], d * float(1 + 2 * int(l)));
+    return signed_code(kIQ3SGrid[lo], kIQ3SGrid[hi], lo, hi, b->signs[r], false, d * float(1 + 2 * int(l)));
   }
 };
 

@@ -606,9 +606,9 @@ using Q3K = Sixteens<Q3KCodes, F>;
 // The lattice i-quants (IQ1_S .. IQ3_S; metal/gguf_format.h): each group of 8 weights is one
 // codebook entry (IQ3: two of 4 values), read by gguf::Lattice<type>::code in scalar code (its
 // index, sign bits, offset and scale take bit fields from several places of the block). The
-// codebook is kept as float32 (FloatGrid, built once: 4 to 64 KB) and the signs as 256 masks of 8
-// sign bits, so a group's 8 weights are one or two loads, an XOR with its sign mask (IQ1: an add of
-// its offset), times its scale: exact, as group8 and the scalar decoder. Then one FMA per row of x
+// codebook is kept as float32 (FloatGrid, built once: 4 to 64 KB) and the signs as masks of 8
+// sign bits (kSignMasks), so a group's 8 weights are one or two loads, an XOR with its sign mask
+// (IQ1: an add of its offset), times its scale: exact, as group8 and the scalar decoder. Then one FMA per row of x
 // with x's 8 values of the group. x is used as it is (no preparation, no side data); a tile of two
 // W rows at one row of x shares each load of x.
 template <int type>
@@ -625,11 +625,15 @@ struct FloatGrid {
   }
 };
 
-// Mask s: the float sign bit in lane i where bit i of s is set.
-alignas(32) constexpr std::array<uint32_t, 256 * 8> kSignMasks = [] {
-  std::array<uint32_t, 256 * 8> t{};
-  for (int s = 0; s < 256; ++s)
-    for (int i = 0; i < 8; ++i) t[8 * s + i] = (s >> i) & 1 ? 0x80000000u : 0u;
+// Mask s: the float sign bit in lane i where bit i of s is set (s < 256); then, at 256 + s for a 7-bit
+// s, the mask of its sign byte with the parity bit (gguf::even_sign_byte), so that the 7-bit types
+// skip that arithmetic.
+alignas(32) constexpr std::array<uint32_t, 384 * 8> kSignMasks = [] {
+  std::array<uint32_t, 384 * 8> t{};
+  for (int s = 0; s < 384; ++s) {
+    const uint32_t bits = s < 256 ? uint32_t(s) : gguf::even_sign_byte(uint32_t(s - 256));
+    for (int i = 0; i < 8; ++i) t[8 * s + i] = (bits >> i) & 1 ? 0x80000000u : 0u;
+  }
   return t;
 }();
 
@@ -655,7 +659,8 @@ struct LatticeGroups {
     if (kOffset) {
       v = _mm256_add_ps(v, _mm256_set1_ps(c.offset));
     } else {
-      v = _mm256_xor_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(kSignMasks.data() + 8 * c.signs)));
+      const uint32_t mask = c.seven_signs ? 256 + c.signs : c.signs;
+      v = _mm256_xor_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(kSignMasks.data() + 8 * mask)));
     }
     return _mm256_mul_ps(v, _mm256_set1_ps(c.scale));
   }
