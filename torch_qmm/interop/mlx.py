@@ -518,9 +518,9 @@ def save_mlx(
     if blocks:
         raise ValueError(
             f"save_mlx: {', '.join(blocks[:4])}{f' and {len(blocks) - 4} more' if len(blocks) > 4 else ''} "
-            "are GGUFLinear / GGUFSwitchLinear layers (GGUF K-quant blocks), which MLX cannot read: `python -m "
-            "torch_qmm convert FILE.gguf OUT --format mlx` writes Q4_K and Q5_K exactly as affine 4- and 5-bit "
-            "layers and the others as float (or re-quantized, --requantize rest)")
+            "are GGUFLinear / GGUFSwitchLinear layers (GGUF blocks), which MLX cannot read: `python -m "
+            "torch_qmm convert FILE.gguf OUT --format mlx` writes Q4_K, Q5_K and IQ4_XS exactly as affine 4-, 5- "
+            "and 8-bit layers and the others as float (or re-quantized, --requantize rest)")
     folder = Path(folder)
     if not overwrite and (held := model_files(folder)):
         raise FileExistsError(f"save_mlx: {folder} already holds a model ({', '.join(held[:3])}"

@@ -1,6 +1,6 @@
 """Modules for imported checkpoints: QuantEmbedding (MLX's quantized embedding), TiedQuantLinear
-(the tied output projection through it), GGUFLinear (GGUF K-quant blocks, kept as they are) and
-GGUFSwitchLinear (a stack of expert weights in GGUF K-quant blocks)."""
+(the tied output projection through it), GGUFLinear (GGUF K-quant and i-quant blocks, kept as they are) and
+GGUFSwitchLinear (a stack of expert weights in those blocks)."""
 
 from __future__ import annotations
 
