@@ -11,7 +11,7 @@ import torch
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from gguf_helpers import assert_matches_reference, k_quant_magnitude, random_iq4_blocks, random_k_blocks, write_gguf
+from gguf_helpers import assert_matches_reference, k_quant_magnitude, random_iq4_blocks, random_k_blocks, set_lattice_d, write_gguf
 from torch_qmm import reference
 from torch_qmm.interop import GGUFLinear
 from torch_qmm.interop.gguf import (GGUFFile, affine_exact, dequantize, embedding_from_gguf, k_quant_to_affine,
@@ -323,7 +323,8 @@ def test_linear_from_gguf_adds_the_bias(gguf_file, qtype):
 
 
 @pytest.mark.parametrize("qtype, scale_byte", [(T.Q4_0, 0), (T.Q4_K, 2), (T.Q5_K, 0), (T.Q5_K, 2), (T.Q6_K, 208),
-                                               (T.IQ4_NL, 0), (T.IQ4_XS, 0)], ids=lambda v: str(v))
+                                               (T.IQ4_NL, 0), (T.IQ4_XS, 0), (T.IQ2_XXS, 0), (T.IQ3_S, 0),
+                                               (T.IQ1_M, None)], ids=lambda v: str(v))
 def test_block_scales_that_are_not_finite_are_refused_as_corrupt(tmp_path, qtype, scale_byte):
     from torch_qmm.interop.gguf_header import GGUFFormatError
 
@@ -335,7 +336,10 @@ def test_block_scales_that_are_not_finite_are_refused_as_corrupt(tmp_path, qtype
     else:
         blocks = random_k_blocks(qtype, 2, 256, rng)
     blocks = np.ascontiguousarray(blocks).copy()
-    blocks[1, scale_byte:scale_byte + 2] = np.array([np.inf], dtype="<f2").view(np.uint8)  # row 1's first block
+    if scale_byte is None:  # IQ1_M: d is the top nibbles of its 4 scale uint16
+        set_lattice_d(blocks.reshape(2, 1, -1)[1:, :, :56], qtype, np.array([[np.inf]]))
+    else:
+        blocks[1, scale_byte:scale_byte + 2] = np.array([np.inf], dtype="<f2").view(np.uint8)  # row 1's first block
     write_gguf(tmp_path / "bad.gguf", {"w": (blocks, qtype)})
     t = GGUFFile(tmp_path / "bad.gguf").tensors["w"]
     with pytest.raises(GGUFFormatError, match=rf"tensor 'w' \({qtype.name}\) holds NaN or Inf block scales"):
