@@ -1187,6 +1187,42 @@ except ValueError as e:
 """
 
 
+_TENSOR_READ_AFTER_CUT = r"""
+import os, sys
+from torch_qmm.interop import gguf
+f = gguf.GGUFFile(sys.argv[1])
+# the last Q4_K / Q6_K matrix (NATIVE_TYPES: every function below takes it); the file is cut a page
+# before its bytes, so that reading them would touch no mapped page of the file
+t = max((t for t in f.tensors.values() if t.type_name in ("Q4_K", "Q6_K")), key=lambda t: t.data.ctypes.data)
+start = t.data.ctypes.data - f._map.ctypes.data
+read = {"raw": lambda: t.raw.sum(), "dequantize": lambda: gguf.dequantize(t),
+        "linear_from_gguf": lambda: gguf.linear_from_gguf(t), "check_finite": lambda: gguf.check_finite(t, 2**20),
+        "to_blocks": lambda: gguf.to_blocks(t)}[sys.argv[2]]
+os.truncate(sys.argv[1], start // 4096 * 4096 - 4096)  # another process cuts the file short
+try:
+    read()
+except ValueError as e:
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("read", ["raw", "dequantize", "linear_from_gguf", "check_finite", "to_blocks"])
+def test_a_tensor_of_a_file_cut_short_is_an_error_not_a_crash(llama_gguf, tmp_path, read):
+    """Each way a tensor's bytes are read (the public per-tensor functions, and `raw` itself) checks
+    the file first (in a child process: a SIGBUS shows as its exit code)."""
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(llama_gguf, path)
+    size = path.stat().st_size
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    p = subprocess.run([sys.executable, "-c", _TENSOR_READ_AFTER_CUT, str(path), read],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    now = path.stat().st_size
+    assert 0 < now < size
+    assert p.stdout.strip() == (f"GGUFFormatError {path}: the file is now {now} bytes, shorter than the {size} it "
+                                "had when opened (truncated or rewritten since): open it again once it is complete")
+
+
 def test_a_file_cut_short_after_it_was_opened_is_an_error_not_a_crash(llama_gguf, tmp_path):
     """Its tensors are views of the memory-mapped file: a read past the new end would kill the
     process (SIGBUS); the loader checks the file's size before each tensor (in a child process, so

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -90,14 +90,28 @@ Q5_K_BLOCK_BYTES = 176  # the same, with 32 bytes of 5th bits (qh) before the ni
 @dataclass
 class GGUFTensor:
     """One tensor of a GGUF file. `shape` is in torch order ([N, K] for a matrix: ggml's ne reversed);
-    `raw` is its bytes, uint8 [rows, bytes per row] (a view of the memory-mapped file); `source`
-    the file it came from (named in errors)."""
+    `raw` is its bytes, uint8 [rows, bytes per row] (`data`: a view of the memory-mapped file, or
+    an array in memory); `source` the file it came from (named in errors); `file` the open
+    GGUFFile `data` maps, checked before `raw` hands the bytes out (GGUFFile.check_unchanged)."""
 
     name: str
     ggml_type: int
     shape: tuple[int, ...]
-    raw: np.ndarray
+    data: np.ndarray
     source: str = "<memory>"
+    file: GGUFFile | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def raw(self) -> np.ndarray:
+        """The bytes, once the mapped file is known to be still whole (a read past the end of a
+        file cut short would kill the process with SIGBUS, not raise)."""
+        if self.file is not None:
+            self.file.check_unchanged()
+        return self.data
+
+    def part(self, name: str, shape: tuple[int, ...], raw: np.ndarray) -> GGUFTensor:
+        """A tensor of the same type and file over some of these bytes (raw: a view of self.raw)."""
+        return GGUFTensor(name, self.ggml_type, shape, raw, self.source, self.file)
 
     @property
     def type_name(self) -> str:
@@ -105,7 +119,7 @@ class GGUFTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(self.raw.nbytes)
+        return int(self.data.nbytes)
 
 
 class GGUFFile:
@@ -128,12 +142,12 @@ class GGUFFile:
             raw = self._map[info.offset:info.offset + info.nbytes]
             rows = math.prod(shape[:-1])
             self.tensors[info.name] = GGUFTensor(info.name, info.ggml_type, shape,
-                                                 raw.reshape(rows, row // per_block * block_bytes), str(self.path))
+                                                 raw.reshape(rows, row // per_block * block_bytes), str(self.path), self)
 
     def check_unchanged(self) -> None:
         """GGUFFormatError when the file is shorter than when it was opened (truncated or rewritten
         in place by another process since): reading mapped bytes past its new end would kill the
-        process (SIGBUS), so the loaders check before reading each tensor."""
+        process (SIGBUS), so every GGUFTensor of this file checks before handing out its bytes (raw)."""
         now = self._mmap.size()
         if now < self._size:
             raise GGUFFormatError(f"{self.path}: the file is now {now} bytes, shorter than the {self._size} it had "

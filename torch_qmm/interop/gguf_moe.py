@@ -163,7 +163,7 @@ def checked_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 def shared_gate_tensor(t: GGUFTensor) -> GGUFTensor:
     """ffn_gate_inp_shexp [H] as the [1, H] weight of the nn.Linear(H, 1) it is; any other tensor as it is."""
     if t.name.endswith(_SHARED_GATE) and len(t.shape) == 1:
-        return GGUFTensor(t.name, t.ggml_type, (1, t.shape[0]), t.raw.reshape(1, -1), t.source)
+        return t.part(t.name, (1, t.shape[0]), t.data.reshape(1, -1))
     return t
 
 
@@ -317,8 +317,7 @@ def _stack(f, block: int, part: str) -> ExpertStack:
         if len(t.shape) != 3:
             raise ValueError(f"{f.path}: tensor {name!r} must be 3-D [experts, rows, cols], got {list(t.shape)}")
         e, rows, cols = t.shape
-        views = tuple(GGUFTensor(f"{name}[{j}]", t.ggml_type, (rows, cols), t.raw[j * rows:(j + 1) * rows], t.source)
-                      for j in range(e))
+        views = tuple(t.part(f"{name}[{j}]", (rows, cols), t.data[j * rows:(j + 1) * rows]) for j in range(e))
         bias = f.tensors.get(f"blk.{block}.ffn_{part}_exps.bias")
         if bias is not None and tuple(bias.shape) != (e, rows):
             raise ValueError(f"{f.path}: tensor {bias.name!r} must be [experts, rows] = {[e, rows]} for {name!r} "

@@ -109,10 +109,7 @@ class TorchQmmConfig(QuantizationConfigMixin):
                                 f"got {type(bits).__name__}")
         if kwargs.get(NOT_RELOADABLE):  # written by record_loaded_model: this folder cannot be rebuilt
             raise ValueError(f"from_pretrained cannot rebuild the torch_qmm layers of this folder: "
-                             f"{kwargs[NOT_RELOADABLE]}. Load the original file the way it was loaded "
-                             "(torch_qmm.interop.load_mlx / load_gguf_llama), or write the model with "
-                             "torch_qmm.interop.save_mlx (which holds QuantEmbedding, not GGUF blocks); "
-                             "`python -m torch_qmm convert` writes a GGUF file into a folder from_pretrained reloads")
+                             f"{kwargs[NOT_RELOADABLE]}")
         resolve(method)  # a registered name or GPTQ(...) / AWQ(...) options, else ValueError / TypeError
         if modules_to_not_convert is not None and not (
                 isinstance(modules_to_not_convert, (list, tuple))
@@ -278,9 +275,18 @@ def record_loaded_model(model, loader: str) -> None:
     if getattr(model, "hf_quantizer", None) is not None:
         return
     why_not = record_quantization_config(model)
-    if why_not is not None:
-        model.config.quantization_config = {"quant_method": QUANT_METHOD,
-                                            NOT_RELOADABLE: f"{why_not} (the model was loaded by {loader})"}
+    if why_not is None:
+        return
+    from .modules import GGUFLinear, GGUFSwitchLinear
+
+    if any(isinstance(m, (GGUFLinear, GGUFSwitchLinear)) for m in model.modules()):  # save_mlx refuses these
+        instead = ("Load the original file the way it was loaded (load_gguf_llama); `python -m torch_qmm convert "
+                   "FILE.gguf OUT` writes a folder from_pretrained reloads")
+    else:
+        instead = (f"Load the original file the way it was loaded ({loader}), or write the model with "
+                   "torch_qmm.interop.save_mlx, which holds these layers")
+    model.config.quantization_config = {"quant_method": QUANT_METHOD,
+                                        NOT_RELOADABLE: f"{why_not} (the model was loaded by {loader}). {instead}"}
 
 
 def _skipped(name: str, skip: list[str]) -> bool:
