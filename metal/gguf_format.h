@@ -304,13 +304,15 @@ constexpr inline uint32_t even_sign_byte(uint32_t index7) {
 // The 8 sign bits of a group.
 inline uint32_t sign_byte(Code8 c) { return c.seven_signs ? even_sign_byte(c.signs) : c.signs; }
 
-// The group's values: q[i] = +-(int8 byte i of the entry + offset).
+// The group's values: q[i] = +-(int8 byte i of the entry + offset). The sign is a factor of +-1
+// (exact), not a choice: the sign bits are data a CPU cannot predict, and a branch per weight
+// (what compilers made of the choice) cost the scalar decoder more than the rest of its work.
 inline Group8 group8(Code8 c) {
   Group8 g;
   const uint32_t signs = sign_byte(c);
   for (int i = 0; i < 8; ++i) {
     const float v = float(int(int8_t(uint8_t(c.entry >> (8 * i))))) + c.offset;
-    g.q[i] = ((signs >> i) & 1u) != 0 ? -v : v;
+    g.q[i] = v * (1.0f - 2.0f * float((signs >> i) & 1u));
   }
   g.scale = c.scale;
   return g;

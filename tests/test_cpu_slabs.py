@@ -8,7 +8,7 @@
   owns the K tail), taken by the threads before any W is read. TORCH_QMM_CPU_X_PARTS sets the
   parts per row (1: whole rows; more than a row has units: one part per unit).
 * x blocks: the rows of x go through each span in blocks of at most 4, 2 or 1 rows (each chunk
-  decoded once per block). TORCH_QMM_CPU_X_BLOCK caps the block below the kernel's own limit.
+  decoded once per block; 3 rows left take one block of 3 in kernels that declare it). TORCH_QMM_CPU_X_BLOCK caps the block below the kernel's own limit.
 
 So each chunk kernel this CPU has must give bit-identical results under every schedule: one pass,
 one chunk per slab, a budget that leaves a ragged last slab, the kernel's own default, and x in
@@ -115,6 +115,19 @@ def test_fp_mode_chunk_kernels_give_the_same_sums_under_every_schedule(monkeypat
     for m in MS:
         x = torch.randn(m, K, generator=gen)
         under_every_schedule(monkeypatch, lambda: quantized_matmul(x, wq, scales, None, transpose=True, mode=mode))
+
+
+@pytest.mark.parametrize("ggml_type", [16, 29], ids=["IQ2_XXS", "IQ1_M"])
+def test_lattice_kernel_gives_the_same_sums_under_every_schedule(monkeypatch, ggml_type):
+    """The lattice i-quants' kernel, which also takes blocks of 3 rows of x (M = 3; 7 = 4 + 3; under
+    TORCH_QMM_CPU_X_BLOCK=3 every M in blocks of 3, 2 and 1)."""
+    rng = np.random.default_rng(ggml_type)
+    K = 256 * 11
+    blocks = torch.from_numpy(random_k_blocks(ggml_type, N, K, rng))
+    for m in [*MS, 3, 6]:
+        x = torch.from_numpy(rng.standard_normal((m, K)).astype(np.float32))
+        assert torch.ops.torch_qmm._gguf_cpu_route(x, blocks, ggml_type, N, K).startswith("chunked/avx2-iq"), m
+        under_every_schedule(monkeypatch, lambda: gguf_matmul(x, blocks, ggml_type, N, K))
 
 
 @FAMILIES

@@ -17,6 +17,9 @@
 //   kXPerChunk, kSidePerChunk      per x row and chunk: X values, and floats of side data (e.g.
 //                                  GGUF sub-block sums of x that the chunk's own offsets need)
 //   kMaxXBlock                     the largest block of x rows (4, 2 or 1) a tile takes
+//   kThreeRowBlocks (optional)     true: 3 rows of x left take one block of 3 (one decode of W)
+//                                  rather than 2 + 1 (two), for kernels whose decode of a chunk
+//                                  costs more than its FMAs (the lattice i-quants)
 //   tile_rows(mb)                  W rows per tile for mb x rows (registers)
 //   slab_bytes(mb)                 the budget of a K slab at mb x rows (kSlabBytes), or 0: the
 //                                  whole K in one pass (see Work)
@@ -310,13 +313,22 @@ inline float rounded(float v) {
   return t;
 }
 
-// The largest block of x rows (4, 2, 1; at most max_rows) that fits in `left`.
-inline int x_block_rows(int64_t left, int max_rows) {
+// The largest block of x rows (4, 2, 1; at most max_rows) that fits in `left`; 3 where exactly 3
+// are left and the kernel takes blocks of 3 (`three`).
+inline int x_block_rows(int64_t left, int max_rows, bool three) {
+  if (left == 3 && max_rows >= 3 && three) return 3;
   return left >= 4 && max_rows >= 4 ? 4 : left >= 2 && max_rows >= 2 ? 2 : 1;
 }
 
-// TORCH_QMM_CPU_X_BLOCK=B: blocks of at most B rows of x (1, 2 or 4; a kernel's own kMaxXBlock
-// still bounds it); -1 where unset. The results are the same for any B (each y[m, n] is summed
+// Kern::kThreeRowBlocks, false where a kernel does not declare it.
+template <typename Kern, typename = void>
+struct ThreeRowBlocks : std::false_type {};
+template <typename Kern>
+struct ThreeRowBlocks<Kern, std::void_t<decltype(Kern::kThreeRowBlocks)>>
+    : std::integral_constant<bool, Kern::kThreeRowBlocks> {};
+
+// TORCH_QMM_CPU_X_BLOCK=B: blocks of at most B rows of x (1 to 4; a kernel's own kMaxXBlock
+// still bounds it, and 3 is 2 for kernels without blocks of 3); -1 where unset. The results are the same for any B (each y[m, n] is summed
 // over the same chunks in the same order), only the speed differs.
 inline int64_t x_block_override() {
   return env_count("TORCH_QMM_CPU_X_BLOCK", 1, 4, "a count of rows of x from 1 to 4");
@@ -328,9 +340,11 @@ void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N,
               int64_t slab_override, int max_x_block, float* y) {
   const int64_t n0 = i * span, n1 = std::min(N, n0 + span);
   for (int64_t m0 = 0; m0 < M;) {
-    const int mb = x_block_rows(M - m0, max_x_block);
+    const int mb = x_block_rows(M - m0, max_x_block, ThreeRowBlocks<Kern>::value);
     if constexpr (Kern::kMaxXBlock >= 4)
       if (mb == 4) run_block<Kern, 4>(kern, px, N, n0, n1, m0, slab_override, y);
+    if constexpr (Kern::kMaxXBlock >= 3 && ThreeRowBlocks<Kern>::value)
+      if (mb == 3) run_block<Kern, 3>(kern, px, N, n0, n1, m0, slab_override, y);
     if constexpr (Kern::kMaxXBlock >= 2)
       if (mb == 2) run_block<Kern, 2>(kern, px, N, n0, n1, m0, slab_override, y);
     if (mb == 1) run_block<Kern, 1>(kern, px, N, n0, n1, m0, slab_override, y);

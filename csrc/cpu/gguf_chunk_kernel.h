@@ -8,6 +8,7 @@
 //   using X; kXPerBlock, kSide, kBlockBytes   prepared-x type; X values and side floats per
 //                                             super-block and x row; bytes per super-block
 //   tile_rows(mb)                             W rows per tile at mb rows of x
+//   kThreeRowBlocks (optional)                blocks of 3 rows of x (chunk_driver.h)
 //   prepare(x, xc, side)                      one super-block of an x row (256 floats)
 //   block<R, MB>(blk, xc, side, acc)          acc[r][m] += super-block blk[r] times x row m
 // Vec, the family's vector width: using Acc; zero(), reduce(acc); slab_bytes(mb) (chunk_driver.h);
@@ -34,6 +35,7 @@ struct GgufChunkKernel {
   static constexpr int64_t kXPerChunk = Fmt::kXPerBlock, kSidePerChunk = Fmt::kSide;
   static constexpr int kMaxXBlock = 4;
   static constexpr bool kSubnormalOperands = chunk::SubnormalOperands<Fmt>::value;
+  static constexpr bool kThreeRowBlocks = chunk::ThreeRowBlocks<Fmt>::value;
   static constexpr int64_t slab_bytes(int mb) { return Vec::slab_bytes(mb); }
   static constexpr int tile_rows(int mb) { return Fmt::tile_rows(mb); }
 

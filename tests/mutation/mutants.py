@@ -363,6 +363,12 @@ MUTANTS: list[Mutant] = [
            "_mm_loadu_ps(grid + 4 * c.index[1])), _mm_loadu_ps(grid + 4 * c.index[0]), 1);",
            ("tests/test_cpu_gguf_float32.py", "-k", "lattice and IQ3_XXS"),
            "the lattice kernel puts an IQ3 group's second codebook entry in weights 0..3"),
+    Mutant("driver-three-row-block-runs-two", "csrc/cpu/chunk_driver.h",
+           "      if (mb == 3) run_block<Kern, 3>(kern, px, N, n0, n1, m0, slab_override, y);",
+           "      if (mb == 3) run_block<Kern, 2>(kern, px, N, n0, n1, m0, slab_override, y);",
+           ("tests/test_cpu_gguf_float32.py", "-k", "lattice_avx2_kernel_matches and IQ2_XXS"),
+           "a block of 3 rows of x (the lattice kernel's) multiplies only its first 2: the third row of y is "
+           "never written"),
     Mutant("avx2-iq4xs-scale-pair-shifted", "csrc/cpu/gguf_avx2.cpp",
            "sc[i] = pair_of(_mm256_load_ps(sd[i]), 2 * c);",
            "sc[i] = pair_of(_mm256_load_ps(sd[i]), 2 * c + 1);",
