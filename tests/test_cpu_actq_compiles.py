@@ -13,6 +13,8 @@ that none is left broken unnoticed:
 - avx512vnni-novl: AVX512_VNNI without AVX512VL (the 512-bit kernels, 256-bit ones on AVX2's
   products);
 - portable: no AVX2, the portable kernels only.
+The AVX-512 float32 GGUF units (csrc/cpu/gguf_f32.cpp, gguf_panel.cpp) likewise compile with and
+without AVX512_VBMI (gguf_fields.h unpacks Q4_K's scales with a byte permute where it has it).
 """
 
 from __future__ import annotations
@@ -65,3 +67,17 @@ def test_variants_define_what_the_kernels_test(variant, macros):
     defined = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("#define")}
     assert {"__AVX512BW__", "__AVX512VNNI__"} & defined == macros
     assert ("__AVX2__" in defined) == (variant != "portable")
+
+
+@pytest.mark.parametrize("unit", ["gguf_f32.cpp", "gguf_panel.cpp"])
+@pytest.mark.parametrize("vbmi", [False, True], ids=["avx512bw", "avx512vbmi"])
+def test_gguf_float32_units_compile_with_and_without_vbmi(vbmi, unit):
+    flags = [*AVX512, "-mavx512vl", *(["-mavx512vbmi"] if vbmi else [])]
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", "-w", "-fopenmp", *flags, f"-I{ROOT / 'csrc'}",
+           f"-I{sysconfig.get_paths()['include']}", *[f"-I{p}" for p in include_paths()],
+           str(ROOT / "csrc/cpu" / unit)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{unit} ({'with' if vbmi else 'without'} VBMI) does not compile:\n{r.stderr[-4000:]}"
+    defined = subprocess.run(["g++", "-dM", "-E", *flags, "-x", "c++", "/dev/null"], capture_output=True, text=True,
+                             timeout=60).stdout
+    assert ("#define __AVX512VBMI__" in defined) == vbmi

@@ -67,12 +67,34 @@ inline __m256i q4k_scale_min_bytes(__m256i head) {
 #endif
 
 #if defined(__AVX512F__)
+// The 16 six-bit fields [sc[0..7], m[0..7]] of a Q4_K block as int32 lanes, from its first 16
+// bytes (head; q4k_scale_bytes' formulas, one lane each).
+inline __m512i q4k_scale_min_lanes(__m128i head) {
+#if defined(__AVX512VBMI__)
+  // With VBMI, one byte permute puts in lane l the byte A (bytes 4-15: the 12 packed ones) its low
+  // bits come from, and, for j >= 4, in byte 1 the byte B whose top 2 bits are its bits 4-5:
+  // field = ((lane >> shift) & low) | ((lane >> 10) & 0x30), shift 4 for the high mins (A's high
+  // nibble). 6 operations where the path below takes 9 (Xeon, 4096 x 14336, M = 1, float32 x,
+  // paired in one process: 0.96-0.985 of the time).
+  const __m512i pick = _mm512_setr_epi32(4, 5, 6, 7, 12 | 4 << 8, 13 | 5 << 8, 14 | 6 << 8, 15 | 7 << 8,  // sc
+                                         8, 9, 10, 11, 12 | 8 << 8, 13 | 9 << 8, 14 | 10 << 8, 15 | 11 << 8);  // m
+  // bytes kept: byte 0 of every lane, byte 1 of lanes 4-7 and 12-15 (4 mask bits per lane)
+  const __m512i ab = _mm512_maskz_permutexvar_epi8(0x3333111133331111ull, pick, _mm512_castsi128_si512(head));
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
+  const __m512i low = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m512i a = _mm512_and_si512(_mm512_srlv_epi32(ab, shift), low);
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(ab, 10), _mm512_set1_epi32(0x30), a, 0xEA);  // (x & y) | z
+#else
+  return _mm512_cvtepu8_epi32(_mm256_castsi256_si128(q4k_scale_min_bytes(_mm256_broadcastsi128_si256(head))));
+#endif
+}
+
 // [d*sc[0..7], dmin*m[0..7]] of the Q4_K block at blk (products exact: 11 by 6 bits).
 inline __m512 q4k_scale_vector(const uint8_t* blk) {
-  const __m256i head = q4k_head(blk);
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q4k_scale_min_bytes(head))));
+  const __m128i head = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m512 f = _mm512_cvtepi32_ps(q4k_scale_min_lanes(head));
   // d for lanes 0-7, dmin for 8-15.
-  const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm256_castsi256_si128(head)));
+  const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(head));
   return _mm512_mul_ps(f, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), dd));
 }
 

@@ -363,6 +363,12 @@ MUTANTS: list[Mutant] = [
            "_mm_loadu_ps(grid + 4 * c.index[1])), _mm_loadu_ps(grid + 4 * c.index[0]), 1);",
            ("tests/test_cpu_gguf_float32.py", "-k", "lattice and IQ3_XXS"),
            "the lattice kernel puts an IQ3 group's second codebook entry in weights 0..3"),
+    Mutant("q4k-vbmi-scale-lanes-keep-a-d-byte", "csrc/cpu/gguf_fields.h",
+           "_mm512_maskz_permutexvar_epi8(0x3333111133331111ull, pick,",
+           "_mm512_maskz_permutexvar_epi8(0x3333333333333333ull, pick,",
+           ("tests/test_cpu_gguf_float32.py", "-k", "float32_kernels_match_gguf_dequantize and Q4_K"),
+           "the VBMI unpacking of Q4_K's scales keeps byte 1 of the lanes of sub-blocks 0-3 (scales and "
+           "mins), where the permute put byte 0 of d: their fields take d's top bits"),
     Mutant("driver-three-row-block-runs-two", "csrc/cpu/chunk_driver.h",
            "      if (mb == 3) run_block<Kern, 3>(kern, px, N, n0, n1, m0, slab_override, y);",
            "      if (mb == 3) run_block<Kern, 2>(kern, px, N, n0, n1, m0, slab_override, y);",
