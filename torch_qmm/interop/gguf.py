@@ -220,7 +220,8 @@ def _decode_in_slices(t: GGUFTensor) -> torch.Tensor:
     out = torch.empty(rows, row, dtype=torch.float32)
     step = max(1, DECODE_SLICE_BYTES // (4 * row))
     for r in range(0, rows, step):
-        values = gguf_quants.dequantize(np.ascontiguousarray(t.raw[r:r + step]), qtype)
+        with np.errstate(all="ignore"):  # a corrupt block's Inf / NaN: refused below, not warned about
+            values = gguf_quants.dequantize(np.ascontiguousarray(t.raw[r:r + step]), qtype)
         if not np.isfinite(values).all():
             raise _corrupt_values(t, "block scales")
         out[r:r + step] = torch.from_numpy(values.reshape(-1, row))
@@ -241,7 +242,8 @@ def check_finite(t: GGUFTensor, slice_bytes: int) -> bool:
     step = max(1, slice_bytes // (4 * per_row))
     for r in range(0, rows, step):
         try:
-            finite = np.isfinite(gguf_quants.dequantize(np.ascontiguousarray(t.raw[r:r + step]), qtype)).all()
+            with np.errstate(all="ignore"):  # a corrupt block's Inf / NaN: refused below, not warned about
+                finite = np.isfinite(gguf_quants.dequantize(np.ascontiguousarray(t.raw[r:r + step]), qtype)).all()
         except NotImplementedError:
             return False
         if not finite:
