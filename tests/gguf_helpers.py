@@ -294,7 +294,6 @@ GGUF_F32_MAX_ROWS = 32  # cpu::kGgufF32MaxRows
 GGUF_PANEL_MAX_ROWS = 128  # cpu::kGgufPanelMaxRows: the float32 family takes up to this many rows where
                            # the panel kernels take rows (all but the last 13 or fewer)
 GGUF_AVX2_MAX_ROWS = 15  # cpu::kGgufAvx2MaxRows
-GGUF_LATTICE_MAX_ROWS = 20  # cpu::kGgufLatticeMaxRows: the lattice i-quants' AVX2 kernel
 GGUF_AVX2_NAMES = {Q2_K: "chunked/avx2-q2k", Q3_K: "chunked/avx2-q3k", Q4_K: "chunked/avx2-q4k", Q5_K: "chunked/avx2-q5k",
                    Q6_K: "chunked/avx2-q6k", IQ4_XS: "chunked/avx2-iq4xs"}
 # The lattice i-quants' AVX2 kernel (LatticeGroups): one name per type, no subnormal-field variant.
@@ -349,7 +348,7 @@ def expected_gguf_route(dtype, m: int, ggml_type, x_in_range: bool = True, x_in_
     avx2 = x_in_range and 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
     sub_range = x_in_range if x_in_subnormal_range is None else x_in_subnormal_range
     if ggml_type in LATTICE_TYPES:  # the AVX2 kernel only, for x of any range (x is used as it is)
-        lattice = 1 <= m <= GGUF_LATTICE_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
+        lattice = 1 <= m <= GGUF_AVX2_MAX_ROWS and HAS_AVX2 and not env_on("TORCH_QMM_CPU_NO_AVX2_CHUNKS")
         return LATTICE_AVX2_NAMES[ggml_type] if lattice else "fused" if m < 16 else "gemm"
     if ggml_type in (Q2_K, Q3_K, Q5_K, IQ4_XS):  # AVX2 chunk kernels only
         return gguf_avx2_name(ggml_type, m, sub_range) if avx2 else "fused" if m < 16 else "gemm"

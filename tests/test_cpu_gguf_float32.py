@@ -20,7 +20,7 @@ import torch
 from gguf import quants
 
 from cpu_features import HAS_AVX2, HAS_AVX512
-from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_F32_MAX_ROWS, GGUF_LATTICE_MAX_ROWS, GGUF_F32_NAMES, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+from gguf_helpers import GGUF_AVX2_MAX_ROWS, GGUF_F32_MAX_ROWS, GGUF_F32_NAMES, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from gguf_helpers import LATTICE_AVX2_NAMES, LATTICE_TYPES, exact_k_blocks, exact_x, gguf_avx2_name
 from gguf_helpers import assert_matches_reference, expected_gguf_route, k_quant_magnitude, q4k_every_scale_byte
 from gguf_helpers import q6k_signed_scales_and_full_high_fields, random_k_blocks
@@ -171,12 +171,12 @@ def test_lattice_avx2_kernel_matches_gguf_dequantize(ggml_type, dtype, monkeypat
         monkeypatch.setenv(key, value)
     for n, k in [(1, 256), (5, 768), (131, 512)]:
         blocks, w = _case(ggml_type, n, k, seed=n + k)
-        x_all = torch.randn(GGUF_LATTICE_MAX_ROWS + 1, k, generator=torch.Generator().manual_seed(n)).to(dtype)
-        for m in (1, 2, 3, 5, 7, 14, GGUF_LATTICE_MAX_ROWS, GGUF_LATTICE_MAX_ROWS + 1):
+        x_all = torch.randn(GGUF_AVX2_MAX_ROWS + 1, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+        for m in (1, 2, 3, 5, 7, 14, GGUF_AVX2_MAX_ROWS, GGUF_AVX2_MAX_ROWS + 1):
             x = x_all[:m]
             r = route(x, blocks, n, k, ggml_type)
             assert r == expected_gguf_route(dtype, m, ggml_type)
-            assert (r == LATTICE_AVX2_NAMES[ggml_type]) == (m <= GGUF_LATTICE_MAX_ROWS), f"M={m}: {r}"
+            assert (r == LATTICE_AVX2_NAMES[ggml_type]) == (m <= GGUF_AVX2_MAX_ROWS), f"M={m}: {r}"
             check(x, blocks, w, n, k, ggml_type, dtype, f"{ggml_type.name} {r} M={m} N={n} K={k}")
     # x of any range takes it (x is used as it is): a row of subnormals alone (not flushed), one with
     # values up to 1e30 next to ordinary ones, then rows with an Inf / a NaN (F.linear's non-finite
@@ -211,7 +211,7 @@ def test_lattice_avx2_kernel_exact_sums_and_two_threads(ggml_type, threads):
     n, k = 37, 768
     blocks = torch.from_numpy(exact_k_blocks(ggml_type, n, k, rng))
     w = torch.from_numpy(quants.dequantize(blocks.numpy(), ggml_type)).double()
-    for m in (1, 2, 3, 5, 7, 15, 16, GGUF_LATTICE_MAX_ROWS + 1):
+    for m in (1, 2, 3, 5, 7, 15, 16, 24):
         x = torch.from_numpy(exact_x(m, k, rng))
         expect = (x.double() @ w.T).float()
         y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(ggml_type), n, k)

@@ -23,6 +23,7 @@
 #include "chunk_driver.h"
 #include "gguf_chunk_kernel.h"
 #include "gguf_fields.h"
+#include "gguf_lattice_avx2.h"
 #include "qmm_kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -603,46 +604,15 @@ using Q2K = Sixteens<Q2KCodes, F>;
 template <typename F>
 using Q3K = Sixteens<Q3KCodes, F>;
 
-// The lattice i-quants (IQ1_S .. IQ3_S; metal/gguf_format.h): each group of 8 weights is one
-// codebook entry (IQ3: two of 4 values), read by gguf::Lattice<type>::code in scalar code (its
-// index, sign bits, offset and scale take bit fields from several places of the block). The
-// codebook is kept as float32 (FloatGrid, built once: 4 to 64 KB) and the signs as masks of 8
-// sign bits (kSignMasks), so a group's 8 weights are one or two loads, an XOR with its sign mask
-// (IQ1: an add of its offset), times its scale: exact, as group8 and the scalar decoder. Then one FMA per row of x
-// with x's 8 values of the group. x is used as it is (no preparation, no side data); a tile of two
-// W rows at one row of x shares each load of x.
-template <int type>
-struct FloatGrid {
-  using L = gguf::Lattice<type>;  // IQ1_M takes IQ1_S's (the same codebook: LatticeGroups)
-  static const float* values() {
-    static const std::vector<float> table = [] {
-      std::vector<float> t(size_t(L::kEntries) * L::kWidth);
-      for (uint32_t i = 0; i < uint32_t(L::kEntries); ++i)
-        for (int v = 0; v < L::kWidth; ++v) t[i * L::kWidth + v] = float(int8_t(uint8_t(L::grid(i) >> (8 * v))));
-      return t;
-    }();
-    return table.data();
-  }
-};
-
-// Mask s: the float sign bit in lane i where bit i of s is set (s < 256); then, at 256 + s for a 7-bit
-// s, the mask of its sign byte with the parity bit (gguf::even_sign_byte), so that the 7-bit types
-// skip that arithmetic.
-alignas(32) constexpr std::array<uint32_t, 384 * 8> kSignMasks = [] {
-  std::array<uint32_t, 384 * 8> t{};
-  for (int s = 0; s < 384; ++s) {
-    const uint32_t bits = s < 256 ? uint32_t(s) : gguf::even_sign_byte(uint32_t(s - 256));
-    for (int i = 0; i < 8; ++i) t[8 * s + i] = (bits >> i) & 1 ? 0x80000000u : 0u;
-  }
-  return t;
-}();
-
+// The lattice i-quants (IQ1_S .. IQ3_S): each group of 8 weights decoded by
+// gguf_lattice_avx2.h (a codebook load, its sign mask or offset, its scale), then one FMA per row
+// of x with x's 8 values of the group. x is used as it is (no preparation, no side data); a tile of
+// two W rows at one row of x shares each load of x.
 template <int type>
 struct LatticeGroups {
   using X = float;
   using L = gguf::Lattice<type>;
   static constexpr int64_t kType = type, kBlockBytes = int64_t(sizeof(typename L::Block)), kXPerBlock = 256, kSide = 1;
-  static constexpr bool kOffset = type == gguf::kTypeIQ1_S || type == gguf::kTypeIQ1_M;  // else signs
   static constexpr int tile_rows(int mb) { return mb == 1 ? 2 : 1; }
   // Decoding a group costs more than its FMAs: 3 rows of x left go in one block, not 2 + 1
   // (4096 x 14336, IQ2_XXS, 2 threads: M = 3 13.7 ms against M = 4 9.4 with blocks of 2 + 1).
@@ -652,26 +622,10 @@ struct LatticeGroups {
     side[0] = 0.0f;
   }
 
-  __attribute__((always_inline)) static inline __m256 weights(const float* grid, gguf::Code8 c) {
-    __m256 v;
-    if (L::kWidth == 8) {
-      v = _mm256_loadu_ps(grid + 8 * c.index[0]);
-    } else {
-      v = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(grid + 4 * c.index[0])), _mm_loadu_ps(grid + 4 * c.index[1]), 1);
-    }
-    if (kOffset) {
-      v = _mm256_add_ps(v, _mm256_set1_ps(c.offset));
-    } else {
-      const uint32_t mask = c.seven_signs ? 256 + c.signs : c.signs;
-      v = _mm256_xor_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(kSignMasks.data() + 8 * mask)));
-    }
-    return _mm256_mul_ps(v, _mm256_set1_ps(c.scale));
-  }
-
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block(const uint8_t* const (&blk)[R], const float* const (&xc)[MB],
                                                           const float* const (&)[MB], __m256 (&acc)[R][MB]) {
-    const float* grid = FloatGrid<type == gguf::kTypeIQ1_M ? gguf::kTypeIQ1_S : type>::values();
+    const float* grid = lattice::grid<type>();
     typename L::Block b[R];
     float d[R];
     for (int r = 0; r < R; ++r) {
@@ -686,7 +640,7 @@ struct LatticeGroups {
       for (int l = 0; l < 4; ++l)
         for (int r = 0; r < R; ++r) {
           const int g = 4 * j + l;
-          const __m256 w = weights(grid, L::code(&b[r], g, d[r]));
+          const __m256 w = lattice::weights<type>(grid, L::code(&b[r], g, d[r]));
           for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xc[m] + 8 * g), acc[r][m]);
         }
   }
@@ -753,9 +707,9 @@ bool run_avx2(const GgufArgs& a, int64_t ggml_type, float* y) {
 }  // namespace
 
 const char* gguf_avx2_multiplier(const GgufArgs& a, int64_t ggml_type) {
-  if (avx2_chunks_avoided() || a.M < 1) return nullptr;
-  if (const char* name = lattice_name(ggml_type)) return a.M <= kGgufLatticeMaxRows ? name : nullptr;  // any x
-  if (a.M > kGgufAvx2MaxRows || !a.x_in_range) return nullptr;
+  if (avx2_chunks_avoided() || a.M < 1 || a.M > kGgufAvx2MaxRows) return nullptr;
+  if (const char* name = lattice_name(ggml_type)) return name;  // x as it is: any finite or not x
+  if (!a.x_in_range) return nullptr;
   for (const Avx2Names& n : kAvx2Names)
     if (n.ggml_type == ggml_type) return subnormal_fields_for(a, ggml_type) ? n.subnormal : n.converted;
   return nullptr;

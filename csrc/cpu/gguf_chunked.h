@@ -24,8 +24,7 @@ struct GgufArgs {
 // the bfloat16 terms of x, not avoided; "bf16x1-panel-q4k" / "-q6k" where the bfloat16 panel
 // kernels take rows) or "avx2-q4k" / "avx2-q6k" (AVX2 + FMA, gguf_avx2.cpp); Q4_K or Q6_K, x in
 // range, the float32 kernels up to kGgufF32MaxRows rows (kGgufPanelMaxRows where the panel kernels
-// take rows), the AVX2 ones up to kGgufAvx2MaxRows (the lattice i-quants' up to
-// kGgufLatticeMaxRows). Which goes first: gguf_chunked.cpp,
+// take rows), the AVX2 ones up to kGgufAvx2MaxRows. Which goes first: gguf_chunked.cpp,
 // gguf_chunked_multiplier.
 const char* gguf_chunked_multiplier(const GgufArgs& a, int64_t ggml_type);
 void gguf_chunked(const GgufArgs& a, int64_t ggml_type, float* y);
@@ -37,11 +36,6 @@ constexpr int64_t kGgufF32MaxRows = 32;
 // Rows of x one call of the panel kernels (gguf_panel.cpp) takes at most.
 constexpr int64_t kGgufPanelMaxRows = 128;
 constexpr int64_t kGgufAvx2MaxRows = 15;
-// The lattice i-quants' AVX2 kernel (gguf_avx2.cpp) up to this many rows: the GEMM route decodes
-// W whole (scalar, ~15-18 ms for 4096 x 4096 on 2 threads of a Xeon) and takes about that at any
-// small M, the kernel 0.5-0.85 ms per row of x; at 20 rows it is at or below the GEMM route for
-// every lattice type (IQ3_S 16.2 against 17.3 ms; IQ2_XS 10.3 against 15.8).
-constexpr int64_t kGgufLatticeMaxRows = 20;
 // Each: its name where it serves (TORCH_QMM_CPU_NO_F32_CHUNKS / _NO_AVX2_CHUNKS unset), else null.
 const char* gguf_f32_multiplier(const GgufArgs& a, int64_t ggml_type);
 void gguf_f32(const GgufArgs& a, int64_t ggml_type, float* y);
