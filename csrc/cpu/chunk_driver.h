@@ -328,8 +328,9 @@ struct ThreeRowBlocks<Kern, std::void_t<decltype(Kern::kThreeRowBlocks)>>
     : std::integral_constant<bool, Kern::kThreeRowBlocks> {};
 
 // TORCH_QMM_CPU_X_BLOCK=B: blocks of at most B rows of x (1 to 4; a kernel's own kMaxXBlock
-// still bounds it, and 3 is 2 for kernels without blocks of 3); -1 where unset. The results are the same for any B (each y[m, n] is summed
-// over the same chunks in the same order), only the speed differs.
+// still bounds it, and 3 is 2 for kernels without blocks of 3); -1 where unset. The results are
+// the same for any B (each y[m, n] is summed over the same chunks in the same order), only the
+// speed differs.
 inline int64_t x_block_override() {
   return env_count("TORCH_QMM_CPU_X_BLOCK", 1, 4, "a count of rows of x from 1 to 4");
 }

@@ -16,7 +16,6 @@
 
 #include <array>
 #include <cstring>
-#include <vector>
 
 #include "../gguf_format.h"
 #include "chunk_avx2.h"

@@ -189,8 +189,8 @@ struct Decoder {
 };
 
 // f(the Decoder of a lattice type): with `vector` (and AVX2 built) the AVX2 decode of
-// gguf_lattice_avx2.h (the same values, 8 at a time: the GEMM route's decode of IQ2_XXS, 4096 x 4096,
-// ~3x faster), else the scalar one.
+// gguf_lattice_avx2.h (the same values, 8 at a time; the GEMM route, IQ2_XXS 4096 x 4096, M = 24,
+// one thread: 53 -> 21 ms), else the scalar one.
 template <int type, typename F>
 void with_lattice_decoder(bool vector, F&& f) {
 #if defined(__AVX2__) && defined(__FMA__)
