@@ -108,6 +108,27 @@ def test_bench_peer_llamacpp_reports_ratios_in_table_and_json(monkeypatch, tmp_p
     assert "x llamacpp" in capsys.readouterr().out
 
 
+def test_bench_table_and_json_give_each_calls_threads(monkeypatch, tmp_path, capsys):
+    """A small call runs on one thread whatever torch's count (work_split.h: one thread per 2^20
+    multiply-adds), ggml on the count it is given: the report says so beside the ratio."""
+    rows = {r["params"].split(",")[0].split("=")[1]: r for r in parse_perf_output(FIXTURE.read_text())[:4]}
+    monkeypatch.setattr(llamacpp_peer, "ensure_binary", lambda log=print: tmp_path / "test-backend-ops")
+    monkeypatch.setattr(llamacpp_peer, "time_case", lambda binary, case, threads: {**rows[case.ggml_type], "how": "x"})
+    out = tmp_path / "r.json"
+    # 64 x 512 x 1: 2^15 multiply-adds, one thread; 4096 x 512 x 1: 2^21, two.
+    rc = main(["bench", "--device", "cpu", "--shapes", "64x512,4096x512", "--m", "1", "--gguf", "Q4_K", "--dtype",
+               "float32", "--peers", "llamacpp", "--hot", "--threads", "2", "--repeats", "2", "--no-plot",
+               "--output", str(out)])
+    assert rc == 0
+    recs = json.loads(out.read_text())["results"]
+    assert [(r["n"], r["threads"]) for r in recs] == [(64, {"torch_qmm": 1, "llamacpp": 2}),
+                                                      (4096, {"torch_qmm": 2, "llamacpp": 2})]
+    table = capsys.readouterr().out
+    assert "threads (torch_qmm/llamacpp)" in table
+    lines = [ln for ln in table.splitlines() if ln.split()[:2] in (["64x512", "1"], ["4096x512", "1"])]  # the table's rows
+    assert [ln.split()[-1] for ln in lines] == ["1/2", "2/2"]
+
+
 def _three_rounds_of_q4k(monkeypatch, tmp_path, fake_time_case, ms: str) -> dict:
     """The JSON of a 3-round Q4_K bench (float32 and bfloat16 x, rows `ms`) with ggml's build and
     runs replaced by fake_time_case."""

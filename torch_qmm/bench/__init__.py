@@ -337,6 +337,7 @@ class _LlamaCpp:
             return
         r.times_ms["llamacpp"] = r.min_ms["llamacpp"] = out["us_per_run"] / 1e3
         r.samples["llamacpp"], r.weight_bytes["llamacpp"] = out["runs"], case.weight_bytes()
+        r.threads["llamacpp"] = self.threads
         self.cases[f"{c.n}x{c.k} M={c.m} {c.label}"] = {"ggml_type": case.ggml_type, "how": out["how"],
                                                         "params": out["params"]}
 

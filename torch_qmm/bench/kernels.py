@@ -72,6 +72,9 @@ class Result:
     load_average: float | None = None  # 1-minute load average when the config was timed
     # With --rounds R > 1: each round's median times (implementation -> ms), in the order run.
     round_times_ms: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # implementation -> the threads its call ran on, where known (torch_qmm on CPU: a small call runs
+    # on fewer threads than torch's count, csrc/cpu/work_split.h; llamacpp: the count it was given)
+    threads: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def gbps(self, impl: str = OURS) -> float:
         return self.weight_bytes[impl] / (self.times_ms[impl] * 1e-3) / 1e9
@@ -97,7 +100,8 @@ def merge_rounds(rounds: list[Result]) -> Result:
                   {k: min(r.min_ms[k] for r in rounds) for k in impls},
                   {k: sum(r.samples[k] for r in rounds) for k in impls},
                   {k: first.weight_bytes[k] for k in impls}, skipped, max(loads) if loads else None,
-                  [{k: r.times_ms[k] for k in impls} for r in rounds])
+                  [{k: r.times_ms[k] for k in impls} for r in rounds],
+                  {k: n for k, n in first.threads.items() if k in impls})
 
 
 # An implementation prepared for one config: a call using weight copy i, its weight bytes.
@@ -396,5 +400,6 @@ def run_config(cfg: Config, repeats: int, cache_bytes: int, peer_filter: Callabl
             skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     stats = time_impls(impls, cfg.device, repeats)
     nbytes = {name: impl[1] for name, impl in impls.items()}
+    threads = {OURS: int(torch.ops.torch_qmm._cpu_threads(x, cfg.n, cfg.k))} if cfg.device == "cpu" else {}
     return Result(cfg, {k: v["median"] for k, v in stats.items()}, {k: v["min"] for k, v in stats.items()},
-                  {k: v["samples"] for k, v in stats.items()}, nbytes, skipped, load)
+                  {k: v["samples"] for k, v in stats.items()}, nbytes, skipped, load, threads=threads)

@@ -111,21 +111,29 @@ def result_record(r: Result, copy_gbps: float) -> dict:
         "load_average": r.load_average,
         **({"round_times_ms": [{k: round(v, 4) for k, v in t.items()} for t in r.round_times_ms]}
            if r.round_times_ms else {}),
+        **({"threads": r.threads} if r.threads else {}),
     }
 
 
 def format_table(results: list[Result], copy_gbps: float) -> str:
     peers = sorted({p for r in results for p in r.times_ms if p != OURS})
-    head = ["N x K", "M", "bits", "dtype", "ms", "GB/s", "%copy"] + [f"x {p}" for p in peers]
+    # Threads per call, where a peer's count is known: a ratio compares calls on these threads.
+    counted = [p for p in peers if any(p in r.threads for r in results)]
+    shown = any(OURS in r.threads for r in results) and counted
+    head = (["N x K", "M", "bits", "dtype", "ms", "GB/s", "%copy"] + [f"x {p}" for p in peers]
+            + ([f"threads ({'/'.join([OURS, *counted])})"] if shown else []))
     rows = [head]
     for r in results:
         c = r.config
         sp = r.speedups()
         rows.append([f"{c.n}x{c.k}", str(c.m), c.label, c.dtype, f"{r.times_ms[OURS]:.3f}", f"{r.gbps():.1f}",
-                     f"{100 * r.gbps() / copy_gbps:.0f}"] + [f"{sp[p]:.2f}" if p in sp else "-" for p in peers])
+                     f"{100 * r.gbps() / copy_gbps:.0f}"] + [f"{sp[p]:.2f}" if p in sp else "-" for p in peers]
+                    + (["/".join(str(r.threads.get(p, "-")) for p in [OURS, *counted])] if shown else []))
     note = (f"ms: median torch_qmm time; GB/s: its weight bytes (packed + scales + biases) per second; "
             f"%copy: of the measured copy bandwidth {copy_gbps:.1f} GB/s; x peer: peer time / torch_qmm time "
-            f"(> 1: torch_qmm faster)")
+            f"(> 1: torch_qmm faster)"
+            + ("; threads: each call's threads (torch_qmm runs a small call on fewer than torch's count)"
+               if shown else ""))
     return text_table(rows, note)
 
 
