@@ -211,6 +211,68 @@ def test_convert_moe_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path,
         assert (reloaded(MOE_IDS).logits[0] - want).abs().max().item() < 1e-4 * scale
 
 
+@pytest.mark.parametrize("gate_up, down", [("Q4_K", "Q6_K"), ("Q6_K", "Q4_K")])
+def test_requantize_rest_keeps_the_exact_projection_of_a_moe_block(tmp_path, capsys, gate_up, down):
+    """A MoE block with one projection of an exact affine form (Q4_K) and one without (Q6_K; llama.cpp's
+    Q4_K_M files keep down Q6_K beside Q4_K gate / up in some blocks): --requantize rest re-quantizes
+    the second alone. In the MLX folder the first is the file's weights (mx.dequantize of it equals
+    the gguf package's decode of the file), the second is mx.quantize of that decode; mlx_lm reads the
+    folder; the transformers folder holds the same two formats at its group size, 32."""
+    import mlx_lm.utils as mlx_lm_utils
+    from gguf import GGUFReader
+    from gguf import quants as gguf_quants
+
+    import torch_qmm.interop.transformers  # noqa: F401  (from_pretrained of a torch_qmm folder)
+    from test_interop_gguf_moe import IDS as MOE_IDS, moe_model, write_moe_gguf
+    from torch_qmm.nn_moe import QuantFusedExperts
+
+    path = tmp_path / "m.gguf"
+    types = {"gate_exps": getattr(T, gate_up), "up_exps": getattr(T, gate_up), "down_exps": getattr(T, down),
+             "proj": T.Q8_0}
+    write_moe_gguf(moe_model("qwen2moe", 256), path, types, np.random.default_rng(3))
+    decoded = {t.name: gguf_quants.dequantize(t.data, t.tensor_type) for t in GGUFReader(path).tensors
+               if "_exps" in t.name}
+    exact_proj, requantized_proj = ("gate_up_proj", "down_proj") if gate_up == "Q4_K" else ("down_proj", "gate_up_proj")
+    parts = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+    assert main(["convert", str(path), str(tmp_path / "mlx"), "--format", "mlx", "--requantize", "rest", "--bits", "6",
+                 "--group-size", "64"]) == 0
+    report = capsys.readouterr().out
+    assert f"({exact_proj} lossless; {requantized_proj} re-quantized: no exact affine form)" in report
+    weights = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
+    for block in range(2):
+        for proj, (bits, group_size) in ((exact_proj, (4, 32)), (requantized_proj, (6, 64))):
+            for part in parts[proj]:
+                key = f"model.layers.{block}.mlp.switch_mlp.{part}_proj"
+                w, scales, biases = (weights[f"{key}.{leaf}"] for leaf in ("weight", "scales", "biases"))
+                want = decoded[f"blk.{block}.ffn_{part}_exps.weight"]
+                if proj == exact_proj:
+                    got = np.array(mx.dequantize(w, scales, biases, group_size=group_size, bits=bits))
+                    np.testing.assert_array_equal(got, want)
+                else:
+                    for stored, theirs in zip((w, scales, biases),
+                                              mx.quantize(mx.array(want), group_size=group_size, bits=bits)):
+                        np.testing.assert_array_equal(np.array(stored), np.array(theirs))
+    mlx_model, _ = mlx_lm_utils.load_model(tmp_path / "mlx")
+    got = np.array(mlx_model(mx.array(MOE_IDS.numpy())).astype(mx.float32))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "mlx"))
+    load_mlx(model.eval(), tmp_path / "mlx")
+    with torch.no_grad():
+        ours = model(MOE_IDS).logits
+    assert (ours - torch.from_numpy(got)).abs().max().item() < 1e-4 * ours.abs().max().item()
+
+    assert main(["convert", str(path), str(tmp_path / "hf"), "--requantize", "rest", "--bits", "6"]) == 0
+    experts = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").model.layers[0].mlp.experts
+    assert isinstance(experts, QuantFusedExperts)
+    want_bits = {exact_proj: 4, requantized_proj: 6}
+    assert {p: (getattr(experts, p).bits, getattr(experts, p).group_size) for p in want_bits} == {
+        p: (b, 32) for p, b in want_bits.items()}
+    exact_layer = getattr(experts, exact_proj)
+    got = mx.dequantize(mx.array(exact_layer.qweight.numpy()), mx.array(exact_layer.scales.numpy()),
+                        mx.array(exact_layer.biases.numpy()), group_size=32, bits=4)
+    rows = [decoded[f"blk.0.ffn_{part}_exps.weight"] for part in parts[exact_proj]]
+    np.testing.assert_array_equal(np.array(got), np.concatenate(rows, axis=1))
+
+
 def test_convert_gguf_to_transformers(gguf_path, tmp_path):
     out = tmp_path / "hf"
     assert main(["convert", str(gguf_path), str(out), "--requantize", "all", "--bits", "8", "--group-size", "32"]) == 0

@@ -19,7 +19,8 @@ from ..nn import QuantLinear, resolve_format
 from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
 from .experts import is_fused_experts, layout_of
 from .gguf import K_AFFINE_BITS, GGUFFile, GGUFTensor, affine_exact, dequantize, k_quant_to_affine
-from .gguf_moe import block_experts, describe as describe_experts, expert_part, experts_module_name, float_experts_module
+from .gguf_moe import (block_experts, describe as describe_experts, expert_part, experts_module_name, float_experts_module,
+                       gate_up_rows)
 from .gguf_types import AFFINE_TYPES, FP_TYPES, Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from .output_folder import check_destination, side_file_source, staged_output
@@ -178,13 +179,17 @@ def _k_quants_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtyp
     return exact
 
 
-def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
-                        keep_affine: bool) -> tuple[dict[str, bool], dict[str, str]]:
+def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype, keep_affine: bool,
+                        rest: tuple[int, int, str] | None = None) -> tuple[dict[str, bool], dict[str, str], dict[str, str]]:
     """Gives the MoE experts load_gguf_llama kept quantized a form the output formats hold: with
     keep_affine, experts whose projections all have an exact affine form (the affine types and
     Q4_K, Q5_K, IQ4_XS) become affine QuantSwitchLinear layers (MXFP4 ones stay mxfp4); every other block's experts become float again,
-    as gguf decodes them. Returns ({experts: exact in dtype}, {experts: their GGUF types})."""
-    exact, origin = {}, {}
+    as gguf decodes them. rest: (bits, group_size, mode) of --requantize rest: where one projection
+    (gate_up_proj or down_proj) has an exact form and the other has not, as down_proj Q6_K beside
+    Q4_K gate and up in llama.cpp's Q4_K_M files, the other alone is re-quantized (_requantized_switch)
+    and the first kept exact. Returns ({experts: exact in dtype (its projections kept exact)},
+    {experts: their GGUF types}, {experts: the projection re-quantized})."""
+    exact, origin, requantized = {}, {}, {}
     parts_of = [expert_part(n) for n in f.tensors]
     blocks = {experts_module_name(p[0]): p[0] for p in parts_of if p is not None}
     for name, m in list(model.named_modules()):
@@ -194,15 +199,47 @@ def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype,
         origin[name] = describe_experts(parts)  # also for experts the loader decoded to float
         if not isinstance(m, QuantFusedExperts):
             continue
-        # down first: where it has no exact affine form, gate_up is not converted in vain
-        down = _affine_switch(m.down_proj, [parts["down"]], dtype, name) if keep_affine else None
-        gate_up = _affine_switch(m.gate_up_proj, [parts["gate"], parts["up"]], dtype, name) if down else None
-        if gate_up is None:
+        stacks = {proj: {p: parts[p] for p in ps} for proj, ps in _PROJECTION_PARTS.items()}
+        layers = {}
+        for proj, st in stacks.items():
+            layers[proj] = _affine_switch(getattr(m, proj), list(st.values()), dtype, name) if keep_affine else None
+            if layers[proj] is None and rest is None:
+                break  # down first: where it has no exact affine form, gate_up is not converted in vain
+        missing = [proj for proj in stacks if layers.get(proj) is None]
+        if rest is not None and len(missing) == 1:
+            layers[missing[0]] = _requantized_switch(m, missing[0], stacks[missing[0]], dtype, rest)
+            if layers[missing[0]] is not None:
+                requantized[name] = missing[0]
+        if any(layers.get(proj) is None for proj in stacks):
             _replace(model, name, float_experts_module(m, parts, dtype))
             continue
-        (m.gate_up_proj, gate_up_exact), (m.down_proj, down_exact) = gate_up, down
+        (m.gate_up_proj, gate_up_exact), (m.down_proj, down_exact) = layers["gate_up_proj"], layers["down_proj"]
         exact[name] = gate_up_exact and down_exact
-    return exact, origin
+    return exact, origin, requantized
+
+
+# The GGUF expert stacks (gguf_moe.PARTS) of each projection of a QuantFusedExperts, down_proj first.
+_PROJECTION_PARTS = {"down_proj": ("down",), "gate_up_proj": ("gate", "up")}
+
+
+def _requantized_switch(experts: QuantFusedExperts, proj: str, stacks: dict, dtype: torch.dtype,
+                        rest: tuple[int, int, str]):
+    """(projection `proj` of `experts` re-quantized as rest = (bits, group_size, mode) says, True), or
+    None where its inputs are no multiple of the group size. Its weights are gguf's decode (one
+    expert at a time), rounded once to dtype, then quantized as quantize_experts quantizes a float
+    block (MLX's rounding), so that this projection comes out as it would from a float block."""
+    bits, group_size, mode = rest
+    layer = getattr(experts, proj)
+    if layer.in_features % group_size:
+        return None
+    weight = torch.empty(layer.num_experts, layer.out_features, layer.in_features, dtype=dtype)
+    rows = ({"down": slice(None)} if proj == "down_proj"
+            else gate_up_rows(layer.out_features // 2, experts.interleaved))
+    with torch.no_grad():
+        for part, st in stacks.items():
+            for j, t in enumerate(st.experts):
+                weight[j, rows[part]] = dequantize(t)
+    return QuantSwitchLinear.from_float(weight, layer.bias, bits, group_size, dtype, mode), True
 
 
 def _affine_switch(layer: nn.Module, stacks: list, dtype: torch.dtype, name: str):
@@ -251,13 +288,16 @@ def _exact_linears(f: GGUFFile) -> dict[str, str]:
             if len(t.shape) == 2 and t.ggml_type in _EXACT_TYPES and t.name != "token_embd.weight"}
 
 
-def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embedding: bool = False):
+def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embedding: bool = False,
+               rest: tuple[int, int, str] | None = None):
     """The GGUF model as a transformers model. keep_affine: the affine (and mxfp4) layers stay,
     Q4_K / Q5_K / IQ4_XS layers become exact affine ones, everything else becomes float; without it every layer is float.
     float_embedding (the transformers format, which has no quantized embedding; implied without
     keep_affine): the embedding is float, decoded from the file by gguf, and a tied output head is
     an nn.Linear tied to it.
-    Returns (model, {quantized module: exact in dtype}, {module: GGUF type})."""
+    rest: --requantize rest's (bits, group_size, mode), for the MoE experts (_experts_for_output).
+    Returns (model, {quantized module: exact in dtype}, {module: GGUF type}, {experts: the projection
+    re-quantized})."""
     from transformers import AutoModelForCausalLM
 
     from .gguf_llama import llama_config_from_gguf, load_gguf_llama
@@ -268,7 +308,7 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
         model = AutoModelForCausalLM.from_config(config).eval()
     print(load_gguf_llama(model, f, dtype=dtype, progress=True))
     exact = _k_quants_to_affine_modules(model, f, dtype, embeddings=not float_embedding) if keep_affine else {}
-    experts_exact, experts_origin = _experts_for_output(model, f, dtype, keep_affine)
+    experts_exact, experts_origin, requantized = _experts_for_output(model, f, dtype, keep_affine, rest)
     exact.update(experts_exact)
     tensors = _weight_tensors(f)
     for name, m in list(model.named_modules()):
@@ -289,7 +329,7 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
         model.lm_head.weight = model.model.embed_tokens.weight
     if "quantization_config" in vars(model.config):  # load_gguf_llama's, of the layers as it loaded them:
         del model.config.quantization_config        # each output records the converted layers itself
-    return model, exact, {**_gguf_types(f), **experts_origin}
+    return model, exact, {**_gguf_types(f), **experts_origin}, requantized
 
 
 def _calibration(args: argparse.Namespace, is_gguf: bool):
@@ -491,11 +531,12 @@ def _source_layers(model: nn.Module, src: Path) -> tuple[dict[str, str], dict[st
 
 def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[str], exact: dict[str, bool],
                   output_format: str, requantize: str | None = None,
-                  group_size: int = 64) -> list[tuple[str, str]]:
+                  group_size: int = 64, requantized: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """[(module name, what happened)] for every linear layer, fused experts module (of a MoE block)
     and embedding of the written model.
     exact: {quantized module: whether its scales/biases survived the --dtype}; quantized_now: the
-    layers this run quantized."""
+    layers this run quantized; requantized: {experts: the one projection this run re-quantized}."""
+    requantized = requantized or {}
     rows = []
     head = _output_head(model)
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -518,6 +559,11 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             how = fmt
         elif type(m) is nn.Linear and id(m.weight) in embedding_weights:
             how = f"tied to the embedding ({fmt})"
+        elif name in requantized:
+            kept = next(p for p in ("gate_up_proj", "down_proj") if p != requantized[name])
+            scales = getattr(m, kept).scales
+            rounded = f"scales rounded to {str(scales.dtype)[6:]}" if not exact.get(name, True) else "lossless"
+            how = f"{src} -> {fmt} ({kept} {rounded}; {requantized[name]} re-quantized: no exact affine form)"
         elif name in quantized_now:
             how = f"{'re-quantized' if src != 'float' else 'quantized'} {src} -> {fmt}"
         elif isinstance(m, (QuantLinear, QuantEmbedding, QuantFusedExperts)):
@@ -690,11 +736,14 @@ def run(args: argparse.Namespace) -> int:
         origin: dict[str, str] = {}
         exact: dict[str, bool] = {}
         quantized_now: set[str] = set()
+        requantized: dict[str, str] = {}  # MoE experts of which one projection alone was re-quantized
+        rest = (bits, group_size, args.mode) if args.requantize == "rest" else None
         if args.format == "mlx":
             from .mlx import save_mlx
 
             if is_gguf:
-                model, exact, origin = _load_gguf(gguf, dtype or torch.float32, keep_affine=args.requantize != "all")
+                model, exact, origin, requantized = _load_gguf(gguf, dtype or torch.float32,
+                                                               keep_affine=args.requantize != "all", rest=rest)
             else:
                 model = from_pretrained(src, dtype=dtype or "auto")
                 if source is not None:
@@ -705,7 +754,8 @@ def run(args: argparse.Namespace) -> int:
         elif is_gguf and args.requantize != "all":
             # The exact layers as they are, the embedding float (the transformers format has no
             # quantized embedding); --requantize rest quantizes the float linear layers but the head.
-            model, exact, origin = _load_gguf(gguf, dtype or torch.float32, keep_affine=True, float_embedding=True)
+            model, exact, origin, requantized = _load_gguf(gguf, dtype or torch.float32, keep_affine=True,
+                                                           float_embedding=True, rest=rest)
             model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
             if args.requantize == "rest":
                 quantized_now = _quantize_float_layers(model, bits, group_size, args.method, calibration, args.mode,
@@ -719,7 +769,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = TorchQmmConfig(bits=bits, group_size=group_size, method=args.method, calibration=calibration,
                                  mode=args.mode)
             if is_gguf:
-                model, _, origin = _load_gguf(gguf, dtype or torch.float32, keep_affine=False)
+                model, _, origin, _ = _load_gguf(gguf, dtype or torch.float32, keep_affine=False)
                 model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
                 staging = out / ".float"  # inside this run's temporary folder; removed below
                 model.save_pretrained(staging)
@@ -744,9 +794,9 @@ def run(args: argparse.Namespace) -> int:
                 if not (out / name).exists():
                     shutil.copyfile(f, out / name)
         rows = _layer_report(model, origin, quantized_now, exact, args.format, args.requantize if is_gguf else None,
-                             group_size)
+                             group_size, requantized)
     _print_report(rows)
-    if is_gguf and args.requantize == "rest" and not quantized_now:
+    if is_gguf and args.requantize == "rest" and not quantized_now and not requantized:
         unused = _quantizer_flags(args)
         print("--requantize rest re-quantized no layer" + (f": {', '.join(unused)} went unused" if unused else ""))
     formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how else how.split(" (its ")[0]
