@@ -955,13 +955,27 @@ def test_a_destination_that_is_a_file_or_a_link_is_refused(hf_folder, tmp_path, 
     assert (tmp_path / "out").read_text() == "mine" and not (tmp_path / "elsewhere").exists()
 
 
-def test_a_destination_that_cannot_be_created_is_named_as_given(hf_folder, tmp_path, capsys):
+def test_a_destination_inside_a_file_is_refused_naming_the_file(hf_folder, tmp_path, capsys):
     (tmp_path / "a-file").write_text("mine")
     dst = tmp_path / "a-file" / "deeper" / "out"  # its parent folders cannot exist: one is a file
+    assert main(["convert", str(hf_folder), str(dst)]) == 2
+    err = capsys.readouterr().err
+    assert f"destination {dst}: {tmp_path / 'a-file'} is a file, not a folder" in err, err
+    assert len(err.splitlines()) == 1 and (tmp_path / "a-file").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_destination_that_cannot_be_created_is_named_as_given(hf_folder, tmp_path, capsys):
+    long = tmp_path / ("x" * 300) / "out"  # a name longer than a file system takes (ENAMETOOLONG)
+    assert main(["convert", str(hf_folder), str(long)]) == 2
+    err = capsys.readouterr().err
+    assert f"destination {long}: File name too long; choose another output folder" in err, err
+    assert len(err.splitlines()) == 1 and list(tmp_path.iterdir()) == []
+    dst = Path("/proc/torch-qmm-test/out")  # /proc takes no new folder (Linux)
     assert main(["convert", str(hf_folder), str(dst)]) == 1
     err = capsys.readouterr().err
     assert f"destination {dst}: cannot create a folder there" in err and ".partial-" not in err, err
-    assert len(err.splitlines()) == 1 and (tmp_path / "a-file").read_text() == "mine"
+    assert len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("output_format", ["transformers", "mlx"])

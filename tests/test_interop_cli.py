@@ -447,6 +447,31 @@ def test_inspect_reads_per_layer_bits_of_a_torch_qmm_config_and_says_when_there_
     assert (rows["b"]["format"], rows["b"]["shape"]) == ("affine b3 gs64 (F32)", [16, 128])
 
 
+@pytest.mark.parametrize("bad", ["scales", "biases"])
+def test_inspect_refuses_scales_or_biases_that_do_not_fit_the_codes(tmp_path, capsys, bad):
+    """A layer config.json calls quantized whose scales (or biases) are not [N, K / group_size] beside
+    its codes [N, words], say transposed: load_mlx refuses it, and so does inspect (with or without
+    --verify), naming the layer, instead of listing it as an unconfigured one."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "mlx"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"quantization": {"bits": 4, "group_size": 32}}))
+    good = torch.zeros(32, 4)  # 32 rows of 128 values: 4 groups of 32, 16 words of 4-bit codes
+    tensors = {"a.weight": torch.zeros(32, 16, dtype=torch.int32), "a.scales": good, "a.biases": good}
+    tensors[f"a.{bad}"] = good.t().contiguous()
+    save_file(tensors, folder / "model.safetensors")
+    for verify in ([], ["--verify"]):
+        assert main(["inspect", str(folder), *verify]) == 1
+        err = capsys.readouterr().err
+        assert f"layer 'a': {bad} [4, 32] do not fit weight [32, 16]: affine b4 gs32" in err, err
+    model = torch.nn.Sequential()
+    model.add_module("a", torch.nn.Linear(128, 32, bias=False))
+    with pytest.raises(ValueError, match="'a'"):
+        load_mlx(model, folder)
+
+
+
 @pytest.mark.parametrize("ggml_type, blocks, message", [
     (8, None, r"holds GGUF type 8 \(Q8_0\); GGUFLinear holds Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"),
     (14, torch.zeros(4, 419, dtype=torch.uint8), r"tensor 'k.blocks' of Q6_K blocks must be \[rows, a multiple of 210\], "

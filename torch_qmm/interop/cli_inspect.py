@@ -148,8 +148,16 @@ def _rows_safetensors(path: Path, verify: bool) -> tuple[list[dict], dict]:
             words = ckpt.shape(_join(layer, words_key))
             groups = ckpt.shape(_join(layer, "scales"))
             # a weight [N, K*bits/32] with scales [N, K/group_size], or a stack of them (MoE
-            # experts: [E, N, K*bits/32] and [E, N, K/group_size])
-            if known and len(words) in (2, 3) and len(groups) == len(words) and words[:-1] == groups[:-1]:
+            # experts: [E, N, K*bits/32] and [E, N, K/group_size]); biases as the scales
+            fits = len(words) in (2, 3) and len(groups) == len(words) and words[:-1] == groups[:-1]
+            biases = ckpt.shape(_join(layer, "biases")) if "biases" in leaves else groups
+            if known and (not fits or biases != groups):
+                what = (f"scales {list(groups)}" if not fits else f"biases {list(biases)}") + f" do not fit {words_key} " \
+                       f"{list(words)}"
+                raise ValueError(f"{ckpt.where[_join(layer, 'scales')]}: layer {layer!r}: {what}: {known[2]} b{known[0]} "
+                                 f"gs{known[1]} keeps one scale (and bias) per group of each row, [..., N, K / "
+                                 f"group_size] beside the codes' [..., N, words]")
+            if known:
                 note = (f"; config.json says {configured[2]} b{configured[0]} gs{configured[1]}"
                         if configured not in (None, known) else "")
                 fmt = f"{known[2]} b{known[0]} gs{known[1]} ({ckpt.dtype_name(_join(layer, 'scales'))}{note})"

@@ -29,7 +29,15 @@ from ..cli_errors import UsageError
 
 
 def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    """Raises UsageError when writing `dst` could touch `src` or replace data without --overwrite."""
+    """Raises UsageError when writing `dst` could touch `src` or replace data without --overwrite,
+    or where no folder can be made (a file on its path, a name the file system does not take)."""
+    try:
+        _check_destination(src, dst, overwrite)
+    except OSError as e:  # a name longer than the file system takes, for one
+        raise UsageError(f"destination {dst}: {e.strerror or e}; choose another output folder") from None
+
+
+def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     s, d = src.resolve(), dst.resolve()
     if s == d or s in d.parents or d in s.parents:
         raise UsageError(f"destination {dst} is the source {src}, inside it or contains it: convert never writes "
@@ -39,6 +47,10 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
                          "real folder: name the folder itself, or another output folder")
     if dst.exists() and not dst.is_dir():
         raise UsageError(f"destination {dst} exists and is not a folder; choose another output folder")
+    above = next((p for p in dst.parents if p.exists()), None)  # the nearest existing folder it goes in
+    if above is not None and not above.is_dir():
+        raise UsageError(f"destination {dst}: {above} is a file, not a folder, so no folder can be made in it; "
+                         "choose another output folder")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise UsageError(f"destination {dst} exists and is not empty; pass --overwrite to replace it")
 
