@@ -163,7 +163,7 @@ MUTANTS: list[Mutant] = [
            "    exact = torch.equal(scales.float(), s32)", CLI,
            "a Q4_K layer whose biases were rounded by --dtype is reported lossless"),
     Mutant("g2-cli-transformers-requantize-rest-drops-exact-layers", "torch_qmm/interop/cli_convert.py",
-           "keep_affine=True, float_embedding=True)", 'keep_affine=args.requantize is None, float_embedding=True)', CLI,
+           "keep_affine=True,", "keep_affine=args.requantize is None,", CLI,
            "GGUF -> transformers with --requantize rest silently re-quantizes the exact layers too (lossy)"),
     Mutant("g2-cli-gguf-head-not-retied", "torch_qmm/interop/cli_convert.py",
            "    if float_embedding and config.tie_word_embeddings:\n"
