@@ -211,13 +211,16 @@ def test_convert_moe_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path,
         assert (reloaded(MOE_IDS).logits[0] - want).abs().max().item() < 1e-4 * scale
 
 
-@pytest.mark.parametrize("gate_up, down", [("Q4_K", "Q6_K"), ("Q6_K", "Q4_K")])
-def test_requantize_rest_keeps_the_exact_projection_of_a_moe_block(tmp_path, capsys, gate_up, down):
+@pytest.mark.parametrize("gate_up, down, proj", [("Q4_K", "Q6_K", "Q8_0"), ("Q6_K", "Q4_K", "Q8_0"),
+                                                 ("Q6_K", "Q6_K", "Q8_0"), ("Q4_K", "Q6_K", "F16")])
+def test_requantize_rest_keeps_the_exact_projection_of_a_moe_block(tmp_path, capsys, gate_up, down, proj):
     """A MoE block with one projection of an exact affine form (Q4_K) and one without (Q6_K; llama.cpp's
     Q4_K_M files keep down Q6_K beside Q4_K gate / up in some blocks): --requantize rest re-quantizes
-    the second alone. In the MLX folder the first is the file's weights (mx.dequantize of it equals
-    the gguf package's decode of the file), the second is mx.quantize of that decode; mlx_lm reads the
-    folder; the transformers folder holds the same two formats at its group size, 32."""
+    the second alone (both where neither has one). In the MLX folder an exact projection is the
+    file's weights (mx.dequantize of it equals the gguf package's decode of the file), a re-quantized
+    one mx.quantize of that decode; mlx_lm reads the folder; the transformers folder holds the same
+    formats at its group size, 32, also where the block's projections are the only exact layers
+    (proj F16: the other linear layers are float)."""
     import mlx_lm.utils as mlx_lm_utils
     from gguf import GGUFReader
     from gguf import quants as gguf_quants
@@ -228,24 +231,29 @@ def test_requantize_rest_keeps_the_exact_projection_of_a_moe_block(tmp_path, cap
 
     path = tmp_path / "m.gguf"
     types = {"gate_exps": getattr(T, gate_up), "up_exps": getattr(T, gate_up), "down_exps": getattr(T, down),
-             "proj": T.Q8_0}
+             "proj": getattr(T, proj)}
     write_moe_gguf(moe_model("qwen2moe", 256), path, types, np.random.default_rng(3))
     decoded = {t.name: gguf_quants.dequantize(t.data, t.tensor_type) for t in GGUFReader(path).tensors
                if "_exps" in t.name}
-    exact_proj, requantized_proj = ("gate_up_proj", "down_proj") if gate_up == "Q4_K" else ("down_proj", "gate_up_proj")
+    source = {"gate_up_proj": gate_up, "down_proj": down}
+    exact = {p for p, t in source.items() if t == "Q4_K"}
     parts = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
     assert main(["convert", str(path), str(tmp_path / "mlx"), "--format", "mlx", "--requantize", "rest", "--bits", "6",
                  "--group-size", "64"]) == 0
     report = capsys.readouterr().out
-    assert f"({exact_proj} lossless; {requantized_proj} re-quantized: no exact affine form)" in report
+    if exact:
+        (kept,), (requantized,) = exact, set(source) - exact
+        assert f"re-quantized {requantized} of experts gate {gate_up}, up {gate_up}, down {down} -> " in report
+        assert f"({kept} lossless; {requantized}: no exact affine form)" in report
     weights = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
     for block in range(2):
-        for proj, (bits, group_size) in ((exact_proj, (4, 32)), (requantized_proj, (6, 64))):
-            for part in parts[proj]:
+        for p in source:
+            bits, group_size = (4, 32) if p in exact else (6, 64)
+            for part in parts[p]:
                 key = f"model.layers.{block}.mlp.switch_mlp.{part}_proj"
                 w, scales, biases = (weights[f"{key}.{leaf}"] for leaf in ("weight", "scales", "biases"))
                 want = decoded[f"blk.{block}.ffn_{part}_exps.weight"]
-                if proj == exact_proj:
+                if p in exact:
                     got = np.array(mx.dequantize(w, scales, biases, group_size=group_size, bits=bits))
                     np.testing.assert_array_equal(got, want)
                 else:
@@ -263,14 +271,14 @@ def test_requantize_rest_keeps_the_exact_projection_of_a_moe_block(tmp_path, cap
     assert main(["convert", str(path), str(tmp_path / "hf"), "--requantize", "rest", "--bits", "6"]) == 0
     experts = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").model.layers[0].mlp.experts
     assert isinstance(experts, QuantFusedExperts)
-    want_bits = {exact_proj: 4, requantized_proj: 6}
-    assert {p: (getattr(experts, p).bits, getattr(experts, p).group_size) for p in want_bits} == {
-        p: (b, 32) for p, b in want_bits.items()}
-    exact_layer = getattr(experts, exact_proj)
-    got = mx.dequantize(mx.array(exact_layer.qweight.numpy()), mx.array(exact_layer.scales.numpy()),
-                        mx.array(exact_layer.biases.numpy()), group_size=32, bits=4)
-    rows = [decoded[f"blk.0.ffn_{part}_exps.weight"] for part in parts[exact_proj]]
-    np.testing.assert_array_equal(np.array(got), np.concatenate(rows, axis=1))
+    assert {p: (getattr(experts, p).bits, getattr(experts, p).group_size) for p in source} == {
+        p: (4 if p in exact else 6, 32) for p in source}
+    for p in exact:
+        layer = getattr(experts, p)
+        got = mx.dequantize(mx.array(layer.qweight.numpy()), mx.array(layer.scales.numpy()),
+                            mx.array(layer.biases.numpy()), group_size=32, bits=4)
+        rows = [decoded[f"blk.0.ffn_{part}_exps.weight"] for part in parts[p]]
+        np.testing.assert_array_equal(np.array(got), np.concatenate(rows, axis=1))
 
 
 def test_convert_gguf_to_transformers(gguf_path, tmp_path):
@@ -464,12 +472,12 @@ def test_inspect_refuses_scales_or_biases_that_do_not_fit_the_codes(tmp_path, ca
     for verify in ([], ["--verify"]):
         assert main(["inspect", str(folder), *verify]) == 1
         err = capsys.readouterr().err
-        assert f"layer 'a': {bad} [4, 32] do not fit weight [32, 16]: affine b4 gs32" in err, err
+        assert {"scales": "layer 'a': scales [4, 32] do not fit weight [32, 16]: affine b4 gs32 needs scales [32, 4]",
+                "biases": "layer 'a': biases [4, 32] do not fit scales [32, 4]: one bias per scale"}[bad] in err, err
     model = torch.nn.Sequential()
     model.add_module("a", torch.nn.Linear(128, 32, bias=False))
     with pytest.raises(ValueError, match="'a'"):
         load_mlx(model, folder)
-
 
 
 @pytest.mark.parametrize("ggml_type, blocks, message", [

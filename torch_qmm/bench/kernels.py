@@ -72,8 +72,10 @@ class Result:
     load_average: float | None = None  # 1-minute load average when the config was timed
     # With --rounds R > 1: each round's median times (implementation -> ms), in the order run.
     round_times_ms: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    # implementation -> the threads its call ran on, where known (torch_qmm on CPU: a small call runs
-    # on fewer threads than torch's count, csrc/cpu/work_split.h; llamacpp: the count it was given)
+    # implementation -> the threads its call ran on, where known (torch_qmm on CPU: the count of its
+    # work split, csrc/cpu/work_split.h, by which a small call runs on fewer threads than torch's
+    # count; its GEMM routes of large M take torch's count whatever the size; llamacpp: the count
+    # it was given)
     threads: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def gbps(self, impl: str = OURS) -> float:

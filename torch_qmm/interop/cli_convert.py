@@ -19,8 +19,8 @@ from ..nn import QuantLinear, resolve_format
 from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
 from .experts import is_fused_experts, layout_of
 from .gguf import K_AFFINE_BITS, GGUFFile, GGUFTensor, affine_exact, dequantize, k_quant_to_affine
-from .gguf_moe import (block_experts, describe as describe_experts, expert_part, experts_module_name, float_experts_module,
-                       gate_up_rows)
+from .gguf_moe import (block_experts, describe as describe_experts, expert_part, experts_module_name, fill_float,
+                       float_experts_module, projection_stacks)
 from .gguf_types import AFFINE_TYPES, FP_TYPES, Q4_K, type_name
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
 from .output_folder import check_destination, side_file_source, staged_output
@@ -199,10 +199,10 @@ def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype, keep_
         origin[name] = describe_experts(parts)  # also for experts the loader decoded to float
         if not isinstance(m, QuantFusedExperts):
             continue
-        stacks = {proj: {p: parts[p] for p in ps} for proj, ps in _PROJECTION_PARTS.items()}
+        stacks = {proj: projection_stacks(parts, proj, m.interleaved) for proj in ("down_proj", "gate_up_proj")}
         layers = {}
-        for proj, st in stacks.items():
-            layers[proj] = _affine_switch(getattr(m, proj), list(st.values()), dtype, name) if keep_affine else None
+        for proj, placed in stacks.items():
+            layers[proj] = _affine_switch(getattr(m, proj), [st for st, _ in placed], dtype, name) if keep_affine else None
             if layers[proj] is None and rest is None:
                 break  # down first: where it has no exact affine form, gate_up is not converted in vain
         missing = [proj for proj in stacks if layers.get(proj) is None]
@@ -218,11 +218,7 @@ def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype, keep_
     return exact, origin, requantized
 
 
-# The GGUF expert stacks (gguf_moe.PARTS) of each projection of a QuantFusedExperts, down_proj first.
-_PROJECTION_PARTS = {"down_proj": ("down",), "gate_up_proj": ("gate", "up")}
-
-
-def _requantized_switch(experts: QuantFusedExperts, proj: str, stacks: dict, dtype: torch.dtype,
+def _requantized_switch(experts: QuantFusedExperts, proj: str, placed: list, dtype: torch.dtype,
                         rest: tuple[int, int, str]):
     """(projection `proj` of `experts` re-quantized as rest = (bits, group_size, mode) says, True), or
     None where its inputs are no multiple of the group size. Its weights are gguf's decode (one
@@ -233,12 +229,7 @@ def _requantized_switch(experts: QuantFusedExperts, proj: str, stacks: dict, dty
     if layer.in_features % group_size:
         return None
     weight = torch.empty(layer.num_experts, layer.out_features, layer.in_features, dtype=dtype)
-    rows = ({"down": slice(None)} if proj == "down_proj"
-            else gate_up_rows(layer.out_features // 2, experts.interleaved))
-    with torch.no_grad():
-        for part, st in stacks.items():
-            for j, t in enumerate(st.experts):
-                weight[j, rows[part]] = dequantize(t)
+    fill_float(weight, placed)  # placed: gguf_moe.projection_stacks
     return QuantSwitchLinear.from_float(weight, layer.bias, bits, group_size, dtype, mode), True
 
 
@@ -283,9 +274,17 @@ _EXACT_TYPES = AFFINE_TYPES + tuple(t for t in K_AFFINE_BITS if t not in AFFINE_
 
 def _exact_linears(f: GGUFFile) -> dict[str, str]:
     """{module: GGUF type} of the linear layers the transformers format keeps exact (affine, group
-    size 32): every matrix of an exact type but the embedding, which that format keeps float."""
-    return {name: type_name(t.ggml_type) for name, t in _weight_tensors(f).items()
-            if len(t.shape) == 2 and t.ggml_type in _EXACT_TYPES and t.name != "token_embd.weight"}
+    size 32): every matrix of an exact type but the embedding, which that format keeps float, and
+    each MoE projection (gate_up_proj of gate and up of one type, down_proj) of an exact type."""
+    exact = {name: type_name(t.ggml_type) for name, t in _weight_tensors(f).items()
+             if len(t.shape) == 2 and t.ggml_type in _EXACT_TYPES and t.name != "token_embd.weight"}
+    for block in sorted({p[0] for p in map(expert_part, f.tensors) if p is not None}):
+        parts = block_experts(f, block)
+        types = {"gate_up_proj": {parts["gate"].ggml_type, parts["up"].ggml_type}, "down_proj": {parts["down"].ggml_type}}
+        for proj, ts in types.items():
+            if len(ts) == 1 and min(ts) in _EXACT_TYPES:
+                exact[f"{experts_module_name(block)}.{proj}"] = type_name(min(ts))
+    return exact
 
 
 def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embedding: bool = False,
@@ -559,11 +558,14 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             how = fmt
         elif type(m) is nn.Linear and id(m.weight) in embedding_weights:
             how = f"tied to the embedding ({fmt})"
-        elif name in requantized:
-            kept = next(p for p in ("gate_up_proj", "down_proj") if p != requantized[name])
-            scales = getattr(m, kept).scales
-            rounded = f"scales rounded to {str(scales.dtype)[6:]}" if not exact.get(name, True) else "lossless"
-            how = f"{src} -> {fmt} ({kept} {rounded}; {requantized[name]} re-quantized: no exact affine form)"
+        elif name in requantized:  # one projection re-quantized, the other as the file holds it
+            proj = requantized[name]
+            kept = next(p for p in ("gate_up_proj", "down_proj") if p != proj)
+            if exact.get(name, True):
+                how = f"re-quantized {proj} of {src} -> {fmt} ({kept} lossless; {proj}: no exact affine form)"
+            else:
+                how = (f"{src} scales rounded to {str(getattr(m, kept).scales.dtype)[6:]} in {kept}, {proj} re-quantized "
+                       f"(no exact affine form) -> {fmt}")
         elif name in quantized_now:
             how = f"{'re-quantized' if src != 'float' else 'quantized'} {src} -> {fmt}"
         elif isinstance(m, (QuantLinear, QuantEmbedding, QuantFusedExperts)):
@@ -737,7 +739,10 @@ def run(args: argparse.Namespace) -> int:
         exact: dict[str, bool] = {}
         quantized_now: set[str] = set()
         requantized: dict[str, str] = {}  # MoE experts of which one projection alone was re-quantized
-        rest = (bits, group_size, args.mode) if args.requantize == "rest" else None
+        # A MoE block's projection is re-quantized alone as quantize_model quantizes experts: by
+        # rtn with one bit width (it leaves them float under another method or a calibration).
+        per_layer = quantizers.resolve(args.method).kind != "rtn" or calibration is not None
+        rest = (bits, group_size, args.mode) if args.requantize == "rest" and not per_layer else None
         if args.format == "mlx":
             from .mlx import save_mlx
 

@@ -151,12 +151,14 @@ def _rows_safetensors(path: Path, verify: bool) -> tuple[list[dict], dict]:
             # experts: [E, N, K*bits/32] and [E, N, K/group_size]); biases as the scales
             fits = len(words) in (2, 3) and len(groups) == len(words) and words[:-1] == groups[:-1]
             biases = ckpt.shape(_join(layer, "biases")) if "biases" in leaves else groups
-            if known and (not fits or biases != groups):
-                what = (f"scales {list(groups)}" if not fits else f"biases {list(biases)}") + f" do not fit {words_key} " \
-                       f"{list(words)}"
-                raise ValueError(f"{ckpt.where[_join(layer, 'scales')]}: layer {layer!r}: {what}: {known[2]} b{known[0]} "
-                                 f"gs{known[1]} keeps one scale (and bias) per group of each row, [..., N, K / "
-                                 f"group_size] beside the codes' [..., N, words]")
+            if known and not fits:
+                k = words[-1] * 32 // known[0] if words else 0  # the row the codes hold
+                raise ValueError(f"{ckpt.where[_join(layer, 'scales')]}: layer {layer!r}: scales {list(groups)} do not "
+                                 f"fit {words_key} {list(words)}: {known[2]} b{known[0]} gs{known[1]} needs scales "
+                                 f"{[*words[:-1], k // known[1]]}, one per group of {known[1]} of each row of {k}")
+            if known and biases != groups:
+                raise ValueError(f"{ckpt.where[_join(layer, 'biases')]}: layer {layer!r}: biases {list(biases)} do not "
+                                 f"fit scales {list(groups)}: one bias per scale")
             if known:
                 note = (f"; config.json says {configured[2]} b{configured[0]} gs{configured[1]}"
                         if configured not in (None, known) else "")

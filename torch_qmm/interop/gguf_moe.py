@@ -270,9 +270,9 @@ def experts_from_gguf(module: nn.Module, parts: dict[str, ExpertStack], dtype: t
             raise ValueError(f"{where}: tensor {st.name!r} {'has no' if st.bias is None else 'has a'} bias tensor, "
                              f"the model's experts module {has}")
     if gate.ggml_type == up.ggml_type and all(st.ggml_type in QUANTIZED_TYPES for st in (gate, up, down)):
-        rows = gate_up_rows(inter, layout.interleaved)
-        return quant_experts_of(module, _quantized_layer([(gate, rows["gate"]), (up, rows["up"])], 2 * inter, dtype),
-                                _quantized_layer([(down, slice(None))], hidden, dtype))
+        return quant_experts_of(module,
+                                _quantized_layer(projection_stacks(parts, "gate_up_proj", layout.interleaved), 2 * inter, dtype),
+                                _quantized_layer(projection_stacks(parts, "down_proj", layout.interleaved), hidden, dtype))
     if not all(st.ggml_type in FLOAT_TYPES for st in (gate, up, down)):
         warnings.warn(
             f"{where}: the experts are stored as gate {gate.type_name}, up {up.type_name}, down {down.type_name}; "
@@ -283,24 +283,36 @@ def experts_from_gguf(module: nn.Module, parts: dict[str, ExpertStack], dtype: t
     return None
 
 
+def projection_stacks(parts: dict[str, ExpertStack], projection: str, interleaved: bool) -> Placed:
+    """The stacks of one projection of a block's experts, "gate_up_proj" (gate and up, their rows
+    as gate_up_rows places them) or "down_proj", with the rows each fills."""
+    if projection == "down_proj":
+        return [(parts["down"], slice(None))]
+    rows = gate_up_rows(parts["gate"].shape[1], interleaved)
+    return [(parts["gate"], rows["gate"]), (parts["up"], rows["up"])]
+
+
+def fill_float(target: torch.Tensor, placed: Placed) -> None:
+    """target [E, rows, cols]: each expert of the placed stacks as gguf decodes it (float32, rounded
+    once to target's dtype) at its rows, one expert at a time."""
+    with torch.no_grad():
+        for st, where in placed:
+            for j, t in enumerate(st.experts):
+                target[j, where].copy_(dequantize(t))
+
+
 def fill_float_experts(targets: dict[str, torch.Tensor], parts: dict[str, ExpertStack],
                        layout: ExpertsLayout = ExpertsLayout()) -> None:
     """Writes the experts as gguf decodes them (float32, rounded once to the targets' dtype) into
     the parameters of an experts module of `layout`, targets {"gate_up_proj": [E, 2I, H] (or [E,
     H, 2I] transposed), "down_proj": [E, H, I] (or [E, I, H]), and with biases "gate_up_proj_bias"
     [E, 2I], "down_proj_bias" [E, H]}, one expert at a time."""
-    gate_up, down = targets[layout.gate_up], targets[layout.down]
-    if layout.transposed:
-        gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
-    rows = gate_up_rows(parts["gate"].shape[1], layout.interleaved)
-    with torch.no_grad():
-        for j in range(parts["gate"].shape[0]):
-            gate_up[j, rows["gate"]].copy_(dequantize(parts["gate"].experts[j]))
-            gate_up[j, rows["up"]].copy_(dequantize(parts["up"].experts[j]))
-            down[j].copy_(dequantize(parts["down"].experts[j]))
-    if layout.has_bias:
-        _fill_biases(targets[f"{layout.gate_up}_bias"], [(parts["gate"], rows["gate"]), (parts["up"], rows["up"])])
-        _fill_biases(targets[f"{layout.down}_bias"], [(parts["down"], slice(None))])
+    for projection, leaf in (("gate_up_proj", layout.gate_up), ("down_proj", layout.down)):
+        target = targets[leaf].transpose(-1, -2) if layout.transposed else targets[leaf]
+        placed = projection_stacks(parts, projection, layout.interleaved)
+        fill_float(target, placed)
+        if layout.has_bias:
+            _fill_biases(targets[f"{leaf}_bias"], placed)
 
 
 def block_experts(f, block: int) -> dict[str, ExpertStack]:

@@ -47,12 +47,22 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
                          "real folder: name the folder itself, or another output folder")
     if dst.exists() and not dst.is_dir():
         raise UsageError(f"destination {dst} exists and is not a folder; choose another output folder")
-    above = next((p for p in dst.parents if p.exists()), None)  # the nearest existing folder it goes in
+    above = next((p for p in dst.parents if _exists(p)), None)  # the nearest existing folder it goes in
     if above is not None and not above.is_dir():
         raise UsageError(f"destination {dst}: {above} is a file, not a folder, so no folder can be made in it; "
                          "choose another output folder")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise UsageError(f"destination {dst} exists and is not empty; pass --overwrite to replace it")
+
+
+def _exists(path: Path) -> bool:
+    """Whether `path` exists; an error other than its absence (a name too long, a loop of links)
+    raises OSError, where Path.exists hides some of them."""
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
 
 
 @contextlib.contextmanager

@@ -239,8 +239,8 @@ def record_quantization_config(model) -> str | None:
     if not layers:
         return None
     formats = {(m.group_size, m.mode) for m in layers.values()}
-    formats |= {(p.group_size, p.mode) for m in model.modules() if isinstance(m, QuantFusedExperts)
-                for p in (m.gate_up_proj, m.down_proj)}
+    formats |= {(m.gate_up_proj.group_size, m.gate_up_proj.mode) for m in model.modules()
+                if isinstance(m, QuantFusedExperts)}
     if len(formats) > 1:
         return f"its layers have more than one group size / mode ({sorted(formats)})"
     (group_size, mode), = formats
