@@ -238,6 +238,11 @@ def test_requantize_rest_keeps_the_exact_projection_of_a_moe_block(tmp_path, cap
     source = {"gate_up_proj": gate_up, "down_proj": down}
     exact = {p for p, t in source.items() if t == "Q4_K"}
     parts = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+    if len(exact) == 1:  # without --requantize the block is float, and the report says what rest would do
+        (kept,), (other,) = exact, set(source) - exact
+        assert main(["convert", str(path), str(tmp_path / "float"), "--format", "mlx"]) == 0
+        assert (f"its {other} has no exact affine form: --requantize rest re-quantizes {other} alone, {kept} stays "
+                "exact") in capsys.readouterr().out
     assert main(["convert", str(path), str(tmp_path / "mlx"), "--format", "mlx", "--requantize", "rest", "--bits", "6",
                  "--group-size", "64"]) == 0
     report = capsys.readouterr().out

@@ -415,8 +415,9 @@ _LOSSLESS_CASTS = {("F16", torch.float32), ("BF16", torch.float32), ("F32", torc
 
 
 def _why_float(name: str, m: nn.Module, src: str, output_format: str, requantize: str | None, head: str | None,
-               group_size: int) -> str:
-    """Why a GGUF-quantized layer was written as float."""
+               group_size: int, kept_exact: str | None = None) -> str:
+    """Why a GGUF-quantized layer was written as float. kept_exact: of MoE experts, the one projection
+    with an exact affine form, which --requantize rest would keep."""
     if output_format == "transformers":
         if isinstance(m, nn.Embedding):
             if src in {type_name(t) for t in _EXACT_TYPES}:
@@ -434,6 +435,9 @@ def _why_float(name: str, m: nn.Module, src: str, output_format: str, requantize
         if width is not None and width % group_size:
             return f"its {width} inputs are not a multiple of --group-size {group_size}"
         return "left float by quantize_model (its warning says why)"
+    if kept_exact is not None:
+        other = "down_proj" if kept_exact == "gate_up_proj" else "gate_up_proj"
+        return f"its {other} has no exact affine form: --requantize rest re-quantizes {other} alone, {kept_exact} stays exact"
     return "no exact affine form: --requantize rest quantizes it"
 
 
@@ -530,11 +534,14 @@ def _source_layers(model: nn.Module, src: Path) -> tuple[dict[str, str], dict[st
 
 def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[str], exact: dict[str, bool],
                   output_format: str, requantize: str | None = None,
-                  group_size: int = 64, requantized: dict[str, str] | None = None) -> list[tuple[str, str]]:
+                  group_size: int = 64, requantized: dict[str, str] | None = None,
+                  exact_projections: set[str] = frozenset()) -> list[tuple[str, str]]:
     """[(module name, what happened)] for every linear layer, fused experts module (of a MoE block)
     and embedding of the written model.
     exact: {quantized module: whether its scales/biases survived the --dtype}; quantized_now: the
-    layers this run quantized; requantized: {experts: the one projection this run re-quantized}."""
+    layers this run quantized; requantized: {experts: the one projection this run re-quantized};
+    exact_projections: "experts.gate_up_proj" / "experts.down_proj" of the GGUF file's MoE blocks
+    that have an exact affine form (_exact_linears)."""
     requantized = requantized or {}
     rows = []
     head = _output_head(model)
@@ -582,7 +589,9 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
         else:
             weight = m.get_parameter(layout_of(m).gate_up) if is_fused_experts(m) else m.weight
             decoded = "as gguf decodes it" if weight.dtype == torch.float32 else f"rounded to {str(weight.dtype)[6:]}"
-            why = _why_float(name, m, src, output_format, requantize, head, group_size)
+            kept = [p for p in ("gate_up_proj", "down_proj") if f"{name}.{p}" in exact_projections]
+            why = _why_float(name, m, src, output_format, requantize, head, group_size,
+                             kept[0] if len(kept) == 1 else None)
             how = f"decoded {src} -> {fmt} ({decoded}; {why})"
         rows.append((name, how))
     return rows
@@ -799,7 +808,7 @@ def run(args: argparse.Namespace) -> int:
                 if not (out / name).exists():
                     shutil.copyfile(f, out / name)
         rows = _layer_report(model, origin, quantized_now, exact, args.format, args.requantize if is_gguf else None,
-                             group_size, requantized)
+                             group_size, requantized, set(_exact_linears(gguf)) if is_gguf else set())
     _print_report(rows)
     if is_gguf and args.requantize == "rest" and not quantized_now and not requantized:
         unused = _quantizer_flags(args)
