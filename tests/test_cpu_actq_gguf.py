@@ -214,3 +214,30 @@ def test_ties_round_half_to_even(ggml_type, width):
     x_deq, _ = quantize_x(x, X_BLOCK)
     y = ops.gguf_qmm_int8_activations(x, blocks, int(ggml_type), N, K).double()
     assert ((y - x_deq @ w.T).abs() <= SLACK * (x_deq.abs() @ w.abs().T)).all()
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
+def test_extreme_blocks(ggml_type, width):
+    # Super-block 0 of every row: d = 0 (Q4_K: dmin kept, so the weights are the offsets -dmin*m
+    # alone). Super-block 1: every code and scale field at its largest (Q4_K: codes 15, scales and
+    # mins 63; Q6_K: codes 63, scales -128 and 127), against x whose block 1 is constant, every
+    # code 127: the largest integer products the kernels form (int16 pairs, int32 sums).
+    N, K = 11, 768
+    blocks, _ = case(ggml_type, N, K, seed=5)
+    bb = 144 if ggml_type == Q4_K else 210
+    raw = blocks.numpy().reshape(N, K // 256, bb).copy()
+    if ggml_type == Q4_K:
+        raw[:, 0, 0:2] = 0
+        raw[:, 1, 4:144] = 0xFF
+    else:
+        raw[:, 0, 208:210] = 0
+        raw[:, 1, 0:192] = 0xFF
+        raw[:, 1, 192:208] = np.array([0x80, 0x7F] * 8, dtype=np.uint8)
+    raw = raw.reshape(N, -1)
+    w = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
+    assert (w[:, :256] == 0).all() == (ggml_type == Q6_K) and (w[:, :256] != 0).any() == (ggml_type == Q4_K)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(3))
+    x[:, 256:512] = torch.tensor([2.5, -1.5, 3.0, -0.5]).unsqueeze(1)
+    x_deq, d = quantize_x(x, X_BLOCK)
+    assert ((x_deq / d)[:, 256:512].abs() == 127).all()  # every code of block 1 at the largest
+    check_bounds(ops.gguf_qmm_int8_activations(x, torch.from_numpy(raw), int(ggml_type), N, K), x, w)

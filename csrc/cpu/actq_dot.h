@@ -67,6 +67,17 @@ __attribute__((always_inline)) inline __m512i dot2_16_512(__m512i acc, __m512i p
   return _mm512_add_epi32(acc, _mm512_madd_epi16(p, c));
 #endif
 }
+
+// sum over i < 4 of u[4l + i] * s[4l + i] (u unsigned, s signed), 16 lanes: vpdpbusd from zero
+// with AVX512_VNNI, else vpmaddubsw and vpmaddwd by ones (the same integers while every pair
+// u0*s0 + u1*s1 stays below 2^15 in magnitude, as for 4-bit codes).
+__attribute__((always_inline)) inline __m512i dot4_512_from_zero(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
 #endif
 
 // The 512-bit kernels (actq_qmm.cpp: "int8x/avx512vnni-512-*"): vpdpbusd on zmm, 64 bytes per

@@ -10,7 +10,8 @@
 //     y += d * (d_x * (sum_s sc_s * sum_{i in s} q_i qx_i)  -  sum_s sc_s * 32 * X_s)
 //   X_s = d_x * sum_{i in s} qx_i, the sum of the dequantized x over sub-block s.
 // The parenthesized sum over the whole super-block is int32 (vpmaddubsw pairs of codes and x
-// below 2^15, then vpmaddwd or vpdpwssd against the integer sub-block scales, added up; at most
+// below 2^15, or for the 512-bit Q4_K kernel vpdpbusd quads below 2^13 packed to int16, then
+// vpmaddwd or vpdpwssd against the integer sub-block scales, added up; at most
 // 8 * 63 * 32 * 15 * 127 for Q4_K and 16 * 128 * 16 * 63 * 127 for Q6_K, below 2^31), so one
 // float multiply per super-block, W row and x row carries the scales; the rest float32. So y is
 // W times the dequantized x up to float32 rounding, with the bound of the affine path over blocks
@@ -30,6 +31,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -61,7 +63,7 @@ constexpr int64_t kSuper = gguf::kQK_K, kRuns = kSuper / kBlock;  // 8 runs of 3
 using gguf_fields::f16_at;
 
 // Side data per super-block and x row: the x scale d_x at 0, then Fmt::kSums offset sums X_s
-// from kSumsAt.
+// from kSumsAt (the 512-bit kernels: from Fmt::kWideSumsAt, zeros between).
 constexpr int64_t kSumsAt = 1;
 // Q4_K: the codes of weight 32s + i are bits 4*(s%2).. of byte 32*(s/2) + i of qs.
 struct Q4K {
@@ -73,6 +75,9 @@ struct Q4K {
   // The 512-bit layout of x (WideX): the sub-blocks in the order 64 bytes of qs bring them, low
   // nibbles then high ones: bytes 0-63 hold sub-blocks 0, 2 (low) and 1, 3 (high), 64-127 4, 6, 5, 7.
   static constexpr int kWideOrder[kRuns] = {0, 2, 1, 3, 4, 6, 5, 7};
+  // Side data of the 512-bit layout: d_x at 0, the offset sums X_s at 8-15 (where the mins lie in
+  // the block's vector of scales and mins), zeros between.
+  static constexpr int64_t kWideSumsAt = 8;
   static void scales_mins(const uint8_t* blk, uint8_t (&sc)[8], uint8_t (&mn)[8]) {
     const gguf_fields::Q4kScaleBytes b = gguf_fields::q4k_scale_bytes(blk + 4);
     std::memcpy(sc, b.scale, 8);  // bytes in memory order: sub-blocks 0..7 (little-endian)
@@ -134,40 +139,53 @@ struct Q4K {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   // 512 bits: pair k of x positions (kWideOrder[2k], kWideOrder[2k + 1]) meets the low (k even) or
-  // high (k odd) nibbles of qs bytes 64 (k / 2) .. + 63.
+  // high (k odd) nibbles of qs bytes 64 (k / 2) .. + 63, so dword lane e of its product vector D_k
+  // (dot4_512: the 4 codes of bytes 4e .. 4e + 3) lies in sub-block kWideOrder[2k + e / 8]. The
+  // two pairs of one 64-byte load are packed into int16 words (vpackssdw, per 128-bit lane: words
+  // 0-3 from D_2j, 4-7 from D_2j+1; |D| <= 4 * 15 * 127, no saturation) and meet their sub-blocks'
+  // scales in one vpdpwssd. The mins term is one masked FMA of the block's 16-lane vector
+  // [d*sc_s, dmin*m_s] with the side data (kWideSumsAt).
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block512(const uint8_t* const (&blk)[R], const int8_t* const (&xc)[MB],
                                                              const float* const (&side)[MB], __m512 (&acc)[R][MB]) {
-    // Word w of pair k: the scale of sub-block kWideOrder[2k + w / 16].
+    // Word 8L + i of the packed pairs of load j: the scale of the sub-block of D_{2j + i / 4}'s dword
+    // 4L + i % 4, as word 2s of q4k_scale_min_lanes' int32 lane s.
     alignas(64) static constexpr auto idx = [] {
-      struct { int16_t w[4][32]; } t{};
-      for (int k = 0; k < 4; ++k)
-        for (int w = 0; w < 32; ++w) t.w[k][w] = int16_t(kWideOrder[2 * k + w / 16]);
+      struct { int16_t w[2][32]; } t{};
+      for (int j = 0; j < 2; ++j)
+        for (int w = 0; w < 32; ++w) {
+          const int lane = w / 8, i = w % 8, k = 2 * j + i / 4, e = 4 * lane + i % 4;
+          t.w[j][w] = int16_t(2 * kWideOrder[2 * k + e / 8]);
+        }
       return t;
     }();
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < R; ++r) {
-      const __m128i sm = _mm256_castsi256_si128(gguf_fields::q4k_scale_min_bytes(gguf_fields::q4k_head(blk[r])));
-      const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
-      const __m256i mn = _mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8));
-      const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(f16_at(blk[r] + 2)));
+      const __m128i head = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r]));
+      const __m512i lanes = gguf_fields::q4k_scale_min_lanes(head);  // int32 [sc_0..7, m_0..7]
+      const __m128 dm = _mm_cvtph_ps(head);                           // d, dmin
+      // Lanes 8-15: dmin * m_s (lanes 0-7, d * sc_s, go unused).
+      const __m512 mins = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes),
+                                        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                              _mm512_castps128_ps512(dm)));
+      const __m512 d = _mm512_broadcastss_ps(dm);
       __m512i t[MB];
       for (int m = 0; m < MB; ++m) t[m] = _mm512_setzero_si512();
       for (int j = 0; j < 2; ++j) {
         const __m512i w = _mm512_loadu_si512(blk[r] + kQs + 64 * j);
-        const __m512i q[2] = {_mm512_and_si512(w, nibble), _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble)};
-        for (int h = 0; h < 2; ++h) {
-          const int k = 2 * j + h;
-          const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(idx.w[k]), sc16);
-          for (int m = 0; m < MB; ++m)
-            t[m] = dot2_16_512(t[m], _mm512_maddubs_epi16(q[h], _mm512_loadu_si512(xc[m] + 64 * k)), scale);
+        const __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+        const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(idx.w[j]), lanes);
+        for (int m = 0; m < MB; ++m) {
+          const __m512i d0 = dot4_512_from_zero(lo, _mm512_loadu_si512(xc[m] + 128 * j));
+          const __m512i d1 = dot4_512_from_zero(hi, _mm512_loadu_si512(xc[m] + 128 * j + 64));
+          t[m] = dot2_16_512(t[m], _mm512_packs_epi32(d0, d1), scale);
         }
       }
-      const float d = f16_at(blk[r]);
-      const __m512 mins16 = _mm512_zextps256_ps512(mins);
-      for (int m = 0; m < MB; ++m)
-        acc[r][m] = _mm512_fnmadd_ps(mins16, _mm512_zextps256_ps512(_mm256_loadu_ps(side[m] + kSumsAt)),
-                                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]), _mm512_set1_ps(d * side[m][0]), acc[r][m]));
+      for (int m = 0; m < MB; ++m) {
+        const __m512 xs = _mm512_loadu_ps(side[m]);  // d_x, zeros, X_0..7
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]), _mm512_mul_ps(d, _mm512_set1_ps(side[m][0])), acc[r][m]);
+        acc[r][m] = _mm512_mask3_fnmadd_ps(mins, xs, acc[r][m], __mmask16(0xFF00));
+      }
     }
   }
 #endif
@@ -180,6 +198,7 @@ struct Q6K {
   static constexpr int64_t kType = gguf::kTypeQ6_K, kBlockBytes = 210, kQh = 128, kScales = 192, kD = 208, kSums = 16;
   static constexpr int tile_rows(int mb) { return mb <= 2 ? 2 : 1; }
   static constexpr int kWideRowsAtOne = 8;
+  static constexpr int64_t kWideSumsAt = kSumsAt;
   // 64 bytes of ql (half h) hold x runs 4h, 4h + 1 (low nibbles) and 4h + 2, 4h + 3 (high):
   // the natural order.
   static constexpr int kWideOrder[kRuns] = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -294,7 +313,7 @@ struct Q6K {
       const __m512 d = _mm512_set1_ps(f16_at(blk[r] + kD));
       for (int m = 0; m < MB; ++m) {  // the hoisted -32, in units of d
         const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(it[m]), _mm512_set1_ps(side[m][0]),
-                                         _mm512_mul_ps(sf, _mm512_loadu_ps(side[m] + kSumsAt)));
+                                         _mm512_mul_ps(sf, _mm512_loadu_ps(side[m] + kWideSumsAt)));
         acc[r][m] = _mm512_fmadd_ps(t, d, acc[r][m]);
       }
     }
@@ -309,7 +328,8 @@ struct Q6K {
 template <typename Fmt, bool WIDE>
 struct Base {
   using X = int8_t;
-  static constexpr int64_t kXPerChunk = kSuper, kSidePerChunk = kSumsAt + Fmt::kSums;
+  static constexpr int64_t kSumsFrom = WIDE ? Fmt::kWideSumsAt : kSumsAt;
+  static constexpr int64_t kXPerChunk = kSuper, kSidePerChunk = kSumsFrom + Fmt::kSums;
   static constexpr int kMaxXBlock = 4;
   static constexpr int64_t slab_bytes(int) { return 0; }  // one pass over K (chunk_driver.h)
   const uint8_t* blocks;
@@ -322,8 +342,9 @@ struct Base {
       float* sd = side + c * kSidePerChunk;
       const float d = quantize_block(x + c * kSuper, q, kSuper);
       sd[0] = d;
+      std::fill(sd + 1, sd + kSumsFrom, 0.0f);
       for (int s = 0; s < Fmt::kSums; ++s)
-        sd[kSumsAt + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, Fmt::kSub)));
+        sd[kSumsFrom + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, Fmt::kSub)));
       for (int p = 0; p < kRuns; ++p) {
         const int b = WIDE ? Fmt::kWideOrder[p] : p;
         std::memcpy(xc + c * kSuper + p * kBlock, q + b * kBlock, kBlock);
