@@ -239,8 +239,8 @@ MUTANTS: list[Mutant] = [
            "fails, and the report shows the wrong precision"),
     # ---- C++ (each rebuilds the C++ scratch copy: --only-cpp) ------------------------------------
     Mutant("x8-actq-q6k-offset-sums-over-32-codes", "csrc/cpu/actq_gguf.cpp",
-           "        sd[kSumsAt + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, Fmt::kSub)));",
-           "        sd[kSumsAt + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, kBlock)));",
+           "        sd[kSumsFrom + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, Fmt::kSub)));",
+           "        sd[kSumsFrom + s] = Fmt::offset_factor * (d * float(block_sum(q + Fmt::kSub * s, kBlock)));",
            ACTQ_GGUF,
            "the int8-activation GGUF path sums x over 32 codes (the affine path's x block) for each "
            "offset sum X_s, where Q6_K's sub-blocks hold 16: its -32 offsets are wrong (Q4_K, 32, is "
