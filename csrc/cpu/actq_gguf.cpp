@@ -10,7 +10,7 @@
 //     y += d * (d_x * (sum_s sc_s * sum_{i in s} q_i qx_i)  -  sum_s sc_s * 32 * X_s)
 //   X_s = d_x * sum_{i in s} qx_i, the sum of the dequantized x over sub-block s.
 // The parenthesized sum over the whole super-block is int32 (vpmaddubsw pairs of codes and x
-// below 2^15, or for the 512-bit Q4_K kernel vpdpbusd quads below 2^13 packed to int16, then
+// below 2^15, or for the 512-bit kernels vpdpbusd quads below 2^15 packed to int16, then
 // vpmaddwd or vpdpwssd against the integer sub-block scales, added up; at most
 // 8 * 63 * 32 * 15 * 127 for Q4_K and 16 * 128 * 16 * 63 * 127 for Q6_K, below 2^31), so one
 // float multiply per super-block, W row and x row carries the scales; the rest float32. So y is
@@ -275,14 +275,17 @@ struct Q6K {
   // 512 bits: pair k = 2h + p of x runs (2k, 2k + 1) is the low (p = 0) or high (p = 1) nibbles
   // of ql bytes 64h .. 64h + 63, with the qh bits of x runs 4h + 2p (bytes 0-31) and 4h + 2p + 1
   // (32-63) from qh bytes 32h .. 32h + 31 in both halves; its 4 sub-blocks 4k .. 4k + 3 take 16
-  // bytes each.
+  // bytes each, so dword lane e of its product vector D_k (dot4_512) lies in sub-block 4k + e / 4.
+  // The two pairs of one h are packed into int16 words (vpackssdw, per 128-bit lane L: words 0-3
+  // from D_2h, 4-7 from D_2h+1; |D| <= 4 * 63 * 127 < 2^15, no saturation) and meet their
+  // sub-blocks' scales in one vpdpwssd.
   template <int R, int MB>
   __attribute__((always_inline)) static inline void block512(const uint8_t* const (&blk)[R], const int8_t* const (&xc)[MB],
                                                              const float* const (&side)[MB], __m512 (&acc)[R][MB]) {
-    alignas(64) static constexpr auto idx = [] {  // word w of pair k: the scale of sub-block 4k + w / 8
-      struct { int16_t w[4][32]; } t{};
-      for (int k = 0; k < 4; ++k)
-        for (int w = 0; w < 32; ++w) t.w[k][w] = int16_t(4 * k + w / 8);
+    alignas(64) static constexpr auto idx = [] {  // word 8L + i of h: sub-block 4(2h + i / 4) + L
+      struct { int16_t w[2][32]; } t{};
+      for (int h = 0; h < 2; ++h)
+        for (int w = 0; w < 32; ++w) t.w[h][w] = int16_t(4 * (2 * h + w % 8 / 4) + w / 8);
       return t;
     }();
     const __m512i nibble = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(0x30);
@@ -303,11 +306,11 @@ struct Q6K {
             _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_and_si512(_mm512_sllv_epi16(qh, left), high)),
             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble),
                             _mm512_and_si512(_mm512_srlv_epi16(qh, right), high))};
-        for (int p = 0; p < 2; ++p) {
-          const int k = 2 * h + p;
-          const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(idx.w[k]), sc16);
-          for (int m = 0; m < MB; ++m)
-            it[m] = dot2_16_512(it[m], _mm512_maddubs_epi16(q[p], _mm512_loadu_si512(xc[m] + 64 * k)), scale);
+        const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(idx.w[h]), sc16);
+        for (int m = 0; m < MB; ++m) {
+          const __m512i d0 = dot4_512_from_zero(q[0], _mm512_loadu_si512(xc[m] + 128 * h));
+          const __m512i d1 = dot4_512_from_zero(q[1], _mm512_loadu_si512(xc[m] + 128 * h + 64));
+          it[m] = dot2_16_512(it[m], _mm512_packs_epi32(d0, d1), scale);
         }
       }
       const __m512 d = _mm512_set1_ps(f16_at(blk[r] + kD));
