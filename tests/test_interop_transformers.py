@@ -227,6 +227,36 @@ def test_quantize_model_then_save_pretrained_reloads_the_same_layers(float_folde
         assert torch.equal(reloaded(IDS).logits, model(IDS).logits)
 
 
+def test_quantize_model_of_a_wrapper_records_the_transformers_models_inside(float_folder, tmp_path):
+    """A transformers model inside another module (a sentence-transformers model, a user's wrapper)
+    saves through its own save_pretrained: quantize_model on the wrapper records the config on each
+    outermost transformers model in it, so that reload gives these layers back, not float layers
+    with fresh weights; a model that one config cannot describe is named in the warning."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.head = torch.nn.Linear(128, 64)
+
+    wrapper = Wrapper(transformers.AutoModelForCausalLM.from_pretrained(float_folder))
+    quantize_model(wrapper, bits=4, group_size=64)
+    assert isinstance(wrapper.head, QuantLinear) and isinstance(wrapper.inner.lm_head, QuantLinear)
+    wrapper.inner.save_pretrained(tmp_path)
+    recorded = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert recorded["quant_method"] == "torch_qmm"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert _formats(reloaded) == _formats(wrapper.inner)
+    _assert_same_state(reloaded, wrapper.inner)
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, wrapper.inner(IDS).logits)
+
+    mixed = Wrapper(transformers.AutoModelForCausalLM.from_pretrained(float_folder))
+    quantize_model(mixed, bits=4, group_size=64, filter_fn=lambda name, _: "mlp" in name)
+    with pytest.warns(UserWarning, match="save_pretrained cannot record inner's torch_qmm layers"):
+        quantize_model(mixed, bits=4, group_size=32, filter_fn=lambda name, _: "mlp" not in name)
+
+
 def test_quantize_model_warns_when_one_config_cannot_hold_the_layers(float_folder):
     model = transformers.AutoModelForCausalLM.from_pretrained(float_folder)
     quantize_model(model, bits=4, group_size=64, filter_fn=lambda name, _: "mlp" in name)

@@ -175,6 +175,31 @@ def test_fp_quant_linear_holds_mlx_buffers_and_matches_reference(mode, dtype):
 
 
 @pytest.mark.parametrize("mode", FP_MODES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp_quant_linear_with_a_float32_bias_returns_x_dtype(mode, dtype):
+    # A float32 layer (float32 bias) given half-precision x: the fp modes take any float x and the
+    # output has x's dtype, the bias included (rounded to it, then the sum rounded once more).
+    from torch_qmm import reference_fp
+
+    torch.manual_seed(5)
+    linear = nn.Linear(256, 40)
+    q = QuantLinear.from_linear(linear, mode=mode)
+    assert q.bias.dtype == torch.float32
+    x = torch.randn(3, 256).to(dtype)
+    y = q(x)
+    assert y.dtype == dtype
+    args = (q.qweight, q.scales, mode)
+    y_ref = reference_fp.qmm_fp(x, *args)
+    magnitude = reference_fp.qmm_fp_magnitude(x, *args)
+    y_sum = y_ref + linear.bias.double()
+    u = OUT_RTOL[dtype]
+    bound = (1 + u) * error_bound(y_ref, magnitude, dtype) + 2 * u * (y_sum.abs() + linear.bias.double().abs()) \
+        + OUT_ATOL[dtype]
+    ratio = ((y.double() - y_sum).abs() / bound).max().item()
+    assert ratio <= 1.0, f"{mode} QuantLinear, {dtype} x: worst ratio {ratio:.2f} to the bound"
+
+
+@pytest.mark.parametrize("mode", FP_MODES)
 def test_fp_state_round_trips_and_other_modes_are_refused(mode):
     torch.manual_seed(4)
     q = QuantLinear.from_linear(nn.Linear(128, 16), mode=mode)

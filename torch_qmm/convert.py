@@ -111,21 +111,36 @@ def _already_quantized(model: nn.Module, filter_fn, bits, group_size: int, mode:
     return same
 
 
-def _record_for_transformers(model: nn.Module) -> None:
-    """A transformers model quantized here (not by its own from_pretrained, whose quantizer records
-    the config itself) gets the torch_qmm quantization_config of its layers, so that save_pretrained
-    writes a folder that reloads into them; where none can describe them, a warning says so."""
+def _transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the outermost transformers models in `model`: itself, or the submodules no
+    other transformers model contains (a sentence-transformers model, or any wrapper, holds its
+    transformers model as a submodule, and saves it with that submodule's save_pretrained)."""
     transformers = sys.modules.get("transformers")  # a transformers model means transformers is imported
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
-        return
-    if getattr(model, "hf_quantizer", None) is not None:
-        return
+    if transformers is None:
+        return []
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():  # parents before their children
+        if isinstance(module, transformers.PreTrainedModel) and not any(
+                outer == "" or name.startswith(outer + ".") for outer, _ in found):
+            found.append((name, module))
+    return found
+
+
+def _record_for_transformers(model: nn.Module) -> None:
+    """Each transformers model in `model` quantized here (not by its own from_pretrained, whose
+    quantizer records the config itself) gets the torch_qmm quantization_config of its layers, so
+    that save_pretrained writes a folder that reloads into them; where none can describe them, a
+    warning says so."""
     from .interop.transformers import record_quantization_config
 
-    why_not = record_quantization_config(model)
-    if why_not is not None:
-        warnings.warn(f"save_pretrained cannot record this model's torch_qmm layers: {why_not}; a reload would "
-                      "build float layers. Save with torch_qmm.interop.save_mlx instead", stacklevel=3)
+    for name, hf_model in _transformers_models(model):
+        if getattr(hf_model, "hf_quantizer", None) is not None:
+            continue
+        why_not = record_quantization_config(hf_model)
+        if why_not is not None:
+            which = "this model's" if name == "" else f"{name}'s"
+            warnings.warn(f"save_pretrained cannot record {which} torch_qmm layers: {why_not}; a reload would "
+                          "build float layers. Save with torch_qmm.interop.save_mlx instead", stacklevel=3)
 
 
 CONV1D_NOT_CONVERTED = "a transformers Conv1D (GPT-2 style), not an nn.Linear: left float"

@@ -197,8 +197,8 @@ class QuantLinear(QuantFormatState, nn.Module):
         y = quantized_matmul(x, self.qweight, self.scales, self.biases, transpose=True,
                              group_size=self.group_size, bits=self.bits, mode=self.mode,
                              activations=self.activations)
-        if self.bias is not None:
-            y = y + self.bias
+        if self.bias is not None:  # in y's dtype: x's (the fp modes take any float x)
+            y = y + self.bias.to(y.dtype)
         return y
 
     def extra_repr(self) -> str:
