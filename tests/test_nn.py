@@ -161,17 +161,27 @@ def test_fp_quant_linear_holds_mlx_buffers_and_matches_reference(mode, dtype):
     assert q.scales.dtype == torch.uint8 and torch.equal(q.scales, scales)
     assert torch.equal(q.qweight.view(torch.int32), wq.view(torch.int32))
     x = torch.randn(3, 256).to(dtype)
+    ratio = _fp_layer_error_ratio(q, linear.bias, x, bias_rounded=False)
+    assert ratio <= 1.0, f"{mode} QuantLinear: worst ratio {ratio:.2f} to the two-rounding bound"
+
+
+def _fp_layer_error_ratio(q, bias, x, bias_rounded: bool) -> float:
+    """The worst |q(x) - (W x + bias)| over its bound, W x from reference_fp in float64 (q's output
+    must have x's dtype). The bias is added after the product: one more rounding to x's dtype (as in
+    test_quant_linear_matches_reference), and one of the bias itself where it is wider than x
+    (bias_rounded)."""
+    from torch_qmm import reference_fp
+
     y = q(x)
-    assert y.dtype == dtype
-    args = (q.qweight, q.scales, mode)
+    assert y.dtype == x.dtype
+    args = (q.qweight, q.scales, q.mode)
     y_ref = reference_fp.qmm_fp(x, *args)
     magnitude = reference_fp.qmm_fp_magnitude(x, *args)
-    # bias added after the product, one more rounding (as in test_quant_linear_matches_reference)
-    y_sum = y_ref + linear.bias.double()
-    u = OUT_RTOL[dtype]
-    bound = (1 + u) * error_bound(y_ref, magnitude, dtype) + u * y_sum.abs() + OUT_ATOL[dtype]
-    ratio = ((y.double() - y_sum).abs() / bound).max().item()
-    assert ratio <= 1.0, f"{mode} QuantLinear: worst ratio {ratio:.2f} to the two-rounding bound"
+    y_sum = y_ref + bias.double()
+    u = OUT_RTOL[x.dtype]
+    rounding = u * y_sum.abs() + (u * bias.double().abs() if bias_rounded else 0)
+    bound = (1 + u) * error_bound(y_ref, magnitude, x.dtype) + rounding + OUT_ATOL[x.dtype]
+    return ((y.double() - y_sum).abs() / bound).max().item()
 
 
 @pytest.mark.parametrize("mode", FP_MODES)
@@ -179,23 +189,11 @@ def test_fp_quant_linear_holds_mlx_buffers_and_matches_reference(mode, dtype):
 def test_fp_quant_linear_with_a_float32_bias_returns_x_dtype(mode, dtype):
     # A float32 layer (float32 bias) given half-precision x: the fp modes take any float x and the
     # output has x's dtype, the bias included (rounded to it, then the sum rounded once more).
-    from torch_qmm import reference_fp
-
     torch.manual_seed(5)
     linear = nn.Linear(256, 40)
     q = QuantLinear.from_linear(linear, mode=mode)
     assert q.bias.dtype == torch.float32
-    x = torch.randn(3, 256).to(dtype)
-    y = q(x)
-    assert y.dtype == dtype
-    args = (q.qweight, q.scales, mode)
-    y_ref = reference_fp.qmm_fp(x, *args)
-    magnitude = reference_fp.qmm_fp_magnitude(x, *args)
-    y_sum = y_ref + linear.bias.double()
-    u = OUT_RTOL[dtype]
-    bound = (1 + u) * error_bound(y_ref, magnitude, dtype) + 2 * u * (y_sum.abs() + linear.bias.double().abs()) \
-        + OUT_ATOL[dtype]
-    ratio = ((y.double() - y_sum).abs() / bound).max().item()
+    ratio = _fp_layer_error_ratio(q, linear.bias, torch.randn(3, 256).to(dtype), bias_rounded=True)
     assert ratio <= 1.0, f"{mode} QuantLinear, {dtype} x: worst ratio {ratio:.2f} to the bound"
 
 
