@@ -114,16 +114,14 @@ def _already_quantized(model: nn.Module, filter_fn, bits, group_size: int, mode:
 def _transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of the outermost transformers models in `model`: itself, or the submodules no
     other transformers model contains (a sentence-transformers model, or any wrapper, holds its
-    transformers model as a submodule, and saves it with that submodule's save_pretrained)."""
+    transformers model as a submodule, and saves it with that submodule's save_pretrained).
+    Containment is by identity: a wrapper may also register a part of a model under another name."""
     transformers = sys.modules.get("transformers")  # a transformers model means transformers is imported
     if transformers is None:
         return []
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():  # parents before their children
-        if isinstance(module, transformers.PreTrainedModel) and not any(
-                outer == "" or name.startswith(outer + ".") for outer, _ in found):
-            found.append((name, module))
-    return found
+    models = [(n, m) for n, m in model.named_modules() if isinstance(m, transformers.PreTrainedModel)]
+    inner = {id(sub) for _, m in models for sub in m.modules() if sub is not m}
+    return [(n, m) for n, m in models if id(m) not in inner]
 
 
 def _record_for_transformers(model: nn.Module) -> None:

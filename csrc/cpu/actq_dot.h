@@ -70,7 +70,7 @@ __attribute__((always_inline)) inline __m512i dot2_16_512(__m512i acc, __m512i p
 
 // sum over i < 4 of u[4l + i] * s[4l + i] (u unsigned, s signed), 16 lanes: vpdpbusd from zero
 // with AVX512_VNNI, else vpmaddubsw and vpmaddwd by ones (the same integers while every pair
-// u0*s0 + u1*s1 stays below 2^15 in magnitude, as for 4-bit codes).
+// u0*s0 + u1*s1 stays below 2^15 in magnitude, as for codes of up to 6 bits and |s| <= 127).
 __attribute__((always_inline)) inline __m512i dot4_512_from_zero(__m512i u, __m512i s) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
