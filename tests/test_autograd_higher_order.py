@@ -174,3 +174,42 @@ def test_double_backward_matches_float64(product):
     ref = 8 * x.detach().double() @ w.T @ w @ w.T @ w
     mag = 8 * x.detach().double().abs() @ terms.T @ terms @ terms.T @ terms
     assert_matches_reference(h, ref, 4 * mag, torch.float32, f"{product} double backward")
+
+
+def _x_shapes(fn, name: str) -> tuple[torch.Tensor, list[list[int]]]:
+    """fn()'s result and the shape of the first argument of every call of the op `name` the
+    profiler saw (under vmap the first is the batched call as vmap sees it, per element)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = fn()
+    return out, [e.input_shapes[0] for e in prof.events() if e.name == name]
+
+
+def test_vmap_over_x_is_one_call():
+    # The products take x with leading dimensions: a batch of x needs no loop (PyTorch's fallback
+    # would call the op once per element, with a performance warning).
+    torch.manual_seed(7)
+    q = QuantLinear.from_linear(nn.Linear(128, 48), bits=4, group_size=64)
+    x = torch.randn(5, 3, 128)
+    y, shapes = _x_shapes(lambda: torch.func.vmap(q)(x), "torch_qmm::qmm")
+    assert shapes[1:] == [[5, 3, 128]] and torch.equal(y, q(x))
+    y_in = torch.func.vmap(q, in_dims=1, out_dims=1)(x)  # batch along another dimension
+    assert torch.equal(y_in, torch.stack([q(x[:, i]) for i in range(3)], 1))
+
+    blocks = torch.from_numpy(random_k_blocks(Q4_K, 16, 512, np.random.default_rng(1)))
+    xg = torch.randn(4, 2, 512)
+    op = torch.ops.torch_qmm.gguf_qmm
+    y, shapes = _x_shapes(lambda: torch.func.vmap(lambda t: op(t, blocks, int(Q4_K), 16, 512))(xg),
+                          "torch_qmm::gguf_qmm")
+    assert shapes[1:] == [[4, 2, 512]] and torch.equal(y, op(xg, blocks, int(Q4_K), 16, 512))
+
+
+def test_vmap_over_weights_is_each_elements_call():
+    # A batch of scales (e.g. several quantized versions of one layer): one call per element,
+    # each equal to the unbatched call.
+    torch.manual_seed(8)
+    wq, scales, biases = torch_qmm.quantize(torch.randn(32, 128), group_size=32, bits=4)
+    many = torch.stack([scales, scales * 2, scales * -0.5])
+    x = torch.randn(2, 128)
+    op = torch.ops.torch_qmm.qmm
+    y = torch.func.vmap(lambda s: op(x, wq, s, biases, "affine", 4, 32, True))(many)
+    assert torch.equal(y, torch.stack([op(x, wq, s, biases, "affine", 4, 32, True) for s in many]))

@@ -431,3 +431,22 @@ torch.library.register_autograd(
     "torch_qmm::gguf_qmm_int8_activations",
     _refuse_backward("gguf_qmm_int8_activations", _INT8_X),
 )
+
+
+# torch.func.vmap. The products take x with any leading dimensions, so a batch of x alone is one
+# call with the batch dimension in front; a batch of any other argument (weights, scales, blocks)
+# runs one call per batch element, as PyTorch's fallback would, without its warning.
+def _vmap_over_x(op):
+    def rule(info, in_dims, x, *rest):
+        if all(d is None for d in in_dims[1:]):
+            return op(x.movedim(in_dims[0], 0), *rest), 0
+        args = (x, *rest)
+        per_element = [op(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)))
+                       for i in range(info.batch_size)]
+        return torch.stack(per_element), 0
+
+    return rule
+
+
+for _name in ("qmm", "gguf_qmm", "qmm_int8_activations", "gguf_qmm_int8_activations"):
+    torch.library.register_vmap(f"torch_qmm::{_name}", _vmap_over_x(getattr(torch.ops.torch_qmm, _name)))
