@@ -163,12 +163,8 @@ struct Q4K {
     for (int r = 0; r < R; ++r) {
       const __m128i head = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r]));
       const __m512i lanes = gguf_fields::q4k_scale_min_lanes(head);  // int32 [sc_0..7, m_0..7]
-      const __m128 dm = _mm_cvtph_ps(head);                           // d, dmin
-      // Lanes 8-15: dmin * m_s (lanes 0-7, d * sc_s, go unused).
-      const __m512 mins = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes),
-                                        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                                              _mm512_castps128_ps512(dm)));
-      const __m512 d = _mm512_broadcastss_ps(dm);
+      const __m512 mins = gguf_fields::q4k_scale_vector(blk[r]);     // lanes 8-15: dmin * m_s
+      const __m512 d = _mm512_broadcastss_ps(_mm_cvtph_ps(head));
       __m512i t[MB];
       for (int m = 0; m < MB; ++m) t[m] = _mm512_setzero_si512();
       for (int j = 0; j < 2; ++j) {
