@@ -74,6 +74,7 @@ TORCH_LIBRARY(torch_qmm, m) {
   m.def("_gguf_cpu_route(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> str");
   // The threads a CPU kernel call of x [..., K] by an N x K matrix runs on (csrc/cpu/work_split.h).
   m.def("_cpu_threads(Tensor x, int N, int K) -> int");
+  m.def("_cpu_spans(Tensor x, int N, int K) -> int[]");
   m.def("_gguf_cpu_route_int8_activations(Tensor x, Tensor blocks, int ggml_type, int N, int K) -> str");
   m.def(
       "_cpu_route_int8_activations(Tensor x, Tensor wq, Tensor scales, Tensor? biases, str mode, int bits, "

@@ -83,12 +83,13 @@ def test_scalar_kernel(ggml_type, monkeypatch):
 
 @pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=lambda t: t.name)
 def test_two_threads_and_batched_x(ggml_type, width):
-    N, K = 300, 512  # several spans of W rows per thread
+    N, K = 600, 1024  # two threads: spans of 72 W rows, then of 16
     blocks, w = case(ggml_type, N, K, seed=3)
     x = torch.randn(2, 3, K, generator=torch.Generator().manual_seed(4))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+        assert ops._cpu_threads(x, N, K) == 2
         y = ops.gguf_qmm_int8_activations(x, blocks, int(ggml_type), N, K)
     finally:
         torch.set_num_threads(before)

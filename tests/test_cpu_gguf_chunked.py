@@ -99,10 +99,11 @@ def test_q4k_scales_and_mins_use_all_six_bits(monkeypatch):
 
 def test_q4k_chunk_kernel_two_threads_and_batched_x(threads, monkeypatch):
     monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")  # the bfloat16 kernel (float32 x takes AVX2 first)
-    blocks, w = _case(300, 1024, seed=6)
+    blocks, w = _case(600, 1024, seed=6)
     x = torch.randn(2, 3, 1024, generator=torch.Generator().manual_seed(6))
-    assert route(x, blocks, 300, 1024) == "chunked/bf16x3"
-    y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(Q4_K), 300, 1024)
+    assert route(x, blocks, 600, 1024) == "chunked/bf16x3"
+    assert torch.ops.torch_qmm._cpu_threads(x, 600, 1024) == 2  # long spans, then short ones
+    y = torch.ops.torch_qmm.gguf_qmm(x, blocks, int(Q4_K), 600, 1024)
     xd = x.double()
     mag = k_quant_magnitude(x.reshape(-1, 1024), blocks, Q4_K).reshape(y.shape)
     assert_matches_reference(y, xd @ w.T, mag, torch.float32, "2 threads")

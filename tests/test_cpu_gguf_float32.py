@@ -144,18 +144,20 @@ def test_avx2_only_types_every_scale_byte_and_high_bit(family, ggml_type):
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_two_threads_batched_x_and_fallbacks(family, ggml_type, threads, monkeypatch):
-    blocks, w = _case(ggml_type, 300, 1024, seed=8)
+    blocks, w = _case(ggml_type, 600, 1024, seed=8)
     x = torch.randn(2, 3, 1024, generator=torch.Generator().manual_seed(8))
-    assert route(x, blocks, 300, 1024, ggml_type) == family["name"](ggml_type, 6)
-    check(x, blocks, w, 300, 1024, ggml_type, torch.float32, "2 threads")
+    assert route(x, blocks, 600, 1024, ggml_type) == family["name"](ggml_type, 6)
+    # Two threads take the spans: 7 of 72 W rows, then 6 of 16.
+    assert torch.ops.torch_qmm._cpu_threads(x, 600, 1024) == 2
+    check(x, blocks, w, 600, 1024, ggml_type, torch.float32, "2 threads")
     tiny = torch.randn(1, 1024)
     tiny[0, 5] = 1e-35  # below 2^-98: x * 2^-28 would leave the normal range
-    assert route(tiny, blocks, 300, 1024, ggml_type) == "fused"
-    check(tiny, blocks, w, 300, 1024, ggml_type, torch.float32, "tiny x")
+    assert route(tiny, blocks, 600, 1024, ggml_type) == "fused"
+    check(tiny, blocks, w, 600, 1024, ggml_type, torch.float32, "tiny x")
     monkeypatch.setenv("TORCH_QMM_CPU_NO_F32_CHUNKS", "1")
     monkeypatch.setenv("TORCH_QMM_CPU_NO_AVX2_CHUNKS", "1")
     monkeypatch.setenv("TORCH_QMM_CPU_NO_BF16", "1")
-    assert route(x[0], blocks, 300, 1024, ggml_type) == "fused"
+    assert route(x[0], blocks, 600, 1024, ggml_type) == "fused"
 
 
 # ---- the lattice i-quants' AVX2 kernel (gguf_avx2.cpp, LatticeGroups) -----------------------------

@@ -5,7 +5,7 @@
 //             bytes on AVX2), or a GGUF super-block; the unit a multiplier decodes and multiplies
 //   plane     a field of every lane of a chunk (chunk.h: bits [F*j, F*j + F) of each u16 word)
 //   tile      R rows of W x MB rows of x, accumulated in registers over all whole chunks of K
-//   span      up to kSpanRows rows of W (span_rows_for): one work item, taken by threads from a
+//   span      up to kSpanRows rows of W (work_split.h: SpanSchedule): one work item, taken by threads from a
 //             shared counter
 //   multiplier how the codes of a chunk meet x (chunk.h: F32Multiplier, Bf16Multiplier;
 //             chunk_avx2.h): the name a route reports ("chunked/<multiplier>")
@@ -45,7 +45,7 @@
 // (x_parts_for: at small M a row is cut into as many parts as the team has threads, so that no
 // thread prepares a whole row while the others wait; one row of K = 14336 takes 8-18 us on one
 // thread where x is rearranged value by value, as the affine and bfloat16 kernels do), the parts taken by the threads from a shared counter; once every part is done, W rows go
-// out in spans (span_rows_for) from a second counter, so a thread that loses its core to another
+// out in spans (SpanSchedule) from a second counter, so a thread that loses its core to another
 // process leaves its share to the others. Within a span, the rows of x go in blocks of 4/2/1; each
 // block runs over the whole span, so each chunk is decoded once per block of x rows. A block may
 // walk K in slabs (slab_chunks): every tile of the span takes the slab's chunks, then the next
@@ -130,17 +130,6 @@ inline bool x_in_subnormal_range(const float* x, int64_t n) {
   constexpr uint32_t lo = uint32_t(127 + 23 - kSubnormalX) << 23;
   constexpr uint32_t end = uint32_t(127 + 128 - kSubnormalX) << 23;
   return abs_bits_within(x, n, lo, end);
-}
-
-constexpr int64_t kSpanRows = 128;  // W rows per work item at most (320 KB of 4-bit W at K=5120)
-constexpr int64_t kMinSpanRows = 16;
-
-// W rows per work item for N rows on `threads` threads: kSpanRows, or fewer so that every thread
-// has at least 4 spans to take (many cores: a thread that starts late still finds work), in
-// multiples of 8 (whole tiles), not below kMinSpanRows.
-inline int64_t span_rows_for(int64_t N, int64_t threads) {
-  const int64_t even = (N / (4 * std::max<int64_t>(threads, 1))) / 8 * 8;
-  return std::clamp<int64_t>(even, kMinSpanRows, kSpanRows);
 }
 
 // Storage that starts on a cache line (64 bytes). The multipliers read prepared x in 32-byte
@@ -335,11 +324,10 @@ inline int64_t x_block_override() {
   return env_count("TORCH_QMM_CPU_X_BLOCK", 1, 4, "a count of rows of x from 1 to 4");
 }
 
-// Span i (of `span` W rows) times every row of x.
+// W rows [n0, n1) times every row of x.
 template <typename Kern>
-void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N, int64_t span, int64_t i,
+void run_span(const Kern& kern, const PreparedX<Kern>& px, int64_t M, int64_t N, int64_t n0, int64_t n1,
               int64_t slab_override, int max_x_block, float* y) {
-  const int64_t n0 = i * span, n1 = std::min(N, n0 + span);
   for (int64_t m0 = 0; m0 < M;) {
     const int mb = x_block_rows(M - m0, max_x_block, ThreeRowBlocks<Kern>::value);
     if constexpr (Kern::kMaxXBlock >= 4)
@@ -402,10 +390,9 @@ template <typename Kern>
 void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
   PreparedX<Kern> px(kern, M);
   const int64_t threads = threads_for_work(M, N, K);
-  const int64_t span = span_rows_for(N, threads);
-  const int64_t spans = (N + span - 1) / span;
+  const SpanSchedule spans(N, threads);
   // The team the spans need (a call of one span runs inline, with no region); x is cut for it.
-  const int64_t team = std::min(threads, spans);
+  const int64_t team = std::min(threads, spans.count);
   const int64_t parts = x_parts_for(M, team, kern.chunks / kern.part_chunks, x_parts_override());
   const int64_t items = M * parts;
   const int64_t slab_override = slab_bytes_override();
@@ -419,8 +406,10 @@ void run(const Kern& kern, const float* x, int64_t M, int64_t N, int64_t K, floa
       items_done.fetch_add(1, std::memory_order_release);
     }
     while (items_done.load(std::memory_order_acquire) < items) std::this_thread::yield();
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < spans;)
-      run_span(kern, px, M, N, span, i, slab_override, max_x_block, y);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < spans.count;) {
+      const auto [n0, n1] = spans.rows(i);
+      run_span(kern, px, M, N, n0, n1, slab_override, max_x_block, y);
+    }
   });
 }
 

@@ -336,8 +336,8 @@ void run(const GgufArgs& a, float* y) {
   const int64_t groups = (a.M + kLanes - 1) / kLanes, bpr = a.K / 256, group_bytes = bpr * Kern::kXtBytes;
   chunk::CacheLineVector<uint8_t> xt(groups * group_bytes);
   const int64_t threads = threads_for_work(a.M, a.N, a.K);
-  const int64_t span = chunk::span_rows_for(a.N, threads), spans = (a.N + span - 1) / span;
-  const int64_t team = std::min(threads, spans), items = groups * bpr;
+  const SpanSchedule spans(a.N, threads);
+  const int64_t team = std::min(threads, spans.count), items = groups * bpr;
   std::atomic<int64_t> next_item{0}, items_done{0}, next_span{0};
   at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
     for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
@@ -350,8 +350,8 @@ void run(const GgufArgs& a, float* y) {
     }
     while (items_done.load(std::memory_order_acquire) < items) std::this_thread::yield();
     chunk::CacheLineVector<uint8_t> scratch(2 * kTileRows * Kern::kScratchBytes);
-    for (int64_t s; (s = next_span.fetch_add(1, std::memory_order_relaxed)) < spans;) {
-      const int64_t n0 = s * span, n1 = std::min(a.N, n0 + span);
+    for (int64_t s; (s = next_span.fetch_add(1, std::memory_order_relaxed)) < spans.count;) {
+      const auto [n0, n1] = spans.rows(s);
       int64_t n = n0;
       for (; n + kTileRows <= n1; n += kTileRows) tile<Kern, kTileRows>(a, groups, xt.data(), group_bytes, n, scratch.data(), y);
       for (; n < n1; ++n) tile<Kern, 1>(a, groups, xt.data(), group_bytes, n, scratch.data(), y);

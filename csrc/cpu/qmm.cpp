@@ -117,6 +117,17 @@ int64_t cpu_threads(const at::Tensor& x, int64_t N, int64_t K) {
   return cpu::threads_for_work(x.numel() / K, N, K);
 }
 
+// The spans of W rows such a call's threads take (work_split.h: SpanSchedule), as n0, n1 pairs.
+std::vector<int64_t> cpu_spans(const at::Tensor& x, int64_t N, int64_t K) {
+  const cpu::SpanSchedule spans(N, cpu_threads(x, N, K));
+  std::vector<int64_t> bounds;
+  for (int64_t i = 0; i < spans.count; ++i) {
+    const auto [n0, n1] = spans.rows(i);
+    bounds.insert(bounds.end(), {n0, n1});
+  }
+  return bounds;
+}
+
 // Which CPU kernel qmm would run: "gemm-bf16" (bf16_gemm.h), "chunked/<multiplier>"
 // (qmm_kernels.h), "fused", "gemm", or
 // "empty" (for a finite result; a call whose chunked, gemm-bf16 or transposed fused result is not
@@ -214,6 +225,7 @@ TORCH_LIBRARY_IMPL(torch_qmm, CPU, m) {
   m.impl("qmm", &qmm_cpu);
   m.impl("_cpu_route", &qmm_cpu_route);
   m.impl("_cpu_threads", &cpu_threads);
+  m.impl("_cpu_spans", &cpu_spans);
 }
 
 }  // namespace torch_qmm
