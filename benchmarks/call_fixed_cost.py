@@ -20,7 +20,7 @@ import torch_qmm
 from torch_qmm.bench.kernels import random_gguf_blocks
 from x_preparation import median_us  # this folder: the script's own
 
-N = 16  # one span (csrc/cpu/chunk_driver.h span_rows_for: at least 16 rows)
+N = 16  # one span (csrc/cpu/work_split.h SpanSchedule: at least 16 rows)
 
 
 def calls(K: int, gen: torch.Generator):

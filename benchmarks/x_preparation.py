@@ -30,7 +30,7 @@ import torch_qmm
 from torch_qmm.bench.kernels import random_gguf_blocks
 from torch_qmm.ops import gguf_matmul, quantize, quantized_matmul
 
-N = 32  # two spans (chunk_driver.h span_rows_for): a team of two threads
+N = 32  # two spans (work_split.h SpanSchedule): a team of two threads
 
 
 def families(K: int, gen: torch.Generator):
