@@ -96,10 +96,10 @@ MUTANTS: list[Mutant] = [
            "forward-over-reverse (Hessian-vector products) gives the gradient's product, not the "
            "tangent's"),
     Mutant("t9-gather-forward-tangent-dropped", "torch_qmm/ops.py",
-           "    return _carry_tangent(lambda t: _ops.gather_qmm(t, w, scales, biases, lhs_indices, rhs_indices, mode, bits,\n"
-           "                                                    group_size, transpose, sorted_indices), x)",
-           "    return _ops.gather_qmm(x, w, scales, biases, lhs_indices, rhs_indices, mode, bits,\n"
-           "                           group_size, transpose, sorted_indices)", FORWARD_GATHER,
+           "    return _carry_tangent(lambda t: _run(_ops.gather_qmm, t, w, scales, biases, lhs_indices, rhs_indices, mode, bits,\n"
+           "                                         group_size, transpose, sorted_indices), x)",
+           "    return _run(_ops.gather_qmm, x, w, scales, biases, lhs_indices, rhs_indices, mode, bits,\n"
+           "                group_size, transpose, sorted_indices)", FORWARD_GATHER,
            "gather_qmm calls the op directly: a dual x's tangent is dropped (jvp zero, no error)"),
     Mutant("t9-gather-frozen-tangents-w-only", "torch_qmm/ops.py",
            "    _check_frozen_tangents(\"gather_qmm\", w=w, scales=scales, biases=biases)",
@@ -121,8 +121,8 @@ MUTANTS: list[Mutant] = [
            "", FORWARD_INT8_GGUF,
            "gguf_matmul with activations='int8' takes a dual x and drops its tangent"),
     Mutant("t9-gguf-forward-tangent-dropped", "torch_qmm/ops.py",
-           "    return _carry_tangent(lambda t: _ops.gguf_qmm(t, blocks, ggml_type, N, K), x)",
-           "    return _ops.gguf_qmm(x, blocks, ggml_type, N, K)", FORWARD_GGUF,
+           "    return _carry_tangent(lambda t: _run(_ops.gguf_qmm, t, blocks, ggml_type, N, K), x)",
+           "    return _run(_ops.gguf_qmm, x, blocks, ggml_type, N, K)", FORWARD_GGUF,
            "gguf_matmul calls the op directly: a dual x's tangent is dropped (jvp zero)"),
     # ---- C++ (each rebuilds the C++ scratch copy: --only-cpp), cheapest rebuilds first ----------
     Mutant("x9-flags-reduced-with-and", "csrc/cpu/x_rows.cpp",
