@@ -123,7 +123,10 @@ struct AffineKernel {
   static __m512 zero() { return _mm512_setzero_ps(); }
   static float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-  // The K tail (whole blocks of 32, x in codec order) and the hoisted bias of W row n.
+  // The K tail (whole blocks of 32, x in codec order) and the hoisted bias of W row n, in one
+  // vector of partial sums reduced once: a horizontal sum per tail block and a scalar loop over
+  // the groups left by whole vectors of 16 cost a 1536 x 576 layer at M = 1 (4-bit: 64 codes of
+  // tail per row, 9 groups of 64) 82 us a call, against 64 us for 1536 x 640 (Xeon, one thread).
   float rest(int64_t n, const float* xrest) const {
     using Blk = Block32<kBits>;
     const int64_t kb0 = chunks * kCodes / 32, blocks = a.K / 32;
@@ -131,31 +134,29 @@ struct AffineKernel {
     const T* b = static_cast<const T*>(a.biases) + n * groups;
     const uint8_t* wrow = row(n);
     const float* xsum = xrest + tail;
-    float t = 0.0f;
+    __m512 acc = _mm512_setzero_ps();
     for (int64_t kb = kb0; kb < blocks; ++kb) {
       f32x16 v0, v1;
       Blk::decode(wrow + kb * Blk::kBytes, v0, v1);
       const float* xk = xrest + (kb - kb0) * 32;
-      t += static_cast<float>(s[kb * 32 / G]) * hsum16(v0 * load16(xk) + v1 * load16(xk + 16));
+      const __m512 dot = _mm512_fmadd_ps((__m512)v1, _mm512_loadu_ps(xk + 16), _mm512_mul_ps((__m512)v0, _mm512_loadu_ps(xk)));
+      acc = _mm512_fmadd_ps(dot, _mm512_set1_ps(static_cast<float>(s[kb * 32 / G])), acc);
     }
-    __m512 bacc = _mm512_setzero_ps();
-    int64_t g = 0;
-    for (; g + 16 <= groups; g += 16) {
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 k = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
       __m512 bv;
       if constexpr (std::is_same_v<T, float>)
-        bv = _mm512_loadu_ps(b + g);
+        bv = _mm512_maskz_loadu_ps(k, b + g);
       else {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + g));
+        const __m256i h = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16(__mmask32(k), b + g));
         if constexpr (std::is_same_v<T, c10::Half>)
           bv = _mm512_cvtph_ps(h);
         else
           bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
       }
-      bacc = _mm512_fmadd_ps(bv, _mm512_loadu_ps(xsum + g), bacc);
+      acc = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(k, xsum + g), acc);
     }
-    t += _mm512_reduce_add_ps(bacc);
-    for (; g < groups; ++g) t += static_cast<float>(b[g]) * xsum[g];
-    return t;
+    return _mm512_reduce_add_ps(acc);
   }
 };
 
