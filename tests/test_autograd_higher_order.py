@@ -213,3 +213,50 @@ def test_vmap_over_weights_is_each_elements_call():
     op = torch.ops.torch_qmm.qmm
     y = torch.func.vmap(lambda s: op(x, wq, s, biases, "affine", 4, 32, True))(many)
     assert torch.equal(y, torch.stack([op(x, wq, s, biases, "affine", 4, 32, True) for s in many]))
+
+
+def test_vmap_over_x_and_weights_along_any_dimensions():
+    # Every batched argument at its own dimension, x too; against a loop over the batch, bit for bit
+    # (each element is the same call as the loop's).
+    torch.manual_seed(8)
+    wq, scales, biases = torch_qmm.quantize(torch.randn(32, 128), group_size=32, bits=4)
+    many = torch.stack([scales, scales * 2, scales * -0.5])
+    x = torch.randn(3, 2, 128)
+    op = torch.ops.torch_qmm.qmm
+    h = lambda t, s: op(t, wq, s, biases, "affine", 4, 32, True)  # noqa: E731
+    loop = torch.stack([h(x[i], many[i]) for i in range(3)])
+    assert torch.equal(torch.func.vmap(h)(x, many), loop)  # x and scales batched together
+    assert torch.equal(torch.func.vmap(h, in_dims=(0, 1))(x, many.movedim(0, 1)), loop)
+    assert torch.equal(torch.func.vmap(h, in_dims=(1, 0), out_dims=1)(x.movedim(0, 1), many), loop.movedim(0, 1))
+    stacked = torch.stack([wq, wq.flip(0)])  # a batch of packed words
+    g = lambda w: op(x[0], w, scales, biases, "affine", 4, 32, True)  # noqa: E731
+    assert torch.equal(torch.func.vmap(g)(stacked), torch.stack([g(w) for w in stacked]))
+    x4 = torch.randn(2, 4, 3, 128)  # x batched along a middle dimension of 4
+    f = lambda t: op(t, wq, scales, biases, "affine", 4, 32, True)  # noqa: E731
+    assert torch.equal(torch.func.vmap(f, in_dims=2)(x4), torch.stack([f(x4[:, :, i]) for i in range(3)]))
+
+
+def test_vmap_of_the_int8_ops_over_x_is_one_call():
+    wq, scales, biases = torch_qmm.quantize(torch.randn(32, 128, generator=torch.Generator().manual_seed(9)),
+                                            group_size=32, bits=4)
+    x = torch.randn(5, 3, 128)
+    op = torch.ops.torch_qmm.qmm_int8_activations
+    y, shapes = _x_shapes(lambda: torch.func.vmap(lambda t: op(t, wq, scales, biases, "affine", 4, 32))(x),
+                          "torch_qmm::qmm_int8_activations")
+    assert shapes[1:] == [[5, 3, 128]] and torch.equal(y, op(x, wq, scales, biases, "affine", 4, 32))
+    blocks = torch.from_numpy(random_k_blocks(Q4_K, 16, 512, np.random.default_rng(2)))
+    xg = torch.randn(4, 2, 512)
+    gop = torch.ops.torch_qmm.gguf_qmm_int8_activations
+    y, shapes = _x_shapes(lambda: torch.func.vmap(lambda t: gop(t, blocks, int(Q4_K), 16, 512))(xg),
+                          "torch_qmm::gguf_qmm_int8_activations")
+    assert shapes[1:] == [[4, 2, 512]] and torch.equal(y, gop(xg, blocks, int(Q4_K), 16, 512))
+
+
+def test_vmap_over_an_empty_batch_of_weights():
+    wq, scales, biases = torch_qmm.quantize(torch.randn(48, 128), group_size=64, bits=4)
+    x = torch.randn(3, 128)
+    op = torch.ops.torch_qmm.qmm
+    y = torch.func.vmap(lambda s: op(x, wq, s, biases, "affine", 4, 64, True))(scales[None][:0])
+    assert y.shape == (0, 3, 48) and y.dtype == torch.float32
+    with pytest.raises(ValueError, match="scales"):  # the op's own checks still run on the element
+        torch.func.vmap(lambda s: op(x, wq, s, biases, "affine", 4, 64, True))(scales[None, :, :1][:0])

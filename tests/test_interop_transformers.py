@@ -259,6 +259,35 @@ def test_quantize_model_of_a_wrapper_records_the_transformers_models_inside(floa
         quantize_model(mixed, bits=4, group_size=32, filter_fn=lambda name, _: "mlp" not in name)
 
 
+def test_outermost_transformers_models_by_identity(float_folder):
+    """Which transformers models in a module get a config of their own (convert._transformers_models):
+    the outermost ones, each once, whatever names the wrapper gives them or their parts."""
+    from torch_qmm.convert import _transformers_models
+
+    def load():
+        return transformers.AutoModelForCausalLM.from_pretrained(float_folder)
+
+    class Parts(torch.nn.Module):  # a part of the model registered first, under another name
+        def __init__(self, m):
+            super().__init__()
+            self.backbone = m.model
+            self.inner = m
+
+    parts = Parts(load())
+    assert [n for n, _ in _transformers_models(parts)] == ["inner"]
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = load(), load()
+
+    assert [n for n, _ in _transformers_models(Two())] == ["a", "b"]
+    outer = load()  # a transformers model holding another one inside a plain container
+    outer.extra = torch.nn.ModuleDict({"enc": load().model})
+    assert [n for n, _ in _transformers_models(outer)] == [""]
+    assert _transformers_models(torch.nn.Linear(2, 2)) == []
+
+
 def test_quantize_model_warns_when_one_config_cannot_hold_the_layers(float_folder):
     model = transformers.AutoModelForCausalLM.from_pretrained(float_folder)
     quantize_model(model, bits=4, group_size=64, filter_fn=lambda name, _: "mlp" in name)

@@ -184,17 +184,21 @@ def _fp_layer_error_ratio(q, bias, x, bias_rounded: bool) -> float:
     return ((y.double() - y_sum).abs() / bound).max().item()
 
 
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+
+
 @pytest.mark.parametrize("mode", FP_MODES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fp_quant_linear_with_a_float32_bias_returns_x_dtype(mode, dtype):
-    # A float32 layer (float32 bias) given half-precision x: the fp modes take any float x and the
-    # output has x's dtype, the bias included (rounded to it, then the sum rounded once more).
+@pytest.mark.parametrize("layer_dtype, dtype", [(a, b) for a in FLOATS for b in FLOATS if a != b],
+                         ids=lambda d: str(d)[6:])
+def test_fp_quant_linear_with_a_bias_of_another_dtype_returns_x_dtype(mode, layer_dtype, dtype):
+    # A layer (its bias) of one float dtype given x of another: the fp modes take any float x and
+    # the output has x's dtype, the bias included (rounded to it, then the sum rounded once more).
     torch.manual_seed(5)
-    linear = nn.Linear(256, 40)
+    linear = nn.Linear(256, 40).to(layer_dtype)
     q = QuantLinear.from_linear(linear, mode=mode)
-    assert q.bias.dtype == torch.float32
+    assert q.bias.dtype == layer_dtype
     ratio = _fp_layer_error_ratio(q, linear.bias, torch.randn(3, 256).to(dtype), bias_rounded=True)
-    assert ratio <= 1.0, f"{mode} QuantLinear, {dtype} x: worst ratio {ratio:.2f} to the bound"
+    assert ratio <= 1.0, f"{mode} QuantLinear ({layer_dtype}), {dtype} x: worst ratio {ratio:.2f} to the bound"
 
 
 @pytest.mark.parametrize("mode", FP_MODES)

@@ -451,11 +451,22 @@ torch.library.register_autograd(
 # torch.func.vmap. The products take x with any leading dimensions, so a batch of x alone is one
 # call with the batch dimension in front; a batch of any other argument (weights, scales, blocks)
 # runs one call per batch element, as PyTorch's fallback would, without its warning.
+def _meta_element(a, d):
+    """An argument of one batch element on the meta device (tensors; others as they are)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    shape = a.shape if d is None else a.shape[:d] + a.shape[d + 1:]
+    return torch.empty(shape, dtype=a.dtype, device="meta")
+
+
 def _vmap_over_x(op):
     def rule(info, in_dims, x, *rest):
         if all(d is None for d in in_dims[1:]):
             return op(x.movedim(in_dims[0], 0), *rest), 0
         args = (x, *rest)
+        if info.batch_size == 0:  # no element to call: one element's result shape from the meta kernels
+            one = op(*(_meta_element(a, d) for a, d in zip(args, in_dims)))
+            return x.new_empty((0, *one.shape), dtype=one.dtype), 0
         per_element = [op(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)))
                        for i in range(info.batch_size)]
         return torch.stack(per_element), 0
