@@ -100,3 +100,22 @@ def test_quant_linear_under_no_grad():
     assert calls > 0
     y.sum().backward()
     assert layer.bias.grad is not None
+
+
+def test_vmap_keeps_the_graph_of_x():
+    # Under torch.func.vmap x is a batched wrapper that does not show the requires_grad of the
+    # tensor it wraps: the call must still take the autograd kernel (gradients as without vmap).
+    torch.manual_seed(0)
+    layer = QuantLinear.from_linear(torch.nn.Linear(128, 64), bits=8, group_size=32)
+    x = torch.randn(4, 128, requires_grad=True)
+    y = torch.func.vmap(layer)(x)
+    assert y.requires_grad
+    (g_vmap,) = torch.autograd.grad(y.sum() + x.sum(), x)
+    (g_eager,) = torch.autograd.grad(layer(x).sum() + x.sum(), x)
+    torch.testing.assert_close(g_vmap, g_eager, rtol=0, atol=0)
+    for name in CASES:
+        f, k = _cases()[name]
+        if "int8" in name:
+            continue
+        x = torch.randn(2, 2, 1, k, requires_grad=True) if name == "gather_qmm" else torch.randn(2, 3, k, requires_grad=True)
+        assert torch.func.vmap(f)(x).requires_grad, name

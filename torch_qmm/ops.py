@@ -314,8 +314,10 @@ def _run(op, *args):
     torch.library's autograd registration itself would send it, but without its Python detour
     (about 5 us a call: benchmarks/module_call_overhead.py, QuantLinear 256 -> 64 under
     torch.no_grad, 27.4 -> 22.5 us on a 2-core Xeon; nn.Linear 7.2). Traced calls (torch.compile)
-    stay ordinary op calls."""
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # (no detour there)
+    and calls inside a torch.func transform (vmap, jvp, ...: their wrapped tensors do not show the
+    requires_grad of what they wrap) stay ordinary op calls."""
+    if (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
         return op(*args)
     if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):  # torch.library's own test
         return op(*args)
