@@ -105,6 +105,14 @@ def test_codes_in_the_signed_dtype_of_their_width_load_bit_for_bit(layer, key):
     module.load_state_dict(state)
     got = module.state_dict()[key]
     assert got.dtype != signed and torch.equal(got.view(torch.uint8).flatten(), bits)
+    # assign=True takes the tensor itself: viewed back to the unsigned dtype, the layer still runs.
+    fresh = _layers()[layer]()
+    fresh.load_state_dict(state, assign=True)
+    got = fresh.state_dict()[key]
+    assert got.dtype != signed and torch.equal(got.view(torch.uint8).flatten(), bits)
+    assert state[key].dtype == signed  # the caller's state is left as it was
+    x = torch.randn(2, fresh.in_features if hasattr(fresh, "in_features") else 256)
+    torch.testing.assert_close(fresh(x), module(x), rtol=0, atol=0, equal_nan=True)
 
 
 def test_float_tensors_of_another_float_dtype_load_cast():

@@ -73,7 +73,13 @@ class FormatState:
         if key in state_dict:
             self._check_format_state(state_dict[key], f"{type(self).__name__} {key!r}")
         self._check_state_tensors(state_dict, prefix)
+        unsigned = {name: t.dtype for name, t in self._buffers.items() if t is not None and t.dtype in _SIGNED_OF}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # load_state_dict(assign=True) takes a signed tensor as it came: the same bits, viewed back.
+        for name, dtype in unsigned.items():
+            t = self._buffers.get(name)
+            if t is not None and t.dtype == _SIGNED_OF[dtype]:
+                self._buffers[name] = t.view(dtype)
 
     def _check_state_tensors(self, state_dict, prefix: str) -> None:
         """ValueError naming the key, this layer's shape or dtype and the given one when a tensor of
