@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,14 @@ constexpr int64_t kMaxIndex = std::numeric_limits<int64_t>::max();
 
 // "one of 2, 3, 4" or, for a single choice, "4".
 std::string choices(const IntChoices& c) { return c.size == 1 ? c.join() : "one of " + c.join(); }
+
+// v <= limit where v is a concrete size; true for a symbolic one (torch.export, dynamic shapes):
+// a comparison would put a guard on it that an unbounded dimension cannot satisfy, and the same
+// check runs again on the concrete sizes of every real call.
+bool at_most(const c10::SymInt& v, int64_t limit) {
+  const std::optional<int64_t> n = v.maybe_as_int();
+  return !n || *n <= limit;
+}
 
 const char* scale_code_name(ScaleKind s) { return s == ScaleKind::kE8M0 ? "e8m0" : "e4m3"; }
 
@@ -96,7 +105,7 @@ SymPackedShape check_packed_impl(const char* op, const FormatSpec& f, const at::
   const c10::SymInt words = wq.sym_size(-1);
   // cols = words * 32 / bits must be a number of weights int64 can index (a stride-0 expanded wq
   // can claim any size without holding it).
-  TORCH_CHECK_VALUE(words <= kMaxIndex / 32 && wq.sym_numel() <= kMaxIndex / 32, op, ": argument '", wn, "' of shape ",
+  TORCH_CHECK_VALUE(at_most(words, kMaxIndex / 32) && at_most(wq.sym_numel(), kMaxIndex / 32), op, ": argument '", wn, "' of shape ",
                     wq.sym_sizes(), " holds more weights than int64 can index");
   const c10::SymInt cols = words * 32 / bits;
   TORCH_CHECK_VALUE(words * 32 % bits == 0 && cols % group_size == 0, op, ": argument '", wn, "' has ", words,
@@ -153,7 +162,7 @@ std::pair<c10::SymInt, c10::SymInt> check_quantize_sym(const FormatSpec& f, cons
   const c10::SymInt K = w.sym_size(-1);
   TORCH_CHECK_VALUE(K % group_size == 0, op, ": the last dimension of 'w' (K=", K,
                     ") must be a multiple of group_size=", group_size);
-  TORCH_CHECK_VALUE(K <= kMaxIndex / 8, op, ": the last dimension of 'w' (K=", K,
+  TORCH_CHECK_VALUE(at_most(K, kMaxIndex / 8), op, ": the last dimension of 'w' (K=", K,
                     ") is too large to pack: K*bits must fit in int64");
   return {K == 0 ? c10::SymInt(0) : w.sym_numel() / K, K};
 }

@@ -70,10 +70,13 @@ class _EmbeddingAndTiedHead(torch.nn.Module):
         return self.head(self.embedding(ids))
 
 
-def test_exported_embedding_checks_ids_when_it_runs():
+@pytest.mark.parametrize("bounded", [True, False], ids=["max-64", "unbounded"])
+def test_exported_embedding_checks_ids_when_it_runs(bounded):
+    # An unbounded Dim: the ops' size checks put no guard on a symbolic size (one that an unbounded
+    # dimension could not satisfy); they run on the concrete sizes of each call.
     torch.manual_seed(0)
     model = _EmbeddingAndTiedHead()
-    tokens = torch.export.Dim("tokens", min=1, max=64)
+    tokens = torch.export.Dim("tokens", min=1, max=64) if bounded else torch.export.Dim("tokens")
     ep = _saved_and_loaded(torch.export.export(model, (torch.randint(0, 100, (2, 7)),),
                                                dynamic_shapes=({1: tokens},)))
     ids = torch.randint(0, 100, (2, 11))
