@@ -260,3 +260,35 @@ def test_vmap_over_an_empty_batch_of_weights():
     assert y.shape == (0, 3, 48) and y.dtype == torch.float32
     with pytest.raises(ValueError, match="scales"):  # the op's own checks still run on the element
         torch.func.vmap(lambda s: op(x, wq, s, biases, "affine", 4, 64, True))(scales[None, :, :1][:0])
+
+
+def test_vmap_of_dequantize_and_of_a_quantized_embedding():
+    # dequantize has a rule of its own: the batch's matrices are dequantized as one stack of rows
+    # (no per-element loop, no performance warning); QuantEmbedding reads its rows with index_select
+    # there, which refuses ids out of range (batched ids have no values to check on the host).
+    import warnings
+
+    from torch_qmm.interop.modules import QuantEmbedding
+
+    torch.manual_seed(3)
+    stack = [torch_qmm.quantize(torch.randn(8, 64), group_size=32, bits=4) for _ in range(3)]
+    wq, scales, biases = (torch.stack(t) for t in zip(*stack))
+    deq = torch.ops.torch_qmm.dequantize
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = torch.func.vmap(lambda w, s, b: deq(w, s, b, "affine", 4, 32, None))(wq, scales, biases)
+        y_scales_only = torch.func.vmap(lambda s: deq(wq[0], s, biases[0], "affine", 4, 32, None), in_dims=1)(
+            scales.movedim(0, 1))
+    assert torch.equal(y, torch.stack([deq(*t, "affine", 4, 32, None) for t in stack]))
+    assert torch.equal(y_scales_only, torch.stack([deq(wq[0], s, biases[0], "affine", 4, 32, None) for s in scales]))
+    empty = torch.func.vmap(lambda w, s, b: deq(w, s, b, "affine", 4, 32, None))(wq[:0], scales[:0], biases[:0])
+    assert empty.shape == (0, 8, 64)
+
+    table = QuantEmbedding.from_embedding(nn.Embedding(100, 64), bits=4, group_size=32)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 99]])
+    assert torch.equal(torch.func.vmap(table)(ids), table(ids))
+    for bad in (100, -1):
+        wrong = ids.clone()
+        wrong[1, 2] = bad
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            torch.func.vmap(table)(wrong)

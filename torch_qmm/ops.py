@@ -478,3 +478,22 @@ def _vmap_over_x(op):
 
 for _name in ("qmm", "gguf_qmm", "qmm_int8_activations", "gguf_qmm_int8_activations"):
     torch.library.register_vmap(f"torch_qmm::{_name}", _vmap_over_x(getattr(torch.ops.torch_qmm, _name)))
+
+
+def _vmap_dequantize(info, in_dims, wq, scales, biases, mode, bits, group_size, dtype=None):
+    """dequantize dequantizes each row on its own: the batch's matrices are stacked into one of
+    batch * rows rows (an argument without a batch dimension is expanded, not copied)."""
+    batch, rows = info.batch_size, wq.shape[-2] if in_dims[0] is None else wq.movedim(in_dims[0], 0).shape[1]
+
+    def stacked(t, d):
+        if t is None:
+            return None
+        t = t.movedim(d, 0) if d is not None else t.expand(batch, *t.shape)
+        return t.reshape(batch * rows, t.shape[-1])
+
+    w = _ops.dequantize(stacked(wq, in_dims[0]), stacked(scales, in_dims[1]), stacked(biases, in_dims[2]), mode, bits,
+                        group_size, dtype)
+    return w.reshape(batch, rows, w.shape[-1]), 0
+
+
+torch.library.register_vmap("torch_qmm::dequantize", _vmap_dequantize)

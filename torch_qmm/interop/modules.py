@@ -78,9 +78,13 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         # gives their shape): a checking op instead, which checks real values when it runs.
         # torch.jit.trace records neither check (the op has no output it keeps, a host check runs on
         # the traced call's ids only): there the rows are read with index_select, which refuses ids
-        # out of range when the traced graph runs (indexing would wrap negative ones).
-        tracing = torch.jit.is_tracing()
-        if torch.compiler.is_compiling() or tracing or flat.device.type == "meta" or is_fake(flat):
+        # out of range when the traced graph runs (indexing would wrap negative ones). So too inside
+        # a torch.func transform (vmap: batched ids have no values on the host, nor a checking op).
+        transformed = torch._C._functorch.peek_interpreter_stack() is not None
+        tracing = torch.jit.is_tracing() or transformed
+        if tracing:
+            pass
+        elif torch.compiler.is_compiling() or flat.device.type == "meta" or is_fake(flat):
             torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
                                 f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings})")
         elif flat.numel() != 0:
@@ -90,7 +94,13 @@ class QuantEmbedding(QuantFormatState, nn.Module):
                 raise IndexError(
                     f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings}), got {bad}"
                 )
-        rows_of = (lambda t: t.index_select(0, flat)) if tracing else (lambda t: t[flat])
+        def rows_of(t: torch.Tensor) -> torch.Tensor:
+            if not tracing:
+                return t[flat]
+            if transformed and t.dtype == torch.uint32:  # (vmap's index_select: a gather, no uint32 kernel)
+                return t.view(torch.int32).index_select(0, flat).view(torch.uint32)
+            return t.index_select(0, flat)
+
         biases = None if self.biases is None else rows_of(self.biases)
         rows = dequantize(rows_of(self.qweight), rows_of(self.scales), biases, group_size=self.group_size,
                           bits=self.bits, mode=self.mode, dtype=self.compute_dtype)
