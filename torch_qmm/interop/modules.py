@@ -80,11 +80,12 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         # the traced call's ids only): there the rows are read with index_select, which refuses ids
         # out of range when the traced graph runs (indexing would wrap negative ones). So too inside
         # a torch.func transform (vmap: batched ids have no values on the host, nor a checking op).
-        transformed = torch._C._functorch.peek_interpreter_stack() is not None
+        compiling = torch.compiler.is_compiling()
+        transformed = not compiling and torch._C._functorch.peek_interpreter_stack() is not None
         tracing = torch.jit.is_tracing() or transformed
         if tracing:
             pass
-        elif torch.compiler.is_compiling() or flat.device.type == "meta" or is_fake(flat):
+        elif compiling or flat.device.type == "meta" or is_fake(flat):
             torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
                                 f"QuantEmbedding: argument 'ids' must be in [0, {self.num_embeddings})")
         elif flat.numel() != 0:
