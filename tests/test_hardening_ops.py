@@ -241,6 +241,13 @@ def _embeddings():
     return emb, QuantEmbedding.from_embedding(emb, bits=4, group_size=64)
 
 
+def test_quant_embedding_refuses_an_embedding_that_renormalizes_its_rows():
+    # nn.Embedding(max_norm=...) rescales each row it reads (and the table in place): a stored
+    # quantized table would give other rows, silently.
+    with pytest.raises(ValueError, match=r"argument 'embedding' must have max_norm=None .*got max_norm=1.0"):
+        QuantEmbedding.from_embedding(nn.Embedding(10, 64, max_norm=1.0), bits=4, group_size=64)
+
+
 @pytest.mark.parametrize("ids", [[-1], [3, -10], [10], [0, 11]], ids=str)
 def test_quant_embedding_refuses_ids_out_of_range_as_nn_embedding_does(ids):
     emb, qemb = _embeddings()

@@ -377,7 +377,7 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str 
     }
     done = set()
     for name, emb in embeddings.items():
-        if emb.embedding_dim % group_size == 0:
+        if emb.embedding_dim % group_size == 0 and emb.max_norm is None:  # (max_norm: rows renormalized when read)
             _replace(model, name, QuantEmbedding.from_embedding(emb, bits=bits, group_size=group_size, mode=mode))
             done.add(name)
     for out_name, emb_name in tied_outputs.items():

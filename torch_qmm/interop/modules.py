@@ -64,6 +64,9 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         cls, embedding: nn.Embedding, bits: int | None = None, group_size: int | None = None,
         dtype: torch.dtype | None = None, mode: str = "affine",
     ) -> "QuantEmbedding":
+        if embedding.max_norm is not None:  # nn.Embedding renormalizes the rows it reads: another forward
+            raise ValueError(f"argument 'embedding' must have max_norm=None (QuantEmbedding reads its rows as "
+                             f"stored), got max_norm={embedding.max_norm}")
         return quantized_from(cls, embedding.weight, dtype, embedding.num_embeddings, embedding.embedding_dim, bits,
                               group_size, mode=mode)
 
