@@ -125,6 +125,28 @@ def test_exported_experts_with_dynamic_tokens(strict):
             assert torch.equal(ep.module()(*inputs(n)), experts(*inputs(n))), n
 
 
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_fx_symbolic_trace_records_the_product_as_one_call(kind):
+    # torch.fx.symbolic_trace has no values: the layer's product is one call node (torch.fx.wrap),
+    # run with the real tensors when the traced module runs.
+    torch.manual_seed(0)
+    layer = LAYERS[kind]()
+    model = torch.nn.Sequential(layer, torch.nn.ReLU())
+    traced = torch.fx.symbolic_trace(model)
+    calls = [n.target.__name__ for n in traced.graph.nodes if n.op == "call_function"]
+    assert ("quantized_matmul" if kind in ("affine", "mxfp4") else "gguf_matmul") in calls
+    x = torch.randn(3, layer.in_features)
+    assert torch.equal(traced(x), model(x))
+
+
+def test_fx_symbolic_trace_of_a_tied_head():
+    torch.manual_seed(0)
+    model = _EmbeddingAndTiedHead()
+    traced = torch.fx.symbolic_trace(torch.nn.Sequential(model.head))
+    x = torch.randn(2, 64)
+    assert torch.equal(traced(x), model.head(x))
+
+
 def test_jit_script_is_a_clear_error_and_trace_records_the_ops():
     torch.manual_seed(0)
     embedding = QuantEmbedding.from_embedding(torch.nn.Embedding(100, 64), bits=4, group_size=32)

@@ -13,6 +13,10 @@ from .format_state import QuantFormatState
 from .formats import FORMATS, SUPPORTED_DTYPES, check_format, format_of, packed_words
 from .ops import quantize, quantized_matmul
 
+# torch.fx.symbolic_trace records a call of the product as one node (the function checks and
+# dispatches on its arguments' values, which a trace does not have).
+torch.fx.wrap("quantized_matmul")
+
 
 def resolve_format(mode: str, bits: int | None, group_size: int | None) -> tuple[int, int]:
     """(bits, group_size) of `mode`, None meaning the mode's default (MLX's); ValueError naming
@@ -98,6 +102,8 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype torch.autocast gives the input x of a linear layer: inside an enabled autocast
     region for x's device type, the region's dtype for a float x other than float64 (which autocast
     leaves as it is); None otherwise (and on device types autocast does not know, such as meta)."""
+    if isinstance(x, torch.fx.Proxy):  # torch.fx.symbolic_trace: no device to ask; the products are recorded
+        return None
     device = x.device.type
     if (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
             and x.is_floating_point() and x.dtype != torch.float64):

@@ -14,6 +14,9 @@ from ..ops import dequantize, gguf_matmul, quantized_matmul
 from .gguf_gather import gguf_gather_matmul
 from .gguf_types import native_type, type_name
 
+torch.fx.wrap("gguf_matmul")  # as nn.py does for quantized_matmul
+torch.fx.wrap("quantized_matmul")
+
 
 class QuantEmbedding(QuantFormatState, nn.Module):
     """nn.Embedding with its table [num_embeddings, dim] in one of MLX's formats (after MLX's
