@@ -752,3 +752,34 @@ def test_loading_into_a_model_loaded_before_names_the_layer_and_says_to_build_a_
     with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + r": layer 'head' of the model is already a "
                                          r"QuantLinear: load_mlx replaces the float layers of a freshly built model"):
         load_mlx(loaded, tmp_path, progress=False)
+
+
+def test_a_loaded_tied_head_survives_transformers_tie_weights(tmp_path):
+    """load_mlx of a checkpoint whose quantized embedding is also the output projection: the head
+    is a TiedQuantLinear, tied by construction, and transformers' tie_weights() (accelerate's
+    dispatch calls it) leaves it so, instead of looking for the embedding's float `.weight`."""
+    import transformers
+
+    from torch_qmm import quantize_model
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                      tie_word_embeddings=True)
+    source = transformers.LlamaForCausalLM(config).eval()
+    quantize_model(source, bits=4, group_size=64)
+    table = QuantEmbedding.from_embedding(source.model.embed_tokens, bits=4, group_size=64)
+    source.model.embed_tokens, source.lm_head = table, TiedQuantLinear(table)
+    save_mlx(source, tmp_path, config=config.to_dict())
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).eval()
+    load_mlx(model, tmp_path, progress=False)
+    assert isinstance(model.lm_head, TiedQuantLinear) and model.lm_head.embedding is model.model.embed_tokens
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        before = model(ids).logits
+        model.tie_weights()
+        assert isinstance(model.lm_head, TiedQuantLinear)
+        assert torch.equal(model(ids).logits, before)
+        assert torch.equal(before, source(ids).logits)
+    assert "lm_head.weight" not in model.get_expanded_tied_weights_keys(all_submodels=True)

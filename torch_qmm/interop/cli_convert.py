@@ -22,7 +22,7 @@ from .gguf import K_AFFINE_BITS, GGUFFile, GGUFTensor, affine_exact, dequantize,
 from .gguf_moe import (block_experts, describe as describe_experts, expert_part, experts_module_name, fill_float,
                        float_experts_module, projection_stacks)
 from .gguf_types import AFFINE_TYPES, FP_TYPES, Q4_K, type_name
-from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
+from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear, replace_module, tie_float_output, tie_output
 from .output_folder import check_destination, side_file_source, staged_output
 
 DESCRIPTION = """\
@@ -117,11 +117,6 @@ def _float_linear(layer: nn.Module, dtype: torch.dtype) -> nn.Linear:
     return out
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
 def _k_affine(blocks, n: int, k: int, ggml_type: int, dtype: torch.dtype, name: str):
     """(wq, scales, biases in dtype, exact): Q4_K / Q5_K / IQ4_XS blocks as affine bits 4 / 5 / 8, group 32;
     exact is whether the scales and biases survived the cast to dtype (always in float32)."""
@@ -154,7 +149,7 @@ def _k_quants_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtyp
             if m.bias is not None:
                 with torch.no_grad():
                     layer.bias.copy_(m.bias)
-            _replace(model, name, layer)
+            replace_module(model, name, layer)
     for gname, t in f.tensors.items() if embeddings else ():
         f.check_unchanged()
         module_name = (hf_name(gname, arch) or "").rpartition(".")[0]
@@ -173,9 +168,9 @@ def _k_quants_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtyp
         new.scales.copy_(scales)
         new.biases.copy_(biases)
         tied = [o for o, lin in model.named_modules() if type(lin) is nn.Linear and lin.weight is emb.weight]
-        _replace(model, module_name, new)
+        replace_module(model, module_name, new)
         for out_name in tied:
-            _replace(model, out_name, TiedQuantLinear(new))
+            tie_output(model, out_name, new)
     return exact
 
 
@@ -211,7 +206,7 @@ def _experts_for_output(model: nn.Module, f: GGUFFile, dtype: torch.dtype, keep_
             if layers[missing[0]] is not None:
                 requantized[name] = missing[0]
         if any(layers.get(proj) is None for proj in stacks):
-            _replace(model, name, float_experts_module(m, parts, dtype))
+            replace_module(model, name, float_experts_module(m, parts, dtype))
             continue
         (m.gate_up_proj, gate_up_exact), (m.down_proj, down_exact) = layers["gate_up_proj"], layers["down_proj"]
         exact[name] = gate_up_exact and down_exact
@@ -312,20 +307,20 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
     tensors = _weight_tensors(f)
     for name, m in list(model.named_modules()):
         if isinstance(m, GGUFLinear) or (isinstance(m, QuantLinear) and not keep_affine):
-            _replace(model, name, _float_linear(m, dtype))
+            replace_module(model, name, _float_linear(m, dtype))
         elif isinstance(m, QuantEmbedding) and float_embedding:
             emb = nn.Embedding(m.num_embeddings, m.embedding_dim, dtype=dtype)
             with torch.no_grad():
                 emb.weight.copy_(dequantize(tensors[name]))  # gguf's float32 decode, rounded once to dtype
-            _replace(model, name, emb)
+            replace_module(model, name, emb)
         elif isinstance(m, TiedQuantLinear) and float_embedding:  # its weight is the embedding's, tied below
-            _replace(model, name, nn.Linear(m.in_features, m.out_features, bias=False, dtype=dtype, device="meta"))
+            replace_module(model, name, nn.Linear(m.in_features, m.out_features, bias=False, dtype=dtype, device="meta"))
         elif isinstance(m, (QuantLinear, QuantEmbedding)) and tensors[name].ggml_type in AFFINE_TYPES:
             exact[name] = affine_exact(tensors[name], dtype)
         elif isinstance(m, QuantLinear) and tensors[name].ggml_type in FP_TYPES:  # the file's bits
             exact[name] = True
     if float_embedding and config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        tie_float_output(model, "lm_head", model.model.embed_tokens)
     if "quantization_config" in vars(model.config):  # load_gguf_llama's, of the layers as it loaded them:
         del model.config.quantization_config        # each output records the converted layers itself
     return model, exact, {**_gguf_types(f), **experts_origin}, requantized
@@ -378,12 +373,12 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str 
     done = set()
     for name, emb in embeddings.items():
         if emb.embedding_dim % group_size == 0 and emb.max_norm is None:  # (max_norm: rows renormalized when read)
-            _replace(model, name, QuantEmbedding.from_embedding(emb, bits=bits, group_size=group_size, mode=mode))
+            replace_module(model, name, QuantEmbedding.from_embedding(emb, bits=bits, group_size=group_size, mode=mode))
             done.add(name)
     for out_name, emb_name in tied_outputs.items():
         emb = model.get_submodule(emb_name)
         if tied and isinstance(emb, QuantEmbedding):
-            _replace(model, out_name, TiedQuantLinear(emb))
+            tie_output(model, out_name, emb)
             done.add(out_name)
     return done | _quantize_float_layers(model, bits, group_size, method, calibration, mode)
 

@@ -57,7 +57,7 @@ from .experts import layout_of
 from .gguf_types import SUPPORTED_TYPES, supported_list
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .mlx import LoadReport
-from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear
+from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear, replace_module, tie_output
 
 
 
@@ -554,7 +554,7 @@ def load_gguf_llama(
             if bias is not None and perm is not None:  # qwen-style q/k biases follow their rows
                 bias = bias[perm]
             new = linear_from_gguf(t, bias=bias, dtype=dtype)
-            _replace(model, module_name, new if target is None else new.to(target))
+            replace_module(model, module_name, new if target is None else new.to(target))
             loaded.update({name} | ({f"{module_name}.bias"} if bias is not None else set()))
             if isinstance(new, (QuantLinear, GGUFLinear)):
                 report.quantized[module_name] = t.type_name
@@ -570,14 +570,14 @@ def load_gguf_llama(
             if target is not None:
                 new = new.to(target)
             tied = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight is module.weight]
-            _replace(model, module_name, new)
+            replace_module(model, module_name, new)
             if isinstance(new, QuantEmbedding):
                 report.quantized[module_name] = t.type_name
             for out_name in tied:  # re-tie outputs that shared the float table
                 if "output.weight" in f.tensors:
                     continue
                 if isinstance(new, QuantEmbedding):
-                    _replace(model, out_name, TiedQuantLinear(new))
+                    tie_output(model, out_name, new)
                 else:
                     model.get_submodule(out_name).weight = new.weight
                 report.tied.append(f"{out_name} -> {module_name}")
@@ -647,7 +647,7 @@ def _load_experts(model, block: int, dtype: torch.dtype, f: GGUFFile, meta, targ
     new = experts_from_gguf(module, parts, dtype, f"{f.path}: block {block}")
     leaves = layout.weight_names if layout is not None else ()
     if new is not None:
-        _replace(model, name, new if target is None else new.to(target))
+        replace_module(model, name, new if target is None else new.to(target))
         report.quantized[name] = describe(parts)
     else:
         fill_float_experts({leaf: module.get_parameter(leaf) if meta is None else meta.real_key(model, f"{name}.{leaf}")
@@ -662,6 +662,3 @@ def _covered(key: str, loaded: set[str]) -> bool:
     return f"{module_name}.weight" in loaded
 
 
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_name, _, child = path.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)

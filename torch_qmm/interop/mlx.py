@@ -45,7 +45,7 @@ from .mlx_experts import (dequantized_stored, experts_specs, float_experts_tenso
                           split_experts, stored_parts, to_mlx_key)
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .gguf_types import type_name
-from .modules import GGUFLinear, GGUFSwitchLinear, QuantEmbedding, TiedQuantLinear
+from .modules import GGUFLinear, GGUFSwitchLinear, QuantEmbedding, replace_module, tie_output
 from .json_files import read_json_object
 from .safetensors_io import Checkpoint, model_files, save_sharded
 
@@ -141,11 +141,6 @@ def model_type_of(config: dict, config_path) -> str | None:
     if model_type is not None and not isinstance(model_type, str):  # (a list or dict is not hashable)
         raise ValueError(f"{config_path}: field 'model_type' must be a string, got {model_type!r}")
     return model_type
-
-
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_name, _, child = path.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 def _check_quantized_shapes(ckpt: Checkpoint, path: str, spec: QuantSpec, rows: int, cols: int,
@@ -318,7 +313,7 @@ def load_mlx(
                              "loaded or quantized before)")
         else:
             raise ValueError(f"{ckpt.path}: quantized layer {p!r} is a {type(module).__name__}, expected nn.Linear or nn.Embedding")
-        _replace(model, mp, new.to(module.weight.device if dev is None else dev))
+        replace_module(model, mp, new.to(module.weight.device if dev is None else dev))
         renamed[f"{p}.weight"] = f"{mp}.qweight"
         report.quantized[mp] = str(spec)
     keys = [k for k in keys if k not in dequantized]
@@ -326,7 +321,7 @@ def load_mlx(
     for out_name, emb_name in tied_to.items():
         emb = model.get_submodule(emb_name)
         if f"{out_name}.weight" not in ckpt and isinstance(emb, QuantEmbedding):
-            _replace(model, out_name, TiedQuantLinear(emb))
+            tie_output(model, out_name, emb)
             report.tied.append(f"{out_name} -> {emb_name}")
 
     state = model.state_dict()

@@ -151,6 +151,48 @@ class TiedQuantLinear(nn.Module):
         return f"tied to QuantEmbedding({self._embedding.extra_repr()})"
 
 
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Puts `new` in `model` at the dotted path `name` (its parent's attribute)."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def tie_output(model: nn.Module, out_name: str, embedding: QuantEmbedding) -> None:
+    """The output projection of `model` at `out_name` replaced by a TiedQuantLinear over `embedding`.
+    The head is tied by construction, so each transformers model in `model` stops listing
+    `out_name`.weight among what its tie_weights() ties (which would assign the embedding's
+    `.weight`: a QuantEmbedding has none, and tie_weights, called by accelerate's dispatch for
+    one, raised AttributeError)."""
+    replace_module(model, out_name, TiedQuantLinear(embedding))
+    for sub, key in _tied_key_holders(model, out_name):
+        sub._tied_weights_keys = {k: v for k, v in sub._tied_weights_keys.items() if k != key}
+        vars(sub).setdefault("_torch_qmm_set_aside", {})[key] = type(sub)._tied_weights_keys[key]
+
+
+def tie_float_output(model: nn.Module, out_name: str, embedding: nn.Embedding) -> None:
+    """The float output projection at `out_name` shares the float `embedding`'s weight, as transformers
+    ties them: the tied-weight keys tie_output set aside are listed again (save_pretrained writes
+    the shared tensor once by them)."""
+    model.get_submodule(out_name).weight = embedding.weight
+    for _, sub in model.named_modules():
+        set_aside = vars(sub).pop("_torch_qmm_set_aside", None)
+        if set_aside:
+            sub._tied_weights_keys = {**sub._tied_weights_keys, **set_aside}
+
+
+def _tied_key_holders(model: nn.Module, out_name: str) -> list[tuple[nn.Module, str]]:
+    """(module, key): the transformers models in `model` whose class ties `out_name`.weight, as key."""
+    holders = []
+    for prefix, sub in model.named_modules():
+        keys = getattr(type(sub), "_tied_weights_keys", None)
+        if not isinstance(keys, dict) or not (prefix == "" or out_name.startswith(prefix + ".")):
+            continue
+        key = f"{out_name[len(prefix) + 1:] if prefix else out_name}.weight"
+        if key in keys and key in (getattr(sub, "_tied_weights_keys", None) or {}):
+            holders.append((sub, key))
+    return holders
+
+
 class GGUFFormatState(FormatState):
     """The GGUF type of a module holding GGUF blocks, as its state_dict's ``_extra_state``."""
 
