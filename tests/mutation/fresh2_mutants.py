@@ -167,7 +167,7 @@ MUTANTS: list[Mutant] = [
            "GGUF -> transformers with --requantize rest silently re-quantizes the exact layers too (lossy)"),
     Mutant("g2-cli-gguf-head-not-retied", "torch_qmm/interop/cli_convert.py",
            "    if float_embedding and config.tie_word_embeddings:\n"
-           "        model.lm_head.weight = model.model.embed_tokens.weight\n", "", CLI,
+           "        tie_float_output(model, \"lm_head\", model.model.embed_tokens)\n", "", CLI,
            "GGUF -> transformers of a tied model: the output head is left untied (an empty Linear)"),
     # ---- inspect CLI (torch_qmm/interop/cli_inspect.py) --------------------------------------------
     Mutant("g2-inspect-lexicographic-order", "torch_qmm/interop/cli_inspect.py",
