@@ -195,11 +195,15 @@ def test_vmap_over_x_is_one_call():
     y_in = torch.func.vmap(q, in_dims=1, out_dims=1)(x)  # batch along another dimension
     assert torch.equal(y_in, torch.stack([q(x[:, i]) for i in range(3)], 1))
 
-    blocks = torch.from_numpy(random_k_blocks(Q4_K, 16, 512, np.random.default_rng(1)))
+    _assert_gguf_vmap_over_x_is_one_call("gguf_qmm", seed=1)
+
+
+def _assert_gguf_vmap_over_x_is_one_call(name: str, seed: int) -> None:
+    blocks = torch.from_numpy(random_k_blocks(Q4_K, 16, 512, np.random.default_rng(seed)))
     xg = torch.randn(4, 2, 512)
-    op = torch.ops.torch_qmm.gguf_qmm
+    op = getattr(torch.ops.torch_qmm, name)
     y, shapes = _x_shapes(lambda: torch.func.vmap(lambda t: op(t, blocks, int(Q4_K), 16, 512))(xg),
-                          "torch_qmm::gguf_qmm")
+                          f"torch_qmm::{name}")
     assert shapes[1:] == [[4, 2, 512]] and torch.equal(y, op(xg, blocks, int(Q4_K), 16, 512))
 
 
@@ -244,12 +248,7 @@ def test_vmap_of_the_int8_ops_over_x_is_one_call():
     y, shapes = _x_shapes(lambda: torch.func.vmap(lambda t: op(t, wq, scales, biases, "affine", 4, 32))(x),
                           "torch_qmm::qmm_int8_activations")
     assert shapes[1:] == [[5, 3, 128]] and torch.equal(y, op(x, wq, scales, biases, "affine", 4, 32))
-    blocks = torch.from_numpy(random_k_blocks(Q4_K, 16, 512, np.random.default_rng(2)))
-    xg = torch.randn(4, 2, 512)
-    gop = torch.ops.torch_qmm.gguf_qmm_int8_activations
-    y, shapes = _x_shapes(lambda: torch.func.vmap(lambda t: gop(t, blocks, int(Q4_K), 16, 512))(xg),
-                          "torch_qmm::gguf_qmm_int8_activations")
-    assert shapes[1:] == [[4, 2, 512]] and torch.equal(y, gop(xg, blocks, int(Q4_K), 16, 512))
+    _assert_gguf_vmap_over_x_is_one_call("gguf_qmm_int8_activations", seed=2)
 
 
 def test_vmap_over_an_empty_batch_of_weights():
