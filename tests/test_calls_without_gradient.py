@@ -119,3 +119,31 @@ def test_vmap_keeps_the_graph_of_x():
             continue
         x = torch.randn(2, 2, 1, k, requires_grad=True) if name == "gather_qmm" else torch.randn(2, 3, k, requires_grad=True)
         assert torch.func.vmap(f)(x).requires_grad, name
+
+
+def test_a_torch_function_mode_or_subclass_keeps_autograd():
+    # A mode or subclass may compute the product itself from tensors that require grad (a shadow
+    # float weight, say) while x does not: the call stays an ordinary op call, and the graph theirs.
+    from torch.overrides import TorchFunctionMode
+
+    wq, s, b = _affine()
+    shadow = torch_qmm.dequantize(wq, s, b, group_size=64, bits=4).clone().requires_grad_()
+    qmm_ops = (torch.ops.torch_qmm.qmm.default, torch.ops.torch_qmm.qmm)
+
+    class Shadow(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return args[0] @ shadow.T if func in qmm_ops else func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func in qmm_ops:
+                return args[0].as_subclass(torch.Tensor) @ shadow.T
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    x = torch.randn(3, 256)
+    with Shadow():
+        y = torch_qmm.quantized_matmul(x, wq, s, b, group_size=64, bits=4)
+    assert y.grad_fn is not None
+    y = torch_qmm.quantized_matmul(x.as_subclass(Sub), wq, s, b, group_size=64, bits=4)
+    assert y.requires_grad

@@ -313,11 +313,13 @@ def _run(op, *args):
     requiring grad) the call goes straight to the op's backend kernel, below the autograd keys, as
     torch.library's autograd registration itself would send it, but without its Python detour
     (about 5 us a call: benchmarks/module_call_overhead.py, QuantLinear 256 -> 64 under
-    torch.no_grad, 27.4 -> 22.5 us on a 2-core Xeon; nn.Linear 7.2). Traced calls (torch.compile)
-    and calls inside a torch.func transform (vmap, jvp, ...: their wrapped tensors do not show the
-    requires_grad of what they wrap) stay ordinary op calls."""
+    torch.no_grad, 27.4 -> 22.5 us on a 2-core Xeon; nn.Linear 7.2). Ordinary op calls remain for
+    traced calls (torch.compile), calls inside a torch.func transform (vmap, jvp, ...: their wrapped
+    tensors do not show the requires_grad of what they wrap) and calls a __torch_function__ mode or
+    subclass may take over (it may compute the product with tensors that require grad)."""
     if (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch._C._is_torch_function_mode_enabled() or torch._C._has_torch_function(args)):
         return op(*args)
     if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):  # torch.library's own test
         return op(*args)
