@@ -159,38 +159,44 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def tie_output(model: nn.Module, out_name: str, embedding: QuantEmbedding) -> None:
     """The output projection of `model` at `out_name` replaced by a TiedQuantLinear over `embedding`.
-    The head is tied by construction, so each transformers model in `model` stops listing
-    `out_name`.weight among what its tie_weights() ties (which would assign the embedding's
-    `.weight`: a QuantEmbedding has none, and tie_weights, called by accelerate's dispatch for
-    one, raised AttributeError)."""
+    The head is tied by construction: the transformers models in `model` stop listing
+    `out_name`.weight among the weights their tie_weights() ties (it would assign the embedding's
+    `.weight`, which a QuantEmbedding does not have: AttributeError). The entries are set aside on
+    the model instances, for tie_float_output."""
     replace_module(model, out_name, TiedQuantLinear(embedding))
-    for sub, key in _tied_key_holders(model, out_name):
-        sub._tied_weights_keys = {k: v for k, v in sub._tied_weights_keys.items() if k != key}
-        vars(sub).setdefault("_torch_qmm_set_aside", {})[key] = type(sub)._tied_weights_keys[key]
+    for sub, attr, key in _tied_keys(model, out_name):
+        mapping = getattr(sub, attr)
+        vars(sub).setdefault("_torch_qmm_set_aside", {}).setdefault(attr, {})[key] = mapping[key]
+        setattr(sub, attr, {k: v for k, v in mapping.items() if k != key})
 
 
 def tie_float_output(model: nn.Module, out_name: str, embedding: nn.Embedding) -> None:
     """The float output projection at `out_name` shares the float `embedding`'s weight, as transformers
-    ties them: the tied-weight keys tie_output set aside are listed again (save_pretrained writes
-    the shared tensor once by them)."""
+    ties them, and the entries tie_output set aside are listed again (save_pretrained writes the
+    shared tensor once by them)."""
     model.get_submodule(out_name).weight = embedding.weight
     for _, sub in model.named_modules():
-        set_aside = vars(sub).pop("_torch_qmm_set_aside", None)
-        if set_aside:
-            sub._tied_weights_keys = {**sub._tied_weights_keys, **set_aside}
+        for attr, keys in vars(sub).pop("_torch_qmm_set_aside", {}).items():
+            setattr(sub, attr, {**getattr(sub, attr), **keys})
 
 
-def _tied_key_holders(model: nn.Module, out_name: str) -> list[tuple[nn.Module, str]]:
-    """(module, key): the transformers models in `model` whose class ties `out_name`.weight, as key."""
-    holders = []
+# transformers' tied-weight mappings {target: source}: the class's, and post_init's expansion over
+# the submodels (which tie_weights(recompute_mapping=False) and init_weights read).
+_TIED_KEY_ATTRS = ("_tied_weights_keys", "all_tied_weights_keys")
+
+
+def _tied_keys(model: nn.Module, out_name: str) -> list[tuple[nn.Module, str, str]]:
+    """(module, mapping attribute, key): where a module of `model` lists `out_name`.weight, as key."""
+    found = []
     for prefix, sub in model.named_modules():
-        keys = getattr(type(sub), "_tied_weights_keys", None)
-        if not isinstance(keys, dict) or not (prefix == "" or out_name.startswith(prefix + ".")):
+        if prefix and not out_name.startswith(prefix + "."):
             continue
         key = f"{out_name[len(prefix) + 1:] if prefix else out_name}.weight"
-        if key in keys and key in (getattr(sub, "_tied_weights_keys", None) or {}):
-            holders.append((sub, key))
-    return holders
+        for attr in _TIED_KEY_ATTRS:
+            mapping = getattr(sub, attr, None)
+            if isinstance(mapping, dict) and key in mapping:
+                found.append((sub, attr, key))
+    return found
 
 
 class GGUFFormatState(FormatState):
