@@ -282,6 +282,8 @@ def test_vmap_of_dequantize_and_of_a_quantized_embedding():
     assert torch.equal(y_scales_only, torch.stack([deq(wq[0], s, biases[0], "affine", 4, 32, None) for s in scales]))
     empty = torch.func.vmap(lambda w, s, b: deq(w, s, b, "affine", 4, 32, None))(wq[:0], scales[:0], biases[:0])
     assert empty.shape == (0, 8, 64)
+    with pytest.raises(ValueError, match="argument 'scales' must have shape"):  # each element checked as alone
+        torch.func.vmap(lambda w, s, b: deq(w, s, b, "affine", 4, 32, None))(wq, scales[:, None], biases)
 
     table = QuantEmbedding.from_embedding(nn.Embedding(100, 64), bits=4, group_size=32)
     ids = torch.tensor([[1, 2, 3], [4, 5, 99]])

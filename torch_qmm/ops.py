@@ -484,7 +484,11 @@ for _name in ("qmm", "gguf_qmm", "qmm_int8_activations", "gguf_qmm_int8_activati
 
 def _vmap_dequantize(info, in_dims, wq, scales, biases, mode, bits, group_size, dtype=None):
     """dequantize dequantizes each row on its own: the batch's matrices are stacked into one of
-    batch * rows rows (an argument without a batch dimension is expanded, not copied)."""
+    batch * rows rows (an argument without a batch dimension is expanded, not copied), after one
+    element's arguments passed the op's checks on the meta device (the stack would hide a shape
+    that differs from wq's by a leading 1)."""
+    _ops.dequantize(*(_meta_element(a, d) for a, d in zip((wq, scales, biases), in_dims)), mode, bits, group_size,
+                    dtype)
     batch, rows = info.batch_size, wq.shape[-2] if in_dims[0] is None else wq.movedim(in_dims[0], 0).shape[1]
 
     def stacked(t, d):
