@@ -137,6 +137,10 @@ def test_fx_symbolic_trace_records_the_product_as_one_call(kind):
     assert ("quantized_matmul" if kind in ("affine", "mxfp4") else "gguf_matmul") in calls
     x = torch.randn(3, layer.in_features)
     assert torch.equal(traced(x), model(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the casts decide when the traced module runs
+        want = model(x)
+        got = traced(x)
+    assert want.dtype == torch.bfloat16 and got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_fx_symbolic_trace_of_a_tied_head():

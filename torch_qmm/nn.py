@@ -102,8 +102,6 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype torch.autocast gives the input x of a linear layer: inside an enabled autocast
     region for x's device type, the region's dtype for a float x other than float64 (which autocast
     leaves as it is); None otherwise (and on device types autocast does not know, such as meta)."""
-    if isinstance(x, torch.fx.Proxy):  # torch.fx.symbolic_trace: no device to ask; the products are recorded
-        return None
     device = x.device.type
     if (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
             and x.is_floating_point() and x.dtype != torch.float64):
@@ -117,20 +115,37 @@ def follows_autocast(forward):
     result has it. The quantized weights are not rounded to it: affine ones are multiplied in the
     dtype of their scales (the dtype the ops take x in), so x is cast on to that dtype (exactly,
     when it is wider) and the result back; the fp modes and GGUF blocks take x in any float dtype.
-    Outside autocast, forward runs unchanged."""
+    Outside autocast, forward runs unchanged. Under torch.fx.symbolic_trace (no values, no
+    autocast state) the two casts are recorded as calls that decide when the traced module runs."""
 
     @functools.wraps(forward)
     def wrapper(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        dtype = autocast_dtype(x)
-        if dtype is None:
+        if not isinstance(x, torch.fx.Proxy) and autocast_dtype(x) is None:
             return forward(self, x, *args, **kwargs)
-        x = x.to(dtype)
-        scales = getattr(self, "scales", None)
-        if scales is not None and scales.is_floating_point():
-            x = x.to(scales.dtype)
-        return forward(self, x, *args, **kwargs).to(dtype)
+        scales = self._buffers.get("scales")  # (the buffer itself: under fx, self.scales is a proxy)
+        compute = scales.dtype if scales is not None and scales.is_floating_point() else None
+        return _autocast_output(forward(self, _autocast_input(x, compute), *args, **kwargs), x)
 
     return wrapper
+
+
+def _autocast_input(x: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor:
+    """x cast to autocast_dtype(x), then to the layer's compute dtype (None: none); x outside autocast."""
+    dtype = autocast_dtype(x)
+    if dtype is None:
+        return x
+    x = x.to(dtype)
+    return x if compute_dtype is None else x.to(compute_dtype)
+
+
+def _autocast_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y in autocast_dtype(x) (as nn.Linear's result under autocast); y outside autocast."""
+    dtype = autocast_dtype(x)
+    return y if dtype is None else y.to(dtype)
+
+
+torch.fx.wrap("_autocast_input")
+torch.fx.wrap("_autocast_output")
 
 
 def quantized_from(cls, weight: torch.Tensor, dtype: torch.dtype | None, *args, **kwargs) -> nn.Module:
