@@ -558,6 +558,13 @@ def test_quantized_layer_the_model_lacks_is_a_clear_error(mlx_folder):
         load_mlx(model, mlx_folder)
 
 
+def test_quantized_embedding_over_one_with_max_norm_is_a_clear_error(mlx_folder):
+    model = TorchToy(False)
+    model.embed = nn.Embedding(VOCAB, DIM, max_norm=1.0)  # rows renormalized when read: no quantized table
+    with pytest.raises(ValueError, match=r"quantized layer 'embed' replaces an nn\.Embedding with max_norm=1\.0"):
+        load_mlx(model, mlx_folder)
+
+
 def test_quantized_layer_of_another_kind_is_a_clear_error(mlx_folder):
     model = TorchToy(False)
     model.layers[0]["down"] = nn.Identity()

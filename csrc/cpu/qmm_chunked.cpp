@@ -124,9 +124,10 @@ struct AffineKernel {
   static float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 
   // The K tail (whole blocks of 32, x in codec order) and the hoisted bias of W row n, in one
-  // vector of partial sums reduced once: a horizontal sum per tail block and a scalar loop over
-  // the groups left by whole vectors of 16 cost a 1536 x 576 layer at M = 1 (4-bit: 64 codes of
-  // tail per row, 9 groups of 64) 82 us a call, against 64 us for 1536 x 640 (Xeon, one thread).
+  // vector of partial sums (masked loads for the groups past whole vectors of 16) reduced once:
+  // per W row and x row, so at small layers a horizontal sum per block would cost as much as a
+  // chunk (benchmarks/k_tails.py: K = 576 and 960, SmolLM2's widths, at the ns per weight of
+  // whole-chunk K).
   float rest(int64_t n, const float* xrest) const {
     using Blk = Block32<kBits>;
     const int64_t kb0 = chunks * kCodes / 32, blocks = a.K / 32;

@@ -53,9 +53,8 @@ inline int64_t span_rows_for(int64_t N, int64_t threads) {
 // The work items of a call over N rows of W on `threads` threads: spans of span_rows_for's rows,
 // and, with more than one thread, the last rows (one such span per thread, or all N if fewer) in
 // spans of kMinSpanRows. The threads take items in order from one counter, so they run out of
-// work within one short span of each other: a long span taken last keeps the others waiting for up
-// to its length at the end of the call (128 rows of 4096 x 14336 Q4_K at one row of x: ~90 us of a
-// ~1.5 ms call on two threads).
+// work within one short span of each other, where a long span taken last would keep the others
+// waiting for up to its length at the end of the call.
 struct SpanSchedule {
   int64_t N, span, long_spans, count;
   SpanSchedule(int64_t n, int64_t threads) : N(n), span(span_rows_for(n, threads)) {

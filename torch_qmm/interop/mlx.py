@@ -298,6 +298,9 @@ def load_mlx(
                               bits=spec.bits, group_size=spec.group_size, dtype=dtype, mode=spec.mode)
         elif isinstance(module, nn.Embedding):
             _check_quantized_shapes(ckpt, p, spec, module.num_embeddings, module.embedding_dim)
+            if module.max_norm is not None:
+                raise ValueError(f"{ckpt.path}: quantized layer {p!r} replaces an nn.Embedding with max_norm="
+                                 f"{module.max_norm} (rows renormalized when read), which a QuantEmbedding cannot be")
             new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size, dtype=dtype,
                                  mode=spec.mode)
         elif is_router(module):
