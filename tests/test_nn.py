@@ -336,3 +336,24 @@ def test_quantize_model_of_float64_weights_names_the_layers_before_changing_anyt
     assert [type(m) for m in model] == [QuantLinear, nn.Linear, nn.Linear]
     torch_qmm.quantize_model(model, bits=4, group_size=32, dtype=torch.float32)
     assert [type(m) for m in model] == [QuantLinear] * 3 and model[2].scales.dtype == torch.float32
+
+
+@pytest.mark.parametrize("default, expected", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                               (torch.float64, torch.float32)], ids=str)
+def test_modules_built_without_a_dtype_take_the_default_dtype_as_nn_linear_does(default, expected):
+    # torch.set_default_dtype: nn.Linear's parameters follow it, and so do the quantized modules'
+    # float tensors; float64, which the kernels do not take, gives float32.
+    from torch_qmm.interop.modules import GGUFLinear, GGUFSwitchLinear, QuantEmbedding
+    from torch_qmm.nn_moe import QuantSwitchLinear
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        modules = [QuantLinear(64, 8, bits=4, group_size=32), QuantSwitchLinear(2, 64, 8, bits=4, group_size=32),
+                   QuantEmbedding(8, 64, 4, 32)]
+        assert [m.scales.dtype for m in modules] == [expected] * 3
+        assert QuantLinear(64, 8, mode="mxfp4").bias.dtype == expected
+        assert GGUFLinear(256, 4, 12, bias=True).bias.dtype == expected
+        assert GGUFSwitchLinear(2, 256, 4, 12, bias=True).bias.dtype == expected
+    finally:
+        torch.set_default_dtype(before)

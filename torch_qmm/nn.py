@@ -53,6 +53,15 @@ def check_positive_ints(**sizes) -> None:
             raise ValueError(f"argument '{name}' must be a positive int, got {v!r}")
 
 
+def module_dtype(dtype: torch.dtype | None) -> torch.dtype:
+    """A quantized module's float dtype: `dtype`, else torch's default dtype (torch.set_default_dtype),
+    as nn.Linear takes it, or float32 where that default is one the kernels do not take (float64)."""
+    if dtype is not None:
+        return dtype
+    default = torch.get_default_dtype()
+    return default if default in SUPPORTED_DTYPES else torch.float32
+
+
 def register_quantized_weight(
     module: nn.Module,
     rows: int | tuple[int, ...],
@@ -181,11 +190,12 @@ class QuantLinear(QuantFormatState, nn.Module):
         bits: int | None = None,
         group_size: int | None = None,
         device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         mode: str = "affine",
         activations: str | None = None,
     ) -> None:
         super().__init__()
+        dtype = module_dtype(dtype)
         check_positive_ints(in_features=in_features, out_features=out_features)
         check_module_activations(activations, mode)
         self.activations = activations

@@ -13,7 +13,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import ops
 from .format_state import QuantFormatState
-from .nn import (activations_repr, check_module_activations, check_positive_ints, compute_dtype_repr,
+from .nn import (activations_repr, check_module_activations, check_positive_ints, compute_dtype_repr, module_dtype,
                  follows_autocast, quantized_from, register_quantized_weight, resolve_format)
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert before the matmuls, so
@@ -43,11 +43,12 @@ class QuantSwitchLinear(QuantFormatState, nn.Module):
         bits: int | None = None,
         group_size: int | None = None,
         device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         mode: str = "affine",
         activations: str | None = None,
     ) -> None:
         super().__init__()
+        dtype = module_dtype(dtype)
         check_positive_ints(num_experts=num_experts, in_features=in_features, out_features=out_features)
         check_module_activations(activations, mode)
         self.activations = activations

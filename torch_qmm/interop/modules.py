@@ -9,7 +9,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..format_state import FormatState, QuantFormatState
-from ..nn import check_positive_ints, follows_autocast, quantized_from, register_quantized_weight
+from ..nn import check_positive_ints, follows_autocast, module_dtype, quantized_from, register_quantized_weight
 from ..ops import dequantize, gguf_matmul, quantized_matmul
 from .gguf_gather import gguf_gather_matmul
 from .gguf_types import native_type, type_name
@@ -35,10 +35,11 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         bits: int | None = None,
         group_size: int | None = None,
         device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         mode: str = "affine",
     ) -> None:
         super().__init__()
+        dtype = module_dtype(dtype)
         check_positive_ints(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         register_quantized_weight(self, num_embeddings, embedding_dim, bits, group_size, mode, device, dtype,
@@ -228,9 +229,10 @@ class GGUFLinear(GGUFFormatState, nn.Module):
         ggml_type: int,
         bias: bool = False,
         device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        dtype = module_dtype(dtype)
         check_positive_ints(in_features=in_features, out_features=out_features)
         self.in_features, self.out_features = in_features, out_features
         self.ggml_type, row_bytes = native_type(ggml_type, in_features)
@@ -271,6 +273,7 @@ class GGUFSwitchLinear(GGUFFormatState, nn.Module):
                  device: torch.device | str | None = None, bias: bool = False,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        dtype = module_dtype(dtype)
         check_positive_ints(num_experts=num_experts, in_features=in_features, out_features=out_features)
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.ggml_type, row_bytes = native_type(ggml_type, in_features)
