@@ -96,11 +96,6 @@ MUTANTS: list[Mutant] = [
            "", META_GGUF,
            "load_gguf_llama does not check what is left on meta: with strict=False a model tensor the "
            "file does not hold stays on meta without an error"),
-    Mutant("m10-mlx-quantized-layer-on-meta", "torch_qmm/interop/mlx.py",
-           "        replace_module(model, mp, new.to(module.weight.device if dev is None else dev))",
-           "        replace_module(model, mp, new.to(module.weight.device))", META,
-           "load_mlx moves each new quantized layer to the replaced layer's device: for a model built "
-           "on meta, the meta device"),
     Mutant("m10-mlx-experts-built-on-meta", "torch_qmm/interop/mlx_experts.py",
            "                                            device=None if meta is None else meta.device)",
            "                                            device=None)", META_EXPERTS,

@@ -295,14 +295,15 @@ def load_mlx(
         if isinstance(module, nn.Linear):
             _check_quantized_shapes(ckpt, p, spec, module.out_features, module.in_features)
             new = QuantLinear(module.in_features, module.out_features, bias=f"{p}.bias" in ckpt,
-                              bits=spec.bits, group_size=spec.group_size, dtype=dtype, mode=spec.mode)
+                              bits=spec.bits, group_size=spec.group_size, dtype=dtype, mode=spec.mode,
+                              device=module.weight.device)
         elif isinstance(module, nn.Embedding):
             _check_quantized_shapes(ckpt, p, spec, module.num_embeddings, module.embedding_dim)
             if module.max_norm is not None:
                 raise ValueError(f"{ckpt.path}: quantized layer {p!r} replaces an nn.Embedding with max_norm="
                                  f"{module.max_norm} (rows renormalized when read), which a QuantEmbedding cannot be")
             new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size, dtype=dtype,
-                                 mode=spec.mode)
+                                 mode=spec.mode, device=module.weight.device)
         elif is_router(module):
             w = dequantized_router(ckpt, p, spec, module)
             with torch.no_grad():
@@ -316,7 +317,9 @@ def load_mlx(
                              "loaded or quantized before)")
         else:
             raise ValueError(f"{ckpt.path}: quantized layer {p!r} is a {type(module).__name__}, expected nn.Linear or nn.Embedding")
-        replace_module(model, mp, new.to(module.weight.device if dev is None else dev))
+        # Built where the replaced layer is: on meta in a model built there, its tensors get storage
+        # as the checkpoint fills them (MetaTensors.real), with the rest of the model's.
+        replace_module(model, mp, new)
         renamed[f"{p}.weight"] = f"{mp}.qweight"
         report.quantized[mp] = str(spec)
     keys = [k for k in keys if k not in dequantized]
