@@ -793,3 +793,30 @@ def test_a_loaded_tied_head_survives_transformers_tie_weights(tmp_path):
         assert torch.equal(before, source(ids).logits)
     assert "lm_head.weight" not in model.get_expanded_tied_weights_keys(all_submodels=True)
     assert "lm_head.weight" not in model.all_tied_weights_keys
+
+
+def test_a_quantized_embedding_of_a_forward_of_its_own_loads_float(tmp_path):
+    # An nn.Embedding subclass whose forward QuantEmbedding does not do keeps its class and gets
+    # the weights MLX multiplies by, in float (the report names it dequantized).
+    class Shifted(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) + 1.0
+
+    torch.manual_seed(0)
+    weight = torch.randn(64, 64)
+    wq, scales, biases = reference.quantize(weight, group_size=32, bits=4)
+    from safetensors.torch import save_file
+    save_file({"emb.weight": wq, "emb.scales": scales, "emb.biases": biases}, tmp_path / "model.safetensors",
+              metadata={"format": "mlx"})
+    (tmp_path / "config.json").write_text('{"quantization": {"group_size": 32, "bits": 4}}')
+    model = nn.Sequential()
+    model.emb = Shifted(64, 64)
+    report = load_mlx(model, tmp_path)
+    assert type(model.emb) is Shifted and report.dequantized == ["emb"]
+    expected = reference.dequantize_rounded(wq, scales, biases, group_size=32, bits=4).float()
+    assert torch.equal(model.emb.weight.detach(), expected)
+    ids = torch.tensor([3, 0, 63])
+    assert torch.equal(model.emb(ids), expected[ids] + 1.0)
+    with pytest.raises(ValueError, match=r"argument 'embedding' must be an nn.Embedding or a scaled embedding.*"
+                                         r"got a Shifted"):
+        QuantEmbedding.from_embedding(Shifted(64, 64), bits=4, group_size=32)

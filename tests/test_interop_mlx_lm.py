@@ -637,3 +637,75 @@ def test_gguf_rotary_scaling_that_the_config_cannot_carry_warns(tmp_path):
     writer.close()
     with pytest.warns(UserWarning, match=r"scaled.gguf: the file scales the rotary embedding \(rope_freqs.weight"):
         llama_config_from_gguf(GGUFFile(tmp_path / "scaled.gguf"))
+
+
+# ---------------------------------------------------------------- Gemma's scaled embeddings
+
+GEMMA_IDS = [1, 5, 9, 200, 300, 7]
+
+
+def _gemma_config(kind: str):
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    if kind == "gemma":
+        return transformers.GemmaConfig(**common)
+    return transformers.Gemma2Config(**common, sliding_window=64)
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gemma2"])
+def test_gemma_folder_quantized_by_mlx_lm_loads_with_its_embedding_scale(tmp_path, kind):
+    # transformers' Gemma embeddings multiply their rows by sqrt(hidden), mlx_lm's Gemma models
+    # multiply the embedding's output: the quantized embedding mlx_lm writes must come back
+    # scaled. The float model, mlx_lm's quantization and the logits reference are mlx_lm's.
+    torch.manual_seed(0)
+    hf = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_config(_gemma_config(kind)).save_pretrained(hf)
+    model, config = mlx_lm_utils.load_model(hf)
+    model, config = mlx_lm_utils.quantize_model(model, config, group_size=64, bits=4)
+    out = tmp_path / "mlx"
+    mlx_lm_utils.save_model(out, model)
+    mlx_lm_utils.save_config(config, out / "config.json")
+    reference = np.array(model(mx.array([GEMMA_IDS])).astype(mx.float32))
+
+    with torch.device("meta"):
+        ours = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(out))
+    load_mlx(ours, out)
+    emb = ours.model.embed_tokens
+    assert type(emb).__name__ == "QuantEmbedding" and emb.embed_scale == 128 ** 0.5
+    with torch.no_grad():
+        logits = ours(torch.tensor([GEMMA_IDS])).logits.numpy()
+    # float32 on both sides (a dropped scale moves the logits by 25-70% of the largest)
+    assert np.abs(logits - reference).max() <= RTOL_LOGITS * np.abs(reference).max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scaled_quant_embedding_equals_transformers_gemma_embedding(dtype):
+    # Bit for bit: transformers' own module holding the dequantized table, its scale rounded to
+    # the dtype as it rounds it (sqrt(128) = 11.3137... is 11.3125 in bfloat16).
+    from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
+
+    from torch_qmm.interop import QuantEmbedding
+
+    torch.manual_seed(0)
+    theirs = GemmaTextScaledWordEmbedding(300, 128, 0, embed_scale=128 ** 0.5).to(dtype)
+    ours = QuantEmbedding.from_embedding(theirs, bits=4, group_size=64)
+    assert ours.embed_scale == 128 ** 0.5 and ours.compute_dtype == dtype
+    with torch.no_grad():
+        theirs.weight.copy_(mlx_table(ours))
+    ids = torch.tensor([[0, 7, 299], [5, 5, 1]])
+    assert torch.equal(ours(ids), theirs(ids))
+    # A tied head reads the table unscaled, to a rounding of the weights (up to 0.0156 in
+    # bfloat16: the kernels round s*q + b once, MLX s*q and then the sum); scaled, 11x off.
+    torch.testing.assert_close(ours.as_linear(torch.eye(128, dtype=dtype)).T, mlx_table(ours), rtol=0.02, atol=0.05)
+
+
+def mlx_table(emb) -> torch.Tensor:
+    """The table of a QuantEmbedding as mlx.core.dequantize gives it (MLX computes it, not us)."""
+    dtype = _mx_dtype(emb.compute_dtype)
+    table = mx.dequantize(mx.array(emb.qweight.numpy()), mx.array(emb.scales.float().numpy()).astype(dtype),
+                          mx.array(emb.biases.float().numpy()).astype(dtype), group_size=emb.group_size, bits=emb.bits)
+    return torch.from_numpy(np.array(table.astype(mx.float32))).to(emb.compute_dtype)
+
+
+def _mx_dtype(dtype: torch.dtype):
+    return {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}[dtype]

@@ -31,10 +31,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..format_state import FORMAT_STATE_KEY
 from ..interop.json_files import read_json_object
-from ..interop.mlx import (_SAFETENSORS_DTYPES, QuantSpec, _check_dtype, _check_quantized_shapes, dequantized_router,
+from ..interop.mlx import (_SAFETENSORS_DTYPES, QuantSpec, _check_dtype, _check_quantized_shapes, dequantized_weight,
                            is_router, model_type_of, parse_quantization)
 from ..interop.meta import check_no_meta, compute_buffers
-from ..interop.modules import QuantEmbedding
+from ..interop.modules import QuantEmbedding, embedding_scale, replaceable_embedding
 from ..interop.safetensors_io import Checkpoint
 from ..nn import QuantLinear
 from ..interop.experts import empty_quant_experts, fused_experts
@@ -133,9 +133,10 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
             module = model.get_submodule(from_mlx_key(path + ".", model_type)[:-1])
         except AttributeError:
             raise ValueError(f"{ckpt.path}: quantized layer {path!r} does not exist in the model") from None
-        if is_router(module):
+        if is_router(module) or (isinstance(module, nn.Embedding) and not replaceable_embedding(module)):
+            # (a router, or an embedding whose forward a QuantEmbedding does not do: float, as load_mlx)
             routers[f"{from_mlx_key(path + '.', model_type)[:-1]}.weight"] = (
-                [f"{path}.{part}" for part in stored_parts(spec)], dequantized_router(ckpt, path, spec, module))
+                [f"{path}.{part}" for part in stored_parts(spec)], dequantized_weight(ckpt, path, spec, module))
             continue
         if isinstance(module, nn.Linear):
             _check_quantized_shapes(ckpt, path, spec, module.out_features, module.in_features)
@@ -144,7 +145,7 @@ def _quantized_layers(model: nn.Module, ckpt: Checkpoint, config_path: Path, dty
         elif isinstance(module, nn.Embedding):
             _check_quantized_shapes(ckpt, path, spec, module.num_embeddings, module.embedding_dim)
             new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size,
-                                 device="meta", dtype=dtype, mode=spec.mode)
+                                 device="meta", dtype=dtype, mode=spec.mode, embed_scale=embedding_scale(module))
         else:
             raise ValueError(f"{ckpt.path}: quantized layer {path!r} is a {type(module).__name__}, expected nn.Linear "
                              "or nn.Embedding")

@@ -45,7 +45,8 @@ from .mlx_experts import (dequantized_stored, experts_specs, float_experts_tenso
                           split_experts, stored_parts, to_mlx_key)
 from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
 from .gguf_types import type_name
-from .modules import GGUFLinear, GGUFSwitchLinear, QuantEmbedding, replace_module, tie_output
+from .modules import (GGUFLinear, GGUFSwitchLinear, QuantEmbedding, embedding_scale, replace_module,
+                      replaceable_embedding, tie_output)
 from .json_files import read_json_object
 from .safetensors_io import Checkpoint, model_files, save_sharded
 
@@ -82,7 +83,7 @@ class LoadReport:
     float_tensors: int
     bytes_read: int
     tied: list[str] = dataclasses.field(default_factory=list)
-    dequantized: list[str] = dataclasses.field(default_factory=list)  # stored quantized, kept float (MoE routers)
+    dequantized: list[str] = dataclasses.field(default_factory=list)  # stored quantized, kept float (MoE routers, embeddings of their own forward)
 
     def __str__(self) -> str:
         return (
@@ -204,8 +205,10 @@ def load_mlx(
     """Loads an MLX model folder (or one .safetensors file next to its config.json) into `model`.
 
     The model must have the checkpoint's architecture with float layers (nn.Linear, nn.Embedding);
-    layers the checkpoint stores quantized become QuantLinear / QuantEmbedding, an output layer tied
-    to a quantized embedding becomes TiedQuantLinear.
+    layers the checkpoint stores quantized become QuantLinear / QuantEmbedding (with the scale of
+    transformers' Gemma embeddings), an output layer tied to a quantized embedding becomes
+    TiedQuantLinear; a quantized embedding whose module has a forward of its own (another
+    nn.Embedding subclass) and a MoE router get the weights MLX multiplies by, in float.
 
     The model may be built on the meta device (``with torch.device("meta"): model =
     AutoModelForCausalLM.from_config(config)``), which costs no memory: the quantized layers (and
@@ -297,15 +300,17 @@ def load_mlx(
             new = QuantLinear(module.in_features, module.out_features, bias=f"{p}.bias" in ckpt,
                               bits=spec.bits, group_size=spec.group_size, dtype=dtype, mode=spec.mode,
                               device=module.weight.device)
-        elif isinstance(module, nn.Embedding):
+        elif isinstance(module, nn.Embedding) and replaceable_embedding(module):
             _check_quantized_shapes(ckpt, p, spec, module.num_embeddings, module.embedding_dim)
             if module.max_norm is not None:
                 raise ValueError(f"{ckpt.path}: quantized layer {p!r} replaces an nn.Embedding with max_norm="
                                  f"{module.max_norm} (rows renormalized when read), which a QuantEmbedding cannot be")
             new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size, dtype=dtype,
-                                 mode=spec.mode, device=module.weight.device)
-        elif is_router(module):
-            w = dequantized_router(ckpt, p, spec, module)
+                                 mode=spec.mode, device=module.weight.device, embed_scale=embedding_scale(module))
+        elif is_router(module) or isinstance(module, nn.Embedding):
+            # A router, or an embedding whose forward a QuantEmbedding does not do: the values MLX
+            # multiplies by, in the model's own float module.
+            w = dequantized_weight(ckpt, p, spec, module)
             with torch.no_grad():
                 (module.weight if meta is None else meta.real(module, "weight")).copy_(w)
             dequantized.update(f"{p}.{part}" for part in stored_parts(spec))
@@ -378,9 +383,10 @@ def is_router(module: nn.Module) -> bool:
             and module.weight.dim() == 2)
 
 
-def dequantized_router(ckpt: Checkpoint, p: str, spec: QuantSpec, module: nn.Module) -> torch.Tensor:
-    """The float32 weight of the router `module` from its quantized tensors at checkpoint path p
-    (the values MLX multiplies by), after checking their shapes against the module's."""
+def dequantized_weight(ckpt: Checkpoint, p: str, spec: QuantSpec, module: nn.Module) -> torch.Tensor:
+    """The float32 weight of `module` (a router, or an embedding a QuantEmbedding cannot stand in
+    for) from its quantized tensors at checkpoint path p (the values MLX multiplies by), after
+    checking their shapes against the module's."""
     rows, cols = module.weight.shape
     _check_quantized_shapes(ckpt, p, spec, rows, cols)
     return dequantized_stored(ckpt, p, spec)

@@ -4,6 +4,9 @@ GGUFSwitchLinear (a stack of expert weights in those blocks)."""
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
@@ -25,7 +28,9 @@ class QuantEmbedding(QuantFormatState, nn.Module):
     Buffers: ``qweight`` uint32 [num, dim*bits/32], ``scales`` [num, dim/group_size] (in the
     compute dtype for mode "affine", then also ``biases``; uint8 codes for the fp modes); the
     format as ``_extra_state`` (QuantFormatState). Lookups return the compute dtype (`dtype`; it
-    follows ``.to(dtype)``), as_linear returns x's dtype.
+    follows ``.to(dtype)``), as_linear returns x's dtype. ``embed_scale`` (a float, default None):
+    lookups multiplied by it rounded to the compute dtype, as transformers' Gemma embeddings
+    (embedding_scale) multiply theirs; as_linear (a tied head) reads the table unscaled, as they do.
     """
 
     def __init__(
@@ -37,11 +42,15 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         mode: str = "affine",
+        embed_scale: float | None = None,
     ) -> None:
         super().__init__()
         dtype = module_dtype(dtype)
         check_positive_ints(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        if embed_scale is not None and (type(embed_scale) not in (int, float) or not math.isfinite(embed_scale)):
+            raise ValueError(f"argument 'embed_scale' must be a finite float or None, got {embed_scale!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.embed_scale = None if embed_scale is None else float(embed_scale)
         register_quantized_weight(self, num_embeddings, embedding_dim, bits, group_size, mode, device, dtype,
                                   "embedding_dim")
         # Empty and not saved: carries the compute dtype through .to() (fp modes have no float buffer).
@@ -71,8 +80,12 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         if embedding.max_norm is not None:  # nn.Embedding renormalizes the rows it reads: another forward
             raise ValueError(f"argument 'embedding' must have max_norm=None (QuantEmbedding reads its rows as "
                              f"stored), got max_norm={embedding.max_norm}")
+        if not replaceable_embedding(embedding):
+            raise ValueError(f"argument 'embedding' must be an nn.Embedding or a scaled embedding of transformers' "
+                             f"Gemma models (QuantEmbedding does what their forward does), got a "
+                             f"{type(embedding).__name__}, whose forward may do more")
         return quantized_from(cls, embedding.weight, dtype, embedding.num_embeddings, embedding.embedding_dim, bits,
-                              group_size, mode=mode)
+                              group_size, mode=mode, embed_scale=embedding_scale(embedding))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: int64 or int32, each in [0, num_embeddings), as nn.Embedding takes them (other
@@ -112,6 +125,8 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         biases = None if self.biases is None else rows_of(self.biases)
         rows = dequantize(rows_of(self.qweight), rows_of(self.scales), biases, group_size=self.group_size,
                           bits=self.bits, mode=self.mode, dtype=self.compute_dtype)
+        if self.embed_scale is not None:
+            rows = rows * _rounded(self.embed_scale, rows.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     @follows_autocast
@@ -125,7 +140,40 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.group_size}, bits={self.bits}, "
             f"mode={self.mode}, dtype={self.compute_dtype}"
+            + ("" if self.embed_scale is None else f", embed_scale={self.embed_scale}")
         )
+
+
+# transformers' scaled token embeddings of the Gemma models: nn.Embedding's rows times
+# embed_scale, a float32 scalar buffer made from the float `scalar_embed_scale` and rounded to the
+# weight's dtype when multiplied.
+_SCALED_EMBEDDINGS = frozenset({
+    "GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding",
+    "Gemma3nTextScaledWordEmbedding", "Gemma4TextScaledWordEmbedding", "Gemma4UnifiedTextScaledWordEmbedding",
+})
+
+
+def _is_scaled_embedding(module: nn.Module) -> bool:
+    return (type(module).__name__ in _SCALED_EMBEDDINGS and type(module).__mro__[1] is nn.Embedding
+            and type(getattr(module, "scalar_embed_scale", None)) in (int, float))
+
+
+def replaceable_embedding(module: nn.Module) -> bool:
+    """Whether a QuantEmbedding does what `module`'s forward does: an nn.Embedding (not a subclass
+    with a forward of its own) or one of transformers' Gemma scaled embeddings (embedding_scale)."""
+    return type(module) is nn.Embedding or _is_scaled_embedding(module)
+
+
+def embedding_scale(module: nn.Module) -> float | None:
+    """The factor a replaceable embedding multiplies its rows by (QuantEmbedding's embed_scale):
+    a Gemma scaled embedding's, None for an nn.Embedding."""
+    return float(module.scalar_embed_scale) if _is_scaled_embedding(module) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _rounded(scale: float, dtype: torch.dtype) -> float:
+    """`scale` as float32, then rounded to `dtype` (as the Gemma embeddings round their buffer)."""
+    return torch.tensor(scale, dtype=torch.float32).to(dtype).item()
 
 
 class TiedQuantLinear(nn.Module):
