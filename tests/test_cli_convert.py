@@ -1033,3 +1033,30 @@ def test_requantize_rest_with_nothing_to_requantize_says_the_options_went_unused
     assert "--requantize rest re-quantized no layer: --bits went unused" in capsys.readouterr().out
     assert main(["convert", str(path), str(tmp_path / "out2"), "--format", "mlx", "--requantize", "rest"]) == 0
     assert "--requantize rest re-quantized no layer\n" in capsys.readouterr().out
+
+
+def test_a_folder_of_another_head_than_a_causal_lm_is_refused(tmp_path, capsys):
+    # A sequence classifier: built as a causal LM, its trained score head would be dropped and a
+    # random lm_head written; refused (a bad input: exit 1) naming the architecture, nothing written.
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    src = tmp_path / "cls"
+    transformers.LlamaForSequenceClassification(config).save_pretrained(src)
+    dst = tmp_path / "out"
+    assert main(["convert", str(src), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert "convert reads causal language models (AutoModelForCausalLM), this folder holds " \
+           "LlamaForSequenceClassification" in err
+    assert not dst.exists()
+
+
+def test_architectures_of_the_wrong_type_name_the_field(hf_folder, tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in hf_folder.iterdir():
+        (src / f.name).symlink_to(f)
+    config = json.loads((hf_folder / "config.json").read_text())
+    (src / "config.json").unlink()
+    (src / "config.json").write_text(json.dumps({**config, "architectures": "LlamaForCausalLM"}))
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 1
+    assert "field 'architectures' must be a list of class names, got 'LlamaForCausalLM'" in capsys.readouterr().err

@@ -196,11 +196,13 @@ def _switch_parts():
      r"argument 'biases': mode 'affine' has biases, got None"),
     (lambda: QuantSwitchLinear.from_quantized(*_switch_parts(), bias=torch.zeros(2, 9), bits=4, group_size=32),
      r"argument 'bias' must have shape \[2, 8\], got \[2, 9\]"),
+    (lambda: QuantSwitchLinear.from_quantized(*_switch_parts(), bias=torch.zeros(8), bits=4, group_size=32),
+     r"argument 'bias' must have shape \[2, 8\], got \[8\]"),  # (copy_ would broadcast it to every expert)
     (lambda: QuantSwitchLinear.from_quantized(*torch_qmm.quantize(torch.randn(2, 8, 64), mode="mxfp4"),
                                               torch.zeros(2, 8, 2), mode="mxfp4"),
      r"argument 'biases': mode 'mxfp4' has no biases, got a tensor"),
 ], ids=["weight-2d", "weight-int", "bias-shape", "qweight-int32", "scales-shape", "biases-missing", "bias-shape-q",
-        "biases-for-fp"])
+        "bias-of-one-expert-q", "biases-for-fp"])
 def test_switch_linear_constructors_name_the_bad_argument(make, message):
     with pytest.raises(ValueError, match=message):
         make()

@@ -10,6 +10,7 @@ import torch
 from gguf import quants
 
 from gguf_helpers import NATIVE_K_TYPES, Q4_K, Q6_K, assert_matches_reference, k_quant_magnitude, random_k_blocks
+from torch_qmm import ops
 from torch_qmm.activations import activation_quantization
 from torch_qmm.interop.gguf_gather import gguf_gather_matmul
 from torch_qmm.interop.modules import GGUFSwitchLinear
@@ -113,11 +114,17 @@ def test_gguf_switch_linear_compiles_with_fullgraph_and_keeps_its_format_in_stat
 
 
 @pytest.mark.parametrize("ggml_type", NATIVE_K_TYPES, ids=lambda t: t.name)
-def test_gguf_gather_gradient_in_x_is_dy_times_each_pairs_expert(ggml_type):
+@pytest.mark.parametrize("slice_rows", [None, 4, 5])
+def test_gguf_gather_gradient_in_x_is_dy_times_each_pairs_expert(ggml_type, slice_rows, monkeypatch):
     # x [T, 1, 1, K] broadcast over k experts per token (QuantFusedExperts' call): dx sums the
     # token's pairs. Reference: float64 dy @ W_e, W_e as gguf decodes it (which the backward's decode
     # equals bit for bit). Each element of dx is k float32 sums of N products, then the k summed:
     # at most N + k roundings of 2^-24 relative to the sum of the terms' magnitudes (one spare).
+    # slice_rows: W decoded that many rows at a time (a layer larger than GGUF_DX_SLICE_BYTES), the
+    # last slice partial for 4 and 5 when N = 9.
+    if slice_rows is not None:
+        monkeypatch.setattr(ops, "GGUF_DX_SLICE_BYTES", slice_rows * 4 * K)
+        assert ops.gguf_dx_slice_rows(K) == slice_rows < N
     blocks, w = _experts(ggml_type, seed=7)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(6, 1, 1, K, generator=g, requires_grad=True)

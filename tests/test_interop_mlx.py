@@ -369,7 +369,7 @@ def test_truncated_safetensors_is_a_clear_error(mlx_folder):
     f = mlx_folder / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 100])
-    with pytest.raises(ValueError, match="truncated"):
+    with pytest.raises(ValueError, match=r"\(truncated file\)"):
         load_mlx(TorchToy(False), mlx_folder)
     f.write_bytes(data[:5])
     with pytest.raises(ValueError, match="shorter than the 8-byte header"):

@@ -395,6 +395,11 @@ torch.library.register_autograd("torch_qmm::gather_qmm", _gather_qmm_backward, s
 GGUF_DX_SLICE_BYTES = 16 << 20
 
 
+def gguf_dx_slice_rows(K: int) -> int:
+    """Rows of W [N, K] a GGUF backward decodes at a time (GGUF_DX_SLICE_BYTES of float32)."""
+    return max(1, GGUF_DX_SLICE_BYTES // (4 * K))
+
+
 def _gguf_qmm_setup(ctx, inputs, output):
     x, blocks, ggml_type, N, K = inputs
     ctx.save_for_backward(blocks)
@@ -418,7 +423,7 @@ def _gguf_qmm_backward(ctx, grad):
     lead = grad.shape[:-1]
     dy = grad.reshape(lead.numel(), N).float()
     dx = torch.zeros(lead.numel(), K, dtype=torch.float32, device=grad.device)
-    step = max(1, GGUF_DX_SLICE_BYTES // (4 * K))
+    step = gguf_dx_slice_rows(K)
     for n0 in range(0, N, step):
         dx.addmm_(dy[:, n0:n0 + step], _gguf_blocks.dequantize_rows(blocks[n0:n0 + step], ggml_type))
     return dx.to(ctx.x_dtype).reshape(*lead, K), None, None, None, None

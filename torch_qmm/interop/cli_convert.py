@@ -668,6 +668,7 @@ def _check_transformers_folder(src: Path) -> None:
     if not isinstance(config.get("model_type"), str):
         raise ValueError(f"{src / 'config.json'}: field 'model_type' must be a string, got "
                          f"{config.get('model_type')!r}")
+    _check_causal_lm(src, config.get("architectures"))
     qc = config.get("quantization_config")
     if isinstance(config.get("quantization"), dict) or (isinstance(qc, dict) and "quant_method" not in qc):
         # mlx_lm's "quantization" entry (also written as a quantization_config without quant_method,
@@ -681,6 +682,24 @@ def _check_transformers_folder(src: Path) -> None:
         raise ValueError(f"{src}: no .safetensors weights ({found}); convert reads safetensors only: save the model "
                          "with save_pretrained first")
     Checkpoint(src)
+
+
+def _check_causal_lm(src: Path, architectures) -> None:
+    """convert builds the folder's model as AutoModelForCausalLM does: a folder whose config.json
+    names only other architectures (a classifier, an encoder) would lose its own head and gain a
+    random one, so it is refused. A config without the field is taken as it is."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if architectures is None:
+        return
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ValueError(f"{src / 'config.json'}: field 'architectures' must be a list of class names, got "
+                         f"{architectures!r}")
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if architectures and not any(a in causal for a in architectures):
+        raise ValueError(f"{src / 'config.json'}: convert reads causal language models (AutoModelForCausalLM), "
+                         f"this folder holds {', '.join(architectures)}: its own head would be dropped and a "
+                         "random one written. Quantize such a model in Python with torch_qmm.quantize_model")
 
 
 def from_pretrained(path: Path, **kwargs):

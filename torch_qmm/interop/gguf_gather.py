@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from .. import gguf_blocks as _gguf_blocks
-from ..ops import GGUF_DX_SLICE_BYTES, _carry_tangent, _gguf_activations, _has_tangent, _int8_no_grad_error, _no_grad_error
+from .. import ops as _ops
+from ..ops import _carry_tangent, _gguf_activations, _has_tangent, _int8_no_grad_error, _no_grad_error
 from .gguf_types import native_type, type_name
 
 _EXACT = "exact"
@@ -86,7 +87,7 @@ def _backward(ctx, grad):
     _, src, experts = _pairs(x_shape[:-2], indices, grad.device)
     dy = grad.reshape(-1, m, N).float()
     dx = torch.zeros(x_shape[:-2].numel(), m, K, dtype=torch.float32, device=grad.device)
-    step = max(1, GGUF_DX_SLICE_BYTES // (4 * K))
+    step = _ops.gguf_dx_slice_rows(K)
     for e, pairs in _groups(experts):
         dye = dy.index_select(0, pairs).reshape(-1, N)
         dxe = torch.zeros(dye.shape[0], K, dtype=torch.float32, device=grad.device)
