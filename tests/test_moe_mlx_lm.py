@@ -261,6 +261,14 @@ EXPERT_FILE_EDITS = {  # family, quantized, edit, message
                                lambda t: t.__setitem__("model.layers.0.mlp.experts.down_proj.bias",
                                                        t["model.layers.0.mlp.experts.down_proj.bias"].view(torch.int32)),
                                r"tensor 'model\.layers\.0\.mlp\.experts\.down_proj\.bias' is I32"),
+    # NaN in an expert's scales or biases would make every output of its rows NaN
+    "nan-expert-scales": ("qwen3_moe", True,
+                          lambda t: t[f"{PREFIX}.up_proj.scales"].__setitem__((2, 5, 1), float("nan")),
+                          rf"tensor '{PREFIX}\.up_proj\.scales' \(F32\) holds NaN or Inf"),
+    "inf-expert-biases": ("mixtral", True,
+                          lambda t: t["model.layers.1.block_sparse_moe.switch_mlp.down_proj.biases"].__setitem__(
+                              (0, 0, 0), float("inf")),
+                          r"tensor 'model\.layers\.1\.block_sparse_moe\.switch_mlp\.down_proj\.biases' \(F32\) holds NaN"),
 }
 
 
