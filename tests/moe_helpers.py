@@ -11,7 +11,8 @@ import torch
 
 import transformers
 
-HIDDEN, INTER, EXPERTS, TOP_K, LAYERS, VOCAB = 64, 64, 4, 2, 2, 128
+# INTER differs from HIDDEN, as in real MoE models, so that a swap of the two is seen.
+HIDDEN, INTER, EXPERTS, TOP_K, LAYERS, VOCAB = 64, 128, 4, 2, 2, 128
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
              rms_norm_eps=1e-5)
 

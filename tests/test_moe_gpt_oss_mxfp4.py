@@ -128,7 +128,7 @@ def test_wrong_block_shape_is_refused(checkpoint, tmp_path):
     bad[key] = bad[key][:, :, :1].contiguous()
     save_file(bad, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"down_proj_blocks \[4, 64, 1, 16\].*must be \[4, 64, 2, 16\]"):
+    with pytest.raises(ValueError, match=r"down_proj_blocks \[4, 64, 1, 16\].*must be \[4, 64, 4, 16\]"):
         load_ours(tmp_path)
 
 
@@ -178,7 +178,7 @@ def _edit_last_layer(key_suffix, change):
 
 HOSTILE = [
     ("blocks-shape", _edit_last_layer("mlp.experts.down_proj_blocks", lambda t: t[:, :, :1].contiguous()),
-     r"must be \[4, 64, 2, 16\]"),
+     r"must be \[4, 64, 4, 16\]"),
     ("blocks-dtype", _edit_last_layer("mlp.experts.gate_up_proj_blocks", lambda t: t.to(torch.int8)),
      "must be U8, got I8"),
     ("scales-dtype", _edit_last_layer("mlp.experts.down_proj_scales", lambda t: t.to(torch.float32)),

@@ -245,7 +245,8 @@ EXPERT_FILE_EDITS = {  # family, quantized, edit, message
                              rf"the experts model\.layers\.1\.mlp\.experts need \['{PREFIX}\.down_proj\.weight'\]"),
     "float-weight-shape": ("qwen3_moe", False,
                            lambda t: t.__setitem__(f"{PREFIX}.up_proj.weight", t[f"{PREFIX}.up_proj.weight"][:, :32].contiguous()),
-                           r"have shapes \[\[4, 64, 64\], \[4, 32, 64\]\], the experts model\.layers\.1\.mlp\.experts take"),
+                           r"have shapes \[\[4, 128, 64\], \[4, 32, 64\]\], the experts "
+                           r"model\.layers\.1\.mlp\.experts take \[4, 256, 64\]"),
     "quantized-weight-missing": ("qwen3_moe", True, lambda t: t.pop(f"{PREFIX}.down_proj.weight"),  # was a KeyError
                                  rf"quantized layer '{PREFIX}\.down_proj' has scales but no {PREFIX}\.down_proj\.weight"),
     # a float tensor's bytes under an integer dtype: copy_ converted the integers (garbage weights)
