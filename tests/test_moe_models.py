@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -145,6 +146,42 @@ def test_torch_qmm_config_quantizes_experts_and_round_trips(family, tmp_path):
     again = model_cls.from_pretrained(tmp_path / "quantized", dtype=torch.float32)
     assert sum(isinstance(m, QuantFusedExperts) for m in again.modules()) == 2
     assert torch.equal(logits(again, ids), want)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_moe_model_quantized_or_reloaded_in_bfloat16_has_bfloat16_experts(family, tmp_path):
+    # quantize_model(dtype=...) quantizes the experts in that dtype too (the scales MLX gives for
+    # bfloat16 weights, not float32 ones rounded later), and from_pretrained(dtype=bfloat16) of
+    # the saved folder builds bfloat16 experts that give the same logits.
+    model = tiny_moe(family)
+    q = copy.deepcopy(model)
+    quantize_model(q, group_size=32, dtype=torch.bfloat16)
+    experts = [m for m in q.modules() if isinstance(m, QuantFusedExperts)]
+    assert experts and {m.gate_up_proj.scales.dtype for m in experts} == {torch.bfloat16}
+    # the scales are MLX's for the bfloat16 weights
+    import mlx.core as mx
+
+    down = _float_down(model, family).detach().to(torch.bfloat16).float().numpy()
+    mlx_scales = mx.quantize(mx.array(down).astype(mx.bfloat16), group_size=32, bits=4)[1]
+    assert torch.equal(experts[0].down_proj.scales.float(), torch.from_numpy(np.array(mlx_scales.astype(mx.float32))))
+    q.to(torch.bfloat16)  # the layers left float (norms, embedding, router) too
+    assert {m.down_proj.scales.dtype for m in experts} == {torch.bfloat16}
+    ids = ids_for(4)
+    want = logits(q, ids)
+    assert torch.isfinite(want).all()
+    q.save_pretrained(tmp_path / "quantized")
+    again = FAMILIES[family][1].from_pretrained(tmp_path / "quantized", dtype=torch.bfloat16)
+    assert {m.down_proj.scales.dtype for m in again.modules() if isinstance(m, QuantFusedExperts)} == {torch.bfloat16}
+    saved, loaded = q.state_dict(), again.state_dict()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved if ".experts." in k)
+    # the same weights; the reloaded model's float layers may round in another order in bfloat16
+    assert rel_err(logits(again, ids), want) < RTOL[torch.bfloat16]
+
+
+def _float_down(model, family: str) -> torch.Tensor:
+    """The first layer's expert down projections of a float model as [E, out, in]."""
+    w = model.model.layers[0].mlp.experts.down_proj
+    return w.transpose(1, 2) if family == "gpt_oss" else w
 
 
 # transformers saves a Mixtral model under its checkpoints' names (the MoE block as
