@@ -843,6 +843,46 @@ def test_safetensors_header_with_an_integer_of_too_many_digits_names_the_file(tm
     assert str(path) in str(e.value)
 
 
+@pytest.mark.parametrize("claimed", [100 * 2**20 + 1, 2**62])
+def test_safetensors_header_longer_than_100_mb_is_refused_unread(tmp_path, claimed, monkeypatch):
+    # A sparse file of 300 MB whose length field claims a header of over 100 MB (that it holds,
+    # for the first case): refused before any of it is read, as safetensors' own reader does.
+    from torch_qmm.interop import safetensors_io
+
+    path = tmp_path / "huge.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", claimed))
+        f.truncate(300 * 2**20)
+    reads = []
+    real_open = open
+    monkeypatch.setattr(safetensors_io, "open", lambda *a, **k: _Counting(real_open(*a, **k), reads), raising=False)
+    with pytest.raises(ValueError, match=rf"huge.safetensors: not a safetensors file: its first 8 bytes give a header "
+                                         rf"of {claimed} bytes, more than the 104857600"):
+        safetensors_io.read_header(path)
+    assert sum(reads) <= 8
+
+
+class _Counting:
+    """A file whose reads are counted (bytes returned) into `reads`."""
+
+    def __init__(self, f, reads):
+        self._f, self._reads = f, reads
+
+    def read(self, n=-1):
+        data = self._f.read(n)
+        self._reads.append(len(data))
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
 def test_a_fifo_or_folder_named_like_a_model_file_is_refused_without_waiting(mlx_folder, llama_gguf, tmp_path, capsys):
     """open() of a FIFO waits for a writer forever: a shard, config or GGUF path that is not a
     regular file is refused by name (run in a child process, so that a hang fails the test)."""

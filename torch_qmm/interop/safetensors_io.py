@@ -50,7 +50,10 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
         if len(head) < 8:
             raise ValueError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
         (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER_BYTES or 8 + n > size:
+        if n > _MAX_HEADER_BYTES:
+            raise ValueError(f"{path}: not a safetensors file: its first 8 bytes give a header of {n} bytes, more than "
+                             f"the {_MAX_HEADER_BYTES} a safetensors header may have")
+        if 8 + n > size:
             raise ValueError(
                 f"{path}: safetensors header claims {n} bytes but the file has {size - 8} after the length "
                 "field (truncated or not a safetensors file)"
