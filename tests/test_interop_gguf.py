@@ -164,9 +164,28 @@ def test_float_tensors_and_embeddings(gguf_file):
     assert isinstance(emb, QuantEmbedding)
     ids = torch.tensor([[0, 36, 5]])
     assert torch.equal(emb(ids).double(), expected["Q8_0"][0][ids])
-    emb_k = embedding_from_gguf(f.tensors["Q4_K"])  # K-quant tables are decoded once
     ids = torch.tensor([[0, 18, 5]])
+    # Q4_K in float32: its exact affine form (4 bits, groups of 32), rows as gguf decodes them
+    emb_k = embedding_from_gguf(f.tensors["Q4_K"])
+    assert isinstance(emb_k, QuantEmbedding) and (emb_k.bits, emb_k.group_size) == (4, 32)
     assert torch.equal(emb_k(ids).double(), expected["Q4_K"][0][ids])
+    # in bfloat16 (whose scales would round) and for Q6_K: decoded once into an nn.Embedding
+    emb_bf16 = embedding_from_gguf(f.tensors["Q4_K"], dtype=torch.bfloat16)
+    assert type(emb_bf16) is torch.nn.Embedding
+    assert torch.equal(emb_bf16(ids), expected["Q4_K"][0][ids].to(torch.bfloat16))
+    emb_6 = embedding_from_gguf(f.tensors["Q6_K"])
+    assert type(emb_6) is torch.nn.Embedding and torch.equal(emb_6(ids).double(), expected["Q6_K"][0][ids])
+
+
+def test_q4_k_embedding_with_a_nan_scale_is_refused_naming_the_tensor(tmp_path):
+    blocks = random_k_blocks(T.Q4_K, 8, 512, np.random.default_rng(3))
+    blocks[5, 144 + 2:144 + 4] = np.array([np.nan], dtype="<f2").view(np.uint8)  # dmin of row 5, block 1
+    write_gguf(tmp_path / "nan.gguf", {"token_embd.weight": (blocks, T.Q4_K)})
+    from torch_qmm.interop.gguf_header import GGUFFormatError
+
+    with pytest.raises(GGUFFormatError, match=r"nan.gguf: tensor 'token_embd.weight' \(Q4_K\): embedding_from_gguf: the blocks "
+                                              r"have non-finite float16 d/dmin"):
+        embedding_from_gguf(GGUFFile(tmp_path / "nan.gguf").tensors["token_embd.weight"])
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)

@@ -559,13 +559,25 @@ def linear_from_gguf(
     return layer
 
 
+def _q4_k_table(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """A Q4_K matrix in the affine format (bits 4, groups of 32), float32 scales and biases: exact
+    (q4_k_to_affine)."""
+    n, k = t.shape
+    try:
+        wq, scales, biases = _k_affine64(t.raw, n, k, Q4_K, "embedding_from_gguf")
+    except ValueError as e:  # (non-finite block scales)
+        raise GGUFFormatError(f"{t.source}: tensor {t.name!r} ({t.type_name}): {e}") from None
+    return torch.from_numpy(wq), torch.from_numpy(scales).float(), torch.from_numpy(biases).float(), 4, 32
+
+
 def embedding_from_gguf(t: GGUFTensor, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The embedding for a GGUF table [vocab, dim]: QuantEmbedding for the lossless block types,
-    nn.Embedding (decoded once) for float and K-quant tables."""
+    """The embedding for a GGUF table [vocab, dim]: QuantEmbedding for the lossless block types
+    (and Q4_K in float32, where its affine form is exact: q4_k_to_affine), nn.Embedding (decoded
+    once) for float and the other K-quant tables."""
     _check_matrix(t, "an embedding table", "[vocab >= 1, dim >= 1]")
     n, k = t.shape
-    if t.ggml_type in AFFINE_TYPES:
-        wq, scales, biases, bits, gs = to_affine(t, dtype)
+    if t.ggml_type in AFFINE_TYPES or (t.ggml_type == Q4_K and dtype == torch.float32):
+        wq, scales, biases, bits, gs = to_affine(t, dtype) if t.ggml_type in AFFINE_TYPES else _q4_k_table(t)
         emb = QuantEmbedding(n, k, bits, gs, dtype=dtype)
         emb.qweight.copy_(wq)
         emb.scales.copy_(scales)
