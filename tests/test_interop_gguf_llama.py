@@ -180,7 +180,11 @@ def test_llama_gguf_loads_into_transformers(tmp_path, mix, tied):
     config = llama_config_from_gguf(f)
     assert (config.num_key_value_heads, config.hidden_size, config.tie_word_embeddings) == (KV_HEADS, HIDDEN, tied)
     model = transformers.LlamaForCausalLM(config).eval()
+    before = config.to_dict()
     report = load_gguf_llama(model, f)
+    # the model records its quantization in its own config; the caller's config is left as it was
+    assert config.to_dict() == before and "quantization_config" not in before
+    assert model.config is not config and model.model.config is model.config
 
     expected_model = hf_model(tied)  # same architecture, the file's weights
     expected_model.load_state_dict(held, strict=False)

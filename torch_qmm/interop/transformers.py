@@ -18,6 +18,7 @@ reload builds exactly the saved layers.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,6 +266,19 @@ def _undescribed_layers(model) -> list[str]:
             and not any(n.startswith(e + ".") for e in experts)]
 
 
+def _own_config(model) -> None:
+    """Gives `model` a copy of its config, in every module that holds it: from_config keeps the
+    object it is given, and the caller's config must not gain the loaded model's
+    quantization_config."""
+    old = getattr(model, "config", None)
+    if old is None:
+        return
+    new = copy.deepcopy(old)
+    for m in model.modules():
+        if m.__dict__.get("config") is old:
+            m.config = new
+
+
 def record_loaded_model(model, loader: str) -> None:
     """After `loader` (load_mlx, load_gguf_llama) filled a transformers model: its config gets the
     TorchQmmConfig of its layers where one describes them (record_quantization_config), so that
@@ -274,6 +288,7 @@ def record_loaded_model(model, loader: str) -> None:
     entry read from the loaded folder's config.json)."""
     if getattr(model, "hf_quantizer", None) is not None:
         return
+    _own_config(model)
     why_not = record_quantization_config(model)
     if why_not is None:
         return
