@@ -442,3 +442,10 @@ def test_import_torch_qmm_is_enough_to_reload_a_saved_folder(float_folder, tmp_p
                        env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "differ: []" in p.stdout.splitlines()
+
+
+def test_torch_qmm_config_repr_shows_its_settings():
+    # as transformers' own quantization configs print theirs (their JSON)
+    text = repr(TorchQmmConfig(bits=4, group_size=64))
+    assert text.startswith("TorchQmmConfig {") and '"bits": 4' in text and '"group_size": 64' in text
+    assert '"mode": "affine"' in text

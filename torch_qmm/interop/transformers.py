@@ -63,7 +63,7 @@ def experts_bits_keys(bits, name: str) -> tuple[str, str]:
 
 
 @register_quantization_config(QUANT_METHOD)
-@dataclass
+@dataclass(repr=False)  # repr: the mixin's, every setting (to_dict)
 class TorchQmmConfig(QuantizationConfigMixin):
     """One of MLX's formats for the linear layers of a transformers model.
 
