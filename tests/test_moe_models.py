@@ -394,3 +394,12 @@ def test_gate_and_up_rows_are_the_rows_the_gating_reads(family):
     # the same float32 operations, perhaps fused or ordered otherwise: a few ulps (the rows taken
     # in the other order would pair a gate with another feature's up, off by O(1))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_quantize_model_summary_counts_expert_blocks_apart_from_linear_layers():
+    model = tiny_moe("qwen3_moe")
+    summary = quantize_model(model, group_size=32)
+    linear = sum(type(m).__name__ == "QuantLinear" for m in model.modules())
+    blocks = sum(isinstance(m, QuantFusedExperts) for m in model.modules())
+    assert (linear, blocks) == (len(summary.converted) - 2, 2)
+    assert str(summary).startswith(f"{linear} linear layers and 2 MoE expert blocks quantized, 0 skipped")

@@ -40,12 +40,16 @@ class QuantizeSummary:
     model_bytes_before: int = 0  # all parameters and buffers of the model (shared storage once)
     model_bytes_after: int = 0
     already_quantized: list[str] = dataclasses.field(default_factory=list)  # in the asked format, left as they are
+    experts: int = 0  # of `converted`, the MoE expert blocks (each a stack of the experts' projections)
 
     def __str__(self) -> str:
         ratio = f"{self.bytes_before / self.bytes_after:.2f}x smaller" if self.bytes_after else "none converted"
         already = f", {len(self.already_quantized)} already quantized with these settings" if self.already_quantized else ""
+        layers = f"{len(self.converted) - self.experts} linear layers"
+        if self.experts:
+            layers += f" and {self.experts} MoE expert block{'s' if self.experts > 1 else ''}"
         return (
-            f"{len(self.converted)} linear layers quantized, {len(self.skipped)} skipped{already}; "
+            f"{layers} quantized, {len(self.skipped)} skipped{already}; "
             f"those layers {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB ({ratio}); "
             f"model {self.model_bytes_before / 2**20:.1f} MiB -> {self.model_bytes_after / 2**20:.1f} MiB"
         )
@@ -286,6 +290,7 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)
         summary.converted.append(name)
+        summary.experts += 1
     show = bool(candidates) and (progress if progress is not None else len(candidates) >= _PROGRESS_MIN_LAYERS)
     # Everything the swap needs is taken from the layers now, and from here on they are held only
     # by the model, so that each float layer is freed as soon as it is swapped at all its names
