@@ -709,3 +709,24 @@ def mlx_table(emb) -> torch.Tensor:
 
 def _mx_dtype(dtype: torch.dtype):
     return {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}[dtype]
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gemma2"])
+def test_convert_quantizes_a_gemma_embedding_for_mlx_lm(tmp_path, kind):
+    # convert --format mlx quantizes Gemma's scaled embedding (and its tied head) as mlx_lm does;
+    # mlx_lm loads the folder and computes what load_mlx's torch model computes.
+    torch.manual_seed(0)
+    hf = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_config(_gemma_config(kind)).save_pretrained(hf)
+    out = tmp_path / "mlx"
+    assert main(["convert", str(hf), str(out), "--format", "mlx", "--bits", "4", "--group-size", "32"]) == 0
+    theirs, _ = mlx_lm_utils.load_model(out)
+    assert "model.embed_tokens.scales" in dict(tree_flatten(theirs.parameters()))
+    reference = np.array(theirs(mx.array([GEMMA_IDS])).astype(mx.float32))
+    with torch.device("meta"):
+        ours = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(out))
+    load_mlx(ours, out)
+    assert ours.model.embed_tokens.embed_scale == 128 ** 0.5
+    with torch.no_grad():
+        logits = ours(torch.tensor([GEMMA_IDS])).logits.numpy()
+    assert np.abs(logits - reference).max() <= RTOL_LOGITS * np.abs(reference).max()

@@ -22,7 +22,8 @@ from .gguf import K_AFFINE_BITS, GGUFFile, GGUFTensor, affine_exact, dequantize,
 from .gguf_moe import (block_experts, describe as describe_experts, expert_part, experts_module_name, fill_float,
                        float_experts_module, projection_stacks)
 from .gguf_types import AFFINE_TYPES, FP_TYPES, Q4_K, type_name
-from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear, replace_module, tie_float_output, tie_output
+from .modules import (GGUFLinear, QuantEmbedding, TiedQuantLinear, replace_module, replaceable_embedding,
+                      tie_float_output, tie_output)
 from .output_folder import check_destination, side_file_source, staged_output
 
 DESCRIPTION = """\
@@ -365,7 +366,9 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str 
     `model` (MLX's rule; the linear layers with `method`); returns the names quantized by this call."""
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    embeddings = {n: m for n, m in model.named_modules() if type(m) is nn.Embedding}
+    # (an embedding subclass whose forward QuantEmbedding does not do stays float; Gemma's scaled
+    # ones are quantized with their scale, which mlx_lm's Gemma models apply themselves)
+    embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and replaceable_embedding(m)}
     tied_outputs = {
         n: e for n, m in model.named_modules() if type(m) is nn.Linear
         for e, emb in embeddings.items() if m.weight is emb.weight
