@@ -1060,3 +1060,15 @@ def test_architectures_of_the_wrong_type_name_the_field(hf_folder, tmp_path, cap
     (src / "config.json").write_text(json.dumps({**config, "architectures": "LlamaForCausalLM"}))
     assert main(["convert", str(src), str(tmp_path / "out")]) == 1
     assert "field 'architectures' must be a list of class names, got 'LlamaForCausalLM'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3_5ForConditionalGeneration", "Gemma3ForConditionalGeneration"])
+def test_a_folder_naming_a_conditional_generation_model_converts(hf_folder, tmp_path, architecture):
+    # AutoModelForCausalLM builds such a folder's language model with its own head: not refused
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_folder, src)
+    config = json.loads((hf_folder / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 0

@@ -817,6 +817,13 @@ def test_a_quantized_embedding_of_a_forward_of_its_own_loads_float(tmp_path):
     assert torch.equal(model.emb.weight.detach(), expected)
     ids = torch.tensor([3, 0, 63])
     assert torch.equal(model.emb(ids), expected[ids] + 1.0)
+    # a head tied to such an embedding is satisfied by it (strict) and stays tied
+    model = nn.Sequential()
+    model.emb = Shifted(64, 64)
+    model.head = nn.Linear(64, 64, bias=False)
+    model.head.weight = model.emb.weight
+    assert load_mlx(model, tmp_path).dequantized == ["emb"]
+    assert model.head.weight is model.emb.weight and torch.equal(model.head.weight.detach(), expected)
     with pytest.raises(ValueError, match=r"argument 'embedding' must be an nn.Embedding or a scaled embedding.*"
                                          r"got a Shifted"):
         QuantEmbedding.from_embedding(Shifted(64, 64), bits=4, group_size=32)

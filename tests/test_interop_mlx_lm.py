@@ -699,6 +699,22 @@ def test_scaled_quant_embedding_equals_transformers_gemma_embedding(dtype):
     torch.testing.assert_close(ours.as_linear(torch.eye(128, dtype=dtype)).T, mlx_table(ours), rtol=0.02, atol=0.05)
 
 
+def test_scaled_quant_embedding_reads_meta_ids_and_other_families():
+    # the rounded scales are made once, on the CPU: a first lookup of meta ids works; MiniCPM3's
+    # embedding (the same forward as Gemma's) is replaceable, T5Gemma2's (an extra token row) not
+    from transformers.models.minicpm3.modeling_minicpm3 import MiniCPM3ScaledWordEmbedding
+    from transformers.models.t5gemma2.modeling_t5gemma2 import T5Gemma2TextScaledWordEmbedding
+
+    from torch_qmm.interop import QuantEmbedding
+    from torch_qmm.interop.modules import replaceable_embedding
+
+    with torch.device("meta"):
+        emb = QuantEmbedding(300, 128, bits=4, group_size=64, embed_scale=128 ** 0.5)
+        assert emb(torch.zeros(2, 3, dtype=torch.int64)).shape == (2, 3, 128)
+    assert replaceable_embedding(MiniCPM3ScaledWordEmbedding(10, 64, 0, embed_scale=3.0))
+    assert not replaceable_embedding(T5Gemma2TextScaledWordEmbedding(10, 64, 0, embed_scale=3.0))
+
+
 def mlx_table(emb) -> torch.Tensor:
     """The table of a QuantEmbedding as mlx.core.dequantize gives it (MLX computes it, not us)."""
     dtype = _mx_dtype(emb.compute_dtype)

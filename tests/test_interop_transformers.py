@@ -449,3 +449,26 @@ def test_torch_qmm_config_repr_shows_its_settings():
     text = repr(TorchQmmConfig(bits=4, group_size=64))
     assert text.startswith("TorchQmmConfig {") and '"bits": 4' in text and '"group_size": 64' in text
     assert '"mode": "affine"' in text
+
+
+def test_a_loaded_model_owns_its_config_and_sub_configs():
+    # The loaders record the quantization in model.config: the model gets a copy of the config the
+    # caller built it from, and every module holding it or one of its sub-configs (a multimodal
+    # model's text / vision configs) holds the copy's, so settings made through model.config
+    # reach them.
+    from torch_qmm.interop.transformers import record_loaded_model
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    before = config.to_dict()
+    record_loaded_model(model, "load_mlx")
+    assert model.config is not config and config.to_dict() == before
+    assert model.model.config is model.config
+    assert model.model.language_model.config is model.config.text_config
+    assert model.model.vision_tower.config is model.config.vision_config
+    assert all(m.config in (model.config, model.config.text_config, model.config.vision_config)
+               for m in model.modules() if "config" in m.__dict__)

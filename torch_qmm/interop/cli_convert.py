@@ -689,17 +689,28 @@ def _check_transformers_folder(src: Path) -> None:
 
 def _check_causal_lm(src: Path, architectures) -> None:
     """convert builds the folder's model as AutoModelForCausalLM does: a folder whose config.json
-    names only other architectures (a classifier, an encoder) would lose its own head and gain a
-    random one, so it is refused. A config without the field is taken as it is."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    names only architectures of another head (a classifier, a bare encoder, a masked LM) would lose
+    its own head and gain a random one, so it is refused. A config without the field, or naming a
+    causal LM or an architecture of none of those heads (a multimodal *ForConditionalGeneration,
+    whose language model AutoModelForCausalLM builds), is taken as it is."""
+    from transformers.models.auto import modeling_auto as auto
 
     if architectures is None:
         return
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise ValueError(f"{src / 'config.json'}: field 'architectures' must be a list of class names, got "
                          f"{architectures!r}")
-    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if architectures and not any(a in causal for a in architectures):
+
+    def names(mapping) -> set[str]:
+        return {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
+
+    causal = names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    other_heads = set().union(*(names(getattr(auto, m)) for m in (
+        "MODEL_MAPPING_NAMES", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+        "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+        "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES")
+        if hasattr(auto, m))) - causal
+    if architectures and all(a in other_heads for a in architectures):
         raise ValueError(f"{src / 'config.json'}: convert reads causal language models (AutoModelForCausalLM), "
                          f"this folder holds {', '.join(architectures)}: its own head would be dropped and a "
                          "random one written. Quantize such a model in Python with torch_qmm.quantize_model")

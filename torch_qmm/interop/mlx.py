@@ -340,7 +340,8 @@ def load_mlx(
     if strict:
         missing = sorted(
             k for k in state
-            if k not in targets and not _is_tied_duplicate(model, k, tied_to, keys) and not _is_format_state(k)
+            if k not in targets and not _is_tied_duplicate(model, k, tied_to, keys, report.dequantized)
+            and not _is_format_state(k)
             and not any(k.startswith(n + ".") for n in experts_done)
             and k not in {f"{n}.weight" for n in report.dequantized}
         )
@@ -397,10 +398,14 @@ def _is_format_state(key: str) -> bool:
     return key.rpartition(".")[2] == FORMAT_STATE_KEY
 
 
-def _is_tied_duplicate(model: nn.Module, key: str, tied_to: dict[str, str], keys: list[str]) -> bool:
-    # A float output weight tied to a float embedding is satisfied by the embedding's tensor.
+def _is_tied_duplicate(model: nn.Module, key: str, tied_to: dict[str, str], keys: list[str],
+                       dequantized: list[str]) -> bool:
+    # A float output weight tied to a float embedding is satisfied by the embedding's tensor (stored
+    # float, or quantized and dequantized into it).
     module_name = key.rpartition(".")[0]
-    return key.endswith(".weight") and module_name in tied_to and f"{tied_to[module_name]}.weight" in keys
+    if not (key.endswith(".weight") and module_name in tied_to):
+        return False
+    return f"{tied_to[module_name]}.weight" in keys or tied_to[module_name] in dequantized
 
 
 def quantization_config(model: nn.Module, model_type: str | None = None) -> dict:

@@ -4,7 +4,6 @@ GGUFSwitchLinear (a stack of expert weights in those blocks)."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..format_state import FormatState, QuantFormatState
+from ..formats import SUPPORTED_DTYPES
 from ..nn import check_positive_ints, follows_autocast, module_dtype, quantized_from, register_quantized_weight
 from ..ops import dequantize, gguf_matmul, quantized_matmul
 from .gguf_gather import gguf_gather_matmul
@@ -51,6 +51,8 @@ class QuantEmbedding(QuantFormatState, nn.Module):
             raise ValueError(f"argument 'embed_scale' must be a finite float or None, got {embed_scale!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.embed_scale = None if embed_scale is None else float(embed_scale)
+        # the scale rounded to each compute dtype, once (a lookup multiplies by its dtype's)
+        self._embed_scales = None if embed_scale is None else {t: _rounded(self.embed_scale, t) for t in SUPPORTED_DTYPES}
         register_quantized_weight(self, num_embeddings, embedding_dim, bits, group_size, mode, device, dtype,
                                   "embedding_dim")
         # Empty and not saved: carries the compute dtype through .to() (fp modes have no float buffer).
@@ -126,7 +128,7 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         rows = dequantize(rows_of(self.qweight), rows_of(self.scales), biases, group_size=self.group_size,
                           bits=self.bits, mode=self.mode, dtype=self.compute_dtype)
         if self.embed_scale is not None:
-            rows = rows * _rounded(self.embed_scale, rows.dtype)
+            rows = rows * self._embed_scales[rows.dtype]
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     @follows_autocast
@@ -144,36 +146,41 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         )
 
 
-# transformers' scaled token embeddings of the Gemma models: nn.Embedding's rows times
-# embed_scale, a float32 scalar buffer made from the float `scalar_embed_scale` and rounded to the
-# weight's dtype when multiplied.
-_SCALED_EMBEDDINGS = frozenset({
-    "GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding",
-    "Gemma3nTextScaledWordEmbedding", "Gemma4TextScaledWordEmbedding", "Gemma4UnifiedTextScaledWordEmbedding",
-})
+class _ScaledEmbedding(nn.Embedding):
+    """The forward of transformers' scaled token embeddings (Gemma's, MiniCPM3's, ...): nn.Embedding's
+    rows times embed_scale, a float32 scalar buffer made from the float `scalar_embed_scale` and
+    rounded to the weight's dtype when multiplied. Never built: its forward's code is what a
+    module's is compared with (_is_scaled_embedding)."""
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+
+
+def _same_code(f, g) -> bool:
+    a, b = getattr(f, "__code__", None), getattr(g, "__code__", None)
+    return a is not None and b is not None and (a.co_code, a.co_names, a.co_consts) == (b.co_code, b.co_names, b.co_consts)
 
 
 def _is_scaled_embedding(module: nn.Module) -> bool:
-    return (type(module).__name__ in _SCALED_EMBEDDINGS and type(module).__mro__[1] is nn.Embedding
+    return (type(module).__mro__[1] is nn.Embedding and _same_code(type(module).forward, _ScaledEmbedding.forward)
             and type(getattr(module, "scalar_embed_scale", None)) in (int, float))
 
 
 def replaceable_embedding(module: nn.Module) -> bool:
     """Whether a QuantEmbedding does what `module`'s forward does: an nn.Embedding (not a subclass
-    with a forward of its own) or one of transformers' Gemma scaled embeddings (embedding_scale)."""
+    with a forward of its own) or one of transformers' scaled embeddings (embedding_scale)."""
     return type(module) is nn.Embedding or _is_scaled_embedding(module)
 
 
 def embedding_scale(module: nn.Module) -> float | None:
     """The factor a replaceable embedding multiplies its rows by (QuantEmbedding's embed_scale):
-    a Gemma scaled embedding's, None for an nn.Embedding."""
+    a scaled embedding's, None for an nn.Embedding."""
     return float(module.scalar_embed_scale) if _is_scaled_embedding(module) else None
 
 
-@functools.lru_cache(maxsize=None)
 def _rounded(scale: float, dtype: torch.dtype) -> float:
-    """`scale` as float32, then rounded to `dtype` (as the Gemma embeddings round their buffer)."""
-    return torch.tensor(scale, dtype=torch.float32).to(dtype).item()
+    """`scale` as float32, then rounded to `dtype` (as the scaled embeddings round their buffer)."""
+    return torch.tensor(scale, dtype=torch.float32, device="cpu").to(dtype).item()
 
 
 class TiedQuantLinear(nn.Module):

@@ -267,16 +267,19 @@ def _undescribed_layers(model) -> list[str]:
 
 
 def _own_config(model) -> None:
-    """Gives `model` a copy of its config, in every module that holds it: from_config keeps the
-    object it is given, and the caller's config must not gain the loaded model's
-    quantization_config."""
+    """Gives `model` a copy of its config, in every module that holds it or one of its sub-configs
+    (a multimodal model's text_config / vision_config): the loaders record the quantization in
+    model.config, and a config the caller passed to from_config (which keeps the object it is
+    given) must not gain it."""
     old = getattr(model, "config", None)
     if old is None:
         return
-    new = copy.deepcopy(old)
+    memo: dict[int, Any] = {}  # id(original) -> copy; holds the originals, so no id is reused
+    copy.deepcopy(old, memo)
     for m in model.modules():
-        if m.__dict__.get("config") is old:
-            m.config = new
+        held = m.__dict__.get("config")
+        if held is not None and id(held) in memo:
+            m.config = memo[id(held)]
 
 
 def record_loaded_model(model, loader: str) -> None:
