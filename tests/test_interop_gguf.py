@@ -183,8 +183,8 @@ def test_q4_k_embedding_with_a_nan_scale_is_refused_naming_the_tensor(tmp_path):
     write_gguf(tmp_path / "nan.gguf", {"token_embd.weight": (blocks, T.Q4_K)})
     from torch_qmm.interop.gguf_header import GGUFFormatError
 
-    with pytest.raises(GGUFFormatError, match=r"nan.gguf: tensor 'token_embd.weight' \(Q4_K\): embedding_from_gguf: the blocks "
-                                              r"have non-finite float16 d/dmin"):
+    with pytest.raises(GGUFFormatError, match=r"nan.gguf: tensor 'token_embd.weight' \(Q4_K\): embedding_from_gguf: "
+                                              r"the blocks have non-finite float16 d/dmin"):
         embedding_from_gguf(GGUFFile(tmp_path / "nan.gguf").tensors["token_embd.weight"])
 
 

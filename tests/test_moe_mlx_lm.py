@@ -269,7 +269,8 @@ EXPERT_FILE_EDITS = {  # family, quantized, edit, message
     "inf-expert-biases": ("mixtral", True,
                           lambda t: t["model.layers.1.block_sparse_moe.switch_mlp.down_proj.biases"].__setitem__(
                               (0, 0, 0), float("inf")),
-                          r"tensor 'model\.layers\.1\.block_sparse_moe\.switch_mlp\.down_proj\.biases' \(F32\) holds NaN"),
+                          r"tensor 'model\.layers\.1\.block_sparse_moe\.switch_mlp\.down_proj\.biases' "
+                          r"\(F32\) holds NaN"),
 }
 
 

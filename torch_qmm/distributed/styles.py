@@ -132,8 +132,7 @@ class ShardedQuantEmbedding(QuantEmbedding):
         view = types.SimpleNamespace(
             qweight=qweight, scales=scales, biases=biases, num_embeddings=rows_here,
             embedding_dim=qweight.shape[1] * 32 // self.bits, group_size=self.group_size, bits=self.bits,
-            mode=self.mode, compute_dtype=self.compute_dtype, embed_scale=self.embed_scale,
-            _embed_scales=self._embed_scales)
+            mode=self.mode, compute_dtype=self.compute_dtype, _embed_scales=self._embed_scales)
         rows = QuantEmbedding.forward(view, ids)
         if self.tp_split == 0:
             return global_output(rows.masked_fill(outside.unsqueeze(-1), 0), mesh, Partial(), self.embedding_dim)

@@ -564,10 +564,9 @@ def _q4_k_table(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     (q4_k_to_affine)."""
     n, k = t.shape
     try:
-        wq, scales, biases = _k_affine64(t.raw, n, k, Q4_K, "embedding_from_gguf")
+        return (*_k_quant_to_affine(t.raw, n, k, Q4_K, torch.float32, "embedding_from_gguf"), 4, 32)
     except ValueError as e:  # (non-finite block scales)
         raise GGUFFormatError(f"{t.source}: tensor {t.name!r} ({t.type_name}): {e}") from None
-    return torch.from_numpy(wq), torch.from_numpy(scales).float(), torch.from_numpy(biases).float(), 4, 32
 
 
 def embedding_from_gguf(t: GGUFTensor, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -576,8 +575,9 @@ def embedding_from_gguf(t: GGUFTensor, dtype: torch.dtype = torch.float32) -> to
     once) for float and the other K-quant tables."""
     _check_matrix(t, "an embedding table", "[vocab >= 1, dim >= 1]")
     n, k = t.shape
-    if t.ggml_type in AFFINE_TYPES or (t.ggml_type == Q4_K and dtype == torch.float32):
-        wq, scales, biases, bits, gs = to_affine(t, dtype) if t.ggml_type in AFFINE_TYPES else _q4_k_table(t)
+    q4_k = t.ggml_type == Q4_K and dtype == torch.float32
+    if t.ggml_type in AFFINE_TYPES or q4_k:
+        wq, scales, biases, bits, gs = _q4_k_table(t) if q4_k else to_affine(t, dtype)
         emb = QuantEmbedding(n, k, bits, gs, dtype=dtype)
         emb.qweight.copy_(wq)
         emb.scales.copy_(scales)

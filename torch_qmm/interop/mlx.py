@@ -83,7 +83,8 @@ class LoadReport:
     float_tensors: int
     bytes_read: int
     tied: list[str] = dataclasses.field(default_factory=list)
-    dequantized: list[str] = dataclasses.field(default_factory=list)  # stored quantized, kept float (MoE routers, embeddings of their own forward)
+    # stored quantized, kept float (MoE routers, embeddings with a forward of their own)
+    dequantized: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         return (

@@ -50,13 +50,19 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         if embed_scale is not None and (type(embed_scale) not in (int, float) or not math.isfinite(embed_scale)):
             raise ValueError(f"argument 'embed_scale' must be a finite float or None, got {embed_scale!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.embed_scale = None if embed_scale is None else float(embed_scale)
-        # the scale rounded to each compute dtype, once (a lookup multiplies by its dtype's)
-        self._embed_scales = None if embed_scale is None else {t: _rounded(self.embed_scale, t) for t in SUPPORTED_DTYPES}
+        self._embed_scale = None if embed_scale is None else float(embed_scale)
+        # ... rounded to each compute dtype, made once (a lookup multiplies by its dtype's)
+        self._embed_scales = (None if embed_scale is None else
+                              {t: _rounded(self._embed_scale, t) for t in SUPPORTED_DTYPES})
         register_quantized_weight(self, num_embeddings, embedding_dim, bits, group_size, mode, device, dtype,
                                   "embedding_dim")
         # Empty and not saved: carries the compute dtype through .to() (fp modes have no float buffer).
         self.register_buffer("_compute_dtype", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def embed_scale(self) -> float | None:
+        """The factor lookups are multiplied by (None: none), as given."""
+        return self._embed_scale
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -83,8 +89,8 @@ class QuantEmbedding(QuantFormatState, nn.Module):
             raise ValueError(f"argument 'embedding' must have max_norm=None (QuantEmbedding reads its rows as "
                              f"stored), got max_norm={embedding.max_norm}")
         if not replaceable_embedding(embedding):
-            raise ValueError(f"argument 'embedding' must be an nn.Embedding or a scaled embedding of transformers' "
-                             f"Gemma models (QuantEmbedding does what their forward does), got a "
+            raise ValueError(f"argument 'embedding' must be an nn.Embedding or one of transformers' scaled embeddings "
+                             f"(Gemma's: QuantEmbedding does what their forward does), got a "
                              f"{type(embedding).__name__}, whose forward may do more")
         return quantized_from(cls, embedding.weight, dtype, embedding.num_embeddings, embedding.embedding_dim, bits,
                               group_size, mode=mode, embed_scale=embedding_scale(embedding))
@@ -127,7 +133,7 @@ class QuantEmbedding(QuantFormatState, nn.Module):
         biases = None if self.biases is None else rows_of(self.biases)
         rows = dequantize(rows_of(self.qweight), rows_of(self.scales), biases, group_size=self.group_size,
                           bits=self.bits, mode=self.mode, dtype=self.compute_dtype)
-        if self.embed_scale is not None:
+        if self._embed_scales is not None:
             rows = rows * self._embed_scales[rows.dtype]
         return rows.reshape(*ids.shape, self.embedding_dim)
 
@@ -158,7 +164,8 @@ class _ScaledEmbedding(nn.Embedding):
 
 def _same_code(f, g) -> bool:
     a, b = getattr(f, "__code__", None), getattr(g, "__code__", None)
-    return a is not None and b is not None and (a.co_code, a.co_names, a.co_consts) == (b.co_code, b.co_names, b.co_consts)
+    return (a is not None and b is not None
+            and (a.co_code, a.co_names, a.co_consts) == (b.co_code, b.co_names, b.co_consts))
 
 
 def _is_scaled_embedding(module: nn.Module) -> bool:
