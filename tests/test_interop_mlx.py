@@ -824,6 +824,7 @@ def test_a_quantized_embedding_of_a_forward_of_its_own_loads_float(tmp_path):
     model.head.weight = model.emb.weight
     assert load_mlx(model, tmp_path).dequantized == ["emb"]
     assert model.head.weight is model.emb.weight and torch.equal(model.head.weight.detach(), expected)
-    with pytest.raises(ValueError, match=r"argument 'embedding' must be an nn.Embedding or one of transformers' scaled embeddings.*"
+    with pytest.raises(ValueError, match=r"argument 'embedding' must be an nn.Embedding or one of transformers' "
+                                         r"scaled embeddings.*"
                                          r"got a Shifted"):
         QuantEmbedding.from_embedding(Shifted(64, 64), bits=4, group_size=32)
