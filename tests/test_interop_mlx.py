@@ -828,3 +828,12 @@ def test_a_quantized_embedding_of_a_forward_of_its_own_loads_float(tmp_path):
                                          r"scaled embeddings.*"
                                          r"got a Shifted"):
         QuantEmbedding.from_embedding(Shifted(64, 64), bits=4, group_size=32)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "2.0", torch.tensor(2.0)])
+def test_quant_embedding_refuses_an_embed_scale_that_is_not_a_finite_float(bad):
+    with pytest.raises(ValueError, match=r"argument 'embed_scale' must be a finite float or None, got "):
+        QuantEmbedding(16, 64, bits=4, group_size=32, embed_scale=bad)
+    emb = QuantEmbedding(16, 64, bits=4, group_size=32, embed_scale=3)
+    with pytest.raises(AttributeError):  # read-only: its rounded forms are made from it once
+        emb.embed_scale = 2.0
