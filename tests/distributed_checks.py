@@ -397,32 +397,43 @@ def check_tied_quant_embedding(rank: int, world: int, mesh) -> dict:
 
 
 def check_load_pretrained(rank: int, world: int, mesh) -> dict:
-    """transformers' save_pretrained of a torch_qmm-quantized tiny llama, loaded into each rank's
-    slices, against from_pretrained of the same folder in one process."""
+    """transformers' save_pretrained of a torch_qmm-quantized tiny llama (its linear layers; or
+    also its embedding, tied to the head), loaded into each rank's slices, against from_pretrained
+    of the same folder in one process."""
     from transformers import LlamaForCausalLM
+    from torch.distributed.tensor import DTensor
     from torch_qmm.distributed import empty_parameters, load_pretrained_sharded, tp_plan
+    from torch_qmm.interop.modules import QuantEmbedding, TiedQuantLinear
     from torch_qmm.interop.transformers import TorchQmmConfig
 
-    folder = os.path.join(SCRATCH, "hf-llama")
-    if rank == 0:
-        tiny_llama(world).save_pretrained(folder + "-float")
-        LlamaForCausalLM.from_pretrained(folder + "-float", quantization_config=TorchQmmConfig(
-            bits=4, group_size=32)).save_pretrained(folder)
-    dist.barrier()
-    single = LlamaForCausalLM.from_pretrained(folder).eval()
-    with empty_parameters():
-        model = LlamaForCausalLM(single.config).eval()
-    report = load_pretrained_sharded(model, folder, mesh, tp_plan(model))
-    ids = torch.randint(0, single.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        want, got = single(ids).logits, model(ids).logits
-    from torch.distributed.tensor import DTensor
-    replicated = sum(t.numel() * t.element_size() for k, t in model.state_dict().items()
-                     if not isinstance(t, DTensor) and not k.endswith("_extra_state"))
-    return {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+    out = {}
+    for case, embeddings in (("linears", None), ("tied-embedding", ["model.embed_tokens"])):
+        folder = os.path.join(SCRATCH, f"hf-llama-{case}")
+        if rank == 0:
+            float_model = tiny_llama(world)
+            float_model.config.tie_word_embeddings = embeddings is not None
+            float_model.tie_weights()
+            float_model.save_pretrained(folder + "-float")
+            LlamaForCausalLM.from_pretrained(folder + "-float", quantization_config=TorchQmmConfig(
+                bits=4, group_size=32, embeddings=embeddings)).save_pretrained(folder)
+        dist.barrier()
+        single = LlamaForCausalLM.from_pretrained(folder).eval()
+        with empty_parameters():
+            model = LlamaForCausalLM(single.config).eval()
+        report = load_pretrained_sharded(model, folder, mesh, tp_plan(model))
+        ids = torch.randint(0, single.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            want, got = single(ids).logits, model(ids).logits
+        replicated = sum(t.numel() * t.element_size() for k, t in model.state_dict().items()
+                         if not isinstance(t, DTensor) and not k.endswith("_extra_state"))
+        out[case] = {
+            "max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
             "quantized": len(report.quantized), "bytes_read": report.bytes_read, "bytes_total": report.bytes_total,
             "replicated_bytes": replicated,
-            "single_quantized": sum(isinstance(m, QuantLinear) for m in single.modules())}
+            "single_quantized": sum(isinstance(m, (QuantLinear, QuantEmbedding, TiedQuantLinear))
+                                    for m in single.modules()),
+            "embedding": type(model.model.embed_tokens).__name__, "head": type(model.lm_head).__name__}
+    return out
 
 
 def check_load_mlx_other_folders(rank: int, world: int, mesh) -> str | None:

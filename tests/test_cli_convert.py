@@ -15,7 +15,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from torch_qmm.__main__ import main
-from torch_qmm.interop import parse_quantization
+from torch_qmm.interop import QuantEmbedding, TiedQuantLinear, parse_quantization
 
 transformers = pytest.importorskip("transformers")
 from test_interop_gguf_llama import hf_model, write_llama_gguf  # noqa: E402
@@ -310,16 +310,16 @@ def test_gguf_requantize_rest_uses_the_flags_for_layers_without_an_exact_form(gg
 
 
 def test_gguf_to_transformers_reports_why_the_embedding_is_float(gguf_path, tmp_path, capsys):
-    """The transformers format keeps the embedding float, and under --requantize all the output
-    head too; the report says why instead of suggesting --requantize rest (which would not
-    quantize them either)."""
+    """Under --requantize all the transformers format leaves the embedding and the output head
+    float; the report says why and that without --requantize they stay exact, instead of
+    suggesting --requantize rest (which would not quantize them either)."""
     assert main(["convert", str(gguf_path), str(tmp_path / "hf"), "--requantize", "all", "--bits", "8",
                  "--group-size", "32"]) == 0
     report = _report(capsys.readouterr().out)
     assert report["model.layers.0.self_attn.q_proj"] == "re-quantized Q8_0 -> affine b8 gs32"
     assert report["model.embed_tokens"] == (
-        "decoded Q4_0 -> float float32 (as gguf decodes it; the transformers format keeps the embedding float; "
-        "--format mlx keeps it quantized)")
+        "decoded Q4_0 -> float float32 (as gguf decodes it; --requantize all leaves the embedding float in the "
+        "transformers format; without --requantize it stays Q4_0, exact)")
     assert report["lm_head"] == (
         "decoded Q8_0 -> float float32 (as gguf decodes it; --requantize all leaves the output head float in the "
         "transformers format; without --requantize it stays Q8_0, exact)")
@@ -357,8 +357,8 @@ def test_convert_reports_the_k_quants_without_an_affine_form_as_float_naming_how
     assert main(["convert", str(path), str(tmp_path / "hf")]) == 0
     report = _report(capsys.readouterr().out)
     assert report["model.embed_tokens"] == (
-        "decoded Q3_K -> float float32 (as gguf decodes it; the transformers format keeps the embedding float; it "
-        "has no exact affine form: --format mlx --requantize rest quantizes it)")
+        "decoded Q3_K -> float float32 (as gguf decodes it; no exact affine form, and the transformers format "
+        "quantizes no float embedding: --format mlx --requantize rest quantizes it)")
     assert report["model.layers.0.mlp.down_proj"] == (
         "decoded Q2_K -> float float32 (as gguf decodes it; no exact affine form: --requantize rest quantizes it)")
     assert report["model.layers.0.self_attn.v_proj"] == "lossless Q5_K -> affine b5 gs32"
@@ -474,25 +474,29 @@ def test_gguf_to_transformers_is_lossless_by_default(hf_mix_gguf, tmp_path, caps
             else:
                 assert torch.equal(w, want.double()), key
             assert report[key.removesuffix(".weight")] == f"lossless {kind} -> affine b{bits} gs32"
-        elif key.endswith(".weight") and want.dim() == 2:  # the float layers: the embedding, Q6_K, F16, F32, head
-            assert type(module) in (torch.nn.Linear, torch.nn.Embedding), key
+        elif key == "model.embed_tokens.weight":  # Q4_0: the affine embedding, bit for bit
+            assert isinstance(module, QuantEmbedding), key
+            assert (module.bits, module.group_size, module.mode) == (4, 32, "affine"), key
+            w = reference.dequantize(module.qweight, module.scales, module.biases, 4, 32)
+            assert torch.equal(w, want.double()), key
+        elif key.endswith(".weight") and want.dim() == 2:  # the float layers: Q6_K, F16, F32, head
+            assert type(module) is torch.nn.Linear, key
             assert torch.equal(module.weight.detach(), want), key
         else:  # norms
             assert torch.equal(model.get_parameter(key).detach(), want), key
     assert report["model.layers.1.self_attn.v_proj"].startswith("decoded Q6_K -> float float32 (as gguf decodes it;")
     assert report["model.layers.1.mlp.up_proj"] == "kept F16 -> float float32"
-    assert report["model.embed_tokens"].startswith("decoded Q4_0 -> float float32 (as gguf decodes it; the "
-                                                   "transformers format keeps the embedding float")
+    assert report["model.embed_tokens"] == "lossless Q4_0 -> affine b4 gs32"
     if tied:
-        assert model.lm_head.weight is model.model.embed_tokens.weight
-        assert torch.equal(model.lm_head.weight.detach(), held["model.embed_tokens.weight"])
-        assert report["lm_head"] == "tied to the embedding (float float32)"
+        assert isinstance(model.lm_head, TiedQuantLinear) and model.lm_head.embedding is model.model.embed_tokens
+        assert report["lm_head"] == "tied to the embedding (affine b4 gs32)"
     else:
         assert report["lm_head"].startswith("decoded Q6_K -> float float32 (as gguf decodes it; no exact affine "
                                              "form, and the transformers format quantizes no output head")
     saved = json.loads((out / "config.json").read_text())["quantization_config"]
     assert saved["quant_method"] == "torch_qmm" and (saved["group_size"], saved["mode"]) == (32, "affine")
-    assert len(saved["bits"]) == 4 * 2  # the four exact projections of both layers, each with its bits
+    # the four exact projections of both layers and the embedding, each with its bits
+    assert len(saved["bits"]) == 4 * 2 + 1 and saved["embeddings"] == ["model.embed_tokens"]
 
     # The logits of the GGUF model as load_gguf_llama builds it. Both hold the same weights exactly;
     # they differ only in their float32 kernels' summation order (gguf_qmm for Q4_K / Q6_K, the
@@ -508,7 +512,7 @@ def test_gguf_requantize_rest_to_transformers_quantizes_the_rest_and_keeps_the_e
         hf_mix_gguf, tmp_path, capsys):
     """--requantize rest --bits 6: the Q6_K / F16 / F32 linear layers become 6-bit layers of group
     size 32 (rtn of gguf's decoded weights, MLX's quantizer); the exact layers keep the file's
-    values, the embedding and the output head stay float."""
+    values (the Q4_0 embedding too), the Q6_K output head stays float."""
     import torch_qmm.interop.transformers  # noqa: F401
     from torch_qmm import reference
     from torch_qmm.nn import QuantLinear
@@ -534,9 +538,15 @@ def test_gguf_requantize_rest_to_transformers_quantizes_the_rest_and_keeps_the_e
             w = reference.dequantize(m.qweight, m.scales, m.biases, bits, 32).float()
             assert torch.equal(w, held[f"{key}.weight"]), key
             assert report[key] == f"lossless {kind} -> affine b{bits} gs32"
-    assert type(model.model.embed_tokens) is torch.nn.Embedding and type(model.lm_head) is torch.nn.Linear
-    assert torch.equal(model.model.embed_tokens.weight.detach(), held["model.embed_tokens.weight"])
-    assert torch.equal(model.lm_head.weight.detach(), held["model.embed_tokens.weight" if tied else "lm_head.weight"])
+    emb = model.model.embed_tokens  # Q4_0: exact, as without --requantize
+    assert isinstance(emb, QuantEmbedding) and (emb.bits, emb.group_size) == (4, 32)
+    assert torch.equal(reference.dequantize(emb.qweight, emb.scales, emb.biases, 4, 32).float(),
+                       held["model.embed_tokens.weight"])
+    if tied:
+        assert isinstance(model.lm_head, TiedQuantLinear) and model.lm_head.embedding is emb
+    else:  # Q6_K: no exact form, and the transformers format quantizes no head
+        assert type(model.lm_head) is torch.nn.Linear
+        assert torch.equal(model.lm_head.weight.detach(), held["lm_head.weight"])
 
 
 def test_gguf_requantize_rest_to_transformers_takes_any_group_size_without_exact_layers(tmp_path, capsys):

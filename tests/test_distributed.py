@@ -199,11 +199,17 @@ def test_gguf_layers_against_gguf_dequantize(ranks):
 
 def test_transformers_save_loads_into_each_ranks_slices(ranks):
     world, values = _values(ranks, "load_pretrained")
-    for v in values:
-        assert v["max_diff"] <= STACK_RTOL * v["scale"], v
-        assert v["quantized"] == v["single_quantized"] == 14  # lm_head stays float (transformers' default)
-        sharded = v["bytes_total"] - v["replicated_bytes"]
-        assert v["bytes_read"] == sharded // world + v["replicated_bytes"], v
+    for cases in values:
+        for case, v in cases.items():
+            assert v["max_diff"] <= STACK_RTOL * v["scale"], (case, v)
+            if case == "linears":  # lm_head stays float (transformers' default)
+                assert v["quantized"] == v["single_quantized"] == 14, v
+                assert (v["embedding"], v["head"]) == ("Embedding", "Linear"), v
+            else:  # the embedding too, and the head tied to it (a layer of its own reading its tensors)
+                assert v["quantized"] == v["single_quantized"] == 16, v
+                assert (v["embedding"], v["head"]) == ("ShardedQuantEmbedding", "QuantLinear"), v
+            sharded = v["bytes_total"] - v["replicated_bytes"]
+            assert v["bytes_read"] == sharded // world + v["replicated_bytes"], (case, v)
 
 
 # ---- the plan built from a transformers model's own (no process group needed) -----------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,6 +171,10 @@ BAD_CONFIGS = [
     (dict(modules_to_not_convert=5), TypeError, r"argument 'modules_to_not_convert' must be a list of module names"),
     (dict(modules_to_not_convert="lm_head"), TypeError, r"'modules_to_not_convert' must be a list .* got 'lm_head'"),
     (dict(modules_to_not_convert=["lm_head", 3]), TypeError, r"'modules_to_not_convert' must be a list"),
+    (dict(embeddings="model.embed_tokens"), TypeError, r"argument 'embeddings' must be a list of module names"),
+    (dict(embeddings=[0]), TypeError, r"argument 'embeddings' must be a list of module names or None, got \[0\]"),
+    (dict(mixed_bits={"average": 4.5}, embeddings=["model.embed_tokens"]), ValueError,
+     r"argument 'embeddings': quantized embeddings take their bits from 'bits' as an int or a mapping"),
 ]
 
 
@@ -472,3 +477,68 @@ def test_a_loaded_model_owns_its_config_and_sub_configs():
     assert model.model.vision_tower.config is model.config.vision_config
     assert all(m.config in (model.config, model.config.text_config, model.config.vision_config)
                for m in model.modules() if "config" in m.__dict__)
+
+
+def _tiny_folder(path, family: str, tied: bool, hidden: int = 128):
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM)}[family]
+    config = cls[0](vocab_size=96, hidden_size=hidden, intermediate_size=256, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                    tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    cls[1](config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family, tied", [("llama", True), ("llama", False), ("gemma", True)])
+def test_embeddings_quantize_on_load_save_and_reload(tmp_path, family, tied, dtype):
+    """TorchQmmConfig(embeddings=...): the embedding becomes MLX's quantization of its table (codes,
+    scales and biases as mx.quantize gives them from the same float table), a head sharing its weight
+    reads it (TiedQuantLinear), Gemma's lookups keep their scale; save_pretrained lists the embedding
+    and from_pretrained rebuilds the same model, bit for bit."""
+    mx = pytest.importorskip("mlx.core")
+    from torch_qmm.interop.modules import QuantEmbedding, TiedQuantLinear
+
+    folder = _tiny_folder(tmp_path / "float", family, tied)
+    config = TorchQmmConfig(bits={"*": 4, "model.embed_tokens": 8}, group_size=64, embeddings=["model.embed_tokens"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=dtype).eval()
+    table = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).model.embed_tokens.weight.detach()
+    emb = model.model.embed_tokens
+    assert isinstance(emb, QuantEmbedding) and (emb.bits, emb.group_size, emb.compute_dtype) == (8, 64, dtype)
+    assert emb.embed_scale == (128 ** 0.5 if family == "gemma" else None)
+    wq, scales, biases = mx.quantize(mx.array(table.float().numpy()).astype(
+        mx.bfloat16 if dtype == torch.bfloat16 else mx.float32), group_size=64, bits=8)
+    assert np.array_equal(np.array(wq).view(np.uint32), emb.qweight.numpy())
+    assert torch.equal(torch.from_numpy(np.array(scales.astype(mx.float32))).to(dtype), emb.scales)
+    assert torch.equal(torch.from_numpy(np.array(biases.astype(mx.float32))).to(dtype), emb.biases)
+    if tied:
+        assert isinstance(model.lm_head, TiedQuantLinear) and model.lm_head.embedding is emb
+    else:  # transformers' default leaves the head float
+        assert type(model.lm_head) is torch.nn.Linear
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+    model.save_pretrained(tmp_path / "q")
+    saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert saved["embeddings"] == ["model.embed_tokens"] and saved["bits"]["model.embed_tokens"] == 8
+    assert "model.embed_tokens" not in saved["modules_to_not_convert"]
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=dtype).eval()
+    again = reloaded.model.embed_tokens
+    assert isinstance(again, QuantEmbedding) and again.embed_scale == emb.embed_scale
+    assert isinstance(reloaded.lm_head, TiedQuantLinear if tied else torch.nn.Linear)
+    _assert_same_state(model, reloaded)
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, model(IDS).logits)
+
+
+@pytest.mark.parametrize("embeddings, hidden, message", [
+    (["model.embeddings"], 128, r"'embeddings' names 'model\.embeddings', which is not a module of this LlamaForCausalLM"),
+    (["lm_head"], 128, r"'embeddings' names 'lm_head', a Linear; expected an nn\.Embedding"),
+    (["model.embed_tokens"], 96, r"'embeddings' names 'model\.embed_tokens', whose width 96 is not a multiple of "
+                                 r"group_size 64"),
+])
+def test_embeddings_the_model_cannot_quantize_are_named(tmp_path, embeddings, hidden, message):
+    folder = _tiny_folder(tmp_path / "float", "llama", tied=False, hidden=hidden)
+    with pytest.raises(ValueError, match=message):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=TorchQmmConfig(bits=4, group_size=64, embeddings=embeddings))

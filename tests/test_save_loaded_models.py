@@ -1,10 +1,10 @@
 """Saving a transformers model that load_gguf_llama / load_mlx filled with torch_qmm layers.
 
 save_pretrained of such a model either writes a folder from_pretrained rebuilds into the same
-layers (a quantization_config recorded by the loader: QuantLinear layers only) or one whose reload
-is a ValueError saying why (a QuantEmbedding, its tied head or GGUFLinear layers, which a
-quantization_config cannot describe), never one transformers reloads with random weights in
-place of those layers. save_mlx refuses GGUFLinear layers (GGUF blocks, which MLX cannot read).
+layers (a quantization_config recorded by the loader: QuantLinear and QuantEmbedding layers, a
+head tied to a quantized embedding) or one whose reload is a ValueError saying why (GGUFLinear
+layers, which a quantization_config cannot describe), never one transformers reloads with random
+weights in place of those layers. save_mlx refuses GGUFLinear layers (GGUF blocks, which MLX cannot read).
 The expected logits come from the same architecture holding the file's weights as the gguf
 package decodes them."""
 
@@ -48,59 +48,76 @@ def expected_logits(held, tied: bool) -> torch.Tensor:
         return model(IDS).logits
 
 
+# Float embedding and head, every linear layer of a 32-weight type (QuantLinear); with a Q8_0
+# embedding (a QuantEmbedding) tied to the head (TiedQuantLinear), or a Q4_0 embedding and a Q8_0
+# head of their own.
+RELOADABLE = {"affine-linears": (AFFINE_LINEARS, False),
+              "quantized-embedding-tied": ({**AFFINE_LINEARS, "embed": T.Q8_0}, True),
+              "quantized-embedding-and-head": ({**AFFINE_LINEARS, "embed": T.Q4_0, "lm_head": T.Q8_0}, False)}
+
+
+def check_reloaded(reloaded, types, tied):
+    layer = reloaded.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, QuantLinear) and layer.self_attn.q_proj.bits == 8
+    assert isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.bits == 4
+    embedding, head = reloaded.model.embed_tokens, reloaded.lm_head
+    if "embed" not in types:
+        assert type(embedding) is torch.nn.Embedding and type(head) is torch.nn.Linear
+    else:
+        assert isinstance(embedding, QuantEmbedding) and embedding.bits == (8 if types["embed"] == T.Q8_0 else 4)
+        assert (head.embedding is embedding) if tied else (isinstance(head, QuantLinear) and head.bits == 8)
+
+
 @pytest.mark.parametrize("on_meta", [False, True])
-def test_save_pretrained_of_a_gguf_model_with_affine_layers_reloads_them(tmp_path, on_meta):
-    # Float embedding and head, every linear layer of a 32-weight type (QuantLinear).
-    held = write_llama_gguf(hf_model(tied=False), tmp_path / "m.gguf", AFFINE_LINEARS, np.random.default_rng(0))
+@pytest.mark.parametrize("case", RELOADABLE)
+def test_save_pretrained_of_a_gguf_model_with_affine_layers_reloads_them(tmp_path, on_meta, case):
+    types, tied = RELOADABLE[case]
+    held = write_llama_gguf(hf_model(tied=tied), tmp_path / "m.gguf", types, np.random.default_rng(0))
     model = load(tmp_path / "m.gguf", on_meta)
     model.save_pretrained(tmp_path / "out")
 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    layer = reloaded.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, QuantLinear) and layer.self_attn.q_proj.bits == 8
-    assert isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.bits == 4
+    check_reloaded(reloaded, types, tied)
     with torch.no_grad():
         got = reloaded(IDS).logits
-    want = expected_logits(held, tied=False)
+    want = expected_logits(held, tied=tied)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("types", [
-    {**AFFINE_LINEARS, "embed": T.Q8_0},                 # QuantEmbedding, tied head
-    {**AFFINE_LINEARS, "down_proj": T.Q4_K},             # GGUFLinear
-], ids=["quantized-embedding", "gguf-linear"])
-def test_save_pretrained_of_a_gguf_model_a_config_cannot_describe_does_not_reload_random_weights(tmp_path, types):
-    write_llama_gguf(hf_model(tied=True), tmp_path / "m.gguf", types, np.random.default_rng(0))
+def test_save_pretrained_of_a_gguf_model_a_config_cannot_describe_does_not_reload_random_weights(tmp_path):
+    write_llama_gguf(hf_model(tied=True), tmp_path / "m.gguf", {**AFFINE_LINEARS, "down_proj": T.Q4_K},
+                     np.random.default_rng(0))
     model = load(tmp_path / "m.gguf", on_meta=True)
-    odd = "model.embed_tokens" if "embed" in types else "model.layers.0.mlp.down_proj"
-    assert isinstance(model.get_submodule(odd), (QuantEmbedding, GGUFLinear))
+    odd = "model.layers.0.mlp.down_proj"
+    assert isinstance(model.get_submodule(odd), GGUFLinear)
     model.save_pretrained(tmp_path / "out")
 
     with pytest.raises(ValueError, match=r"from_pretrained cannot rebuild") as e:
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert odd in str(e.value) and "load_gguf_llama" in str(e.value)
-    if "embed" in types:  # save_mlx writes this model (and reloads it: the test below)
-        assert "save_mlx" in str(e.value)
-    else:  # save_mlx refuses GGUF blocks: convert is the way, not save_mlx
-        assert "save_mlx" not in str(e.value) and "torch_qmm convert" in str(e.value)
+    # save_mlx refuses GGUF blocks: convert is the way, not save_mlx
+    assert "save_mlx" not in str(e.value) and "torch_qmm convert" in str(e.value)
 
 
-def test_save_pretrained_of_an_mlx_folder_with_a_quantized_embedding_is_refused_on_reload(tmp_path):
-    held = write_llama_gguf(hf_model(tied=True), tmp_path / "m.gguf", {**AFFINE_LINEARS, "embed": T.Q8_0},
-                            np.random.default_rng(0))
+@pytest.mark.parametrize("case", ["quantized-embedding-tied", "quantized-embedding-and-head"])
+def test_save_pretrained_of_an_mlx_folder_with_a_quantized_embedding_reloads(tmp_path, case):
+    types, tied = RELOADABLE[case]
+    held = write_llama_gguf(hf_model(tied=tied), tmp_path / "m.gguf", types, np.random.default_rng(0))
     save_mlx(load(tmp_path / "m.gguf", on_meta=True), tmp_path / "mlx")
     config = transformers.AutoConfig.from_pretrained(tmp_path / "mlx")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     load_mlx(model, tmp_path / "mlx", progress=False)
+    want = expected_logits(held, tied=tied)
     with torch.no_grad():
         got = model(IDS).logits
-    want = expected_logits(held, tied=True)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
     model.save_pretrained(tmp_path / "out")  # the MLX "quantization" entry is not written as it was read
-    with pytest.raises(ValueError, match=r"from_pretrained cannot rebuild.*model\.embed_tokens \(QuantEmbedding\)"):
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    check_reloaded(reloaded, types, tied)
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, got)
 
 
 def test_save_mlx_refuses_gguf_blocks(tmp_path):

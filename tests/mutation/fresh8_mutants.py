@@ -112,8 +112,8 @@ MUTANTS: list[Mutant] = [
            "writes a folder that reloads into float layers"),
     # ---- transformers integration ----------------------------------------------------------------
     Mutant("t8-recorded-config-quantizes-float-layers", "torch_qmm/interop/transformers.py",
-           "        modules_to_not_convert=sorted(_float_layers(model)))",
-           "        modules_to_not_convert=None)", TRANSFORMERS,
+           "        modules_to_not_convert=sorted(_float_layers(model)),",
+           "        modules_to_not_convert=None,", TRANSFORMERS,
            "the recorded config lists no float layers: a reload quantizes the layers (the output head, "
            "those filter_fn left out) that were float when saved"),
     Mutant("t8-new-dtype-casts-into-codes", "torch_qmm/interop/transformers.py",

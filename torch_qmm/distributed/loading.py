@@ -388,8 +388,9 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
                             dtype: torch.dtype | None = None,
                             device: str | torch.device = "cpu") -> ShardedLoadReport:
     """As load_mlx_sharded, for a folder saved by transformers' save_pretrained with torch_qmm's
-    quantization_config (quant_method "torch_qmm"): the layers it stores as QuantLinear
-    (`<layer>.qweight`) become QuantLinear in the saved format, checked against each layer's saved
+    quantization_config (quant_method "torch_qmm"): the layers it stores as QuantLinear or
+    QuantEmbedding (`<layer>.qweight`) become those in the saved format (a head tied to a quantized
+    embedding: a QuantLinear reading its tensors, as load_mlx_sharded), checked against each layer's saved
     format state (`_extra_state`), and the quantized experts of MoE blocks (their QuantFusedExperts
     buffers, gate_up packed; under the names transformers' save gives them: a Mixtral block is
     block_sparse_moe) become QuantFusedExperts, each rank reading its rows of gate_up (two runs
@@ -417,12 +418,21 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
         return bits if not isinstance(bits, dict) else bits.get(name, bits.get("*"))
 
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or stored(f"{name}.qweight") not in ckpt:
+        if type(module) is not nn.Linear and not isinstance(module, nn.Embedding):
             continue
-        layer_bits = bits_of(name)
+        if stored(f"{name}.qweight") not in ckpt:
+            continue
+        layer_bits, group_size, mode = bits_of(name), q.get("group_size"), q.get("mode", "affine")
         try:  # the format's checks (bits, group_size, mode and how they go together) name the argument
-            new = QuantLinear(module.in_features, module.out_features, bias=stored(f"{name}.bias") in ckpt, bits=layer_bits,
-                              group_size=q.get("group_size"), device="meta", dtype=dtype, mode=q.get("mode", "affine"))
+            if isinstance(module, nn.Embedding):  # (the embeddings the config lists; a tied head: _untie_heads)
+                if not replaceable_embedding(module):
+                    raise ValueError(f"a {type(module).__name__} has a forward of its own, which a QuantEmbedding "
+                                     "does not do")
+                new = QuantEmbedding(module.num_embeddings, module.embedding_dim, layer_bits, group_size,
+                                     device="meta", dtype=dtype, mode=mode, embed_scale=embedding_scale(module))
+            else:
+                new = QuantLinear(module.in_features, module.out_features, bias=stored(f"{name}.bias") in ckpt,
+                                  bits=layer_bits, group_size=group_size, device="meta", dtype=dtype, mode=mode)
         except ValueError as e:
             raise ValueError(f"{folder / 'config.json'}: quantization_config of layer {name!r}: {e}") from None
         state_key = stored(f"{name}.{FORMAT_STATE_KEY}")

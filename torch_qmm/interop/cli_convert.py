@@ -22,8 +22,8 @@ from .gguf import K_AFFINE_BITS, GGUFFile, GGUFTensor, affine_exact, dequantize,
 from .gguf_moe import (block_experts, describe as describe_experts, expert_part, experts_module_name, fill_float,
                        float_experts_module, projection_stacks)
 from .gguf_types import AFFINE_TYPES, FP_TYPES, Q4_K, type_name
-from .modules import (GGUFLinear, QuantEmbedding, TiedQuantLinear, replace_module, replaceable_embedding,
-                      tie_float_output, tie_output)
+from .modules import (GGUFLinear, QuantEmbedding, TiedQuantLinear, replace_embedding, replace_module,
+                      replaceable_embedding, tie_float_output)
 from .output_folder import check_destination, side_file_source, staged_output
 
 DESCRIPTION = """\
@@ -53,9 +53,9 @@ group size 32 (exact with float32 scales, the default for GGUF; --dtype
 float16/bfloat16 rounds them, and bfloat16 the others' float16 scales; the output says which layers). Layers
 without an exact affine form (Q2_K, Q3_K, Q6_K, the lattice i-quants IQ1_S .. IQ3_S, float) stay float unless --requantize asks otherwise:
 rest quantizes them with --bits/--group-size, all re-quantizes every layer (lossy); --bits,
---group-size, --method and --calibration apply only with --requantize. The transformers format keeps the embedding float
-(decoded exactly; a tied output head stays tied to it) and an exact output head, and quantizes
-no other head; its quantization_config holds one group size and mode, so there --requantize rest
+--group-size, --method and --calibration apply only with --requantize. The transformers format keeps an exact
+embedding (a tied output head reads it) and an exact output head, and quantizes no other
+embedding or head (decoded exactly, a tied head stays tied to the embedding); its quantization_config holds one group size and mode, so there --requantize rest
 quantizes with the exact layers' group size 32 and refuses another. Both formats get tokenizer
 files built (by transformers) from the GGUF's tokenizer metadata. The output lists what happened
 to every layer.
@@ -168,10 +168,7 @@ def _k_quants_to_affine_modules(model: nn.Module, f: GGUFFile, dtype: torch.dtyp
         new.qweight.copy_(wq)
         new.scales.copy_(scales)
         new.biases.copy_(biases)
-        tied = [o for o, lin in model.named_modules() if type(lin) is nn.Linear and lin.weight is emb.weight]
-        replace_module(model, module_name, new)
-        for out_name in tied:
-            tie_output(model, out_name, new)
+        replace_embedding(model, module_name, new)
     return exact
 
 
@@ -269,11 +266,11 @@ _EXACT_TYPES = AFFINE_TYPES + tuple(t for t in K_AFFINE_BITS if t not in AFFINE_
 
 
 def _exact_linears(f: GGUFFile) -> dict[str, str]:
-    """{module: GGUF type} of the linear layers the transformers format keeps exact (affine, group
-    size 32): every matrix of an exact type but the embedding, which that format keeps float, and
-    each MoE projection (gate_up_proj of gate and up of one type, down_proj) of an exact type."""
+    """{module: GGUF type} of the layers the transformers format keeps exact (affine, group size
+    32): every matrix of an exact type, and each MoE projection (gate_up_proj of gate and up of one
+    type, down_proj) of an exact type."""
     exact = {name: type_name(t.ggml_type) for name, t in _weight_tensors(f).items()
-             if len(t.shape) == 2 and t.ggml_type in _EXACT_TYPES and t.name != "token_embd.weight"}
+             if len(t.shape) == 2 and t.ggml_type in _EXACT_TYPES}
     for block in sorted({p[0] for p in map(expert_part, f.tensors) if p is not None}):
         parts = block_experts(f, block)
         types = {"gate_up_proj": {parts["gate"].ggml_type, parts["up"].ggml_type}, "down_proj": {parts["down"].ggml_type}}
@@ -283,13 +280,11 @@ def _exact_linears(f: GGUFFile) -> dict[str, str]:
     return exact
 
 
-def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embedding: bool = False,
-               rest: tuple[int, int, str] | None = None):
-    """The GGUF model as a transformers model. keep_affine: the affine (and mxfp4) layers stay,
-    Q4_K / Q5_K / IQ4_XS layers become exact affine ones, everything else becomes float; without it every layer is float.
-    float_embedding (the transformers format, which has no quantized embedding; implied without
-    keep_affine): the embedding is float, decoded from the file by gguf, and a tied output head is
-    an nn.Linear tied to it.
+def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, rest: tuple[int, int, str] | None = None):
+    """The GGUF model as a transformers model. keep_affine: the affine (and mxfp4) layers and the
+    embedding stay, Q4_K / Q5_K / IQ4_XS layers become exact affine ones, everything else becomes
+    float; without it every layer is float (the embedding decoded from the file by gguf, a tied
+    output head an nn.Linear tied to it).
     rest: --requantize rest's (bits, group_size, mode), for the MoE experts (_experts_for_output).
     Returns (model, {quantized module: exact in dtype}, {module: GGUF type}, {experts: the projection
     re-quantized})."""
@@ -297,7 +292,7 @@ def _load_gguf(f: GGUFFile, dtype: torch.dtype, keep_affine: bool, float_embeddi
 
     from .gguf_llama import llama_config_from_gguf, load_gguf_llama
 
-    float_embedding = float_embedding or not keep_affine
+    float_embedding = not keep_affine
     config = llama_config_from_gguf(f)  # checked against the tensors before anything is built
     with torch.device("meta"):  # every tensor comes from the file (strict), the rotary frequencies from the config
         model = AutoModelForCausalLM.from_config(config).eval()
@@ -364,25 +359,14 @@ def _quantize_for_mlx(model: nn.Module, bits: int, group_size: int, method: str 
                      calibration=None, mode: str = "affine") -> set[str]:
     """Quantizes the float linear layers, the fused experts of MoE blocks and the embeddings of
     `model` (MLX's rule; the linear layers with `method`); returns the names quantized by this call."""
-    config = getattr(model, "config", None)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
     # (an embedding subclass whose forward QuantEmbedding does not do stays float; Gemma's scaled
     # ones are quantized with their scale, which mlx_lm's Gemma models apply themselves)
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and replaceable_embedding(m)}
-    tied_outputs = {
-        n: e for n, m in model.named_modules() if type(m) is nn.Linear
-        for e, emb in embeddings.items() if m.weight is emb.weight
-    }
     done = set()
     for name, emb in embeddings.items():
         if emb.embedding_dim % group_size == 0 and emb.max_norm is None:  # (max_norm: rows renormalized when read)
-            replace_module(model, name, QuantEmbedding.from_embedding(emb, bits=bits, group_size=group_size, mode=mode))
-            done.add(name)
-    for out_name, emb_name in tied_outputs.items():
-        emb = model.get_submodule(emb_name)
-        if tied and isinstance(emb, QuantEmbedding):
-            tie_output(model, out_name, emb)
-            done.add(out_name)
+            new = QuantEmbedding.from_embedding(emb, bits=bits, group_size=group_size, mode=mode)
+            done |= {name, *replace_embedding(model, name, new)}
     return done | _quantize_float_layers(model, bits, group_size, method, calibration, mode)
 
 
@@ -419,8 +403,9 @@ def _why_float(name: str, m: nn.Module, src: str, output_format: str, requantize
     if output_format == "transformers":
         if isinstance(m, nn.Embedding):
             if src in {type_name(t) for t in _EXACT_TYPES}:
-                return "the transformers format keeps the embedding float; --format mlx keeps it quantized"
-            return ("the transformers format keeps the embedding float; it has no exact affine form: --format mlx "
+                return (f"--requantize all leaves the embedding float in the transformers format; without "
+                        f"--requantize it stays {src}, exact")
+            return ("no exact affine form, and the transformers format quantizes no float embedding: --format mlx "
                     "--requantize rest quantizes it")
         if name == head:
             if src in {type_name(t) for t in _EXACT_TYPES}:
@@ -794,10 +779,9 @@ def run(args: argparse.Namespace) -> int:
                 quantized_now = _quantize_for_mlx(model, bits, group_size, args.method, calibration, args.mode)
             save_mlx(model, out, config=model.config.to_dict())
         elif is_gguf and args.requantize != "all":
-            # The exact layers as they are, the embedding float (the transformers format has no
-            # quantized embedding); --requantize rest quantizes the float linear layers but the head.
-            model, exact, origin, requantized = _load_gguf(gguf, dtype or torch.float32, keep_affine=True,
-                                                           float_embedding=True, rest=rest)
+            # The exact layers as they are (the embedding too, a tied head reading it); --requantize
+            # rest quantizes the float linear layers but the head.
+            model, exact, origin, requantized = _load_gguf(gguf, dtype or torch.float32, keep_affine=True, rest=rest)
             model.config.tie_word_embeddings = bool(model.config.tie_word_embeddings)
             if args.requantize == "rest":
                 quantized_now = _quantize_float_layers(model, bits, group_size, args.method, calibration, args.mode,

@@ -233,6 +233,24 @@ def tie_output(model: nn.Module, out_name: str, embedding: QuantEmbedding) -> No
         setattr(sub, attr, {k: v for k, v in mapping.items() if k != key})
 
 
+def replace_embedding(model: nn.Module, name: str, new: QuantEmbedding) -> list[str]:
+    """Puts the QuantEmbedding `new` in `model` at `name` in place of a float embedding; the
+    nn.Linear output layers tied to it become TiedQuantLinear over it (tie_output): those that
+    share its weight, and those a transformers model lists as tied to it (which from_pretrained
+    ties only after loading). Returns their names."""
+    old = model.get_submodule(name).weight
+    listed = {f"{prefix}.{target}" if prefix else target
+              for prefix, sub in model.named_modules()
+              for target, source in (getattr(sub, "all_tied_weights_keys", None) or {}).items()
+              if (f"{prefix}.{source}" if prefix else source) == f"{name}.weight"}
+    heads = [n for n, m in model.named_modules()
+             if type(m) is nn.Linear and (m.weight is old or f"{n}.weight" in listed)]
+    replace_module(model, name, new)
+    for head in heads:
+        tie_output(model, head, new)
+    return heads
+
+
 def tie_float_output(model: nn.Module, out_name: str, embedding: nn.Embedding) -> None:
     """The float output projection at `out_name` shares the float `embedding`'s weight, as transformers
     ties them, and the entries tie_output set aside are listed again (save_pretrained writes the

@@ -33,6 +33,7 @@ from ..convert import quantize_model
 from ..nn import QuantLinear, resolve_format
 from ..nn_moe import QuantFusedExperts
 from .experts import empty_quant_experts, fused_experts
+from .modules import QuantEmbedding, TiedQuantLinear, embedding_scale, replace_embedding, replaceable_embedding
 from ..quantizers.mixed import MixedBits
 
 QUANT_METHOD = "torch_qmm"
@@ -44,9 +45,10 @@ EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 def quantized_layers(model) -> dict:
-    """{name: layer} of the layers a saved config gives bits: every QuantLinear, and each
-    QuantFusedExperts as one entry (its down_proj), or one per projection where their bits differ."""
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    """{name: layer} of the layers a saved config gives bits: every QuantLinear and QuantEmbedding,
+    and each QuantFusedExperts as one entry (its down_proj), or one per projection where their bits
+    differ."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
     for n, m in model.named_modules():
         if isinstance(m, QuantFusedExperts):
             same = m.gate_up_proj.bits == m.down_proj.bits
@@ -76,6 +78,10 @@ class TorchQmmConfig(QuantizationConfigMixin):
         mode: "affine" (default), or an fp mode of torch_qmm.formats.FORMATS ("mxfp4", "nvfp4", ...).
         modules_to_not_convert: module names (or name suffixes) kept in float; None: transformers'
             default (the output head, tied weights, keep-in-fp32 modules).
+        embeddings: names of embeddings to quantize too, as MLX does (QuantEmbedding in the same
+            format; bits from `bits`, which is then an int or a mapping; an output head that shares
+            the embedding's weight reads the quantized table: TiedQuantLinear). None: embeddings
+            stay float. A saved config lists the model's quantized embeddings here.
         method: the quantizer: a name of torch_qmm.quantizers.names() ("rtn", MLX's, default; "mse",
             "awq", "gptq", ...) or GPTQ(...) / AWQ(...) options; the saved format is the same for
             all, so reloading ignores it (the saved config names the method's kind).
@@ -84,7 +90,8 @@ class TorchQmmConfig(QuantizationConfigMixin):
 
     def __init__(self, bits: int | Mapping[str, int] | MixedBits | None = None, group_size: int | None = None,
                  modules_to_not_convert: list[str] | None = None, method: Any = "rtn", calibration: Any = None,
-                 mode: str = "affine", mixed_bits: dict | None = None, **kwargs: Any) -> None:
+                 mode: str = "affine", mixed_bits: dict | None = None, embeddings: list[str] | None = None,
+                 **kwargs: Any) -> None:
         from ..quantizers import resolve
 
         if mixed_bits is not None:  # a MixedBits budget as to_dict writes it
@@ -117,11 +124,20 @@ class TorchQmmConfig(QuantizationConfigMixin):
                 and all(isinstance(n, str) for n in modules_to_not_convert)):
             raise TypeError(f"argument 'modules_to_not_convert' must be a list of module names or None, "
                             f"got {modules_to_not_convert!r}")
+        if embeddings is not None:
+            if not (isinstance(embeddings, (list, tuple)) and all(isinstance(n, str) for n in embeddings)):
+                raise TypeError(f"argument 'embeddings' must be a list of module names or None, got {embeddings!r}")
+            if isinstance(bits, MixedBits) and embeddings:
+                raise ValueError("argument 'embeddings': quantized embeddings take their bits from 'bits' as an int "
+                                 "or a mapping name -> bits, not a MixedBits budget (which spends it on the linear "
+                                 "layers)")
+            embeddings = list(embeddings)
         self.quant_method = QUANT_METHOD
         self.bits = default_bits if uniform else bits
         self.group_size = group_size
         self.mode = mode
         self.modules_to_not_convert = modules_to_not_convert
+        self.embeddings = embeddings
         self.method = method
         self.calibration = calibration
 
@@ -149,7 +165,8 @@ class TorchQmmConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict[str, Any]:
         out = {"quant_method": QUANT_METHOD, "bits": self.bits, "group_size": self.group_size, "mode": self.mode,
-               "modules_to_not_convert": self.modules_to_not_convert, "method": self.method_name}
+               "modules_to_not_convert": self.modules_to_not_convert, "embeddings": self.embeddings,
+               "method": self.method_name}
         if isinstance(self.bits, MixedBits):
             out["bits"], out["mixed_bits"] = None, dataclasses.asdict(self.bits)
         return out
@@ -234,11 +251,14 @@ def record_quantization_config(model) -> str | None:
     keep_quantized_experts_on_save(model)  # (a folder that cannot be reloaded is still written)
     others = _undescribed_layers(model)
     if others:
-        return (f"a quantization_config describes QuantLinear layers and MoE experts, not "
+        return (f"a quantization_config describes QuantLinear and QuantEmbedding layers and MoE experts, not "
                 f"{', '.join(others[:4])}{f' and {len(others) - 4} more' if len(others) > 4 else ''}")
     layers = quantized_layers(model)
     if not layers:
         return None
+    untied = _heads_tied_elsewhere(model)
+    if untied:
+        return f"the output layers {', '.join(untied)} read a quantized embedding that the model's config does not tie them to"
     formats = {(m.group_size, m.mode) for m in layers.values()}
     formats |= {(m.gate_up_proj.group_size, m.gate_up_proj.mode) for m in model.modules()
                 if isinstance(m, QuantFusedExperts)}
@@ -248,21 +268,35 @@ def record_quantization_config(model) -> str | None:
     bits = {n: m.bits for n, m in layers.items()}
     model.config.quantization_config = TorchQmmConfig(
         bits=next(iter(bits.values())) if len(set(bits.values())) == 1 else bits, group_size=group_size, mode=mode,
-        modules_to_not_convert=sorted(_float_layers(model)))
+        modules_to_not_convert=sorted(_float_layers(model)),
+        embeddings=sorted(n for n, m in model.named_modules() if isinstance(m, QuantEmbedding)) or None)
     return None
+
+
+def _heads_tied_elsewhere(model) -> list[str]:
+    """The TiedQuantLinear layers a reload would not tie again: a model built from the config ties
+    the output layer to the input embedding where tie_word_embeddings is set (replace_embedding
+    then finds it sharing the weight), and no other layer."""
+    heads = [(n, m) for n, m in model.named_modules() if isinstance(m, TiedQuantLinear)]
+    if not heads:
+        return []
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return [f"{n} (TiedQuantLinear)" for n, m in heads if not (tied and m.embedding is inputs)]
 
 
 def _undescribed_layers(model) -> list[str]:
     """The torch_qmm modules outside MoE experts of MLX's formats that TorchQmmHfQuantizer cannot
-    rebuild (QuantEmbedding, its tied output layer, GGUFLinear, GGUFSwitchLinear, QuantSwitchLinear),
-    as "name (class)"."""
+    rebuild (GGUFLinear, GGUFSwitchLinear, QuantSwitchLinear), as "name (class)"."""
     from ..nn_moe import QuantSwitchLinear
-    from .modules import GGUFLinear, GGUFSwitchLinear, QuantEmbedding, TiedQuantLinear
+    from .modules import GGUFLinear, GGUFSwitchLinear
 
     experts = [n for n, m in model.named_modules() if isinstance(m, QuantFusedExperts)
                and isinstance(m.gate_up_proj, QuantSwitchLinear) and isinstance(m.down_proj, QuantSwitchLinear)]
     return [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
-            if isinstance(m, (QuantEmbedding, TiedQuantLinear, GGUFLinear, GGUFSwitchLinear, QuantSwitchLinear))
+            if isinstance(m, (GGUFLinear, GGUFSwitchLinear, QuantSwitchLinear))
             and not any(n.startswith(e + ".") for e in experts)]
 
 
@@ -360,6 +394,23 @@ def _check_every_buffer_loaded(model, buffers: Mapping[str, torch.dtype], files)
     )
 
 
+def _embedding_to_quantize(model, name: str, cfg: TorchQmmConfig) -> nn.Embedding:
+    """The embedding `name` of cfg.embeddings, checked: a float embedding a QuantEmbedding can stand
+    in for, its width a multiple of the group size; else ValueError naming it."""
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"the torch_qmm quantization_config's 'embeddings' names {name!r}, which is not a module "
+                         f"of this {type(model).__name__}") from None
+    if not isinstance(module, nn.Embedding) or not replaceable_embedding(module) or module.max_norm is not None:
+        raise ValueError(f"the torch_qmm quantization_config's 'embeddings' names {name!r}, a {type(module).__name__}; "
+                         "expected an nn.Embedding without max_norm (or one of transformers' scaled embeddings)")
+    if module.embedding_dim % cfg.group_size:
+        raise ValueError(f"the torch_qmm quantization_config's 'embeddings' names {name!r}, whose width "
+                         f"{module.embedding_dim} is not a multiple of group_size {cfg.group_size}")
+    return module
+
+
 @register_quantizer(QUANT_METHOD)
 class TorchQmmHfQuantizer(HfQuantizer):
     """Swaps nn.Linear for torch_qmm.nn.QuantLinear (quantize on load, or load saved QuantLinears)."""
@@ -393,6 +444,14 @@ class TorchQmmHfQuantizer(HfQuantizer):
         # whose buffers the checkpoint fills.
         cfg = self.quantization_config
         self._buffer_dtypes: dict[str, torch.dtype] = {}  # of the quantized modules, checked after loading
+        for name in cfg.embeddings or ():  # first: a tied head becomes a TiedQuantLinear, no QuantLinear
+            embedding = _embedding_to_quantize(model, name, cfg)
+            q = QuantEmbedding(embedding.num_embeddings, embedding.embedding_dim, bits=cfg.layer_bits(name),
+                               group_size=cfg.group_size, device=embedding.weight.device,
+                               dtype=embedding.weight.dtype, mode=cfg.mode, embed_scale=embedding_scale(embedding))
+            replace_embedding(model, name, q)
+            self._buffer_dtypes.update({f"{name}.{k}": b.dtype for k, b in q.named_buffers()
+                                        if k not in q._non_persistent_buffers_set})
         for name in self._eligible(model):
             linear = model.get_submodule(name)
             q = QuantLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
@@ -437,8 +496,14 @@ class TorchQmmHfQuantizer(HfQuantizer):
         cfg = self.quantization_config
         eligible = set(self._eligible(model)) | {
             n for n, _ in fused_experts(model) if not _skipped(n, self.modules_to_not_convert)}
-        quantize_model(model, bits=cfg.bits, group_size=cfg.group_size, filter_fn=lambda n, _: n in eligible,
+        embeddings = set(cfg.embeddings or ())
+        bits = {n: b for n, b in cfg.bits.items() if n not in embeddings} if isinstance(cfg.bits, dict) else cfg.bits
+        quantize_model(model, bits=bits, group_size=cfg.group_size, filter_fn=lambda n, _: n in eligible,
                        method=cfg.method, calibration=cfg.calibration, mode=cfg.mode)
+        for name in cfg.embeddings or ():
+            embedding = _embedding_to_quantize(model, name, cfg)
+            replace_embedding(model, name, QuantEmbedding.from_embedding(
+                embedding, bits=cfg.layer_bits(name), group_size=cfg.group_size, mode=cfg.mode))
         # Record the bits every layer got (a budget or a "*" default resolves per layer).
         got = {n: m.bits for n, m in quantized_layers(model).items()}
         if type(cfg.bits) is not int:
@@ -447,7 +512,8 @@ class TorchQmmHfQuantizer(HfQuantizer):
         # that read the float checkpoint.
         keep_quantized_experts_on_save(model)
         # Record every float layer so that a reload rebuilds exactly these QuantLinears.
-        cfg.modules_to_not_convert = sorted(set(self.modules_to_not_convert) | _float_layers(model))
+        cfg.modules_to_not_convert = sorted((set(self.modules_to_not_convert) | _float_layers(model))
+                                            - set(cfg.embeddings or ()))
         return model
 
     def update_weight_conversions(self, weight_conversions, model):
