@@ -211,6 +211,56 @@ def test_convert_moe_gguf_to_mlx_and_transformers_gives_the_gguf_model(tmp_path,
         assert (reloaded(MOE_IDS).logits[0] - want).abs().max().item() < 1e-4 * scale
 
 
+@pytest.mark.parametrize("arch, experts", [("qwen3moe", "F32"), ("mixtral", "F16"), ("qwen2moe", "Q6_K gate / up")])
+def test_convert_moe_gguf_with_float_experts_narrower_than_the_hidden_size(tmp_path, arch, experts):
+    # Experts of intermediate size 128 beside hidden size 256 (real MoE models' experts are narrower
+    # than H), stored float (F32, F16) or written float (Q6_K gate / up beside a Q8_0 down: no exact
+    # affine form, so the block is decoded): gate / up [E, I, H] and down [E, H, I] keep their own
+    # orientation in both folders. Reference: the transformers model holding the weights the gguf
+    # package decodes from the file (no torch_qmm code). Both folders hold the experts' weights bit
+    # for bit; the logits, summed in other orders (mlx_lm; the Q8_0 attention layers' kernels), to
+    # 1e-4 of the largest logit, as above.
+    import mlx_lm.utils as mlx_lm_utils
+
+    import torch_qmm.interop.transformers  # noqa: F401  (from_pretrained of a torch_qmm folder)
+    from test_interop_gguf_moe import EXPERTS as MOE_EXPERTS, HIDDEN as MOE_HIDDEN, IDS as MOE_IDS, moe_model, write_moe_gguf
+
+    inter = 128
+    assert inter != MOE_HIDDEN
+    types = {"F32": {"proj": T.Q8_0}, "F16": {"gate_exps": T.F16, "up_exps": T.F16, "down_exps": T.F16},
+             "Q6_K gate / up": {"gate_exps": T.Q6_K, "up_exps": T.Q6_K, "down_exps": T.Q8_0, "proj": T.Q8_0}}[experts]
+    path = tmp_path / "m.gguf"
+    held = write_moe_gguf(moe_model(arch, inter), path, types, np.random.default_rng(21))
+    reference = moe_model(arch, inter)
+    reference.load_state_dict(held)
+    with torch.no_grad():
+        want = reference(MOE_IDS).logits[0]
+    scale = want.abs().max().item()
+
+    assert main(["convert", str(path), str(tmp_path / "mlx"), "--format", "mlx"]) == 0
+    weights = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
+    fused = {"gate": held["model.layers.1.mlp.experts.gate_up_proj"][:, :inter],
+             "up": held["model.layers.1.mlp.experts.gate_up_proj"][:, inter:],
+             "down": held["model.layers.1.mlp.experts.down_proj"]}
+    mlp = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    for part, w in fused.items():
+        stored = torch.from_numpy(np.array(weights[f"model.layers.1.{mlp}.switch_mlp.{part}_proj.weight"]))
+        assert stored.shape == ((MOE_EXPERTS, inter, MOE_HIDDEN) if part != "down" else
+                                (MOE_EXPERTS, MOE_HIDDEN, inter)), part
+        assert torch.equal(stored, w), part
+    mlx_model, _ = mlx_lm_utils.load_model(tmp_path / "mlx")
+    got = torch.from_numpy(np.array(mlx_model(mx.array(MOE_IDS.numpy())).astype(mx.float32)))[0]
+    assert (got - want).abs().max().item() < 1e-4 * scale
+
+    assert main(["convert", str(path), str(tmp_path / "hf")]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    experts_module = reloaded.model.layers[1].mlp.experts
+    assert torch.equal(experts_module.gate_up_proj, held["model.layers.1.mlp.experts.gate_up_proj"])
+    assert torch.equal(experts_module.down_proj, held["model.layers.1.mlp.experts.down_proj"])
+    with torch.no_grad():
+        assert (reloaded(MOE_IDS).logits[0] - want).abs().max().item() < 1e-4 * scale
+
+
 @pytest.mark.parametrize("gate_up, down, proj", [("Q4_K", "Q6_K", "Q8_0"), ("Q6_K", "Q4_K", "Q8_0"),
                                                  ("Q6_K", "Q6_K", "Q8_0"), ("Q4_K", "Q6_K", "F16")])
 def test_requantize_rest_keeps_the_exact_projection_of_a_moe_block(tmp_path, capsys, gate_up, down, proj):
