@@ -360,3 +360,24 @@ def test_loading_a_file_into_a_model_that_was_loaded_before_is_refused(tmp_path)
                                          r"\(QuantEmbedding\), model.layers.0.self_attn.q_proj \(QuantLinear\).*"
                                          r"was it loaded or quantized before"):
         load_gguf_llama(model, f)
+
+
+@pytest.mark.parametrize("arch, types", [("qwen3moe", K_MIX), ("mixtral", AFFINE_MIX)], ids=["qwen3moe-k", "mixtral-affine"])
+def test_moe_gguf_whose_top_k_is_every_expert_loads(tmp_path, monkeypatch, arch, types):
+    # expert_used_count == expert_count (a valid file: every token goes to every expert, each
+    # weighted by its softmax probability). The reference is the transformers model of top-k 4
+    # holding the weights the file holds, as gguf decodes them.
+    import test_interop_gguf_moe as this
+
+    monkeypatch.setattr(this, "TOP_K", EXPERTS)  # moe_model's num_experts_per_tok and the file's metadata
+    source = moe_model(arch, 256)
+    assert source.config.num_experts_per_tok == EXPERTS
+    held = write_moe_gguf(source, tmp_path / "m.gguf", types, np.random.default_rng(15))
+    f = GGUFFile(tmp_path / "m.gguf")
+    config = llama_config_from_gguf(f)
+    assert config.num_experts_per_tok == EXPERTS
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    load_gguf_llama(model, f)
+    assert isinstance(model.model.layers[1].mlp.experts, QuantFusedExperts)
+    with torch.no_grad():
+        _assert_logits(model(IDS).logits, _expected(arch, 256, held)(IDS).logits)
