@@ -246,6 +246,39 @@ def test_saving_keeps_files_that_only_start_like_weight_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(mine + ["model.safetensors"])
 
 
+def test_saved_shards_hold_at_most_the_size_asked_for(tmp_path):
+    """save_sharded fills each shard in order up to max_shard_bytes (exactly up to it where the
+    tensors add up to it); a tensor larger than the limit gets a shard of its own, and no shard is
+    empty. The shards are read back with safetensors and the index checked against them."""
+    import json
+
+    from safetensors import safe_open
+
+    from torch_qmm.interop.safetensors_io import save_sharded
+
+    limit = 1000
+    numels = {"big": 300, "a": 100, "b": 100, "c": 50, "full": 250, "last": 1}  # float32: 4 bytes each
+    tensors = {name: torch.arange(n, dtype=torch.float32) + i for i, (name, n) in enumerate(numels.items())}
+    names = save_sharded(tensors, tmp_path, max_shard_bytes=limit)
+    held = []
+    for name in names:
+        with safe_open(str(tmp_path / name), framework="pt") as f:
+            held.append({k: f.get_tensor(k) for k in f.keys()})
+    sizes = [sum(t.numel() * t.element_size() for t in shard.values()) for shard in held]
+    for keys, size in zip(held, sizes):
+        assert size <= limit or len(keys) == 1, (sorted(keys), size)
+    # big (1200 bytes) alone; a + b + c = 1000 bytes, the limit; full (1000) alone, as no other fits beside it
+    assert [list(shard) for shard in held] == [["big"], ["a", "b", "c"], ["full"], ["last"]]
+    assert sizes == [1200, 1000, 1000, 4]
+    assert names == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    for shard in held:
+        for k, t in shard.items():
+            assert torch.equal(t, tensors[k]), k
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(sizes)
+    assert index["weight_map"] == {k: name for name, shard in zip(names, held) for k in shard}
+
+
 def test_a_hugging_face_cache_snapshot_converts_with_its_links_into_blobs(hf_folder, tmp_path, capsys):
     """<repo>/snapshots/<rev>/* are links into <repo>/blobs: followed, and copied as files."""
     repo = tmp_path / "models--org--tiny"
