@@ -1045,6 +1045,9 @@ def test_layers_left_float_by_the_group_size_say_why(tmp_path, capsys, output_fo
     if output_format == "mlx":  # the embedding and head, which the MLX format quantizes
         assert report["model.embed_tokens"] == why
         assert report["lm_head"] == why
+    else:
+        assert report["model.embed_tokens"] == ("kept float float32 (the transformers format quantizes no float "
+                                                "embedding; --format mlx does)")
     summary = next(line for line in out.splitlines() if line.startswith("wrote "))
     assert "affine b4 gs64; kept float float32" in summary and "(its" not in summary, summary
 
@@ -1115,3 +1118,37 @@ def test_a_folder_naming_a_conditional_generation_model_converts(hf_folder, tmp_
     config = json.loads((hf_folder / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
     assert main(["convert", str(src), str(tmp_path / "out")]) == 0
+
+
+class _OwnForwardEmbedding(torch.nn.Embedding):
+    """An embedding whose forward does more than read rows (as some models' do)."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2
+
+
+@pytest.mark.parametrize("case", ["own-forward", "max-norm"])
+def test_an_embedding_the_mlx_format_cannot_quantize_says_why(tmp_path, capsys, monkeypatch, case):
+    """--format mlx quantizes the embedding (as mlx.nn.quantize does) unless a quantized embedding
+    would not do what it does: the report names the reason for each."""
+    hf_model(tied=False).save_pretrained(tmp_path / "src")
+    from torch_qmm.interop import cli_convert
+
+    load = cli_convert.from_pretrained
+
+    def with_embedding(*args, **kwargs):
+        model = load(*args, **kwargs)
+        old = model.model.embed_tokens
+        new = (_OwnForwardEmbedding(old.num_embeddings, old.embedding_dim) if case == "own-forward"
+               else torch.nn.Embedding(old.num_embeddings, old.embedding_dim, max_norm=1.0))
+        new.weight = old.weight
+        model.model.embed_tokens = new
+        return model
+
+    monkeypatch.setattr(cli_convert, "from_pretrained", with_embedding)
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--format", "mlx"]) == 0
+    report = _report(capsys.readouterr().out)
+    why = ("a _OwnForwardEmbedding, whose forward a quantized embedding would not do" if case == "own-forward"
+           else "max_norm=1.0: its rows are renormalized when read")
+    assert report["model.embed_tokens"] == f"kept float float32 ({why})"
+    assert report["model.layers.0.mlp.down_proj"] == "quantized float -> affine b4 gs64"

@@ -424,6 +424,23 @@ def _why_float(name: str, m: nn.Module, src: str, output_format: str, requantize
     return "no exact affine form: --requantize rest quantizes it"
 
 
+def _why_embedding_float(m: nn.Embedding, src: str, output_format: str, requantize: str | None,
+                         group_size: int) -> str:
+    """Why an embedding float in the source (src "float", or a GGUF file's F32 / F16 / BF16) was
+    written float."""
+    gguf = src != "float"
+    if output_format == "transformers":
+        return (f"the transformers format quantizes no float embedding; --format mlx"
+                f"{' --requantize rest' if gguf else ''} does")
+    if not replaceable_embedding(m):
+        return f"a {type(m).__name__}, whose forward a quantized embedding would not do"
+    if m.max_norm is not None:
+        return f"max_norm={m.max_norm}: its rows are renormalized when read"
+    if m.embedding_dim % group_size:
+        return f"its {m.embedding_dim} inputs are not a multiple of --group-size {group_size}"
+    return "--requantize rest quantizes it" if gguf and not requantize else "left float"
+
+
 def _format_name(mode: str, bits, group_size: int) -> str:
     """A format as the report and the errors show it ("affine b4 gs64")."""
     return f"{mode} b{bits} gs{group_size}"
@@ -565,10 +582,12 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
         elif src in ("float", "F32", "F16", "BF16"):
             how = f"kept {fmt}" if src == "float" else f"kept {src} -> {fmt}"
             width = m.embedding_dim if isinstance(m, nn.Embedding) else getattr(m, "in_features", None)
-            if src == "float" and width is not None and width % group_size:
-                how += f" (its {width} inputs are not a multiple of --group-size {group_size})"
             if src != "float" and (src, m.weight.dtype) not in _LOSSLESS_CASTS:
                 how += f" (rounded to {str(m.weight.dtype)[6:]})"
+            if isinstance(m, nn.Embedding):
+                how += f" ({_why_embedding_float(m, src, output_format, requantize, group_size)})"
+            elif src == "float" and width is not None and width % group_size:
+                how += f" (its {width} inputs are not a multiple of --group-size {group_size})"
         else:
             weight = m.get_parameter(layout_of(m).gate_up) if is_fused_experts(m) else m.weight
             decoded = "as gguf decodes it" if weight.dtype == torch.float32 else f"rounded to {str(weight.dtype)[6:]}"
@@ -825,7 +844,8 @@ def run(args: argparse.Namespace) -> int:
     if is_gguf and args.requantize == "rest" and not quantized_now and not requantized:
         unused = _quantizer_flags(args)
         print("--requantize rest re-quantized no layer" + (f": {', '.join(unused)} went unused" if unused else ""))
-    formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how else how.split(" (its ")[0]
+    formats = sorted({how.split(" -> ")[-1].split(" (")[0] if " -> " in how
+                      else how.split(" (")[0] if how.startswith("kept ") else how
                       for _, how in rows})
     print(f"wrote {args.dst} ({args.format}): {len(rows)} layers; formats: {'; '.join(formats)}")
     return 0
