@@ -646,8 +646,8 @@ def test_gguf_to_transformers_with_a_16_bit_dtype_names_the_layers_no_longer_exa
     for layer in range(2):
         for proj, (bits, kind) in _EXACT.items():
             key = f"model.layers.{layer}.{'mlp' if proj == 'gate_proj' else 'self_attn'}.{proj}"
-            how = f"{kind} scales rounded to {dtype}" if kind in rounded_types else "lossless"
-            assert report[key] == f"{how} {kind} -> affine b{bits} gs32", key
+            how = f"{kind} scales rounded to {dtype}" if kind in rounded_types else f"lossless {kind}"
+            assert report[key] == f"{how} -> affine b{bits} gs32", key
     names = ", ".join(sorted(rounded_types))
     assert f"({names} scales/biases rounded to the --dtype: use --dtype float32 for exact {names} layers)" in text
     assert report["model.layers.0.mlp.down_proj"] == f"kept F32 -> float {dtype} (rounded to {dtype})"
@@ -827,6 +827,29 @@ def test_a_folder_torch_qmm_quantized_to_mlx_keeps_its_layers_and_format(quantiz
     assert written["model.embed_tokens.weight"].dtype == torch.uint32
     default, overrides = parse_quantization(json.loads((out / "config.json").read_text()))
     assert (default.bits, default.group_size, default.mode, overrides) == (8, 32, "affine", {})
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_a_quantized_embedding_of_a_torch_qmm_folder_is_reported_as_it_was_kept(hf_folder, tmp_path, capsys, dtype):
+    """A folder whose embedding torch_qmm quantized (TorchQmmConfig(embeddings=...)) converted to
+    MLX: the embedding keeps its format, and a --dtype that rounds its float32 scales says so."""
+    from safetensors.torch import load_file
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    transformers.AutoModelForCausalLM.from_pretrained(hf_folder, quantization_config=TorchQmmConfig(
+        bits=8, group_size=32, embeddings=["model.embed_tokens"])).save_pretrained(tmp_path / "q")
+    out = tmp_path / "out"
+    assert main(["convert", str(tmp_path / "q"), str(out), "--format", "mlx",
+                 *(["--dtype", dtype] if dtype else [])]) == 0
+    report = _report(capsys.readouterr().out)
+    source, written = load_file(tmp_path / "q" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert torch.equal(source["model.embed_tokens.qweight"], written["model.embed_tokens.weight"])
+    if dtype is None:
+        assert report["model.embed_tokens"] == "lossless affine b8 gs32 -> affine b8 gs32"
+        assert torch.equal(source["model.embed_tokens.scales"], written["model.embed_tokens.scales"])
+    else:
+        assert report["model.embed_tokens"] == "affine b8 gs32 scales rounded to bfloat16 -> affine b8 gs32"
+        assert written["model.embed_tokens.scales"].dtype == torch.bfloat16
 
 
 # --- E20: one line, exit codes, no traceback ---------------------------------------------------

@@ -181,7 +181,7 @@ def test_convert_q4_k_gguf_to_mlx_float16_says_not_exact(q4_k_gguf, tmp_path, ca
     assert main(["convert", str(path), str(out), "--format", "mlx", "--dtype", "float16"]) == 0
     text = capsys.readouterr().out
     report = {line.split()[0]: line.split(None, 1)[1] for line in text.splitlines() if line.startswith("  ")}
-    assert report["model.layers.0.mlp.up_proj"] == "Q4_K scales rounded to float16 Q4_K -> affine b4 gs32"
+    assert report["model.layers.0.mlp.up_proj"] == "Q4_K scales rounded to float16 -> affine b4 gs32"
     assert "use --dtype float32 for exact Q4_K layers" in text
     assert report["model.layers.0.mlp.down_proj"].startswith("decoded Q6_K -> float float16 (rounded")  # no --requantize
     weights = _read_mlx_weights(out)

@@ -175,6 +175,10 @@ BAD_CONFIGS = [
     (dict(embeddings=[0]), TypeError, r"argument 'embeddings' must be a list of module names or None, got \[0\]"),
     (dict(mixed_bits={"average": 4.5}, embeddings=["model.embed_tokens"]), ValueError,
      r"argument 'embeddings': quantized embeddings take their bits from 'bits' as an int or a mapping"),
+    (dict(embeddings=["model.embed_tokens", "model.embed_tokens"]), ValueError,
+     r"argument 'embeddings' names 'model\.embed_tokens' more than once"),
+    (dict(embeddings=["model.embed_tokens"], modules_to_not_convert=["lm_head", "model.embed_tokens"]), ValueError,
+     r"argument 'embeddings' names 'model\.embed_tokens', which 'modules_to_not_convert' keeps float"),
 ]
 
 
@@ -531,14 +535,97 @@ def test_embeddings_quantize_on_load_save_and_reload(tmp_path, family, tied, dty
         assert torch.equal(reloaded(IDS).logits, model(IDS).logits)
 
 
-@pytest.mark.parametrize("embeddings, hidden, message", [
-    (["model.embeddings"], 128, r"'embeddings' names 'model\.embeddings', which is not a module of this LlamaForCausalLM"),
-    (["lm_head"], 128, r"'embeddings' names 'lm_head', a Linear; expected an nn\.Embedding"),
-    (["model.embed_tokens"], 96, r"'embeddings' names 'model\.embed_tokens', whose width 96 is not a multiple of "
-                                 r"group_size 64"),
+@pytest.mark.parametrize("embeddings, hidden, bits, message", [
+    (["model.embeddings"], 128, 4, r"'embeddings' names 'model\.embeddings', which is not a module of this "
+                                   r"LlamaForCausalLM"),
+    (["lm_head"], 128, 4, r"'embeddings' names 'lm_head', a Linear; expected an nn\.Embedding"),
+    (["model.embed_tokens"], 96, 4, r"'embeddings' names 'model\.embed_tokens', whose width 96 is not a multiple of "
+                                    r"group_size 64"),
+    (["model.embed_tokens"], 128, {"model.layers.0.mlp.up_proj": 8}, r"argument 'bits' gives no bits for the "
+                                                                     r"embedding 'model\.embed_tokens'"),
 ])
-def test_embeddings_the_model_cannot_quantize_are_named(tmp_path, embeddings, hidden, message):
+def test_embeddings_the_model_cannot_quantize_are_named(tmp_path, embeddings, hidden, bits, message):
     folder = _tiny_folder(tmp_path / "float", "llama", tied=False, hidden=hidden)
     with pytest.raises(ValueError, match=message):
         transformers.AutoModelForCausalLM.from_pretrained(
-            folder, quantization_config=TorchQmmConfig(bits=4, group_size=64, embeddings=embeddings))
+            folder, quantization_config=TorchQmmConfig(bits=bits, group_size=64, embeddings=embeddings))
+
+
+def test_only_an_input_embedding_no_other_embedding_shares_is_quantized(tmp_path):
+    """A position embedding (GPT-2's wpe: another module's code may read its .weight) and an
+    embedding whose weight other embeddings share (T5's shared, the encoder's and decoder's
+    embed_tokens: they would keep reading the float table) are refused before loading, by name."""
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=96,
+                                                               n_positions=64))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match=r"names 'transformer\.wpe', which is not the model's input embedding "
+                                         r"\(transformer\.wte\)"):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "gpt2", quantization_config=TorchQmmConfig(bits=4, group_size=64, embeddings=["transformer.wpe"]))
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4))
+    t5.save_pretrained(tmp_path / "t5")
+    with pytest.raises(ValueError, match=r"names 'shared', whose weight (encoder|decoder)\.embed_tokens, "
+                                         r"(encoder|decoder)\.embed_tokens share\(s\) too"):
+        transformers.T5ForConditionalGeneration.from_pretrained(
+            tmp_path / "t5", quantization_config=TorchQmmConfig(bits=4, group_size=64, embeddings=["shared"]))
+
+
+def test_a_tied_head_the_defaults_would_keep_float_reads_the_quantized_embedding_without_a_warning(tmp_path):
+    import warnings
+
+    from torch_qmm.interop.modules import TiedQuantLinear
+
+    folder = _tiny_folder(tmp_path / "float", "llama", tied=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "kept float so that the tie holds" for the head
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=TorchQmmConfig(
+            bits=4, group_size=64, modules_to_not_convert=[], embeddings=["model.embed_tokens"]))
+    assert isinstance(model.lm_head, TiedQuantLinear) and model.lm_head.embedding is model.model.embed_tokens
+
+
+def test_a_head_of_its_own_that_the_config_ties_is_not_recorded_as_reloadable(tmp_path):
+    """A quantized embedding next to an output layer of its own that the config ties to it: a
+    reload would tie that layer to the embedding and drop its weights; the config records why it
+    cannot be reloaded instead."""
+    from torch_qmm.interop.modules import QuantEmbedding
+    from torch_qmm.interop.transformers import NOT_RELOADABLE, record_quantization_config
+
+    folder = _tiny_folder(tmp_path / "float", "llama", tied=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with pytest.warns(UserWarning, match="lm_head"):  # kept float: it shares the embedding's weight
+        quantize_model(model, bits=4, group_size=64)
+    model.model.embed_tokens = QuantEmbedding.from_embedding(model.model.embed_tokens, bits=4, group_size=64)
+    why = record_quantization_config(model)
+    assert why is not None and "lm_head (a Linear of its own, which the config ties to model.embed_tokens)" in why
+    from torch_qmm.convert import record_loaded_model
+
+    record_loaded_model(model, "load_mlx")
+    assert "lm_head (a Linear of its own" in model.config.quantization_config[NOT_RELOADABLE]
+
+
+def test_a_vision_language_model_reloads_its_quantized_vision_tower(tmp_path):
+    """Gemma 3 (SigLIP vision tower): transformers' initialization after loading reads the
+    attention's and MLP's `.weight` from the block (SigLIP's _init_weights), which the rebuilt
+    QuantLinear layers do not have; the reload skips those blocks (their layers come from the
+    checkpoint) and rebuilds the same model, text embedding included."""
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14), mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "float")
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "float", quantization_config=TorchQmmConfig(
+        bits=4, group_size=32, embeddings=["model.language_model.embed_tokens"])).eval()
+    vision = [n for n, m in model.named_modules() if n.startswith("model.vision_tower.") and isinstance(m, QuantLinear)]
+    assert any(n.endswith("self_attn.q_proj") for n in vision) and any(n.endswith("mlp.fc1") for n in vision)
+    model.save_pretrained(tmp_path / "q")
+    reloaded = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "q").eval()
+    _assert_same_state(model, reloaded)
+    ids, pixels = torch.tensor([[2, 5, 9, 40, 7]]), torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+        got, want = reloaded.model.get_image_features(pixels), model.model.get_image_features(pixels)
+    got, want = (getattr(t, "pooler_output", t) for t in (got, want))
+    assert torch.equal(got, want)

@@ -10,6 +10,8 @@ package decodes them."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -113,11 +115,22 @@ def test_save_pretrained_of_an_mlx_folder_with_a_quantized_embedding_reloads(tmp
         got = model(IDS).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
-    model.save_pretrained(tmp_path / "out")  # the MLX "quantization" entry is not written as it was read
+    model.save_pretrained(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization" not in saved and saved["quantization_config"]["quant_method"] == "torch_qmm"
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     check_reloaded(reloaded, types, tied)
     with torch.no_grad():
         assert torch.equal(reloaded(IDS).logits, got)
+    # a torch_qmm folder, not an MLX one: convert writes it back to MLX, the layers as they are
+    from torch_qmm.__main__ import main
+
+    assert main(["convert", str(tmp_path / "out"), str(tmp_path / "mlx-again"), "--format", "mlx"]) == 0
+    with torch.device("meta"):
+        again = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "mlx-again"))
+    load_mlx(again, tmp_path / "mlx-again", progress=False)
+    with torch.no_grad():
+        assert torch.equal(again.eval()(IDS).logits, got)
 
 
 def test_save_mlx_refuses_gguf_blocks(tmp_path):

@@ -521,7 +521,7 @@ def _source_layers(model: nn.Module, src: Path) -> tuple[dict[str, str], dict[st
     stored = stored_key(model, ckpt)
     origin, exact = {}, {}
     for name, m in model.named_modules():
-        if isinstance(m, (QuantLinear, QuantFusedExperts)):
+        if isinstance(m, (QuantLinear, QuantEmbedding, QuantFusedExperts)):
             origin[name] = _quant_format(m)
             layers = ({f"{name}.{p}": getattr(m, p) for p in ("gate_up_proj", "down_proj")}
                       if isinstance(m, QuantFusedExperts) else {name: m})
@@ -577,8 +577,8 @@ def _layer_report(model: nn.Module, origin: dict[str, str], quantized_now: set[s
             how = f"{'re-quantized' if src != 'float' else 'quantized'} {src} -> {fmt}"
         elif isinstance(m, (QuantLinear, QuantEmbedding, QuantFusedExperts)):
             scales = (m.down_proj if isinstance(m, QuantFusedExperts) else m).scales
-            rounded = "" if exact.get(name, True) else f"{src} scales rounded to {str(scales.dtype)[6:]}"
-            how = f"{rounded or 'lossless'} {src} -> {fmt}"
+            how = (f"lossless {src} -> {fmt}" if exact.get(name, True)
+                   else f"{src} scales rounded to {str(scales.dtype)[6:]} -> {fmt}")
         elif src in ("float", "F32", "F16", "BF16"):
             how = f"kept {fmt}" if src == "float" else f"kept {src} -> {fmt}"
             width = m.embedding_dim if isinstance(m, nn.Embedding) else getattr(m, "in_features", None)

@@ -233,18 +233,29 @@ def tie_output(model: nn.Module, out_name: str, embedding: QuantEmbedding) -> No
         setattr(sub, attr, {k: v for k, v in mapping.items() if k != key})
 
 
+def listed_as_tied(model: nn.Module, name: str) -> set[str]:
+    """The modules the transformers models in `model` list as tied to the weight of the module
+    `name` (their tied-weight mappings, which from_pretrained applies only after loading)."""
+    return {(f"{prefix}.{target}" if prefix else target).rpartition(".")[0]
+            for prefix, sub in model.named_modules()
+            for target, source in (getattr(sub, "all_tied_weights_keys", None) or {}).items()
+            if (f"{prefix}.{source}" if prefix else source) == f"{name}.weight"}
+
+
+def tied_to_embedding(model: nn.Module, name: str) -> list[str]:
+    """The modules tied to the float embedding `name`: those that share its weight, and those a
+    transformers model lists as tied to it (listed_as_tied)."""
+    old = model.get_submodule(name).weight
+    listed = listed_as_tied(model, name)
+    return [n for n, m in model.named_modules()
+            if n != name and (getattr(m, "weight", None) is old or n in listed)]
+
+
 def replace_embedding(model: nn.Module, name: str, new: QuantEmbedding) -> list[str]:
     """Puts the QuantEmbedding `new` in `model` at `name` in place of a float embedding; the
-    nn.Linear output layers tied to it become TiedQuantLinear over it (tie_output): those that
-    share its weight, and those a transformers model lists as tied to it (which from_pretrained
-    ties only after loading). Returns their names."""
-    old = model.get_submodule(name).weight
-    listed = {f"{prefix}.{target}" if prefix else target
-              for prefix, sub in model.named_modules()
-              for target, source in (getattr(sub, "all_tied_weights_keys", None) or {}).items()
-              if (f"{prefix}.{source}" if prefix else source) == f"{name}.weight"}
-    heads = [n for n, m in model.named_modules()
-             if type(m) is nn.Linear and (m.weight is old or f"{n}.weight" in listed)]
+    nn.Linear output layers tied to it (tied_to_embedding) become TiedQuantLinear over it
+    (tie_output). Returns their names."""
+    heads = [n for n in tied_to_embedding(model, name) if type(model.get_submodule(n)) is nn.Linear]
     replace_module(model, name, new)
     for head in heads:
         tie_output(model, head, new)

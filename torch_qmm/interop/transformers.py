@@ -33,7 +33,8 @@ from ..convert import quantize_model
 from ..nn import QuantLinear, resolve_format
 from ..nn_moe import QuantFusedExperts
 from .experts import empty_quant_experts, fused_experts
-from .modules import QuantEmbedding, TiedQuantLinear, embedding_scale, replace_embedding, replaceable_embedding
+from .modules import (QuantEmbedding, TiedQuantLinear, embedding_scale, listed_as_tied, replace_embedding,
+                      replaceable_embedding, tied_to_embedding)
 from ..quantizers.mixed import MixedBits
 
 QUANT_METHOD = "torch_qmm"
@@ -78,10 +79,11 @@ class TorchQmmConfig(QuantizationConfigMixin):
         mode: "affine" (default), or an fp mode of torch_qmm.formats.FORMATS ("mxfp4", "nvfp4", ...).
         modules_to_not_convert: module names (or name suffixes) kept in float; None: transformers'
             default (the output head, tied weights, keep-in-fp32 modules).
-        embeddings: names of embeddings to quantize too, as MLX does (QuantEmbedding in the same
-            format; bits from `bits`, which is then an int or a mapping; an output head that shares
-            the embedding's weight reads the quantized table: TiedQuantLinear). None: embeddings
-            stay float. A saved config lists the model's quantized embeddings here.
+        embeddings: the model's input embedding's name, to quantize it too, as MLX does
+            (QuantEmbedding in the same format; bits from `bits`, which is then an int or a mapping;
+            an output head tied to it reads the quantized table: TiedQuantLinear; no other
+            embedding may share its weight). None: embeddings stay float. A saved config lists the
+            model's quantized embedding here.
         method: the quantizer: a name of torch_qmm.quantizers.names() ("rtn", MLX's, default; "mse",
             "awq", "gptq", ...) or GPTQ(...) / AWQ(...) options; the saved format is the same for
             all, so reloading ignores it (the saved config names the method's kind).
@@ -132,6 +134,12 @@ class TorchQmmConfig(QuantizationConfigMixin):
                                  "or a mapping name -> bits, not a MixedBits budget (which spends it on the linear "
                                  "layers)")
             embeddings = list(embeddings)
+            twice = sorted({n for n in embeddings if embeddings.count(n) > 1})
+            if twice:
+                raise ValueError(f"argument 'embeddings' names {twice[0]!r} more than once")
+            kept = sorted(set(embeddings) & set(modules_to_not_convert or ()))
+            if kept:
+                raise ValueError(f"argument 'embeddings' names {kept[0]!r}, which 'modules_to_not_convert' keeps float")
         self.quant_method = QUANT_METHOD
         self.bits = default_bits if uniform else bits
         self.group_size = group_size
@@ -256,9 +264,9 @@ def record_quantization_config(model) -> str | None:
     layers = quantized_layers(model)
     if not layers:
         return None
-    untied = _heads_tied_elsewhere(model)
+    untied = _ties_not_rebuilt(model)
     if untied:
-        return f"the output layers {', '.join(untied)} read a quantized embedding that the model's config does not tie them to"
+        return f"a reload would not tie these layers as they are: {', '.join(untied)}"
     formats = {(m.group_size, m.mode) for m in layers.values()}
     formats |= {(m.gate_up_proj.group_size, m.gate_up_proj.mode) for m in model.modules()
                 if isinstance(m, QuantFusedExperts)}
@@ -273,18 +281,27 @@ def record_quantization_config(model) -> str | None:
     return None
 
 
-def _heads_tied_elsewhere(model) -> list[str]:
-    """The TiedQuantLinear layers a reload would not tie again: a model built from the config ties
-    the output layer to the input embedding where tie_word_embeddings is set (replace_embedding
-    then finds it sharing the weight), and no other layer."""
-    heads = [(n, m) for n, m in model.named_modules() if isinstance(m, TiedQuantLinear)]
-    if not heads:
-        return []
+def _ties_not_rebuilt(model) -> list[str]:
+    """The layers around quantized embeddings that a reload would not rebuild as they are, as
+    "name (why)". A reload quantizes the input embedding alone (its tied modules untouched by
+    other code) and makes TiedQuantLinear of each output layer the config ties to it: the output
+    layer where tie_word_embeddings is set, and what the model lists as tied to it."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return [f"{n} (TiedQuantLinear)" for n, m in heads if not (tied and m.embedding is inputs)]
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, QuantEmbedding):
+            if m is not inputs:
+                found.append(f"{name} (a QuantEmbedding that is not the model's input embedding)")
+            for other in sorted(listed_as_tied(model, name)):
+                layer = model.get_submodule(other)
+                if not (isinstance(layer, TiedQuantLinear) and layer.embedding is m):
+                    found.append(f"{other} (a {type(layer).__name__} of its own, which the config ties to {name})")
+        elif isinstance(m, TiedQuantLinear) and not (tied and m.embedding is inputs):
+            found.append(f"{name} (a TiedQuantLinear, which the config does not tie)")
+    return found
 
 
 def _undescribed_layers(model) -> list[str]:
@@ -326,6 +343,10 @@ def record_loaded_model(model, loader: str) -> None:
     if getattr(model, "hf_quantizer", None) is not None:
         return
     _own_config(model)
+    # MLX's "quantization" entry (read from the loaded folder's config.json) describes the file's
+    # layers in MLX's terms; a save of this model is described by its quantization_config alone.
+    if isinstance(vars(model.config).get("quantization"), dict):
+        del model.config.quantization
     why_not = record_quantization_config(model)
     if why_not is None:
         return
@@ -394,20 +415,53 @@ def _check_every_buffer_loaded(model, buffers: Mapping[str, torch.dtype], files)
     )
 
 
+def _skip_parent_inits(model, layers: set[str]) -> None:
+    """Marks the modules that hold the rebuilt torch_qmm layers `layers` as initialized
+    (transformers' `_is_hf_initialized`), where they hold no tensor of their own and are not a model.
+    After loading, transformers runs each model's _init_weights on every module, and some
+    initialize a block's linear layers from the block (SigLIP's attention and MLP: xavier on
+    `module.q_proj.weight`), which a QuantLinear does not have; the layers' tensors come from the
+    checkpoint, and those blocks have nothing else to initialize."""
+    from transformers import PreTrainedModel
+
+    for name in layers:
+        parent_name = name.rpartition(".")[0]
+        if not parent_name:
+            continue
+        parent = model.get_submodule(parent_name)
+        own = list(parent.parameters(recurse=False)) + list(parent.buffers(recurse=False))
+        if not own and not isinstance(parent, PreTrainedModel):
+            parent._is_hf_initialized = True
+
+
 def _embedding_to_quantize(model, name: str, cfg: TorchQmmConfig) -> nn.Embedding:
-    """The embedding `name` of cfg.embeddings, checked: a float embedding a QuantEmbedding can stand
-    in for, its width a multiple of the group size; else ValueError naming it."""
+    """The embedding `name` of cfg.embeddings, checked: the model's input embedding (another
+    embedding's model code may read its .weight), a float embedding a QuantEmbedding can stand in
+    for, its width a multiple of the group size, no other embedding sharing its weight, and bits for
+    it; else ValueError naming it."""
+    where = f"the torch_qmm quantization_config's 'embeddings' names {name!r}"
     try:
         module = model.get_submodule(name)
     except AttributeError:
-        raise ValueError(f"the torch_qmm quantization_config's 'embeddings' names {name!r}, which is not a module "
-                         f"of this {type(model).__name__}") from None
+        raise ValueError(f"{where}, which is not a module of this {type(model).__name__}") from None
     if not isinstance(module, nn.Embedding) or not replaceable_embedding(module) or module.max_norm is not None:
-        raise ValueError(f"the torch_qmm quantization_config's 'embeddings' names {name!r}, a {type(module).__name__}; "
-                         "expected an nn.Embedding without max_norm (or one of transformers' scaled embeddings)")
+        raise ValueError(f"{where}, a {type(module).__name__}; expected an nn.Embedding without max_norm (or one of "
+                         "transformers' scaled embeddings)")
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if module is not inputs:
+        input_name = next((n for n, m in model.named_modules() if m is inputs), None)
+        raise ValueError(f"{where}, which is not the model's input embedding ({input_name}); only that one is "
+                         "quantized")
     if module.embedding_dim % cfg.group_size:
-        raise ValueError(f"the torch_qmm quantization_config's 'embeddings' names {name!r}, whose width "
-                         f"{module.embedding_dim} is not a multiple of group_size {cfg.group_size}")
+        raise ValueError(f"{where}, whose width {module.embedding_dim} is not a multiple of group_size "
+                         f"{cfg.group_size}")
+    shared = [n for n in tied_to_embedding(model, name) if type(model.get_submodule(n)) is not nn.Linear]
+    if shared:
+        raise ValueError(f"{where}, whose weight {', '.join(shared)} share(s) too; a QuantEmbedding cannot stand in "
+                         "for them")
+    if isinstance(cfg.bits, dict) and name not in cfg.bits and "*" not in cfg.bits:
+        raise ValueError(f"argument 'bits' gives no bits for the embedding {name!r} that 'embeddings' names (map it, "
+                         "or give a '*' default)")
     return module
 
 
@@ -428,9 +482,10 @@ class TorchQmmHfQuantizer(HfQuantizer):
     def _eligible(self, model) -> list[str]:
         skip = self.modules_to_not_convert
         gs = self.quantization_config.group_size
+        tied = getattr(self, "_tied_heads", set())  # they read the quantized embedding
         return [
             name for name, m in model.named_modules()
-            if type(m) is nn.Linear and not _skipped(name, skip) and m.in_features % gs == 0
+            if type(m) is nn.Linear and not _skipped(name, skip) and m.in_features % gs == 0 and name not in tied
         ]
 
     def _process_model_before_weight_loading(self, model, keep_in_fp32_modules=None, checkpoint_files=None,
@@ -439,6 +494,11 @@ class TorchQmmHfQuantizer(HfQuantizer):
             model, self.quantization_config.modules_to_not_convert, keep_in_fp32_modules
         )
         if not self.pre_quantized:
+            # The embeddings to quantize, checked before the weights load; the output layers tied
+            # to them will read them (TiedQuantLinear), not become QuantLinear.
+            cfg = self.quantization_config
+            self._tied_heads = {head for name in cfg.embeddings or () if _embedding_to_quantize(model, name, cfg)
+                                for head in tied_to_embedding(model, name)}
             return model
         # A saved torch_qmm model: build empty QuantLinears (on the linears' device, usually meta)
         # whose buffers the checkpoint fills.
@@ -472,6 +532,7 @@ class TorchQmmHfQuantizer(HfQuantizer):
             self._buffer_dtypes.update({f"{name}.{k}": b.dtype for k, b in q.named_buffers()})
         self._checkpoint_files = checkpoint_files
         _check_checkpoint_holds(checkpoint_files, self._buffer_dtypes)
+        _skip_parent_inits(model, {k.rpartition(".")[0] for k in self._buffer_dtypes})
         return model
 
     def get_new_dtype(self, converter, param, dtype):
