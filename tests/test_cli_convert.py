@@ -829,6 +829,16 @@ def test_a_folder_torch_qmm_quantized_to_mlx_keeps_its_layers_and_format(quantiz
     assert (default.bits, default.group_size, default.mode, overrides) == (8, 32, "affine", {})
 
 
+def test_a_folder_of_per_layer_bits_names_its_format_when_another_is_asked(hf_folder, tmp_path, capsys):
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    transformers.AutoModelForCausalLM.from_pretrained(hf_folder, quantization_config=TorchQmmConfig(
+        bits={"*": 4, "model.layers.0.mlp.down_proj": 8}, group_size=32)).save_pretrained(tmp_path / "q")
+    assert main(["convert", str(tmp_path / "q"), str(tmp_path / "out"), "--bits", "8"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'q'} is already quantized by torch_qmm (affine bits [4, 8] per layer gs32)" in err, err
+
+
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
 def test_a_quantized_embedding_of_a_torch_qmm_folder_is_reported_as_it_was_kept(hf_folder, tmp_path, capsys, dtype):
     """A folder whose embedding torch_qmm quantized (TorchQmmConfig(embeddings=...)) converted to

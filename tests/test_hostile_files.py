@@ -862,6 +862,22 @@ def test_safetensors_header_longer_than_100_mb_is_refused_unread(tmp_path, claim
     assert sum(reads) <= 8
 
 
+def test_a_text_file_given_as_safetensors_is_named_as_text(tmp_path, capsys):
+    # config.json passed where a checkpoint is expected: its first 8 bytes read as a length of
+    # over 10^18; the message says what the bytes are (a binary file's are not shown).
+    from torch_qmm.__main__ import main
+    from torch_qmm.interop import safetensors_io
+
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama"}\n')
+    assert main(["inspect", str(path)]) == 1
+    assert "(it begins with the text '{\"model_': a JSON or other text file)" in capsys.readouterr().err
+    binary = tmp_path / "b.safetensors"
+    binary.write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match=r"a safetensors header may have$"):
+        safetensors_io.read_header(binary)
+
+
 class _Counting:
     """A file whose reads are counted (bytes returned) into `reads`."""
 

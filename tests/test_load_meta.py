@@ -58,14 +58,25 @@ def assert_same_model(meta_built: nn.Module, float_built: nn.Module) -> None:
             assert torch.equal(a[k], b[k]), k
 
 
+def assert_rotary_as_transformers_computes(model: nn.Module, config) -> None:
+    """The rotary embedding's computed frequencies are those transformers computes (and keeps in
+    float32 whatever the model's dtype, as from_pretrained does): the same model class built from
+    the config, never cast. A loader casting them to bfloat16 moves the angles of far positions."""
+    reference = type(model)(config).model.rotary_emb
+    for name in ("inv_freq", "original_inv_freq"):
+        got, want = getattr(model.model.rotary_emb, name), getattr(reference, name)
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want), name
+
+
 def assert_rotary_matters(model: nn.Module, want: torch.Tensor) -> None:
     """The logit comparison sees a wrong rotary embedding: frequencies off by 4 units in the last
-    place of their dtype (about 5e-7 relative in float32, 3e-2 in bfloat16) change the logits. So
-    equal logits of the meta-built model mean its recomputed frequencies are the float-built one's."""
+    place of the logits' dtype (about 5e-7 relative in float32, 3e-2 in bfloat16) change the
+    logits. So equal logits of the meta-built model mean its recomputed frequencies are the
+    float-built one's."""
     rotary = model.model.rotary_emb
     saved = rotary.inv_freq.clone()
     with torch.no_grad():
-        rotary.inv_freq.mul_(1 + 4 * torch.finfo(saved.dtype).eps)
+        rotary.inv_freq.mul_(1 + 4 * torch.finfo(want.dtype).eps)
     try:
         assert not torch.equal(rotary.inv_freq, saved)
         assert not torch.equal(logits(model), want)
@@ -92,6 +103,8 @@ def test_gguf_meta_built_load_equals_the_float_built_load(tmp_path, mix, tied, d
     want = logits(float_built)
     assert torch.equal(logits(meta_built), want)
     assert_rotary_matters(meta_built, want)
+    for built in (float_built, meta_built):
+        assert_rotary_as_transformers_computes(built, llama_config_from_gguf(f))
     assert_same_model(meta_built, float_built)
     if tied:  # the output layer is the embedding's table, one tensor
         assert report.tied == ["lm_head -> model.embed_tokens"]
@@ -178,6 +191,8 @@ def test_mlx_meta_built_load_equals_the_float_built_load(tmp_path, tied, quantiz
     want = logits(float_built)
     assert torch.equal(logits(meta_built), want)
     assert_rotary_matters(meta_built, want)
+    for built in (float_built, meta_built):
+        assert_rotary_as_transformers_computes(built, config)
     assert_same_model(meta_built, float_built)
     assert isinstance(meta_built.model.layers[0].mlp.down_proj, QuantLinear)
     if tied and quantized_embedding:
@@ -309,6 +324,8 @@ def test_mxfp4_meta_built_load_equals_the_float_built_load(tmp_path, dtype):
     assert torch.equal(logits(meta_built), want)
     assert_rotary_matters(meta_built, want)
     assert_same_model(meta_built, float_built)
+    for built in (float_built, meta_built):
+        assert_rotary_as_transformers_computes(built, config)
 
 
 def test_mxfp4_meta_built_model_without_a_tensor_in_the_checkpoint_names_it(tmp_path):

@@ -28,7 +28,7 @@ def check_usable(device: str) -> None:
     try:
         torch.empty(0, device=device)
     except (RuntimeError, ValueError, AssertionError) as e:
-        raise UsageError(f"argument --device: {device!r} is not a usable device here ({' '.join(str(e).split())[:200]})") from None
+        raise UsageError(f"argument --device: {device!r} is not a usable device here ({' '.join(str(e).split()).split('. ')[0][:300]})") from None
 
 
 def load_average() -> float | None:

@@ -33,7 +33,7 @@ from ..format_state import FORMAT_STATE_KEY
 from ..interop.json_files import read_json_object
 from ..interop.mlx import (_SAFETENSORS_DTYPES, QuantSpec, _check_dtype, _check_quantized_shapes, dequantized_weight,
                            is_router, model_type_of, parse_quantization)
-from ..interop.meta import check_no_meta, compute_buffers
+from ..interop.meta import cast_stored, check_no_meta, compute_buffers
 from ..interop.modules import QuantEmbedding, embedding_scale, replaceable_embedding
 from ..interop.safetensors_io import Checkpoint
 from ..nn import QuantLinear
@@ -368,7 +368,7 @@ def load_mlx_sharded(model: nn.Module, path: str | os.PathLike, mesh: DeviceMesh
     folder = path if path.is_dir() else path.parent
     ckpt = Checkpoint(path)
     dtype = dtype or _checkpoint_dtype(ckpt)
-    model.to(dtype)
+    cast_stored(model, dtype)
     config = read_json_object(folder / "config.json") if (folder / "config.json").is_file() else {}
     model_type = model_type_of(config, folder / "config.json")
     tied = _tied_heads(model)
@@ -406,7 +406,7 @@ def load_pretrained_sharded(model: nn.Module, folder: str | os.PathLike, mesh: D
     ckpt = Checkpoint(folder)
     stored = stored_key(model, ckpt)
     dtype = dtype or _checkpoint_dtype(ckpt)
-    model.to(dtype)
+    cast_stored(model, dtype)
     bits = q.get("bits")
     if bits is not None and not isinstance(bits, (int, dict)):
         raise ValueError(f"{folder / 'config.json'}: quantization_config 'bits' must be an integer, a mapping layer -> "

@@ -474,8 +474,9 @@ def _quantized_source(src: Path):
 def _source_format(source) -> str:
     """The format of a folder torch_qmm quantized, from its TorchQmmConfig, as the errors show it
     ("affine b8 gs32"; "affine bits [4, 8] per layer gs64" where the bits differ between layers)."""
-    bits = source.bits if type(source.bits) is int else f"bits {sorted(set(source.bits.values()))} per layer"
-    return _format_name(source.mode, bits, source.group_size)
+    if type(source.bits) is int:
+        return _format_name(source.mode, source.bits, source.group_size)
+    return f"{source.mode} bits {sorted(set(source.bits.values()))} per layer gs{source.group_size}"
 
 
 def quantized_format(src: Path) -> str | None:

@@ -55,7 +55,7 @@ from .gguf_moe import (GPT_OSS_EXPERTS, INT_FIELDS as _MOE_INT_FIELDS, MIXTRAL_E
                        shared_gate_tensor)
 from .experts import layout_of
 from .gguf_types import SUPPORTED_TYPES, supported_list
-from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
+from .meta import MetaTensors, cast_stored, check_no_meta, compute_buffers, resolve_device
 from .mlx import LoadReport
 from .modules import GGUFLinear, QuantEmbedding, TiedQuantLinear, replace_module, tie_output
 
@@ -508,7 +508,7 @@ def load_gguf_llama(
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
     if n_head is None:
         raise ValueError("the model has no config.num_attention_heads (needed to undo the Q/K permutation)")
-    model.to(dtype)
+    cast_stored(model, dtype)
     meta = MetaTensors(model, target) if target is not None else None
     report = LoadReport(quantized={}, float_tensors=0, bytes_read=0)
     biases = {hf_name(n, arch): t for n, t in f.tensors.items() if n.endswith(".bias")}

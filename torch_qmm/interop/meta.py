@@ -19,6 +19,18 @@ import torch
 from torch import nn
 
 
+def cast_stored(model: nn.Module, dtype: torch.dtype) -> None:
+    """`model.to(dtype)` for what a file stores (parameters, persistent buffers); the float
+    non-persistent buffers, which the model computes (a rotary embedding's inverse frequencies,
+    float32 as transformers computes and keeps them), stay as they are. For a float model, before
+    any torch_qmm layer is built in it."""
+    computed = [(m, n, b) for m in model.modules() for n, b in m._buffers.items()
+                if b is not None and n in m._non_persistent_buffers_set and b.is_floating_point()]
+    model.to(dtype)
+    for m, n, b in computed:
+        m._buffers[n] = b
+
+
 def meta_tensors(model: nn.Module) -> list[str]:
     """Names of the parameters and buffers of `model` on the meta device (a tied tensor under
     each of its names)."""

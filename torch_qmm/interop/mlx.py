@@ -43,7 +43,7 @@ from ..nn_moe import QuantFusedExperts
 from .experts import fused_experts
 from .mlx_experts import (dequantized_stored, experts_specs, float_experts_tensors, from_mlx_key, load_experts,
                           split_experts, stored_parts, to_mlx_key)
-from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
+from .meta import MetaTensors, cast_stored, check_no_meta, compute_buffers, resolve_device
 from .gguf_types import type_name
 from .modules import (GGUFLinear, GGUFSwitchLinear, QuantEmbedding, embedding_scale, replace_module,
                       replaceable_embedding, tie_output)
@@ -246,7 +246,7 @@ def load_mlx(
     if dtype is None:
         float_dtypes = Counter(_SAFETENSORS_DTYPES[ckpt.dtype_name(k)] for k in keys if ckpt.dtype_name(k) in _SAFETENSORS_DTYPES)
         dtype = float_dtypes.most_common(1)[0][0] if float_dtypes else torch.float32
-    model.to(dtype)
+    cast_stored(model, dtype)
     meta = MetaTensors(model, dev) if dev is not None else None
 
     # Ties between an embedding and output layers, seen before any layer is replaced.

@@ -23,7 +23,7 @@ from ..format_state import FORMAT_STATE_KEY
 from ..nn_moe import QuantFusedExperts, QuantSwitchLinear
 from .experts import empty_quant_layers, fused_experts, layout_of, quant_experts_of
 from .json_files import read_json_object
-from .meta import MetaTensors, check_no_meta, compute_buffers, resolve_device
+from .meta import MetaTensors, cast_stored, check_no_meta, compute_buffers, resolve_device
 from .mlx import _SAFETENSORS_DTYPES, LoadReport
 from .safetensors_io import Checkpoint
 
@@ -103,7 +103,7 @@ def load_mxfp4_checkpoint(model: nn.Module, path: str | os.PathLike, dtype: torc
             raise ValueError(f"{_file_of(ckpt, k)}: tensor {k!r} is stored as {ckpt.dtype_name(k)}, the model expects a "
                              f"float ({', '.join(_SAFETENSORS_DTYPES)})")
     # Every check has passed: the model changes from here on.
-    model.to(dtype)
+    cast_stored(model, dtype)
     meta = MetaTensors(model, dev) if dev is not None else None
     for name, (experts, gate_up, down) in layers.items():
         parent, _, child = name.rpartition(".")

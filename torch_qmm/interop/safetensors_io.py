@@ -51,8 +51,11 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
             raise ValueError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
         (n,) = struct.unpack("<Q", head)
         if n > _MAX_HEADER_BYTES:
+            text = all(32 <= c < 127 or c in b"\t\r\n" for c in head)
             raise ValueError(f"{path}: not a safetensors file: its first 8 bytes give a header of {n} bytes, more than "
-                             f"the {_MAX_HEADER_BYTES} a safetensors header may have")
+                             f"the {_MAX_HEADER_BYTES} a safetensors header may have"
+                             + (f" (it begins with the text {head.decode('ascii')!r}: a JSON or other text file)"
+                                if text else ""))
         if 8 + n > size:
             raise ValueError(
                 f"{path}: safetensors header claims {n} bytes but the file has {size - 8} after the length "
