@@ -1,6 +1,6 @@
 """The mutation harness's lists stay applicable: every mutant's text occurs exactly once in the
 checkout and its selection names test files that exist (python -m tests.mutation runs them).
-Checked for the curated list and the second to thirteenth audit lists (--fresh2 .. --fresh13); the first audit list
+Checked for the curated list and the second to fourteenth audit lists (--fresh2 .. --fresh14); the first audit list
 (--fresh) points into files that are rewritten often and is re-anchored when it is run."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tests.mutation.fresh10_mutants import MUTANTS as FRESH10
 from tests.mutation.fresh11_mutants import MUTANTS as FRESH11
 from tests.mutation.fresh12_mutants import MUTANTS as FRESH12
 from tests.mutation.fresh13_mutants import MUTANTS as FRESH13
+from tests.mutation.fresh14_mutants import MUTANTS as FRESH14
 from tests.mutation.mutants import MUTANTS
 
 
@@ -41,9 +42,10 @@ def test_enough_mutants_in_every_area():
     assert len({m.name for m in FRESH11}) == len(FRESH11) >= 12
     assert len({m.name for m in FRESH12}) == len(FRESH12) >= 12
     assert len({m.name for m in FRESH13}) == len(FRESH13) >= 15
+    assert len({m.name for m in FRESH14}) == len(FRESH14) >= 20
 
 
-@pytest.mark.parametrize("mutant", MUTANTS + FRESH2 + FRESH3 + FRESH4 + FRESH5 + FRESH6 + FRESH7 + FRESH8 + FRESH9 + FRESH10 + FRESH11 + FRESH12 + FRESH13, ids=lambda m: m.name)
+@pytest.mark.parametrize("mutant", MUTANTS + FRESH2 + FRESH3 + FRESH4 + FRESH5 + FRESH6 + FRESH7 + FRESH8 + FRESH9 + FRESH10 + FRESH11 + FRESH12 + FRESH13 + FRESH14, ids=lambda m: m.name)
 def test_mutant_applies_once_and_names_existing_tests(mutant):
     text = (ROOT / mutant.file).read_text()
     assert text.count(mutant.old) == 1, f"{mutant.file}: the text to replace occurs {text.count(mutant.old)} times"

@@ -16,6 +16,7 @@ checkout, runs the tests meant to catch it, and reports which were killed and by
     python -m tests.mutation --fresh11 -j 1                # the eleventh (tests/mutation/fresh11_mutants.py)
     python -m tests.mutation --fresh12 -j 1                # the twelfth (tests/mutation/fresh12_mutants.py)
     python -m tests.mutation --fresh13 -j 1 --wall 600     # the thirteenth (tests/mutation/fresh13_mutants.py)
+    python -m tests.mutation --fresh14 -j 1                # the fourteenth (tests/mutation/fresh14_mutants.py)
 
 A scratch copy holds the tracked files of the checkout (git ls-files) plus its built extension
 (torch_qmm/_C*.so), so the real checkout is never touched. Each of the `jobs` workers reuses one

@@ -1,4 +1,4 @@
-"""python -m tests.mutation [--cpp | --only-cpp] [--fresh | --fresh2 | --fresh3 | --fresh4 | --fresh5 | --fresh6 | --fresh7 | --fresh8 | --fresh9 | --fresh10 | --fresh11 | --fresh12 | --fresh13] [-k SUBSTRING] [--tests FILE] [-j JOBS] [--timeout CPU_S] [--wall S] [--list] [--keep]
+"""python -m tests.mutation [--cpp | --only-cpp] [--fresh | --fresh2 | --fresh3 | --fresh4 | --fresh5 | --fresh6 | --fresh7 | --fresh8 | --fresh9 | --fresh10 | --fresh11 | --fresh12 | --fresh13 | --fresh14] [-k SUBSTRING] [--tests FILE] [-j JOBS] [--timeout CPU_S] [--wall S] [--list] [--keep]
 
 Exit status 0 only when every selected mutant is killed (see tests/mutation/__init__.py)."""
 
@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="use the twelfth independent audit list (tests/mutation/fresh12_mutants.py)")
     ap.add_argument("--fresh13", action="store_true",
                     help="use the thirteenth independent audit list (tests/mutation/fresh13_mutants.py)")
+    ap.add_argument("--fresh14", action="store_true",
+                    help="use the fourteenth independent audit list (tests/mutation/fresh14_mutants.py)")
     ap.add_argument("-k", action="append", default=[], help="run mutants whose name contains this (repeatable)")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
     ap.add_argument("--timeout", type=float, default=900,
@@ -57,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies (paths on stderr)")
     args = ap.parse_args(argv)
 
-    lists = [name for name in ("fresh", "fresh2", "fresh3", "fresh4", "fresh5", "fresh6", "fresh7", "fresh8", "fresh9", "fresh10", "fresh11", "fresh12", "fresh13") if getattr(args, name)]
+    lists = [name for name in ("fresh", "fresh2", "fresh3", "fresh4", "fresh5", "fresh6", "fresh7", "fresh8", "fresh9", "fresh10", "fresh11", "fresh12", "fresh13", "fresh14") if getattr(args, name)]
     if len(lists) > 1:
-        ap.error("give one of --fresh, --fresh2, --fresh3, --fresh4, --fresh5, --fresh6, --fresh7, --fresh8, --fresh9, --fresh10, --fresh11, --fresh12 and --fresh13")
+        ap.error("give one of --fresh, --fresh2, --fresh3, --fresh4, --fresh5, --fresh6, --fresh7, --fresh8, --fresh9, --fresh10, --fresh11, --fresh12, --fresh13 and --fresh14")
     mutants = importlib.import_module(f".{lists[0]}_mutants", __package__).MUTANTS if lists else MUTANTS
     chosen = [m for m in mutants if (m.area == "cpp") == args.only_cpp or (args.cpp and m.area == "cpp")]
     if args.k:
