@@ -707,6 +707,26 @@ def test_gguf_flags_that_do_not_apply_are_usage_errors(gguf_path, tmp_path, argv
     assert not (tmp_path / "out").exists()
 
 
+def test_a_gguf_whose_only_exact_layer_is_the_embedding_requantizes_the_rest_at_its_group_size(tmp_path, capsys):
+    """The transformers format keeps an exact embedding (Q8_0: affine, group size 32), so
+    --requantize rest of a file whose only exact layer is the embedding joins it at group size 32
+    (one quantization_config holds one group size): another --group-size is the usage error that
+    names the exact layer, and the default writes a folder whose layers from_pretrained rebuilds at
+    group size 32."""
+    from torch_qmm.nn import QuantLinear
+
+    write_llama_gguf(hf_model(tied=False), tmp_path / "m.gguf", {"embed": T.Q8_0}, np.random.default_rng(0))
+    assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "gs64"), "--requantize", "rest",
+                 "--group-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--requantize rest keeps 1 layers exact (Q8_0: affine, group size 32)" in err, err
+    assert "so --group-size 64 cannot join them" in err and not (tmp_path / "gs64").exists()
+    assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--requantize", "rest"]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert isinstance(reloaded.model.embed_tokens, QuantEmbedding) and reloaded.model.embed_tokens.bits == 8
+    assert {m.group_size for m in reloaded.modules() if isinstance(m, (QuantLinear, QuantEmbedding))} == {32}
+
+
 def test_requantize_on_a_float_folder_is_a_usage_error(hf_folder, tmp_path, capsys):
     assert main(["convert", str(hf_folder), str(tmp_path / "out"), "--requantize", "all"]) == 2
     assert "--requantize applies to GGUF sources only" in capsys.readouterr().err
@@ -717,6 +737,20 @@ def test_float_folder_report_names_the_format_used(hf_folder, tmp_path, capsys):
     report = _report(capsys.readouterr().out)
     assert report["model.layers.0.mlp.up_proj"] == "quantized float -> affine b8 gs32"
     assert report["lm_head"] == "tied to the embedding (float float32)"  # hf_folder's model is tied
+
+
+def test_float_folder_report_summary_lists_each_format_once_without_the_reasons(hf_folder, tmp_path, capsys):
+    """The closing line's formats are the rows' formats, each once, without the reason a row gives
+    in parentheses: the embedding's "kept float float32 (the transformers format quantizes no float
+    embedding; ...)" counts as "kept float float32" (the tied head's format is its whole row)."""
+    assert main(["convert", str(hf_folder), str(tmp_path / "out"), "--bits", "8", "--group-size", "32"]) == 0
+    out = capsys.readouterr().out
+    report = _report(out)
+    assert report["model.embed_tokens"].startswith("kept float float32 (the transformers format quantizes no float "
+                                                   "embedding")
+    summary = next(line for line in out.splitlines() if line.startswith(f"wrote {tmp_path / 'out'} "))
+    assert summary.endswith(": 16 layers; formats: affine b8 gs32; kept float float32; tied to the embedding "
+                            "(float float32)"), summary
 
 
 def test_moe_folder_report_lists_the_experts_as_quantized(tmp_path, capsys):

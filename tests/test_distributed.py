@@ -322,3 +322,71 @@ def test_attention_heads_the_world_size_divides_pass_the_check():
 
     model = _llama(4, 2)
     check_whole_heads(model, tp_plan(model), 2)
+
+
+# ---- one rank in a child process (it starts a process group) ------------------------------------
+
+_GEMMA_EMBEDDING_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch_qmm.distributed import empty_parameters, load_pretrained_sharded, tp_plan
+
+store, folder = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+with empty_parameters():
+    model = transformers.GemmaForCausalLM(transformers.AutoConfig.from_pretrained(folder)).eval()
+load_pretrained_sharded(model, folder, mesh, tp_plan(model))
+with torch.no_grad():
+    rows = model.model.embed_tokens(torch.tensor([[1, 5, 9, 95, 0, 33]]))
+rows = rows.full_tensor() if isinstance(rows, DTensor) else rows
+print(json.dumps({"type": type(model.model.embed_tokens).__name__, "rows": rows.tolist()}))
+dist.destroy_process_group()
+"""
+
+
+def test_load_pretrained_sharded_keeps_the_scale_of_a_gemma_quantized_embedding(tmp_path):
+    """A Gemma folder saved with its embedding quantized (TorchQmmConfig(embeddings=...)), loaded
+    by load_pretrained_sharded on one rank: the embedding's rows are the saved table dequantized (as
+    mx.dequantize gives it) times Gemma's scale sqrt(hidden_size), which transformers' own
+    GemmaTextScaledWordEmbedding applies to a float table. float32 throughout: the same products,
+    so assert_close's float32 defaults (rtol 1.3e-6) hold."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mx = pytest.importorskip("mlx.core")
+    np = pytest.importorskip("numpy")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from torch_qmm.interop.transformers import TorchQmmConfig
+
+    config = transformers.GemmaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                      max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.GemmaForCausalLM(config).save_pretrained(tmp_path / "float")
+    transformers.GemmaForCausalLM.from_pretrained(tmp_path / "float", quantization_config=TorchQmmConfig(
+        bits=4, group_size=32, embeddings=["model.embed_tokens"])).save_pretrained(tmp_path / "q")
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    table = mx.dequantize(*(mx.array(tensors[f"model.embed_tokens.{k}"].numpy()) for k in ("qweight", "scales", "biases")),
+                          group_size=32, bits=4)
+    reference = transformers.GemmaForCausalLM(config).model.embed_tokens  # GemmaTextScaledWordEmbedding
+    with torch.no_grad():
+        reference.weight.copy_(torch.from_numpy(np.array(table)))
+        want = reference(torch.tensor([[1, 5, 9, 95, 0, 33]]))
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
+    proc = subprocess.run([sys.executable, "-c", _GEMMA_EMBEDDING_SCRIPT, str(tmp_path / "store"), str(tmp_path / "q")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert "QuantEmbedding" in got["type"]
+    torch.testing.assert_close(torch.tensor(got["rows"]), want)

@@ -629,3 +629,100 @@ def test_a_vision_language_model_reloads_its_quantized_vision_tower(tmp_path):
         got, want = reloaded.model.get_image_features(pixels), model.model.get_image_features(pixels)
     got, want = (getattr(t, "pooler_output", t) for t in (got, want))
     assert torch.equal(got, want)
+
+
+def test_an_embedding_mapping_with_a_default_gives_the_embedding_the_default_bits(tmp_path):
+    """bits as a mapping whose '*' default covers the embedding (no entry of its own): the
+    embedding is quantized with the default's bits, its codes, scales and biases those of
+    mx.quantize of the float table with those bits; the entry of another layer does not reach it."""
+    mx = pytest.importorskip("mlx.core")
+    from torch_qmm.interop.modules import QuantEmbedding
+
+    folder = _tiny_folder(tmp_path / "float", "llama", tied=False)
+    config = TorchQmmConfig(bits={"*": 4, "model.layers.0.mlp.down_proj": 8}, group_size=64,
+                            embeddings=["model.embed_tokens"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config)
+    table = transformers.AutoModelForCausalLM.from_pretrained(folder).model.embed_tokens.weight.detach()
+    emb = model.model.embed_tokens
+    assert isinstance(emb, QuantEmbedding) and (emb.bits, emb.group_size) == (4, 64)
+    assert model.model.layers[0].mlp.down_proj.bits == 8
+    wq, scales, biases = mx.quantize(mx.array(table.numpy()), group_size=64, bits=4)
+    assert np.array_equal(np.array(wq).view(np.uint32), emb.qweight.numpy())
+    assert torch.equal(torch.from_numpy(np.array(scales)), emb.scales)
+    assert torch.equal(torch.from_numpy(np.array(biases)), emb.biases)
+
+
+def test_an_embedding_whose_weight_one_other_embedding_shares_is_refused(tmp_path):
+    """T5EncoderModel: encoder.embed_tokens shares the input embedding's (shared) weight, one
+    embedding alone (T5ForConditionalGeneration has two); quantizing `shared` would leave it reading
+    the float table, so the load is refused naming it."""
+    t5 = transformers.T5EncoderModel(transformers.T5Config(vocab_size=96, d_model=64, d_kv=16, d_ff=128,
+                                                           num_layers=1, num_heads=4))
+    assert t5.encoder.embed_tokens is not t5.shared and t5.encoder.embed_tokens.weight is t5.shared.weight
+    t5.save_pretrained(tmp_path / "t5")
+    with pytest.raises(ValueError, match=r"names 'shared', whose weight encoder\.embed_tokens share\(s\) too"):
+        transformers.T5EncoderModel.from_pretrained(
+            tmp_path / "t5", quantization_config=TorchQmmConfig(bits=4, group_size=64, embeddings=["shared"]))
+
+
+def _saved_and_reloaded(model, folder):
+    from torch_qmm.interop.transformers import NOT_RELOADABLE, record_loaded_model
+
+    record_loaded_model(model, "load_mlx")
+    model.save_pretrained(folder)
+    with pytest.raises(ValueError, match="from_pretrained cannot rebuild") as e:
+        transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["quantization_config"][NOT_RELOADABLE] in str(e.value)
+    return str(e.value)
+
+
+def test_a_quantized_embedding_that_is_not_the_input_embedding_is_not_recorded_as_reloadable(tmp_path):
+    """GPT-2 with its position embedding (wpe) quantized, as MLX quantizes every embedding: a reload
+    quantizes only the model's input embedding (wte), so the config records why the folder cannot
+    be rebuilt, naming wpe, and from_pretrained of the save says so instead of refusing the
+    config's embeddings entry or loading wpe's codes into a float table."""
+    from torch_qmm.interop.modules import QuantEmbedding
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=96,
+                                                                 n_positions=64))
+    model.transformer.wpe = QuantEmbedding.from_embedding(model.transformer.wpe, bits=4, group_size=64)
+    why = _saved_and_reloaded(model, tmp_path / "gpt2")
+    assert "transformer.wpe (a QuantEmbedding that is not the model's input embedding)" in why
+
+
+def test_a_head_tied_to_the_quantized_embedding_where_the_config_does_not_tie_is_not_recorded_as_reloadable(
+        tmp_path):
+    """A llama whose config does not tie the head (tie_word_embeddings=False), given a quantized
+    embedding and a head reading it (TiedQuantLinear): a reload would build the head as a layer of
+    its own, whose weights the checkpoint does not hold, so the config records why it cannot be
+    rebuilt, naming the head."""
+    from torch_qmm.interop.modules import QuantEmbedding, tie_output
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(_tiny_folder(tmp_path / "float", "llama", tied=False))
+    assert model.config.tie_word_embeddings is False
+    emb = QuantEmbedding.from_embedding(model.model.embed_tokens, bits=4, group_size=64)
+    model.model.embed_tokens = emb
+    tie_output(model, "lm_head", emb)
+    why = _saved_and_reloaded(model, tmp_path / "q")
+    assert "lm_head (a TiedQuantLinear, which the config does not tie)" in why
+
+
+def test_heads_listed_as_tied_in_a_nested_transformers_model_are_found_under_its_prefix():
+    """listed_as_tied reads the tie lists of every transformers model inside `model`, each relative
+    to that model: a tied llama held in a container at `inner` lists lm_head as tied to
+    model.embed_tokens (its all_tied_weights_keys), found as inner.lm_head for
+    inner.model.embed_tokens."""
+    from torch import nn
+
+    from torch_qmm.interop.modules import listed_as_tied, tied_to_embedding
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(config)
+    assert llama.all_tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+    outer = nn.Module()
+    outer.inner = llama
+    assert listed_as_tied(outer, "inner.model.embed_tokens") == {"inner.lm_head"}
+    assert listed_as_tied(llama, "model.embed_tokens") == {"lm_head"}
+    assert "inner.lm_head" in tied_to_embedding(outer, "inner.model.embed_tokens")

@@ -1,13 +1,13 @@
-"""Audit list 14: 24 Python mutants of the quantized embeddings in transformers folders (the
+"""Audit list 14: 26 Python mutants of the quantized embeddings in transformers folders (the
 changes of 8ca575a..49a4add under torch_qmm/): TorchQmmConfig(embeddings=...)'s checks and its
-to_dict, record_quantization_config and _ties_not_rebuilt (interop/transformers.py, 15: the
+to_dict, record_quantization_config and _ties_not_rebuilt (interop/transformers.py, 18: the
 embedding's bits, the saved embeddings list, the reload's tie checks, MLX's "quantization" entry,
 SigLIP's blocks skipped by transformers' init, the embedding's checks before loading, the bits
-left to quantize_model, the reload's embed_scale and bits, the tied heads kept out of QuantLinear),
+left to quantize_model, the reload's embed_scale, dtype and bits, the tied heads kept out of QuantLinear),
 the embedding's tied heads (interop/modules.py, 2: listed_as_tied, replace_embedding's tie),
 load_pretrained_sharded's QuantEmbedding (distributed/loading.py, 1: its embed_scale) and convert's
-report (interop/cli_convert.py, 4: _why_embedding_float's flag, the rounded-scales wording,
-_source_layers' QuantEmbedding, the summary's formats).
+report (interop/cli_convert.py, 5: _why_embedding_float's flag, the rounded-scales wording,
+_source_layers' QuantEmbedding, the summary's formats, the exact layers --requantize rest joins).
 
 Selections are the test files that name the function under test, narrowed with -k to the tests
 of the embeddings where a whole file would take minutes; pytest runs with -x, so a kill stops at
@@ -102,6 +102,11 @@ MUTANTS: list[Mutant] = [
            "                               dtype=embedding.weight.dtype, mode=cfg.mode, embed_scale=embedding_scale(embedding))",
            "                               dtype=embedding.weight.dtype, mode=cfg.mode)", HF,
            "a reloaded Gemma QuantEmbedding loses its embed_scale (sqrt(hidden)): its lookups are not scaled"),
+    Mutant("m14-reload-embedding-float32", "torch_qmm/interop/transformers.py",
+           "device=embedding.weight.device,\n                               dtype=embedding.weight.dtype,",
+           "device=embedding.weight.device,\n                               dtype=torch.float32,", HF,
+           "a reloaded QuantEmbedding is built in float32 whatever the model's dtype: a bfloat16 model's "
+           "embedding computes (and holds its scales) in float32"),
     Mutant("m14-quantize-embedding-bits-of-star", "torch_qmm/interop/transformers.py",
            "                embedding, bits=cfg.layer_bits(name), group_size=cfg.group_size, mode=cfg.mode))",
            "                embedding, bits=cfg.layer_bits(\"*\") if isinstance(cfg.bits, dict) and \"*\" in cfg.bits else cfg.layer_bits(name), group_size=cfg.group_size, mode=cfg.mode))",
@@ -135,11 +140,18 @@ MUTANTS: list[Mutant] = [
            "                f\"{' --requantize rest' if not gguf else ''} does\")", CONVERT,
            "the report of a float embedding in the transformers format names --requantize rest for a float "
            "folder and not for a GGUF file"),
-    Mutant("m14-report-rounded-scales-unknown-as-rounded", "torch_qmm/interop/cli_convert.py",
-           "            how = (f\"lossless {src} -> {fmt}\" if exact.get(name, True)",
-           "            how = (f\"lossless {src} -> {fmt}\" if exact.get(name, False)", CONVERT,
-           "a kept quantized layer whose exactness is not recorded (an MLX save's layers) is reported as "
-           "having rounded scales"),
+    Mutant("m14-report-rounded-scales-repeats-source", "torch_qmm/interop/cli_convert.py",
+           "                   else f\"{src} scales rounded to {str(scales.dtype)[6:]} -> {fmt}\")",
+           "                   else f\"{src} scales rounded to {str(scales.dtype)[6:]} {src} -> {fmt}\")", CONVERT,
+           "the report of a kept layer whose scales --dtype rounded names its source twice (\"Q4_K scales "
+           "rounded to float16 Q4_K -> affine b4 gs32\"), the wording the report had before"),
+    Mutant("m14-exact-linears-skip-embedding", "torch_qmm/interop/cli_convert.py",
+           "             if len(t.shape) == 2 and t.ggml_type in _EXACT_TYPES}",
+           "             if len(t.shape) == 2 and t.ggml_type in _EXACT_TYPES and t.name != \"token_embd.weight\"}",
+           CONVERT,
+           "_exact_linears leaves out the embedding, which the transformers format now keeps exact: a file "
+           "whose only exact layer is the embedding is re-quantized (--requantize rest) with another group "
+           "size than the embedding's 32, which one quantization_config cannot hold"),
     Mutant("m14-source-layers-without-embedding", "torch_qmm/interop/cli_convert.py",
            "        if isinstance(m, (QuantLinear, QuantEmbedding, QuantFusedExperts)):\n            origin[name] = _quant_format(m)",
            "        if isinstance(m, (QuantLinear, QuantFusedExperts)):\n            origin[name] = _quant_format(m)",
