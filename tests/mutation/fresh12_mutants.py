@@ -47,8 +47,8 @@ MUTANTS: list[Mutant] = [
            "a tensor of a meta-built model that the file lacks (strict=False) is not named: the "
            "model.to(device) that follows fails on the meta tensor with torch's NotImplementedError"),
     Mutant("m12-mxfp4-meta-model-not-cast", "torch_qmm/interop/mxfp4_blocks.py",
-           "    model.to(dtype)\n    meta = MetaTensors(model, dev) if dev is not None else None\n",
-           "    if dev is None:\n        model.to(dtype)\n    meta = MetaTensors(model, dev) if dev is not None else None\n",
+           "    cast_stored(model, dtype)\n    meta = MetaTensors(model, dev) if dev is not None else None\n",
+           "    if dev is None:\n        cast_stored(model, dtype)\n    meta = MetaTensors(model, dev) if dev is not None else None\n",
            MXFP4,
            "a meta-built model is not cast to `dtype` (its tensors hold no values to convert): its "
            "float tensors are created in the dtype it was built with, not the checkpoint's (a float32 "
