@@ -289,7 +289,7 @@ def _ties_not_rebuilt(model) -> list[str]:
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
-    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    inputs = _input_embedding(model)
     found = []
     for name, m in model.named_modules():
         if isinstance(m, QuantEmbedding):
@@ -302,6 +302,12 @@ def _ties_not_rebuilt(model) -> list[str]:
         elif isinstance(m, TiedQuantLinear) and not (tied and m.embedding is inputs):
             found.append(f"{name} (a TiedQuantLinear, which the config does not tie)")
     return found
+
+
+def _input_embedding(model) -> nn.Module | None:
+    """The model's input embedding (transformers' get_input_embeddings; the language model's in a
+    multimodal model), the one embedding a torch_qmm config quantizes."""
+    return model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
 
 
 def _undescribed_layers(model) -> list[str]:
@@ -447,7 +453,7 @@ def _embedding_to_quantize(model, name: str, cfg: TorchQmmConfig) -> nn.Embeddin
     if not isinstance(module, nn.Embedding) or not replaceable_embedding(module) or module.max_norm is not None:
         raise ValueError(f"{where}, a {type(module).__name__}; expected an nn.Embedding without max_norm (or one of "
                          "transformers' scaled embeddings)")
-    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    inputs = _input_embedding(model)
     if module is not inputs:
         input_name = next((n for n, m in model.named_modules() if m is inputs), None)
         raise ValueError(f"{where}, which is not the model's input embedding ({input_name}); only that one is "
